@@ -1,0 +1,19 @@
+"""Model zoo for fedflat: vmap-friendly classifiers with a ``features`` method.
+
+Use :func:`build_model` to construct a model by name::
+
+    model = build_model("resnet18", (3, 32, 32), 10, stem="imagenet")
+
+Every model maps ``[B, *input_shape]`` to logits ``[B, num_classes]``, exposes
+``features(x) -> [B, D]`` with ``forward(x) == head(features(x))``, has no
+buffers, and works under ``torch.func.functional_call`` + ``torch.func.vmap``
+over stacked per-client parameters. ``model.input_dtype`` is ``torch.long`` for
+``textcnn`` (token ids) and ``torch.float32`` otherwise.
+"""
+
+from __future__ import annotations
+
+from .base import FedModel
+from .registry import MODELS, build_model, count_parameters, model_options
+
+__all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel"]

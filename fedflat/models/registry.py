@@ -1,0 +1,69 @@
+"""Registry of model factories, name lookup and option validation."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from .cnn import cnn
+from .mlp import logreg, mlp
+from .resnet import resnet18, resnet34
+from .textcnn import textcnn
+
+#: name -> (factory(input_shape, num_classes, **options), one-line description)
+MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
+    "logreg": (logreg, "Logistic regression: flatten + one Linear layer"),
+    "mlp": (mlp, "FedAvg 2NN MLP: flatten, ReLU hidden layers (200, 200), Linear"),
+    "cnn": (cnn, "FedAvg/FL-Simulator CNN: 2x conv5x5(64)+maxpool, FC 384-192-classes"),
+    "resnet18": (resnet18, "ResNet-18 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
+    "resnet34": (resnet34, "ResNet-34 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
+    "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),
+}
+
+_POSITIONAL = ("input_shape", "num_classes")
+
+
+def model_options(name: str) -> dict[str, Any]:
+    """Return the options accepted by model ``name`` with their default values."""
+    factory, _ = MODELS[_resolve(name)]
+    params = inspect.signature(factory).parameters
+    return {k: p.default for k, p in params.items() if k not in _POSITIONAL}
+
+
+def _resolve(name: str) -> str:
+    """Normalise ``name`` and check it is registered, suggesting the closest match."""
+    key = str(name).strip().lower()
+    if key in MODELS:
+        return key
+    valid = sorted(MODELS)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown model {name!r}.{hint} Valid models: {', '.join(valid)}")
+
+
+def build_model(name: str, input_shape: Sequence[int], num_classes: int,
+                **options: Any) -> nn.Module:
+    """Build model ``name`` for inputs ``[B, *input_shape]`` and ``num_classes`` logits.
+
+    Raises ``ValueError`` for an unknown name (listing the valid names and the
+    closest match) or an unknown option (listing the model's valid options).
+    """
+    key = _resolve(name)
+    valid = model_options(key)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        listed = ", ".join(valid) if valid else "(none)"
+        close = difflib.get_close_matches(unknown[0], list(valid), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown option(s) {', '.join(map(repr, unknown))} for model "
+                         f"{key!r}.{hint} Valid options: {listed}")
+    factory, _ = MODELS[key]
+    return factory(tuple(input_shape), num_classes, **options)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Total number of scalar parameters in ``model`` (shared tensors counted once)."""
+    return sum(p.numel() for p in model.parameters())

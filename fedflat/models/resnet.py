@@ -1,0 +1,138 @@
+"""ResNet-18/34 with GroupNorm, as used in federated-learning benchmarks.
+
+He et al., *Deep Residual Learning for Image Recognition* (CVPR 2016), with
+BasicBlocks ``[2, 2, 2, 2]`` (ResNet-18) or ``[3, 4, 6, 3]`` (ResNet-34) and
+widths 64-128-256-512. Following Hsieh et al. (*The Non-IID Data Quagmire*,
+ICML 2020), FL-Simulator (woodenchild95/FL-Simulator) and the FedSAM/FedSpeed/
+FedSMOO papers, every BatchNorm is replaced by ``GroupNorm(groups, C)`` with
+``groups=2`` so the model has no running statistics (no buffers) and works
+under ``torch.func.vmap``.
+
+Stems:
+
+* ``stem="cifar"`` (default): 3x3 conv, stride 1, no max-pool (the usual CIFAR
+  adaptation, keeps resolution for 32x32 inputs);
+* ``stem="imagenet"``: 7x7 stride-2 conv + 3x3 stride-2 max-pool, i.e. the
+  torchvision layout that FL-Simulator applies unchanged to CIFAR.
+
+Parameter counts (3 input channels, 10 classes):
+
+====================  ============  ==============
+model                 stem="cifar"  stem="imagenet"
+====================  ============  ==============
+resnet18              11,173,962    11,181,642
+resnet34              21,282,122    21,289,802
+====================  ============  ==============
+
+Initialisation follows torchvision: Kaiming-normal (fan_out, ReLU) convolutions,
+norm weight 1 / bias 0, default ``nn.Linear`` init for the classifier.
+``features`` returns the 512-d globally average-pooled representation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .base import FedModel, check_common, check_image_shape, check_positive_int
+
+WIDTHS = (64, 128, 256, 512)
+STEMS = ("cifar", "imagenet")
+
+
+def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
+    """3x3 convolution with padding 1 and no bias (followed by a norm layer)."""
+    return nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv-GN layers with an identity or 1x1-conv-GN projection shortcut."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.conv1 = conv3x3(in_ch, out_ch, stride)
+        self.norm1 = nn.GroupNorm(groups, out_ch)
+        self.conv2 = conv3x3(out_ch, out_ch)
+        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.relu = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_ch != out_ch:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False),
+                nn.GroupNorm(groups, out_ch),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+def make_stem(in_ch: int, stem: str, groups: int) -> nn.Sequential:
+    """The input stem: CIFAR-style 3x3/s1 conv, or ImageNet-style 7x7/s2 conv + max-pool."""
+    if stem == "cifar":
+        return nn.Sequential(conv3x3(in_ch, WIDTHS[0]), nn.GroupNorm(groups, WIDTHS[0]), nn.ReLU())
+    return nn.Sequential(
+        nn.Conv2d(in_ch, WIDTHS[0], 7, stride=2, padding=3, bias=False),
+        nn.GroupNorm(groups, WIDTHS[0]), nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    )
+
+
+class ResNet(FedModel):
+    """ResNet with BasicBlocks and GroupNorm; ``blocks`` gives blocks per stage."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, blocks: Sequence[int],
+                 stem: str = "cifar", groups: int = 2) -> None:
+        super().__init__(input_shape, num_classes)
+        self.stem = make_stem(self.input_shape[0], stem, groups)
+        stages: list[nn.Module] = []
+        in_ch = WIDTHS[0]
+        for i, (width, n) in enumerate(zip(WIDTHS, blocks)):
+            layers = [BasicBlock(in_ch if j == 0 else width, width,
+                                 1 if (i == 0 or j > 0) else 2, groups) for j in range(n)]
+            stages.append(nn.Sequential(*layers))
+            in_ch = width
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.feature_dim = WIDTHS[-1]
+        self.head = nn.Linear(self.feature_dim, self.num_classes)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.GroupNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.stages(self.stem(x))).flatten(1)
+
+
+def _resnet(name: str, blocks: Sequence[int], input_shape: Sequence[int], num_classes: int,
+            stem: str, groups: int) -> ResNet:
+    """Validate options and build a GroupNorm ResNet."""
+    shape = check_common(input_shape, num_classes)
+    check_image_shape(name, shape)
+    if stem not in STEMS:
+        raise ValueError(f"{name} stem must be one of {STEMS}, got {stem!r}")
+    groups = check_positive_int(f"{name} groups", groups)
+    if any(w % groups for w in WIDTHS):
+        raise ValueError(f"{name} groups={groups} must divide every width {WIDTHS}")
+    return ResNet(shape, num_classes, blocks, stem, groups)
+
+
+def resnet18(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
+             groups: int = 2) -> ResNet:
+    """ResNet-18 (BasicBlocks [2, 2, 2, 2]) with GroupNorm(groups)."""
+    return _resnet("resnet18", (2, 2, 2, 2), input_shape, num_classes, stem, groups)
+
+
+def resnet34(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
+             groups: int = 2) -> ResNet:
+    """ResNet-34 (BasicBlocks [3, 4, 6, 3]) with GroupNorm(groups)."""
+    return _resnet("resnet34", (3, 4, 6, 3), input_shape, num_classes, stem, groups)
