@@ -5,7 +5,8 @@ token embedding -> parallel 1-D convolutions with several kernel sizes ->
 ReLU -> max-over-time pooling -> concatenation -> linear classifier.
 
 Inputs are ``int64`` token ids of shape ``[B, L]`` (so ``input_shape=(L,)``);
-``L`` must be at least ``max(kernel_sizes)``. Defaults: ``embed_dim=128``,
+``L`` must be at least ``max(kernel_sizes)``. Float tensors holding integral
+ids are cast to ``long`` in ``features``. Defaults: ``embed_dim=128``,
 kernel sizes (3, 4, 5) with 100 filters each, so ``features`` is 300-d.
 With ``vocab_size=30000`` and 14 classes this is 3,998,114 parameters
 (3,840,000 of them in the embedding).
@@ -44,6 +45,8 @@ class TextCNN(FedModel):
         self.head = nn.Sequential(nn.Dropout(dropout), linear) if dropout > 0 else linear
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():  # token ids stored in a float tensor (exact below 2**24)
+            x = x.long()
         emb = self.embedding(x).transpose(1, 2)  # [B, embed_dim, L]
         pooled = [self.relu(conv(emb)).amax(dim=2) for conv in self.convs]
         return torch.cat(pooled, dim=1)

@@ -1,0 +1,213 @@
+"""Tests for fedflat.models: shapes, parameter counts, buffers, vmap/functional_call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from fedflat.models import MODELS, build_model, count_parameters, model_options
+
+# (name, input_shape, num_classes, options): tiny configurations, fast on CPU.
+TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
+    ("logreg", (1, 4, 4), 3, {}),
+    ("mlp", (1, 6, 6), 4, {"hidden": (8, 5)}),
+    ("mlp", (2, 5), 3, {}),
+    ("cnn", (3, 16, 16), 5, {}),
+    ("cnn", (1, 8, 8), 3, {"padding": 2}),
+    ("resnet18", (3, 16, 16), 10, {}),
+    ("resnet18", (3, 16, 16), 10, {"stem": "imagenet"}),
+    ("resnet34", (1, 8, 8), 4, {"groups": 4}),
+    ("textcnn", (12,), 5, {"vocab_size": 50, "embed_dim": 8, "num_filters": 6}),
+]
+IDS = [f"{n}-{'x'.join(map(str, s))}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+       for n, s, _, o in TINY]
+
+
+def make_input(model: nn.Module, batch: tuple[int, ...]) -> torch.Tensor:
+    """Random input of shape ``[*batch, *input_shape]`` with the model's dtype."""
+    shape = (*batch, *model.input_shape)
+    if model.input_dtype == torch.long:
+        return torch.randint(0, model.embedding.num_embeddings, shape)
+    return torch.randn(shape)
+
+
+def tiny(index: int, seed: int = 0) -> nn.Module:
+    name, shape, classes, opts = TINY[index]
+    torch.manual_seed(seed)
+    return build_model(name, shape, classes, **opts)
+
+
+# ----------------------------------------------------------------------------- registry
+
+def test_registry_lists_every_model_with_description() -> None:
+    assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet34", "textcnn"}
+    for factory, description in MODELS.values():
+        assert callable(factory) and isinstance(description, str) and description
+
+
+def test_unknown_model_names_valid_models_and_closest_match() -> None:
+    with pytest.raises(ValueError) as err:
+        build_model("resnet19", (3, 32, 32), 10)
+    msg = str(err.value)
+    assert "resnet19" in msg and "Did you mean 'resnet18'" in msg
+    for name in MODELS:
+        assert name in msg
+
+
+def test_unknown_option_names_option_and_valid_ones() -> None:
+    with pytest.raises(ValueError) as err:
+        build_model("resnet18", (3, 32, 32), 10, stme="cifar")
+    msg = str(err.value)
+    assert "'stme'" in msg and "stem" in msg and "groups" in msg and "'stem'?" in msg
+    with pytest.raises(ValueError, match="hidden"):
+        build_model("mlp", (784,), 10, width=3)
+    with pytest.raises(ValueError, match=r"\(none\)"):
+        build_model("logreg", (784,), 10, hidden=(3,))
+
+
+def test_model_options_reports_defaults() -> None:
+    assert model_options("mlp") == {"hidden": (200, 200)}
+    assert model_options("resnet18") == {"stem": "cifar", "groups": 2}
+    assert model_options("textcnn")["vocab_size"] == 30000
+
+
+@pytest.mark.parametrize("name, shape, opts, match", [
+    ("resnet18", (3, 32, 32), {"stem": "tiny"}, "stem"),
+    ("resnet18", (3, 32, 32), {"groups": 3}, "groups"),
+    ("resnet18", (32, 32), {}, r"\(C, H, W\)"),
+    ("cnn", (3, 12, 12), {}, "H, W >= 16"),
+    ("textcnn", (4,), {}, "largest kernel"),
+    ("textcnn", (3, 32, 32), {}, r"\(L,\)"),
+    ("mlp", (784,), {"hidden": 200}, "sequence"),
+])
+def test_invalid_option_values(name: str, shape: tuple[int, ...], opts: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_model(name, shape, 10, **opts)
+
+
+# ----------------------------------------------------------------------------- counts
+
+def test_mlp_parameter_count_fashion_mnist() -> None:
+    assert count_parameters(build_model("mlp", (1, 28, 28), 10)) == 199_210
+    assert count_parameters(build_model("logreg", (1, 28, 28), 10)) == 785 * 10
+
+
+def test_cnn_parameter_count_cifar() -> None:
+    assert count_parameters(build_model("cnn", (3, 32, 32), 10)) == 797_962
+    assert count_parameters(build_model("cnn", (1, 28, 28), 10)) == 573_578
+
+
+@pytest.mark.parametrize("name, stem, expected, low, high", [
+    ("resnet18", "cifar", 11_173_962, 11.1e6, 11.3e6),
+    ("resnet18", "imagenet", 11_181_642, 11.1e6, 11.3e6),
+    ("resnet34", "cifar", 21_282_122, 21.2e6, 21.4e6),
+    ("resnet34", "imagenet", 21_289_802, 21.2e6, 21.4e6),
+])
+def test_resnet_parameter_counts(name: str, stem: str, expected: int, low: float,
+                                 high: float) -> None:
+    n = count_parameters(build_model(name, (3, 32, 32), 10, stem=stem))
+    assert low <= n <= high
+    assert n == expected  # torchvision count with GN in place of BN, 10-class head
+
+
+def test_textcnn_parameter_count() -> None:
+    model = build_model("textcnn", (64,), 14)
+    embed, convs, head = 30000 * 128, 128 * 100 * (3 + 4 + 5) + 300, 300 * 14 + 14
+    assert count_parameters(model) == embed + convs + head == 3_998_114
+
+
+# ----------------------------------------------------------------------------- behaviour
+
+@pytest.mark.parametrize("name, stem", [("resnet18", "cifar"), ("resnet18", "imagenet"),
+                                        ("resnet34", "cifar"), ("cnn", None), ("mlp", None)])
+def test_full_size_output_shapes(name: str, stem: str | None) -> None:
+    opts = {"stem": stem} if stem else {}
+    model = build_model(name, (3, 32, 32), 10, **opts)
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 10)
+
+
+def test_textcnn_takes_long_tokens() -> None:
+    model = build_model("textcnn", (40,), 14, vocab_size=1000)
+    assert model.input_dtype == torch.long and model.feature_dim == 300
+    tokens = torch.randint(0, 1000, (3, 40))
+    assert model(tokens).shape == (3, 14)
+    assert model.features(tokens).shape == (3, 300)
+    torch.testing.assert_close(model(tokens.float()), model(tokens))  # float ids are cast
+
+
+def test_textcnn_padding_token_has_zero_embedding_and_gradient() -> None:
+    model = build_model("textcnn", (6,), 2, vocab_size=10, embed_dim=4, num_filters=2)
+    assert torch.all(model.embedding.weight[0] == 0)
+    tokens = torch.tensor([[0, 0, 3, 4, 5, 0]])
+    model(tokens).sum().backward()
+    assert torch.all(model.embedding.weight.grad[0] == 0)
+    assert model.embedding.weight.grad[3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("index", range(len(TINY)), ids=IDS)
+def test_shapes_features_and_no_buffers(index: int) -> None:
+    model = tiny(index)
+    _, shape, classes, _ = TINY[index]
+    x = make_input(model, (3,))
+    out, feats = model(x), model.features(x)
+    assert out.shape == (3, classes)
+    assert feats.shape == (3, model.feature_dim)
+    torch.testing.assert_close(model.head(feats), out)
+    assert list(model.buffers()) == []
+    assert not any(isinstance(m, nn.Dropout) for m in model.modules())
+    assert not any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+
+
+@pytest.mark.parametrize("index", range(len(TINY)), ids=IDS)
+def test_initialisation_is_deterministic_given_seed(index: int) -> None:
+    a, b, c = tiny(index, seed=1), tiny(index, seed=1), tiny(index, seed=2)
+    for (ka, pa), (kb, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(),
+                                            c.named_parameters()):
+        assert ka == kb and torch.equal(pa, pb)
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+
+
+def _stack_params(models: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Stack the parameters of ``models`` along a new leading client dimension."""
+    named = [dict(m.named_parameters()) for m in models]
+    return {k: torch.stack([p[k].detach() for p in named]) for k in named[0]}
+
+
+@pytest.mark.parametrize("index", range(len(TINY)), ids=IDS)
+def test_vmap_functional_call_matches_loop(index: int) -> None:
+    """Logits and cross-entropy gradients of vmapped clients equal a plain loop."""
+    clients = [tiny(index, seed=10 + c) for c in range(2)]
+    base, classes = clients[0], TINY[index][2]
+    torch.manual_seed(0)
+    x = make_input(base, (2, 3))
+    y = torch.randint(0, classes, (2, 3))
+    params = _stack_params(clients)
+
+    def logits(p: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(base, p, (xb,))
+
+    def loss(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits(p, xb), yb)
+
+    out = vmap(logits, in_dims=(0, 0))(params, x)
+    grads = vmap(grad(loss), in_dims=(0, 0, 0))(params, x, y)
+    for c, model in enumerate(clients):
+        torch.testing.assert_close(out[c], model(x[c]), rtol=1e-4, atol=1e-5)
+        names, tensors = zip(*model.named_parameters())
+        expected = torch.autograd.grad(F.cross_entropy(model(x[c]), y[c]), tensors)
+        for name, g in zip(names, expected):
+            torch.testing.assert_close(grads[name][c], g, rtol=1e-4, atol=1e-5)
+
+
+def test_textcnn_optional_dropout_sits_in_head() -> None:
+    model = build_model("textcnn", (8,), 3, vocab_size=20, embed_dim=4, dropout=0.5).eval()
+    assert any(isinstance(m, nn.Dropout) for m in model.head.modules())
+    tokens = torch.randint(0, 20, (2, 8))
+    torch.testing.assert_close(model.head(model.features(tokens)), model(tokens))
