@@ -1,0 +1,20 @@
+"""Datasets (readers of the standard on-disk formats), client partitions and batched augmentation.
+
+>>> from fedflat.data import load_dataset, partition
+>>> data = load_dataset("digits")
+>>> parts = partition(data.y_train.numpy(), num_clients=10, scheme="dirichlet", seed=0, alpha=0.5)
+"""
+
+from .augment import AUGMENTATIONS, apply_augmentation, cifar_augment, crop_flip
+from .dataset import Dataset
+from .datasets import DATASETS, dataset_options, load_dataset
+from .download import ChecksumError, download_file, file_checksum, verify_file
+from .partition import PARTITIONS, label_counts, partition, partition_params, plot_partition
+from .sources import DatasetNotFoundError, cache_dir
+
+__all__ = [
+    "AUGMENTATIONS", "ChecksumError", "DATASETS", "Dataset", "DatasetNotFoundError", "PARTITIONS",
+    "apply_augmentation", "cache_dir", "cifar_augment", "crop_flip", "dataset_options", "download_file",
+    "file_checksum", "label_counts", "load_dataset", "partition", "partition_params", "plot_partition",
+    "verify_file",
+]

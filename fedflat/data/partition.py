@@ -1,0 +1,250 @@
+"""Splitting a labelled training set among federated clients (IID and the usual non-IID schemes).
+
+Every scheme returns one sorted int64 index array per client; a sample goes to at most one
+client. All randomness comes from ``numpy.random.default_rng(seed)``: the same labels,
+number of clients, scheme, parameters and seed always give the same split.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
+           "dirichlet_balanced", "pathological", "shards"]
+
+MAX_DIRICHLET_TRIES = 1000
+
+
+def _finish(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Sorted int64 copies of the per-client index arrays."""
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def _class_indices(labels: np.ndarray) -> dict[int, np.ndarray]:
+    """Indices of each class present in ``labels``."""
+    return {int(k): np.flatnonzero(labels == k) for k in np.unique(labels)}
+
+
+def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle all samples and deal them out in near-equal parts (sizes differ by at most one)."""
+    return _finish(np.array_split(rng.permutation(len(labels)), num_clients))
+
+
+def dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, alpha: float,
+              min_size: int = 10) -> list[np.ndarray]:
+    """Per class, split its samples among clients in proportions ``~ Dir(alpha)``.
+
+    The whole draw is repeated until every client holds at least ``min_size`` samples
+    (at most :data:`MAX_DIRICHLET_TRIES` times). Every sample is assigned.
+    """
+    _positive("dirichlet", "alpha", alpha)
+    _int_at_least("dirichlet", "min_size", min_size, 0)
+    if min_size * num_clients > len(labels):
+        raise ValueError(f"dirichlet: min_size={min_size} x {num_clients} clients exceeds the "
+                         f"{len(labels)} samples; lower min_size or num_clients")
+    classes = _class_indices(labels)
+    for _ in range(MAX_DIRICHLET_TRIES):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for members in classes.values():
+            members = rng.permutation(members)
+            shares = rng.dirichlet(np.full(num_clients, float(alpha)))
+            cuts = (np.cumsum(shares)[:-1] * len(members)).astype(np.int64)
+            for client, chunk in enumerate(np.split(members, cuts)):
+                parts[client].append(chunk)
+        merged = [np.concatenate(p) for p in parts]
+        if min(len(p) for p in merged) >= min_size:
+            return _finish(merged)
+    raise ValueError(f"dirichlet: no draw in {MAX_DIRICHLET_TRIES} gave every one of {num_clients} clients "
+                     f">= min_size={min_size} samples (alpha={alpha}); lower min_size or raise alpha")
+
+
+def dirichlet_balanced(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+                       alpha: float) -> list[np.ndarray]:
+    """FL-Simulator's balanced Dirichlet split: equal client sizes, skewed class mixes.
+
+    Every client gets ``floor(n / num_clients)`` samples and a class prior ``~ Dir(alpha)``.
+    Samples are handed out one at a time in a random client order; each draw picks a class
+    from the client's prior and takes an unused sample of it. When a class runs out, the
+    priors are renormalized over the classes left (a client whose prior mass is all on
+    exhausted classes draws in proportion to the samples left). The ``n mod num_clients``
+    leftover samples are not assigned.
+    """
+    _positive("dirichlet_balanced", "alpha", alpha)
+    classes = _class_indices(labels)
+    members = [rng.permutation(m) for m in classes.values()]
+    remaining = np.array([len(m) for m in members])
+    priors = rng.dirichlet(np.full(len(members), float(alpha)), size=num_clients)
+    order = rng.permutation(np.repeat(np.arange(num_clients), len(labels) // num_clients))
+    draws = rng.random(len(order))
+    picked = _draw_classes(order, draws, priors, remaining)
+    sample = np.empty(len(order), dtype=np.int64)
+    for k, pool in enumerate(members):
+        steps = np.flatnonzero(picked == k)
+        sample[steps] = pool[: len(steps)]
+    by_client = sample[np.argsort(order, kind="stable")].reshape(num_clients, -1)
+    return _finish(list(by_client))
+
+
+def _draw_classes(order: np.ndarray, draws: np.ndarray, priors: np.ndarray,
+                  remaining: np.ndarray) -> np.ndarray:
+    """Class drawn at each step for client ``order[t]`` with uniform ``draws[t]``, without replacement.
+
+    ``remaining`` (samples left per class) is decremented in place.
+    """
+    available = remaining > 0
+
+    def cumulative() -> list[list[float]]:
+        masked = priors * available
+        empty = masked.sum(axis=1) <= 0
+        masked[empty] = remaining * available  # prior mass all on exhausted classes
+        return np.cumsum(masked, axis=1).tolist()
+
+    cum, picked = cumulative(), np.empty(len(order), dtype=np.int64)
+    for t, (client, u) in enumerate(zip(order.tolist(), draws.tolist())):
+        row = cum[client]
+        # first class whose cumulative mass exceeds u * total: never a zero-width (exhausted) class
+        k = bisect.bisect_right(row, min(u * row[-1], math.nextafter(row[-1], 0.0)))
+        picked[t] = k
+        remaining[k] -= 1
+        if remaining[k] == 0:
+            available[k] = False
+            cum = cumulative()
+    return picked
+
+
+def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+                 classes: int) -> list[np.ndarray]:
+    """Every client holds exactly ``classes`` distinct classes (McMahan-style label skew).
+
+    Classes are dealt round-robin over a seeded class permutation: the client in seeded slot
+    ``i`` gets classes ``perm[(i * classes + j) mod C]``, ``j < classes``, so each class is
+    held by ``floor`` or ``ceil(num_clients * classes / C)`` clients. Each class's samples are
+    split evenly (sizes differ by at most one) among the clients holding it; a class held by
+    nobody (only when ``num_clients * classes < C``) is left out.
+    """
+    by_class = _class_indices(labels)
+    num_classes = len(by_class)
+    _int_at_least("pathological", "classes", classes, 1)
+    if classes > num_classes:
+        raise ValueError(f"pathological: classes={classes} exceeds the {num_classes} classes in the labels; "
+                         f"use 1 <= classes <= {num_classes}")
+    class_perm = rng.permutation(list(by_class))
+    slots = rng.permutation(num_clients)
+    holders: dict[int, list[int]] = {k: [] for k in by_class}
+    for client in range(num_clients):
+        for j in range(classes):
+            holders[int(class_perm[(slots[client] * classes + j) % num_classes])].append(client)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for k, clients in holders.items():
+        if clients:
+            for client, chunk in zip(clients, np.array_split(rng.permutation(by_class[k]), len(clients))):
+                parts[client].append(chunk)
+    return _finish([np.concatenate(p) for p in parts])
+
+
+def shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+           per_client: int) -> list[np.ndarray]:
+    """McMahan's shards: sort by label, cut into ``num_clients * per_client`` near-equal shards,
+    give every client ``per_client`` random shards. Every sample is assigned; within a class
+    the sample order is shuffled first."""
+    _int_at_least("shards", "per_client", per_client, 1)
+    total = num_clients * per_client
+    if total > len(labels):
+        raise ValueError(f"shards: num_clients x per_client = {total} shards exceed the {len(labels)} samples")
+    shuffled = rng.permutation(len(labels))
+    by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
+    pieces = np.array_split(by_label, total)
+    owners = rng.permutation(total).reshape(num_clients, per_client)
+    return _finish([np.concatenate([pieces[s] for s in row]) for row in owners])
+
+
+PARTITIONS: dict[str, tuple[Callable[..., list[np.ndarray]], str]] = {
+    "iid": (iid, "uniformly random, near-equal sizes"),
+    "dirichlet": (dirichlet, "per class, proportions ~ Dir(alpha) over clients; redraw until every "
+                             "client has >= min_size (params: alpha, min_size=10)"),
+    "dirichlet_balanced": (dirichlet_balanced, "FL-Simulator: equal sizes n/N, per-client class prior "
+                                               "~ Dir(alpha) (params: alpha)"),
+    "pathological": (pathological, "every client holds exactly `classes` classes, split evenly "
+                                   "(params: classes)"),
+    "shards": (shards, "sort by label, per_client random shards per client (McMahan) (params: per_client)"),
+}
+
+
+def partition_params(scheme: str) -> dict[str, object]:
+    """Parameters of ``scheme`` with their defaults (``inspect.Parameter.empty`` if required)."""
+    params = inspect.signature(PARTITIONS[scheme][0]).parameters
+    return {k: p.default for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int, **params) -> list[np.ndarray]:
+    """Split the samples with ``labels`` among ``num_clients`` clients by ``scheme``.
+
+    Returns per-client sorted int64 index arrays into ``labels``; no sample is in two clients.
+    ``params`` are the scheme's (see :data:`PARTITIONS`); unknown or missing ones, or bad
+    values, raise ``ValueError`` naming the parameter and what is allowed.
+    """
+    if scheme not in PARTITIONS:
+        raise ValueError(f"unknown partition scheme {scheme!r}; available: {', '.join(PARTITIONS)}")
+    labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels).reshape(-1)
+    _int_at_least("partition", "num_clients", num_clients, 1)
+    if num_clients > len(labels):
+        raise ValueError(f"partition: num_clients={num_clients} exceeds the {len(labels)} samples")
+    _check_params(scheme, params)
+    return PARTITIONS[scheme][0](labels, int(num_clients), np.random.default_rng(seed), **params)
+
+
+def _check_params(scheme: str, params: dict[str, object]) -> None:
+    valid = partition_params(scheme)
+    described = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v}" for k, v in valid.items()) or "none"
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ValueError(f"partition {scheme!r}: unknown parameter(s) {', '.join(unknown)}; valid: {described}")
+    missing = [k for k, v in valid.items() if v is inspect.Parameter.empty and k not in params]
+    if missing:
+        raise ValueError(f"partition {scheme!r}: missing parameter(s) {', '.join(missing)}; valid: {described}")
+
+
+def _positive(scheme: str, key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not value > 0:
+        raise ValueError(f"{scheme}: {key} must be a number > 0, got {value!r}")
+
+
+def _int_at_least(scheme: str, key: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{scheme}: {key} must be an int >= {low}, got {value!r}")
+
+
+def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
+    """Samples of each class held by each client: int64 array ``[clients, classes]``."""
+    labels = np.asarray(labels).reshape(-1)
+    return np.stack([np.bincount(labels[p], minlength=num_classes)[:num_classes] for p in parts]).astype(np.int64)
+
+
+def plot_partition(counts: np.ndarray, path: str | Path, title: str | None = None) -> Path:
+    """Write a heatmap PNG of ``counts`` (clients on x, classes on y) with a colorbar and a title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(counts)
+    clients, classes = counts.shape
+    fig = Figure(figsize=(min(4 + 0.12 * clients, 16), min(2.5 + 0.15 * classes, 12)), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(counts.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="samples")
+    ax.set_xlabel("client")
+    ax.set_ylabel("class")
+    sizes = counts.sum(axis=1)
+    ax.set_title(title or f"{clients} clients x {classes} classes; samples per client "
+                          f"{sizes.min()}-{sizes.max()} (mean {sizes.mean():.0f})")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
