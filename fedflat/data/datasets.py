@@ -128,9 +128,14 @@ def _load_cifar(name: str, root: str | Path | None, download: bool, num_classes:
                       augmentation="cifar", source=str(location))
 
 
+def _writable(folder: Path) -> bool:
+    """Whether files can be created in ``folder``."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def _extract_cifar(name: str, archive: Path) -> Path:
     """Extract the batches next to ``archive``; if that folder is read-only, read the archive itself."""
-    if not os.access(archive.parent, os.W_OK | os.X_OK):
+    if not _writable(archive.parent):
         log.info("%s: %s is read-only; reading the archive directly", name, archive.parent)
         return archive
     top, train, test, _ = CIFAR_LAYOUT[name]
