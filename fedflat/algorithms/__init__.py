@@ -1,0 +1,31 @@
+"""Federated methods as recipes of parts: perturbation, filter, correction, aggregation, server.
+
+Every module of this package defines the parts of one method (or family) and registers its
+recipes; importing the package imports them all, so a new method is one new module.
+"""
+import importlib
+import pkgutil
+
+from fedflat.algorithms.base import (Aggregation, Cohort, Correction, Filter, Part, PartParams, Perturbation,
+                                     RoundContext, ServerUpdate, TrainSettings, normalize_rows, row_norm)
+from fedflat.algorithms.registry import (PARTS, RECIPES, ROLES, Algorithm, AlgorithmError, Recipe, build_algorithm,
+                                         register_part, register_recipe)
+
+_INFRASTRUCTURE = {"base", "registry"}
+
+
+def _load_methods() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _INFRASTRUCTURE:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Part) and obj.name and obj.__module__ == module.__name__:
+                register_part(obj)
+
+
+_load_methods()
+
+__all__ = ["Aggregation", "Algorithm", "AlgorithmError", "Cohort", "Correction", "Filter", "PARTS", "Part",
+           "PartParams", "Perturbation", "RECIPES", "ROLES", "Recipe", "RoundContext", "ServerUpdate",
+           "TrainSettings", "build_algorithm", "normalize_rows", "register_part", "register_recipe", "row_norm"]

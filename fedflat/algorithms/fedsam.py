@@ -1,0 +1,45 @@
+"""FedSAM (Caldarola et al., ECCV 2022; Qu et al., ICML 2022): local SAM steps, FedAvg server."""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, PartParams, Perturbation, RoundContext, normalize_rows
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+
+class SAMParams(PartParams):
+    rho: float = Field(0.01, ge=0, description="SAM radius")
+
+
+class LocalSAM(Perturbation):
+    """Local SAM ascent step (Foret et al., ICLR 2021): ``eps = rho u / (||u|| + 1e-12)`` with
+    ``u = g(w)`` on the step's batch and ONE L2 norm over all parameters.
+
+    Subclasses change the ascent direction ``u`` (:meth:`ascent`) or the radius (:meth:`radius`).
+    """
+
+    name = "sam"
+    summary = "local SAM: eps = rho g(w)/||g(w)|| on the step's batch (one extra backprop)"
+    Params = SAMParams
+    extra_backprops = 1
+
+    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The ascent direction ``u`` from the plain gradient ``g(w)``."""
+        return grad
+
+    def radius(self, ctx: RoundContext, cohort: Cohort) -> float | torch.Tensor:
+        """``rho`` (a float, or ``[C, 1]`` per-client radii)."""
+        return self.p.rho
+
+    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+        if self.p.rho == 0:
+            return None
+        _, grad = ctx.oracle.loss_grad(W, batch)
+        return normalize_rows(self.ascent(ctx, cohort, k, W, grad), self.radius(ctx, cohort))
+
+
+register_recipe(Recipe(
+    name="fedsam", summary="local SAM steps, FedAvg server",
+    source="Caldarola et al., ECCV 2022; Qu et al., ICML 2022",
+    perturbation="sam", defaults={"rho": 0.01}))

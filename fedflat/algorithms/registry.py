@@ -1,0 +1,145 @@
+"""Registries of parts and recipes, and the assembly of an :class:`Algorithm` from a config.
+
+A recipe names one part per role plus default hyperparameters; the config's ``algo`` section names a
+recipe and may override any role (``algo.filter=fft`` on ``fedlesam``) or hyperparameter
+(``algo.rho=0.05``). Hyperparameters live in one flat namespace, the union of the parts' fields.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from fedflat.algorithms.base import Part
+
+ROLES = ("perturbation", "filter", "correction", "aggregation", "server")
+PARTS: dict[str, dict[str, type[Part]]] = {role: {} for role in ROLES}
+RECIPES: dict[str, "Recipe"] = {}
+
+
+class AlgorithmError(ValueError):
+    """A bad algorithm name, role, hyperparameter or combination of parts."""
+
+
+def closest(word: str, options) -> str:
+    """`` (did you mean 'x'?)`` when a close option exists."""
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def register_part(cls: type[Part]) -> type[Part]:
+    PARTS[cls.role][cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named method: a part per role, default hyperparameters, and its source."""
+
+    name: str
+    summary: str
+    source: str
+    perturbation: str = "none"
+    filter: str = "none"
+    correction: str = "none"
+    aggregation: str = "mean"
+    server: str = "avg"
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def part_names(self) -> dict[str, str]:
+        return {role: getattr(self, role) for role in ROLES}
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+@dataclass
+class Algorithm:
+    """An assembled method: its parts (one per role) and resolved hyperparameters."""
+
+    name: str
+    parts: dict[str, Part]
+    hyperparameters: dict[str, Any]
+
+    @property
+    def ordered(self) -> list[Part]:
+        return [self.parts[role] for role in ROLES]
+
+    @property
+    def up_vectors(self) -> int:
+        """Model-sized vectors each sampled client uploads per round."""
+        return 1 + sum(p.up for p in self.ordered)
+
+    @property
+    def down_vectors(self) -> int:
+        """Model-sized vectors the server sends each sampled client per round."""
+        return 1 + sum(p.down for p in self.ordered)
+
+    @property
+    def backprops_per_step(self) -> int:
+        return 1 + sum(p.extra_backprops for p in self.ordered)
+
+    @property
+    def client_state_vectors(self) -> int:
+        return sum(p.client_vectors for p in self.ordered)
+
+    def resolved(self) -> dict[str, Any]:
+        """The ``algo`` config section with every role and default filled in."""
+        roles = {role: part.name for role, part in self.parts.items()}
+        return {"name": self.name, **roles, **self.hyperparameters}
+
+
+def _check_composition(parts: dict[str, Part]) -> None:
+    provided = set().union(*(p.provides for p in parts.values()))
+    for role, part in parts.items():
+        missing = part.requires - provided
+        if missing:
+            suppliers = [f"{r} '{n}'" for r in ROLES for n, c in PARTS[r].items() if missing & c.provides]
+            raise AlgorithmError(
+                f"{role} '{part.name}' needs {sorted(missing)}, which no part of this combination provides"
+                + (f"; use {' or '.join(suppliers)}" if suppliers else ""))
+
+
+def build_algorithm(section: dict[str, Any]) -> Algorithm:
+    """Assembles the algorithm of a config's ``algo`` section (``name`` + roles + hyperparameters)."""
+    section = dict(section)
+    name = section.pop("name", "fedavg")
+    if name not in RECIPES:
+        raise AlgorithmError(f"unknown algorithm '{name}'{closest(name, RECIPES)}; run `fedflat list` for all")
+    recipe = RECIPES[name]
+    chosen = recipe.part_names()
+    for role in ROLES:
+        if role in section:
+            chosen[role] = section.pop(role)
+        if chosen[role] not in PARTS[role]:
+            raise AlgorithmError(f"algo.{role}: unknown {role} '{chosen[role]}'{closest(chosen[role], PARTS[role])}; "
+                                 f"allowed: {', '.join(sorted(PARTS[role]))}")
+    classes = {role: PARTS[role][chosen[role]] for role in ROLES}
+    owners: dict[str, list[str]] = {}
+    for role, cls in classes.items():
+        for key in cls.Params.model_fields:
+            owners.setdefault(key, []).append(role)
+    for key in section:
+        if key not in owners:
+            valid = sorted(owners) + list(ROLES)
+            raise AlgorithmError(f"algo.{key}: not a hyperparameter of '{name}'{closest(key, valid)}; "
+                                 f"valid: {', '.join(sorted(owners)) or '(none)'}")
+    values = {k: v for k, v in recipe.defaults.items() if k in owners}
+    values.update(section)
+    parts: dict[str, Part] = {}
+    hyper: dict[str, Any] = {}
+    for role, cls in classes.items():
+        mine = {k: v for k, v in values.items() if k in cls.Params.model_fields}
+        try:
+            params = cls.Params(**mine)
+        except ValidationError as err:
+            problems = "; ".join(f"algo.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise AlgorithmError(problems) from None
+        parts[role] = cls(params)
+        hyper.update(params.model_dump())
+    _check_composition(parts)
+    return Algorithm(name=name, parts=parts, hyperparameters=hyper)

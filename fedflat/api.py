@@ -1,0 +1,158 @@
+"""The Python API: ``fedflat.run(config) -> History``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fedflat.config import Config, dump_yaml, load_config, resolve, validate
+from fedflat.data import Dataset
+from fedflat.engine.simulation import Diverged, Simulation
+from fedflat.experiments.rundir import RunDir, machine_info, versions
+
+
+def quickstart_path() -> Path:
+    """The embedded quickstart config (digits, Dirichlet split, FedSAM)."""
+    return Path(str(resources.files("fedflat") / "configs" / "quickstart.yaml"))
+
+
+@dataclass
+class History:
+    """What a run produced: per-evaluation metrics, the summary, the final global model (flat)."""
+
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    final_parameters: torch.Tensor
+    run_dir: Path | None = None
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def column(self, key: str) -> list[Any]:
+        return [m.get(key) for m in self.metrics]
+
+    @property
+    def final_test_acc(self) -> float | None:
+        return self.summary.get("final_test_acc")
+
+
+def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A validated :class:`Config` from a Config, a raw dict, a YAML path, or None (the quickstart)."""
+    if isinstance(config, Config):
+        return load_config(None, overrides, base=config.model_dump()) if overrides else validate(config)
+    if isinstance(config, dict):
+        return load_config(None, overrides, base=config)
+    return load_config(quickstart_path() if config is None else config, overrides)
+
+
+def _label(cfg: Config) -> str:
+    parts = [cfg.name] if cfg.name else []
+    parts += [cfg.algo["name"], cfg.data.name, f"s{cfg.seed}"]
+    return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)
+
+
+def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
+        dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
+        out: str | Path | None = None, save: bool = True, progress: bool = True) -> History:
+    """Runs one federated experiment and returns its :class:`History`.
+
+    ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
+    ``overrides`` are ``key=value`` strings. ``dataset`` (a :class:`fedflat.data.Dataset`) and
+    ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones. With ``save``,
+    results go to a new folder under ``out`` (default ``config.out``).
+    """
+    cfg = as_config(config, overrides)
+    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
+    resolved = resolve(cfg)
+    if dataset is not None:
+        resolved["data"]["name"] = f"user:{dataset.name}"
+    if model_fn is not None:
+        resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
+    run_dir = RunDir.create(out if out is not None else cfg.out, _label(cfg)) if save else None
+    runner = _Runner(cfg, sim, resolved, run_dir)
+    return runner.run(progress)
+
+
+class _Runner:
+    """Drives the rounds and keeps the run folder consistent whatever happens."""
+
+    def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None):
+        self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
+        self.metrics: list[dict[str, Any]] = []
+        alg = sim.algorithm
+        self.summary: dict[str, Any] = {
+            "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
+            "algorithm": alg.name, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
+            "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
+            "up_vectors": alg.up_vectors, "down_vectors": alg.down_vectors,
+            "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
+            "final_test_acc": None, "best_test_acc": None, "best_round": None, "final_test_loss": None,
+            "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
+            "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if run_dir is not None:
+            run_dir.write_config(dump_yaml(resolved))
+            run_dir.write_summary(self.summary)
+
+    def run(self, progress: bool) -> History:
+        start = time.perf_counter()
+        bar = tqdm(range(self.cfg.rounds), desc=self.summary["algorithm"], unit="round", disable=not progress,
+                   dynamic_ncols=True, leave=True)
+        try:
+            for t in bar:
+                self._round(t, bar)
+            self.summary["status"] = "completed"
+        except Diverged as err:
+            self.summary.update(status="diverged", reason=str(err))
+        except KeyboardInterrupt:
+            self.summary.update(status="failed", reason="interrupted (KeyboardInterrupt)")
+            raise
+        except Exception as err:
+            self.summary.update(status="failed", reason=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            bar.close()
+            self.summary["wall_seconds"] = time.perf_counter() - start
+            self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._save()
+        return self.history()
+
+    def _round(self, t: int, bar) -> None:
+        sim, s = self.sim, self.summary
+        result = sim.run_round(t)
+        s["rounds"] = t + 1
+        s["train_seconds"] += result.seconds
+        if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
+            return
+        eval_start = time.perf_counter()
+        acc, loss = sim.evaluate()
+        eval_seconds = time.perf_counter() - eval_start
+        s["eval_seconds"] += eval_seconds
+        record = {"round": t + 1, "test_acc": acc, "test_loss": loss, "train_loss": result.train_loss,
+                  "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
+                  "train_seconds": s["train_seconds"], "up_vectors": s["up_vectors"],
+                  "down_vectors": s["down_vectors"], "clients": result.clients, "drift": result.drift}
+        self.metrics.append(record)
+        if self.run_dir is not None:
+            self.run_dir.append_metrics(record)
+        if s["best_test_acc"] is None or acc > s["best_test_acc"]:
+            s["best_test_acc"], s["best_round"] = acc, t + 1
+        s["final_test_acc"], s["final_test_loss"] = acc, loss
+        bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
+
+    def _save(self) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.save_model(self.sim.model.state_dict(self.sim.w))
+        self.run_dir.write_summary(self.summary)
+
+    def history(self) -> History:
+        return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
+                       final_parameters=self.sim.w.detach().clone(),
+                       run_dir=self.run_dir.path if self.run_dir else None,
+                       state_dict=self.sim.model.state_dict(self.sim.w))

@@ -1,0 +1,140 @@
+"""The ``fedflat`` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fedflat.config import ConfigError
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] [key=value ...]``: the first item is a config path unless it has '='."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedflat.api import run
+
+    config, overrides = _split_config_and_overrides(args.items)
+    if args.data_dir:
+        overrides = [f"data.root={args.data_dir}", *overrides]
+    history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress)
+    s = history.summary
+    print(f"run folder: {history.run_dir}")
+    print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
+    if s["final_test_acc"] is not None:
+        print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, final test accuracy "
+              f"{s['final_test_acc']:.4f}, best {s['best_test_acc']:.4f} (round {s['best_round']}), "
+              f"{s['train_seconds'] / max(s['rounds'], 1):.3f} s/round training, {s['wall_seconds']:.1f} s in all")
+    return 0 if s["status"] == "completed" else 3
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fedflat.algorithms import PARTS, RECIPES
+    from fedflat.data import DATASETS, PARTITIONS
+    from fedflat.models import MODELS
+
+    def table(title: str, rows: list[tuple[str, str]]) -> None:
+        print(f"{title}:")
+        width = max(len(n) for n, _ in rows)
+        for name, text in rows:
+            print(f"  {name:<{width}}  {text}")
+
+    table("algorithms", [(n, f"{r.summary} [{r.source}]") for n, r in sorted(RECIPES.items())])
+    table("datasets", [(n, d) for n, (_, d) in sorted(DATASETS.items())])
+    table("models", [(n, d) for n, (_, d) in sorted(MODELS.items())])
+    table("partitions", [(n, d) for n, (_, d) in sorted(PARTITIONS.items())])
+    if args.parts:
+        for role, parts in PARTS.items():
+            table(f"{role} parts", [(n, c.summary) for n, c in sorted(parts.items())])
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fedflat.api import as_config
+    from fedflat.data import PARTITIONS, label_counts, load_dataset, partition, plot_partition
+    from fedflat.rng import SERVER, stream_seed
+
+    config, overrides = _split_config_and_overrides(args.items)
+    if args.data_dir:
+        overrides = [f"data.root={args.data_dir}", *overrides]
+    cfg = as_config(config, overrides)
+    data = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
+    labels = data.y_train.numpy()
+    params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
+    assert cfg.data.partition["scheme"] in PARTITIONS
+    parts = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
+                      seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **params)
+    counts = label_counts(labels, parts, data.num_classes)
+    print(f"{cfg.data.name}: {len(labels)} training samples, {cfg.data.num_clients} clients, "
+          f"partition {cfg.data.partition}, seed {cfg.seed}")
+    header = "client  samples  classes  " + " ".join(f"{c:>5}" for c in range(data.num_classes))
+    print(header)
+    for i, row in enumerate(counts):
+        print(f"{i:>6}  {row.sum():>7}  {np.count_nonzero(row):>7}  " + " ".join(f"{v:>5}" for v in row))
+    png = Path(args.png or f"partition-{cfg.data.name}-{cfg.data.partition['scheme']}-s{cfg.seed}.png")
+    plot_partition(counts, png)
+    print(f"heatmap: {png}")
+    return 0
+
+
+# Modules that add their own subcommands through ``register(subparsers)`` (benchmarks, experiments,
+# diagnostics); each owns its command next to the code it drives.
+EXTENSIONS = ("fedflat.bench", "fedflat.experiments.commands", "fedflat.metrics.commands")
+
+
+def _register_extensions(sub) -> None:
+    import importlib
+    import importlib.util
+
+    for name in EXTENSIONS:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedflat", description="Federated sharpness-aware minimization, side by side.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run one experiment (no config: the embedded quickstart)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--out", default=None, help="parent folder of the run folder (default: config 'out', runs/)")
+    p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
+    p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("partition", help="per-client sample and class counts of a split, and a heatmap PNG")
+    p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    p.add_argument("--png", default=None, help="where to write the heatmap")
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_partition)
+    _register_extensions(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"fedflat: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"fedflat: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedflat: interrupted; the run folder records status 'failed'", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Validated experiment configuration: YAML plus ``key=value`` overrides.
+
+Every key is checked: an unknown key is an error naming it and the closest valid key; a bad value
+names the key and what is allowed. Sections that name a registered thing (``data``, ``model``,
+``data.partition``, ``algo``) are checked against the registry and the signature of what they name,
+and :func:`resolve` fills in every default so ``config.yaml`` of a run reproduces it exactly.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    name: str = "digits"
+    root: str | None = Field(None, description="folder searched first for dataset files")
+    download: bool = Field(False, description="allow downloading from the official locations")
+    options: dict[str, Any] = Field(default_factory=dict, description="dataset options (synthetic: shape, ...)")
+    num_clients: int = Field(20, ge=1)
+    partition: dict[str, Any] = Field(default_factory=lambda: {"scheme": "dirichlet", "alpha": 0.3, "min_size": 10})
+
+
+class TrainConfig(Section):
+    """Local training: the SAM papers' shared setting by default (spec, 'Local training defaults')."""
+
+    local_epochs: int = Field(5, ge=1)
+    local_steps: int | None = Field(None, ge=1, description="fixed E_i instead of epochs")
+    batch_size: int = Field(50, ge=1)
+    lr: float = Field(0.1, gt=0, description="eta_l")
+    lr_decay: float = Field(0.998, gt=0, le=1, description="eta_l^t = eta_l * lr_decay^t")
+    weight_decay: float = Field(1e-3, ge=0, description="coupled: added to the gradient")
+    clip: float | None = Field(10.0, gt=0, description="L2 clip of the local direction")
+    global_lr: float = Field(1.0, gt=0, description="eta_g")
+
+
+class SamplingConfig(Section):
+    clients_per_round: int = Field(10, ge=1)
+    participation: Literal["uniform", "bernoulli"] = "uniform"
+
+
+class EvalConfig(Section):
+    every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
+    batch_size: int = Field(2000, ge=1)
+
+
+class Config(Section):
+    name: str | None = Field(None, description="a label for the run folder")
+    seed: int = 0
+    rounds: int = Field(100, ge=1)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: dict[str, Any] = Field(default_factory=lambda: {"name": "mlp"})
+    algo: dict[str, Any] = Field(default_factory=lambda: {"name": "fedavg"})
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    engine: Literal["auto", "sequential", "vectorized"] = "auto"
+    chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
+    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    out: str = "runs"
+
+    @model_validator(mode="after")
+    def _named_sections(self) -> "Config":
+        for section, key in (("model", "name"), ("algo", "name")):
+            if not isinstance(getattr(self, section).get(key), str):
+                raise ValueError(f"{section}.{key} must be set to a name")
+        if not isinstance(self.data.partition.get("scheme"), str):
+            raise ValueError("data.partition.scheme must be set to a name")
+        return self
+
+
+SHORTHANDS = {"algo": "name", "model": "name", "data.partition": "scheme", "data": "name"}
+RESETTING = {"algo", "model", "data.partition"}  # `algo=X` starts X from its own defaults
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, prefix + name + "."))
+    return keys
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'{_suggest(key, _all_keys(Config))}")
+        else:
+            got = e.get("input")
+            lines.append(f"{key or 'config'}: {e['msg']}" + (f" (got {got!r})" if not isinstance(got, dict) else ""))
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'a.b=1e-3'`` -> ``('a.b', 0.001)``; values are read as YAML (numbers, lists, booleans)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_override(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Sets ``key`` (dotted) in the raw config tree; ``algo=X`` style shorthands set the name."""
+    if key in SHORTHANDS and not isinstance(value, dict):
+        node = _walk(tree, key, create=True)
+        if key in RESETTING:
+            node.clear()
+        node[SHORTHANDS[key]] = value
+        return
+    *parents, leaf = key.split(".")
+    node = _walk(tree, ".".join(parents), create=True) if parents else tree
+    node[leaf] = value
+
+
+def _walk(tree: dict[str, Any], dotted: str, create: bool) -> dict[str, Any]:
+    node = tree
+    for part in dotted.split("."):
+        child = node.get(part)
+        if child is None and create:
+            child = node[part] = _default_subtree(dotted, part, node)
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set a key inside '{dotted}': it is a value, not a section")
+        node = child
+    return node
+
+
+def _default_subtree(dotted: str, part: str, node: dict[str, Any]) -> dict[str, Any]:
+    """When an override reaches into a section the YAML did not write, start from its defaults."""
+    defaults = Config().model_dump()
+    path = dotted.split(".")
+    cursor: Any = defaults
+    for p in path[: path.index(part) + 1]:
+        cursor = cursor.get(p, {}) if isinstance(cursor, dict) else {}
+    return copy.deepcopy(cursor) if isinstance(cursor, dict) else {}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> "Config":
+    """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates."""
+    tree: dict[str, Any] = copy.deepcopy(base) if base else {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
+        tree = loaded
+    for item in overrides:
+        apply_override(tree, *parse_override(item))
+    return validate(tree)
+
+
+def validate(tree: dict[str, Any] | "Config") -> "Config":
+    """Validates a raw tree (or re-validates a Config) including registry names and options."""
+    if isinstance(tree, Config):
+        tree = tree.model_dump()
+    try:
+        cfg = Config(**tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+    _check_registered(cfg)
+    return cfg
+
+
+def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...]) -> None:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n in params if n not in skip]
+    for key in options:
+        if key not in valid:
+            raise ConfigError(f"{where}.{key}: unknown option{_suggest(key, valid)}; valid: {', '.join(valid) or '(none)'}")
+
+
+def _check_name(where: str, name: str, registry: dict[str, Any]) -> None:
+    if name not in registry:
+        raise ConfigError(f"{where}: unknown name '{name}'{_suggest(name, list(registry))}; "
+                          f"allowed: {', '.join(sorted(registry))}")
+
+
+def _check_registered(cfg: Config) -> None:
+    from fedflat.algorithms import AlgorithmError, build_algorithm
+    from fedflat.data import DATASETS, PARTITIONS
+    from fedflat.models import MODELS
+
+    _check_name("data.name", cfg.data.name, DATASETS)
+    _check_options("data.options", DATASETS[cfg.data.name][0], cfg.data.options, ("root", "download"))
+    scheme = cfg.data.partition["scheme"]
+    _check_name("data.partition.scheme", scheme, PARTITIONS)
+    part_opts = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
+    _check_options("data.partition", PARTITIONS[scheme][0], part_opts, ("labels", "num_clients", "seed", "rng"))
+    model = cfg.model["name"]
+    _check_name("model.name", model, MODELS)
+    _check_options("model", MODELS[model][0], {k: v for k, v in cfg.model.items() if k != "name"},
+                   ("input_shape", "num_classes"))
+    if cfg.sampling.clients_per_round > cfg.data.num_clients:
+        raise ConfigError(f"sampling.clients_per_round ({cfg.sampling.clients_per_round}) exceeds "
+                          f"data.num_clients ({cfg.data.num_clients})")
+    try:
+        build_algorithm(cfg.algo)
+    except AlgorithmError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _signature_defaults(fn: Callable, skip: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.default is p.empty:
+            continue
+        out[name] = list(p.default) if isinstance(p.default, tuple) else p.default
+    return out
+
+
+def resolve(cfg: Config) -> dict[str, Any]:
+    """The config as a plain tree with every default filled in (what ``config.yaml`` holds)."""
+    from fedflat.algorithms import build_algorithm
+    from fedflat.data import PARTITIONS
+    from fedflat.models import MODELS
+
+    tree = cfg.model_dump()
+    tree["algo"] = build_algorithm(cfg.algo).resolved()
+    model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))
+    tree["model"] = {"name": cfg.model["name"], **model_defaults, **{k: v for k, v in cfg.model.items() if k != "name"}}
+    scheme = cfg.data.partition["scheme"]
+    part_defaults = _signature_defaults(PARTITIONS[scheme][0], ("labels", "num_clients", "seed", "rng"))
+    tree["data"]["partition"] = {"scheme": scheme, **part_defaults, **cfg.data.partition}
+    return tree
+
+
+def dump_yaml(tree: dict[str, Any]) -> str:
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)

@@ -1,0 +1,90 @@
+"""Local training of a chunk of clients: the part-driven inner loop shared by both engines."""
+from __future__ import annotations
+
+import torch
+
+from fedflat.algorithms import Algorithm, Cohort, RoundContext
+from fedflat.engine.batches import local_schedule, stack_batches
+from fedflat.rng import torch_stream
+
+
+def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """Clips each row of ``D[C, P]`` to L2 norm ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    if max_norm is None:
+        return D
+    scale = (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+    return D * scale
+
+
+class ClientBatches:
+    """Each sampled client's batch schedule for the round, drawn from its own (seed, round, client) stream."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, client_indices: list[torch.Tensor], batch_size: int,
+                 seed: int, augment=None):
+        self.x, self.y = x, y
+        self.client_indices = client_indices
+        self.batch_size = batch_size
+        self.seed = seed
+        self.augment = augment
+
+    def schedules(self, round: int, ids: list[int], steps: list[int]) -> list[list[torch.Tensor]]:
+        return [local_schedule(self.client_indices[i], e, self.batch_size,
+                               torch_stream(self.seed, round, i, "batches")) for i, e in zip(ids, steps)]
+
+    def extra(self, round: int, client: int, count: int, purpose: str) -> list[torch.Tensor]:
+        """``count`` further batches of a client from a separate stream (pilot gradients, estimates)."""
+        return local_schedule(self.client_indices[client], count, self.batch_size,
+                              torch_stream(self.seed, round, client, purpose))
+
+    def batch(self, picks: list[torch.Tensor], generators: list[torch.Generator] | None):
+        batch = stack_batches(self.x, self.y, picks, self.batch_size)
+        if self.augment is not None and generators is not None:
+            C, B = batch.x.shape[:2]
+            rows = [self.augment(batch.x[c], generators[c]) for c in range(C)]
+            batch.x = torch.stack(rows)
+        return batch
+
+
+def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches: ClientBatches) -> None:
+    """Runs ``E_i`` local steps for every client of ``cohort``, writing ``ctx.w_final`` and ``ctx.train_loss``.
+
+    One step, for every client row at once:
+    ``eps = filter(perturbation)``, ``g = g(w + eps) + wd w``, ``d = correction(g)``, ``d = clip(d)``,
+    ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
+    """
+    parts = algorithm.parts
+    perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
+    settings = ctx.settings
+    ids = cohort.ids.tolist()
+    steps = cohort.steps.tolist()
+    schedules = batches.schedules(ctx.round, ids, steps)
+    generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
+                  if batches.augment is not None else None)
+    W = ctx.w_start.expand(cohort.size, -1).clone()
+    for part in algorithm.ordered:
+        part.begin(ctx, cohort)
+    loss_sum = torch.zeros(cohort.size, device=W.device)
+    longest = max(steps)
+    uniform = min(steps) == longest
+    for k in range(longest):
+        active = cohort.steps > k
+        cohort.active = active
+        picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
+        batch = batches.batch(picks, generators)
+        eps = perturbation.perturb(ctx, cohort, k, W, batch)
+        if eps is not None:
+            eps = filt.apply(ctx, cohort, eps)
+        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch)
+        if settings.weight_decay:
+            grad = grad + settings.weight_decay * W
+        direction = clip_rows(correction.direction(ctx, cohort, k, W, grad), settings.clip)
+        if uniform:
+            W -= ctx.lr * direction
+            loss_sum += loss
+        else:
+            W = torch.where(active[:, None], W - ctx.lr * direction, W)
+            loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+    ctx.w_final[cohort.rows] = W
+    ctx.train_loss[cohort.rows] = loss_sum / cohort.steps.to(loss_sum.dtype)
+    for part in algorithm.ordered:
+        part.end(ctx, cohort, W)
