@@ -84,6 +84,9 @@ class _Runner:
     def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None):
         self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
         self.metrics: list[dict[str, Any]] = []
+        # Called after every round as hook(runner, round_index, record_or_None); record is the metrics
+        # line of an evaluated round, which a hook may extend before it is written.
+        self.hooks: list[Callable[["_Runner", int, dict[str, Any] | None], None]] = []
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
@@ -128,6 +131,8 @@ class _Runner:
         s["rounds"] = t + 1
         s["train_seconds"] += result.seconds
         if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
+            for hook in self.hooks:
+                hook(self, t, None)
             return
         eval_start = time.perf_counter()
         acc, loss = sim.evaluate()
@@ -137,6 +142,8 @@ class _Runner:
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], "up_vectors": s["up_vectors"],
                   "down_vectors": s["down_vectors"], "clients": result.clients, "drift": result.drift}
+        for hook in self.hooks:
+            hook(self, t, record)
         self.metrics.append(record)
         if self.run_dir is not None:
             self.run_dir.append_metrics(record)

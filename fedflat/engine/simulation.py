@@ -160,6 +160,19 @@ class Simulation:
         return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=K,
                            seconds=time.perf_counter() - start)
 
+    def state_dict(self) -> dict:
+        """Everything that evolves across rounds: the global model, server state, client-state store.
+        (Random streams are keyed by round, so no generator state needs saving.)"""
+        return {"w": self.w.detach().cpu().clone(),
+                "server": {k: v.detach().cpu().clone() for k, v in self.server.items()},
+                "store": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w = state["w"].to(self.device)
+        self.server.clear()
+        self.server.update({k: v.to(self.device) for k, v in state["server"].items()})
+        self.store.load_state_dict(state["store"])
+
     @torch.no_grad()
     def evaluate(self, w: torch.Tensor | None = None) -> tuple[float, float]:
         """``(accuracy, mean loss)`` of ``w`` (default: the global model) on the test set."""
