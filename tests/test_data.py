@@ -170,6 +170,13 @@ def test_incomplete_folder_is_not_used(tmp_path):
         load_dataset("mnist", root=tmp_path / "root")
 
 
+def test_images_and_labels_must_agree(tmp_path):
+    make_idx_dataset(tmp_path, seed=0)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(31, np.uint8), gz=True)
+    with pytest.raises(ValueError, match=r"mnist train files .*images \(30, 28, 28\) do not match labels \(31,\)"):
+        load_dataset("mnist", root=tmp_path)
+
+
 def test_missing_dataset_lists_every_place_searched(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDFLAT_DATA", str(tmp_path / "env"))
     with pytest.raises(FileNotFoundError) as info:

@@ -11,7 +11,7 @@ import inspect
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,7 @@ def _idx_file(folder: Path, stem: str) -> Path | None:
 
 
 def _find_idx(name: str, folder: Path) -> list[Path] | None:
+    """The four IDX files (train images, train labels, test images, test labels) if all are in ``folder``."""
     files = [_idx_file(folder, stem) for stem in IDX_FILES]
     return None if any(f is None for f in files) else files
 
@@ -67,7 +68,7 @@ def _not_found(name: str, root: str | Path | None, searched: list[Path]) -> Data
         ways.append("on Debian/Ubuntu: apt-get install dataset-fashion-mnist")
     first = searched[0]
     ways.append(f"put {wanted} into one of the folders above, e.g. {first / SUBFOLDERS[name][0]} "
-                "(set the folder with root=/data.root/--data-dir or $FEDFLAT_DATA)")
+                "(choose the folder with the root argument, data.root, --data-dir or $FEDFLAT_DATA)")
     places = "\n".join(f"  - {p}" for p in searched)
     unset = [what for what, value in (("root", root), ("$FEDFLAT_DATA", os.environ.get("FEDFLAT_DATA")))
              if not value]
@@ -78,7 +79,7 @@ def _not_found(name: str, root: str | Path | None, searched: list[Path]) -> Data
                                 f"{places}\nTo get it:\n{hints}", searched)
 
 
-def _locate(name: str, root: str | Path | None, download: bool, find: Callable) -> object:
+def _locate(name: str, root: str | Path | None, download: bool, find: Callable) -> Any:
     """Search every candidate folder with ``find``; download into the first writable base if asked."""
     searched = candidate_dirs(name, root)
     for folder in searched:
@@ -104,6 +105,10 @@ def _locate(name: str, root: str | Path | None, download: bool, find: Callable) 
 def _load_idx_dataset(name: str, root: str | Path | None, download: bool) -> Dataset:
     files = _locate(name, root, download, _find_idx)
     x_train, y_train, x_test, y_test = (read_idx(f) for f in files)
+    for images, labels, split in ((x_train, y_train, "train"), (x_test, y_test, "test")):
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise ValueError(f"{name} {split} files in {files[0].parent}: images {images.shape} "
+                             f"do not match labels {labels.shape}")
     return to_tensors(name, x_train[:, None], y_train, x_test[:, None], y_test, 10, scale=255.0,
                       source=str(files[0].parent))
 
@@ -233,7 +238,7 @@ def dataset_options(name: str) -> dict[str, object]:
     return {k: p.default for k, p in params.items() if k not in ("root", "download")}
 
 
-def load_dataset(name: str, root: str | None = None, download: bool = False, **options) -> Dataset:
+def load_dataset(name: str, root: str | Path | None = None, download: bool = False, **options) -> Dataset:
     """Load dataset ``name`` (a key of :data:`DATASETS`) on the CPU.
 
     ``root`` is searched first for the files, then ``$FEDFLAT_DATA``, the download cache and

@@ -26,9 +26,9 @@ __all__ = ["DatasetNotFoundError", "RemoteFile", "REMOTE", "SUBFOLDERS", "SYSTEM
 class DatasetNotFoundError(FileNotFoundError):
     """A dataset's files are in none of the searched places; ``searched`` lists them."""
 
-    def __init__(self, message: str, searched: list[Path]):
+    def __init__(self, message: str, searched: list[Path] | None = None):
         super().__init__(message)
-        self.searched = searched
+        self.searched = list(searched or [])
 
 
 @dataclass(frozen=True)
