@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from fedflat.engine.oracle import Batch, Oracle
     from fedflat.engine.store import ClientStore
+    from fedflat.params import ParamLayout
 
 NORM_EPS = 1e-12
 
@@ -51,6 +52,7 @@ class TrainSettings:
     global_lr: float
     num_clients: int
     seed: int
+    layout: "ParamLayout | None" = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
 
 
 @dataclass
@@ -160,6 +162,11 @@ class Part:
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         """After the server step produced ``w^{t+1}``."""
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The method's current estimate of the global direction it steers by (FedVSSAM's ``v``,
+        FedWMSAM's momentum, FedLESAM's estimated global perturbation), or None; for diagnostics."""
+        return None
 
 
 class Perturbation(Part):

@@ -83,7 +83,8 @@ class Simulation:
         self.oracle = Oracle(self.model, vectorized=self.engine == "vectorized")
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
-                                      num_clients=cfg.data.num_clients, seed=cfg.seed)
+                                      num_clients=cfg.data.num_clients, seed=cfg.seed,
+                                      layout=self.model.layout)
         self.w = self.model.initial.clone()
         self.server: dict[str, torch.Tensor] = {}
         for part in self.algorithm.ordered:
