@@ -58,13 +58,16 @@ def _label(cfg: Config) -> str:
 
 def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
         dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
-        out: str | Path | None = None, save: bool = True, progress: bool = True) -> History:
+        out: str | Path | None = None, save: bool = True, progress: bool = True,
+        run_dir: str | Path | None = None, resume: str | Path | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
     ``overrides`` are ``key=value`` strings. ``dataset`` (a :class:`fedflat.data.Dataset`) and
     ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones. With ``save``,
-    results go to a new folder under ``out`` (default ``config.out``).
+    results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
+    (created; it must not exist). ``resume`` continues the run folder it names from its latest
+    checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config).
     """
     cfg = as_config(config, overrides)
     sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
@@ -73,17 +76,35 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         resolved["data"]["name"] = f"user:{dataset.name}"
     if model_fn is not None:
         resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
-    run_dir = RunDir.create(out if out is not None else cfg.out, _label(cfg)) if save else None
-    runner = _Runner(cfg, sim, resolved, run_dir)
+    if cfg.tensorboard:
+        from fedflat.experiments.tensorboard import require_tensorboard
+
+        require_tensorboard()  # before a run folder is made
+    checkpoint = None
+    if resume is not None:
+        from fedflat.experiments.checkpoint import prepare_resume
+
+        folder = RunDir(Path(resume))
+        checkpoint = prepare_resume(folder.path)
+    elif not save:
+        folder = None
+    elif run_dir is not None:
+        folder = RunDir.at(run_dir)
+    else:
+        folder = RunDir.create(out if out is not None else cfg.out, _label(cfg))
+    runner = _Runner(cfg, sim, resolved, folder, checkpoint)
     return runner.run(progress)
 
 
 class _Runner:
     """Drives the rounds and keeps the run folder consistent whatever happens."""
 
-    def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None):
+    def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None,
+                 checkpoint: dict[str, Any] | None = None):
         self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
         self.metrics: list[dict[str, Any]] = []
+        self.start_round = 0
+        self._consistent = True  # sim state, metrics and summary all belong to the same completed round
         # Called after every round as hook(runner, round_index, record_or_None); record is the metrics
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["_Runner", int, dict[str, Any] | None], None]] = []
@@ -98,17 +119,50 @@ class _Runner:
             "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
             "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if checkpoint is not None:
+            self._restore(checkpoint)
         if run_dir is not None:
             run_dir.write_config(dump_yaml(resolved))
             run_dir.write_summary(self.summary)
+        if cfg.tensorboard and run_dir is not None:
+            from fedflat.experiments.tensorboard import tensorboard_hook
+
+            self.hooks.append(tensorboard_hook(run_dir.path / "tensorboard", purge_step=self.start_round + 1))
+
+    def _restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
+        self.sim.load_state_dict(checkpoint["state"])
+        self.sim.oracle.backprops = checkpoint.get("backprops", 0)
+        self.start_round = checkpoint["round"]
+        self.metrics = [dict(m) for m in checkpoint["metrics"]]
+        saved = checkpoint["summary"]
+        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
+        self.summary.update(status="running", reason=None)
+        self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
+                                                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+
+    def _checkpoint(self) -> None:
+        if self.run_dir is None:
+            return
+        from fedflat.experiments.checkpoint import make_payload, save_checkpoint
+
+        save_checkpoint(self.run_dir.path, make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary))
 
     def run(self, progress: bool) -> History:
-        start = time.perf_counter()
-        bar = tqdm(range(self.cfg.rounds), desc=self.summary["algorithm"], unit="round", disable=not progress,
-                   dynamic_ncols=True, leave=True)
+        start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
+        bar = tqdm(range(self.start_round, self.cfg.rounds), desc=self.summary["algorithm"], unit="round",
+                   disable=not progress, dynamic_ncols=True, leave=True, initial=self.start_round,
+                   total=self.cfg.rounds)
+        every = self.cfg.checkpoint_every
         try:
             for t in bar:
+                self._consistent = False
                 self._round(t, bar)
+                self._consistent = True
+                if every and (t + 1) % every == 0 and t + 1 != self.cfg.rounds:
+                    self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
+                    self._checkpoint()
+                    self._save_summary()
             self.summary["status"] = "completed"
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
@@ -120,8 +174,10 @@ class _Runner:
             raise
         finally:
             bar.close()
-            self.summary["wall_seconds"] = time.perf_counter() - start
+            self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
             self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            if self._consistent and self.summary["status"] != "diverged":
+                self._checkpoint()  # the final state, or the last complete round of an interrupted run
             self._save()
         return self.history()
 
@@ -151,6 +207,10 @@ class _Runner:
             s["best_test_acc"], s["best_round"] = acc, t + 1
         s["final_test_acc"], s["final_test_loss"] = acc, loss
         bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
+
+    def _save_summary(self) -> None:
+        if self.run_dir is not None:
+            self.run_dir.write_summary(self.summary)
 
     def _save(self) -> None:
         if self.run_dir is None:

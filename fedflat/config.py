@@ -72,6 +72,9 @@ class Config(Section):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
     out: str = "runs"
+    checkpoint_every: int = Field(10, ge=0, description="write checkpoint.pt every this many rounds "
+                                  "(0: only at the end); `fedflat resume RUN_DIR` continues from it")
+    tensorboard: bool = Field(False, description="also log metrics to RUN_DIR/tensorboard (pip install tensorboard)")
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":

@@ -115,6 +115,18 @@ class RunDir:
                 continue
         raise RuntimeError(f"could not create a unique run folder in {out}")
 
+    @classmethod
+    def at(cls, path: str | Path) -> "RunDir":
+        """Creates exactly ``path`` (a sweep cell's folder); an existing folder is an error, never reused."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            raise FileExistsError(f"run folder {path} already exists; resume it (`fedflat resume {path}`) "
+                                  "or choose another folder") from None
+        return cls(path)
+
     @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"

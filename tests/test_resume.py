@@ -1,0 +1,227 @@
+"""Checkpoint and resume: a resumed run equals one never interrupted, number for number."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedflat
+from fedflat.algorithms import PARTS, RECIPES, Correction, Recipe, register_part, register_recipe
+from fedflat.algorithms.base import PartParams
+from fedflat.experiments.checkpoint import (CHECKPOINT, SLOW_WRITE_ENV, load_run, metrics_equal, read_checkpoint,
+                                            resume)
+from fedflat.experiments.rundir import read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ClientMemory(Correction):
+    """A test part with client AND server state: ``d = g + beta m_i``, where ``m_i`` is client i's
+    last pseudo-gradient (client store) and the server counts rounds (server state)."""
+
+    name = "test_client_memory"
+    summary = "test only"
+    client_vectors = 1
+
+    class Params(PartParams):
+        beta: float = 0.5
+
+    def setup(self, server, w0, settings):
+        server["test_rounds_seen"] = torch.zeros(())
+
+    def begin(self, ctx, cohort):
+        cohort.extra["m"], _ = ctx.store.get("test_memory", cohort.ids)
+
+    def direction(self, ctx, cohort, k, W, grad):
+        return grad + self.p.beta * cohort.extra["m"]
+
+    def end(self, ctx, cohort, W):
+        steps = cohort.steps.to(W.dtype)[:, None]
+        ctx.store.put("test_memory", cohort.ids, (ctx.w_start - W) / (steps * ctx.lr))
+
+    def after_step(self, ctx, w_new):
+        ctx.server["test_rounds_seen"] += 1
+
+
+@pytest.fixture
+def stateful_recipe():
+    register_part(ClientMemory)
+    register_recipe(Recipe(name="test_memory", summary="test only", source="test", correction=ClientMemory.name))
+    yield "test_memory"
+    PARTS["correction"].pop(ClientMemory.name, None)
+    RECIPES.pop("test_memory", None)
+
+
+def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
+    """A run of the config that dies right after round ``stop_after`` wrote its metrics line, before
+    that round counts as complete (as if killed there): it leaves no checkpoint of that round."""
+    class Stop(Exception):
+        pass
+
+    from fedflat import api
+
+    original = api._Runner._round
+
+    def round_then_maybe_stop(self, t, bar):
+        original(self, t, bar)
+        if t + 1 == stop_after:
+            raise Stop
+
+    folder = tmp_path / "interrupted"
+    api._Runner._round = round_then_maybe_stop
+    try:
+        with pytest.raises(Stop):
+            fedflat.run(tiny_cfg, run_dir=folder, progress=False)
+    finally:
+        api._Runner._round = original
+    return folder
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "stateful"])
+def test_resume_equals_uninterrupted(tiny, tmp_path, algo, stateful_recipe):
+    name = stateful_recipe if algo == "stateful" else "fedavg"
+    cfg = tiny(f"algo={name}", "rounds=6", "checkpoint_every=2", "eval.every=1")
+    full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
+    # dies in round 5: the last checkpoint is round 4's; round 5's metrics line is already on disk
+    # and must not appear twice after resuming.
+    folder = _interrupted(cfg, tmp_path, stop_after=5)
+    assert read_checkpoint(folder)["round"] == 4
+    assert len(read_jsonl(folder / "metrics.jsonl")) == 5
+    resumed = resume(folder, progress=False)
+    assert resumed.summary["status"] == "completed"
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    a, b = read_checkpoint(folder)["state"], read_checkpoint(tmp_path / "full")["state"]
+    assert a["server"].keys() == b["server"].keys()
+    for key in a["server"]:
+        assert torch.equal(a["server"][key], b["server"][key])
+    assert a["store"].keys() == b["store"].keys()
+    for slot in a["store"]:
+        assert a["store"][slot].keys() == b["store"][slot].keys()
+        for client in a["store"][slot]:
+            assert torch.equal(a["store"][slot][client], b["store"][slot][client])
+    if algo == "stateful":
+        assert a["store"]["test_memory"] and float(a["server"]["test_rounds_seen"]) == 6
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["rounds"] == 6 and s["resumed"][0]["round"] == 4
+    assert s["best_test_acc"] == full.summary["best_test_acc"]
+
+
+def test_resume_of_a_completed_run_changes_nothing(tiny, tmp_path):
+    cfg = tiny("rounds=3", "checkpoint_every=0")
+    full = fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
+    assert read_checkpoint(tmp_path / "run")["round"] == 3  # the final checkpoint
+    before = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    again = resume(tmp_path / "run", progress=False)
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == before
+    assert torch.equal(again.final_parameters, full.final_parameters)
+
+
+def test_load_run_restores_checkpoint_or_model(tiny, tmp_path, stateful_recipe):
+    cfg = tiny(f"algo={stateful_recipe}", "rounds=3")
+    full = fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
+    sim = load_run(tmp_path / "run")
+    assert sim.rounds_done == 3 and torch.equal(sim.w, full.final_parameters)
+    assert float(sim.server["test_rounds_seen"]) == 3 and sim.store.count("test_memory") > 0
+    (tmp_path / "run" / CHECKPOINT).unlink()
+    sim = load_run(tmp_path / "run")  # only model.pt: the model, fresh server state
+    assert sim.rounds_done is None and torch.equal(sim.w, full.final_parameters)
+    assert float(sim.server["test_rounds_seen"]) == 0
+    assert sim.evaluate()[0] == full.summary["final_test_acc"]
+
+
+def test_run_dir_is_never_reused(tiny, tmp_path):
+    fedflat.run(tiny("rounds=1"), run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(FileExistsError, match="fedflat resume"):
+        fedflat.run(tiny("rounds=1"), run_dir=tmp_path / "run", progress=False)
+
+
+_CHILD = """
+import sys
+import fedflat
+from fedflat.config import load_config
+sys.path.insert(0, {tests!r})
+from conftest import tiny_tree
+cfg = load_config(None, ["rounds=8", "checkpoint_every=1"], base=tiny_tree())
+fedflat.run(cfg, run_dir={folder!r}, progress=False)
+"""
+
+
+def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
+    """A child process is SIGKILLed while the checkpoint bytes are half written (the writer sleeps
+    between the halves): the previous checkpoint survives and the run resumes to the same result."""
+    folder = tmp_path / "killed"
+    env = {**os.environ, SLOW_WRITE_ENV: "30", "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder))],
+                             env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            # the first write is round 1's checkpoint: wait for it to be half written
+            if folder.exists() and list(folder.glob(f".{CHECKPOINT}.*.tmp")):
+                break
+            assert child.poll() is None, "child exited early"
+            time.sleep(0.05)
+        else:
+            pytest.fail("the checkpoint writer never started")
+        time.sleep(0.2)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    assert not (folder / CHECKPOINT).exists()  # killed during the very first write: no checkpoint at all
+    assert list(folder.glob(".*.tmp"))  # the torn temporary is there...
+    resumed = resume(folder, progress=False)
+    assert not list(folder.glob(".*.tmp"))  # ...and removed on resume
+    full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+
+
+def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp_path):
+    """Killed while writing round 3's checkpoint: round 2's survives and is complete."""
+    folder = tmp_path / "killed"
+    env = {**os.environ, SLOW_WRITE_ENV: "0.4", "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder))],
+                             env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
+            if len(lines) >= 3 and list(folder.glob(f".{CHECKPOINT}.*.tmp")):
+                break
+            assert child.poll() is None, "child exited early"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    ckpt = read_checkpoint(folder)
+    assert ckpt is not None and ckpt["round"] >= 2
+    assert len(read_jsonl(folder / "metrics.jsonl")) - ckpt["round"] <= 1  # at most checkpoint_every lost
+    resume(folder, progress=False)
+    full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+def test_tensorboard_missing_gives_install_hint(tiny, tmp_path, monkeypatch):
+    import importlib.util
+
+    from fedflat.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'fedflat\[tensorboard\]'"):
+        fedflat.run(tiny("tensorboard=true"), out=tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())  # no run folder was made
