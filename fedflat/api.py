@@ -197,7 +197,8 @@ class _Runner:
         record = {"round": t + 1, "test_acc": acc, "test_loss": loss, "train_loss": result.train_loss,
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], "up_vectors": s["up_vectors"],
-                  "down_vectors": s["down_vectors"], "clients": result.clients, "drift": result.drift}
+                  "down_vectors": s["down_vectors"], "clients": result.clients, "drift": result.drift,
+                  "backprops_per_step": result.backprops_per_step, "store": result.store}
         for hook in self.hooks:
             hook(self, t, record)
         self.metrics.append(record)

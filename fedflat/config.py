@@ -57,6 +57,14 @@ class EvalConfig(Section):
     batch_size: int = Field(2000, ge=1)
 
 
+class StoreConfig(Section):
+    """The client-state store (SCAFFOLD's c_i, FedDyn's h_i, ...): CPU memory up to a budget, then disk."""
+
+    memory_mb: float | None = Field(4096, ge=0, description="CPU-memory budget for client state (null: no limit); "
+                                                            "vectors beyond it spill to memory-mapped files")
+    dir: str | None = Field(None, description="folder for spilled client state (default: a temp folder removed at exit)")
+
+
 class Config(Section):
     name: str | None = Field(None, description="a label for the run folder")
     seed: int = 0
@@ -67,6 +75,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     engine: Literal["auto", "sequential", "vectorized"] = "auto"
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")

@@ -50,6 +50,8 @@ class RoundResult:
     drift: float
     clients: int
     seconds: float
+    backprops_per_step: float = 0.0  # measured: the oracle's backward passes / the round's local steps
+    store: int = 0  # client-state vectors held in the store after the round
 
 
 class Simulation:
@@ -89,7 +91,8 @@ class Simulation:
         self.server: dict[str, torch.Tensor] = {}
         for part in self.algorithm.ordered:
             part.setup(self.server, self.w, self.settings)
-        self.store = ClientStore(self.model.layout.size, self.device)
+        self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
+                                 directory=cfg.store.dir)
         augment = cifar_augment if dataset.augmentation == "cifar" else None
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augment)
@@ -132,6 +135,7 @@ class Simulation:
     def run_round(self, round: int) -> RoundResult:
         """One communication round; updates ``self.w`` and the server/client state."""
         start = time.perf_counter()
+        backprops_before = self.oracle.backprops
         ctx = self.new_context(round)
         algorithm = self.algorithm
         ctx.w_start = algorithm.parts["server"].broadcast(ctx)
@@ -159,7 +163,9 @@ class Simulation:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=K,
-                           seconds=time.perf_counter() - start)
+                           seconds=time.perf_counter() - start,
+                           backprops_per_step=(self.oracle.backprops - backprops_before) / ctx.steps.sum().item(),
+                           store=self.store.count())
 
     def state_dict(self) -> dict:
         """Everything that evolves across rounds: the global model, server state, client-state store.
