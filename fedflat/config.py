@@ -65,6 +65,33 @@ class StoreConfig(Section):
     dir: str | None = Field(None, description="folder for spilled client state (default: a temp folder removed at exit)")
 
 
+DIAGNOSTIC_KINDS = ("sharpness", "flatness", "drift", "tracking", "spectra", "landscape", "tsne", "pca")
+
+
+class DiagnosticsConfig(Section):
+    """Flatness diagnostics (docs/diagnostics.md), recorded into RUN_DIR/diagnostics/ every ``every`` rounds;
+    the same options drive ``fedflat analyze KIND RUN_DIR``. Subsets are seeded and fixed across rounds."""
+
+    every: int = Field(0, ge=0, description="record every this many rounds (0: never)")
+    kinds: list[Literal[DIAGNOSTIC_KINDS]] = Field(default_factory=lambda: ["sharpness", "flatness", "tracking"])
+    samples: int | None = Field(1000, ge=1, description="training samples of the global objective (null: all)")
+    clients: int | None = Field(10, ge=2, description="fixed subset of clients probed (null: all)")
+    client_samples: int | None = Field(500, ge=1, description="samples of each probed client (null: all)")
+    rho: float = Field(0.05, gt=0, description="radius of the global SAM sharpness and of direction=sam")
+    direction: Literal["method", "sam"] = Field("method", description="clients' perturbations: the method's own "
+                                                "(flatness, drift, pca) or local SAM")
+    ascent_steps: int = Field(1, ge=1, description="projected ascent steps of the SAM sharpness")
+    hessian_iters: int = Field(20, ge=0, description="power iterations for the top Hessian eigenvalue (0: skip)")
+    reference_batches: int = Field(10, ge=1, description="IID batches of the tracking reference gradient")
+    reference_batch_size: int = Field(512, ge=1)
+    bands: int = Field(10, ge=2, description="frequency bands of the perturbation spectra")
+    span: float = Field(1.0, gt=0, description="landscape half-width along each direction")
+    resolution: int = Field(21, ge=3, description="landscape grid points per direction")
+    tsne_samples: int | None = Field(3000, ge=10, description="test samples embedded by t-SNE (null: all)")
+    perplexity: float = Field(30.0, gt=0)
+    layer: str | None = Field(None, description="parameter tensor of the PCA scatters (default: the first)")
+
+
 class Config(Section):
     name: str | None = Field(None, description="a label for the run folder")
     seed: int = 0
@@ -76,6 +103,7 @@ class Config(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     engine: Literal["auto", "sequential", "vectorized"] = "auto"
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
