@@ -128,6 +128,10 @@ class _Runner:
             from fedflat.experiments.tensorboard import tensorboard_hook
 
             self.hooks.append(tensorboard_hook(run_dir.path / "tensorboard", purge_step=self.start_round + 1))
+        if cfg.diagnostics.every:
+            from fedflat.metrics.recorder import DiagnosticsRecorder
+
+            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # before loggers, which see its scalars
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
