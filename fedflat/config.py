@@ -10,11 +10,31 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import re
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: ``1e-3`` is a number (YAML 1.1, PyYAML's default, reads it as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def read_yaml(text: str):
+    """Parses YAML with numbers read as a researcher expects (``1e-3`` is a float)."""
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -163,7 +183,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = read_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -213,7 +233,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file '{path}' not found")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = read_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(loaded, dict):

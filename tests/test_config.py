@@ -1,0 +1,79 @@
+"""Config validation: unknown keys and bad values are errors that name the key and the fix."""
+from __future__ import annotations
+
+import pytest
+
+from fedflat.config import ConfigError, load_config, parse_override, resolve
+
+
+def test_defaults_are_the_spec_local_training_setting():
+    cfg = load_config(None, [])
+    t = cfg.train
+    assert (t.local_epochs, t.batch_size, t.lr, t.lr_decay, t.weight_decay, t.clip, t.global_lr) == \
+        (5, 50, 0.1, 0.998, 1e-3, 10.0, 1.0)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.lr_rate=0.1", "unknown key 'train.lr_rate' (did you mean 'train.lr'?)"),
+    ("rounds=abc", "rounds"),
+    ("rounds=0", "rounds"),
+    ("train.lr=-1", "train.lr"),
+    ("sampling.participation=sometimes", "sampling.participation"),
+    ("engine=turbo", "engine"),
+    ("algo=fedsma", "unknown algorithm 'fedsma' (did you mean 'fedsam'?)"),
+    ("algo.rh=0.1", "algo.rh: not a hyperparameter of 'fedavg'"),
+    ("algo.perturbation=samm", "algo.perturbation: unknown perturbation 'samm' (did you mean 'sam'?)"),
+    ("model=resnet19", "model.name: unknown name 'resnet19' (did you mean 'resnet18'?)"),
+    ("model.hiden=[10]", "model.hiden: unknown option (did you mean 'hidden'?)"),
+    ("data=fminst", "data.name: unknown name 'fminst' (did you mean 'fmnist'?)"),
+    ("data.partition.alpa=0.1", "data.partition.alpa: unknown option (did you mean 'alpha'?)"),
+    ("sampling.clients_per_round=50", "exceeds data.num_clients"),
+])
+def test_bad_config_names_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.num_clients=20", override])
+    assert fragment in str(err.value)
+
+
+def test_negative_radius_is_refused():
+    with pytest.raises(ConfigError, match="algo.rho"):
+        load_config(None, ["algo=fedsam", "algo.rho=-0.1"])
+
+
+def test_algo_shorthand_starts_from_the_recipe_defaults():
+    cfg = load_config(None, ["algo=fedsam", "algo.rho=0.05", "algo=fedavg"])
+    assert cfg.algo == {"name": "fedavg"}
+    cfg = load_config(None, ["algo=fedsam", "algo.rho=0.05"])
+    assert resolve(cfg)["algo"]["rho"] == 0.05
+
+
+def test_override_values_are_yaml():
+    assert parse_override("model.hidden=[10, 20]") == ("model.hidden", [10, 20])
+    assert parse_override("train.clip=null") == ("train.clip", None)
+    assert parse_override("train.lr=1e-3") == ("train.lr", 1e-3)
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("rounds")
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rounds: 3\ntrain:\n  batchsize: 10\n")
+    with pytest.raises(ConfigError, match="did you mean 'train.batch_size'"):
+        load_config(typo)
+
+
+def test_resolved_config_reloads_to_the_same_config(tmp_path):
+    import yaml
+
+    cfg = load_config(None, ["algo=fedsam", "data.partition=pathological", "data.partition.classes=2"])
+    tree = resolve(cfg)
+    assert tree["model"]["hidden"] == [200, 200] and tree["algo"]["rho"] == 0.01
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert resolve(load_config(path)) == tree

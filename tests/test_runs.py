@@ -1,0 +1,138 @@
+"""Run folders: contents, atomicity, and what a diverged, interrupted or failed run leaves behind."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import fedflat
+from fedflat.cli import main
+from fedflat.engine.simulation import Simulation
+from fedflat.experiments.rundir import RunDir, atomic_write_text, read_jsonl
+from fedflat.models import build_model
+
+REQUIRED_METRICS = {"round", "test_acc", "test_loss", "train_loss", "lr", "seconds", "up_vectors", "down_vectors",
+                    "drift"}
+
+
+def test_run_folder_contents_and_rerun_from_its_config(tiny, tmp_path):
+    hist = fedflat.run(tiny("eval.every=2"), out=tmp_path, progress=False)
+    folder = hist.run_dir
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "metrics.jsonl", "model.pt", "summary.json"]
+    metrics = read_jsonl(folder / "metrics.jsonl")
+    assert [m["round"] for m in metrics] == [2, 3]  # every 2 rounds, and the last
+    assert REQUIRED_METRICS <= set(metrics[0])
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 3
+    assert summary["final_test_acc"] == metrics[-1]["test_acc"]
+    assert summary["best_test_acc"] == max(m["test_acc"] for m in metrics)
+    assert {"python", "torch", "fedflat"} <= set(summary["versions"]) and summary["machine"]["cpu_count"]
+    # the final model loads into a fresh module and equals the returned parameters
+    state = torch.load(folder / "model.pt")
+    module = build_model("mlp", (1, 4, 4), 3, hidden=[8])
+    module.load_state_dict(state)
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    torch.testing.assert_close(flat, hist.final_parameters)
+    # config.yaml is complete: rerunning it reproduces the metrics
+    again = fedflat.run(folder / "config.yaml", out=tmp_path, progress=False)
+    assert again.run_dir != folder
+    strip = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k} for m in ms]  # noqa: E731
+    assert strip(again.metrics) == strip(metrics)
+
+
+def test_run_folders_are_never_reused(tmp_path):
+    a, b = RunDir.create(tmp_path, "x"), RunDir.create(tmp_path, "x")
+    assert a.path != b.path and a.path.is_dir() and b.path.is_dir()
+
+
+def test_atomic_write_leaves_old_file_when_writing_fails(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    atomic_write_text(target, "old")
+
+    def broken_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", broken_fsync)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write_text(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left behind
+
+
+def test_torn_last_metrics_line_is_ignored(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1}\n{"round": 2}\n{"rou')
+    assert read_jsonl(path) == [{"round": 1}, {"round": 2}]
+
+
+def test_diverged_run_keeps_metrics_and_says_so(tiny, tmp_path):
+    cfg = tiny("rounds=30", "train.lr=1e6", "train.clip=null", "train.weight_decay=0")
+    hist = fedflat.run(cfg, out=tmp_path, progress=False)
+    summary = json.loads((hist.run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and "non-finite" in summary["reason"]
+    assert summary["rounds"] < 30
+    assert len(read_jsonl(hist.run_dir / "metrics.jsonl")) == summary["rounds"]
+    assert (hist.run_dir / "model.pt").exists() and (hist.run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("error, status_reason", [(KeyboardInterrupt, "interrupted"), (MemoryError, "MemoryError")])
+def test_interrupted_or_crashed_run_leaves_a_consistent_folder(tiny, tmp_path, monkeypatch, error, status_reason):
+    original = Simulation.run_round
+
+    def failing(self, t):
+        if t == 2:
+            raise error()
+        return original(self, t)
+
+    monkeypatch.setattr(Simulation, "run_round", failing)
+    with pytest.raises(error):
+        fedflat.run(tiny("rounds=5"), out=tmp_path, progress=False)
+    (folder,) = list(tmp_path.iterdir())
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and status_reason in summary["reason"]
+    assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [1, 2]
+    assert summary["rounds"] == 2 and (folder / "model.pt").exists()
+
+
+def test_cli_run_list_and_partition(tiny, tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny().model_dump()))
+    assert main(["run", str(config), "rounds=2", "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "run folder:" in out and "status: completed" in out
+    assert main(["list"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("fedavg", "fedsam", "digits", "fmnist", "resnet18", "dirichlet", "pathological"):
+        assert f"  {name} " in listing
+    png = tmp_path / "split.png"
+    assert main(["partition", str(config), "data.partition=pathological", "data.partition.classes=2",
+                 "--png", str(png)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in table if line.strip() and line.split()[0].isdigit()]
+    assert len(rows) == 6 and all(int(r[2]) == 2 for r in rows)  # 2 classes per client
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    assert main(["run", "train.lr_rate=0.1"]) == 2
+    assert "did you mean 'train.lr'" in capsys.readouterr().err
+
+
+def test_quickstart_learns_digits():
+    """The embedded quickstart, shortened to 30 rounds: measured 0.93 test accuracy (chance 0.10)."""
+    hist = fedflat.run(None, overrides=["rounds=30"], save=False, progress=False)
+    assert hist.summary["final_test_acc"] > 0.85
+
+
+def test_missing_dataset_names_every_place_searched(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FEDFLAT_DATA", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["run", "data=cifar10", "model=cnn", "--data-dir", str(tmp_path / "mine"),
+                 "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    for place in ("mine", "env", "cache"):
+        assert place in err
+    assert "download" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
