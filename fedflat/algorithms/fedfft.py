@@ -1,0 +1,166 @@
+"""FedFFT (seed 004): a high-pass rFFT filter on the local SAM perturbation, and its ablation filters.
+
+Per parameter tensor ``l`` (seed 004 eq. 5-7): flatten the perturbation to ``v_l``, ``V = rFFT(v_l)``,
+zero ``V[m]`` for ``m < floor(r len(V))`` (the lowest frequencies, DC included), and
+``eps_l = reshape(iRFFT(V, n = len(v_l)))``; no renormalisation. The ablations of seed 004 Table 3
+(``high``, ``random``, ``l2``, ``clip``) are filters too, so any of them goes on any perturbation.
+
+Recipes: ``fedfft`` = FedSAM + filter, ``fedfft-s`` = FedGAMMA (SCAFFOLD) + filter,
+``fedfft-d`` = FedDyn + SAM + filter.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, Filter, PartParams, RoundContext, row_norm
+from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
+from fedflat.rng import torch_stream
+
+
+class SpectrumParams(PartParams):
+    r: float = Field(0.01, ge=0, le=1, description="fraction of each tensor's rFFT coefficients removed")
+
+
+def _layout_segments(ctx: RoundContext, eps: torch.Tensor) -> list[torch.Tensor]:
+    layout = ctx.settings.layout
+    if layout is None:
+        raise AlgorithmError("spectral filters work per parameter tensor and need settings.layout "
+                             "(the Simulation provides it)")
+    return layout.segments(eps)
+
+
+def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
+                    keep: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """Applies a coefficient mask per tensor: ``iRFFT(mask * rFFT(v_l), n = len(v_l))``.
+
+    ``keep(j, F)`` is the boolean mask over the ``F`` rFFT coefficients of segment ``j`` (shape
+    ``[F]`` or ``[C, F]``). Segments whose mask keeps everything are copied untouched, so the
+    rest of the spectrum (and of the vector) is exactly unchanged.
+    """
+    out = eps.clone()
+    offset = 0
+    for j, seg in enumerate(segments):
+        n = seg.shape[-1]
+        F = n // 2 + 1
+        mask = keep(j, F)
+        if not bool(mask.all()):
+            V = torch.fft.rfft(seg, dim=-1)
+            out[..., offset:offset + n] = torch.fft.irfft(V * mask.to(V.real.dtype), n=n, dim=-1)
+        offset += n
+    return out
+
+
+class LowFrequencyFilter(Filter):
+    """FedFFT's filter (seed 004 eq. 6): zero ``V[m]`` for ``m < floor(r len(V))`` per tensor."""
+
+    name = "fft"
+    summary = "FedFFT: zero the lowest floor(r*len) rFFT coefficients of each tensor's perturbation (r=0.01)"
+    Params = SpectrumParams
+
+    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        def keep(_: int, F: int) -> torch.Tensor:
+            return torch.arange(F, device=eps.device) >= int(self.p.r * F)
+        return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+
+
+class HighFrequencyFilter(Filter):
+    """Ablation (seed 004 Table 3): zero the HIGHEST ``floor(r len(V))`` coefficients per tensor."""
+
+    name = "high"
+    summary = "ablation: zero the highest floor(r*len) rFFT coefficients of each tensor"
+    Params = SpectrumParams
+
+    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        def keep(_: int, F: int) -> torch.Tensor:
+            return torch.arange(F, device=eps.device) < F - int(self.p.r * F)
+        return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+
+
+class RandomFrequencyFilter(Filter):
+    """Ablation (seed 004 Table 3): zero ``floor(r len(V))`` coefficients chosen at random per tensor.
+
+    The removed set is drawn once per client and round from the stream (seed, round, client,
+    ``"fft_random"``), so it does not depend on the engine or chunking; it is the same for every
+    local step of the round.
+    """
+
+    name = "random"
+    summary = "ablation: zero a seeded random floor(r*len) subset of each tensor's rFFT coefficients"
+    Params = SpectrumParams
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        layout = ctx.settings.layout
+        if layout is None:
+            raise AlgorithmError("filter 'random' needs settings.layout (the Simulation provides it)")
+        masks = []
+        for client in cohort.ids.tolist():
+            g = torch_stream(ctx.settings.seed, ctx.round, client, "fft_random")
+            rows = []
+            for n in layout.numels:
+                F = n // 2 + 1
+                keep = torch.ones(F, dtype=torch.bool)
+                keep[torch.randperm(F, generator=g)[:int(self.p.r * F)]] = False
+                rows.append(keep)
+            masks.append(torch.cat(rows))
+        cohort.extra["fft_random_keep"] = torch.stack(masks).to(ctx.w.device)
+
+    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        keep_all = cohort.extra["fft_random_keep"]
+        bounds = [0]
+        for n in ctx.settings.layout.numels:
+            bounds.append(bounds[-1] + n // 2 + 1)
+
+        def keep(j: int, F: int) -> torch.Tensor:
+            return keep_all[:, bounds[j]:bounds[j + 1]]
+        return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+
+
+class L2Params(PartParams):
+    rho: float = Field(0.1, ge=0, description="the radius perturbations are projected back to")
+
+
+class L2Filter(Filter):
+    """Ablation (seed 004 Table 3): project ``eps`` back onto the ball of radius ``rho`` when its norm
+    exceeds it. ``rho`` is the perturbation's own radius (shared hyperparameter), so on a plain SAM
+    perturbation (norm exactly ``rho``) this is the identity; it bites after other filters or on
+    perturbations whose norm is not ``rho``."""
+
+    name = "l2"
+    summary = "ablation: eps * min(1, rho/||eps||) (project to the SAM radius)"
+    Params = L2Params
+
+    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        return eps * (self.p.rho / (row_norm(eps) + 1e-12)).clamp(max=1.0)
+
+
+class ClipParams(PartParams):
+    clip_factor: float = Field(3.0, gt=0, description="clip |eps_j| at clip_factor * median |eps|")
+
+
+class CoordinateClipFilter(Filter):
+    """Ablation (seed 004 Table 3): clip every coordinate to ``c * median_j |eps_j|`` (per client, c = 3)."""
+
+    name = "clip"
+    summary = "ablation: clip each |eps_j| to c * median |eps| (c = clip_factor = 3)"
+    Params = ClipParams
+
+    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        threshold = self.p.clip_factor * eps.abs().median(dim=-1, keepdim=True).values
+        return torch.maximum(torch.minimum(eps, threshold), -threshold)
+
+
+register_recipe(Recipe(
+    name="fedfft", summary="FedSAM with the low-frequency perturbation components removed per tensor",
+    source="seed 004 (FedFFT), Algorithm 1, eq. 5-7",
+    perturbation="sam", filter="fft", defaults={"rho": 0.1, "r": 0.01}))
+register_recipe(Recipe(
+    name="fedfft-s", summary="FedGAMMA (SAM on SCAFFOLD) with the FedFFT filter",
+    source="seed 004 (FedFFT), Table 1 '-S'",
+    perturbation="sam", filter="fft", correction="scaffold", defaults={"rho": 0.1, "r": 0.01}))
+register_recipe(Recipe(
+    name="fedfft-d", summary="SAM on FedDyn with the FedFFT filter",
+    source="seed 004 (FedFFT), Table 1 '-D'",
+    perturbation="sam", filter="fft", correction="dyn", server="dyn", defaults={"rho": 0.1, "r": 0.01}))

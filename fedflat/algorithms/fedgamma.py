@@ -1,0 +1,32 @@
+"""FedGAMMA (Dai et al., IEEE TNNLS 2024): SCAFFOLD with local SAM.
+
+Local direction ``g(w + eps) + c - c_i`` with SCAFFOLD's variates, state and server; ``eps = rho u/||u||``
+from the uncorrected ``u = g(w)`` (default), or from the corrected ``u = g(w) + c - c_i`` with
+``algo.perturbation=sam_corrected``. Default ``rho = 0.01`` (FL-Simulator's tuned value).
+"""
+from __future__ import annotations
+
+import torch
+
+from fedflat.algorithms.base import Cohort, RoundContext
+from fedflat.algorithms.fedsam import LocalSAM
+from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.scaffold import SHIFT
+
+
+class CorrectedSAM(LocalSAM):
+    """SAM whose ascent direction carries SCAFFOLD's correction: ``u = g(w) + c - c_i``."""
+
+    name = "sam_corrected"
+    summary = "SAM with the SCAFFOLD-corrected ascent u = g(w) + c - c_i (needs correction 'scaffold')"
+    requires = frozenset({SHIFT})
+
+    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return grad + cohort.extra[SHIFT]
+
+
+register_recipe(Recipe(
+    name="fedgamma", summary="SCAFFOLD with local SAM: g(w + eps) + c - c_i (algo.perturbation=sam_corrected: "
+                         "eps from g + c - c_i)",
+    source="Dai et al., IEEE TNNLS 2024",
+    perturbation="sam", correction="scaffold", defaults={"rho": 0.01}))

@@ -1,0 +1,100 @@
+"""FedLESAM (Fan et al., ICML 2024; seed 002): a locally estimated global perturbation, one backprop per step.
+
+Seed 002 Algorithm 1: client ``i`` remembers ``w_i^old``, the global model it received at its
+previous participation, and perturbs every local step of round ``t`` by the same
+
+    eps_i = rho (w_i^old - w^t) / ||w_i^old - w^t||,
+
+then stores ``w_i^old = w^t``. No gradient is needed for the perturbation, so a step costs one
+backprop. FedLESAM-S (Algorithm 3) and FedLESAM-D (Algorithm 4) put the same perturbation on
+SCAFFOLD's and FedDyn's correction, state and server.
+
+Options (``algo.first``, ``algo.reference``):
+- ``first: none`` (default): a client's first participation has no perturbation (``eps = 0``), as the
+  public code does at round 0; ``first: zero`` takes the pseudo-code's initialisation ``w_i^old = 0``
+  literally (``eps = -rho w^t / ||w^t||``).
+- ``reference: own`` (default, the paper): ``w_i^old`` is the client's own memory;
+  ``reference: previous_round`` uses ``w^{t-1}`` for every client, as the public code does (equal to
+  ``own`` under full participation; no client memory).
+
+The public code computes the norm and the shift with ``g_update[idx]`` on a FLAT vector, i.e. it
+shifts each parameter tensor by one scalar; here ``eps`` is the full vector, as the paper writes.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, PartParams, Perturbation, RoundContext, normalize_rows
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+
+class LESAMParams(PartParams):
+    rho: float = Field(0.01, ge=0, description="perturbation radius")
+    first: Literal["none", "zero"] = "none"
+    reference: Literal["own", "previous_round"] = "own"
+
+
+class LocallyEstimatedPerturbation(Perturbation):
+    """``eps_i = rho (w_i^old - w_start) / ||w_i^old - w_start||``, constant within the round.
+
+    ``w_start`` is the model the client received (``w^t`` for every shipped server update).
+    """
+
+    name = "lesam"
+    summary = "FedLESAM: eps = rho (w_old - w^t)/||w_old - w^t||, w_old = model received last time (no extra backprop)"
+    Params = LESAMParams
+    client_vectors = 1
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings) -> None:
+        server["lesam_global"] = torch.zeros_like(w0)  # w^{t-1} - w^t of the last round
+        server["lesam_has_prev"] = torch.zeros((), dtype=torch.bool, device=w0.device)
+
+    def reference_models(self, ctx: RoundContext, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_old[C, P], known[C])``: the model each client perturbs away from, and whether it has one."""
+        if self.p.reference == "previous_round":
+            w_prev = ctx.server["lesam_global"] + ctx.w  # w^{t-1}
+            return w_prev.expand(cohort.size, -1), ctx.server["lesam_has_prev"].expand(cohort.size)
+        return ctx.store.get("lesam_w_old", cohort.ids)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        w_old, known = self.reference_models(ctx, cohort)
+        if self.p.first == "zero":  # the pseudo-code's w_i^old = 0 before any participation
+            w_old = torch.where(known[:, None], w_old, torch.zeros_like(w_old))
+            known = torch.ones_like(known)
+        direction = torch.where(known[:, None], w_old - ctx.w_start, torch.zeros_like(w_old))
+        cohort.extra["lesam_eps"] = normalize_rows(direction, self.p.rho)  # a zero direction gives eps = 0
+
+    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+        if self.p.rho == 0:
+            return None
+        return cohort.extra["lesam_eps"]
+
+    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+        if self.p.reference == "own":
+            ctx.store.put("lesam_w_old", cohort.ids, ctx.w_start.expand(cohort.size, -1))
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        ctx.server["lesam_global"] = ctx.w - w_new
+        ctx.server["lesam_has_prev"] = torch.ones((), dtype=torch.bool, device=ctx.w.device)
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The estimated global perturbation direction ``w^{t-1} - w^t`` (what a client that took part
+        in the previous round perturbs along), None before the first round."""
+        return server["lesam_global"] if bool(server["lesam_has_prev"]) else None
+
+
+register_recipe(Recipe(
+    name="fedlesam", summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
+    source="Fan et al., ICML 2024 (seed 002), Algorithm 1",
+    perturbation="lesam", defaults={"rho": 0.01}))
+register_recipe(Recipe(
+    name="fedlesam-s", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
+    source="Fan et al., ICML 2024 (seed 002), Algorithm 3",
+    perturbation="lesam", correction="scaffold", defaults={"rho": 0.1}))
+register_recipe(Recipe(
+    name="fedlesam-d", summary="FedLESAM perturbation on FedDyn's correction, state and server",
+    source="Fan et al., ICML 2024 (seed 002), Algorithm 4",
+    perturbation="lesam", correction="dyn", server="dyn", defaults={"rho": 0.1}))

@@ -1,0 +1,162 @@
+"""FedWMSAM (Li et al., NeurIPS 2025; seed 001): personalized momentum, momentum-guided single-backprop
+SAM, and a cosine-adaptive momentum factor.
+
+Server state: momentum ``m`` (``Gbar`` of the previous round, 0 at round 0), SCAFFOLD variates ``c``,
+``c_i`` and the momentum factor ``a`` (init 0.1).
+
+- Personalized momentum (seed 001 eq. 1-2): ``m_i = m + (c - c_i) a / (1 - a)``.
+- Momentum-guided perturbation: the inferred global trajectory ``xhat_k = w^t - k eta_l m_i``,
+  ``d_k = xhat_k - w_{i,k}``, ``eps_k = rho d_k / ||d_k||`` (``eps_0 = 0``); no extra backprop.
+- Local direction ``a g(w_{i,k} + eps_k) + (1 - a) m_i`` (``= a (g + c - c_i) + (1 - a) m``).
+- After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed by the server: no extra upload);
+  ``s_i = cos(G_i, m)``; ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)`` (eq. 3-4);
+  FedAvg server, then ``m = Gbar``.
+
+Ablations (seed 001 Table 5): ``personalized`` (off: ``m_i = m``), ``guided`` (off: ``eps = 0``),
+``adaptive`` (off: ``a`` fixed). With all three off FedWMSAM is FedCM with ``a`` = ``algo.a``.
+
+Public-code options: ``sign: code`` perturbs along ``-d_k`` (the public code's ``e_w = -g_update * scale``),
+``similarity: code`` uses its ``cos(Delta_i, m) + 1`` (``= 1 - cos(G_i, m)``). The public code's other
+deviations are NOT reproduced: it moves its target by ``+m`` per step (no ``-eta_l``) and, like the
+FedLESAM code, indexes the flat direction per tensor (one scalar shift per tensor).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from fedflat.algorithms.base import (Cohort, Correction, PartParams, Perturbation, RoundContext, TrainSettings,
+                                     normalize_rows, row_norm)
+from fedflat.algorithms.fedcm import MOMENTUM
+from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.scaffold import scaffold_client_variate, scaffold_server_variate
+
+FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
+SERVER_VARIATE = "wmsam.c"  # ctx.server: c
+CLIENT_VARIATE = "wmsam.c_i"  # ctx.store and cohort.extra
+PERSONAL_MOMENTUM = "wmsam.m_i"  # cohort.extra: m_i of the chunk's clients
+_ROUND_SUM = "wmsam.sum_dc"  # ctx.info
+
+
+def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``."""
+    return m + (c - c_i) * (a / (1 - a))
+
+
+def cosine_rows(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``cos(X_i, y)`` per row (0 where a vector is zero)."""
+    return (X @ y) / (row_norm(X).squeeze(-1) * y.norm() + 1e-12)
+
+
+def adapt_factor(a: torch.Tensor, similarity: torch.Tensor, tau: float, a_min: float, a_max: float) -> torch.Tensor:
+    """Seed 001 eq. 3-4: ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)``."""
+    return (1 - tau) * a + tau * similarity.mean().clamp(a_min, a_max)
+
+
+class WMSAMParams(PartParams):
+    a: float = Field(0.1, gt=0, lt=1, description="initial momentum factor (weight of the local gradient)")
+    tau: float = Field(0.01, ge=0, le=1, description="adaptation speed of a")
+    a_min: float = Field(0.1, gt=0, lt=1)
+    a_max: float = Field(0.9, gt=0, lt=1)
+    personalized: bool = Field(True, description="ablation: personalized momentum m_i (off: m_i = m)")
+    adaptive: bool = Field(True, description="ablation: cosine-adaptive a (off: a fixed)")
+    similarity: Literal["paper", "code"] = Field("paper", description="paper: cos(G_i, m); code: cos(Delta_i, m) + 1")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "WMSAMParams":
+        if self.a_min > self.a_max:
+            raise ValueError(f"a_min ({self.a_min}) must not exceed a_max ({self.a_max})")
+        return self
+
+
+class WeightedMomentum(Correction):
+    """``d = a grad + (1 - a) m_i`` with FedWMSAM's personalized momentum and adaptive factor ``a``.
+
+    Keeps ``m`` (under FedCM's name, so momentum-reading parts compose with it), ``c``, ``c_i`` and ``a``.
+    """
+
+    name = "wmsam"
+    summary = "FedWMSAM: a grad + (1 - a) m_i, m_i = m + (c - c_i) a/(1 - a), cosine-adaptive a"
+    Params = WMSAMParams
+    down = 1
+    client_vectors = 1
+    provides = frozenset({MOMENTUM, PERSONAL_MOMENTUM, FACTOR})
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[MOMENTUM] = torch.zeros_like(w0)
+        server[SERVER_VARIATE] = torch.zeros_like(w0)
+        server[FACTOR] = torch.tensor(self.p.a, dtype=w0.dtype, device=w0.device)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        c_i, _ = ctx.store.get(CLIENT_VARIATE, cohort.ids)
+        cohort.extra[CLIENT_VARIATE] = c_i
+        m = ctx.server[MOMENTUM].expand(cohort.size, -1)
+        if self.p.personalized:
+            m = personalized_momentum(m, ctx.server[SERVER_VARIATE], c_i, ctx.server[FACTOR])
+        cohort.extra[PERSONAL_MOMENTUM] = m
+
+    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        a = ctx.server[FACTOR]
+        return a * grad + (1 - a) * cohort.extra[PERSONAL_MOMENTUM]
+
+    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+        # SCAFFOLD's option II, computed by the server from Delta_i (no extra upload).
+        c_i = cohort.extra[CLIENT_VARIATE]
+        c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)
+        ctx.store.put(CLIENT_VARIATE, cohort.ids, c_plus)
+        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (c_plus - c_i).sum(0)
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        server = ctx.server
+        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], ctx.info.pop(_ROUND_SUM),
+                                                         ctx.settings.num_clients)
+        if self.p.adaptive:
+            if self.p.similarity == "code":
+                s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
+            else:
+                s = cosine_rows(ctx.pseudo_gradients, server[MOMENTUM])
+            ctx.info["wmsam_similarity"] = s
+            server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
+        server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return server[MOMENTUM]
+
+
+class GuidedParams(PartParams):
+    rho: float = Field(0.01, ge=0, description="perturbation radius")
+    guided: bool = Field(True, description="ablation: momentum-guided SAM (off: eps = 0)")
+    sign: Literal["paper", "code"] = Field("paper", description="code: perturb along -d_k as the public code does")
+
+
+class MomentumGuidedPerturbation(Perturbation):
+    """``eps_k = rho d_k/||d_k||``, ``d_k = (w_start - k eta_l m_i) - w_{i,k}`` (seed 001 §4.1(b)).
+
+    ``m_i`` is the personalized momentum when the correction provides one (``wmsam``), otherwise
+    the server momentum ``m`` (e.g. FedCM's ``momentum`` correction).
+    """
+
+    name = "wmsam"
+    summary = "FedWMSAM: eps = rho d/||d||, d = (w^t - k eta_l m_i) - w_k, the inferred global trajectory (no extra backprop)"
+    Params = GuidedParams
+    requires = frozenset({MOMENTUM})
+
+    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+        if not self.p.guided or self.p.rho == 0 or k == 0:
+            return None
+        m_i = cohort.extra.get(PERSONAL_MOMENTUM)
+        if m_i is None:
+            m_i = ctx.server[MOMENTUM]
+        d = (ctx.w_start - k * ctx.lr * m_i) - W
+        return normalize_rows(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return server.get(MOMENTUM)
+
+
+register_recipe(Recipe(
+    name="fedwmsam", summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
+    source="Li et al., NeurIPS 2025 (seed 001)",
+    perturbation="wmsam", correction="wmsam", defaults={"rho": 0.01, "a": 0.1}))

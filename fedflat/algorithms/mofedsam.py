@@ -1,0 +1,13 @@
+"""MoFedSAM (Qu et al., ICML 2022): FedCM's client momentum with local SAM.
+
+Local direction ``a g(w + eps) + (1 - a) m``, ``eps = rho g(w)/||g(w)||``, ``m`` the previous round's
+``Gbar``; FedAvg server. Defaults ``rho = 0.1``, ``a = 0.1``.
+"""
+from __future__ import annotations
+
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+register_recipe(Recipe(
+    name="mofedsam", summary="FedCM momentum with local SAM: a g(w + eps) + (1 - a) m",
+    source="Qu et al., ICML 2022",
+    perturbation="sam", correction="momentum", defaults={"rho": 0.1, "a": 0.1}))
