@@ -1,0 +1,64 @@
+"""FedSMOO (Sun et al., ICML 2023): FedDyn's correction plus a globally corrected SAM perturbation.
+
+Client dual ``mu_i`` (0 at first participation), server correction ``s`` (0). Every local step:
+``u = g(w) - mu_i - s``, ``eps = rho u / ||u||``, ``mu_i <- mu_i + eps - s``; the descent gradient is
+``g(w + eps)`` inside FedDyn's direction. After the round the server sets
+``s = rho mean_S(mu_i) / ||mean_S(mu_i)||`` (the clients upload ``mu_i``: 2 vectors up), then takes
+FedDyn's step. Default ``rho = 0.1``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fedflat.algorithms.base import Cohort, RoundContext, TrainSettings, normalize_rows
+from fedflat.algorithms.fedsam import LocalSAM, SAMParams
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+SERVER_CORRECTION = "smoo.s"  # ctx.server: s
+CLIENT_DUAL = "smoo.mu_i"  # ctx.store and cohort.extra
+_ROUND_SUM = "smoo.sum_mu"  # ctx.info: sum of the round's updated mu_i
+
+
+class CorrectedPerturbation(LocalSAM):
+    """``eps = rho (g - mu_i - s) / ||g - mu_i - s||``, then ``mu_i <- mu_i + eps - s`` (active rows only)."""
+
+    name = "smoo"
+    summary = "FedSMOO: eps = rho u/||u||, u = g(w) - mu_i - s, mu_i <- mu_i + eps - s; s from the mean mu_i"
+    Params = SAMParams
+    up = 1
+    client_vectors = 1
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[SERVER_CORRECTION] = torch.zeros_like(w0)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        cohort.extra[CLIENT_DUAL], _ = ctx.store.get(CLIENT_DUAL, cohort.ids)
+
+    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return grad - cohort.extra[CLIENT_DUAL] - ctx.server[SERVER_CORRECTION]
+
+    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+        eps = super().perturb(ctx, cohort, k, W, batch)
+        step = -ctx.server[SERVER_CORRECTION] if eps is None else eps - ctx.server[SERVER_CORRECTION]
+        mu = cohort.extra[CLIENT_DUAL]
+        cohort.extra[CLIENT_DUAL] = torch.where(cohort.active[:, None], mu + step, mu)
+        return eps
+
+    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+        mu = cohort.extra[CLIENT_DUAL]
+        ctx.store.put(CLIENT_DUAL, cohort.ids, mu)
+        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + mu.sum(0)
+
+    def finish(self, ctx: RoundContext) -> None:
+        mean_mu = ctx.info.pop(_ROUND_SUM) / ctx.K
+        ctx.server[SERVER_CORRECTION] = normalize_rows(mean_mu[None], self.p.rho)[0]
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``s``, the server's estimate of the global perturbation."""
+        return server[SERVER_CORRECTION]
+
+
+register_recipe(Recipe(
+    name="fedsmoo", summary="FedDyn + SAM with the dual-corrected perturbation u = g - mu_i - s",
+    source="Sun et al., ICML 2023",
+    perturbation="smoo", correction="dyn", server="dyn", defaults={"rho": 0.1}))
