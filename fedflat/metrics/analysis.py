@@ -120,8 +120,9 @@ def _drift(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
             files.append(plots.plot_series(rounds, {target.sim.algorithm.name: drift}, out / f"client_drift{suffix}.png",
                                            xlabel="round", ylabel="mean ||w_i - w^t||",
                                            title="client drift (seed 003, Sec. 5.5)"))
-        history = [d for d in read_jsonl(target.path / "diagnostics" / "drift.jsonl") if d["result"].get("available")]
-        if out is not None and result.get("available") and len(history) + 1 > 1:
+        history = [d for d in read_jsonl(target.path / "diagnostics" / "drift.jsonl")
+                   if d["result"].get("available") and d["round"] != target.round]
+        if out is not None and result.get("available") and history:
             xs = [d["round"] for d in history] + [target.round]
             pd = [d["result"]["perturbation_drift"] for d in history] + [result["perturbation_drift"]]
             cd = [d["result"]["cosine_distance"] for d in history] + [result["cosine_distance"]]
@@ -170,8 +171,9 @@ def _landscape(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: s
     sim = target.sim
     result = landscape_2d(sim, samples=o.samples, span=o.span, resolution=o.resolution)
     w_a, label_a = (other.sim.w, other.label) if other is not None else (sim.model.initial.to(sim.w.device), "initial")
+    label_b = target.label if other is not None else f"round {target.round}"
     alphas = torch.linspace(-0.5, 1.5, 2 * o.resolution - 1)
-    result["interpolation"] = {"from": label_a, "to": target.label,
+    result["interpolation"] = {"from": label_a, "to": label_b,
                                **interpolation(global_objective(sim, o.samples), w_a, sim.w, alphas)}
     files: list[Path] = []
     if out is not None:
@@ -180,7 +182,7 @@ def _landscape(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: s
                                          out / f"landscape_surface{suffix}.png", title=title))
         i = result["interpolation"]
         files.append(plots.plot_interpolation(i["alphas"], i["loss"], i["accuracy"], out / f"interpolation{suffix}.png",
-                                              labels=(label_a, target.label), title=f"{title}: linear interpolation"))
+                                              labels=(label_a, label_b), title=f"{title}: linear interpolation"))
     return result, files
 
 

@@ -50,6 +50,9 @@ def plot_series(x: Sequence[float], series: dict[str, Sequence[float]], path: Pa
     for label, y in series.items():
         ax.plot(x[:len(y)], [np.nan if v is None else v for v in y], marker="o", markersize=3, label=label)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if logy:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)

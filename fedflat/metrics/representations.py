@@ -27,10 +27,13 @@ def penultimate_features(sim, w: torch.Tensor | None = None, samples: int | None
 def tsne_embedding(features: np.ndarray, seed: int, perplexity: float = 30.0) -> np.ndarray:
     """A seeded 2-D t-SNE embedding (scikit-learn, PCA initialization)."""
     from sklearn.manifold import TSNE
+    from threadpoolctl import threadpool_limits
 
     perplexity = min(perplexity, max(1.0, (features.shape[0] - 1) / 3))
     tsne = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed % (2 ** 32))
-    return tsne.fit_transform(features.astype(np.float64))
+    # OpenMP threads beyond torch's share spin against each other on a busy machine (40x slower measured)
+    with threadpool_limits(limits=torch.get_num_threads()):
+        return tsne.fit_transform(features.astype(np.float64))
 
 
 def pca_2d(X: np.ndarray) -> tuple[np.ndarray, list[float]]:
