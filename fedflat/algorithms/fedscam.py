@@ -1,0 +1,236 @@
+"""FedSCAM (seed 003, Algorithm 1): heterogeneity-adaptive SAM radius and alignment-aware aggregation.
+
+Per selected client, before local training (at the received model ``w^t``):
+- heterogeneity ``h_i`` = mean of ``||g(w^t)||`` over ``B = 3`` batches;
+- pilot direction = the gradient on one batch (the first of those ``B``; no further backprop),
+  summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
+- alignment ``c_i = cos(s_i, u_{t-1})`` (0 at t = 0, where ``u`` is still zero);
+- ``h_adj = h_i max(0, 1 - kappa c_i)``, radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``; local SAM with ``rho_i``.
+After training: ``z_i = P_d(normalize(Delta_i))``; optional clustered dampening (k-means with ``clusters``
+clusters on ``z``; inside a cluster, for every pair with negative cosine, the smaller-norm update's weight is
+multiplied by ``dampening`` = lambda); weights ``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)``;
+``w^{t+1} = w^t + eta_g sum_i S_i Delta_i / sum_j S_j``; ``u_t = P_d(normalize(w^{t+1} - w^t))``.
+
+Variants: ``fedscam`` (both), ``fedscam-wa`` (local SGD, FedSCAM weights), ``fedscam-sam`` (adaptive
+radius, uniform weights); ``fedlwsam`` is local SAM with FedLW's loss-based weights.
+The scores are computed once per client and round by whichever FedSCAM part runs first and shared
+through ``ctx.info``; the direction memory ``u`` lives in ``ctx.server``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Aggregation, Cohort, PartParams, RoundContext, TrainSettings, row_norm
+from fedflat.algorithms.fedsam import LocalSAM
+from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.rng import SERVER, numpy_stream, torch_stream
+
+DIRECTION_MEMORY = "scam.u"  # ctx.server: u_{t-1}, the projected direction of the last global update
+_SCORES = "scam"  # ctx.info: per-round scores of the sampled clients
+_BLOCK = 1 << 22  # random-projection entries generated at a time
+_CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory
+
+
+def _projection_blocks(seed: int, P: int, d: int):
+    """Column blocks ``(start, R_b[d, width])`` of the fixed Gaussian projection, in a fixed order."""
+    g = torch_stream(seed, -1, SERVER, "scam_projection")
+    width = max(1, _BLOCK // d)
+    for start in range(0, P, width):
+        yield start, torch.randn(d, min(width, P - start), generator=g)
+
+
+@lru_cache(maxsize=4)
+def _projection_matrix(seed: int, P: int, d: int, device: str) -> torch.Tensor:
+    return torch.cat([R for _, R in _projection_blocks(seed, P, d)], dim=1).to(device)
+
+
+def random_projection(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+    """``P_d X = R X / sqrt(d)`` row by row, ``R[d, P]`` a fixed Gaussian matrix drawn from ``seed``
+    (generated block by block, so large models never hold all of ``R``)."""
+    P = X.shape[-1]
+    if P * d <= _CACHE_LIMIT:
+        R = _projection_matrix(seed, P, d, str(X.device))
+        return X @ R.T / d ** 0.5
+    out = torch.zeros(*X.shape[:-1], d, device=X.device, dtype=X.dtype)
+    for start, R in _projection_blocks(seed, P, d):
+        out += X[..., start:start + R.shape[1]] @ R.to(X.device, X.dtype).T
+    return out / d ** 0.5
+
+
+def summarize(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+    """``P_d(normalize(X))`` row by row."""
+    return random_projection(X / (row_norm(X) + 1e-12), d, seed)
+
+
+def cosine(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``cos(X_i, y)`` per row; 0 when either vector is zero."""
+    return (X @ y) / (row_norm(X).squeeze(-1) * y.norm() + 1e-12)
+
+
+class ScoreParams(PartParams):
+    kappa: float = Field(1.0, ge=0, description="heterogeneity-alignment coupling: h_adj = h max(0, 1 - kappa c)")
+    pilot_batches: int = Field(3, ge=1, description="B: batches whose mean gradient norm is h_i")
+    summary_dim: int = Field(256, ge=1, description="d: dimension of the random-projection summaries")
+
+
+def client_scores(ctx: RoundContext, cohort: Cohort, p: ScoreParams) -> None:
+    """Fills ``h``, ``c``, ``h_adj`` of the chunk's rows in ``ctx.info['scam']`` (once per round and client).
+
+    Costs ``B`` backprops per client and round, at the received model.
+    """
+    scores = ctx.info.setdefault(_SCORES, {
+        name: torch.zeros(ctx.K, device=ctx.w.device) for name in ("h", "c", "h_adj")})
+    scores.setdefault("done", torch.zeros(ctx.K, dtype=torch.bool, device=ctx.w.device))
+    if bool(scores["done"][cohort.rows].all()):
+        return
+    W0 = ctx.w_start.expand(cohort.size, -1)
+    extra = [ctx.batches.extra(ctx.round, i, p.pilot_batches, "scam_heterogeneity") for i in cohort.ids.tolist()]
+    norms = []
+    for b in range(p.pilot_batches):
+        _, grad = ctx.oracle.loss_grad(W0, ctx.batches.batch([picks[b] for picks in extra], None))
+        norms.append(row_norm(grad).squeeze(-1))
+        if b == 0:
+            pilot = grad
+    h = torch.stack(norms).mean(0)
+    c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
+    scores["h"][cohort.rows] = h
+    scores["c"][cohort.rows] = c
+    scores["h_adj"][cohort.rows] = h * (1 - p.kappa * c).clamp(min=0)
+    scores["done"][cohort.rows] = True
+
+
+def remember_direction(ctx: RoundContext, w_new: torch.Tensor, d: int) -> None:
+    """``u_t = P_d(normalize(w^{t+1} - w^t))`` (once per round)."""
+    if not ctx.info.get("scam_u_done"):
+        ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], d, ctx.settings.seed)[0]
+        ctx.info["scam_u_done"] = True
+
+
+def _setup_memory(server: dict[str, torch.Tensor], w0: torch.Tensor, d: int) -> None:
+    server.setdefault(DIRECTION_MEMORY, torch.zeros(d, dtype=w0.dtype, device=w0.device))
+
+
+class RadiusParams(ScoreParams):
+    rho_max: float = Field(0.05, ge=0, description="largest SAM radius")
+    alpha_rho: float = Field(1.0, ge=0, description="radius scale: rho_i = rho_max / (1 + alpha_rho h_adj)")
+
+
+class AdaptiveRadiusSAM(LocalSAM):
+    """Local SAM with the client radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``."""
+
+    name = "scam"
+    summary = "FedSCAM: SAM with radius rho_max/(1 + alpha_rho h_adj), h_adj from pilot gradient norms and alignment"
+    Params = RadiusParams
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        _setup_memory(server, w0, self.p.summary_dim)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        client_scores(ctx, cohort, self.p)
+        radius = self.p.rho_max / (1 + self.p.alpha_rho * ctx.info[_SCORES]["h_adj"][cohort.rows])
+        cohort.extra["scam_radius"] = radius[:, None]
+        ctx.info.setdefault("scam_radius", torch.zeros(ctx.K, device=ctx.w.device))[cohort.rows] = radius
+
+    def radius(self, ctx: RoundContext, cohort: Cohort) -> torch.Tensor:
+        return cohort.extra["scam_radius"]
+
+    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+        if self.p.rho_max == 0:
+            return None
+        _, grad = ctx.oracle.loss_grad(W, batch)
+        return grad * (self.radius(ctx, cohort) / (row_norm(grad) + 1e-12))
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        remember_direction(ctx, w_new, self.p.summary_dim)
+
+
+def kmeans(Z: torch.Tensor, k: int, rng: np.random.Generator, iters: int = 50) -> torch.Tensor:
+    """Cluster labels of the rows of ``Z`` (k-means++ seeding from ``rng``, then Lloyd's iterations)."""
+    n = Z.shape[0]
+    if n <= k:
+        return torch.arange(n)
+    Zc = Z.double().cpu()
+    centers = [Zc[rng.integers(n)]]
+    for _ in range(1, k):
+        dist = torch.cdist(Zc, torch.stack(centers)).min(1).values ** 2
+        probs = (dist / dist.sum()).numpy() if dist.sum() > 0 else np.full(n, 1.0 / n)
+        centers.append(Zc[rng.choice(n, p=probs)])
+    C = torch.stack(centers)
+    labels = torch.cdist(Zc, C).argmin(1)
+    for _ in range(iters):
+        C = torch.stack([Zc[labels == j].mean(0) if (labels == j).any() else C[j] for j in range(k)])
+        new = torch.cdist(Zc, C).argmin(1)
+        if torch.equal(new, labels):
+            break
+        labels = new
+    return labels
+
+
+def conflict_dampening(Z: torch.Tensor, update_norms: torch.Tensor, labels: torch.Tensor, lam: float) -> torch.Tensor:
+    """Weight factors: inside each cluster, each pair with negative cosine multiplies the smaller-norm
+    update's factor by ``lam``."""
+    cos = (Z @ Z.T) / (row_norm(Z) * row_norm(Z).T + 1e-12)
+    factor = torch.ones(Z.shape[0], dtype=Z.dtype, device=Z.device)
+    for i in range(Z.shape[0]):
+        for j in range(i + 1, Z.shape[0]):
+            if labels[i] == labels[j] and cos[i, j] < 0:
+                factor[i if update_norms[i] < update_norms[j] else j] *= lam
+    return factor
+
+
+class WeightParams(ScoreParams):
+    gamma: float = Field(1.0, ge=0, description="heterogeneity penalty of the weights")
+    beta: float = Field(0.8, ge=0, description="alignment boost of the weights")
+    clustering: bool = Field(False, description="clustered conflict dampening")
+    clusters: int = Field(2, ge=1, description="K of the k-means on the update summaries")
+    dampening: float = Field(0.5, gt=0, le=1, description="lambda: weight factor of the smaller conflicting update")
+
+
+class AlignmentWeights(Aggregation):
+    """``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)`` (times the optional dampening factors)."""
+
+    name = "scam"
+    summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
+    Params = WeightParams
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        _setup_memory(server, w0, self.p.summary_dim)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        client_scores(ctx, cohort, self.p)
+
+    def weights(self, ctx: RoundContext) -> torch.Tensor:
+        scores = ctx.info[_SCORES]
+        S = (ctx.num_samples.to(ctx.w.dtype) / (1 + self.p.gamma * scores["h_adj"])
+             * (1 + self.p.beta * scores["c"]).clamp(min=0))
+        if self.p.clustering:
+            deltas = ctx.deltas
+            Z = summarize(deltas, self.p.summary_dim, ctx.settings.seed)
+            labels = kmeans(Z, self.p.clusters, numpy_stream(ctx.settings.seed, ctx.round, SERVER, "scam_kmeans"))
+            S = S * conflict_dampening(Z, row_norm(deltas).squeeze(-1), labels, self.p.dampening)
+        if S.sum() <= 0:  # every client anti-aligned beyond -1/beta: fall back to sample weights
+            S = ctx.num_samples.to(ctx.w.dtype)
+        ctx.info["scam_weights"] = S / S.sum()
+        return S / S.sum()
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        remember_direction(ctx, w_new, self.p.summary_dim)
+
+
+_SOURCE = "seed 003 (FedSCAM), Algorithm 1"
+register_recipe(Recipe(
+    name="fedscam", summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
+    source=_SOURCE, perturbation="scam", aggregation="scam"))
+register_recipe(Recipe(
+    name="fedscam-wa", summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
+    aggregation="scam"))
+register_recipe(Recipe(
+    name="fedscam-sam", summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
+    perturbation="scam"))
+register_recipe(Recipe(
+    name="fedlwsam", summary="local SAM with FedLW's loss-based weights p_i ∝ n_i / F_i",
+    source="seed 003 (FedSCAM), Table 2 baseline", perturbation="sam", aggregation="fedlw", defaults={"rho": 0.05}))
