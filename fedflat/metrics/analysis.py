@@ -63,6 +63,7 @@ class Target:
     sim: Any
     round: int
     path: Path | None = None
+    note: str | None = None
 
     @property
     def label(self) -> str:
@@ -78,10 +79,13 @@ def open_run(run_dir: str | Path) -> Target:
         raise FileNotFoundError(f"{path}: not a run folder (no config.yaml)")
     sim = load_run(path)
     rounds = getattr(sim, "rounds_done", None)
+    note = None
     if rounds is None:
         summary = path / "summary.json"
         rounds = json.loads(summary.read_text()).get("rounds", 0) if summary.is_file() else 0
-    return Target(sim, int(rounds), path)
+        note = ("no checkpoint.pt: the global model comes from model.pt, server and client state start fresh "
+                "(global directions and stateful perturbations are those of round 0)")
+    return Target(sim, int(rounds), path, note)
 
 
 def heterogeneity_label(sim) -> str:
@@ -255,6 +259,8 @@ def analyze(kind: str, target: Target, options: DiagnosticsConfig | None = None,
            "run": str(target.path) if target.path is not None else None,
            "options": {k: getattr(options, k) for k in OPTIONS[kind]}, "result": json_safe(_plain(result)),
            "files": [Path(f).name for f in files]}
+    if target.note:
+        doc["note"] = target.note
     if out is not None:
         atomic_write_text(out / f"{kind}{suffix}.json", json.dumps(doc, indent=1) + "\n")
     return doc

@@ -57,6 +57,8 @@ def _print(doc: dict[str, Any], out: Path) -> None:
 
     result = doc["result"]
     print(f"{doc['kind']} of {doc['algorithm']} at round {doc['round']}:")
+    if doc.get("note"):
+        print(f"  note: {doc['note']}")
     if not result.get("available", True):
         print(f"  not available: {result.get('reason')}")
     for key, value in headline(doc).items():
