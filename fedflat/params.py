@@ -86,6 +86,13 @@ class FlatModel:
         self.bind(flat)
         return self.module(x)
 
+    def call_views(self, views, x: torch.Tensor) -> torch.Tensor:
+        """The module at per-tensor ``views`` (as from ``layout.views``): lets autograd differentiate
+        with respect to each tensor directly (the engine's oracle), also under ``vmap``."""
+        for (owner, attr), view in zip(self._slots, views):
+            owner.__dict__[attr] = view
+        return self.module(x)
+
     def features(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Penultimate-layer features at ``flat`` (models expose ``features``)."""
         self.bind(flat)

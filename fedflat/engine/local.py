@@ -5,6 +5,7 @@ import torch
 
 from fedflat.algorithms import Algorithm, Cohort, RoundContext
 from fedflat.engine.batches import local_schedule, stack_batches
+from fedflat.engine.oracle import Batch
 from fedflat.rng import torch_stream
 
 
@@ -13,6 +14,10 @@ def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if max_norm is None:
         return D
     scale = (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+    # D * 1.0 is D bit for bit: skip the full-size multiply when no row is clipped (a free check on
+    # CPU; on a GPU it would cost a synchronisation, so there the multiply is always done).
+    if D.device.type == "cpu" and bool((scale == 1.0).all()):
+        return D
     return D * scale
 
 
@@ -36,11 +41,16 @@ class ClientBatches:
         return local_schedule(self.client_indices[client], count, self.batch_size,
                               torch_stream(self.seed, round, client, purpose))
 
-    def batch(self, picks: list[torch.Tensor], generators: list[torch.Generator] | None):
+    def batch(self, picks: list[torch.Tensor], generators: list[torch.Generator] | None) -> Batch:
+        """The step batch of a cohort; augmentation (if any) draws from each client's own stream and
+        touches only its real samples, so padding never shifts a client's random numbers."""
         batch = stack_batches(self.x, self.y, picks, self.batch_size)
         if self.augment is not None and generators is not None:
-            C, B = batch.x.shape[:2]
-            rows = [self.augment(batch.x[c], generators[c]) for c in range(C)]
+            rows = []
+            for c, pick in enumerate(picks):
+                n = pick.shape[0]
+                row = self.augment(batch.x[c, :n], generators[c])
+                rows.append(row if n == batch.x.shape[1] else torch.cat([row, batch.x[c, n:]]))
             batch.x = torch.stack(rows)
         return batch
 
@@ -55,6 +65,7 @@ def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches
     parts = algorithm.parts
     perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
     settings = ctx.settings
+    wd, clip, lr = settings.weight_decay, settings.clip, ctx.lr
     ids = cohort.ids.tolist()
     steps = cohort.steps.tolist()
     schedules = batches.schedules(ctx.round, ids, steps)
@@ -66,23 +77,25 @@ def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches
     loss_sum = torch.zeros(cohort.size, device=W.device)
     longest = max(steps)
     uniform = min(steps) == longest
+    cohort.active = torch.ones(cohort.size, dtype=torch.bool, device=W.device)
     for k in range(longest):
-        active = cohort.steps > k
-        cohort.active = active
+        if not uniform:
+            cohort.active = cohort.steps > k
         picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
         batch = batches.batch(picks, generators)
         eps = perturbation.perturb(ctx, cohort, k, W, batch)
         if eps is not None:
             eps = filt.apply(ctx, cohort, eps)
         loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch)
-        if settings.weight_decay:
-            grad = grad + settings.weight_decay * W
-        direction = clip_rows(correction.direction(ctx, cohort, k, W, grad), settings.clip)
+        if wd:
+            grad.add_(wd * W)  # grad is the oracle's fresh tensor; same bits as grad + wd * W
+        direction = clip_rows(correction.direction(ctx, cohort, k, W, grad), clip)
         if uniform:
-            W -= ctx.lr * direction
+            W -= lr * direction
             loss_sum += loss
         else:
-            W = torch.where(active[:, None], W - ctx.lr * direction, W)
+            active = cohort.active
+            W = torch.where(active[:, None], W - lr * direction, W)
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
     ctx.w_final[cohort.rows] = W
     ctx.train_loss[cohort.rows] = loss_sum / cohort.steps.to(loss_sum.dtype)

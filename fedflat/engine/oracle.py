@@ -3,6 +3,11 @@
 Both engines call the same oracle interface with a leading client dimension ``C``:
 ``loss_grad(W[C, P], batch) -> (loss[C], g[C, P])``. The sequential oracle loops over the rows on
 one reused model; the vectorized oracle runs all rows at once with ``torch.func.vmap``.
+
+Gradients are taken with respect to the per-tensor views of ``w`` (not ``w`` itself) and written
+into one flat ``[C, P]`` tensor by a single ``torch.cat``: differentiating through the views of one
+flat leaf would make autograd materialise a zero-filled ``[P]`` gradient per tensor and add them up,
+which costs more than the backward pass itself for a small MLP. The values are the same.
 """
 from __future__ import annotations
 
@@ -26,6 +31,13 @@ class Batch:
     y: torch.Tensor
     weight: torch.Tensor | None = None
 
+    def row(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``c``'s real samples ``(x[n_c, ...], y[n_c])`` (padding dropped)."""
+        if self.weight is None:
+            return self.x[c], self.y[c]
+        keep = self.weight[c] > 0
+        return self.x[c][keep], self.y[c][keep]
+
 
 class Oracle:
     """Stochastic loss and gradient ``g(w)`` for a cohort, counting backprops.
@@ -39,37 +51,56 @@ class Oracle:
         self.vectorized = vectorized
         self.backprops = 0
         if vectorized:
-            self._vgrad = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
-            self._vloss = torch.func.vmap(self._weighted_loss)
+            self._vgrad = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
+            self._vgrad_weighted = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
+            self._vloss = torch.func.vmap(self._mean_loss)
+            self._vloss_weighted = torch.func.vmap(self._weighted_loss)
 
-    def _weighted_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(self.model(w, x), y, reduction="none")
+    # Per-client losses of the tensors ``views`` (one client's parameters, per tensor).
+    def _mean_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model.call_views(views, x), y)
+
+    def _weighted_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
+                       weight: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(self.model.call_views(views, x), y, reduction="none")
         return (losses * weight).sum() / weight.sum()
 
+    def _flat(self, grads: tuple[torch.Tensor, ...], lead: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
+
     def _loss_grad_one(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        leaf = w.detach().requires_grad_(True)
-        loss = F.cross_entropy(self.model(leaf, x), y)
-        (grad,) = torch.autograd.grad(loss, leaf)
-        return loss.detach(), grad
+        views = [v.detach().requires_grad_(True) for v in self.model.layout.views(w)]
+        loss = F.cross_entropy(self.model.call_views(views, x), y)
+        grads = torch.autograd.grad(loss, views)
+        return loss.detach(), self._flat(grads, ())
 
     def loss_grad(self, W: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``."""
         C = W.shape[0]
         self.backprops += C
         if self.vectorized:
-            weight = batch.weight if batch.weight is not None else torch.ones(batch.y.shape, device=W.device)
-            grad, loss = self._vgrad(W.detach(), batch.x, batch.y, weight)
-            return loss, grad
-        if C == 1:
+            views = tuple(self.model.layout.views(W.detach()))
+            if batch.weight is None:
+                grads, loss = self._vgrad(views, batch.x, batch.y)
+            else:
+                grads, loss = self._vgrad_weighted(views, batch.x, batch.y, batch.weight)
+            return loss, self._flat(grads, (C,))
+        if C == 1 and batch.weight is None:
             loss, grad = self._loss_grad_one(W[0], batch.x[0], batch.y[0])
             return loss.unsqueeze(0), grad.unsqueeze(0)
-        pairs = [self._loss_grad_one(W[c], batch.x[c], batch.y[c]) for c in range(C)]
+        pairs = [self._loss_grad_one(W[c], *batch.row(c)) for c in range(C)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     @torch.no_grad()
     def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
         """``loss[C]`` without a backward pass."""
         if self.vectorized:
-            weight = batch.weight if batch.weight is not None else torch.ones(batch.y.shape, device=W.device)
-            return self._vloss(W, batch.x, batch.y, weight)
-        return torch.stack([F.cross_entropy(self.model(W[c], batch.x[c]), batch.y[c]) for c in range(W.shape[0])])
+            views = tuple(self.model.layout.views(W))
+            if batch.weight is None:
+                return self._vloss(views, batch.x, batch.y)
+            return self._vloss_weighted(views, batch.x, batch.y, batch.weight)
+        losses = []
+        for c in range(W.shape[0]):
+            x, y = batch.row(c)
+            losses.append(F.cross_entropy(self.model(W[c], x), y))
+        return torch.stack(losses)

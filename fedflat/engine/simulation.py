@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedflat.algorithms import Algorithm, Cohort, RoundContext, TrainSettings, build_algorithm
-from fedflat.config import Config
+from fedflat.config import Config, ConfigError
 from fedflat.data import Dataset, cifar_augment, load_dataset, partition
 from fedflat.engine.batches import local_steps
 from fedflat.engine.local import ClientBatches, train_chunk
@@ -35,11 +35,59 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_engine(name: str, device: torch.device) -> str:
-    """``auto``: vectorized on GPUs (launch-bound small batches), sequential on CPU, where vmap over
-    convolutions becomes slower grouped convolutions (measured, docs/benchmarks.md)."""
+    """``auto``: vectorized on GPUs (launch-bound small batches), sequential on CPU, where the
+    vectorized engine measured slower on every standard workload (vmap over convolutions becomes
+    grouped convolutions; clients with fewer steps are padded): docs/benchmarks.md."""
     if name != "auto":
         return name
     return "vectorized" if device.type == "cuda" else "sequential"
+
+
+def check_vectorizable(algorithm: Algorithm) -> None:
+    """Refuses, naming the part, a method with a part that declares ``supports_vectorized = False``
+    (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort)."""
+    for role, part in algorithm.parts.items():
+        if not getattr(part, "supports_vectorized", True):
+            raise ConfigError(f"engine=vectorized: {role} '{part.name}' of '{algorithm.name}' does not support the "
+                             f"vectorized engine yet; use engine=sequential")
+
+
+# Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
+# per-tensor gradients and their flat copy, the direction and the step's temporaries.
+LOOP_VECTORS = 8
+DEFAULT_CPU_BUDGET = 2 << 30  # bytes for one vectorized chunk on CPU
+
+
+def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
+    """Bytes of every module output of one forward pass on ``x`` (what a backward pass keeps alive)."""
+    total = 0
+
+    def count(_module, _inputs, output):
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(count) for m in model.module.modules()]
+    try:
+        with torch.no_grad():
+            model(w, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes a vectorized chunk may use: half the free GPU memory, or 2 GiB on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return DEFAULT_CPU_BUDGET
+
+
+def auto_chunk_size(per_client_bytes: int, budget: int, K: int) -> int:
+    """The most clients whose working sets fit ``budget`` (at least one, at most ``K``)."""
+    return max(1, min(K, budget // max(per_client_bytes, 1)))
 
 
 @dataclass
@@ -82,6 +130,9 @@ class Simulation:
         self.model = FlatModel(module.to(self.device))
         self.algorithm: Algorithm = build_algorithm(cfg.algo)
         self.engine = resolve_engine(cfg.engine, self.device)
+        self._client_bytes: int | None = None
+        if self.engine == "vectorized":
+            check_vectorizable(self.algorithm)
         self.oracle = Oracle(self.model, vectorized=self.engine == "vectorized")
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
@@ -117,10 +168,24 @@ class Simulation:
     def lr_at(self, round: int) -> float:
         return self.cfg.train.lr * self.cfg.train.lr_decay ** round
 
+    def client_bytes(self) -> int:
+        """Estimated bytes one client of a vectorized chunk needs: the loop's model-sized vectors, the
+        parts' per-client state, and three times a batch's activations (kept, their gradients, scratch)."""
+        vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors
+        x = self.dataset.x_train[: self.cfg.train.batch_size]
+        per_client = vectors * self.num_parameters * self.w.element_size()
+        return per_client + 3 * activation_bytes(self.model, self.w, x)
+
     def chunk_size(self, K: int) -> int:
+        """Clients trained together: 1 for the sequential engine; ``chunk_size`` if set, else as many
+        as fit the memory budget (:func:`memory_budget`)."""
         if self.engine == "sequential":
             return 1
-        return min(K, self.cfg.chunk_size or K)
+        if self.cfg.chunk_size:
+            return min(K, self.cfg.chunk_size)
+        if self._client_bytes is None:
+            self._client_bytes = self.client_bytes()
+        return auto_chunk_size(self._client_bytes, memory_budget(self.device), K)
 
     def new_context(self, round: int) -> RoundContext:
         sampled = self.sample_clients(round)
