@@ -1,0 +1,84 @@
+"""Server optimizers on the averaged update: FedAdam (Reddi et al., ICLR 2021) and FedAvgM (Hsu et al., 2019).
+
+The clients run FedAvg's local SGD; the server treats ``Dbar = sum_i p_i Delta_i`` as a (negative)
+pseudo-gradient and keeps optimizer state (``m``, ``v``) in ``ctx.server``.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import PartParams, RoundContext, ServerUpdate, TrainSettings
+from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
+
+ADAM_M, ADAM_V = "adam.m", "adam.v"
+AVGM_M = "avgm.m"
+
+
+class AdamParams(PartParams):
+    b1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
+    b2: float = Field(0.99, ge=0, lt=1, description="second-moment decay")
+    tau: float = Field(1e-3, gt=0, description="adaptivity (added to sqrt(v))")
+    server_lr: float | None = Field(None, gt=0, description="eta_g of the Adam step; null: train.global_lr "
+                                                            "(the fedadam recipe sets 0.1, as Reddi et al.)")
+
+
+class Adam(ServerUpdate):
+    """``m <- b1 m + (1 - b1) Dbar``, ``v <- b2 v + (1 - b2) Dbar^2``, ``w^{t+1} = w^t + eta_g m / (sqrt(v) + tau)``
+    (no bias correction, as in the paper's Algorithm 2)."""
+
+    name = "adam"
+    summary = "FedAdam: Adam on the averaged update (m, v on the server)"
+    Params = AdamParams
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        if self.p.server_lr is not None and settings.global_lr != 1.0 and settings.global_lr != self.p.server_lr:
+            raise AlgorithmError(
+                f"the adam server takes eta_g from algo.server_lr ({self.p.server_lr}), but train.global_lr is "
+                f"{settings.global_lr}: set algo.server_lr={settings.global_lr}, or algo.server_lr=null to use "
+                "train.global_lr")
+        server[ADAM_M] = torch.zeros_like(w0)
+        server[ADAM_V] = torch.zeros_like(w0)
+
+    def eta_g(self, ctx: RoundContext) -> float:
+        return self.p.server_lr if self.p.server_lr is not None else ctx.settings.global_lr
+
+    def step(self, ctx: RoundContext) -> torch.Tensor:
+        d = ctx.aggregate(ctx.deltas)
+        m = ctx.server[ADAM_M] = self.p.b1 * ctx.server[ADAM_M] + (1 - self.p.b1) * d
+        v = ctx.server[ADAM_V] = self.p.b2 * ctx.server[ADAM_V] + (1 - self.p.b2) * d * d
+        return ctx.w + self.eta_g(ctx) * m / (v.sqrt() + self.p.tau)
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return server[ADAM_M]
+
+
+class AvgMParams(PartParams):
+    beta: float = Field(0.9, ge=0, lt=1, description="server momentum")
+
+
+class AvgM(ServerUpdate):
+    """``m <- beta m + Dbar``, ``w^{t+1} = w^t + eta_g m`` (server momentum, Hsu et al. 2019)."""
+
+    name = "avgm"
+    summary = "FedAvgM: heavy-ball momentum on the averaged update"
+    Params = AvgMParams
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[AVGM_M] = torch.zeros_like(w0)
+
+    def step(self, ctx: RoundContext) -> torch.Tensor:
+        m = ctx.server[AVGM_M] = self.p.beta * ctx.server[AVGM_M] + ctx.aggregate(ctx.deltas)
+        return ctx.w + ctx.settings.global_lr * m
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return server[AVGM_M]
+
+
+register_recipe(Recipe(
+    name="fedadam", summary="local SGD, Adam on the averaged update at the server (eta_g = algo.server_lr = 0.1)",
+    source="Reddi et al., ICLR 2021", server="adam",
+    defaults={"b1": 0.9, "b2": 0.99, "tau": 1e-3, "server_lr": 0.1}))
+register_recipe(Recipe(
+    name="fedavgm", summary="local SGD, server momentum m <- beta m + Dbar",
+    source="Hsu et al., arXiv:1909.06335, 2019", server="avgm", defaults={"beta": 0.9}))

@@ -1,0 +1,46 @@
+"""FedCM (Xu et al., 2021, arXiv:2106.10874): client-level momentum from the server's last average.
+
+The server keeps ``m = Gbar`` of the previous round (0 at round 0), the average update in gradient
+scale, and sends it with the model (2 vectors down). Local direction ``a g(w) + (1 - a) m``.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext, TrainSettings
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+MOMENTUM = "momentum.m"  # ctx.server: m, the previous round's Gbar
+
+
+class MomentumParams(PartParams):
+    a: float = Field(0.1, ge=0, le=1, description="weight of the local gradient (1 - a on the momentum)")
+
+
+class Momentum(Correction):
+    """``d = a grad + (1 - a) m`` with ``m = sum_i p_i G_i`` of the previous round,
+    ``G_i = -Delta_i / (E_i eta_l^t)`` (uniform ``p_i``: the spec's ``Gbar``)."""
+
+    name = "momentum"
+    summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"
+    Params = MomentumParams
+    down = 1
+    provides = frozenset({MOMENTUM})
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[MOMENTUM] = torch.zeros_like(w0)
+
+    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return self.p.a * grad + (1 - self.p.a) * ctx.server[MOMENTUM]
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        ctx.server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
+
+    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return server[MOMENTUM]
+
+
+register_recipe(Recipe(
+    name="fedcm", summary="client-level momentum: a g + (1 - a) m, m the last average update; FedAvg server",
+    source="Xu et al., arXiv:2106.10874, 2021", correction="momentum", defaults={"a": 0.1}))

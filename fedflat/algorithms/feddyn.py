@@ -1,0 +1,81 @@
+"""FedDyn (Acar et al., ICLR 2021): dynamic regularization aligns local and global stationary points.
+
+Client dual ``h_i`` (0 at first participation) and server ``h`` (0), coefficient ``alpha``.
+Local direction ``g(w) - h_i + alpha (w - w^t)``; after training ``h_i <- h_i - alpha (w_{i,E} - w^t)``.
+Server ``h <- h - alpha (1/N) sum_{i in S} (w_{i,E} - w^t)``, ``w^{t+1} = mean_{i in S} w_{i,E} - h / alpha``.
+
+The ``dyn`` correction owns both duals (``h`` is the running mean of the ``h_i``, as SCAFFOLD's ``c``
+is of the ``c_i``); the ``dyn`` server reads ``h`` from ``ctx.server`` and so requires the correction.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+SERVER_DUAL = "dyn.h"  # ctx.server: h
+CLIENT_DUAL = "dyn.h_i"  # ctx.store and cohort.extra: h_i of the chunk's clients
+_ROUND_SUM = "dyn.sum_delta"  # ctx.info: sum over the round's clients of w_{i,E} - w^t
+
+
+def feddyn_client_dual(h_i: torch.Tensor, alpha: float, w_start: torch.Tensor, w_final: torch.Tensor) -> torch.Tensor:
+    """``h_i <- h_i - alpha (w_{i,E} - w^t)`` (FedDyn Algorithm 1), row by row."""
+    return h_i - alpha * (w_final - w_start)
+
+
+def feddyn_server_dual(h: torch.Tensor, alpha: float, sum_delta: torch.Tensor, num_clients: int) -> torch.Tensor:
+    """``h <- h - alpha (1/N) sum_{i in S} (w_{i,E} - w^t)`` (``sum_delta`` the sum over the sampled clients)."""
+    return h - alpha * sum_delta / num_clients
+
+
+class DynParams(PartParams):
+    alpha: float = Field(0.1, gt=0, description="FedDyn regularization coefficient alpha")
+
+
+class DynCorrection(Correction):
+    """``d = grad - h_i + alpha (w - w^t)``; keeps ``h_i`` per client and ``h`` on the server."""
+
+    name = "dyn"
+    summary = "FedDyn: grad - h_i + alpha (w - w^t), client dual h_i and server dual h"
+    Params = DynParams
+    client_vectors = 1
+    provides = frozenset({SERVER_DUAL, CLIENT_DUAL})
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[SERVER_DUAL] = torch.zeros_like(w0)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        cohort.extra[CLIENT_DUAL], _ = ctx.store.get(CLIENT_DUAL, cohort.ids)
+
+    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return grad - cohort.extra[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
+
+    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+        ctx.store.put(CLIENT_DUAL, cohort.ids,
+                      feddyn_client_dual(cohort.extra[CLIENT_DUAL], self.p.alpha, ctx.w_start, W))
+        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (W - ctx.w_start).sum(0)
+
+    def finish(self, ctx: RoundContext) -> None:
+        # Before the server step, which uses the new h.
+        ctx.server[SERVER_DUAL] = feddyn_server_dual(ctx.server[SERVER_DUAL], self.p.alpha, ctx.info.pop(_ROUND_SUM),
+                                                     ctx.settings.num_clients)
+
+
+class DynServer(ServerUpdate):
+    """``w^{t+1} = w^t + eta_g sum_i p_i Delta_i - h / alpha`` (with ``eta_g = 1`` and uniform ``p_i``,
+    FedDyn's ``mean_i w_{i,E} - h / alpha``)."""
+
+    name = "dyn"
+    summary = "FedDyn: w <- mean_i w_{i,E} - h / alpha"
+    Params = DynParams
+    requires = frozenset({SERVER_DUAL})
+
+    def step(self, ctx: RoundContext) -> torch.Tensor:
+        return ctx.w + ctx.settings.global_lr * ctx.aggregate(ctx.deltas) - ctx.server[SERVER_DUAL] / self.p.alpha
+
+
+register_recipe(Recipe(
+    name="feddyn", summary="dynamic regularization: client dual h_i, server dual h, w <- mean w_i - h/alpha",
+    source="Acar et al., ICLR 2021", correction="dyn", server="dyn", defaults={"alpha": 0.1}))

@@ -1,0 +1,52 @@
+"""Loss-based aggregation weights: FedLW (Yao & Wang, ICCAI 2025) and FedNoLoWe (Le et al., PLOS ONE 2025).
+
+Both are RECONSTRUCTIONS from the FedSCAM paper's description (seed 003, refs. [9], [10]), with ``F_i`` the
+client's mean training loss of the round:
+FedLW ``p_i ∝ n_i / (F_i + 1e-8)``; FedNoLoWe ``l_i = F_i / sum_j F_j``, ``p_i = (1 - l_i) / (K - 1)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fedflat.algorithms.base import Aggregation, RoundContext
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+
+def fedlw_weights(num_samples: torch.Tensor, losses: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``p_i = (n_i / (F_i + eps)) / sum_j (n_j / (F_j + eps))``."""
+    score = num_samples.to(losses.dtype) / (losses + eps)
+    return score / score.sum()
+
+
+def fednolowe_weights(losses: torch.Tensor) -> torch.Tensor:
+    """``p_i = (1 - F_i / sum_j F_j) / (K - 1)``: lower loss, larger weight; sums to one.
+    One client gets weight 1; all-zero losses give uniform weights."""
+    K = losses.shape[0]
+    total = losses.sum()
+    if K == 1 or total == 0:
+        return torch.full_like(losses, 1.0 / K)
+    return (1 - losses / total) / (K - 1)
+
+
+class FedLW(Aggregation):
+    name = "fedlw"
+    summary = "p_i ∝ n_i / (F_i + 1e-8), F_i the client's mean training loss (reconstruction)"
+
+    def weights(self, ctx: RoundContext) -> torch.Tensor:
+        return fedlw_weights(ctx.num_samples, ctx.train_loss)
+
+
+class FedNoLoWe(Aggregation):
+    name = "fednolowe"
+    summary = "p_i = (1 - F_i / sum F_j) / (K - 1), F_i the client's mean training loss (reconstruction)"
+
+    def weights(self, ctx: RoundContext) -> torch.Tensor:
+        return fednolowe_weights(ctx.train_loss)
+
+
+register_recipe(Recipe(
+    name="fedlw", summary="local SGD, loss-weighted average p_i ∝ n_i / F_i (reconstruction)",
+    source="Yao & Wang, ICCAI 2025 (as described by FedSCAM, seed 003)", aggregation="fedlw"))
+register_recipe(Recipe(
+    name="fednolowe", summary="local SGD, normalized loss-based weights (1 - F_i/sum F)/(K-1) (reconstruction)",
+    source="Le et al., PLOS ONE 2025 (as described by FedSCAM, seed 003)", aggregation="fednolowe"))

@@ -1,0 +1,38 @@
+"""FedProx (Li et al., MLSys 2020): a proximal term pulls every local model toward the model it received."""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+
+class ProxParams(PartParams):
+    mu: float = Field(0.01, ge=0, description="proximal coefficient mu")
+
+
+class Prox(Correction):
+    """``d = grad + mu (w - w_start)``: the gradient of ``F_i(w) + mu/2 ||w - w^t||^2``.
+
+    The anchor is the model the client received, ``ctx.w_start`` (``w^t`` unless the server
+    broadcasts another point, as FedACG's lookahead). Subclasses rename the coefficient.
+    """
+
+    name = "prox"
+    summary = "FedProx: grad + mu (w - w^t)"
+    Params = ProxParams
+
+    def coefficient(self) -> float:
+        return self.p.mu
+
+    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        coefficient = self.coefficient()
+        if coefficient == 0:
+            return grad
+        return grad + coefficient * (W - ctx.w_start)
+
+
+register_recipe(Recipe(
+    name="fedprox", summary="local SGD with a proximal term mu (w - w^t), FedAvg server",
+    source="Li et al., MLSys 2020", correction="prox", defaults={"mu": 0.01}))

@@ -1,0 +1,69 @@
+"""q-FedAvg (Li et al., ICLR 2020, "Fair Resource Allocation in Federated Learning").
+
+With ``L = 1 / eta_l`` and ``F_i`` client i's loss at ``w^t`` over its local data (before training):
+``dw_i = L (w^t - w_{i,E})``, ``D_i = F_i^q dw_i``, ``h_i = q F_i^(q-1) ||dw_i||^2 + L F_i^q``,
+``w^{t+1} = w^t - sum_i D_i / sum_i h_i``. ``q = 0`` is FedAvg with uniform weights and ``eta_g = 1``.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from fedflat.algorithms.base import Cohort, PartParams, RoundContext, ServerUpdate
+from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.engine.oracle import Batch
+
+CLIENT_LOSS = "qfedavg.F"  # ctx.info: F_i of the round's clients, [K]
+_EVAL_CHUNK = 1024
+
+
+@torch.no_grad()
+def client_objective(ctx: RoundContext, client: int, w: torch.Tensor) -> torch.Tensor:
+    """``F_i(w)``: the mean loss of client ``client`` over all of its local samples (no augmentation,
+    no backprop), in chunks of at most 1024 samples."""
+    indices = ctx.batches.client_indices[client]
+    total = torch.zeros((), dtype=w.dtype, device=w.device)
+    for chunk in indices.split(_EVAL_CHUNK):
+        batch = Batch(ctx.batches.x[chunk].unsqueeze(0), ctx.batches.y[chunk].unsqueeze(0))
+        total += ctx.oracle.loss(w.unsqueeze(0), batch)[0] * chunk.numel()
+    return total / indices.numel()
+
+
+def qfedavg_step(w: torch.Tensor, w_final: torch.Tensor, F: torch.Tensor, q: float, lr: float) -> torch.Tensor:
+    """``w - sum_i D_i / sum_i h_i`` with ``D_i = F_i^q L (w - w_{i,E})``,
+    ``h_i = q F_i^(q-1) ||L (w - w_{i,E})||^2 + L F_i^q``, ``L = 1/lr``."""
+    L = 1.0 / lr
+    dw = L * (w - w_final)
+    Fq = F.pow(q)
+    D = Fq[:, None] * dw
+    h = L * Fq
+    if q != 0:
+        h = h + q * F.pow(q - 1) * dw.pow(2).sum(1)
+    return w - D.sum(0) / h.sum()
+
+
+class QParams(PartParams):
+    q: float = Field(1.0, ge=0, description="fairness exponent (0: FedAvg)")
+
+
+class QFedAvg(ServerUpdate):
+    """q-FedAvg's server step; ``F_i`` is computed when a chunk begins, at the broadcast model."""
+
+    name = "qfedavg"
+    summary = "q-FedAvg: w <- w - sum F_i^q dw_i / sum (q F_i^(q-1) ||dw_i||^2 + L F_i^q)"
+    Params = QParams
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        if CLIENT_LOSS not in ctx.info:
+            ctx.info[CLIENT_LOSS] = torch.empty(ctx.K, dtype=ctx.w.dtype, device=ctx.w.device)
+        ctx.info[CLIENT_LOSS][cohort.rows] = torch.stack(
+            [client_objective(ctx, client, ctx.w_start) for client in cohort.ids.tolist()])
+
+    def step(self, ctx: RoundContext) -> torch.Tensor:
+        w_new = qfedavg_step(ctx.w, ctx.w_final, ctx.info[CLIENT_LOSS], self.p.q, ctx.lr)
+        return ctx.w + ctx.settings.global_lr * (w_new - ctx.w)
+
+
+register_recipe(Recipe(
+    name="qfedavg", summary="fair aggregation: clients with higher loss F_i weigh more (q-FFL, q = 1)",
+    source="Li et al., ICLR 2020", server="qfedavg", defaults={"q": 1.0}))

@@ -1,0 +1,70 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), option II: control variates correct client drift.
+
+Client ``i`` keeps ``c_i`` (0 at first participation), the server keeps ``c``. Local direction
+``g(w) + c - c_i``; after training ``c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i eta_l)``; the server
+``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` and FedAvg's model update. Uploads ``Delta_i`` and
+``c_i^+ - c_i``, downloads ``w^t`` and ``c``.
+
+The two update rules are plain functions so methods that keep the same variates (FedGAMMA,
+FedLESAM-S, FedFFT-S through the ``scaffold`` correction; FedWMSAM on the server) share them.
+"""
+from __future__ import annotations
+
+import torch
+
+from fedflat.algorithms.base import Cohort, Correction, RoundContext, TrainSettings
+from fedflat.algorithms.registry import Recipe, register_recipe
+
+SERVER_VARIATE = "scaffold.c"  # ctx.server: c
+CLIENT_VARIATE = "scaffold.c_i"  # ctx.store and cohort.extra: c_i of the chunk's clients
+SHIFT = "scaffold.shift"  # cohort.extra: c - c_i, the correction added to the gradient
+_ROUND_SUM = "scaffold.sum_dc"  # ctx.info: sum over the round's clients of c_i^+ - c_i
+
+
+def scaffold_client_variate(c_i: torch.Tensor, c: torch.Tensor, w_start: torch.Tensor, w_final: torch.Tensor,
+                            steps: torch.Tensor, lr: float) -> torch.Tensor:
+    """Option II of SCAFFOLD's Algorithm 1: ``c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i eta_l)``, row by row
+    (``c_i, w_final [C, P]``, ``c, w_start [P]``, ``steps [C]``)."""
+    return c_i - c + (w_start - w_final) / (steps.to(w_final.dtype)[:, None] * lr)
+
+
+def scaffold_server_variate(c: torch.Tensor, sum_dc: torch.Tensor, num_clients: int) -> torch.Tensor:
+    """``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` (``sum_dc`` the sum over the sampled clients)."""
+    return c + sum_dc / num_clients
+
+
+class Scaffold(Correction):
+    """``d = grad + c - c_i`` with SCAFFOLD's client and server control variates."""
+
+    name = "scaffold"
+    summary = "SCAFFOLD control variates: grad + c - c_i (option II update)"
+    up = 1
+    down = 1
+    client_vectors = 1
+    provides = frozenset({SERVER_VARIATE, CLIENT_VARIATE, SHIFT})
+
+    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        server[SERVER_VARIATE] = torch.zeros_like(w0)
+
+    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+        c_i, _ = ctx.store.get(CLIENT_VARIATE, cohort.ids)
+        cohort.extra[CLIENT_VARIATE] = c_i
+        cohort.extra[SHIFT] = ctx.server[SERVER_VARIATE] - c_i
+
+    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return grad + cohort.extra[SHIFT]
+
+    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+        c_i = cohort.extra[CLIENT_VARIATE]
+        c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)
+        ctx.store.put(CLIENT_VARIATE, cohort.ids, c_plus)
+        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (c_plus - c_i).sum(0)
+
+    def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        ctx.server[SERVER_VARIATE] = scaffold_server_variate(ctx.server[SERVER_VARIATE], ctx.info.pop(_ROUND_SUM),
+                                                             ctx.settings.num_clients)
+
+
+register_recipe(Recipe(
+    name="scaffold", summary="control variates c, c_i correct client drift (option II), FedAvg server",
+    source="Karimireddy et al., ICML 2020", correction="scaffold"))
