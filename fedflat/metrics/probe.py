@@ -45,8 +45,17 @@ class OverlayStore:
     def names(self) -> list[str]:
         return sorted(set(self.base.names()) | set(self._written))
 
-    def count(self, name: str) -> int:
-        return self.base.count(name) + sum(1 for k in self._written.get(name, {}) if k not in self.base._slots.get(name, {}))
+    def count(self, name: str | None = None) -> int:
+        names = [name] if name is not None else self.names()
+        total = 0
+        for n in names:
+            keys = list(self._written.get(n, {}))
+            fresh = int((~self.base.get(n, torch.tensor(keys, dtype=torch.long))[1]).sum()) if keys else 0
+            total += (self.base.count(n) if n in self.base.names() else 0) + fresh
+        return total
+
+    def __getattr__(self, attr: str):  # read-only statistics (memory_bytes, spilled, ...) of the real store
+        return getattr(self.base, attr)
 
 
 @contextmanager
