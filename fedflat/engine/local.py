@@ -83,6 +83,8 @@ def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches
             cohort.active = cohort.steps > k
         picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
         batch = batches.batch(picks, generators)
+        if not uniform:
+            batch.clients = sum(e > k for e in steps)
         eps = perturbation.perturb(ctx, cohort, k, W, batch)
         if eps is not None:
             eps = filt.apply(ctx, cohort, eps)

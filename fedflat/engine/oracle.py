@@ -24,12 +24,14 @@ class Batch:
     """One local step's mini-batches of a cohort: ``x[C, B, ...]``, ``y[C, B]``.
 
     ``weight[C, B]`` (1 for a real sample, 0 for padding) is set only when clients' batches had to be
-    padded to a common size; the loss is then the mean over real samples.
+    padded to a common size; the loss is then the mean over real samples. ``clients`` is how many rows
+    are real work (the engine sets it when padded steps are masked), for counting backprops.
     """
 
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor | None = None
+    clients: int | None = None
 
     def row(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client ``c``'s real samples ``(x[n_c, ...], y[n_c])`` (padding dropped)."""
@@ -43,7 +45,8 @@ class Oracle:
     """Stochastic loss and gradient ``g(w)`` for a cohort, counting backprops.
 
     ``backprops`` counts per-client backward passes, so a method's "backprops per local step"
-    (seed 002, Table 7) can be measured rather than declared.
+    (seed 002, Table 7) can be measured rather than declared; rows of clients whose local steps are
+    exhausted (masked padding of the vectorized engine) are not counted.
     """
 
     def __init__(self, model: FlatModel, vectorized: bool = False):
@@ -77,7 +80,7 @@ class Oracle:
     def loss_grad(self, W: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``."""
         C = W.shape[0]
-        self.backprops += C
+        self.backprops += C if batch.clients is None else batch.clients
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             if batch.weight is None:

@@ -1,0 +1,179 @@
+"""The sequential and vectorized engines: same batches, same random numbers, same results.
+
+The tiny problem has unequal client sizes (7 to 60 samples) and batch size 7, so a round mixes
+clients with 2 and 18 local steps and last batches of different sizes: the vectorized engine pads
+both the step count (masking) and the batch (weights), and must still reproduce the sequential run.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fedflat
+from fedflat.algorithms import RECIPES, build_algorithm
+from fedflat.config import ConfigError
+from fedflat.data import Dataset
+from fedflat.engine import simulation as simulation_module
+from fedflat.engine.batches import stack_batches
+from fedflat.engine.oracle import Batch, Oracle
+from fedflat.engine.simulation import Simulation, auto_chunk_size
+from fedflat.params import FlatModel
+
+UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2")
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _metrics(history) -> list[dict]:
+    return [{k: v for k, v in m.items() if "seconds" not in k} for m in history.metrics]
+
+
+def _assert_runs_agree(first, second) -> None:
+    torch.testing.assert_close(second.final_parameters, first.final_parameters, rtol=RTOL, atol=ATOL)
+    for a, b in zip(_metrics(first), _metrics(second), strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), key
+            else:
+                assert a[key] == b[key], key
+
+
+def _vectorizable(name: str) -> bool:
+    return all(getattr(p, "supports_vectorized", True) for p in build_algorithm({"name": name}).parts.values())
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_engines_agree_for_every_method(tiny, name):
+    sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, "engine=sequential"), save=False, progress=False)
+    if not _vectorizable(name):
+        with pytest.raises(ConfigError, match="does not support the vectorized engine"):
+            Simulation(tiny(f"algo={name}", *UNEQUAL, "engine=vectorized"))
+        return
+    vectorized = fedflat.run(tiny(f"algo={name}", *UNEQUAL, "engine=vectorized"), save=False, progress=False)
+    assert vectorized.summary["engine"] == "vectorized" and sequential.summary["engine"] == "sequential"
+    _assert_runs_agree(sequential, vectorized)
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_chunked_and_unchunked_vectorized_runs_agree(tiny, chunk):
+    whole = fedflat.run(tiny("algo=fedsam", "algo.rho=0.1", *UNEQUAL, "engine=vectorized"), save=False,
+                        progress=False)
+    chunked = fedflat.run(tiny("algo=fedsam", "algo.rho=0.1", *UNEQUAL, "engine=vectorized", f"chunk_size={chunk}"),
+                          save=False, progress=False)
+    _assert_runs_agree(whole, chunked)
+
+
+def test_padding_gives_each_client_exactly_its_own_steps(tiny):
+    """In a vectorized chunk, row i's parameters change in exactly E_i of the max(E) padded steps,
+    and it is marked active in exactly those steps."""
+    sim = Simulation(tiny(*UNEQUAL, "engine=vectorized"))
+    correction = sim.algorithm.parts["correction"]
+    states: list[torch.Tensor] = []
+    actives: list[torch.Tensor] = []
+    plain_direction, plain_end = correction.direction, correction.end
+
+    def direction(ctx, cohort, k, W, grad):
+        states.append(W.clone())
+        actives.append(cohort.active.clone())
+        return plain_direction(ctx, cohort, k, W, grad)
+
+    def end(ctx, cohort, W):
+        states.append(W.clone())
+        plain_end(ctx, cohort, W)
+
+    correction.direction, correction.end = direction, end
+    steps = sim.new_context(0).steps.cpu()
+    assert steps.min() < steps.max()  # the round really mixes step counts
+    sim.run_round(0)
+    trajectory = torch.stack(states)  # [max(E) + 1, K, P]
+    assert trajectory.shape[0] == int(steps.max()) + 1
+    changed = (trajectory[1:] != trajectory[:-1]).any(dim=2).sum(0)
+    assert torch.equal(changed.cpu(), steps)
+    assert torch.equal(torch.stack(actives).sum(0).cpu(), steps)
+    # and the active steps come first: a finished client never moves again
+    assert torch.equal(trajectory[steps, torch.arange(len(steps))], trajectory[-1])
+
+
+def test_vectorized_train_loss_averages_own_steps_only(tiny):
+    seq = Simulation(tiny(*UNEQUAL, "engine=sequential"))
+    vec = Simulation(tiny(*UNEQUAL, "engine=vectorized"))
+    a, b = seq.run_round(0), vec.run_round(0)
+    assert b.train_loss == pytest.approx(a.train_loss, rel=RTOL)
+    assert b.backprops_per_step == a.backprops_per_step == 1.0  # padded steps are not counted as work
+
+
+def test_engines_agree_with_augmentation_and_padding():
+    """CIFAR-style augmentation draws from each client's stream for its real samples only, so a
+    padded vectorized batch does not shift the random numbers of later steps."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(130, 3, 6, 6, generator=g), torch.randint(0, 3, (130,), generator=g)
+    data = Dataset("aug", x[:100], y[:100], x[100:], y[100:], 3, augmentation="cifar")
+    cfg = {"rounds": 2, "data": {"num_clients": 4, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}},
+           "model": {"name": "mlp", "hidden": [8]}, "sampling": {"clients_per_round": 3},
+           "train": {"local_epochs": 1, "batch_size": 7}}
+    runs = [fedflat.run(cfg, overrides=[f"engine={e}"], dataset=data, save=False, progress=False)
+            for e in ("sequential", "vectorized")]
+    _assert_runs_agree(*runs)
+
+
+def _toy_oracle(vectorized: bool) -> tuple[Oracle, torch.Tensor]:
+    torch.manual_seed(0)
+    model = FlatModel(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)))
+    W = model.initial + 0.1 * torch.randn(2, model.layout.size)
+    return Oracle(model, vectorized=vectorized), W
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_padded_batch_uses_only_real_samples(vectorized):
+    """A cohort batch whose second row has 2 real samples of 4 gives that client the loss and gradient
+    of its 2 samples alone."""
+    oracle, W = _toy_oracle(vectorized)
+    x, y = torch.randn(6, 3), torch.tensor([0, 1, 1, 0, 1, 0])
+    batch = stack_batches(x, y, [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])], 4)
+    assert batch.weight is not None and batch.weight.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    loss, grad = oracle.loss_grad(W, batch)
+    for c, rows in enumerate(([0, 1, 2, 3], [4, 5])):
+        leaf = W[c].clone().requires_grad_(True)
+        expected = torch.nn.functional.cross_entropy(oracle.model(leaf, x[rows]), y[rows])
+        (g,) = torch.autograd.grad(expected, leaf)
+        torch.testing.assert_close(loss[c], expected.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grad[c], g, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(oracle.loss(W, batch), loss, rtol=1e-6, atol=1e-7)
+    assert oracle.backprops == 2
+
+
+def test_sequential_oracle_is_exactly_autograd_through_the_flat_vector():
+    """Per-tensor gradients concatenated equal the gradient with respect to the flat vector, bit for bit."""
+    oracle, W = _toy_oracle(False)
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    _, grad = oracle.loss_grad(W[:1], Batch(x[None], y[None]))
+    leaf = W[0].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(torch.nn.functional.cross_entropy(oracle.model(leaf, x), y), leaf)
+    assert torch.equal(grad[0], g)
+
+
+def test_auto_chunk_size_follows_the_memory_budget(tiny, monkeypatch):
+    assert auto_chunk_size(100, 1000, 50) == 10
+    assert auto_chunk_size(100, 50, 50) == 1  # never zero
+    assert auto_chunk_size(1, 10**9, 7) == 7  # never more than the cohort
+    sim = Simulation(tiny("engine=vectorized", "sampling.clients_per_round=6"))
+    per_client = sim.client_bytes()
+    assert per_client > 8 * sim.num_parameters * 4  # at least the loop's model-sized vectors
+    monkeypatch.setattr(simulation_module, "memory_budget", lambda device: 2 * per_client)
+    assert sim.chunk_size(6) == 2
+    assert Simulation(tiny("engine=sequential")).chunk_size(6) == 1
+    assert Simulation(tiny("engine=vectorized", "chunk_size=4")).chunk_size(6) == 4
+
+
+def test_a_part_without_vectorized_support_is_refused_by_name(tiny, monkeypatch):
+    part = type(build_algorithm({"name": "fedsam"}).parts["perturbation"])
+    monkeypatch.setattr(part, "supports_vectorized", False, raising=False)
+    with pytest.raises(ConfigError, match="perturbation 'sam' of 'fedsam' does not support the vectorized engine"):
+        Simulation(tiny("algo=fedsam", "engine=vectorized"))
+    Simulation(tiny("algo=fedsam", "engine=sequential"))  # the sequential engine runs it
+
+
+def test_auto_engine_is_sequential_on_cpu(tiny):
+    assert Simulation(tiny("engine=auto")).engine == "sequential"
+    assert np.isfinite(Simulation(tiny("engine=auto")).run_round(0).train_loss)
