@@ -298,3 +298,16 @@ def test_overlay_store_keeps_writes_private():
     assert overlay.count("c") == 2 and store.count("c") == 1
     torch.testing.assert_close(overlay.get("c", torch.tensor([0, 2]))[0], torch.full((2, 3), 7.0))
     torch.testing.assert_close(store.get("c", torch.tensor([0]))[0], torch.ones(1, 3))
+
+
+def test_probe_diagnostics_agree_between_engines():
+    """The method's perturbations come from the run's oracle: sequential and vmap engines must agree."""
+    results = {}
+    for engine in ("sequential", "vectorized"):
+        sim = _sim("algo=fedlesam" if "fedlesam" in RECIPES else "algo=fedsam", f"engine={engine}",
+                   "sampling.clients_per_round=6")
+        sim.run_round(0)
+        results[engine] = flatness_incompatibility(sim, 1, clients=None, client_samples=None, samples=None)
+    seq, vec = results["sequential"], results["vectorized"]
+    assert seq["available"] and seq["clients"] == vec["clients"]
+    np.testing.assert_allclose(vec["local_proxies"], seq["local_proxies"], rtol=1e-4, atol=1e-7)
