@@ -1,0 +1,364 @@
+"""The classical federated optimizers against hand computations, their special cases and convergence.
+
+The hand computations re-implement every method's equations (shared/spec/algorithms.md, "Classical
+federated optimizers") in float64 NumPy on a softmax regression, with partial participation, unequal
+local step counts E_i and mini-batches, and compare model, server state and client state after three
+rounds, for both engines.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fedflat
+from fedflat.algorithms import AlgorithmError, build_algorithm
+from fedflat.algorithms.fedlw import fedlw_weights, fednolowe_weights
+from fedflat.algorithms.qfedavg import qfedavg_step
+from fedflat.config import load_config
+from fedflat.data import Dataset
+from fedflat.engine.batches import local_steps
+from fedflat.engine.simulation import Simulation
+
+
+def timing_free(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if "seconds" not in k} for m in metrics]
+
+
+# ---------------------------------------------------------------------------------------------
+# Special cases: each method reduces to FedAvg
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    ("algo=fedprox", "algo.mu=0"),
+    ("algo=fedavgm", "algo.beta=0"),
+    ("algo=fedcm", "algo.a=1"),
+    ("algo=fedacg", "algo.lam=0", "algo.beta=0"),
+    ("algo=qfedavg", "algo.q=0"),
+], ids=lambda o: " ".join(o))
+def test_special_case_equals_fedavg(tiny, overrides):
+    avg = fedflat.run(tiny(), save=False, progress=False)
+    other = fedflat.run(tiny(*overrides), save=False, progress=False)
+    torch.testing.assert_close(other.final_parameters, avg.final_parameters, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_weighting_equals_uniform_on_equal_sizes(tiny):
+    cfg = tiny("data.partition=iid")
+    sizes = {len(ix) for ix in Simulation(cfg).client_indices}
+    assert sizes == {30}
+    uniform = fedflat.run(cfg, save=False, progress=False)
+    samples = fedflat.run(tiny("data.partition=iid", "algo.weighting=samples"), save=False, progress=False)
+    torch.testing.assert_close(samples.final_parameters, uniform.final_parameters, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand computations of every method's equations
+# ---------------------------------------------------------------------------------------------
+
+def softmax_regression(w: np.ndarray, X: np.ndarray, y: np.ndarray, classes: int) -> tuple[float, np.ndarray]:
+    """Mean cross-entropy of ``softmax(X W^T + b)`` and its gradient, flat as fedflat's logreg
+    (weight ``[classes, d]`` row-major, then bias)."""
+    d = X.shape[1]
+    W, b = w[: classes * d].reshape(classes, d), w[classes * d:]
+    logits = X @ W.T + b
+    logits = logits - logits.max(1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(1, keepdims=True)
+    loss = -np.log(p[np.arange(len(y)), y]).mean()
+    p[np.arange(len(y)), y] -= 1.0
+    return loss, np.concatenate([(p.T @ X / len(y)).ravel(), p.mean(0)])
+
+
+TRAIN = {"local_epochs": 1, "batch_size": 4, "lr": 0.4, "lr_decay": 0.9, "weight_decay": 0.01, "clip": None}
+
+
+def _toy_config(algo: dict, engine: str, **train) -> dict:
+    """4 clients of unequal sizes (3-10 samples, so E_i = 1..3 steps of batch 4), 2 sampled per round."""
+    return {"rounds": 3, "seed": 0, "engine": engine,
+            "data": {"num_clients": 4, "partition": {"scheme": "dirichlet", "alpha": 1.0, "min_size": 3}},
+            "model": {"name": "logreg"}, "algo": algo, "sampling": {"clients_per_round": 2},
+            "train": {**TRAIN, **train}}
+
+
+def _toy_data() -> Dataset:
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(24, 3)).astype(np.float32)
+    y = rng.integers(0, 3, size=24)
+    return Dataset("toy", torch.tensor(X), torch.tensor(y), torch.tensor(X), torch.tensor(y), 3)
+
+
+def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: dict) -> dict:
+    """Runs ``method`` from the spec's equations in float64, drawing the same clients and batches as ``sim``
+    (a fresh simulation; its sampler and batch schedules are the engine's keyed random streams)."""
+    X, y = sim.dataset.x_train.double().numpy(), sim.dataset.y_train.numpy()
+    N, classes = sim.cfg.data.num_clients, sim.dataset.num_classes
+    wd, clip = train["weight_decay"], train["clip"]
+    w = sim.w.double().numpy().copy()
+    zero = np.zeros_like(w)
+    c, h, m, v = zero.copy(), zero.copy(), zero.copy(), zero.copy()
+    c_i: dict[int, np.ndarray] = {}
+    h_i: dict[int, np.ndarray] = {}
+    for t in range(rounds):
+        lr = train["lr"] * train["lr_decay"] ** t
+        ids = sim.sample_clients(t).tolist()
+        n = np.array([len(sim.client_indices[i]) for i in ids], dtype=float)
+        steps = [local_steps(int(ni), train["batch_size"], train["local_epochs"], None) for ni in n]
+        schedules = sim.batches.schedules(t, ids, steps)
+        start = w + hp.get("lam", 0) * m if method == "fedacg" else w  # FedACG broadcasts the lookahead
+        finals, mean_losses, F = [], [], []
+        sum_dc = zero.copy()
+        for i, E, batches in zip(ids, steps, schedules):
+            ci, hi = c_i.get(i, zero), h_i.get(i, zero)
+            wk, losses = start.copy(), []
+            for idx in batches:
+                idx = idx.numpy()
+                loss, g = softmax_regression(wk, X[idx], y[idx], classes)
+                losses.append(loss)
+                g = g + wd * wk
+                if method == "fedprox":
+                    d = g + hp["mu"] * (wk - start)
+                elif method == "scaffold":
+                    d = g + c - ci
+                elif method == "feddyn":
+                    d = g - hi + hp["alpha"] * (wk - start)
+                elif method == "fedcm":
+                    d = hp["a"] * g + (1 - hp["a"]) * m
+                elif method == "fedacg":
+                    d = g + hp["beta"] * (wk - start)
+                else:
+                    d = g
+                if clip is not None:
+                    d = d * min(1.0, clip / (np.linalg.norm(d) + 1e-6))
+                wk = wk - lr * d
+            if method == "scaffold":  # option II
+                c_i[i] = ci - c + (start - wk) / (E * lr)
+                sum_dc += c_i[i] - ci
+            if method == "feddyn":
+                h_i[i] = hi - hp["alpha"] * (wk - start)
+            if method == "qfedavg":
+                local = sim.client_indices[i].numpy()
+                F.append(softmax_regression(w, X[local], y[local], classes)[0])
+            finals.append(wk)
+            mean_losses.append(np.mean(losses))
+        finals, K = np.stack(finals), len(ids)
+        deltas = finals - w
+        if method == "fedlw":
+            p = n / (np.array(mean_losses) + 1e-8)
+            p = p / p.sum()
+        elif method == "fednolowe":
+            losses = np.array(mean_losses)
+            p = (1 - losses / losses.sum()) / (K - 1)
+        else:
+            p = np.full(K, 1.0 / K)
+        Dbar = p @ deltas
+        if method == "scaffold":
+            w = w + Dbar
+            c = c + sum_dc / N
+        elif method == "feddyn":
+            h = h - hp["alpha"] * deltas.sum(0) / N
+            w = finals.mean(0) - h / hp["alpha"]
+        elif method == "fedcm":
+            w = w + Dbar
+            m = (-deltas / (np.array(steps)[:, None] * lr)).mean(0)
+        elif method == "fedadam":
+            m = hp["b1"] * m + (1 - hp["b1"]) * Dbar
+            v = hp["b2"] * v + (1 - hp["b2"]) * Dbar ** 2
+            w = w + hp["server_lr"] * m / (np.sqrt(v) + hp["tau"])
+        elif method == "fedavgm":
+            m = hp["beta"] * m + Dbar
+            w = w + m
+        elif method == "fedacg":
+            m = hp["lam"] * m + (finals - start).mean(0)
+            w = w + m
+        elif method == "qfedavg":
+            L, q, F = 1.0 / lr, hp["q"], np.array(F)
+            dw = L * (w - finals)
+            D = F[:, None] ** q * dw
+            hq = q * F ** (q - 1) * (dw ** 2).sum(1) + L * F ** q
+            w = w - D.sum(0) / hq.sum()
+        else:
+            w = w + Dbar
+    return {"w": w, "c": c, "c_i": c_i, "h": h, "h_i": h_i, "m": m, "v": v}
+
+
+METHODS = {
+    "fedprox": {"mu": 0.3},
+    "scaffold": {},
+    "feddyn": {"alpha": 0.5},
+    "fedcm": {"a": 0.3},
+    "fedadam": {"b1": 0.8, "b2": 0.95, "tau": 1e-2, "server_lr": 0.3},
+    "fedavgm": {"beta": 0.7},
+    "fedacg": {"lam": 0.6, "beta": 0.2},
+    "qfedavg": {"q": 1.5},
+    "fedlw": {},
+    "fednolowe": {},
+    "fedavg": {},
+}
+
+# (server key or client-store key in fedflat, key in the reference)
+STATE = {
+    "scaffold": [("server", "scaffold.c", "c"), ("store", "scaffold.c_i", "c_i")],
+    "feddyn": [("server", "dyn.h", "h"), ("store", "dyn.h_i", "h_i")],
+    "fedcm": [("server", "momentum.m", "m")],
+    "fedadam": [("server", "adam.m", "m"), ("server", "adam.v", "v")],
+    "fedavgm": [("server", "avgm.m", "m")],
+    "fedacg": [("server", "acg.m", "m")],
+}
+
+
+def _check_against_reference(method: str, engine: str, **train) -> None:
+    hp = METHODS[method]
+    config = load_config(None, base=_toy_config({"name": method, **hp}, engine, **train))
+    sim = Simulation(config, dataset=_toy_data())
+    expected = reference_run(method, hp, sim, config.rounds, {**TRAIN, **train})
+    assert len({int(s) for t in range(3) for s in sim.sample_clients(t)}) == 4  # every client, some twice
+    for t in range(config.rounds):
+        sim.run_round(t)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    np.testing.assert_allclose(sim.w.numpy(), expected["w"], **tol)
+    for where, key, ref in STATE.get(method, []):
+        if where == "server":
+            np.testing.assert_allclose(sim.server[key].numpy(), expected[ref], **tol)
+        else:
+            ids = sorted(expected[ref])
+            values, present = sim.store.get(key, torch.tensor(ids))
+            assert present.all() and sim.store.count(key) == len(ids)
+            np.testing.assert_allclose(values.numpy(), np.stack([expected[ref][i] for i in ids]), **tol)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_three_rounds_equal_hand_computation(method):
+    """Partial participation (2 of 4), E_i from 1 to 3 mini-batch steps, decaying eta_l^t, coupled wd."""
+    _check_against_reference(method, "sequential")
+
+
+@pytest.mark.parametrize("method", ["scaffold", "feddyn", "fedacg", "qfedavg"])
+def test_vectorized_engine_equals_hand_computation(method):
+    """The vectorized engine (padded, masked steps for the clients with fewer E_i) computes the same."""
+    _check_against_reference(method, "vectorized")
+
+
+def test_scaffold_clips_the_whole_corrected_direction():
+    """fedflat clips g + wd w + c - c_i as one vector (the spec), unlike FL-Simulator, which adds the
+    correction as a loss term before clipping the gradient alone."""
+    _check_against_reference("scaffold", "sequential", clip=0.2, lr=1.5)
+
+
+def test_fedlw_and_fednolowe_weights_by_hand():
+    n, F = torch.tensor([10, 20, 30]), torch.tensor([1.0, 2.0, 0.5])
+    # n_i / F_i = 10, 10, 60  ->  1/8, 1/8, 6/8
+    torch.testing.assert_close(fedlw_weights(n, F, eps=0.0), torch.tensor([0.125, 0.125, 0.75]))
+    # l = F / sum F = 2/7, 4/7, 1/7  ->  (1 - l) / 2
+    torch.testing.assert_close(fednolowe_weights(F), torch.tensor([5 / 14, 3 / 14, 6 / 14]))
+    torch.testing.assert_close(fednolowe_weights(torch.tensor([0.7])), torch.tensor([1.0]))
+
+
+def test_qfedavg_step_by_hand():
+    """L = 2; dw_1 = (-2, 0), dw_2 = (0, -4); F = (1, 4), q = 1: D = (-2, 0), (0, -16);
+    h_1 = 4 + 2 = 6, h_2 = 16 + 8 = 24; w+ = -(-2, -16) / 30."""
+    w, finals, F = torch.zeros(2), torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([1.0, 4.0])
+    torch.testing.assert_close(qfedavg_step(w, finals, F, q=1.0, lr=0.5), torch.tensor([2 / 30, 16 / 30]))
+    torch.testing.assert_close(qfedavg_step(w, finals, F, q=0.0, lr=0.5), finals.mean(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Convergence under heterogeneity
+# ---------------------------------------------------------------------------------------------
+
+def _heterogeneous_logreg() -> tuple[Dataset, dict]:
+    """3 overlapping Gaussian classes in 2-D; McMahan shards give 4 clients of 30 samples with label
+    mixes (30,0,0), (0,20,10), (10,20,0), (0,0,30)."""
+    g = torch.Generator().manual_seed(0)
+    means = torch.tensor([[1.0, 0.0], [-0.5, 0.8], [-0.5, -0.8]])
+    x = torch.cat([means[k] + 0.8 * torch.randn(40, 2, generator=g) for k in range(3)])
+    y = torch.arange(3).repeat_interleave(40)
+    config = {"rounds": 150, "data": {"num_clients": 4, "partition": {"scheme": "shards", "per_client": 1}},
+              "model": {"name": "logreg"}, "sampling": {"clients_per_round": 4}, "eval": {"every": 150},
+              "train": {"local_steps": 5, "batch_size": 1000, "lr": 1.0, "lr_decay": 1.0, "weight_decay": 0.01,
+                        "clip": None}}
+    return Dataset("shifted", x, y, x, y, 3), config
+
+
+def _global_minimizer(data: Dataset, w0: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """argmin of mean cross-entropy + wd/2 ||w||^2 over all samples, by centralized gradient descent
+    in float64 (strongly convex; the gradient norm reaches ~1e-15)."""
+    X, y = data.x_train.double(), data.y_train
+    w = w0.double().clone()
+    for _ in range(3000):
+        w.requires_grad_(True)
+        W, b = w[:6].view(3, 2), w[6:]
+        loss = torch.nn.functional.cross_entropy(X @ W.T + b, y) + weight_decay / 2 * w.dot(w)
+        (grad,) = torch.autograd.grad(loss, w)
+        w = (w - grad).detach()
+    assert grad.norm() < 1e-10
+    return w.float()
+
+
+def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
+    """Full participation, 5 full-batch local steps, clients that each see a skewed label mix.
+
+    The oracle's loss is cross-entropy, so the 'least-squares' problem of the classic drift analysis is
+    replaced by an L2-regularized softmax regression (coupled weight decay makes it strongly convex),
+    whose global minimizer centralized gradient descent computes to machine precision. With equal
+    client sizes and uniform weights the federated objective is exactly that centralized objective.
+    FedAvg's fixed point is biased by client drift; SCAFFOLD's and FedDyn's corrections remove the bias.
+    """
+    data, config = _heterogeneous_logreg()
+    sim = Simulation(load_config(None, base=config), dataset=data)
+    assert [len(ix) for ix in sim.client_indices] == [30] * 4
+    w_star = _global_minimizer(data, sim.w, 0.01)
+    distance = {}
+    for name in ("fedavg", "scaffold", "feddyn"):
+        hist = fedflat.run({**config, "algo": {"name": name}}, dataset=data, save=False, progress=False)
+        distance[name] = (hist.final_parameters - w_star).norm().item()
+    assert distance["scaffold"] < 1e-3 and distance["feddyn"] < 1e-3, distance
+    assert distance["fedavg"] > 0.1, distance
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting, composition and errors
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, up, down, state", [
+    ("fedprox", 1, 1, 0), ("scaffold", 2, 2, 1), ("feddyn", 1, 1, 1), ("fedcm", 1, 2, 0), ("fedadam", 1, 1, 0),
+    ("fedavgm", 1, 1, 0), ("fedacg", 1, 1, 0), ("qfedavg", 1, 1, 0), ("fedlw", 1, 1, 0), ("fednolowe", 1, 1, 0),
+])
+def test_declared_communication_and_client_state(name, up, down, state):
+    algorithm = build_algorithm({"name": name})
+    assert (algorithm.up_vectors, algorithm.down_vectors, algorithm.client_state_vectors) == (up, down, state)
+    assert algorithm.backprops_per_step == 1
+
+
+def test_measured_accounting_in_metrics(tiny):
+    """metrics.jsonl reports the measured backprops per local step and the stored client vectors:
+    SCAFFOLD stores one c_i per client that has participated."""
+    hist = fedflat.run(tiny("algo=scaffold", "rounds=4"), save=False, progress=False)
+    sim = Simulation(tiny("algo=scaffold"))
+    seen = {int(i) for t in range(4) for i in sim.sample_clients(t)}
+    assert [m["backprops_per_step"] for m in hist.metrics] == [1.0] * 4
+    assert hist.metrics[-1]["store"] == len(seen)
+    sam = fedflat.run(tiny("algo=fedsam", "algo.rho=0.05", "rounds=1"), save=False, progress=False)
+    assert sam.metrics[-1]["backprops_per_step"] == 2.0 and sam.metrics[-1]["store"] == 0
+
+
+def test_dyn_server_needs_the_dyn_correction():
+    with pytest.raises(AlgorithmError, match="server 'dyn' needs .*use correction 'dyn'"):
+        build_algorithm({"name": "fedavg", "server": "dyn"})
+
+
+def test_fedadam_refuses_a_conflicting_global_lr(tiny):
+    with pytest.raises(AlgorithmError, match="algo.server_lr"):
+        Simulation(tiny("algo=fedadam", "train.global_lr=0.5"))
+    Simulation(tiny("algo=fedadam", "train.global_lr=0.5", "algo.server_lr=null"))  # train.global_lr is used
+
+
+def test_recipe_defaults_follow_the_spec():
+    resolved = {name: build_algorithm({"name": name}).resolved() for name in METHODS}
+    assert resolved["fedprox"]["mu"] == 0.01
+    assert resolved["feddyn"]["alpha"] == 0.1
+    assert resolved["fedcm"]["a"] == 0.1
+    assert {k: resolved["fedadam"][k] for k in ("b1", "b2", "tau", "server_lr")} == \
+        {"b1": 0.9, "b2": 0.99, "tau": 1e-3, "server_lr": 0.1}
+    assert resolved["fedavgm"]["beta"] == 0.9
+    assert (resolved["fedacg"]["lam"], resolved["fedacg"]["beta"]) == (0.85, 0.01)
+    assert resolved["qfedavg"]["q"] == 1.0
