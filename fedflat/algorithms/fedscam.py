@@ -2,8 +2,8 @@
 
 Per selected client, before local training (at the received model ``w^t``):
 - heterogeneity ``h_i`` = mean of ``||g(w^t)||`` over ``B = 3`` batches;
-- pilot direction = the gradient on one batch (the first of those ``B``; no further backprop),
-  summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
+- pilot direction = the one-step update ``-g(w^t)`` on one batch (the first of those ``B``; no further
+  backprop), summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
 - alignment ``c_i = cos(s_i, u_{t-1})`` (0 at t = 0, where ``u`` is still zero);
 - ``h_adj = h_i max(0, 1 - kappa c_i)``, radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``; local SAM with ``rho_i``.
 After training: ``z_i = P_d(normalize(Delta_i))``; optional clustered dampening (k-means with ``clusters``
@@ -13,12 +13,17 @@ multiplied by ``dampening`` = lambda); weights ``S_i ∝ n_i / (1 + gamma h_adj)
 
 Variants: ``fedscam`` (both), ``fedscam-wa`` (local SGD, FedSCAM weights), ``fedscam-sam`` (adaptive
 radius, uniform weights); ``fedlwsam`` is local SAM with FedLW's loss-based weights.
+The pilot is the one-step update direction ``-g`` (one of the two options Algorithm 1 names), not the
+raw gradient: ``u`` summarizes an update ``w^{t+1} - w^t``, so only an update-direction pilot gives
+``c_i > 0`` to the clients that agree with the global progress, as the paper intends;
+``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
 The scores are computed once per client and round by whichever FedSCAM part runs first and shared
 through ``ctx.info``; the direction memory ``u`` lives in ``ctx.server``.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,16 +36,16 @@ from fedflat.rng import SERVER, numpy_stream, torch_stream
 
 DIRECTION_MEMORY = "scam.u"  # ctx.server: u_{t-1}, the projected direction of the last global update
 _SCORES = "scam"  # ctx.info: per-round scores of the sampled clients
-_BLOCK = 1 << 22  # random-projection entries generated at a time
+_COLUMNS = 4096  # the projection is generated in column blocks of this width, each from its own stream
 _CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory
 
 
 def _projection_blocks(seed: int, P: int, d: int):
-    """Column blocks ``(start, R_b[d, width])`` of the fixed Gaussian projection, in a fixed order."""
-    g = torch_stream(seed, -1, SERVER, "scam_projection")
-    width = max(1, _BLOCK // d)
-    for start in range(0, P, width):
-        yield start, torch.randn(d, min(width, P - start), generator=g)
+    """Column blocks ``(start, R_b[d, width])`` of the fixed Gaussian projection; block ``b`` is drawn from
+    the stream (seed, ``"scam_projection/b"``), so ``R`` does not depend on how it is traversed."""
+    for b, start in enumerate(range(0, P, _COLUMNS)):
+        g = torch_stream(seed, -1, SERVER, f"scam_projection/{b}")
+        yield start, torch.randn(d, min(_COLUMNS, P - start), generator=g)
 
 
 @lru_cache(maxsize=4)
@@ -75,6 +80,7 @@ class ScoreParams(PartParams):
     kappa: float = Field(1.0, ge=0, description="heterogeneity-alignment coupling: h_adj = h max(0, 1 - kappa c)")
     pilot_batches: int = Field(3, ge=1, description="B: batches whose mean gradient norm is h_i")
     summary_dim: int = Field(256, ge=1, description="d: dimension of the random-projection summaries")
+    pilot: Literal["update", "gradient"] = Field("update", description="pilot direction: -g (update) or +g")
 
 
 def client_scores(ctx: RoundContext, cohort: Cohort, p: ScoreParams) -> None:
@@ -94,7 +100,7 @@ def client_scores(ctx: RoundContext, cohort: Cohort, p: ScoreParams) -> None:
         _, grad = ctx.oracle.loss_grad(W0, ctx.batches.batch([picks[b] for picks in extra], None))
         norms.append(row_norm(grad).squeeze(-1))
         if b == 0:
-            pilot = grad
+            pilot = -grad if p.pilot == "update" else grad
     h = torch.stack(norms).mean(0)
     c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
     scores["h"][cohort.rows] = h
