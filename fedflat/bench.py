@@ -1,0 +1,408 @@
+"""``fedflat bench``: seconds per round of each engine and method on standard workloads, against a
+bare PyTorch loop doing the same work in the same run.
+
+For every (workload, method, engine) the bench builds the :class:`Simulation`, runs warm-up rounds,
+then times ``run_round`` (training only; one evaluation is timed separately). The **bare loop** is
+the plainest per-client PyTorch loop: one ``nn.Module``, global weights copied in per client,
+``torch.optim.SGD`` with coupled weight decay, ``clip_grad_norm_``, the same clients and the same
+batch indices as fedflat's round, and a second backward pass per step for two-backprop (SAM-type)
+methods. fedflat's overhead is then ``fedflat s/round / bare s/round`` measured side by side.
+
+Data is synthetic of each workload's shape (only speed is measured), seeded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedflat.config import Config, load_config
+
+ENGINES = ("sequential", "vectorized", "bare")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A standard benchmark setting: a config tree and how many rounds a CPU run should time."""
+
+    name: str
+    description: str
+    tree: dict[str, Any]
+    cpu_rounds: int | None = None  # cap on timed rounds on CPU (W3: one)
+    cpu_warmup: int | None = None
+
+
+def _tree(shape: list[int], train_size: int, num_clients: int, partition: dict, model: dict, per_round: int,
+          epochs: int, batch: int) -> dict[str, Any]:
+    return {"seed": 0, "rounds": 1000,
+            "data": {"name": "synthetic", "num_clients": num_clients, "partition": partition,
+                     "options": {"shape": shape, "num_classes": 10, "train_size": train_size, "test_size": 1000}},
+            "model": model, "sampling": {"clients_per_round": per_round},
+            "train": {"local_epochs": epochs, "batch_size": batch}, "eval": {"batch_size": 1000}}
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("W1", "Fashion-MNIST-shaped, MLP 784-200-200-10, 100 clients Dirichlet 0.1, 10/round, 5 epochs, batch 50",
+             _tree([1, 28, 28], 60000, 100, {"scheme": "dirichlet", "alpha": 0.1, "min_size": 10},
+                   {"name": "mlp"}, 10, 5, 50)),
+    Workload("W2", "CIFAR-10-shaped, cnn, 1,000 clients x 50 samples, 50/round, 1 epoch, batch 10",
+             _tree([3, 32, 32], 50000, 1000, {"scheme": "iid"}, {"name": "cnn"}, 50, 1, 10)),
+    Workload("W3", "CIFAR-10-shaped, ResNet-18-GN, 10 clients x 500 samples, 10/round, 5 epochs, batch 50",
+             _tree([3, 32, 32], 5000, 10, {"scheme": "iid"}, {"name": "resnet18"}, 10, 5, 50),
+             cpu_rounds=1, cpu_warmup=0),
+    Workload("tiny", "test-sized: 4x4 inputs, MLP hidden 8, 6 clients, 3/round, 1 epoch, batch 10",
+             {"seed": 0, "rounds": 1000,
+              "data": {"name": "synthetic", "num_clients": 6, "partition": {"scheme": "iid"},
+                       "options": {"shape": [1, 4, 4], "num_classes": 3, "train_size": 180, "test_size": 60}},
+              "model": {"name": "mlp", "hidden": [8]}, "sampling": {"clients_per_round": 3},
+              "train": {"local_epochs": 1, "batch_size": 10}}),
+)}
+
+
+# ----------------------------------------------------------------------------- the machine
+
+def matmul_flops(device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
+    """This machine's float32 matmul FLOP/s (``n x n`` products for about ``seconds``)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+        if device.type == "cuda" and count % 20:
+            continue
+        _sync(device)
+    _sync(device)
+    return 2 * n ** 3 * count / (time.perf_counter() - start)
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "matmul_flops": matmul_flops(device)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated since the last reset, or the process's peak resident set on CPU
+    (a high-water mark over the whole bench process)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------- the bare loop
+
+class BareLoop:
+    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps)."""
+
+    def __init__(self, sim, backprops: int, rho: float = 0.01):
+        self.sim, self.backprops, self.rho = sim, backprops, rho
+        self.module = self._fresh_module()
+        self.w = sim.w.clone()
+
+    def _fresh_module(self) -> torch.nn.Module:
+        from fedflat.models import build_model
+
+        cfg, data = self.sim.cfg, self.sim.dataset
+        module = build_model(cfg.model["name"], data.input_shape, data.num_classes,
+                             **{k: v for k, v in cfg.model.items() if k != "name"})
+        return module.to(self.sim.device)
+
+    def run_round(self, round: int) -> None:
+        sim, module = self.sim, self.module
+        ctx = sim.new_context(round)
+        ids, steps = ctx.sampled.tolist(), ctx.steps.tolist()
+        schedules = sim.batches.schedules(round, ids, steps)
+        x_all, y_all = sim.dataset.x_train, sim.dataset.y_train
+        params = list(module.parameters())
+        finals = []
+        for schedule in schedules:
+            with torch.no_grad():  # (vector_to_parameters would alias self.w and let SGD overwrite it)
+                for p, v in zip(params, sim.model.layout.views(self.w)):
+                    p.copy_(v)
+            opt = torch.optim.SGD(params, lr=ctx.lr, weight_decay=sim.cfg.train.weight_decay)
+            for idx in schedule:
+                x, y = x_all[idx], y_all[idx]
+                if self.backprops == 2:
+                    self._sam_ascent(params, x, y)
+                opt.zero_grad()
+                F.cross_entropy(module(x), y).backward()
+                if self.backprops == 2:
+                    self._sam_descent(params)
+                if sim.cfg.train.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, sim.cfg.train.clip)
+                opt.step()
+            finals.append(torch.nn.utils.parameters_to_vector(params).detach())
+        self.w = torch.stack(finals).mean(0)
+        _sync(sim.device)
+
+    def _sam_ascent(self, params, x, y) -> None:
+        grads = torch.autograd.grad(F.cross_entropy(self.module(x), y), params)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        self._eps = [self.rho * g / (norm + 1e-12) for g in grads]
+        with torch.no_grad():
+            for p, e in zip(params, self._eps):
+                p.add_(e)
+
+    def _sam_descent(self, params) -> None:
+        with torch.no_grad():
+            for p, e in zip(params, self._eps):
+                p.sub_(e)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+@dataclass
+class Row:
+    workload: str
+    algo: str
+    engine: str
+    rounds: int
+    seconds: list[float]
+    cpu_seconds: list[float]
+    samples_per_round: float
+    backprops_per_step: float
+    flops_per_round: float
+    eval_seconds: float | None
+    peak_memory_mb: float
+    chunk_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, peak_flops: float) -> dict[str, Any]:
+        median = statistics.median(self.seconds)
+        return {"workload": self.workload, "algo": self.algo, "engine": self.engine, "rounds": self.rounds,
+                "seconds_per_round": {"median": median, "min": min(self.seconds), "max": max(self.seconds)},
+                "cpu_seconds_per_round": statistics.median(self.cpu_seconds),
+                "samples_per_second": self.samples_per_round / median,
+                "flops_per_round": self.flops_per_round, "flops_per_second": self.flops_per_round / median,
+                "fraction_of_matmul_peak": self.flops_per_round / median / peak_flops,
+                "backprops_per_step": self.backprops_per_step, "eval_seconds": self.eval_seconds,
+                "peak_memory_mb": self.peak_memory_mb, "chunk_size": self.chunk_size, **self.extra}
+
+
+def flops_per_sample(sim) -> float:
+    """FLOPs of one forward and backward pass per training sample (``FlopCounterMode``)."""
+    x = sim.dataset.x_train[: sim.cfg.train.batch_size]
+    y = sim.dataset.y_train[: sim.cfg.train.batch_size]
+    views = [v.detach().requires_grad_(True) for v in sim.model.layout.views(sim.w)]
+    with FlopCounterMode(display=False) as counter:
+        loss = F.cross_entropy(sim.model.call_views(views, x), y)
+        torch.autograd.grad(loss, views)
+    return counter.get_total_flops() / x.shape[0]
+
+
+def round_samples(sim, round: int) -> int:
+    """Training samples one round's local steps go through (per backprop): its batches' sizes."""
+    ctx = sim.new_context(round)
+    schedules = sim.batches.schedules(round, ctx.sampled.tolist(), ctx.steps.tolist())
+    return sum(int(idx.shape[0]) for schedule in schedules for idx in schedule)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    _sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+class Contestant:
+    """One (workload, method, engine) under test: a Simulation, or the bare loop on its clients."""
+
+    def __init__(self, cfg: Config, workload: str, engine: str, bare_backprops: int = 1, rho: float = 0.01):
+        from fedflat.engine.simulation import Simulation
+
+        self.cfg, self.workload, self.engine = cfg, workload, engine
+        self.sim = Simulation(cfg)
+        if engine == "bare":
+            bare = BareLoop(self.sim, bare_backprops, rho)
+            self.runner, self.backprops = bare.run_round, float(bare_backprops)
+            self.algo = "bare-" + ("sgd" if bare_backprops == 1 else "sam")
+        else:
+            self.runner, self.backprops = self.sim.run_round, float(self.sim.algorithm.backprops_per_step)
+            self.algo = cfg.algo["name"]
+        self.seconds: list[float] = []
+        self.cpu: list[float] = []
+        self.samples: list[int] = []
+        self.peak = 0.0
+
+    def round(self, t: int, timed: bool) -> None:
+        device = self.sim.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        wall, used = _timed(lambda: self.runner(t), device)
+        self.peak = max(self.peak, peak_memory_mb(device))
+        if timed:
+            self.seconds.append(wall)
+            self.cpu.append(used)
+            self.samples.append(round_samples(self.sim, t))
+
+    def row(self) -> Row:
+        eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
+        per_round = statistics.mean(self.samples)
+        chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
+        return Row(self.workload, self.algo, self.engine, len(self.seconds), self.seconds, self.cpu, per_round,
+                   self.backprops, flops_per_sample(self.sim) * per_round * self.backprops, eval_seconds,
+                   self.peak, chunk_size=chunk)
+
+
+def race(contestants: list[Contestant], rounds: int, warmup: int) -> None:
+    """Runs every contestant's round ``t`` in turn (warm-up rounds untimed), so that a change of load
+    on a shared machine hits all of them alike and their ratios stay meaningful."""
+    for t in range(warmup + rounds):
+        for c in contestants:
+            c.round(t, timed=t >= warmup)
+
+
+def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: int, warmup: int = 1,
+          device: str = "cpu", threads: int | None = None, overrides: tuple[str, ...] = (),
+          progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs the bench and returns ``{"machine": ..., "results": [...]}`` with fedflat/bare ratios."""
+    from fedflat.algorithms import build_algorithm
+
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        raise ValueError(f"unknown engine(s) {bad}; choose from {', '.join(ENGINES)}")
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    info = machine(dev)
+    results: list[dict[str, Any]] = []
+    for name in workloads:
+        w = WORKLOADS[name]
+        n_rounds, n_warm = rounds, warmup
+        if dev.type == "cpu" and w.cpu_rounds is not None:
+            n_rounds, n_warm = min(rounds, w.cpu_rounds), min(warmup, w.cpu_warmup or 0)
+        base = [f"device={dev}", *overrides]
+        contestants: list[Contestant] = []
+        bare_done: set[int] = set()
+        for algo in algos:
+            for engine in engines:
+                if engine == "bare":
+                    continue
+                cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}"], base=w.tree)
+                try:
+                    contestants.append(Contestant(cfg, name, engine))
+                except Exception as err:  # noqa: BLE001 - a refusal is a result of the bench
+                    results.append({"workload": name, "algo": algo, "engine": engine,
+                                    "error": f"{type(err).__name__}: {err}"})
+            algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
+            bp = algorithm.backprops_per_step
+            if "bare" in engines and bp in (1, 2) and bp not in bare_done:
+                bare_done.add(bp)
+                rho = float(algorithm.hyperparameters.get("rho", 0.01))
+                cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
+                contestants.append(Contestant(cfg, name, "bare", bp, rho))
+        progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
+        race(contestants, n_rounds, n_warm)
+        rows = [c.row().summary(info["matmul_flops"]) for c in contestants]
+        results.extend(rows)
+        _add_ratios(results, name)
+    return {"machine": info, "settings": {"workloads": workloads, "algos": algos, "engines": engines,
+                                          "rounds": rounds, "warmup": warmup, "threads": torch.get_num_threads()},
+            "workloads": {n: WORKLOADS[n].description for n in workloads}, "results": results}
+
+
+def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
+    """``vs_bare`` (s/round over the bare loop with the same backprops per step) and ``vs_fedavg``."""
+    done = [r for r in results if r["workload"] == workload and "error" not in r]
+    bare = {round(r["backprops_per_step"]): r for r in done if r["engine"] == "bare"}
+    mine = [r for r in done if r["engine"] != "bare"]
+    fedavg = {r["engine"]: r["seconds_per_round"]["median"] for r in mine if r["algo"] == "fedavg"}
+    for r in mine:
+        s = r["seconds_per_round"]["median"]
+        ref = bare.get(round(r["backprops_per_step"]))
+        if ref is not None:
+            r["vs_bare"] = s / ref["seconds_per_round"]["median"]
+        if r["engine"] in fedavg:
+            r["vs_fedavg"] = s / fedavg[r["engine"]]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [f"machine: {m['cpu']} ({m['cpu_count']} CPUs), {m['gpu'] or 'no GPU'}, torch {m['torch']}, "
+             f"{m['torch_threads']} threads, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+             f"load {m['load_average']}"]
+    head = (f"{'workload':<8} {'algo':<12} {'engine':<10} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
+            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7}")
+    lines += [head, "-" * len(head)]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<10} error: {r['error']}")
+            continue
+        s = r["seconds_per_round"]
+        ev = f"{r['eval_seconds']:.3f}" if r.get("eval_seconds") is not None else "-"
+        lines.append(
+            f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<10} {s['median']:>8.3f} {s['min']:>7.3f} "
+            f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
+            f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
+            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7}")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    report = bench(_split(args.workload), _split(args.algos), _split(args.engines), args.rounds, args.warmup,
+                   args.device, args.threads, tuple(args.overrides),
+                   progress=(lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True)))
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"json: {args.json}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="seconds per round per engine and method, against a bare PyTorch loop",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every workload")
+    p.add_argument("--workload", default="W1", help=f"comma-separated: {', '.join(WORKLOADS)} (default W1)")
+    p.add_argument("--algos", default="fedavg,fedsam", help="comma-separated recipes (default fedavg,fedsam)")
+    p.add_argument("--engines", default="sequential,vectorized,bare", help="comma-separated: " + ", ".join(ENGINES))
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (W3 on CPU: 0)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", default=None, help="write the results and the machine description here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_bench)
