@@ -15,7 +15,7 @@ import fedflat
 from fedflat.algorithms import AlgorithmError, build_algorithm
 from fedflat.algorithms.fedlw import fedlw_weights, fednolowe_weights
 from fedflat.algorithms.qfedavg import qfedavg_step
-from fedflat.config import load_config
+from fedflat.config import ConfigError, load_config
 from fedflat.data import Dataset
 from fedflat.engine.batches import local_steps
 from fedflat.engine.simulation import Simulation
@@ -347,7 +347,7 @@ def test_dyn_server_needs_the_dyn_correction():
 
 
 def test_fedadam_refuses_a_conflicting_global_lr(tiny):
-    with pytest.raises(AlgorithmError, match="algo.server_lr"):
+    with pytest.raises(ConfigError, match="algo.server_lr"):
         Simulation(tiny("algo=fedadam", "train.global_lr=0.5"))
     Simulation(tiny("algo=fedadam", "train.global_lr=0.5", "algo.server_lr=null"))  # train.global_lr is used
 

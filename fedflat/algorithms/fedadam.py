@@ -9,7 +9,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.base import PartParams, RoundContext, ServerUpdate, TrainSettings
-from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
+from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.config import ConfigError
 
 ADAM_M, ADAM_V = "adam.m", "adam.v"
 AVGM_M = "avgm.m"
@@ -33,7 +34,7 @@ class Adam(ServerUpdate):
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         if self.p.server_lr is not None and settings.global_lr != 1.0 and settings.global_lr != self.p.server_lr:
-            raise AlgorithmError(
+            raise ConfigError(
                 f"the adam server takes eta_g from algo.server_lr ({self.p.server_lr}), but train.global_lr is "
                 f"{settings.global_lr}: set algo.server_lr={settings.global_lr}, or algo.server_lr=null to use "
                 "train.global_lr")
