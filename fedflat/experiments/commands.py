@@ -1,0 +1,97 @@
+"""``fedflat sweep``, ``fedflat resume`` and ``fedflat report``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from fedflat.experiments.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep, variant=args.variant, out=args.out, extra_overrides=args.overrides)
+    cells = sweep.cells()
+    if args.dry_run:
+        for cell in cells:
+            note = f"  INVALID: {cell.error}" if cell.error else ""
+            print(f"{sweep.out / cell.name}  {' '.join(cell.as_dict()['overrides'])}{note}")
+        print(f"{len(cells)} cells")
+        return 0
+    print(f"sweep folder: {sweep.out} ({len(cells)} cells, {args.workers} worker(s))")
+    result = run_sweep(sweep, workers=args.workers, progress=not args.no_progress)
+    counts: dict[str, int] = {}
+    for c in result.cells:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    print("cells: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    for c in result.failed:
+        print(f"  failed: {c['name']}: {c.get('reason')}  (see {result.folder / c['name'] / 'error.txt'})")
+    print(f"report: fedflat report {result.folder}")
+    return 3 if result.failed else 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from fedflat.experiments.checkpoint import CheckpointError, resume
+
+    try:
+        history = resume(args.run_dir, progress=not args.no_progress)
+    except CheckpointError as err:
+        print(f"fedflat: {err}", file=sys.stderr)
+        return 2
+    s = history.summary
+    print(f"run folder: {history.run_dir}")
+    print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
+    if s.get("final_test_acc") is not None:
+        print(f"{s['algorithm']}: {s['rounds']} rounds, final test accuracy {s['final_test_acc']:.4f}, "
+              f"best {s['best_test_acc']:.4f} (round {s['best_round']})")
+    return 0 if s["status"] == "completed" else 3
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedflat.experiments.report import ReportError, build_rows, find_runs, FORMATS
+
+    try:
+        runs = find_runs(args.paths)
+        targets = sorted(set(args.target_acc or []))
+        if args.format not in FORMATS:
+            raise ReportError(f"--format {args.format}: choose one of {', '.join(FORMATS)}")
+        text = FORMATS[args.format](build_rows(runs, targets), targets)
+    except ReportError as err:
+        print(f"fedflat: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"table: {args.output}")
+    else:
+        sys.stdout.write(text)
+    if args.plot:
+        from fedflat.experiments.plots import write_plots
+
+        for path in write_plots(runs, args.plot):
+            print(f"figure: {path}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sweep", help="run a grid of experiments (reruns skip finished cells, resume unfinished)")
+    p.add_argument("sweep", help="sweep YAML (see configs/ and docs/experiments.md)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every cell")
+    p.add_argument("--workers", type=int, default=1, help="cells run at once, each in its own process")
+    p.add_argument("--variant", default=None, help="a variant of the sweep file, e.g. small")
+    p.add_argument("--out", default=None, help="the sweep folder (default: the file's 'out')")
+    p.add_argument("--dry-run", action="store_true", help="list the cells and their folders, run nothing")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("report", help="paper-style tables (and --plot figures) of run or sweep folders")
+    p.add_argument("paths", nargs="+", metavar="RUN_DIR_OR_SWEEP")
+    p.add_argument("--target-acc", type=float, nargs="*", default=[], metavar="X",
+                   help="target test accuracies as fractions, e.g. 0.7 0.75")
+    p.add_argument("--format", default="markdown", help="markdown | csv | latex")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG convergence curves and partition heatmaps")
+    p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,313 @@
+"""Paper-style tables from run folders: per method and setting, accuracy as mean ± std over seeds,
+rounds and time to target accuracies, seconds per round, communication and backprops.
+
+Runs are grouped automatically: the *method* is the ``algo`` section, the *setting* everything else
+that differs between the runs found (partition, model, rounds, ...), and the seeds of one method in
+one setting are its repetitions. Labels show only what varies, as a paper's table does.
+
+Conventions (stated in every table's caption of docs/experiments.md):
+
+- accuracies are test accuracy in percent; ``mean ± std`` uses the sample standard deviation
+  (``ddof=1``) over seeds; one seed shows the mean alone;
+- *rounds to X* is the first evaluated round with test accuracy ≥ X, averaged over the seeds that
+  reached it (``(k/n)`` when only ``k`` of ``n`` did), and "–" when none did, as in the papers;
+- *time to X* is the cumulative local-training + aggregation time (``train_seconds``, evaluation
+  excluded) at that round; *s/round* is ``train_seconds / rounds``;
+- *comm* is the model-sized vectors a sampled client exchanges per round (up + down) relative to
+  FedAvg's 2, so it is also the ratio of total communication for an equal number of rounds and clients.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from fedflat.experiments.rundir import read_jsonl
+
+DASH = "–"
+# Keys that never define a setting: bookkeeping and execution details that do not change results
+# (or change them only by floating-point order: engine and device are shown in the summary instead).
+IGNORED_KEYS = ("seed", "name", "out", "device", "engine", "threads", "chunk_size", "checkpoint_every",
+                "tensorboard", "eval.batch_size", "data.root", "data.download", "store.")
+
+
+class ReportError(ValueError):
+    """Nothing to report (no run folders found) or a bad report option."""
+
+
+@dataclass
+class Run:
+    """One run folder read back: flat config, summary, metrics lines."""
+
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]]
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed")
+
+    def rounds_to(self, target: float) -> tuple[int, float] | None:
+        """``(round, train_seconds)`` of the first evaluation with ``test_acc >= target``, or None."""
+        for m in self.metrics:
+            if m.get("test_acc") is not None and m["test_acc"] >= target:
+                return m["round"], m.get("train_seconds") or 0.0
+        return None
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "summary.json").is_file() and (path / "config.yaml").is_file()
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """Every run folder at or below ``paths`` (run folders, sweep folders, any parent folder)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise ReportError(f"{p}: no such folder")
+        if is_run_dir(p):
+            found.append(p)
+        else:
+            found.extend(sorted(d.parent for d in p.rglob("summary.json") if is_run_dir(d.parent)))
+    runs, seen = [], set()
+    for path in found:
+        key = path.resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        runs.append(Run(path=path, config=flatten(config), summary=json.loads((path / "summary.json").read_text()),
+                        metrics=read_jsonl(path / "metrics.jsonl")))
+    if not runs:
+        raise ReportError(f"no run folders (with summary.json and config.yaml) under {', '.join(map(str, paths))}")
+    return runs
+
+
+def _ignored(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _label(items: list[tuple[str, Any]]) -> str:
+    parts = []
+    for key, value in items:
+        leaf = key.rsplit(".", 1)[-1]
+        parts.append(_fmt_value(value) if leaf in ("name", "scheme") else f"{leaf}={_fmt_value(value)}")
+    return ", ".join(parts)
+
+
+def _varying(dicts: list[dict[str, Any]]) -> list[str]:
+    keys: list[str] = []
+    for d in dicts:
+        keys.extend(k for k in d if k not in keys)
+    return [k for k in keys if len({repr(d.get(k)) for d in dicts}) > 1]
+
+
+@dataclass
+class Group:
+    """The seeds of one method in one setting."""
+
+    setting: str
+    method: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Groups runs by (setting, method); labels name only the keys that vary across ``runs``."""
+    method_part = [{k: v for k, v in r.config.items() if k.startswith("algo.")} for r in runs]
+    setting_part = [{k: v for k, v in r.config.items() if not k.startswith("algo.") and not _ignored(k)}
+                    for r in runs]
+    setting_keys = _varying(setting_part)
+    # a method's label: its name plus the hyperparameters that differ between runs of the same name
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for m in method_part:
+        by_name.setdefault(m.get("algo.name", "?"), []).append(m)
+    method_keys = {name: [k for k in _varying(ms) if k != "algo.name"] for name, ms in by_name.items()}
+    groups: dict[tuple[str, str], Group] = {}
+    for run, m, s in zip(runs, method_part, setting_part):
+        name = m.get("algo.name", "?")
+        extra = _label([(k, m.get(k)) for k in method_keys[name]])
+        method = f"{name} ({extra})" if extra else name
+        setting = _label([(k, s.get(k)) for k in setting_keys if k in s]) or "all"
+        groups.setdefault((setting, method), Group(setting, method)).runs.append(run)
+    ordered = sorted(groups.values(), key=lambda g: (g.setting, g.method != "fedavg", g.method))
+    return ordered
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (``ddof=1``; None for fewer than two values)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+@dataclass
+class Row:
+    """One table row: numbers (for CSV) and their formatted strings (Markdown/LaTeX)."""
+
+    setting: str
+    method: str
+    seeds: int
+    final: tuple[float | None, float | None]
+    best: tuple[float | None, float | None]
+    targets: dict[float, tuple[float | None, float | None, int]]  # target -> (rounds, seconds, reached)
+    sec_per_round: float | None
+    comm: float | None
+    backprops: float | None
+    rounds: float | None
+    status: str
+
+
+def summarize(group: Group, targets: list[float]) -> Row:
+    runs = group.runs
+    pct = [100 * r.summary["final_test_acc"] if r.summary.get("final_test_acc") is not None else None for r in runs]
+    best = [100 * r.summary["best_test_acc"] if r.summary.get("best_test_acc") is not None else None for r in runs]
+    hits: dict[float, tuple[float | None, float | None, int]] = {}
+    for target in targets:
+        reached = [h for h in (r.rounds_to(target) for r in runs) if h is not None]
+        if reached:
+            hits[target] = (mean_std([float(h[0]) for h in reached])[0], mean_std([h[1] for h in reached])[0],
+                            len(reached))
+        else:
+            hits[target] = (None, None, 0)
+    per_round = [r.summary["train_seconds"] / r.summary["rounds"] for r in runs
+                 if r.summary.get("rounds") and r.summary.get("train_seconds") is not None]
+    comm = [(r.summary["up_vectors"] + r.summary["down_vectors"]) / 2 for r in runs
+            if r.summary.get("up_vectors") is not None and r.summary.get("down_vectors") is not None]
+    bp = [r.summary["backprops_per_step"] for r in runs if r.summary.get("backprops_per_step") is not None]
+    statuses: dict[str, int] = {}
+    for r in runs:
+        statuses[r.summary.get("status", "?")] = statuses.get(r.summary.get("status", "?"), 0) + 1
+    status = ", ".join(f"{k} {v}/{len(runs)}" for k, v in statuses.items() if k != "completed") or "ok"
+    return Row(setting=group.setting, method=group.method, seeds=len(runs), final=mean_std(pct), best=mean_std(best),
+               targets=hits, sec_per_round=mean_std(per_round)[0], comm=mean_std(comm)[0], backprops=mean_std(bp)[0],
+               rounds=mean_std([float(r.summary.get("rounds") or 0) for r in runs])[0], status=status)
+
+
+def build_rows(runs: list[Run], targets: list[float]) -> list[Row]:
+    for t in targets:
+        if not 0 < t <= 1:
+            raise ReportError(f"--target-acc {t}: give accuracies as fractions in (0, 1], e.g. 0.75")
+    return [summarize(g, targets) for g in group_runs(runs)]
+
+
+# --- formatting ------------------------------------------------------------------------------------
+
+def _pm(mean_sd: tuple[float | None, float | None], pm: str) -> str:
+    mean, sd = mean_sd
+    if mean is None:
+        return DASH
+    return f"{mean:.2f}" if sd is None else f"{mean:.2f}{pm}{sd:.2f}"
+
+
+def _target_cells(row: Row, target: float) -> tuple[str, str]:
+    rounds, seconds, reached = row.targets[target]
+    if rounds is None:
+        return DASH, DASH
+    partial = f" ({reached}/{row.seeds})" if reached < row.seeds else ""
+    return f"{rounds:.0f}{partial}", f"{seconds:.1f}"
+
+
+def headers(targets: list[float]) -> list[str]:
+    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)"]
+    for t in targets:
+        cols += [f"rounds to {100 * t:g}%", f"time to {100 * t:g}% (s)"]
+    return cols + ["s/round", "comm (x FedAvg)", "backprops/step", "status"]
+
+
+def _cells(row: Row, targets: list[float], pm: str) -> list[str]:
+    cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm)]
+    for t in targets:
+        cells += list(_target_cells(row, t))
+    cells += [DASH if row.sec_per_round is None else f"{row.sec_per_round:.3f}",
+              DASH if row.comm is None else f"{row.comm:g}",
+              DASH if row.backprops is None else f"{row.backprops:g}", row.status]
+    return cells
+
+
+def to_markdown(rows: list[Row], targets: list[float]) -> str:
+    head = headers(targets)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ")) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "$": r"\$",
+          "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", DASH: "--"}
+
+
+def _latex_escape(text: str) -> str:
+    return "".join(_LATEX.get(ch, ch) for ch in text)
+
+
+def to_latex(rows: list[Row], targets: list[float]) -> str:
+    head = headers(targets)
+    spec = "ll" + "r" * (len(head) - 3) + "l"
+    out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
+           " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
+    for r in rows:
+        cells = []
+        for c in _cells(r, targets, " PLUSMINUS "):
+            text = _latex_escape(c)
+            cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
+        out.append(" & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(out) + "\n"
+
+
+def to_csv(rows: list[Row], targets: list[float]) -> str:
+    buf = io.StringIO()
+    cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std"]
+    for t in targets:
+        cols += [f"rounds_to_{t:g}", f"reached_{t:g}", f"seconds_to_{t:g}"]
+    cols += ["sec_per_round", "comm_vs_fedavg", "backprops_per_step", "rounds", "status"]
+    writer = csv.writer(buf)
+    writer.writerow(cols)
+    num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
+    for r in rows:
+        line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1])]
+        for t in targets:
+            rounds, seconds, reached = r.targets[t]
+            line += [num(rounds), reached, num(seconds)]
+        line += [num(r.sec_per_round), num(r.comm), num(r.backprops), num(r.rounds), r.status]
+        writer.writerow(line)
+    return buf.getvalue()
+
+
+FORMATS = {"markdown": to_markdown, "csv": to_csv, "latex": to_latex}
+
+
+def report(paths: Iterable[str | Path], targets: list[float] = (), fmt: str = "markdown") -> str:
+    """The table of every run under ``paths`` in ``fmt`` (markdown, csv or latex)."""
+    if fmt not in FORMATS:
+        raise ReportError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    targets = sorted(set(targets))
+    return FORMATS[fmt](build_rows(find_runs(paths), targets), targets)

@@ -1,0 +1,348 @@
+"""Sweeps: a grid of runs over a base config, each cell its own run folder, safe to rerun.
+
+A sweep file (YAML)::
+
+    base: ../fmnist_mlp.yaml          # a config file, relative to this file ('quickstart': the embedded one)
+    overrides: [rounds=500]           # applied to every cell
+    grid:                             # axes, in order; a cell takes one option of each axis
+      method:                         # a named axis: option name -> overrides
+        fedavg: {algo: fedavg}
+        fedsam: {algo: fedsam, algo.rho: 0.05}
+      data.partition.alpha: [0.3, 0.6]   # a key axis: one cell per value
+      seed: [0, 1, 2]
+    out: runs/sweeps/fmnist           # the sweep folder (default runs/sweeps/<file stem>)
+    variants:                         # `--variant small`: replaces out and the named axes, adds overrides
+      small: {overrides: [rounds=20], grid: {seed: [0]}}
+
+Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
+them: a completed or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
+one starts. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
+others go on. With ``workers > 1`` cells run in separate processes.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve
+from fedflat.experiments.rundir import atomic_write_text, json_safe, read_jsonl
+
+SWEEP_FILE = "sweep.json"
+FINISHED = ("completed", "diverged")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+SHORTHAND_KEYS = ("algo", "model", "data", "data.partition", "data.partition.scheme", "algo.name", "model.name")
+
+
+def _read_yaml(text: str) -> Any:
+    try:
+        from fedflat.config import read_yaml
+    except ImportError:  # older config module
+        return yaml.safe_load(text)
+    return read_yaml(text)
+
+
+@dataclass
+class Cell:
+    """One run of a sweep: its folder name, the option chosen on each axis, its overrides."""
+
+    name: str
+    options: dict[str, str]
+    overrides: list[tuple[str, Any]]
+    config: Config | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "options": self.options,
+                "overrides": [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in self.overrides]}
+
+
+@dataclass
+class Sweep:
+    """A parsed sweep file: a base config tree, common overrides, axes and the sweep folder."""
+
+    source: Path | None
+    base: dict[str, Any]
+    overrides: list[tuple[str, Any]]
+    axes: dict[str, dict[str, list[tuple[str, Any]]]]
+    out: Path
+    variant: str | None = None
+    variants: list[str] = field(default_factory=list)
+
+    def cells(self) -> list[Cell]:
+        """Every combination of axis options, in the order of the axes (the last varies fastest)."""
+        combos: list[list[tuple[str, str, list[tuple[str, Any]]]]] = [[]]
+        for axis, options in self.axes.items():
+            combos = [c + [(axis, name, ovr)] for c in combos for name, ovr in options.items()]
+        cells = []
+        for combo in combos:
+            name = "__".join(option for _, option, _ in combo) or "run"
+            cell = Cell(name=name, options={axis: option for axis, option, _ in combo},
+                        overrides=[*self.overrides, *(o for _, _, ovr in combo for o in ovr)])
+            try:
+                cell.config = self.config_of(cell)
+            except ConfigError as err:
+                cell.error = str(err)
+            cells.append(cell)
+        names = [c.name for c in cells]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError(f"sweep: option names repeat across axes, cells collide: {dup[:3]}")
+        return cells
+
+    def config_of(self, cell: Cell) -> Config:
+        tree = copy.deepcopy(self.base)
+        for key, value in cell.overrides:
+            apply_override(tree, key, copy.deepcopy(value))
+        return load_config(None, (), base=tree)
+
+
+def _option_name(key: str, value: Any) -> str:
+    """``seed, 1 -> seed1``; ``algo, fedsam -> fedsam``; a mapping value -> its values joined."""
+    if isinstance(value, dict):
+        text = "-".join(f"{v}" if k in ("scheme", "name") else f"{k}{v}" for k, v in value.items())
+    elif key in SHORTHAND_KEYS:
+        text = str(value)
+    else:
+        text = f"{key.rsplit('.', 1)[-1]}{value}"
+    return _UNSAFE.sub("-", text).strip("-") or "x"
+
+
+def _parse_axis(axis: str, spec: Any, where: str) -> dict[str, list[tuple[str, Any]]]:
+    if isinstance(spec, list):
+        if not spec:
+            raise ConfigError(f"{where}: grid axis '{axis}' has no values")
+        return {_option_name(axis, v): [(axis, v)] for v in spec}
+    if isinstance(spec, dict):
+        if not spec:
+            raise ConfigError(f"{where}: grid axis '{axis}' has no options")
+        options = {}
+        for name, ovr in spec.items():
+            safe = _UNSAFE.sub("-", str(name)).strip("-")
+            if not safe:
+                raise ConfigError(f"{where}: grid axis '{axis}': option name {name!r} is empty after cleaning")
+            if isinstance(ovr, dict):
+                options[safe] = list(ovr.items())
+            elif isinstance(ovr, list):
+                options[safe] = [parse_override(o) for o in ovr]
+            else:  # `fedsam: fedsam` shorthand: the axis is a key and this its value
+                options[safe] = [(axis, ovr)]
+        return options
+    raise ConfigError(f"{where}: grid axis '{axis}' must be a list of values or a mapping of named options")
+
+
+def _parse_overrides(items: Any, where: str) -> list[tuple[str, Any]]:
+    if items is None:
+        return []
+    if isinstance(items, dict):
+        return list(items.items())
+    if isinstance(items, list):
+        return [parse_override(str(i)) for i in items]
+    raise ConfigError(f"{where}: 'overrides' must be a list of key=value or a mapping")
+
+
+SWEEP_KEYS = {"base", "config", "overrides", "grid", "out", "variants"}
+
+
+def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
+               extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
+    """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file '{path}' not found")
+    spec = _read_yaml(path.read_text()) or {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    unknown = set(spec) - SWEEP_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown sweep keys {sorted(unknown)}; allowed: {sorted(SWEEP_KEYS)} "
+                          "(config keys go under 'config:' or 'overrides:')")
+    base: dict[str, Any] = {}
+    if spec.get("base"):
+        base_path = _base_path(path, str(spec["base"]))
+        base = _read_yaml(base_path.read_text()) or {}
+    for key, value in (spec.get("config") or {}).items():
+        apply_override(base, key, value)
+    overrides = _parse_overrides(spec.get("overrides"), str(path))
+    grid = spec.get("grid") or {}
+    variants = spec.get("variants") or {}
+    sweep_out = spec.get("out") or f"runs/sweeps/{path.stem}"
+    if variant is not None:
+        if variant not in variants:
+            raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
+        v = variants[variant] or {}
+        bad = set(v) - {"overrides", "grid", "out"}
+        if bad:
+            raise ConfigError(f"{path}: variant '{variant}': unknown keys {sorted(bad)}")
+        overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
+        grid = {**grid, **(v.get("grid") or {})}
+        sweep_out = v.get("out") or f"{sweep_out}-{variant}"
+    overrides += [parse_override(o) for o in extra_overrides]
+    axes = {axis: _parse_axis(axis, s, str(path)) for axis, s in grid.items()}
+    return Sweep(source=path, base=base, overrides=overrides, axes=axes, out=Path(out or sweep_out),
+                 variant=variant, variants=list(variants))
+
+
+def _base_path(sweep_path: Path, base: str) -> Path:
+    if base == "quickstart":
+        from fedflat.api import quickstart_path
+
+        return quickstart_path()
+    candidate = (sweep_path.parent / base).resolve()
+    if not candidate.is_file():
+        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate})")
+    return candidate
+
+
+# --- the state of a cell folder --------------------------------------------------------------------
+
+def _comparable(tree: dict[str, Any]) -> dict[str, Any]:
+    tree = copy.deepcopy(tree)
+    for key in ("out", "threads", "device"):
+        tree.pop(key, None)
+    return json.loads(json.dumps(json_safe(tree)))
+
+
+def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
+    """``(state, reason)``: 'new', 'completed', 'diverged', 'resume' or 'stale' (config changed)."""
+    if not folder.exists():
+        return "new", None
+    config_file, summary_file = folder / "config.yaml", folder / "summary.json"
+    if not config_file.exists():
+        return "new", None  # killed before its config was written: nothing worth keeping
+    if cfg is not None:
+        on_disk = _read_yaml(config_file.read_text())
+        if _comparable(on_disk) != _comparable(resolve(cfg)):
+            return "stale", (f"{folder} holds a run of a different config; delete the folder or change the "
+                             "sweep's out")
+    if summary_file.exists():
+        status = json.loads(summary_file.read_text()).get("status")
+        if status in FINISHED:
+            return status, None
+    return "resume", None
+
+
+def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None) -> dict[str, Any]:
+    """Runs, resumes or skips one cell; never raises (errors are recorded in the result and
+    ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes)."""
+    from fedflat.api import run
+    from fedflat.experiments.checkpoint import resume
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    folder_path = Path(folder)
+    start = time.perf_counter()
+    try:
+        cfg = load_config(None, (), base=tree)
+        state, reason = cell_state(folder_path, cfg)
+        if state in FINISHED:
+            return _result(folder_path, "skipped")
+        if state == "stale":
+            return {"status": "failed", "reason": reason, "action": "none"}
+        if state == "new" and folder_path.exists():
+            shutil.rmtree(folder_path)
+        if state == "new":
+            run(cfg, run_dir=folder_path, progress=progress)
+        else:
+            resume(folder_path, config=cfg, progress=progress)
+        return _result(folder_path, "resumed" if state == "resume" else "ran", time.perf_counter() - start)
+    except BaseException as err:  # noqa: BLE001 - a cell's failure must not stop the sweep
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        folder_path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder_path / "error.txt", traceback.format_exc())
+        return {"status": "failed", "reason": f"{type(err).__name__}: {err}", "action": "failed",
+                "seconds": time.perf_counter() - start}
+
+
+def _result(folder: Path, action: str, seconds: float = 0.0) -> dict[str, Any]:
+    s = json.loads((folder / "summary.json").read_text())
+    return {"status": s.get("status"), "reason": s.get("reason"), "action": action, "seconds": seconds,
+            "rounds": s.get("rounds"), "final_test_acc": s.get("final_test_acc"),
+            "best_test_acc": s.get("best_test_acc")}
+
+
+# --- running a sweep -------------------------------------------------------------------------------
+
+@dataclass
+class SweepResult:
+    folder: Path
+    cells: list[dict[str, Any]]
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [c for c in self.cells if c.get("status") == "failed"]
+
+
+def _write_index(sweep: Sweep, cells: list[Cell], results: dict[str, dict[str, Any]]) -> None:
+    index = {"source": str(sweep.source) if sweep.source else None, "variant": sweep.variant,
+             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "cells": [{**c.as_dict(), **results.get(c.name, {"status": "pending"})} for c in cells]}
+    atomic_write_text(sweep.out / SWEEP_FILE, json.dumps(json_safe(index), indent=2) + "\n")
+
+
+def _live_round(folder: Path) -> str:
+    lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
+    return f"r{lines[-1]['round']}" if lines else "r0"
+
+
+def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True) -> SweepResult:
+    """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time."""
+    from tqdm.auto import tqdm
+
+    cells = sweep.cells()
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for cell in cells:
+        if cell.error:
+            results[cell.name] = {"status": "failed", "reason": cell.error, "action": "invalid config"}
+    todo = [c for c in cells if c.name not in results]
+    _write_index(sweep, cells, results)
+    bar = tqdm(total=len(cells), initial=len(results), desc="cells", unit="cell", disable=not progress,
+               dynamic_ncols=True, position=0)
+
+    def record(cell: Cell, result: dict[str, Any]) -> None:
+        results[cell.name] = result
+        _write_index(sweep, cells, results)
+        bar.update(1)
+        if result["action"] != "skipped" and progress:
+            acc = result.get("final_test_acc")
+            bar.write(f"{cell.name}: {result['status']}" + (f", final test acc {acc:.4f}" if acc is not None else "")
+                      + (f" ({result['reason']})" if result.get("reason") else ""))
+
+    if workers <= 1:
+        for cell in todo:
+            bar.set_postfix_str(cell.name)
+            record(cell, run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress))
+    else:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            running: dict[Future, Cell] = {
+                pool.submit(run_cell, c.config.model_dump(), str(sweep.out / c.name), False, threads): c for c in todo}
+            while running:
+                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in done:
+                    cell = running.pop(future)
+                    try:
+                        result = future.result()
+                    except BaseException as err:  # noqa: BLE001 - e.g. a worker killed by the OS
+                        result = {"status": "failed", "reason": f"worker: {type(err).__name__}: {err}",
+                                  "action": "failed"}
+                    record(cell, result)
+                live = [f"{c.name} {_live_round(sweep.out / c.name)}" for f, c in running.items() if f.running()]
+                bar.set_postfix_str("; ".join(live)[:200])
+    bar.close()
+    return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
