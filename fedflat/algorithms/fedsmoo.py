@@ -3,8 +3,8 @@
 Client dual ``mu_i`` (0 at first participation), server correction ``s`` (0). Every local step:
 ``u = g(w) - mu_i - s``, ``eps = rho u / ||u||``, ``mu_i <- mu_i + eps - s``; the descent gradient is
 ``g(w + eps)`` inside FedDyn's direction. After the round the server sets
-``s = rho mean_S(mu_i) / ||mean_S(mu_i)||`` (the clients upload ``mu_i``: 2 vectors up), then takes
-FedDyn's step. Default ``rho = 0.1``.
+``s = rho mean_S(mu_i) / ||mean_S(mu_i)||`` (the clients upload ``mu_i``: 2 vectors up; ``s`` goes down
+with the model: 2 down), then takes FedDyn's step. Default ``rho = 0.1``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class CorrectedPerturbation(LocalSAM):
     name = "smoo"
     summary = "FedSMOO: eps = rho u/||u||, u = g(w) - mu_i - s, mu_i <- mu_i + eps - s; s from the mean mu_i"
     Params = SAMParams
-    up = 1
+    up = 1  # mu_i
+    down = 1  # s, used in every local step
     client_vectors = 1
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
