@@ -272,8 +272,8 @@ def _heterogeneous_logreg() -> tuple[Dataset, dict]:
     means = torch.tensor([[1.0, 0.0], [-0.5, 0.8], [-0.5, -0.8]])
     x = torch.cat([means[k] + 0.8 * torch.randn(40, 2, generator=g) for k in range(3)])
     y = torch.arange(3).repeat_interleave(40)
-    config = {"rounds": 150, "data": {"num_clients": 4, "partition": {"scheme": "shards", "per_client": 1}},
-              "model": {"name": "logreg"}, "sampling": {"clients_per_round": 4}, "eval": {"every": 150},
+    config = {"data": {"num_clients": 4, "partition": {"scheme": "shards", "per_client": 1}},
+              "model": {"name": "logreg"}, "sampling": {"clients_per_round": 4},
               "train": {"local_steps": 5, "batch_size": 1000, "lr": 1.0, "lr_decay": 1.0, "weight_decay": 0.01,
                         "clip": None}}
     return Dataset("shifted", x, y, x, y, 3), config
@@ -284,7 +284,7 @@ def _global_minimizer(data: Dataset, w0: torch.Tensor, weight_decay: float) -> t
     in float64 (strongly convex; the gradient norm reaches ~1e-15)."""
     X, y = data.x_train.double(), data.y_train
     w = w0.double().clone()
-    for _ in range(3000):
+    for _ in range(2000):
         w.requires_grad_(True)
         W, b = w[:6].view(3, 2), w[6:]
         loss = torch.nn.functional.cross_entropy(X @ W.T + b, y) + weight_decay / 2 * w.dot(w)
@@ -308,8 +308,9 @@ def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
     assert [len(ix) for ix in sim.client_indices] == [30] * 4
     w_star = _global_minimizer(data, sim.w, 0.01)
     distance = {}
-    for name in ("fedavg", "scaffold", "feddyn"):
-        hist = fedflat.run({**config, "algo": {"name": name}}, dataset=data, save=False, progress=False)
+    for name, rounds in (("fedavg", 50), ("scaffold", 150), ("feddyn", 80)):  # FedAvg's fixed point: ~50 rounds
+        run = {**config, "rounds": rounds, "eval": {"every": rounds}, "algo": {"name": name}}
+        hist = fedflat.run(run, dataset=data, save=False, progress=False)
         distance[name] = (hist.final_parameters - w_star).norm().item()
     assert distance["scaffold"] < 1e-3 and distance["feddyn"] < 1e-3, distance
     assert distance["fedavg"] > 0.1, distance
