@@ -48,6 +48,9 @@ def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str
         if len(g.runs) > 1:
             ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), color=line.get_color(), alpha=0.2,
                             linewidth=0)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("communication round")
     ax.set_ylabel("test accuracy (%)" if key == "test_acc" else key)
     ax.set_title(title, fontsize=10)

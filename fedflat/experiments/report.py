@@ -233,7 +233,8 @@ def _target_cells(row: Row, target: float) -> tuple[str, str]:
     if rounds is None:
         return DASH, DASH
     partial = f" ({reached}/{row.seeds})" if reached < row.seeds else ""
-    return f"{rounds:.0f}{partial}", f"{seconds:.1f}"
+    shown = f"{rounds:.0f}" if rounds == int(rounds) else f"{rounds:.1f}"
+    return f"{shown}{partial}", f"{seconds:.1f}"
 
 
 def headers(targets: list[float]) -> list[str]:

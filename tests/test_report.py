@@ -1,0 +1,142 @@
+"""Reports: numbers checked against run folders with known metrics, and the three formats parse."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedflat.config import load_config, resolve
+from fedflat.experiments.plots import curve, write_plots
+from fedflat.experiments.report import ReportError, build_rows, find_runs, report
+from tests.conftest import tiny_tree
+
+# (method, alpha, seed) -> test accuracy after rounds 1, 2, 3 and cumulative training seconds
+RUNS = {
+    ("fedavg", 0.3, 0): ([0.50, 0.70, 0.80], [1.0, 2.0, 3.0]),
+    ("fedavg", 0.3, 1): ([0.60, 0.84, 0.84], [1.0, 2.0, 3.0]),
+    ("fedsam", 0.3, 0): ([0.60, 0.86, 0.90], [2.0, 4.0, 6.0]),
+    ("fedsam", 0.3, 1): ([0.60, 0.80, 0.90], [2.0, 4.0, 6.0]),
+    ("fedavg", 1.0, 0): ([0.70, 0.90, 0.95], [1.0, 2.0, 3.0]),
+}
+
+
+def make_run(root: Path, method: str, alpha: float, seed: int, accs: list[float], secs: list[float]) -> Path:
+    folder = root / f"{method}-a{alpha}-s{seed}"
+    folder.mkdir(parents=True)
+    overrides = [f"algo={method}", f"data.partition.alpha={alpha}", f"seed={seed}", "rounds=3"]
+    (folder / "config.yaml").write_text(yaml.safe_dump(resolve(load_config(None, overrides, base=tiny_tree()))))
+    lines = [{"round": t + 1, "test_acc": a, "train_seconds": s} for t, (a, s) in enumerate(zip(accs, secs))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    sam = method == "fedsam"
+    summary = {"status": "completed", "rounds": 3, "final_test_acc": accs[-1], "best_test_acc": max(accs),
+               "train_seconds": secs[-1], "up_vectors": 1, "down_vectors": 1, "backprops_per_step": 2 if sam else 1}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    for (method, alpha, seed), (accs, secs) in RUNS.items():
+        make_run(tmp_path / "sweep", method, alpha, seed, accs, secs)
+    return tmp_path / "sweep"
+
+
+def test_rows_hold_mean_std_and_rounds_to_target(runs_dir):
+    rows = {(r.setting, r.method): r for r in build_rows(find_runs([runs_dir]), [0.8, 0.82, 0.99])}
+    assert set(rows) == {("alpha=0.3", "fedavg"), ("alpha=0.3", "fedsam"), ("alpha=1", "fedavg")}
+    avg = rows["alpha=0.3", "fedavg"]
+    assert avg.seeds == 2
+    assert avg.final[0] == pytest.approx(82.0) and avg.final[1] == pytest.approx(math.sqrt(8))  # ddof=1
+    assert avg.best[0] == pytest.approx(82.0)
+    assert avg.targets[0.8] == (2.5, 2.5, 2)  # rounds 3 and 2, at 3.0 s and 2.0 s
+    assert avg.targets[0.82] == (2.0, 2.0, 1)  # only seed 1 got there
+    assert avg.targets[0.99] == (None, None, 0)
+    assert avg.sec_per_round == pytest.approx(1.0) and avg.backprops == 1 and avg.comm == 1
+    sam = rows["alpha=0.3", "fedsam"]
+    assert sam.final == (pytest.approx(90.0), pytest.approx(0.0))
+    assert sam.targets[0.8] == (2.0, 4.0, 2) and sam.targets[0.82] == (2.5, 5.0, 2)
+    assert sam.backprops == 2 and sam.sec_per_round == pytest.approx(2.0)
+    single = rows["alpha=1", "fedavg"]
+    assert single.final == (pytest.approx(95.0), None)
+
+
+def _markdown_table(text: str) -> list[dict[str, str]]:
+    lines = [ln for ln in text.strip().splitlines()]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert set(lines[1].replace("|", "")) == {"-"}
+    return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True)) for ln in lines[2:]]
+
+
+def test_markdown_parses_with_paper_style_cells(runs_dir):
+    table = _markdown_table(report([runs_dir], [0.82, 0.99], "markdown"))
+    rows = {(r["setting"], r["method"]): r for r in table}
+    avg = rows["alpha=0.3", "fedavg"]
+    assert avg["final acc (%)"] == "82.00 ± 2.83"
+    assert avg["rounds to 82%"] == "2 (1/2)" and avg["time to 82% (s)"] == "2.0"
+    assert avg["rounds to 99%"] == "–" and avg["time to 99% (s)"] == "–"
+    assert rows["alpha=0.3", "fedsam"]["rounds to 82%"] == "2.5"
+    assert rows["alpha=1", "fedavg"]["final acc (%)"] == "95.00"  # one seed: no ± part
+    assert rows["alpha=0.3", "fedsam"]["backprops/step"] == "2"
+    assert [r["method"] for r in table[:2]] == ["fedavg", "fedsam"]  # FedAvg first within a setting
+
+
+def test_csv_parses_to_the_numbers(runs_dir):
+    rows = list(csv.DictReader(io.StringIO(report([runs_dir], [0.8], "csv"))))
+    sam = next(r for r in rows if r["method"] == "fedsam")
+    assert float(sam["final_acc_mean"]) == pytest.approx(90.0) and float(sam["final_acc_std"]) == 0.0
+    assert float(sam["rounds_to_0.8"]) == 2.0 and sam["reached_0.8"] == "2"
+    single = next(r for r in rows if r["setting"] == "alpha=1")
+    assert single["final_acc_std"] == ""  # undefined for one seed, not zero
+
+
+def test_latex_is_a_well_formed_tabular(runs_dir):
+    text = report([runs_dir], [0.99], "latex")
+    lines = text.strip().splitlines()
+    assert lines[0].startswith(r"\begin{tabular}{") and lines[-1] == r"\end{tabular}"
+    columns = len(lines[0][len(r"\begin{tabular}{"):-1])
+    body = lines[lines.index(r"\midrule") + 1: lines.index(r"\bottomrule")]
+    assert len(body) == 3
+    for line in [lines[2], *body]:
+        assert line.endswith(r"\\") and len(line[:-2].split(" & ")) == columns
+        assert line.count("$") % 2 == 0
+    assert r"$82.00 \pm 2.83$" in text and " -- " in text and r"\%" in lines[2]
+    assert "–" not in text and "±" not in text  # plain ASCII LaTeX
+
+
+def test_plots_are_written_and_curves_average_seeds(runs_dir, tmp_path):
+    runs = [r for r in find_runs([runs_dir]) if r.config["algo.name"] == "fedavg" and r.config["data.partition.alpha"] == 0.3]
+    rounds, mean, std = curve(runs)
+    assert rounds.tolist() == [1, 2, 3]
+    assert mean.tolist() == pytest.approx([0.55, 0.77, 0.82])
+    assert std[0] == pytest.approx(math.sqrt(0.005))
+    written = write_plots(find_runs([runs_dir]), tmp_path / "plots")
+    names = sorted(p.name for p in written)
+    assert names == ["convergence-alpha=0.3.png", "convergence-alpha=1.png", "partition-alpha=0.3.png",
+                     "partition-alpha=1.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_report_errors(tmp_path, runs_dir):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="no run folders"):
+        report([tmp_path / "empty"], [])
+    with pytest.raises(ReportError, match="no such folder"):
+        report([tmp_path / "missing"], [])
+    with pytest.raises(ReportError, match="fractions"):
+        report([runs_dir], [75])
+    with pytest.raises(ReportError, match="--format"):
+        report([runs_dir], [], "html")
+
+
+def test_cli_report_end_to_end(runs_dir, tmp_path, capsys):
+    from fedflat.cli import main
+
+    assert main(["report", str(runs_dir), "--target-acc", "0.8", "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    assert len(list(csv.DictReader(io.StringIO(out)))) == 3
+    assert main(["report", str(tmp_path / "nowhere")]) == 2

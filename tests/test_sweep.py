@@ -1,0 +1,130 @@
+"""Sweeps: grid expansion, deterministic cell folders, skipping finished cells, resuming, failures."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedflat.config import ConfigError
+from fedflat.experiments.checkpoint import CHECKPOINT, read_checkpoint
+from fedflat.experiments.rundir import read_jsonl
+from fedflat.experiments.sweep import load_sweep, run_sweep
+from tests.conftest import tiny_tree
+
+
+def write_sweep(tmp_path: Path, spec: dict, base: dict | None = None) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base or tiny_tree()))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", "out": str(tmp_path / "out"), **spec}, sort_keys=False))
+    return path
+
+
+def test_grid_expands_to_every_combination_in_axis_order(tmp_path):
+    path = write_sweep(tmp_path, {
+        "overrides": ["rounds=2"],
+        "grid": {"method": {"fedavg": {"algo": "fedavg"}, "fedsam": {"algo": "fedsam", "algo.rho": 0.05}},
+                 "data.partition.alpha": [0.1, 1.0],
+                 "seed": [0, 1, 2]}})
+    cells = load_sweep(path).cells()
+    assert len(cells) == 2 * 2 * 3
+    assert [c.name for c in cells[:4]] == ["fedavg__alpha0.1__seed0", "fedavg__alpha0.1__seed1",
+                                           "fedavg__alpha0.1__seed2", "fedavg__alpha1.0__seed0"]
+    last = cells[-1]
+    assert last.name == "fedsam__alpha1.0__seed2"
+    cfg = last.config
+    assert (cfg.algo, cfg.data.partition["alpha"], cfg.seed, cfg.rounds) == ({"name": "fedsam", "rho": 0.05}, 1.0, 2, 2)
+    assert cells[0].config.algo == {"name": "fedavg"}  # `algo: X` starts X from its own defaults
+    assert load_sweep(path).cells()[5].name == cells[5].name  # deterministic
+
+
+def test_variant_replaces_axes_adds_overrides_and_moves_out(tmp_path):
+    path = write_sweep(tmp_path, {"grid": {"seed": [0, 1, 2]},
+                                  "variants": {"small": {"overrides": ["rounds=1"], "grid": {"seed": [7]}}}})
+    sweep = load_sweep(path, variant="small")
+    cells = sweep.cells()
+    assert [c.name for c in cells] == ["seed7"] and cells[0].config.rounds == 1
+    assert sweep.out == tmp_path / "out-small"
+    with pytest.raises(ConfigError, match="no variant 'big'"):
+        load_sweep(path, variant="big")
+
+
+def test_bad_sweeps_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown sweep keys"):
+        load_sweep(write_sweep(tmp_path, {"grdi": {}}))
+    with pytest.raises(ConfigError, match="no values"):
+        load_sweep(write_sweep(tmp_path, {"grid": {"seed": []}}))
+    cells = load_sweep(write_sweep(tmp_path, {"grid": {"algo.rho": [0.1]}})).cells()
+    assert "not a hyperparameter of 'fedavg'" in cells[0].error  # invalid cells are reported, not run
+
+
+def test_rerun_skips_finished_cells_and_resumes_unfinished(tmp_path):
+    path = write_sweep(tmp_path, {"overrides": ["rounds=4", "checkpoint_every=2"],
+                                  "grid": {"algo": ["fedavg", "fedsam"], "seed": [0, 1]}})
+    sweep = load_sweep(path)
+    first = run_sweep(sweep, progress=False)
+    assert [c["status"] for c in first.cells] == ["completed"] * 4
+    assert {c["action"] for c in first.cells} == {"ran"}
+    out = tmp_path / "out"
+    index = json.loads((out / "sweep.json").read_text())
+    assert [c["name"] for c in index["cells"]] == ["fedavg__seed0", "fedavg__seed1", "fedsam__seed0", "fedsam__seed1"]
+    reference = read_jsonl(out / "fedsam__seed1" / "metrics.jsonl")
+    # make fedsam__seed1 look killed after its round-2 checkpoint, with round 3's line already written
+    cell = out / "fedsam__seed1"
+    import torch
+
+    from fedflat import run
+    run(sweep.cells()[3].config.model_copy(update={"rounds": 2}), run_dir=tmp_path / "r2", progress=False)
+    torch.save(read_checkpoint(tmp_path / "r2"), cell / CHECKPOINT)
+    (cell / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in reference[:3]))
+    summary = json.loads((cell / "summary.json").read_text())
+    (cell / "summary.json").write_text(json.dumps({**summary, "status": "running"}))
+    # and delete another cell entirely
+    import shutil
+    shutil.rmtree(out / "fedavg__seed0")
+    second = run_sweep(load_sweep(path), progress=False)
+    actions = {c["name"]: c["action"] for c in second.cells}
+    assert actions == {"fedavg__seed0": "ran", "fedavg__seed1": "skipped", "fedsam__seed0": "skipped",
+                       "fedsam__seed1": "resumed"}
+    resumed = read_jsonl(cell / "metrics.jsonl")
+    strip = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k} for m in ms]  # noqa: E731
+    assert strip(resumed) == strip(reference)
+
+
+def test_failed_cell_is_recorded_and_the_others_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # CIFAR-100 is nowhere to be found
+    monkeypatch.setenv("FEDFLAT_DATA", "")
+    path = write_sweep(tmp_path, {"overrides": ["rounds=1"],
+                                  "grid": {"data": {"ok": {"data.name": "synthetic"},
+                                                    "missing": {"data.name": "cifar100", "data.options": {},
+                                                                "data.root": str(tmp_path)}},
+                                           "seed": [0]}})
+    result = run_sweep(load_sweep(path), progress=False)
+    status = {c["name"]: c for c in result.cells}
+    assert status["ok__seed0"]["status"] == "completed"
+    assert status["missing__seed0"]["status"] == "failed"
+    assert "DatasetNotFoundError" in status["missing__seed0"]["reason"]
+    assert (tmp_path / "out" / "missing__seed0" / "error.txt").exists()
+    index = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [c["status"] for c in index["cells"]] == ["completed", "failed"]
+
+
+def test_cell_with_a_changed_config_is_not_overwritten(tmp_path):
+    path = write_sweep(tmp_path, {"overrides": ["rounds=1"], "grid": {"seed": [0]}})
+    run_sweep(load_sweep(path), progress=False)
+    before = (tmp_path / "out" / "seed0" / "metrics.jsonl").read_text()
+    changed = run_sweep(load_sweep(path, extra_overrides=["train.lr=0.5"]), progress=False)
+    assert changed.cells[0]["status"] == "failed" and "different config" in changed.cells[0]["reason"]
+    assert (tmp_path / "out" / "seed0" / "metrics.jsonl").read_text() == before
+
+
+def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
+    path = write_sweep(tmp_path, {"overrides": ["rounds=2"], "grid": {"seed": [0, 1]}})
+    parallel = run_sweep(load_sweep(path, out=tmp_path / "par"), workers=2, progress=False)
+    serial = run_sweep(load_sweep(path, out=tmp_path / "ser"), progress=False)
+    assert [c["status"] for c in parallel.cells] == ["completed", "completed"]
+    for name in ("seed0", "seed1"):
+        a = read_jsonl(tmp_path / "par" / name / "metrics.jsonl")
+        b = read_jsonl(tmp_path / "ser" / name / "metrics.jsonl")
+        assert [m["test_acc"] for m in a] == [m["test_acc"] for m in b]
