@@ -84,9 +84,10 @@ def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "stateful"])
+@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "stateful"])
 def test_resume_equals_uninterrupted(tiny, tmp_path, algo, stateful_recipe):
-    name = stateful_recipe if algo == "stateful" else "fedavg"
+    """FedAvg; SCAFFOLD (server c and client c_i); a test part with server and client state."""
+    name = stateful_recipe if algo == "stateful" else algo
     cfg = tiny(f"algo={name}", "rounds=6", "checkpoint_every=2", "eval.every=1")
     full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
     # dies in round 5: the last checkpoint is round 4's; round 5's metrics line is already on disk
@@ -110,6 +111,8 @@ def test_resume_equals_uninterrupted(tiny, tmp_path, algo, stateful_recipe):
             assert torch.equal(a["store"][slot][client], b["store"][slot][client])
     if algo == "stateful":
         assert a["store"]["test_memory"] and float(a["server"]["test_rounds_seen"]) == 6
+    if algo != "fedavg":
+        assert a["store"], "the method keeps client state, so the comparison covers the store"
     s = json.loads((folder / "summary.json").read_text())
     assert s["rounds"] == 6 and s["resumed"][0]["round"] == 4
     assert s["best_test_acc"] == full.summary["best_test_acc"]

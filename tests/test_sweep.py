@@ -128,3 +128,30 @@ def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
         a = read_jsonl(tmp_path / "par" / name / "metrics.jsonl")
         b = read_jsonl(tmp_path / "ser" / name / "metrics.jsonl")
         assert [m["test_acc"] for m in a] == [m["test_acc"] for m in b]
+
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
+def test_every_shipped_config_names_registered_things(path):
+    """Every sweep (and each variant) under configs/ expands to valid cells: algorithm, dataset, model
+    and partition names exist and every hyperparameter belongs to its method."""
+    from fedflat.config import load_config
+    from fedflat.experiments.sweep import SWEEP_KEYS
+
+    spec = yaml.safe_load(path.read_text())
+    if not set(spec) & {"grid", "base", "variants"}:
+        load_config(path)
+        return
+    variants = [None, *(spec.get("variants") or {})]
+    for variant in variants:
+        cells = load_sweep(path, variant=variant).cells()
+        assert cells
+        bad = [(c.name, c.error) for c in cells if c.error]
+        assert not bad, f"{path.name} variant {variant}: {bad[:2]}"
+    assert set(spec) <= SWEEP_KEYS
+    if "papers" in path.parts:
+        assert "small" in spec["variants"], "every paper setup has a small variant"
+        assert "Table" in path.read_text().split("\n", 1)[0], "the first line names the table reproduced"
