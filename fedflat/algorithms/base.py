@@ -142,6 +142,7 @@ class Part:
     down: ClassVar[int] = 0
     client_vectors: ClassVar[int] = 0
     extra_backprops: ClassVar[int] = 0
+    supports_vectorized: ClassVar[bool] = True  # False: the vectorized engine refuses the method, naming this part
     provides: ClassVar[frozenset[str]] = frozenset()
     requires: ClassVar[frozenset[str]] = frozenset()
 

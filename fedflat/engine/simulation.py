@@ -47,7 +47,7 @@ def check_vectorizable(algorithm: Algorithm) -> None:
     """Refuses, naming the part, a method with a part that declares ``supports_vectorized = False``
     (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort)."""
     for role, part in algorithm.parts.items():
-        if not getattr(part, "supports_vectorized", True):
+        if not part.supports_vectorized:
             raise ConfigError(f"engine=vectorized: {role} '{part.name}' of '{algorithm.name}' does not support the "
                              f"vectorized engine yet; use engine=sequential")
 
