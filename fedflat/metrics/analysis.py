@@ -96,6 +96,16 @@ def heterogeneity_label(sim) -> str:
     return scheme + "".join(f" {k}={part[k]}" for k in keys)
 
 
+def run_labels(targets: list[Target]) -> list[str]:
+    """Short distinct legend labels: the algorithm, then with the heterogeneity level, then the folder name."""
+    for make in (lambda t: t.sim.algorithm.name, heterogeneity_label,
+                 lambda t: f"{t.sim.algorithm.name}, {heterogeneity_label(t.sim)}", lambda t: t.label):
+        labels = [make(t) if make is not heterogeneity_label else make(t.sim) for t in targets]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{i}: {t.label}" for i, t in enumerate(targets)]
+
+
 # --- one function per kind: (target, options, out_dir, suffix) -> (result, files) ---------------------------
 
 def _sharpness(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
@@ -212,13 +222,14 @@ def _pca(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str, ot
     jointly over the runs compared (one colour per run)."""
     result: dict[str, Any] = {"available": True}
     files: list[Path] = []
+    labels = run_labels([target, *others])
     for what in ("perturbations", "parameters"):
         groups, meta = {}, []
-        for t in [target, *others]:
+        for t, label in zip([target, *others], labels):
             got = client_layer_vectors(t.sim, t.round, what=what, layer=o.layer, clients=o.clients,
                                        client_samples=o.client_samples, direction=o.direction, rho=o.rho)
             if len(got["clients"]) >= 2:
-                groups[t.label if others else t.sim.algorithm.name] = got["vectors"]
+                groups[label] = got["vectors"]
             meta.append({"run": t.label, "clients": got["clients"], "direction": got.get("direction")})
         if not groups:
             result[what] = {"available": False, "reason": "fewer than 2 clients have this quantity"}

@@ -71,7 +71,7 @@ def _print(doc: dict[str, Any], out: Path) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from fedflat.metrics import plots
-    from fedflat.metrics.analysis import analyze, open_run
+    from fedflat.metrics.analysis import analyze, open_run, run_labels
 
     target = open_run(args.run_dir)
     options = _options(target, args)
@@ -87,9 +87,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.kind == "spectra" and others:
         docs = [doc] + [analyze("spectra", o, options, Path(args.out) if args.out else o.path / "diagnostics",
                                 suffix="" if not args.out else f"-{o.path.name}") for o in others]
-        ok = [d for d in docs if d["result"]["available"]]
+        labels = run_labels([target, *others])
+        ok = [(label, d) for label, d in zip(labels, docs) if d["result"]["available"]]
         if len(ok) > 1:
-            curves = {f"{Path(d['run']).name}: {d['result']['label']}": d["result"]["variance"] for d in ok}
+            curves = {label: d["result"]["variance"] for label, d in ok}
+            ok = [d for _, d in ok]
             png = plots.plot_spectra(ok[0]["result"]["band_edges"], curves, out / "spectra_compare.png",
                                      title="inter-client variance of perturbations by heterogeneity")
             buffer = io.StringIO()

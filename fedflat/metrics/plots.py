@@ -72,7 +72,7 @@ def plot_spectra(edges: Sequence[float], curves: dict[str, Sequence[float]], pat
     ax.set(xlabel="normalized frequency (band centre; 0 = DC, 1 = Nyquist)",
            ylabel="inter-client variance (mean over layers)", title=title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend()
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -135,5 +135,5 @@ def plot_groups(groups: dict[str, np.ndarray], path: Path, *, title: str, axis_l
         ax.scatter(pts[:, 0], pts[:, 1], s=18, alpha=0.8, label=label)
     ax.set(xlabel=axis_labels[0], ylabel=axis_labels[1], title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     return _save(fig, path)
