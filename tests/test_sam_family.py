@@ -495,3 +495,14 @@ def test_every_sam_recipe_is_listed_with_source():
         assert RECIPES[name].source and RECIPES[name].summary
         build_algorithm({"name": name})
     assert "RECONSTRUCT" in RECIPES["fedvssam"].source.upper()
+
+
+def test_fedvssam_ablations_switch_on_one_mixing_each():
+    from fedflat.algorithms.fedvssam import ABLATION
+    hyper = {n: build_algorithm({"name": n}).hyperparameters for n in
+             ("fedvssam-base", "fedvssam-lf", "fedvssam-lu", "fedvssam-gu")}
+    mixings = ("alpha", "beta", "gamma")
+    assert all(hyper["fedvssam-base"][m] == 1.0 for m in mixings)
+    for name, on in (("fedvssam-lf", "alpha"), ("fedvssam-lu", "beta"), ("fedvssam-gu", "gamma")):
+        assert hyper[name][on] == ABLATION[on] < 1
+        assert all(hyper[name][m] == 1.0 for m in mixings if m != on)
