@@ -92,6 +92,8 @@ def flatness_incompatibility(sim, round: int, probed: dict[str, Any] | None = No
             **dispersion(local, global_proxy), "std": local.std(unbiased=False).item(),
             "local_proxies": local.tolist(), "mean_local_proxy": local.mean().item(),
             "global_proxy": global_proxy, "radius": radius,
+            # proxies grow like rho ||g||: divide by rho^2 to compare methods of different radii
+            "normalized_incompatibility": (local - global_proxy).pow(2).mean().item() / radius ** 2,
             "gradient_dissimilarity": gaps.pow(2).sum(dim=1).mean().item()}
 
 
