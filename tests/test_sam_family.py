@@ -193,7 +193,7 @@ def test_fedwmsam_two_rounds_by_hand(tiny, sign):
     rounds(sim, 3)
     close(sim.w, w)
     close(sim.server["momentum.m"], m, rtol=1e-4, atol=1e-5)
-    close(sim.server["wmsam.c"], c, rtol=1e-4, atol=1e-5)
+    close(sim.server["scaffold.c"], c, rtol=1e-4, atol=1e-5)
     close(sim.server["wmsam.a"], a.to(sim.server["wmsam.a"].dtype))
     assert float(a) != pytest.approx(0.1)  # a moved: m was non-zero in rounds 1 and 2
     assert sim.algorithm.parts["perturbation"].global_direction(sim.server) is sim.server["momentum.m"]

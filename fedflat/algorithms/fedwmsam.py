@@ -27,17 +27,14 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.base import (Cohort, Correction, PartParams, Perturbation, RoundContext, TrainSettings,
+from fedflat.algorithms.base import (Cohort, PartParams, Perturbation, RoundContext, TrainSettings,
                                      normalize_rows, row_norm)
 from fedflat.algorithms.fedcm import MOMENTUM
 from fedflat.algorithms.registry import Recipe, register_recipe
-from fedflat.algorithms.scaffold import scaffold_client_variate, scaffold_server_variate
+from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, Scaffold
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
-SERVER_VARIATE = "wmsam.c"  # ctx.server: c
-CLIENT_VARIATE = "wmsam.c_i"  # ctx.store and cohort.extra
 PERSONAL_MOMENTUM = "wmsam.m_i"  # cohort.extra: m_i of the chunk's clients
-_ROUND_SUM = "wmsam.sum_dc"  # ctx.info
 
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -71,27 +68,30 @@ class WMSAMParams(PartParams):
         return self
 
 
-class WeightedMomentum(Correction):
+class WeightedMomentum(Scaffold):
     """``d = a grad + (1 - a) m_i`` with FedWMSAM's personalized momentum and adaptive factor ``a``.
 
-    Keeps ``m`` (under FedCM's name, so momentum-reading parts compose with it), ``c``, ``c_i`` and ``a``.
+    Keeps SCAFFOLD's ``c``, ``c_i`` (inherited: the same option-II updates, computed by the server from
+    ``Delta_i``, so no extra upload), ``m`` (under FedCM's name, so momentum-reading parts compose with
+    it) and ``a``.
     """
 
     name = "wmsam"
     summary = "FedWMSAM: a grad + (1 - a) m_i, m_i = m + (c - c_i) a/(1 - a), cosine-adaptive a"
     Params = WMSAMParams
+    up = 0
     down = 1
     client_vectors = 1
-    provides = frozenset({MOMENTUM, PERSONAL_MOMENTUM, FACTOR})
+    provides = Scaffold.provides | {MOMENTUM, PERSONAL_MOMENTUM, FACTOR}
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
+        super().setup(server, w0, settings)
         server[MOMENTUM] = torch.zeros_like(w0)
-        server[SERVER_VARIATE] = torch.zeros_like(w0)
         server[FACTOR] = torch.tensor(self.p.a, dtype=w0.dtype, device=w0.device)
 
     def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        c_i, _ = ctx.store.get(CLIENT_VARIATE, cohort.ids)
-        cohort.extra[CLIENT_VARIATE] = c_i
+        super().begin(ctx, cohort)
+        c_i = cohort.extra[CLIENT_VARIATE]
         m = ctx.server[MOMENTUM].expand(cohort.size, -1)
         if self.p.personalized:
             m = personalized_momentum(m, ctx.server[SERVER_VARIATE], c_i, ctx.server[FACTOR])
@@ -101,17 +101,9 @@ class WeightedMomentum(Correction):
         a = ctx.server[FACTOR]
         return a * grad + (1 - a) * cohort.extra[PERSONAL_MOMENTUM]
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
-        # SCAFFOLD's option II, computed by the server from Delta_i (no extra upload).
-        c_i = cohort.extra[CLIENT_VARIATE]
-        c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)
-        ctx.store.put(CLIENT_VARIATE, cohort.ids, c_plus)
-        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (c_plus - c_i).sum(0)
-
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
+        super().after_step(ctx, w_new)
         server = ctx.server
-        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], ctx.info.pop(_ROUND_SUM),
-                                                         ctx.settings.num_clients)
         if self.p.adaptive:
             if self.p.similarity == "code":
                 s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
