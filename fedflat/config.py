@@ -106,7 +106,7 @@ class DiagnosticsConfig(Section):
     reference_batch_size: int = Field(512, ge=1)
     bands: int = Field(10, ge=2, description="frequency bands of the perturbation spectra")
     span: float = Field(1.0, gt=0, description="landscape half-width along each direction")
-    resolution: int = Field(21, ge=3, description="landscape grid points per direction")
+    resolution: int = Field(11, ge=3, description="landscape grid points per direction (cost: resolution^2 losses)")
     tsne_samples: int | None = Field(3000, ge=10, description="test samples embedded by t-SNE (null: all)")
     perplexity: float = Field(30.0, gt=0)
     layer: str | None = Field(None, description="parameter tensor of the PCA scatters (default: the first)")
