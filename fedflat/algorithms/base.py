@@ -166,7 +166,10 @@ class Part:
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The method's current estimate of the global direction it steers by (FedVSSAM's ``v``,
-        FedWMSAM's momentum, FedLESAM's estimated global perturbation), or None; for diagnostics."""
+        FedWMSAM's momentum, FedLESAM's estimated global perturbation), or None; for diagnostics.
+
+        Always in gradient sign (a descent step moves along its negative), so directions of different
+        methods compare with the same reference gradient."""
         return None
 
 

@@ -54,7 +54,7 @@ class ACGServer(ServerUpdate):
         return ctx.w + ctx.settings.global_lr * m
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[MOMENTUM]
+        return -server[MOMENTUM]  # the momentum of updates, in gradient sign
 
 
 register_recipe(Recipe(

@@ -51,7 +51,7 @@ class Adam(ServerUpdate):
         return ctx.w + self.eta_g(ctx) * m / (v.sqrt() + self.p.tau)
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[ADAM_M]
+        return -server[ADAM_M]  # the momentum of updates, in gradient sign
 
 
 class AvgMParams(PartParams):
@@ -73,7 +73,7 @@ class AvgM(ServerUpdate):
         return ctx.w + ctx.settings.global_lr * m
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[AVGM_M]
+        return -server[AVGM_M]  # the momentum of updates, in gradient sign
 
 
 register_recipe(Recipe(
