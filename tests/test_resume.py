@@ -158,30 +158,44 @@ fedflat.run(cfg, run_dir={folder!r}, progress=False)
 """
 
 
-def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
-    """A child process is SIGKILLed while the checkpoint bytes are half written (the writer sleeps
-    between the halves): the previous checkpoint survives and the run resumes to the same result."""
-    folder = tmp_path / "killed"
-    env = {**os.environ, SLOW_WRITE_ENV: "30", "PYTHONPATH": str(REPO)}
+def _sigkill_child_when(folder, slow_write: str, ready, poll: float) -> None:
+    """Runs the 8-round child with a slowed checkpoint writer, SIGKILLs it once ``ready()`` holds."""
+    env = {**os.environ, SLOW_WRITE_ENV: slow_write, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder))],
-                             env=env, cwd=tmp_path)
+                             env=env, cwd=folder.parent)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            # the first write is round 1's checkpoint: wait for it to be half written
-            if folder.exists() and list(folder.glob(f".{CHECKPOINT}.*.tmp")):
+            if ready():
                 break
             assert child.poll() is None, "child exited early"
-            time.sleep(0.05)
+            time.sleep(poll)
         else:
-            pytest.fail("the checkpoint writer never started")
-        time.sleep(0.2)
+            pytest.fail("the checkpoint writer never reached the point to kill it")
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
     finally:
         if child.poll() is None:
             child.kill()
     assert child.returncode == -signal.SIGKILL
+
+
+def _tmp_checkpoint(folder) -> bool:
+    return folder.exists() and bool(list(folder.glob(f".{CHECKPOINT}.*.tmp")))
+
+
+def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
+    """A child process is SIGKILLed while the checkpoint bytes are half written (the writer sleeps
+    between the halves): the previous checkpoint survives and the run resumes to the same result."""
+    folder = tmp_path / "killed"
+
+    def first_write_half_done() -> bool:  # the first write is round 1's checkpoint
+        if _tmp_checkpoint(folder):
+            time.sleep(0.2)
+            return True
+        return False
+
+    _sigkill_child_when(folder, "30", first_write_half_done, poll=0.05)
     assert not (folder / CHECKPOINT).exists()  # killed during the very first write: no checkpoint at all
     assert list(folder.glob(".*.tmp"))  # the torn temporary is there...
     resumed = resume(folder, progress=False)
@@ -194,22 +208,12 @@ def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
 def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp_path):
     """Killed while writing round 3's checkpoint: round 2's survives and is complete."""
     folder = tmp_path / "killed"
-    env = {**os.environ, SLOW_WRITE_ENV: "0.4", "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder))],
-                             env=env, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
-            if len(lines) >= 3 and list(folder.glob(f".{CHECKPOINT}.*.tmp")):
-                break
-            assert child.poll() is None, "child exited early"
-            time.sleep(0.02)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
+
+    def third_write_started() -> bool:
+        lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
+        return len(lines) >= 3 and _tmp_checkpoint(folder)
+
+    _sigkill_child_when(folder, "0.4", third_write_started, poll=0.02)
     ckpt = read_checkpoint(folder)
     assert ckpt is not None and ckpt["round"] >= 2
     assert len(read_jsonl(folder / "metrics.jsonl")) - ckpt["round"] <= 1  # at most checkpoint_every lost
