@@ -113,7 +113,7 @@ class _Runner:
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.name, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
-            "up_vectors": alg.up_vectors, "down_vectors": alg.down_vectors,
+            "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "final_test_acc": None, "best_test_acc": None, "best_round": None, "final_test_loss": None,
             "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
@@ -136,7 +136,7 @@ class _Runner:
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
         self.sim.load_state_dict(checkpoint["state"])
-        self.sim.oracle.backprops = checkpoint.get("backprops", 0)
+        self.sim.backprops = checkpoint.get("backprops", 0)
         self.start_round = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
@@ -190,6 +190,10 @@ class _Runner:
         result = sim.run_round(t)
         s["rounds"] = t + 1
         s["train_seconds"] += result.seconds
+        # communication as measured from the payloads: vectors per sampled client, bytes in total
+        s["up_vectors"], s["down_vectors"] = result.up_vectors, result.down_vectors
+        s["up_bytes"] += result.up_bytes * result.clients
+        s["down_bytes"] += result.down_bytes * result.clients
         if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
             for hook in self.hooks:
                 hook(self, t, None)
@@ -200,9 +204,10 @@ class _Runner:
         s["eval_seconds"] += eval_seconds
         record = {"round": t + 1, "test_acc": acc, "test_loss": loss, "train_loss": result.train_loss,
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
-                  "train_seconds": s["train_seconds"], "up_vectors": s["up_vectors"],
-                  "down_vectors": s["down_vectors"], "clients": result.clients, "drift": result.drift,
-                  "backprops_per_step": result.backprops_per_step, "store": result.store}
+                  "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
+                  "down_vectors": result.down_vectors, "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
+                  "clients": result.clients, "drift": result.drift,
+                  "backprops_per_step": result.backprops_per_step, "store": result.store, **result.log}
         for hook in self.hooks:
             hook(self, t, record)
         self.metrics.append(record)

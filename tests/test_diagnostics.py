@@ -285,21 +285,6 @@ def test_unknown_layer_and_unknown_kind_are_clear_errors(tiny_run):
         analyze("curvature", target)
 
 
-def test_overlay_store_keeps_writes_private():
-    from fedflat.engine.store import ClientStore
-    from fedflat.metrics.probe import OverlayStore
-
-    store = ClientStore(3)
-    store.put("c", torch.tensor([0]), torch.ones(1, 3))
-    overlay = OverlayStore(store)
-    values, _ = overlay.get("c", torch.tensor([0]))
-    values += 5  # in-place edits of what a part read must not reach the store
-    overlay.put("c", torch.tensor([0, 2]), torch.full((2, 3), 7.0))
-    assert overlay.count("c") == 2 and store.count("c") == 1
-    torch.testing.assert_close(overlay.get("c", torch.tensor([0, 2]))[0], torch.full((2, 3), 7.0))
-    torch.testing.assert_close(store.get("c", torch.tensor([0]))[0], torch.ones(1, 3))
-
-
 def test_probe_diagnostics_agree_between_engines():
     """The method's perturbations come from the run's oracle: sequential and vmap engines must agree."""
     results = {}

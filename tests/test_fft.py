@@ -21,8 +21,8 @@ def _layout() -> ParamLayout:
 def _setup(filter_name: str, C: int = 2, **params):
     layout = _layout()
     algo = build_algorithm({"name": "fedsam", "filter": filter_name, **params})
-    ctx = SimpleNamespace(settings=SimpleNamespace(layout=layout, seed=3), round=4, w=torch.zeros(layout.size))
-    cohort = Cohort(ids=torch.arange(C) + 1, num_samples=torch.ones(C), steps=torch.ones(C), rows=slice(0, C),
+    ctx = SimpleNamespace(settings=SimpleNamespace(layout=layout, seed=3), round=4, w_start=torch.zeros(layout.size))
+    cohort = Cohort(ids=torch.arange(C) + 1, num_samples=torch.ones(C), steps=torch.ones(C),
                     active=torch.ones(C, dtype=torch.bool))
     eps = torch.randn(C, layout.size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     filt = algo.parts["filter"]

@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 class ClientMemory(Correction):
     """A test part with client AND server state: ``d = g + beta m_i``, where ``m_i`` is client i's
-    last pseudo-gradient (client store) and the server counts rounds (server state)."""
+    last pseudo-gradient (kept by the client) and the server counts rounds (server state)."""
 
     name = "test_client_memory"
     summary = "test only"
-    client_vectors = 1
+    keeps = ("test_memory",)
 
     class Params(PartParams):
         beta: float = 0.5
@@ -37,14 +37,14 @@ class ClientMemory(Correction):
         server["test_rounds_seen"] = torch.zeros(())
 
     def begin(self, ctx, cohort):
-        cohort.extra["m"], _ = ctx.store.get("test_memory", cohort.ids)
+        cohort.extra["m"] = cohort.state["test_memory"]
 
     def direction(self, ctx, cohort, k, W, grad):
         return grad + self.p.beta * cohort.extra["m"]
 
     def end(self, ctx, cohort, W):
         steps = cohort.steps.to(W.dtype)[:, None]
-        ctx.store.put("test_memory", cohort.ids, (ctx.w_start - W) / (steps * ctx.lr))
+        cohort.new_state["test_memory"] = (ctx.w_start - W) / (steps * ctx.lr)
 
     def after_step(self, ctx, w_new):
         ctx.server["test_rounds_seen"] += 1

@@ -359,18 +359,18 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
         u = summarize((w_new - w)[None], d, seed)[0]
         w = w_new
         sim.run_round(t) if t == 0 else None
-    ctx_info = {}
+    seen = {}
     original = sim.algorithm.parts["aggregation"].weights
 
     def spy(ctx):
         out = original(ctx)
-        ctx_info.update(ctx.info)
+        seen.update(ctx.uploads, weights=out)
         return out
     sim.algorithm.parts["aggregation"].weights = spy
     sim.run_round(1)
-    close(ctx_info["scam_radius"], torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in radii]))
-    close(ctx_info["scam_weights"], p.float())
-    c = ctx_info["scam"]["c"]
+    close(seen["scam.radius"], torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in radii]))
+    close(seen["weights"], p.float())
+    c = seen["scam.c"]
     assert float(c.abs().max()) > 0  # round 1 is aligned against a non-zero u
     assert float(c.max()) > 1 / kappa and float(c.min()) < 1 / kappa  # max(0, 1 - kappa c) clips some, not all
     close(sim.server["scam.u"], u)

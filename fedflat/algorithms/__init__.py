@@ -6,8 +6,9 @@ recipes; importing the package imports them all, so a new method is one new modu
 import importlib
 import pkgutil
 
-from fedflat.algorithms.base import (Aggregation, Cohort, Correction, Filter, Part, PartParams, Perturbation,
-                                     RoundContext, ServerUpdate, TrainSettings, normalize_rows, row_norm)
+from fedflat.algorithms.base import (MODEL, TRAIN_LOSS, Aggregation, Broadcast, ClientContext, ClientResult, Cohort,
+                                     Correction, Filter, Part, PartParams, Perturbation, RoundContext, ServerUpdate,
+                                     TrainSettings, merge_results, normalize_rows, payload_size, row_norm)
 from fedflat.algorithms.registry import (PARTS, RECIPES, ROLES, Algorithm, AlgorithmError, Recipe, build_algorithm,
                                          register_part, register_recipe)
 
@@ -26,6 +27,7 @@ def _load_methods() -> None:
 
 _load_methods()
 
-__all__ = ["Aggregation", "Algorithm", "AlgorithmError", "Cohort", "Correction", "Filter", "PARTS", "Part",
-           "PartParams", "Perturbation", "RECIPES", "ROLES", "Recipe", "RoundContext", "ServerUpdate",
-           "TrainSettings", "build_algorithm", "normalize_rows", "register_part", "register_recipe", "row_norm"]
+__all__ = ["MODEL", "TRAIN_LOSS", "Aggregation", "Algorithm", "AlgorithmError", "Broadcast", "ClientContext",
+           "ClientResult", "Cohort", "Correction", "Filter", "PARTS", "Part", "PartParams", "Perturbation", "RECIPES",
+           "ROLES", "Recipe", "RoundContext", "ServerUpdate", "TrainSettings", "build_algorithm", "merge_results",
+           "normalize_rows", "payload_size", "register_part", "register_recipe", "row_norm"]

@@ -1,14 +1,24 @@
-"""The four parts a federated method is made of, and the context they share.
+"""The parts a federated method is made of, and the client/server contract they run under.
 
 A method is a *recipe*: a perturbation (where the local gradient is evaluated), an optional filter
 on that perturbation, a correction (what is added to the local direction), an aggregation (client
 weights ``p_i``) and a server update (what the server does with the aggregate). Parts are stateless
-apart from their hyperparameters: server state lives in ``ctx.server`` (a dict of tensors) and
-client state in ``ctx.store``, so a run can be checkpointed generically and a part can be reused in
-any recipe.
+apart from their hyperparameters, and every part has a client side and a server side:
 
-Every tensor a part sees carries a leading client dimension ``C``: the sequential engine calls the
-parts with chunks of one client, the vectorized engine with the whole cohort.
+- **client side** (``begin``, ``perturb``, ``apply``, ``direction``, ``end``): a client's local work
+  is a function of the :class:`Broadcast` (the model, the server-state entries the parts ``send``,
+  and its personal rows, e.g. FedWMSAM's personalized momentum), the client's own state (the vectors
+  the parts ``keep``), its data and its random streams. It returns a :class:`ClientResult`: its upload, its new state, its measured work. It
+  sees no server state beyond the broadcast, shares nothing mutable, and so runs anywhere: one
+  client or a vectorized cohort in this process, in a Ray worker, in a Flower ``ClientApp``.
+- **server side** (``setup``, ``downlink``, ``personal``, ``weights``, ``finish``, ``step``,
+  ``after_step``): the server keeps its state in ``ctx.server`` (a dict of tensors) and per-client
+  vectors it ``holds`` itself in ``ctx.held`` (FedWMSAM's ``c_i``, computed from uploaded models), and
+  reads the round's uploads stacked in **ascending client-id order**, whatever order they arrived in,
+  so results never depend on where or when clients ran.
+
+Every client-side tensor carries a leading client dimension ``C``: the sequential engine runs the
+parts on chunks of one client, the vectorized engine on the whole cohort.
 """
 from __future__ import annotations
 
@@ -20,10 +30,11 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from fedflat.engine.oracle import Batch, Oracle
-    from fedflat.engine.store import ClientStore
     from fedflat.params import ParamLayout
 
 NORM_EPS = 1e-12
+MODEL = "model"  # upload: the client's final model w_{i,E}, [C, P]
+TRAIN_LOSS = "train_loss"  # upload: the client's mean local loss of the round, [C]
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:
@@ -44,7 +55,7 @@ class PartParams(BaseModel):
 
 @dataclass
 class TrainSettings:
-    """The local-training settings every part may read."""
+    """The local-training settings every part may read (the same on the server and on every client)."""
 
     weight_decay: float
     clip: float | None
@@ -55,22 +66,91 @@ class TrainSettings:
     layout: "ParamLayout | None" = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
 
 
+def payload_size(shared: dict[str, torch.Tensor], size: int,
+                 per_client: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
+    """``(model-sized vectors, bytes)`` one client sends or receives: the ``shared`` tensors plus one row of
+    each ``per_client`` tensor (stacked ``[K, ...]``). A vector is model-sized when it has ``size`` entries."""
+    tensors = list(shared.values()) + [t[0] for t in (per_client or {}).values() if t.shape[0]]
+    return (sum(1 for t in tensors if t.numel() == size),
+            sum(t.numel() * t.element_size() for t in tensors))
+
+
+@dataclass
+class Broadcast:
+    """The downlink of round ``t`` (Flower's ``FitIns``), the same for every sampled client.
+
+    ``w`` is the point clients start from (``w^t``, or what the server update broadcasts, e.g.
+    FedACG's lookahead); ``server`` holds the server-state entries the parts send every client
+    (:meth:`Part.downlink`), e.g. SCAFFOLD's ``c``; ``personal`` the rows the server computes for each
+    client (:meth:`Part.personal`), ``[K, ...]`` in the order of ``ids``. ``lr`` is ``eta_l^t``.
+    """
+
+    round: int
+    lr: float
+    w: torch.Tensor
+    server: dict[str, torch.Tensor]
+    ids: torch.Tensor | None = None
+    personal: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def shared(self) -> dict[str, torch.Tensor]:
+        """What every client receives alike: the model and the parts' shared entries."""
+        return {MODEL: self.w, **self.server}
+
+    def to(self, device: torch.device | str) -> "Broadcast":
+        return Broadcast(self.round, self.lr, self.w.to(device), {k: v.to(device) for k, v in self.server.items()},
+                         self.ids, {k: v.to(device) for k, v in self.personal.items()})
+
+    def for_clients(self, ids: torch.Tensor) -> "Broadcast":
+        """The broadcast as the clients ``ids`` (a subset of ``self.ids``) receive it: their personal rows only."""
+        if not self.personal:
+            return Broadcast(self.round, self.lr, self.w, self.server, ids)
+        position = {int(c): row for row, c in enumerate(self.ids.tolist())}
+        index = torch.tensor([position[int(c)] for c in ids.tolist()], dtype=torch.long)
+        return Broadcast(self.round, self.lr, self.w, self.server, ids,
+                         {k: v[index.to(v.device)] for k, v in self.personal.items()})
+
+
+@dataclass
+class ClientContext:
+    """What a client's local work may read: the broadcast, the shared settings, and its means to
+    compute (the gradient ``oracle`` and the ``batches`` of its own data)."""
+
+    round: int
+    lr: float
+    w_start: torch.Tensor
+    server: dict[str, torch.Tensor]  # the broadcast entries only: a part reading anything else is a contract error
+    settings: TrainSettings
+    oracle: "Oracle"
+    batches: Any
+
+    @classmethod
+    def of(cls, broadcast: Broadcast, settings: TrainSettings, oracle: "Oracle", batches: Any) -> "ClientContext":
+        return cls(round=broadcast.round, lr=broadcast.lr, w_start=broadcast.w, server=broadcast.server,
+                   settings=settings, oracle=oracle, batches=batches)
+
+
 @dataclass
 class Cohort:
-    """A chunk of the round's sampled clients trained together (``C`` rows).
+    """A chunk of the round's sampled clients trained together (``C`` rows), with their own state.
 
-    ``rows`` locates the chunk inside the round's sampled list. ``active[C]`` is set by the engine
-    before every local step: ``k < E_i``; a part that keeps per-step state must leave inactive rows
-    unchanged (the vectorized engine pads clients with fewer steps). ``extra`` carries per-chunk
-    quantities that one part computes and another reads (a personalized momentum, a radius).
+    In: ``state[name][C, P]`` (zeros where a client has none yet) and ``known[name][C]`` for every
+    name the parts keep; ``personal[name]`` the clients' rows of the broadcast. ``active[C]`` is set before every local step: ``k < E_i``; a part that keeps
+    per-step state must leave inactive rows unchanged (the vectorized engine pads clients with
+    fewer steps). ``extra`` carries per-chunk quantities one part computes and another reads.
+    Out: ``new_state`` (what each client keeps for its next participation) and ``upload`` (what it
+    sends the server, rows ``[C, ...]``), both written by the parts' ``end``.
     """
 
     ids: torch.Tensor
     num_samples: torch.Tensor
     steps: torch.Tensor
-    rows: slice
     active: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    known: dict[str, torch.Tensor] = field(default_factory=dict)
+    personal: dict[str, torch.Tensor] = field(default_factory=dict)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    new_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    upload: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -78,14 +158,55 @@ class Cohort:
 
 
 @dataclass
-class RoundContext:
-    """Everything a part may read or write during one round ``t``.
+class ClientResult:
+    """What a cohort of clients returns (Flower's ``FitRes``), one row per client in the order of ``ids``:
+    the ``upload`` (``"model"`` = ``w_{i,E}``, ``"train_loss"``, and the parts' entries), the
+    ``state`` each client keeps, and ``backprops``, the backward passes it took."""
 
-    Filled by the engine: ``w`` (the global model ``w^t``), ``w_start`` (what clients start from;
-    ``w^t`` unless the server update broadcasts another point), ``lr`` (``eta_l^t``), the sampled
-    clients with their sample counts and local step counts ``E_i``; after local training
-    ``w_final[K, P]`` and ``train_loss[K]``. Parts may add per-client results to ``info`` and set
-    ``weights[K]`` (the aggregation).
+    ids: torch.Tensor
+    upload: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+    backprops: int = 0
+
+    def rows(self, index: torch.Tensor) -> "ClientResult":
+        """The clients at positions ``index``."""
+        pick = (lambda d: {k: v[index.to(v.device)] for k, v in d.items()})
+        return ClientResult(self.ids[index], pick(self.upload), pick(self.state), self.backprops)
+
+    def to(self, device: torch.device | str) -> "ClientResult":
+        move = (lambda d: {k: v.to(device) for k, v in d.items()})
+        return ClientResult(self.ids.to(device), move(self.upload), move(self.state), self.backprops)
+
+
+def merge_results(results: list[ClientResult]) -> ClientResult:
+    """One result with every client's rows in ascending client-id order (the canonical reduction order),
+    whatever order the results arrived in."""
+    ids = torch.cat([r.ids.cpu() for r in results])
+    order = ids.argsort()
+    if len(set(ids.tolist())) != len(ids):
+        raise ValueError(f"a client appears in more than one result: {sorted(ids.tolist())}")
+
+    def stack(name: str, part: str) -> torch.Tensor:
+        rows = torch.cat([getattr(r, part)[name] for r in results])
+        return rows[order.to(rows.device)]
+    upload_names = results[0].upload.keys()
+    state_names = results[0].state.keys()
+    return ClientResult(ids[order], {k: stack(k, "upload") for k in upload_names},
+                        {k: stack(k, "state") for k in state_names}, sum(r.backprops for r in results))
+
+
+@dataclass
+class RoundContext:
+    """The server's view of round ``t``.
+
+    Before training: ``w`` (the global model ``w^t``), ``lr`` (``eta_l^t``), the sampled clients in
+    ascending id order with their sample counts and local step counts ``E_i``, the server state, and
+    the per-client vectors the server holds for them (``held[name][K, P]``, zeros and
+    ``held_known = False`` before a client's first round; parts replace the rows they update).
+    After training: ``w_start`` (what clients started from), ``uploads`` (every upload stacked over
+    the sampled clients, ``[K, ...]``, rows in the order of ``sampled``) and ``weights[K]`` (the
+    aggregation). Parts may add per-round scalars to ``log`` (written to the round's metrics line)
+    and anything else to ``info``.
     """
 
     round: int
@@ -95,19 +216,27 @@ class RoundContext:
     num_samples: torch.Tensor
     steps: torch.Tensor
     server: dict[str, torch.Tensor]
-    store: "ClientStore"
-    oracle: "Oracle"
     settings: TrainSettings
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+    held_known: dict[str, torch.Tensor] = field(default_factory=dict)
     w_start: torch.Tensor | None = None
-    w_final: torch.Tensor | None = None
-    train_loss: torch.Tensor | None = None
+    uploads: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: torch.Tensor | None = None
+    log: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
-    batches: Any = None  # engine's batch source, for parts that need extra client batches (pilot gradients)
 
     @property
     def K(self) -> int:
         return int(self.sampled.shape[0])
+
+    @property
+    def w_final(self) -> torch.Tensor:
+        """``w_{i,E}`` of every sampled client, ``[K, P]``."""
+        return self.uploads[MODEL]
+
+    @property
+    def train_loss(self) -> torch.Tensor:
+        return self.uploads[TRAIN_LOSS]
 
     @property
     def deltas(self) -> torch.Tensor:
@@ -127,20 +256,22 @@ class RoundContext:
 class Part:
     """Base of every part. Hooks default to doing nothing.
 
-    Class attributes declare what the part costs and needs, so recipes can be accounted for and
-    compositions checked: ``up``/``down`` extra model-sized vectors per sampled client and round
-    (the model itself is counted by the engine), ``client_vectors`` model-sized vectors stored per
-    client, ``extra_backprops`` per local step beyond the one of the descent gradient,
-    ``provides``/``requires`` names of shared quantities in ``cohort.extra`` or ``ctx.server``.
+    Class attributes declare what the part needs, so recipes can be assembled and checked:
+    ``sends`` server-state entries sent to every sampled client with the model (see :meth:`downlink`),
+    ``keeps`` per-client state vectors each client keeps across rounds (see :meth:`kept`), ``holds``
+    per-client vectors the server keeps about each client (never sent as such),
+    ``extra_backprops`` per local step beyond the one of the descent gradient, ``provides``/``requires``
+    names of shared quantities in ``cohort.extra`` or the broadcast. What is uploaded is whatever the
+    part's ``end`` puts in ``cohort.upload``; communication is measured from the payloads.
     """
 
     role: ClassVar[str] = ""
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     Params: ClassVar[type[PartParams]] = PartParams
-    up: ClassVar[int] = 0
-    down: ClassVar[int] = 0
-    client_vectors: ClassVar[int] = 0
+    sends: ClassVar[tuple[str, ...]] = ()
+    keeps: ClassVar[tuple[str, ...]] = ()
+    holds: ClassVar[tuple[str, ...]] = ()
     extra_backprops: ClassVar[int] = 0
     supports_vectorized: ClassVar[bool] = True  # False: the vectorized engine refuses the method, naming this part
     provides: ClassVar[frozenset[str]] = frozenset()
@@ -149,17 +280,24 @@ class Part:
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
 
+    # -- server side ---------------------------------------------------------------------------
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         """Creates this part's server state in ``server`` (called once, before round 0)."""
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        """Before a chunk's local training: load client state, compute per-chunk quantities."""
+    def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        """What this part sends every sampled client with the model (the ``sends`` entries by default)."""
+        return {key: ctx.server[key] for key in self.sends}
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
-        """After a chunk's local training, with its final models ``W[C, P]``."""
+    def personal(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        """Rows the server computes for each sampled client and sends it alone, ``[K, ...]``."""
+        return {}
+
+    def kept(self) -> tuple[str, ...]:
+        """Names of the state vectors each client keeps (``keeps`` unless options change it)."""
+        return self.keeps
 
     def finish(self, ctx: RoundContext) -> None:
-        """After all clients trained and weights are set, before the server step."""
+        """After all clients trained and weights are set, before the server step (reads ``ctx.uploads``)."""
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         """After the server step produced ``w^{t+1}``."""
@@ -172,13 +310,21 @@ class Part:
         methods compare with the same reference gradient."""
         return None
 
+    # -- client side ---------------------------------------------------------------------------
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        """Before a chunk's local training: per-chunk quantities from the broadcast and ``cohort.state``."""
+
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
+        """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
+        and ``cohort.upload``."""
+
 
 class Perturbation(Part):
     """Where the descent gradient is evaluated: ``g(w + eps)``."""
 
     role = "perturbation"
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch: "Batch") -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: "Batch") -> torch.Tensor | None:
         """``eps[C, P]`` for local step ``k``, or ``None`` for no perturbation."""
         return None
 
@@ -188,7 +334,7 @@ class Filter(Part):
 
     role = "filter"
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         return eps
 
 
@@ -197,7 +343,7 @@ class Correction(Part):
 
     role = "correction"
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
         return grad
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext, TrainSettings
+from fedflat.algorithms.base import ClientContext, Cohort, Correction, PartParams, RoundContext, TrainSettings
 from fedflat.algorithms.registry import Recipe, register_recipe
 
-MOMENTUM = "momentum.m"  # ctx.server: m, the previous round's Gbar
+MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
 
 class MomentumParams(PartParams):
@@ -25,13 +25,13 @@ class Momentum(Correction):
     name = "momentum"
     summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"
     Params = MomentumParams
-    down = 1
+    sends = (MOMENTUM,)
     provides = frozenset({MOMENTUM})
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         server[MOMENTUM] = torch.zeros_like(w0)
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return self.p.a * grad + (1 - self.p.a) * ctx.server[MOMENTUM]
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings
+from fedflat.algorithms.base import ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings
 from fedflat.algorithms.registry import Recipe, register_recipe
 
-SERVER_DUAL = "dyn.h"  # ctx.server: h
-CLIENT_DUAL = "dyn.h_i"  # ctx.store and cohort.extra: h_i of the chunk's clients
-_ROUND_SUM = "dyn.sum_delta"  # ctx.info: sum over the round's clients of w_{i,E} - w^t
+SERVER_DUAL = "dyn.h"  # server state: h
+CLIENT_DUAL = "dyn.h_i"  # client state and cohort.extra: h_i of the chunk's clients
 
 
 def feddyn_client_dual(h_i: torch.Tensor, alpha: float, w_start: torch.Tensor, w_final: torch.Tensor) -> torch.Tensor:
@@ -40,27 +39,25 @@ class DynCorrection(Correction):
     name = "dyn"
     summary = "FedDyn: grad - h_i + alpha (w - w^t), client dual h_i and server dual h"
     Params = DynParams
-    client_vectors = 1
+    keeps = (CLIENT_DUAL,)
     provides = frozenset({SERVER_DUAL, CLIENT_DUAL})
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         server[SERVER_DUAL] = torch.zeros_like(w0)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL], _ = ctx.store.get(CLIENT_DUAL, cohort.ids)
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.extra[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
-        ctx.store.put(CLIENT_DUAL, cohort.ids,
-                      feddyn_client_dual(cohort.extra[CLIENT_DUAL], self.p.alpha, ctx.w_start, W))
-        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (W - ctx.w_start).sum(0)
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
+        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.extra[CLIENT_DUAL], self.p.alpha, ctx.w_start, W)
 
     def finish(self, ctx: RoundContext) -> None:
-        # Before the server step, which uses the new h.
-        ctx.server[SERVER_DUAL] = feddyn_server_dual(ctx.server[SERVER_DUAL], self.p.alpha, ctx.info.pop(_ROUND_SUM),
-                                                     ctx.settings.num_clients)
+        # Before the server step, which uses the new h; from the uploaded models, nothing else.
+        ctx.server[SERVER_DUAL] = feddyn_server_dual(ctx.server[SERVER_DUAL], self.p.alpha,
+                                                     (ctx.w_final - ctx.w_start).sum(0), ctx.settings.num_clients)
 
 
 class DynServer(ServerUpdate):

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Filter, PartParams, RoundContext, row_norm
+from fedflat.algorithms.base import Cohort, Filter, PartParams, ClientContext, row_norm
 from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
 from fedflat.rng import torch_stream
 
@@ -24,7 +24,7 @@ class SpectrumParams(PartParams):
     r: float = Field(0.01, ge=0, le=1, description="fraction of each tensor's rFFT coefficients removed")
 
 
-def _layout_segments(ctx: RoundContext, eps: torch.Tensor) -> list[torch.Tensor]:
+def _layout_segments(ctx: ClientContext, eps: torch.Tensor) -> list[torch.Tensor]:
     layout = ctx.settings.layout
     if layout is None:
         raise AlgorithmError("spectral filters work per parameter tensor and need settings.layout "
@@ -60,7 +60,7 @@ class LowFrequencyFilter(Filter):
     summary = "FedFFT: zero the lowest floor(r*len) rFFT coefficients of each tensor's perturbation (r=0.01)"
     Params = SpectrumParams
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         def keep(_: int, F: int) -> torch.Tensor:
             return torch.arange(F, device=eps.device) >= int(self.p.r * F)
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
@@ -73,7 +73,7 @@ class HighFrequencyFilter(Filter):
     summary = "ablation: zero the highest floor(r*len) rFFT coefficients of each tensor"
     Params = SpectrumParams
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         def keep(_: int, F: int) -> torch.Tensor:
             return torch.arange(F, device=eps.device) < F - int(self.p.r * F)
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
@@ -91,7 +91,7 @@ class RandomFrequencyFilter(Filter):
     summary = "ablation: zero a seeded random floor(r*len) subset of each tensor's rFFT coefficients"
     Params = SpectrumParams
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         layout = ctx.settings.layout
         if layout is None:
             raise AlgorithmError("filter 'random' needs settings.layout (the Simulation provides it)")
@@ -105,9 +105,9 @@ class RandomFrequencyFilter(Filter):
                 keep[torch.randperm(F, generator=g)[:int(self.p.r * F)]] = False
                 rows.append(keep)
             masks.append(torch.cat(rows))
-        cohort.extra["fft_random_keep"] = torch.stack(masks).to(ctx.w.device)
+        cohort.extra["fft_random_keep"] = torch.stack(masks).to(ctx.w_start.device)
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         keep_all = cohort.extra["fft_random_keep"]
         bounds = [0]
         for n in ctx.settings.layout.numels:
@@ -132,7 +132,7 @@ class L2Filter(Filter):
     summary = "ablation: eps * min(1, rho/||eps||) (project to the SAM radius)"
     Params = L2Params
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         return eps * (self.p.rho / (row_norm(eps) + 1e-12)).clamp(max=1.0)
 
 
@@ -147,7 +147,7 @@ class CoordinateClipFilter(Filter):
     summary = "ablation: clip each |eps_j| to c * median |eps| (c = clip_factor = 3)"
     Params = ClipParams
 
-    def apply(self, ctx: RoundContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         threshold = self.p.clip_factor * eps.abs().median(dim=-1, keepdim=True).values
         return torch.maximum(torch.minimum(eps, threshold), -threshold)
 

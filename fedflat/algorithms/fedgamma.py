@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import Cohort, RoundContext
+from fedflat.algorithms.base import Cohort, ClientContext
 from fedflat.algorithms.fedsam import LocalSAM
 from fedflat.algorithms.registry import Recipe, register_recipe
 from fedflat.algorithms.scaffold import SHIFT
@@ -21,7 +21,7 @@ class CorrectedSAM(LocalSAM):
     summary = "SAM with the SCAFFOLD-corrected ascent u = g(w) + c - c_i (needs correction 'scaffold')"
     requires = frozenset({SHIFT})
 
-    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad + cohort.extra[SHIFT]
 
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings,
-                                     normalize_rows)
+from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate,
+                                     TrainSettings, normalize_rows)
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round
 HAS_PSEUDO_GRADIENT = "gloss.has_d"
-CLIENT_DUAL = "gloss.lambda_i"  # ctx.store and cohort.extra
+CLIENT_DUAL = "gloss.lambda_i"  # client state and cohort.extra
 WARMUP_START = 0.001
 
 
@@ -37,17 +37,16 @@ class ADMMCorrection(Correction):
     name = "gloss"
     summary = "FedGloSS ADMM: grad - lambda_i + (w - w~)/beta, lambda_i <- lambda_i - (w_E - w~)/beta"
     Params = ADMMParams
-    client_vectors = 1
+    keeps = (CLIENT_DUAL,)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL], _ = ctx.store.get(CLIENT_DUAL, cohort.ids)
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.extra[CLIENT_DUAL] + (W - ctx.w_start) / self.p.beta
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
-        ctx.store.put(CLIENT_DUAL, cohort.ids,
-                      feddyn_client_dual(cohort.extra[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W))
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
+        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.extra[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W)
 
 
 class GlobalSAMParams(ADMMParams):

@@ -27,8 +27,12 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, PartParams, Perturbation, RoundContext, normalize_rows
+from fedflat.algorithms.base import ClientContext, Cohort, PartParams, Perturbation, RoundContext, normalize_rows
 from fedflat.algorithms.registry import Recipe, register_recipe
+
+
+OLD_MODEL = "lesam_w_old"  # client state: w_i^old, the model the client received last time
+PREVIOUS_MODEL = "lesam.w_prev"  # broadcast (reference: previous_round): w^{t-1}
 
 
 class LESAMParams(PartParams):
@@ -46,20 +50,28 @@ class LocallyEstimatedPerturbation(Perturbation):
     name = "lesam"
     summary = "FedLESAM: eps = rho (w_old - w^t)/||w_old - w^t||, w_old = model received last time (no extra backprop)"
     Params = LESAMParams
-    client_vectors = 1
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings) -> None:
         server["lesam_global"] = torch.zeros_like(w0)  # w^{t-1} - w^t of the last round
         server["lesam_has_prev"] = torch.zeros((), dtype=torch.bool, device=w0.device)
 
-    def reference_models(self, ctx: RoundContext, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
+    def kept(self) -> tuple[str, ...]:
+        return (OLD_MODEL,) if self.p.reference == "own" else ()
+
+    def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        """``reference: previous_round`` sends ``w^{t-1}`` with the model (the clients keep nothing)."""
+        if self.p.reference != "previous_round":
+            return {}
+        return {PREVIOUS_MODEL: ctx.server["lesam_global"] + ctx.w, "lesam_has_prev": ctx.server["lesam_has_prev"]}
+
+    def reference_models(self, ctx: ClientContext, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w_old[C, P], known[C])``: the model each client perturbs away from, and whether it has one."""
         if self.p.reference == "previous_round":
-            w_prev = ctx.server["lesam_global"] + ctx.w  # w^{t-1}
-            return w_prev.expand(cohort.size, -1), ctx.server["lesam_has_prev"].expand(cohort.size)
-        return ctx.store.get("lesam_w_old", cohort.ids)
+            return (ctx.server[PREVIOUS_MODEL].expand(cohort.size, -1),
+                    ctx.server["lesam_has_prev"].expand(cohort.size))
+        return cohort.state[OLD_MODEL], cohort.known[OLD_MODEL]
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         w_old, known = self.reference_models(ctx, cohort)
         if self.p.first == "zero":  # the pseudo-code's w_i^old = 0 before any participation
             w_old = torch.where(known[:, None], w_old, torch.zeros_like(w_old))
@@ -67,14 +79,14 @@ class LocallyEstimatedPerturbation(Perturbation):
         direction = torch.where(known[:, None], w_old - ctx.w_start, torch.zeros_like(w_old))
         cohort.extra["lesam_eps"] = normalize_rows(direction, self.p.rho)  # a zero direction gives eps = 0
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
         return cohort.extra["lesam_eps"]
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         if self.p.reference == "own":
-            ctx.store.put("lesam_w_old", cohort.ids, ctx.w_start.expand(cohort.size, -1))
+            cohort.new_state[OLD_MODEL] = ctx.w_start.expand(cohort.size, -1)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         ctx.server["lesam_global"] = ctx.w - w_new

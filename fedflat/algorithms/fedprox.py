@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Correction, PartParams, RoundContext
+from fedflat.algorithms.base import Cohort, Correction, PartParams, ClientContext
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 
@@ -26,7 +26,7 @@ class Prox(Correction):
     def coefficient(self) -> float:
         return self.p.mu
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         coefficient = self.coefficient()
         if coefficient == 0:
             return grad

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, PartParams, Perturbation, RoundContext, normalize_rows
+from fedflat.algorithms.base import Cohort, PartParams, Perturbation, ClientContext, normalize_rows
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 
@@ -24,15 +24,15 @@ class LocalSAM(Perturbation):
     Params = SAMParams
     extra_backprops = 1
 
-    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The ascent direction ``u`` from the plain gradient ``g(w)``."""
         return grad
 
-    def radius(self, ctx: RoundContext, cohort: Cohort) -> float | torch.Tensor:
+    def radius(self, ctx: ClientContext, cohort: Cohort) -> float | torch.Tensor:
         """``rho`` (a float, or ``[C, 1]`` per-client radii)."""
         return self.p.rho
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
         _, grad = ctx.oracle.loss_grad(W, batch)

@@ -17,8 +17,10 @@ The pilot is the one-step update direction ``-g`` (one of the two options Algori
 raw gradient: ``u`` summarizes an update ``w^{t+1} - w^t``, so only an update-direction pilot gives
 ``c_i > 0`` to the clients that agree with the global progress, as the paper intends;
 ``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
-The scores are computed once per client and round by whichever FedSCAM part runs first and shared
-through ``ctx.info``; the direction memory ``u`` lives in ``ctx.server``.
+The scores are computed on the client, once per round, by whichever FedSCAM part begins first and shared
+through ``cohort.extra``; the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
+uploads ``rho_i`` (logged as the round's mean radius, seed 003 Fig. 1). The direction memory ``u``
+(``d`` numbers) lives on the server and goes down with the model.
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Aggregation, Cohort, PartParams, RoundContext, TrainSettings, row_norm
+from fedflat.algorithms.base import Aggregation, ClientContext, Cohort, PartParams, RoundContext, TrainSettings, row_norm
 from fedflat.algorithms.fedsam import LocalSAM
 from fedflat.algorithms.registry import Recipe, register_recipe
 from fedflat.rng import SERVER, numpy_stream, torch_stream
 
-DIRECTION_MEMORY = "scam.u"  # ctx.server: u_{t-1}, the projected direction of the last global update
-_SCORES = "scam"  # ctx.info: per-round scores of the sampled clients
+DIRECTION_MEMORY = "scam.u"  # server state, broadcast: u_{t-1}, the projected direction of the last global update
+_SCORES = "scam.scores"  # cohort.extra: {h, c, h_adj} of the chunk's clients
+ALIGNMENT, ADJUSTED_HETEROGENEITY, RADIUS = "scam.c", "scam.h_adj", "scam.radius"  # uploads, [K]
 _COLUMNS = 4096  # the projection is generated in column blocks of this width, each from its own stream
 _CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory
 
@@ -83,16 +86,13 @@ class ScoreParams(PartParams):
     pilot: Literal["update", "gradient"] = Field("update", description="pilot direction: -g (update) or +g")
 
 
-def client_scores(ctx: RoundContext, cohort: Cohort, p: ScoreParams) -> None:
-    """Fills ``h``, ``c``, ``h_adj`` of the chunk's rows in ``ctx.info['scam']`` (once per round and client).
+def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams) -> dict[str, torch.Tensor]:
+    """``{h, c, h_adj}`` of the chunk's clients, computed once per round (kept in ``cohort.extra``).
 
     Costs ``B`` backprops per client and round, at the received model.
     """
-    scores = ctx.info.setdefault(_SCORES, {
-        name: torch.zeros(ctx.K, device=ctx.w.device) for name in ("h", "c", "h_adj")})
-    scores.setdefault("done", torch.zeros(ctx.K, dtype=torch.bool, device=ctx.w.device))
-    if bool(scores["done"][cohort.rows].all()):
-        return
+    if _SCORES in cohort.extra:
+        return cohort.extra[_SCORES]
     W0 = ctx.w_start.expand(cohort.size, -1)
     extra = [ctx.batches.extra(ctx.round, i, p.pilot_batches, "scam_heterogeneity") for i in cohort.ids.tolist()]
     norms = []
@@ -103,10 +103,8 @@ def client_scores(ctx: RoundContext, cohort: Cohort, p: ScoreParams) -> None:
             pilot = -grad if p.pilot == "update" else grad
     h = torch.stack(norms).mean(0)
     c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
-    scores["h"][cohort.rows] = h
-    scores["c"][cohort.rows] = c
-    scores["h_adj"][cohort.rows] = h * (1 - p.kappa * c).clamp(min=0)
-    scores["done"][cohort.rows] = True
+    scores = cohort.extra[_SCORES] = {"h": h, "c": c, "h_adj": h * (1 - p.kappa * c).clamp(min=0)}
+    return scores
 
 
 def remember_direction(ctx: RoundContext, w_new: torch.Tensor, d: int) -> None:
@@ -131,24 +129,28 @@ class AdaptiveRadiusSAM(LocalSAM):
     name = "scam"
     summary = "FedSCAM: SAM with radius rho_max/(1 + alpha_rho h_adj), h_adj from pilot gradient norms and alignment"
     Params = RadiusParams
+    sends = (DIRECTION_MEMORY,)
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         _setup_memory(server, w0, self.p.summary_dim)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        client_scores(ctx, cohort, self.p)
-        radius = self.p.rho_max / (1 + self.p.alpha_rho * ctx.info[_SCORES]["h_adj"][cohort.rows])
-        cohort.extra["scam_radius"] = radius[:, None]
-        ctx.info.setdefault("scam_radius", torch.zeros(ctx.K, device=ctx.w.device))[cohort.rows] = radius
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        scores = client_scores(ctx, cohort, self.p)
+        radius = self.p.rho_max / (1 + self.p.alpha_rho * scores["h_adj"])
+        cohort.extra[RADIUS] = radius[:, None]
+        cohort.upload[RADIUS] = radius
 
-    def radius(self, ctx: RoundContext, cohort: Cohort) -> torch.Tensor:
-        return cohort.extra["scam_radius"]
+    def radius(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor:
+        return cohort.extra[RADIUS]
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho_max == 0:
             return None
         _, grad = ctx.oracle.loss_grad(W, batch)
         return grad * (self.radius(ctx, cohort) / (row_norm(grad) + 1e-12))
+
+    def finish(self, ctx: RoundContext) -> None:
+        ctx.log["scam_radius"] = float(ctx.uploads[RADIUS].mean())
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         remember_direction(ctx, w_new, self.p.summary_dim)
@@ -202,17 +204,19 @@ class AlignmentWeights(Aggregation):
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
     Params = WeightParams
+    sends = (DIRECTION_MEMORY,)
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         _setup_memory(server, w0, self.p.summary_dim)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        client_scores(ctx, cohort, self.p)
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        scores = client_scores(ctx, cohort, self.p)
+        cohort.upload[ADJUSTED_HETEROGENEITY] = scores["h_adj"]
+        cohort.upload[ALIGNMENT] = scores["c"]
 
     def weights(self, ctx: RoundContext) -> torch.Tensor:
-        scores = ctx.info[_SCORES]
-        S = (ctx.num_samples.to(ctx.w.dtype) / (1 + self.p.gamma * scores["h_adj"])
-             * (1 + self.p.beta * scores["c"]).clamp(min=0))
+        S = (ctx.num_samples.to(ctx.w.dtype) / (1 + self.p.gamma * ctx.uploads[ADJUSTED_HETEROGENEITY])
+             * (1 + self.p.beta * ctx.uploads[ALIGNMENT]).clamp(min=0))
         if self.p.clustering:
             deltas = ctx.deltas
             Z = summarize(deltas, self.p.summary_dim, ctx.settings.seed)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import Cohort, RoundContext, TrainSettings, normalize_rows
+from fedflat.algorithms.base import ClientContext, Cohort, RoundContext, TrainSettings, normalize_rows
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.algorithms.registry import Recipe, register_recipe
 
-SERVER_CORRECTION = "smoo.s"  # ctx.server: s
-CLIENT_DUAL = "smoo.mu_i"  # ctx.store and cohort.extra
-_ROUND_SUM = "smoo.sum_mu"  # ctx.info: sum of the round's updated mu_i
+SERVER_CORRECTION = "smoo.s"  # server state, broadcast: s
+CLIENT_DUAL = "smoo.mu_i"  # client state, cohort.extra and upload
 
 
 class CorrectedPerturbation(LocalSAM):
@@ -25,33 +24,30 @@ class CorrectedPerturbation(LocalSAM):
     name = "smoo"
     summary = "FedSMOO: eps = rho u/||u||, u = g(w) - mu_i - s, mu_i <- mu_i + eps - s; s from the mean mu_i"
     Params = SAMParams
-    up = 1  # mu_i
-    down = 1  # s, used in every local step
-    client_vectors = 1
+    sends = (SERVER_CORRECTION,)  # s, used in every local step
+    keeps = (CLIENT_DUAL,)  # mu_i, also uploaded
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         server[SERVER_CORRECTION] = torch.zeros_like(w0)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL], _ = ctx.store.get(CLIENT_DUAL, cohort.ids)
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
 
-    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.extra[CLIENT_DUAL] - ctx.server[SERVER_CORRECTION]
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         eps = super().perturb(ctx, cohort, k, W, batch)
         step = -ctx.server[SERVER_CORRECTION] if eps is None else eps - ctx.server[SERVER_CORRECTION]
         mu = cohort.extra[CLIENT_DUAL]
         cohort.extra[CLIENT_DUAL] = torch.where(cohort.active[:, None], mu + step, mu)
         return eps
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
-        mu = cohort.extra[CLIENT_DUAL]
-        ctx.store.put(CLIENT_DUAL, cohort.ids, mu)
-        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + mu.sum(0)
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
+        cohort.new_state[CLIENT_DUAL] = cohort.upload[CLIENT_DUAL] = cohort.extra[CLIENT_DUAL]
 
     def finish(self, ctx: RoundContext) -> None:
-        mean_mu = ctx.info.pop(_ROUND_SUM) / ctx.K
+        mean_mu = ctx.uploads[CLIENT_DUAL].sum(0) / ctx.K
         ctx.server[SERVER_CORRECTION] = normalize_rows(mean_mu[None], self.p.rho)[0]
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:

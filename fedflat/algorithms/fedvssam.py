@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings)
+from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings)
 from fedflat.algorithms.fedsam import LocalSAM
 from fedflat.algorithms.registry import Recipe, register_recipe
 
-DIRECTION = "vssam.v"  # ctx.server: the variance-suppressed direction v
+DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
 
 class SearchParams(PartParams):
@@ -40,7 +40,7 @@ class VarianceSuppressedSearch(LocalSAM):
     Params = SearchParams
     requires = frozenset({DIRECTION})
 
-    def ascent(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return self.p.alpha * grad + (1 - self.p.alpha) * ctx.server[DIRECTION]
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -59,7 +59,7 @@ class VarianceSuppressedUpdate(Correction):
     Params = UpdateParams
     requires = frozenset({DIRECTION})
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return self.p.beta * grad + (1 - self.p.beta) * ctx.server[DIRECTION]
 
 
@@ -76,7 +76,7 @@ class VarianceSuppressedServer(ServerUpdate):
     name = "vssam"
     summary = "FedVSSAM (16): v <- (1 - gamma) v + gamma Gbar, w <- w - eta_g eta_l Ebar v (reconstruction)"
     Params = GlobalParams
-    down = 1
+    sends = (DIRECTION,)
     provides = frozenset({DIRECTION})
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:

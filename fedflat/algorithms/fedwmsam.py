@@ -8,7 +8,7 @@ Server state: momentum ``m`` (``Gbar`` of the previous round, 0 at round 0), SCA
 - Momentum-guided perturbation: the inferred global trajectory ``xhat_k = w^t - k eta_l m_i``,
   ``d_k = xhat_k - w_{i,k}``, ``eps_k = rho d_k / ||d_k||`` (``eps_0 = 0``); no extra backprop.
 - Local direction ``a g(w_{i,k} + eps_k) + (1 - a) m_i`` (``= a (g + c - c_i) + (1 - a) m``).
-- After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed by the server: no extra upload);
+- After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed and kept by the server: no extra upload);
   ``s_i = cos(G_i, m)``; ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)`` (eq. 3-4);
   FedAvg server, then ``m = Gbar``.
 
@@ -27,14 +27,15 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.base import (Cohort, PartParams, Perturbation, RoundContext, TrainSettings,
-                                     normalize_rows, row_norm)
+from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, Perturbation, RoundContext,
+                                     TrainSettings, normalize_rows, row_norm)
 from fedflat.algorithms.fedcm import MOMENTUM
 from fedflat.algorithms.registry import Recipe, register_recipe
-from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, Scaffold
+from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate,
+                                         scaffold_server_variate)
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
-PERSONAL_MOMENTUM = "wmsam.m_i"  # cohort.extra: m_i of the chunk's clients
+PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast (per client) and cohort.extra: m_i of the chunk's clients
 
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -68,49 +69,66 @@ class WMSAMParams(PartParams):
         return self
 
 
-class WeightedMomentum(Scaffold):
+class WeightedMomentum(Correction):
     """``d = a grad + (1 - a) m_i`` with FedWMSAM's personalized momentum and adaptive factor ``a``.
 
-    Keeps SCAFFOLD's ``c``, ``c_i`` (inherited: the same option-II updates, computed by the server from
-    ``Delta_i``, so no extra upload), ``m`` (under FedCM's name, so momentum-reading parts compose with
-    it) and ``a``.
+    As seed 001 §4 describes the protocol, the server keeps the correctors: ``c`` and every client's
+    ``c_i``, which it "computes based on the differences in gradients uploaded by clients" (SCAFFOLD's
+    option-II update from ``Delta_i``, so the model is the only upload), and "broadcasts the global
+    model, the personalized momentum, and the momentum factor": each client receives its own ``m_i``
+    (2 model-sized vectors down, 1 up). ``m`` is kept under FedCM's name, so momentum-reading parts
+    compose with it. With ``personalized`` off every client receives the shared ``m``.
     """
 
     name = "wmsam"
-    summary = "FedWMSAM: a grad + (1 - a) m_i, m_i = m + (c - c_i) a/(1 - a), cosine-adaptive a"
+    summary = "FedWMSAM: a grad + (1 - a) m_i, m_i = m + (c - c_i) a/(1 - a) sent per client, cosine-adaptive a"
     Params = WMSAMParams
-    up = 0
-    down = 1
-    client_vectors = 1
-    provides = Scaffold.provides | {MOMENTUM, PERSONAL_MOMENTUM, FACTOR}
+    holds = (CLIENT_VARIATE,)
+    provides = frozenset({MOMENTUM, PERSONAL_MOMENTUM, FACTOR, SERVER_VARIATE, CLIENT_VARIATE})
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        super().setup(server, w0, settings)
+        server[SERVER_VARIATE] = torch.zeros_like(w0)
         server[MOMENTUM] = torch.zeros_like(w0)
         server[FACTOR] = torch.tensor(self.p.a, dtype=w0.dtype, device=w0.device)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        super().begin(ctx, cohort)
-        c_i = cohort.extra[CLIENT_VARIATE]
-        m = ctx.server[MOMENTUM].expand(cohort.size, -1)
-        if self.p.personalized:
-            m = personalized_momentum(m, ctx.server[SERVER_VARIATE], c_i, ctx.server[FACTOR])
-        cohort.extra[PERSONAL_MOMENTUM] = m
+    def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        shared = {FACTOR: ctx.server[FACTOR]}
+        if not self.p.personalized:
+            shared[MOMENTUM] = ctx.server[MOMENTUM]
+        return shared
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def personal(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
+        """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)`` for every sampled client."""
+        if not self.p.personalized:
+            return {}
+        m = ctx.server[MOMENTUM].expand(ctx.K, -1)
+        return {PERSONAL_MOMENTUM: personalized_momentum(m, ctx.server[SERVER_VARIATE], ctx.held[CLIENT_VARIATE],
+                                                         ctx.server[FACTOR])}
+
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        cohort.extra[PERSONAL_MOMENTUM] = (cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
+                                           else ctx.server[MOMENTUM].expand(cohort.size, -1))
+
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         a = ctx.server[FACTOR]
         return a * grad + (1 - a) * cohort.extra[PERSONAL_MOMENTUM]
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        super().after_step(ctx, w_new)
         server = ctx.server
+        c_i = ctx.held[CLIENT_VARIATE]
+        c_plus = scaffold_client_variate(c_i, server[SERVER_VARIATE], ctx.w_start, ctx.w_final, ctx.steps, ctx.lr)
+        ctx.held[CLIENT_VARIATE] = c_plus
+        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], (c_plus - c_i).sum(0),
+                                                         ctx.settings.num_clients)
         if self.p.adaptive:
             if self.p.similarity == "code":
                 s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
             else:
                 s = cosine_rows(ctx.pseudo_gradients, server[MOMENTUM])
             ctx.info["wmsam_similarity"] = s
+            ctx.log["wmsam_similarity"] = float(s.mean())
             server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
+        ctx.log["wmsam_a"] = float(server[FACTOR])
         server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -135,7 +153,7 @@ class MomentumGuidedPerturbation(Perturbation):
     Params = GuidedParams
     requires = frozenset({MOMENTUM})
 
-    def perturb(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
+    def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         m_i = cohort.extra.get(PERSONAL_MOMENTUM)

@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, PartParams, RoundContext, ServerUpdate
+from fedflat.algorithms.base import ClientContext, Cohort, PartParams, RoundContext, ServerUpdate
 from fedflat.algorithms.registry import Recipe, register_recipe
 from fedflat.engine.oracle import Batch
 
-CLIENT_LOSS = "qfedavg.F"  # ctx.info: F_i of the round's clients, [K]
+CLIENT_LOSS = "qfedavg.F"  # upload: F_i of the round's clients, [K]
 _EVAL_CHUNK = 1024
 
 
 @torch.no_grad()
-def client_objective(ctx: RoundContext, client: int, w: torch.Tensor) -> torch.Tensor:
+def client_objective(ctx: ClientContext, client: int, w: torch.Tensor) -> torch.Tensor:
     """``F_i(w)``: the mean loss of client ``client`` over all of its local samples (no augmentation,
     no backprop), in chunks of at most 1024 samples."""
     indices = ctx.batches.client_indices[client]
@@ -47,20 +47,18 @@ class QParams(PartParams):
 
 
 class QFedAvg(ServerUpdate):
-    """q-FedAvg's server step; ``F_i`` is computed when a chunk begins, at the broadcast model."""
+    """q-FedAvg's server step; each client computes ``F_i`` at the broadcast model and uploads it."""
 
     name = "qfedavg"
     summary = "q-FedAvg: w <- w - sum F_i^q dw_i / sum (q F_i^(q-1) ||dw_i||^2 + L F_i^q)"
     Params = QParams
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        if CLIENT_LOSS not in ctx.info:
-            ctx.info[CLIENT_LOSS] = torch.empty(ctx.K, dtype=ctx.w.dtype, device=ctx.w.device)
-        ctx.info[CLIENT_LOSS][cohort.rows] = torch.stack(
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        cohort.upload[CLIENT_LOSS] = torch.stack(
             [client_objective(ctx, client, ctx.w_start) for client in cohort.ids.tolist()])
 
     def step(self, ctx: RoundContext) -> torch.Tensor:
-        w_new = qfedavg_step(ctx.w, ctx.w_final, ctx.info[CLIENT_LOSS], self.p.q, ctx.lr)
+        w_new = qfedavg_step(ctx.w, ctx.w_final, ctx.uploads[CLIENT_LOSS], self.p.q, ctx.lr)
         return ctx.w + ctx.settings.global_lr * (w_new - ctx.w)
 
 

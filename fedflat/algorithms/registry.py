@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedflat.algorithms.base import Part
+import torch
+
+from fedflat.algorithms.base import Broadcast, ClientResult, Part, RoundContext
 
 ROLES = ("perturbation", "filter", "correction", "aggregation", "server")
 PARTS: dict[str, dict[str, type[Part]]] = {role: {} for role in ROLES}
@@ -70,22 +72,49 @@ class Algorithm:
         return [self.parts[role] for role in ROLES]
 
     @property
-    def up_vectors(self) -> int:
-        """Model-sized vectors each sampled client uploads per round."""
-        return 1 + sum(p.up for p in self.ordered)
-
-    @property
-    def down_vectors(self) -> int:
-        """Model-sized vectors the server sends each sampled client per round."""
-        return 1 + sum(p.down for p in self.ordered)
-
-    @property
     def backprops_per_step(self) -> int:
+        """Declared backward passes per local step (the engines measure the real count)."""
         return 1 + sum(p.extra_backprops for p in self.ordered)
+
+    def state_keys(self) -> list[str]:
+        """Names of the state vectors each client keeps, over all parts (no repeats)."""
+        return list(dict.fromkeys(name for part in self.ordered for name in part.kept()))
+
+    def held_keys(self) -> list[str]:
+        """Names of the per-client vectors the server holds, over all parts (no repeats)."""
+        return list(dict.fromkeys(name for part in self.ordered for name in part.holds))
 
     @property
     def client_state_vectors(self) -> int:
-        return sum(p.client_vectors for p in self.ordered)
+        """Model-sized vectors stored per client, on the client or on the server."""
+        return len(self.state_keys()) + len(self.held_keys())
+
+    # -- the server side of a round (Flower's configure_fit / aggregate_fit) ------------------
+    def configure(self, ctx: RoundContext) -> Broadcast:
+        """The round's downlink: the point clients start from and what each part sends with it."""
+        ctx.w_start = self.parts["server"].broadcast(ctx)
+        shared: dict[str, torch.Tensor] = {}
+        personal: dict[str, torch.Tensor] = {}
+        for part in self.ordered:
+            shared.update(part.downlink(ctx))
+            personal.update(part.personal(ctx))
+        return Broadcast(ctx.round, ctx.lr, ctx.w_start, shared, ctx.sampled.cpu(), personal)
+
+    def aggregate(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
+        """``w^{t+1}`` from the sampled clients' uploads (``result`` holds every sampled client, rows in
+        ascending id order, as :func:`merge_results` makes them): weights, then every part's
+        ``finish``, the server step, every part's ``after_step``. Updates ``ctx.server``."""
+        if not torch.equal(result.ids.cpu(), ctx.sampled.cpu()):
+            raise ValueError(f"round {ctx.round}: results for clients {result.ids.tolist()}, "
+                             f"expected exactly {ctx.sampled.tolist()} in ascending order")
+        ctx.uploads = result.upload
+        ctx.weights = self.parts["aggregation"].weights(ctx)
+        for part in self.ordered:
+            part.finish(ctx)
+        w_new = self.parts["server"].step(ctx)
+        for part in self.ordered:
+            part.after_step(ctx, w_new)
+        return w_new
 
     def resolved(self) -> dict[str, Any]:
         """The ``algo`` config section with every role and default filled in."""

@@ -7,18 +7,19 @@ Client ``i`` keeps ``c_i`` (0 at first participation), the server keeps ``c``. L
 
 The two update rules are plain functions so methods that keep the same variates (FedGAMMA,
 FedLESAM-S, FedFFT-S through the ``scaffold`` correction; FedWMSAM on the server) share them.
+Client ``i`` keeps ``c_i``; ``c`` goes down with the model; ``c_i^+ - c_i`` goes up.
 """
 from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import Cohort, Correction, RoundContext, TrainSettings
+from fedflat.algorithms.base import ClientContext, Cohort, Correction, RoundContext, TrainSettings
 from fedflat.algorithms.registry import Recipe, register_recipe
 
-SERVER_VARIATE = "scaffold.c"  # ctx.server: c
-CLIENT_VARIATE = "scaffold.c_i"  # ctx.store and cohort.extra: c_i of the chunk's clients
+SERVER_VARIATE = "scaffold.c"  # server state, broadcast: c
+CLIENT_VARIATE = "scaffold.c_i"  # client state and cohort.extra: c_i of the chunk's clients
 SHIFT = "scaffold.shift"  # cohort.extra: c - c_i, the correction added to the gradient
-_ROUND_SUM = "scaffold.sum_dc"  # ctx.info: sum over the round's clients of c_i^+ - c_i
+VARIATE_CHANGE = "scaffold.dc"  # upload: c_i^+ - c_i
 
 
 def scaffold_client_variate(c_i: torch.Tensor, c: torch.Tensor, w_start: torch.Tensor, w_final: torch.Tensor,
@@ -38,31 +39,30 @@ class Scaffold(Correction):
 
     name = "scaffold"
     summary = "SCAFFOLD control variates: grad + c - c_i (option II update)"
-    up = 1
-    down = 1
-    client_vectors = 1
+    sends = (SERVER_VARIATE,)
+    keeps = (CLIENT_VARIATE,)
     provides = frozenset({SERVER_VARIATE, CLIENT_VARIATE, SHIFT})
 
     def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
         server[SERVER_VARIATE] = torch.zeros_like(w0)
 
-    def begin(self, ctx: RoundContext, cohort: Cohort) -> None:
-        c_i, _ = ctx.store.get(CLIENT_VARIATE, cohort.ids)
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        c_i = cohort.state[CLIENT_VARIATE]
         cohort.extra[CLIENT_VARIATE] = c_i
         cohort.extra[SHIFT] = ctx.server[SERVER_VARIATE] - c_i
 
-    def direction(self, ctx: RoundContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad + cohort.extra[SHIFT]
 
-    def end(self, ctx: RoundContext, cohort: Cohort, W: torch.Tensor) -> None:
+    def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         c_i = cohort.extra[CLIENT_VARIATE]
         c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)
-        ctx.store.put(CLIENT_VARIATE, cohort.ids, c_plus)
-        ctx.info[_ROUND_SUM] = ctx.info.get(_ROUND_SUM, 0) + (c_plus - c_i).sum(0)
+        cohort.new_state[CLIENT_VARIATE] = c_plus
+        cohort.upload[VARIATE_CHANGE] = c_plus - c_i
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        ctx.server[SERVER_VARIATE] = scaffold_server_variate(ctx.server[SERVER_VARIATE], ctx.info.pop(_ROUND_SUM),
-                                                             ctx.settings.num_clients)
+        ctx.server[SERVER_VARIATE] = scaffold_server_variate(ctx.server[SERVER_VARIATE],
+                                                             ctx.uploads[VARIATE_CHANGE].sum(0), ctx.settings.num_clients)
 
 
 register_recipe(Recipe(

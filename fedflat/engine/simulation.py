@@ -1,20 +1,27 @@
-"""The round loop: sampling, broadcast, local training in chunks, aggregation, server update, evaluation."""
+"""The round loop: sampling, broadcast, clients' local work on an executor, aggregation, server update, evaluation.
+
+The driver keeps the global model, the server state and the client-state store. Every round it builds the
+broadcast once (:meth:`Algorithm.configure`), hands the sampled clients to its executor (in this process,
+or Ray workers) together with their state rows, writes the state they return back to the store, and
+reduces their uploads in ascending client-id order (:meth:`Algorithm.aggregate`). Communication is
+measured from the payloads.
+"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedflat.algorithms import Algorithm, Cohort, RoundContext, TrainSettings, build_algorithm
-from fedflat.config import Config, ConfigError
+from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, RoundContext, TrainSettings, build_algorithm, payload_size
+from fedflat.config import Config
 from fedflat.data import Dataset, cifar_augment, load_dataset, partition
 from fedflat.engine.batches import local_steps
-from fedflat.engine.local import ClientBatches, train_chunk
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import ClientBatches
+from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine
 from fedflat.engine.store import ClientStore
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -34,62 +41,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_engine(name: str, device: torch.device) -> str:
-    """``auto``: vectorized on GPUs (launch-bound small batches), sequential on CPU, where the
-    vectorized engine measured slower on every standard workload (vmap over convolutions becomes
-    grouped convolutions; clients with fewer steps are padded): docs/benchmarks.md."""
-    if name != "auto":
-        return name
-    return "vectorized" if device.type == "cuda" else "sequential"
-
-
-def check_vectorizable(algorithm: Algorithm) -> None:
-    """Refuses, naming the part, a method with a part that declares ``supports_vectorized = False``
-    (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort)."""
-    for role, part in algorithm.parts.items():
-        if not part.supports_vectorized:
-            raise ConfigError(f"engine=vectorized: {role} '{part.name}' of '{algorithm.name}' does not support the "
-                             f"vectorized engine yet; use engine=sequential")
-
-
-# Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
-# per-tensor gradients and their flat copy, the direction and the step's temporaries.
-LOOP_VECTORS = 8
-DEFAULT_CPU_BUDGET = 2 << 30  # bytes for one vectorized chunk on CPU
-
-
-def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
-    """Bytes of every module output of one forward pass on ``x`` (what a backward pass keeps alive)."""
-    total = 0
-
-    def count(_module, _inputs, output):
-        nonlocal total
-        if isinstance(output, torch.Tensor):
-            total += output.numel() * output.element_size()
-
-    handles = [m.register_forward_hook(count) for m in model.module.modules()]
-    try:
-        with torch.no_grad():
-            model(w, x)
-    finally:
-        for h in handles:
-            h.remove()
-    return total
-
-
-def memory_budget(device: torch.device) -> int:
-    """Bytes a vectorized chunk may use: half the free GPU memory, or 2 GiB on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    return DEFAULT_CPU_BUDGET
-
-
-def auto_chunk_size(per_client_bytes: int, budget: int, K: int) -> int:
-    """The most clients whose working sets fit ``budget`` (at least one, at most ``K``)."""
-    return max(1, min(K, budget // max(per_client_bytes, 1)))
-
-
 @dataclass
 class RoundResult:
     round: int
@@ -98,8 +49,13 @@ class RoundResult:
     drift: float
     clients: int
     seconds: float
-    backprops_per_step: float = 0.0  # measured: the oracle's backward passes / the round's local steps
+    backprops_per_step: float = 0.0  # measured: the clients' backward passes / the round's local steps
     store: int = 0  # client-state vectors held in the store after the round
+    up_vectors: int = 0  # measured per sampled client: model-sized vectors in its upload
+    down_vectors: int = 0  # ... and in the broadcast it received
+    up_bytes: int = 0
+    down_bytes: int = 0
+    log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
 
 
 class Simulation:
@@ -130,10 +86,6 @@ class Simulation:
         self.model = FlatModel(module.to(self.device))
         self.algorithm: Algorithm = build_algorithm(cfg.algo)
         self.engine = resolve_engine(cfg.engine, self.device)
-        self._client_bytes: int | None = None
-        if self.engine == "vectorized":
-            check_vectorizable(self.algorithm)
-        self.oracle = Oracle(self.model, vectorized=self.engine == "vectorized")
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
@@ -147,6 +99,11 @@ class Simulation:
         augment = cifar_augment if dataset.augmentation == "cifar" else None
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augment)
+        self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine,
+                                     cfg.chunk_size)
+        self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
+        self.executor = LocalExecutor(self.runtime)
+        self.backprops = 0  # backward passes of every client's local training so far
 
     @property
     def num_parameters(self) -> int:
@@ -168,24 +125,9 @@ class Simulation:
     def lr_at(self, round: int) -> float:
         return self.cfg.train.lr * self.cfg.train.lr_decay ** round
 
-    def client_bytes(self) -> int:
-        """Estimated bytes one client of a vectorized chunk needs: the loop's model-sized vectors, the
-        parts' per-client state, and three times a batch's activations (kept, their gradients, scratch)."""
-        vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors
-        x = self.dataset.x_train[: self.cfg.train.batch_size]
-        per_client = vectors * self.num_parameters * self.w.element_size()
-        return per_client + 3 * activation_bytes(self.model, self.w, x)
-
     def chunk_size(self, K: int) -> int:
-        """Clients trained together: 1 for the sequential engine; ``chunk_size`` if set, else as many
-        as fit the memory budget (:func:`memory_budget`)."""
-        if self.engine == "sequential":
-            return 1
-        if self.cfg.chunk_size:
-            return min(K, self.cfg.chunk_size)
-        if self._client_bytes is None:
-            self._client_bytes = self.client_bytes()
-        return auto_chunk_size(self._client_bytes, memory_budget(self.device), K)
+        """Clients trained together by the local executor (see :meth:`ClientRuntime.chunk_size`)."""
+        return self.runtime.chunk_size(K)
 
     def new_context(self, round: int) -> RoundContext:
         sampled = self.sample_clients(round)
@@ -193,44 +135,48 @@ class Simulation:
         t = self.cfg.train
         steps = torch.tensor([local_steps(int(ni), t.batch_size, t.local_epochs, t.local_steps) for ni in n.tolist()],
                              device=self.device)
+        held, held_known = self.load_state(sampled, self.algorithm.held_keys())
         return RoundContext(round=round, lr=self.lr_at(round), w=self.w, sampled=sampled.to(self.device),
-                            num_samples=n, steps=steps, server=self.server, store=self.store,
-                            oracle=self.oracle, settings=self.settings, batches=self.batches)
+                            num_samples=n, steps=steps, server=self.server, settings=self.settings,
+                            held=held, held_known=held_known)
+
+    def load_state(self, ids: torch.Tensor, names: list[str] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The state rows of the clients ``ids`` (zeros and ``known = False`` before their first round):
+        by default those the clients keep; ``names`` for others (the ones the server holds)."""
+        state, known = {}, {}
+        for name in self.algorithm.state_keys() if names is None else names:
+            state[name], known[name] = self.store.get(name, ids)
+        return state, known
 
     def run_round(self, round: int) -> RoundResult:
-        """One communication round; updates ``self.w`` and the server/client state."""
+        """One communication round; updates ``self.w``, the server state and the client-state store."""
         start = time.perf_counter()
-        backprops_before = self.oracle.backprops
         ctx = self.new_context(round)
         algorithm = self.algorithm
-        ctx.w_start = algorithm.parts["server"].broadcast(ctx)
-        K, P = ctx.K, self.num_parameters
-        ctx.w_final = torch.empty(K, P, device=self.device)
-        ctx.train_loss = torch.empty(K, device=self.device)
-        size = self.chunk_size(K)
-        for lo in range(0, K, size):
-            rows = slice(lo, min(K, lo + size))
-            cohort = Cohort(ids=ctx.sampled[rows], num_samples=ctx.num_samples[rows], steps=ctx.steps[rows],
-                            rows=rows, active=torch.ones(rows.stop - lo, dtype=torch.bool, device=self.device))
-            train_chunk(ctx, cohort, algorithm, self.batches)
-        if not torch.isfinite(ctx.train_loss).all() or not torch.isfinite(ctx.w_final).all():
+        broadcast = algorithm.configure(ctx)
+        task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
+        result = self.executor.fit(broadcast, task, self.load_state).to(self.device)
+        if not torch.isfinite(result.upload[TRAIN_LOSS]).all() or not torch.isfinite(result.upload[MODEL]).all():
             raise Diverged(f"round {round}: non-finite local loss or model (try a smaller train.lr or algo radius)")
-        ctx.weights = algorithm.parts["aggregation"].weights(ctx)
-        for part in algorithm.ordered:
-            part.finish(ctx)
-        w_new = algorithm.parts["server"].step(ctx)
-        for part in algorithm.ordered:
-            part.after_step(ctx, w_new)
+        w_new = algorithm.aggregate(ctx, result)
         if not torch.isfinite(w_new).all():
             raise Diverged(f"round {round}: the global model became non-finite")
+        for name, rows in (*result.state.items(), *ctx.held.items()):
+            self.store.put(name, result.ids, rows)
+        P = self.num_parameters
+        down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
+        up_vectors, up_bytes = payload_size({}, P, result.upload)
         drift = (ctx.w_final - ctx.w).norm(dim=1).mean().item()
         self.w = w_new
+        self.backprops += result.backprops
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=K,
+        return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=ctx.K,
                            seconds=time.perf_counter() - start,
-                           backprops_per_step=(self.oracle.backprops - backprops_before) / ctx.steps.sum().item(),
-                           store=self.store.count())
+                           backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
+                           up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
+                           log=dict(ctx.log))
 
     def state_dict(self) -> dict:
         """Everything that evolves across rounds: the global model, server state, client-state store.

@@ -103,7 +103,7 @@ def make_payload(sim: "Simulation", rounds_done: int, metrics: list[dict[str, An
                  summary: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint holds after ``rounds_done`` complete rounds."""
     return {"round": rounds_done, "state": sim.state_dict(), "metrics": [dict(m) for m in metrics],
-            "summary": dict(summary), "backprops": sim.oracle.backprops}
+            "summary": dict(summary), "backprops": sim.backprops}
 
 
 def run_config(run_dir: str | Path) -> "Config":
@@ -138,7 +138,7 @@ def load_run(run_dir: str | Path, *, config: "Config | None" = None, dataset: "D
     payload = read_checkpoint(run_dir)
     if payload is not None:
         sim.load_state_dict(payload["state"])
-        sim.oracle.backprops = payload.get("backprops", 0)
+        sim.backprops = payload.get("backprops", 0)
         sim.rounds_done = payload["round"]
         return sim
     model_file = run_dir / "model.pt"

@@ -4,8 +4,8 @@ Flatness incompatibility, perturbation drift and the perturbation spectra need e
 direction as the method computes it (local gradient for FedSAM, the mixed direction for FedVSSAM, the
 estimated global direction for FedLESAM, a filtered one for FedFFT, ...). Rather than re-implementing each
 method, :func:`method_perturbations` calls the run's own perturbation and filter parts at step ``k = 0``
-from the global model, in a sandboxed :class:`RoundContext`: the server state is a copy and client state
-is read through a copy-on-write overlay, so the run (and a training run recording diagnostics) is unchanged.
+from the global model, on the client side of the contract: from the broadcast the server would send and
+the clients' own state rows, neither of which a client can change, so the run is left untouched.
 """
 from __future__ import annotations
 
@@ -15,47 +15,11 @@ from typing import Iterator
 
 import torch
 
-from fedflat.algorithms import Cohort, RoundContext, normalize_rows
+from fedflat.algorithms import Broadcast, ClientContext, RoundContext, normalize_rows
 from fedflat.engine.batches import local_steps
 from fedflat.engine.oracle import Batch
+from fedflat.engine.runtime import RoundTask, make_cohort
 from fedflat.metrics.objective import DataObjective
-
-
-class OverlayStore:
-    """A copy-on-write view of a :class:`ClientStore`: reads see the store, writes stay in the overlay."""
-
-    def __init__(self, base):
-        self.base = base
-        self.size, self.device, self.dtype = base.size, base.device, base.dtype
-        self._written: dict[str, dict[int, torch.Tensor]] = {}
-
-    def get(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, present = self.base.get(name, ids)  # fresh tensors: in-place edits never reach the store
-        for row, key in enumerate(ids.tolist()):
-            if key in self._written.get(name, {}):
-                values[row] = self._written[name][key]
-                present[row] = True
-        return values, present
-
-    def put(self, name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
-        slot = self._written.setdefault(name, {})
-        for row, key in enumerate(ids.tolist()):
-            slot[key] = values[row].detach().clone()
-
-    def names(self) -> list[str]:
-        return sorted(set(self.base.names()) | set(self._written))
-
-    def count(self, name: str | None = None) -> int:
-        names = [name] if name is not None else self.names()
-        total = 0
-        for n in names:
-            keys = list(self._written.get(n, {}))
-            fresh = int((~self.base.get(n, torch.tensor(keys, dtype=torch.long))[1]).sum()) if keys else 0
-            total += (self.base.count(n) if n in self.base.names() else 0) + fresh
-        return total
-
-    def __getattr__(self, attr: str):  # read-only statistics (memory_bytes, spilled, ...) of the real store
-        return getattr(self.base, attr)
 
 
 @contextmanager
@@ -68,21 +32,22 @@ def sandbox(sim) -> Iterator[None]:
         sim.oracle.backprops = backprops
 
 
-def probe_context(sim, round: int, clients: torch.Tensor) -> RoundContext:
-    """A round-``round`` context for ``clients`` whose server state and client store are private copies."""
+def probe_round(sim, round: int, clients: torch.Tensor) -> tuple[ClientContext, Broadcast, RoundTask]:
+    """The client side of round ``round`` for ``clients``: the broadcast the server would send (computed
+    on a copy of the server state), its client context, and the clients' task."""
     device = sim.device
     clients = clients.to(device)
     n = sim.num_samples[clients]
     t = sim.cfg.train
     steps = torch.tensor([local_steps(int(ni), t.batch_size, t.local_epochs, t.local_steps) for ni in n.tolist()],
                          device=device)
+    held, held_known = sim.load_state(clients, sim.algorithm.held_keys())
     ctx = RoundContext(round=round, lr=sim.lr_at(round), w=sim.w, sampled=clients, num_samples=n, steps=steps,
-                       server={k: v.clone() for k, v in sim.server.items()}, store=OverlayStore(sim.store),
-                       oracle=sim.oracle, settings=sim.settings, batches=sim.batches)
-    ctx.w_start = sim.algorithm.parts["server"].broadcast(ctx)
-    ctx.w_final = torch.empty(len(clients), sim.num_parameters, device=device)
-    ctx.train_loss = torch.empty(len(clients), device=device)
-    return ctx
+                       server={k: v.clone() for k, v in sim.server.items()}, settings=sim.settings,
+                       held=held, held_known=held_known)
+    broadcast = sim.algorithm.configure(ctx)
+    return (ClientContext.of(broadcast, sim.settings, sim.oracle, sim.batches), broadcast,
+            RoundTask(clients.cpu(), n.cpu(), steps.cpu()))
 
 
 @dataclass
@@ -114,11 +79,9 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
         return Perturbations(clients, eps, eps.norm(dim=1) > 0, f"local SAM, rho={rho}")
     parts = sim.algorithm.parts
     with sandbox(sim):
-        ctx = probe_context(sim, round, clients)
+        ctx, broadcast, task = probe_round(sim, round, clients)
         for row, objective in enumerate(objectives):
-            rows = slice(row, row + 1)
-            cohort = Cohort(ids=ctx.sampled[rows], num_samples=ctx.num_samples[rows], steps=ctx.steps[rows],
-                            rows=rows, active=torch.ones(1, dtype=torch.bool, device=w.device))
+            cohort = make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
             for part in sim.algorithm.ordered:
                 part.begin(ctx, cohort)
             batch = Batch(objective.x.unsqueeze(0), objective.y.unsqueeze(0))

@@ -64,18 +64,16 @@ def layer_slice(sim, layer: str | None) -> tuple[str, slice]:
 def client_parameters(sim, round: int, clients: torch.Tensor) -> torch.Tensor:
     """Clients' models ``w_{i,E}`` after one round of the method's local training from ``w^t``, in a sandbox
     (the run's server state, client store and backprop count are unchanged)."""
-    from fedflat.algorithms import Cohort
-    from fedflat.engine.local import train_chunk
-    from fedflat.metrics.probe import probe_context, sandbox
+    from fedflat.engine.client import fit
+    from fedflat.engine.runtime import make_cohort
+    from fedflat.metrics.probe import probe_round, sandbox
 
     with sandbox(sim):
-        ctx = probe_context(sim, round, clients)
-        for row in range(len(clients)):
-            rows = slice(row, row + 1)
-            cohort = Cohort(ids=ctx.sampled[rows], num_samples=ctx.num_samples[rows], steps=ctx.steps[rows],
-                            rows=rows, active=torch.ones(1, dtype=torch.bool, device=sim.device))
-            train_chunk(ctx, cohort, sim.algorithm, sim.batches)
-    return ctx.w_final
+        ctx, broadcast, task = probe_round(sim, round, clients)
+        cohorts = [make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
+                   for row in range(len(task))]
+        finals = [fit(sim.algorithm, ctx, cohort).upload["model"] for cohort in cohorts]
+    return torch.cat(finals)
 
 
 def client_layer_vectors(sim, round: int, *, what: str, layer: str | None = None, clients: int | None = 20,

@@ -1,9 +1,14 @@
-"""Local training of a chunk of clients: the part-driven inner loop shared by both engines."""
+"""The client side of a round: local training of a cohort of clients, the part-driven inner loop shared by
+both engines and by every executor (in process, Ray workers, Flower clients).
+
+:func:`fit` is the client contract: a function of the broadcast, the clients' own state, their data and
+their random streams, returning their uploads, new state and measured work — nothing else.
+"""
 from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms import Algorithm, Cohort, RoundContext
+from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, ClientContext, ClientResult, Cohort
 from fedflat.engine.batches import local_schedule, stack_batches
 from fedflat.engine.oracle import Batch
 from fedflat.rng import torch_stream
@@ -55,17 +60,20 @@ class ClientBatches:
         return batch
 
 
-def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches: ClientBatches) -> None:
-    """Runs ``E_i`` local steps for every client of ``cohort``, writing ``ctx.w_final`` and ``ctx.train_loss``.
+def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResult:
+    """Runs ``E_i`` local steps for every client of ``cohort`` and returns what the clients send and keep.
 
     One step, for every client row at once:
     ``eps = filter(perturbation)``, ``g = g(w + eps) + wd w``, ``d = correction(g)``, ``d = clip(d)``,
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
+    The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
+    steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
     """
     parts = algorithm.parts
     perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
-    settings = ctx.settings
+    settings, batches = ctx.settings, ctx.batches
     wd, clip, lr = settings.weight_decay, settings.clip, ctx.lr
+    backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
     steps = cohort.steps.tolist()
     schedules = batches.schedules(ctx.round, ids, steps)
@@ -99,7 +107,8 @@ def train_chunk(ctx: RoundContext, cohort: Cohort, algorithm: Algorithm, batches
             active = cohort.active
             W = torch.where(active[:, None], W - lr * direction, W)
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
-    ctx.w_final[cohort.rows] = W
-    ctx.train_loss[cohort.rows] = loss_sum / cohort.steps.to(loss_sum.dtype)
+    cohort.upload[MODEL] = W
+    cohort.upload[TRAIN_LOSS] = loss_sum / cohort.steps.to(loss_sum.dtype)
     for part in algorithm.ordered:
         part.end(ctx, cohort, W)
+    return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)

@@ -1,0 +1,195 @@
+"""Where clients run: the client runtime of one process, and the local executor.
+
+A :class:`ClientRuntime` is everything one process needs to run clients' local work under the client
+contract (:func:`fedflat.engine.client.fit`): the algorithm's parts, the model's gradient oracle on the
+process's device, each client's batches, the shared settings, and the engine's chunking (one client at a
+time for the sequential engine; cohorts under ``vmap`` for the vectorized one). The driver's
+:class:`LocalExecutor` holds one; every Ray worker holds its own (:mod:`fedflat.engine.ray_executor`).
+
+Results never depend on the chunking: every random draw is keyed by (seed, round, client, purpose), each
+client's rows are computed independently, and the server reduces them in ascending client-id order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fedflat.algorithms import Algorithm, Broadcast, ClientContext, ClientResult, Cohort, TrainSettings, merge_results
+from fedflat.config import ConfigError
+from fedflat.engine.client import ClientBatches, fit
+from fedflat.engine.oracle import Oracle
+from fedflat.params import FlatModel
+
+# Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
+# per-tensor gradients and their flat copy, the direction and the step's temporaries.
+LOOP_VECTORS = 8
+DEFAULT_CPU_BUDGET = 2 << 30  # bytes for one vectorized chunk on CPU
+
+StateLoader = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+def resolve_engine(name: str, device: torch.device) -> str:
+    """``auto``: vectorized on GPUs (launch-bound small batches), sequential on CPU, where the
+    vectorized engine measured slower on every standard workload (vmap over convolutions becomes
+    grouped convolutions; clients with fewer steps are padded): docs/benchmarks.md."""
+    if name != "auto":
+        return name
+    return "vectorized" if device.type == "cuda" else "sequential"
+
+
+def check_vectorizable(algorithm: Algorithm) -> None:
+    """Refuses, naming the part, a method with a part that declares ``supports_vectorized = False``
+    (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort)."""
+    for role, part in algorithm.parts.items():
+        if not part.supports_vectorized:
+            raise ConfigError(f"engine=vectorized: {role} '{part.name}' of '{algorithm.name}' does not support the "
+                             f"vectorized engine yet; use engine=sequential")
+
+
+def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
+    """Bytes of every module output of one forward pass on ``x`` (what a backward pass keeps alive)."""
+    total = 0
+
+    def count(_module, _inputs, output):
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(count) for m in model.module.modules()]
+    try:
+        with torch.no_grad():
+            model(w, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes a vectorized chunk may use: half the free GPU memory, or 2 GiB on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return DEFAULT_CPU_BUDGET
+
+
+def auto_chunk_size(per_client_bytes: int, budget: int, K: int) -> int:
+    """The most clients whose working sets fit ``budget`` (at least one, at most ``K``)."""
+    return max(1, min(K, budget // max(per_client_bytes, 1)))
+
+
+@dataclass
+class RoundTask:
+    """The clients a runtime trains this round: ids (ascending), sample counts and local step counts ``E_i``."""
+
+    ids: torch.Tensor
+    num_samples: torch.Tensor
+    steps: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def rows(self, index: torch.Tensor) -> "RoundTask":
+        return RoundTask(self.ids[index], self.num_samples[index], self.steps[index])
+
+
+def make_cohort(task: RoundTask, broadcast: Broadcast, load_state: StateLoader, device: torch.device) -> Cohort:
+    """The clients of ``task`` on ``device`` with their own state rows and their rows of the broadcast."""
+    state, known = load_state(task.ids)
+    return Cohort(ids=task.ids.to(device), num_samples=task.num_samples.to(device), steps=task.steps.to(device),
+                  active=torch.ones(len(task), dtype=torch.bool, device=device),
+                  state={k: v.to(device) for k, v in state.items()},
+                  known={k: v.to(device) for k, v in known.items()},
+                  personal={k: v.to(device) for k, v in broadcast.for_clients(task.ids).personal.items()})
+
+
+class ClientRuntime:
+    """Runs clients' local work in this process, on ``model``'s device, with the chosen engine.
+
+    ``chunk_size``: clients per vectorized chunk (None: as many as fit the memory budget). A CUDA
+    out-of-memory error inside a chunk halves the chunk and retries it: the clients' results do not
+    depend on the chunking, so the numbers are unchanged.
+    """
+
+    def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
+                 engine: str, chunk_size: int | None = None):
+        if engine not in ("sequential", "vectorized"):
+            raise ConfigError(f"engine must be sequential or vectorized here, got {engine!r}")
+        if engine == "vectorized":
+            check_vectorizable(algorithm)
+        self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
+        self.engine = engine
+        self.fixed_chunk = chunk_size
+        self.oracle = Oracle(model, vectorized=engine == "vectorized")
+        self._client_bytes: int | None = None
+        self.oom_retries = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.initial.device
+
+    def client_bytes(self) -> int:
+        """Estimated bytes one client of a vectorized chunk needs: the loop's model-sized vectors, the
+        parts' per-client state, and three times a batch's activations (kept, their gradients, scratch)."""
+        if self._client_bytes is None:
+            w = self.model.initial
+            vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors
+            x = self.batches.x[: self.settings.batch_size]
+            self._client_bytes = vectors * w.numel() * w.element_size() + 3 * activation_bytes(self.model, w, x)
+        return self._client_bytes
+
+    def chunk_size(self, K: int) -> int:
+        """Clients trained together: 1 for the sequential engine; ``chunk_size`` if set, else as many
+        as fit the memory budget (:func:`memory_budget`)."""
+        if self.engine == "sequential":
+            return 1
+        if self.fixed_chunk:
+            return min(K, self.fixed_chunk)
+        return auto_chunk_size(self.client_bytes(), memory_budget(self.device), K)
+
+    def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
+        """Every client of ``task`` trained from ``broadcast`` with its own state (``load_state(ids)``).
+
+        The vectorized engine takes clients longest-first, so chunks hold clients of similar step
+        counts and pad little (FedJAX's ``for_each_client`` does the same)."""
+        broadcast = broadcast.to(self.device)
+        ctx = ClientContext.of(broadcast, self.settings, self.oracle, self.batches)
+        order = torch.arange(len(task))
+        if self.engine == "vectorized":
+            order = torch.as_tensor(sorted(range(len(task)), key=lambda i: (-int(task.steps[i]), i)))
+        size, lo, results = self.chunk_size(len(task)), 0, []
+        while lo < len(task):
+            rows = order[lo:lo + size]
+            try:
+                results.append(self._fit_chunk(ctx, broadcast, task.rows(rows), load_state))
+            except torch.cuda.OutOfMemoryError:
+                if size == 1:
+                    raise
+                size, self.oom_retries = max(1, size // 2), self.oom_retries + 1
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            lo += len(rows)
+        return merge_results(results)
+
+    def _fit_chunk(self, ctx: ClientContext, broadcast: Broadcast, task: RoundTask,
+                   load_state: StateLoader) -> ClientResult:
+        result = fit(self.algorithm, ctx, make_cohort(task, broadcast, load_state, self.device))
+        return ClientResult(result.ids.cpu(), result.upload, result.state, result.backprops)
+
+
+class LocalExecutor:
+    """Trains a round's clients in this process (the default ``executor: local``)."""
+
+    name = "local"
+
+    def __init__(self, runtime: ClientRuntime):
+        self.runtime = runtime
+
+    def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
+        return self.runtime.fit(broadcast, task, load_state)
+
+    def close(self) -> None:
+        """Nothing to release: the runtime lives in the driver."""
