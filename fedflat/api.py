@@ -92,8 +92,11 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         folder = RunDir.at(run_dir)
     else:
         folder = RunDir.create(out if out is not None else cfg.out, _label(cfg))
-    runner = _Runner(cfg, sim, resolved, folder, checkpoint)
-    return runner.run(progress)
+    try:
+        runner = _Runner(cfg, sim, resolved, folder, checkpoint)
+        return runner.run(progress)
+    finally:
+        sim.close()
 
 
 class _Runner:

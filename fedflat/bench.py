@@ -235,10 +235,11 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
 class Contestant:
     """One (workload, method, engine) under test: a Simulation, or the bare loop on its clients."""
 
-    def __init__(self, cfg: Config, workload: str, engine: str, bare_backprops: int = 1, rho: float = 0.01):
+    def __init__(self, cfg: Config, workload: str, engine: str, bare_backprops: int = 1, rho: float = 0.01,
+                 executor: str = "local"):
         from fedflat.engine.simulation import Simulation
 
-        self.cfg, self.workload, self.engine = cfg, workload, engine
+        self.cfg, self.workload, self.engine, self.executor = cfg, workload, engine, executor
         self.sim = Simulation(cfg)
         if engine == "bare":
             bare = BareLoop(self.sim, bare_backprops, rho)
@@ -267,9 +268,13 @@ class Contestant:
         eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
-        return Row(self.workload, self.algo, self.engine, len(self.seconds), self.seconds, self.cpu, per_round,
+        extra: dict[str, Any] = {"executor": self.executor}
+        if hasattr(self.sim.executor, "startup_seconds"):
+            extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start, not in s/round
+        engine = self.engine if self.executor == "local" else f"{self.engine}@{self.executor}"
+        return Row(self.workload, self.algo, engine, len(self.seconds), self.seconds, self.cpu, per_round,
                    self.backprops, flops_per_sample(self.sim) * per_round * self.backprops, eval_seconds,
-                   self.peak, chunk_size=chunk)
+                   self.peak, chunk_size=chunk, extra=extra)
 
 
 def race(contestants: list[Contestant], rounds: int, warmup: int) -> None:
@@ -280,10 +285,22 @@ def race(contestants: list[Contestant], rounds: int, warmup: int) -> None:
             c.round(t, timed=t >= warmup)
 
 
+def executor_overrides(executor: str) -> list[str]:
+    """``local`` -> no override; ``ray:N`` -> a Ray executor with N workers sharing this machine's cores."""
+    if executor == "local":
+        return []
+    name, _, workers = executor.partition(":")
+    if name != "ray" or not workers.isdigit() or int(workers) < 1:
+        raise ValueError(f"unknown executor {executor!r}: use local or ray:N (N workers)")
+    return ["executor=ray", f"executor.workers={workers}"]
+
+
 def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: int, warmup: int = 1,
           device: str = "cpu", threads: int | None = None, overrides: tuple[str, ...] = (),
-          progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs the bench and returns ``{"machine": ..., "results": [...]}`` with fedflat/bare ratios."""
+          progress: Callable[[str], None] = print, executors: tuple[str, ...] = ("local",)) -> dict[str, Any]:
+    """Runs the bench and returns ``{"machine": ..., "results": [...]}`` with fedflat/bare ratios.
+
+    ``executors``: ``local`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally)."""
     from fedflat.algorithms import build_algorithm
 
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -310,12 +327,14 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
             for engine in engines:
                 if engine == "bare":
                     continue
-                cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}"], base=w.tree)
-                try:
-                    contestants.append(Contestant(cfg, name, engine))
-                except Exception as err:  # noqa: BLE001 - a refusal is a result of the bench
-                    results.append({"workload": name, "algo": algo, "engine": engine,
-                                    "error": f"{type(err).__name__}: {err}"})
+                for executor in executors:
+                    cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}", *executor_overrides(executor)],
+                                      base=w.tree)
+                    try:
+                        contestants.append(Contestant(cfg, name, engine, executor=executor))
+                    except Exception as err:  # noqa: BLE001 - a refusal is a result of the bench
+                        results.append({"workload": name, "algo": algo, "engine": engine, "executor": executor,
+                                        "error": f"{type(err).__name__}: {err}"})
             algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
             bp = algorithm.backprops_per_step
             if "bare" in engines and bp in (1, 2) and bp not in bare_done:
@@ -324,11 +343,16 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
                 cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
                 contestants.append(Contestant(cfg, name, "bare", bp, rho))
         progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
-        race(contestants, n_rounds, n_warm)
-        rows = [c.row().summary(info["matmul_flops"]) for c in contestants]
+        try:
+            race(contestants, n_rounds, n_warm)
+            rows = [c.row().summary(info["matmul_flops"]) for c in contestants]
+        finally:
+            for c in contestants:
+                c.sim.close()
         results.extend(rows)
         _add_ratios(results, name)
     return {"machine": info, "settings": {"workloads": workloads, "algos": algos, "engines": engines,
+                                          "executors": list(executors),
                                           "rounds": rounds, "warmup": warmup, "threads": torch.get_num_threads()},
             "workloads": {n: WORKLOADS[n].description for n in workloads}, "results": results}
 
@@ -353,17 +377,17 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"machine: {m['cpu']} ({m['cpu_count']} CPUs), {m['gpu'] or 'no GPU'}, torch {m['torch']}, "
              f"{m['torch_threads']} threads, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, "
              f"load {m['load_average']}"]
-    head = (f"{'workload':<8} {'algo':<12} {'engine':<10} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
+    head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
             f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<10} error: {r['error']}")
+            lines.append(f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} error: {r['error']}")
             continue
         s = r["seconds_per_round"]
         ev = f"{r['eval_seconds']:.3f}" if r.get("eval_seconds") is not None else "-"
         lines.append(
-            f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<10} {s['median']:>8.3f} {s['min']:>7.3f} "
+            f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {s['median']:>8.3f} {s['min']:>7.3f} "
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
             f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7}")
@@ -383,7 +407,8 @@ def _split(text: str) -> list[str]:
 def cmd_bench(args: argparse.Namespace) -> int:
     report = bench(_split(args.workload), _split(args.algos), _split(args.engines), args.rounds, args.warmup,
                    args.device, args.threads, tuple(args.overrides),
-                   progress=(lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True)))
+                   progress=(lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True)),
+                   executors=tuple(_split(args.executors)))
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -399,6 +424,8 @@ def register(subparsers) -> None:
     p.add_argument("--workload", default="W1", help=f"comma-separated: {', '.join(WORKLOADS)} (default W1)")
     p.add_argument("--algos", default="fedavg,fedsam", help="comma-separated recipes (default fedavg,fedsam)")
     p.add_argument("--engines", default="sequential,vectorized,bare", help="comma-separated: " + ", ".join(ENGINES))
+    p.add_argument("--executors", default="local", help="comma-separated: local, ray:N (N Ray workers), e.g. "
+                                                        "local,ray:1,ray:2 (default local)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (W3 on CPU: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")

@@ -85,6 +85,21 @@ class StoreConfig(Section):
     dir: str | None = Field(None, description="folder for spilled client state (default: a temp folder removed at exit)")
 
 
+class ExecutorConfig(Section):
+    """Where a round's clients train: in this process (``local``), or spread over Ray workers (``ray``)
+    with the same results (docs/distributed.md)."""
+
+    name: Literal["local", "ray"] = "local"
+    workers: int = Field(2, ge=1, description="Ray workers (long-lived actors, each with the data, model and engine)")
+    address: str | None = Field(None, description="Ray cluster: null starts a local one; 'auto' joins the one "
+                                                  "`ray start` made on this machine; or 'HOST:PORT'")
+    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs Ray reserves per worker (default: the "
+                                                                   "cores divided among the workers)")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker; fractions share a GPU (0.5: two per GPU)")
+    max_restarts: int = Field(1, ge=0, description="times a worker that died is replaced by a fresh one "
+                                                   "(its clients are redone)")
+
+
 DIAGNOSTIC_KINDS = ("sharpness", "flatness", "drift", "tracking", "spectra", "landscape", "tsne", "pca")
 
 
@@ -124,6 +139,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     engine: Literal["auto", "sequential", "vectorized"] = "auto"
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
@@ -143,7 +159,7 @@ class Config(Section):
         return self
 
 
-SHORTHANDS = {"algo": "name", "model": "name", "data.partition": "scheme", "data": "name"}
+SHORTHANDS = {"algo": "name", "model": "name", "data.partition": "scheme", "data": "name", "executor": "name"}
 RESETTING = {"algo", "model", "data.partition"}  # `algo=X` starts X from its own defaults
 
 

@@ -9,7 +9,7 @@ measured from the payloads.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -102,8 +102,36 @@ class Simulation:
         self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine,
                                      cfg.chunk_size)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
-        self.executor = LocalExecutor(self.runtime)
+        self.model_fn = model_fn
+        self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
         self.backprops = 0  # backward passes of every client's local training so far
+
+    def worker_spec(self, **options):
+        """What a Ray worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
+        override its fields)."""
+        from fedflat.engine.ray_executor import WorkerSpec, default_cpus
+
+        cfg, ex = self.cfg, self.cfg.executor
+        threads = cfg.threads or max(1, int(ex.cpus_per_worker or default_cpus(ex.workers)))
+        spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
+                          input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
+                          settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
+                          augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0)
+        return replace(spec, **options)
+
+    def worker_data(self) -> tuple:
+        """The training data every worker holds: ``(x_train, y_train, client indices)`` as NumPy arrays."""
+        return self.dataset.x_train.cpu().numpy(), self.dataset.y_train.cpu().numpy(), self.client_indices_np
+
+    def _ray_executor(self):
+        """Ray workers that each hold the training data (sent once) and build the same model and engine."""
+        from fedflat.engine.ray_executor import RayExecutor
+
+        return RayExecutor(self.worker_spec(), self.worker_data(), self.cfg.executor)
+
+    def close(self) -> None:
+        """Releases the executor's workers (a no-op for the local executor)."""
+        self.executor.close()
 
     @property
     def num_parameters(self) -> int:

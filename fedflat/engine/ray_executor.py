@@ -1,0 +1,300 @@
+"""``executor: ray``: a round's clients spread over long-lived Ray workers, with the same results.
+
+Each worker is a Ray actor that holds, for the whole run, the training data (put once in Ray's object
+store, not once per round or client), its own model and its own :class:`ClientRuntime` (sequential or
+vectorized engine on its device). Per round the driver puts the broadcast once, assigns the sampled
+clients to workers longest-first by their local step counts (known before training), ships each client's
+state rows from its store, and reduces the results in ascending client-id order. Every client's work is
+a pure function of what it is sent (:func:`fedflat.engine.client.fit`), so which worker ran it, and in
+which order results came back, never changes a number.
+
+A worker that dies mid-round costs a redo, never a wrong result: nothing a client computed is used until
+the whole round is back, its clients are trained again on another (or the restarted) worker, and if no
+worker is left the run stops with its last checkpoint intact (``fedflat resume`` continues it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fedflat.algorithms import Broadcast, ClientResult, TrainSettings, build_algorithm, merge_results
+from fedflat.config import ConfigError, ExecutorConfig
+from fedflat.data import cifar_augment
+from fedflat.engine.client import ClientBatches
+from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine
+from fedflat.models import build_model
+from fedflat.params import FlatModel
+
+RAY_HINT = "executor=ray needs Ray: pip install 'fedflat[ray]' (Ray 2.55.1)"
+# A Ray instance this process starts for itself listens on a loopback address only: Ray replaces 127.0.0.1
+# itself by the machine's network address (to be reachable from other nodes), so another address of the
+# loopback range is used, where Linux has one (macOS has only 127.0.0.1, which Ray keeps local there).
+LOCAL_NODE_IP = "127.0.0.2" if sys.platform.startswith("linux") else None
+
+
+class WorkersLost(RuntimeError):
+    """Every Ray worker died: the round cannot be completed (the run stops with its last checkpoint)."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(RAY_HINT) from None
+    return ray
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its runtime; the data travel separately, once, through the object store."""
+
+    algo: dict[str, Any]
+    model: dict[str, Any]
+    model_fn: Callable[[], torch.nn.Module] | None
+    input_shape: tuple[int, ...]
+    num_classes: int
+    settings: TrainSettings
+    engine: str
+    chunk_size: int | None
+    threads: int
+    augmentation: str | None
+    use_gpu: bool
+    pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
+
+
+def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.ndarray]]) -> ClientRuntime:
+    """A worker's runtime: its model, oracle and batches on its device, from the spec and the shared data."""
+    torch.set_num_threads(spec.threads)
+    device = torch.device("cuda" if spec.use_gpu else "cpu")
+    options = {k: v for k, v in spec.model.items() if k != "name"}
+    module = spec.model_fn() if spec.model_fn is not None else build_model(
+        spec.model["name"], spec.input_shape, spec.num_classes, **options)
+    model = FlatModel(module.to(device))
+    x, y, indices = data
+    batches = ClientBatches(torch.tensor(x, device=device), torch.tensor(y, device=device),
+                            [torch.tensor(ix, dtype=torch.long, device=device) for ix in indices],
+                            spec.settings.batch_size, spec.settings.seed,
+                            cifar_augment if spec.augmentation == "cifar" else None)
+    settings = replace(spec.settings, layout=model.layout)
+    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, resolve_engine(spec.engine, device),
+                         spec.chunk_size)
+
+
+Data = tuple[np.ndarray, np.ndarray, list[np.ndarray]]
+
+
+class ClientWorker:
+    """The body of a Ray actor: one long-lived client runtime (made a Ray actor class by :func:`worker_class`).
+
+    :meth:`setup` builds the runtime; ``data`` comes boxed (``[ref]``) so the actor fetches it from the
+    object store itself. A live actor can be set up again for another run on the same workers."""
+
+    def __init__(self):
+        self.runtime: ClientRuntime | None = None
+
+    def setup(self, spec: WorkerSpec, boxed_data: list) -> int:
+        import ray
+
+        self.spec = spec
+        self.runtime = build_runtime(spec, ray.get(boxed_data[0]))
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fit(self, shared: Broadcast, personal: dict[str, torch.Tensor], task: RoundTask,
+            state: dict[str, torch.Tensor], known: dict[str, torch.Tensor]) -> ClientResult:
+        """The clients of ``task`` trained from the broadcast (shared part + their personal rows) and their
+        own state rows (``[C, P]`` in the order of ``task.ids``)."""
+        if self.runtime is None:
+            raise RuntimeError("this Ray worker was not set up: call setup(spec, [data_ref]) first")
+        if self.spec.pause_s:
+            time.sleep(self.spec.pause_s)
+        broadcast = replace(shared, ids=task.ids, personal=personal)
+        row_of = {int(c): r for r, c in enumerate(task.ids.tolist())}
+
+        def load_state(ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            rows = torch.tensor([row_of[int(c)] for c in ids.tolist()], dtype=torch.long)
+            return {k: v[rows] for k, v in state.items()}, {k: v[rows] for k, v in known.items()}
+
+        return self.runtime.fit(broadcast, task, load_state).to("cpu")
+
+
+def worker_class(ray):
+    return ray.remote(ClientWorker)
+
+
+def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:
+    """Longest-processing-time assignment: clients in decreasing ``E_i`` each go to the worker with the least
+    work so far (ties: the lower worker index); each worker's clients in ascending position."""
+    load = {w: 0 for w in workers}
+    assigned: dict[int, list[int]] = {w: [] for w in workers}
+    for row in sorted(range(len(steps)), key=lambda r: (-int(steps[r]), r)):
+        w = min(workers, key=lambda v: (load[v], v))
+        load[w] += int(steps[row])
+        assigned[w].append(row)
+    return {w: torch.tensor(sorted(rows), dtype=torch.long) for w, rows in assigned.items() if rows}
+
+
+def default_cpus(workers: int) -> float:
+    """The cores of this machine shared evenly among the workers (Ray accepts fractions)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores / workers, 0.01)
+
+
+class RayExecutor:
+    """Trains a round's clients on ``workers`` Ray actors (see the module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, spec: WorkerSpec, data: Data, cfg: ExecutorConfig, actors: list | None = None):
+        """``actors``: live workers to reuse (given a new runtime; not ended by :meth:`close`) instead of
+        starting ``cfg.workers`` new ones."""
+        self.ray = ray = require_ray()
+        self.cfg, self.spec = cfg, spec
+        self.cpus = cfg.cpus_per_worker or default_cpus(cfg.workers)
+        self.owns_actors = actors is None
+        self.actors = []
+        self.started_ray = connect(ray, cfg)
+        try:
+            start = time.perf_counter()
+            self.data_ref = ray.put(data)  # held for the executor's life: replacement workers read it again
+            if actors is None:
+                self._check_resources()
+                self.actors = [self._new_actor() for _ in range(cfg.workers)]
+            else:
+                self.actors = list(actors)
+            # every worker builds its runtime now: fail here, not in round 0, if one cannot start
+            ray.get([a.setup.remote(spec, [self.data_ref]) for a in self.actors])
+            self.startup_seconds = time.perf_counter() - start
+        except BaseException:
+            self.close()
+            raise
+        self.failures = [0] * len(self.actors)  # worker deaths seen by this executor
+        self.redone_clients = 0
+
+    def _new_actor(self):
+        cls = worker_class(self.ray).options(num_cpus=self.cpus, num_gpus=self.cfg.gpus_per_worker,
+                                             max_restarts=0, max_task_retries=0)
+        return cls.remote()
+
+    def _replace(self, worker: int) -> None:
+        """Starts a fresh worker in place of a dead one, while ``executor.max_restarts`` allows (only for
+        workers this executor started)."""
+        if not self.owns_actors or self.failures[worker] > self.cfg.max_restarts:
+            return
+        actor = self._new_actor()
+        try:
+            self.ray.get(actor.setup.remote(self.spec, [self.data_ref]))
+        except self.ray.exceptions.RayActorError:
+            self.failures[worker] = self.cfg.max_restarts + 1  # cannot even start: give this slot up
+            return
+        self.actors[worker] = actor
+
+    def _check_resources(self, patience_s: float = 30.0) -> None:
+        """Workers that cannot all be placed would wait forever: refuse them up front, saying why. Resources
+        that exist but are still held (by workers of a run that just ended) get ``patience_s`` to free up."""
+        need_cpu, need_gpu = self.cfg.workers * self.cpus, self.cfg.workers * self.cfg.gpus_per_worker
+
+        def fits(resources: dict) -> bool:
+            return need_cpu <= resources.get("CPU", 0) + 1e-9 and need_gpu <= resources.get("GPU", 0) + 1e-9
+
+        total, free = self.ray.cluster_resources(), self.ray.available_resources()
+        deadline = time.monotonic() + patience_s
+        while fits(total) and not fits(free) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            free = self.ray.available_resources()
+        if not fits(free):
+            raise ConfigError(
+                f"executor.workers={self.cfg.workers} need {need_cpu:g} CPUs and {need_gpu:g} GPUs, but the Ray cluster "
+                f"has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs ({free.get('CPU', 0):g} CPUs and "
+                f"{free.get('GPU', 0):g} GPUs free): lower executor.workers, executor.cpus_per_worker or "
+                "executor.gpus_per_worker, or add nodes (docs/distributed.md)")
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers (for tests and monitoring)."""
+        return self.ray.get([a.pid.remote() for a in self.actors])
+
+    def _alive(self) -> list[int]:
+        limit = self.cfg.max_restarts if self.owns_actors else 0
+        return [w for w, n in enumerate(self.failures) if n <= limit]
+
+    def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
+        ray = self.ray
+        shared = ray.put(replace(broadcast.to("cpu"), ids=None, personal={}))  # once per round, for every worker
+
+        def submit(worker: int, rows: torch.Tensor):
+            sub = task.rows(rows)
+            state, known = load_state(sub.ids)
+            personal = {k: v.cpu() for k, v in broadcast.for_clients(sub.ids).personal.items()}
+            return self.actors[worker].fit.remote(shared, personal, sub, state, known)
+
+        pending = {submit(w, rows): (w, rows) for w, rows in longest_first(task.steps, self._alive()).items()}
+        results = []
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            worker, rows = pending.pop(ref)
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                self.failures[worker] += 1
+                self.redone_clients += len(rows)
+                self._replace(worker)
+                target = self._redo_on(worker, pending)
+                pending[submit(target, rows)] = (target, rows)
+            except ray.exceptions.RayTaskError as err:
+                raise err.as_instanceof_cause() from None
+        return merge_results(results)
+
+    def _redo_on(self, failed: int, pending: dict) -> int:
+        """A worker for the clients of ``failed``: the live one with the least pending work (the replacement
+        of ``failed`` itself when it is the only one left)."""
+        alive = self._alive()
+        if not alive:
+            raise WorkersLost(f"all {len(self.actors)} Ray workers died (each restarted up to "
+                              f"executor.max_restarts={self.cfg.max_restarts} times); the round was not completed")
+        busy = {w: 0 for w in alive}
+        for w, rows in pending.values():
+            if w in busy:
+                busy[w] += len(rows)
+        return min(alive, key=lambda w: (w == failed, busy[w], w))
+
+    def close(self) -> None:
+        """Ends the workers it started, and the local Ray instance if it started that."""
+        for actor in self.actors if self.owns_actors else []:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self.started_ray and self.ray.is_initialized():
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def connect(ray, cfg: ExecutorConfig) -> bool:
+    """Joins the Ray cluster of ``executor.address`` or starts a local one; True if this call started it."""
+    if ray.is_initialized():
+        return False
+    # CPU workers train on device cpu explicitly; take Ray's future default quietly (its FutureWarning says so).
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    options = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    try:
+        if cfg.address:
+            host = cfg.address.rsplit(":", 1)[0]
+            if host.startswith("127."):  # a cluster on a loopback address is on this machine: join it there
+                options["_node_ip_address"] = host
+            ray.init(address=cfg.address, **options)
+        else:
+            ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, **options)
+    except ConnectionError as err:
+        raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
+                          "`ray start --head` (docs/distributed.md) or leave executor.address unset") from None
+    return True

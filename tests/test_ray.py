@@ -1,0 +1,251 @@
+"""executor=ray: a real local Ray (no mock), the same numbers as the local executor, and faults that cost a redo.
+
+One Ray instance (2 CPUs, loopback only) serves the module; a pool of three long-lived workers is reused
+across recipes (each executor gives them a new runtime), so every recipe is checked with 1, 2 and 3 workers
+in seconds. Runs use one torch thread everywhere, so local and Ray runs compute every client bit for bit
+alike and must agree EXACTLY.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+import fedflat  # noqa: E402
+from fedflat.algorithms import RECIPES  # noqa: E402
+from fedflat.config import ConfigError, ExecutorConfig, dump_yaml, load_config  # noqa: E402
+from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
+from fedflat.engine.simulation import Simulation  # noqa: E402
+from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume  # noqa: E402
+from fedflat.experiments.rundir import read_jsonl  # noqa: E402
+
+from conftest import tiny_tree  # noqa: E402
+
+UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "engine=sequential",
+           "sampling.clients_per_round=4")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address=LOCAL_NODE_IP, logging_level="ERROR",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session):
+    """Three long-lived workers (a fifth of a CPU each: the other tests' workers still fit the 2-CPU instance)."""
+    actors = [worker_class(ray).options(num_cpus=0.2).remote() for _ in range(3)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
+def _tiny(*overrides: str):
+    return load_config(None, list(overrides), base=tiny_tree())
+
+
+def _trajectory(sim: Simulation, rounds: int) -> list:
+    """Everything a round produces that must not depend on where clients ran."""
+    out = []
+    for t in range(rounds):
+        r = sim.run_round(t)
+        out.append((r.train_loss, r.drift, r.backprops_per_step, r.store, r.up_bytes, r.down_bytes, r.log,
+                    sim.evaluate()))
+    return out
+
+
+def _assert_identical(local: Simulation, other: Simulation) -> None:
+    assert torch.equal(local.w, other.w)
+    assert local.server.keys() == other.server.keys()
+    for key in local.server:
+        assert torch.equal(local.server[key], other.server[key]), key
+    for name in local.store.names():
+        ids = torch.arange(local.cfg.data.num_clients)
+        assert torch.equal(local.store.get(name, ids)[0], other.store.get(name, ids)[0]), name
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name):
+    cfg = _tiny(f"algo={name}", *UNEQUAL)
+    local = Simulation(cfg)
+    expected = _trajectory(local, 2)
+    for workers in (1, 2, 3):
+        sim = Simulation(cfg)
+        sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=workers),
+                                   actors=pool[:workers])
+        assert _trajectory(sim, 2) == expected, f"{workers} workers"
+        _assert_identical(local, sim)
+        sim.close()
+
+
+def test_longest_first_balances_known_step_counts():
+    steps = torch.tensor([2, 18, 4, 9, 9, 3])
+    plan = longest_first(steps, [0, 1])
+    assert sorted(torch.cat(list(plan.values())).tolist()) == list(range(6))
+    load = {w: int(steps[rows].sum()) for w, rows in plan.items()}
+    # by hand: 18 -> w0; 9 -> w1; 9 -> w1 (9 < 18); 4 -> w0 (tie 18/18: lower index); 3 -> w1 (18 < 22); 2 -> w1
+    assert load == {0: 22, 1: 23}
+    assert plan[0].tolist() == [1, 2] and plan[1].tolist() == [0, 3, 4, 5]
+
+
+def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
+    """The whole API path: `executor=ray` in the config, a run folder, metrics equal to the local run's."""
+    cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
+    local = fedflat.run(cfg, run_dir=tmp_path / "local", progress=False)
+    remote = fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.cpus_per_worker=0.5"],
+                         run_dir=tmp_path / "ray", progress=False)
+    assert remote.summary["status"] == "completed"
+    assert torch.equal(local.final_parameters, remote.final_parameters)
+    assert metrics_equal(read_jsonl(tmp_path / "local" / "metrics.jsonl"), read_jsonl(tmp_path / "ray" / "metrics.jsonl"))
+    assert "name: ray" in (tmp_path / "ray" / "config.yaml").read_text()  # the run folder says where it ran
+    assert ray.is_initialized()  # a Ray the caller started is left running
+
+
+def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session):
+    cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
+    expected = _trajectory(Simulation(cfg), 3)
+    sim = Simulation(cfg)
+    executor = sim.executor = RayExecutor(sim.worker_spec(pause_s=1.5), sim.worker_data(),
+                                          ExecutorConfig(name="ray", workers=2, max_restarts=1, cpus_per_worker=0.5))
+    victim = executor.pids()[0]
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: workers pause 1.5 s
+    killer.start()
+    try:
+        got = _trajectory(sim, 3)
+        pids = executor.pids()
+    finally:
+        killer.cancel()
+        sim.close()
+    assert got == expected
+    assert executor.failures == [1, 0] and executor.redone_clients > 0
+    assert victim not in pids and len(pids) == 2  # the dead worker was replaced by a fresh one
+
+
+def test_no_worker_left_fails_the_run_with_its_checkpoint_and_resume_finishes_it(ray_session, tmp_path):
+    cfg = _tiny("algo=feddyn", *UNEQUAL, "rounds=4", "checkpoint_every=1")
+    full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
+    from fedflat import api
+
+    original = api._Runner._round
+
+    def kill_workers_before_round_3(self, t, bar):
+        if t == 2:
+            for pid in self.sim.executor.pids():
+                os.kill(pid, signal.SIGKILL)
+        original(self, t, bar)
+
+    folder = tmp_path / "killed"
+    api._Runner._round = kill_workers_before_round_3
+    try:
+        with pytest.raises(Exception, match="Ray workers died"):
+            fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.max_restarts=0",
+                                        "executor.cpus_per_worker=0.5"], run_dir=folder, progress=False)
+    finally:
+        api._Runner._round = original
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Ray workers died" in summary["reason"]
+    assert read_checkpoint(folder)["round"] == 2 and len(read_jsonl(folder / "metrics.jsonl")) == 2
+    resumed = resume(folder, progress=False)  # a fresh set of workers
+    assert resumed.summary["status"] == "completed"
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+def test_more_workers_than_the_cluster_holds_is_a_clear_error(ray_session):
+    with pytest.raises(ConfigError, match=r"executor.workers=5 need 5 CPUs .* the Ray cluster has 2 CPUs and 0 GPUs \("):
+        Simulation(_tiny("executor=ray", "executor.workers=5", "executor.cpus_per_worker=1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_node(*args: str) -> subprocess.Popen:
+    ray_cli = Path(sys.executable).with_name("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.Popen([str(ray_cli), "start", "--block", "--disable-usage-stats", f"--node-ip-address={LOCAL_NODE_IP}",
+                             "--num-cpus=1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)  # `ray start --block` ends the node's processes on SIGTERM
+        process.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(LOCAL_NODE_IP is None, reason="a second loopback address is needed (Linux)")
+def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(tmp_path):
+    """Two Ray nodes on this machine (`ray start --head`, `ray start --address`), each with one CPU; a driver
+    process joins them by address, one worker lands on each node, and the numbers equal the local run's."""
+    port = _free_port()
+    head = _ray_node("--head", f"--port={port}", "--include-dashboard=false")
+    node = None
+    try:
+        address = f"{LOCAL_NODE_IP}:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the head's GCS answers once it is up
+            with socket.socket() as s:
+                if s.connect_ex((LOCAL_NODE_IP, port)) == 0:
+                    break
+            time.sleep(0.5)
+        node = _ray_node(f"--address={address}")
+        cfg = _tiny("algo=fedsam", *UNEQUAL, "rounds=2")
+        local = fedflat.run(cfg, save=False, progress=False)
+        script = (  # waits until both nodes have joined, then lets fedflat join the cluster by its address
+            "import sys, time, torch, ray, fedflat\n"
+            "from fedflat.config import load_config\n"
+            "deadline, alive = time.monotonic() + 60, 0\n"
+            "while alive < 2 and time.monotonic() < deadline:\n"
+            "    ray.init(address=sys.argv[2], logging_level='ERROR', log_to_driver=False)\n"
+            "    alive = len([n for n in ray.nodes() if n['Alive']])\n"
+            "    ray.shutdown()\n"
+            "    time.sleep(0.5)\n"
+            "print('nodes', alive)\n"
+            "hist = fedflat.run(load_config(sys.argv[1]), overrides=['executor=ray', 'executor.workers=2',\n"
+            "                   'executor.cpus_per_worker=1', f'executor.address={sys.argv[2]}'], save=False, progress=False)\n"
+            "print('ray left running:', ray.is_initialized())\n"
+            "torch.save(hist.final_parameters, sys.argv[3])\n")
+        config = tmp_path / "config.yaml"
+        config.write_text(dump_yaml(cfg.model_dump()))
+        out = subprocess.run([sys.executable, "-c", script, str(config), address, str(tmp_path / "w.pt")],
+                             capture_output=True, text=True, timeout=180, cwd=Path(__file__).parents[1])
+        assert out.returncode == 0, out.stderr[-3000:]
+        # one CPU per node and one per worker: the two workers ran on different nodes; fedflat left the cluster up
+        assert "nodes 2" in out.stdout and "ray left running: False" in out.stdout
+        assert torch.equal(torch.load(tmp_path / "w.pt"), local.final_parameters)
+    finally:
+        if node is not None:
+            _stop(node)
+        _stop(head)
+
+
+def test_bench_races_local_and_ray_executors(ray_session):
+    from fedflat.bench import bench, executor_overrides
+
+    report = bench(["tiny"], ["fedavg"], ["sequential"], rounds=1, warmup=0, threads=1,
+                   overrides=("executor.cpus_per_worker=0.5",), progress=lambda msg: None, executors=("local", "ray:1"))
+    rows = {r["engine"]: r for r in report["results"]}
+    assert set(rows) == {"sequential", "sequential@ray:1"}
+    assert rows["sequential@ray:1"]["executor"] == "ray:1" and rows["sequential@ray:1"]["startup_seconds"] > 0
+    assert rows["sequential@ray:1"]["vs_fedavg"] == 1.0  # compared with FedAvg on the same executor
+    with pytest.raises(ValueError, match="unknown executor 'dask': use local or ray:N"):
+        executor_overrides("dask")
