@@ -269,8 +269,9 @@ class Contestant:
         per_round = statistics.mean(self.samples)
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
         extra: dict[str, Any] = {"executor": self.executor}
-        if hasattr(self.sim.executor, "startup_seconds"):
-            extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start, not in s/round
+        if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round
+            extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start and data
+            extra["ray_init_seconds"] = self.sim.executor.connect_seconds  # Ray itself (0 when already up)
         engine = self.engine if self.executor == "local" else f"{self.engine}@{self.executor}"
         return Row(self.workload, self.algo, engine, len(self.seconds), self.seconds, self.cpu, per_round,
                    self.backprops, flops_per_sample(self.sim) * per_round * self.backprops, eval_seconds,
@@ -286,13 +287,16 @@ def race(contestants: list[Contestant], rounds: int, warmup: int) -> None:
 
 
 def executor_overrides(executor: str) -> list[str]:
-    """``local`` -> no override; ``ray:N`` -> a Ray executor with N workers sharing this machine's cores."""
+    """``local`` -> no override; ``ray:N`` -> a Ray executor with N workers of one torch thread each.
+
+    Contestants race one round at a time, so every contestant's workers stay up together: they reserve
+    only a token share of a CPU from Ray (a reservation, not a limit), else the later ones could not start."""
     if executor == "local":
         return []
     name, _, workers = executor.partition(":")
     if name != "ray" or not workers.isdigit() or int(workers) < 1:
         raise ValueError(f"unknown executor {executor!r}: use local or ray:N (N workers)")
-    return ["executor=ray", f"executor.workers={workers}"]
+    return ["executor=ray", f"executor.workers={workers}", "executor.cpus_per_worker=0.01"]
 
 
 def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: int, warmup: int = 1,

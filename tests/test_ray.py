@@ -242,7 +242,7 @@ def test_bench_races_local_and_ray_executors(ray_session):
     from fedflat.bench import bench, executor_overrides
 
     report = bench(["tiny"], ["fedavg"], ["sequential"], rounds=1, warmup=0, threads=1,
-                   overrides=("executor.cpus_per_worker=0.5",), progress=lambda msg: None, executors=("local", "ray:1"))
+                   progress=lambda msg: None, executors=("local", "ray:1"))
     rows = {r["engine"]: r for r in report["results"]}
     assert set(rows) == {"sequential", "sequential@ray:1"}
     assert rows["sequential@ray:1"]["executor"] == "ray:1" and rows["sequential@ray:1"]["startup_seconds"] > 0

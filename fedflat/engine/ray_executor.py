@@ -162,7 +162,9 @@ class RayExecutor:
         self.cpus = cfg.cpus_per_worker or default_cpus(cfg.workers)
         self.owns_actors = actors is None
         self.actors = []
+        start = time.perf_counter()
         self.started_ray = connect(ray, cfg)
+        self.connect_seconds = time.perf_counter() - start  # ray.init of a local instance, or joining a cluster
         try:
             start = time.perf_counter()
             self.data_ref = ray.put(data)  # held for the executor's life: replacement workers read it again
