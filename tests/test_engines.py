@@ -180,3 +180,29 @@ def test_a_part_without_vectorized_support_is_refused_by_name(tiny, monkeypatch)
 def test_auto_engine_is_sequential_on_cpu(tiny):
     assert Simulation(tiny("engine=auto")).engine == "sequential"
     assert np.isfinite(Simulation(tiny("engine=auto")).run_round(0).train_loss)
+
+
+def test_an_out_of_memory_chunk_is_halved_and_retried_with_the_same_numbers(tiny, monkeypatch):
+    """A CUDA out-of-memory error inside a vectorized chunk halves the chunk and trains it again; the
+    clients' results do not depend on the chunking, so the run's numbers are those of a run that never
+    ran out of memory. (The error is raised for chunks above two clients, as a GPU short of memory would.)"""
+    from fedflat.engine import client as client_module
+
+    cfg = tiny("algo=scaffold", *UNEQUAL, "engine=vectorized", "sampling.clients_per_round=5")
+    reference = Simulation(cfg)
+    expected = [reference.run_round(t).train_loss for t in range(2)]
+    original_fit, sizes = runtime_module.fit, []
+
+    def fit_with_little_memory(algorithm, ctx, cohort):
+        sizes.append(cohort.size)
+        if cohort.size > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated: more than 2 clients per chunk)")
+        return original_fit(algorithm, ctx, cohort)
+
+    monkeypatch.setattr(runtime_module, "fit", fit_with_little_memory)
+    sim = Simulation(cfg)
+    got = [sim.run_round(t).train_loss for t in range(2)]
+    assert got == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(sim.w, reference.w, rtol=1e-5, atol=1e-6)
+    assert sizes[:3] == [5, 2, 2] and sim.runtime.oom_retries == 1  # 5 -> halved to 2, and stays there
+    assert client_module.fit is original_fit

@@ -109,8 +109,8 @@ class ClientRuntime:
     """Runs clients' local work in this process, on ``model``'s device, with the chosen engine.
 
     ``chunk_size``: clients per vectorized chunk (None: as many as fit the memory budget). A CUDA
-    out-of-memory error inside a chunk halves the chunk and retries it: the clients' results do not
-    depend on the chunking, so the numbers are unchanged.
+    out-of-memory error inside a chunk halves the chunk and retries it, and later chunks stay at most
+    that size: the clients' results do not depend on the chunking, so the numbers are unchanged.
     """
 
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
@@ -125,6 +125,7 @@ class ClientRuntime:
         self.oracle = Oracle(model, vectorized=engine == "vectorized")
         self._client_bytes: int | None = None
         self.oom_retries = 0
+        self.oom_cap: int | None = None  # the largest chunk known to fit, after an out-of-memory error
 
     @property
     def device(self) -> torch.device:
@@ -145,9 +146,9 @@ class ClientRuntime:
         as fit the memory budget (:func:`memory_budget`)."""
         if self.engine == "sequential":
             return 1
-        if self.fixed_chunk:
-            return min(K, self.fixed_chunk)
-        return auto_chunk_size(self.client_bytes(), memory_budget(self.device), K)
+        size = min(K, self.fixed_chunk) if self.fixed_chunk else auto_chunk_size(
+            self.client_bytes(), memory_budget(self.device), K)
+        return size if self.oom_cap is None else min(size, self.oom_cap)
 
     def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
         """Every client of ``task`` trained from ``broadcast`` with its own state (``load_state(ids)``).
@@ -168,6 +169,7 @@ class ClientRuntime:
                 if size == 1:
                     raise
                 size, self.oom_retries = max(1, size // 2), self.oom_retries + 1
+                self.oom_cap = size
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
