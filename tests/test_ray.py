@@ -249,3 +249,18 @@ def test_bench_races_local_and_ray_executors(ray_session):
     assert rows["sequential@ray:1"]["vs_fedavg"] == 1.0  # compared with FedAvg on the same executor
     with pytest.raises(ValueError, match="unknown executor 'dask': use local or ray:N"):
         executor_overrides("dask")
+
+
+def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_path):
+    """Two executors on the Ray instance fedflat started itself (as a bench racing ray:1 and ray:2 does):
+    closing the first must not pull Ray from under the second, and the last one shuts Ray down."""
+    script = (
+        "import ray\n"
+        "from fedflat.bench import bench\n"
+        "report = bench(['tiny'], ['fedavg'], ['sequential'], rounds=1, warmup=0, threads=1,\n"
+        "               progress=lambda m: None, executors=('ray:1', 'ray:2'))\n"
+        "print(sorted(r['engine'] for r in report['results'] if 'error' not in r), ray.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "['sequential@ray:1', 'sequential@ray:2'] False" in out.stdout

@@ -269,21 +269,30 @@ class RayExecutor:
         return min(alive, key=lambda w: (w == failed, busy[w], w))
 
     def close(self) -> None:
-        """Ends the workers it started, and the local Ray instance if it started that."""
-        for actor in self.actors if self.owns_actors else []:
-            try:
-                self.ray.kill(actor)
-            except Exception:  # already gone
-                pass
+        """Ends the workers it started, and the local Ray instance when the last executor using it closes."""
+        if self.ray.is_initialized():
+            for actor in self.actors if self.owns_actors else []:
+                try:
+                    self.ray.kill(actor)
+                except Exception:  # already gone
+                    pass
         self.actors = []
-        if self.started_ray and self.ray.is_initialized():
-            self.ray.shutdown()
+        if self.started_ray:
+            release(self.ray)
             self.started_ray = False
 
 
+_SESSION = {"executors": 0}  # executors using the Ray connection fedflat opened (0: fedflat opened none)
+
+
 def connect(ray, cfg: ExecutorConfig) -> bool:
-    """Joins the Ray cluster of ``executor.address`` or starts a local one; True if this call started it."""
+    """Joins the Ray cluster of ``executor.address`` or starts a local one. True when fedflat opened the
+    connection (now or for an executor still open): :func:`release` then closes it after the last user.
+    A connection the caller opened (``ray.init`` before fedflat) is used and left alone."""
     if ray.is_initialized():
+        if _SESSION["executors"]:
+            _SESSION["executors"] += 1
+            return True
         return False
     # CPU workers train on device cpu explicitly; take Ray's future default quietly (its FutureWarning says so).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -299,4 +308,12 @@ def connect(ray, cfg: ExecutorConfig) -> bool:
     except ConnectionError as err:
         raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
                           "`ray start --head` (docs/distributed.md) or leave executor.address unset") from None
+    _SESSION["executors"] = 1
     return True
+
+
+def release(ray) -> None:
+    """One executor fewer on fedflat's own Ray connection; the last one shuts it down."""
+    _SESSION["executors"] = max(0, _SESSION["executors"] - 1)
+    if _SESSION["executors"] == 0 and ray.is_initialized():
+        ray.shutdown()
