@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from fedflat.config import Config, dump_yaml, load_config, resolve, validate
 from fedflat.data import Dataset
 from fedflat.engine.simulation import Diverged, Simulation
+from fedflat.engine.threads import torch_threads
 from fedflat.experiments.rundir import RunDir, machine_info, versions
 
 
@@ -70,6 +71,12 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
     checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config).
     """
     cfg = as_config(config, overrides)
+    with torch_threads(None):  # the run may set torch's thread count (threads: auto); the caller's comes back
+        return _run(cfg, dataset, model_fn, out, save, progress, run_dir, resume)
+
+
+def _run(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None, out: str | Path | None,
+         save: bool, progress: bool, run_dir: str | Path | None, resume: str | Path | None) -> History:
     sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
     resolved = resolve(cfg)
     if dataset is not None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedflat.config import Config, load_config
+from fedflat.engine.threads import torch_threads
 
 ENGINES = ("sequential", "vectorized", "bare")
 
@@ -257,7 +258,8 @@ class Contestant:
         device = self.sim.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        wall, used = _timed(lambda: self.runner(t), device)
+        with torch_threads(self.sim.threads):  # each contestant's own choice (threads are process-wide)
+            wall, used = _timed(lambda: self.runner(t), device)
         self.peak = max(self.peak, peak_memory_mb(device))
         if timed:
             self.seconds.append(wall)
@@ -268,7 +270,7 @@ class Contestant:
         eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
-        extra: dict[str, Any] = {"executor": self.executor}
+        extra: dict[str, Any] = {"executor": self.executor, "threads": self.sim.threads}
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round
             extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start and data
             extra["ray_init_seconds"] = self.sim.executor.connect_seconds  # Ray itself (0 when already up)
@@ -313,8 +315,6 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ValueError(f"unknown engine(s) {bad}; choose from {', '.join(ENGINES)}")
-    if threads:
-        torch.set_num_threads(threads)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     info = machine(dev)
@@ -324,7 +324,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
         n_rounds, n_warm = rounds, warmup
         if dev.type == "cpu" and w.cpu_rounds is not None:
             n_rounds, n_warm = min(rounds, w.cpu_rounds), min(warmup, w.cpu_warmup or 0)
-        base = [f"device={dev}", *overrides]
+        base = [f"device={dev}", *([f"threads={threads}"] if threads else []), *overrides]
         contestants: list[Contestant] = []
         bare_done: set[int] = set()
         for algo in algos:
@@ -357,7 +357,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
         _add_ratios(results, name)
     return {"machine": info, "settings": {"workloads": workloads, "algos": algos, "engines": engines,
                                           "executors": list(executors),
-                                          "rounds": rounds, "warmup": warmup, "threads": torch.get_num_threads()},
+                                          "rounds": rounds, "warmup": warmup, "threads": threads or "auto"},
             "workloads": {n: WORKLOADS[n].description for n in workloads}, "results": results}
 
 
@@ -379,9 +379,9 @@ def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
 def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [f"machine: {m['cpu']} ({m['cpu_count']} CPUs), {m['gpu'] or 'no GPU'}, torch {m['torch']}, "
-             f"{m['torch_threads']} threads, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+             f"threads {report['settings']['threads']}, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, "
              f"load {m['load_average']}"]
-    head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
+    head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
             f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
@@ -391,7 +391,7 @@ def format_table(report: dict[str, Any]) -> str:
         s = r["seconds_per_round"]
         ev = f"{r['eval_seconds']:.3f}" if r.get("eval_seconds") is not None else "-"
         lines.append(
-            f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {s['median']:>8.3f} {s['min']:>7.3f} "
+            f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {r.get('threads') or '-':>3} {s['median']:>8.3f} {s['min']:>7.3f} "
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
             f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7}")
@@ -433,7 +433,8 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (W3 on CPU: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of every contestant "
+                                                              "(default: each run's threads: auto)")
     p.add_argument("--json", default=None, help="write the results and the machine description here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)

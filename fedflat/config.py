@@ -12,7 +12,7 @@ import difflib
 import inspect
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -143,7 +143,9 @@ class Config(Section):
     engine: Literal["auto", "sequential", "vectorized"] = "auto"
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
+        "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
+                            "cores; fedflat/engine/threads.py), a number, or null for torch's own choice")
     out: str = "runs"
     checkpoint_every: int = Field(10, ge=0, description="write checkpoint.pt every this many rounds "
                                   "(0: only at the end); `fedflat resume RUN_DIR` continues from it")

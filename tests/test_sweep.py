@@ -9,6 +9,7 @@ import yaml
 
 from fedflat.config import ConfigError
 from fedflat.experiments.checkpoint import CHECKPOINT, read_checkpoint
+from fedflat.engine.threads import available_cores
 from fedflat.experiments.rundir import read_jsonl
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from tests.conftest import tiny_tree
@@ -128,6 +129,9 @@ def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
         a = read_jsonl(tmp_path / "par" / name / "metrics.jsonl")
         b = read_jsonl(tmp_path / "ser" / name / "metrics.jsonl")
         assert [m["test_acc"] for m in a] == [m["test_acc"] for m in b]
+        # each of the 2 workers keeps to its share of the cores (threads: auto within a share)
+        summary = json.loads((tmp_path / "par" / name / "summary.json").read_text())
+        assert summary["machine"]["torch_threads"] <= max(1, available_cores() // 2)
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -63,7 +63,7 @@ class WorkerSpec:
     settings: TrainSettings
     engine: str
     chunk_size: int | None
-    threads: int
+    threads: int | None
     augmentation: str | None
     use_gpu: bool
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
@@ -71,7 +71,8 @@ class WorkerSpec:
 
 def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.ndarray]]) -> ClientRuntime:
     """A worker's runtime: its model, oracle and batches on its device, from the spec and the shared data."""
-    torch.set_num_threads(spec.threads)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
     options = {k: v for k, v in spec.model.items() if k != "name"}
     module = spec.model_fn() if spec.model_fn is not None else build_model(

@@ -67,6 +67,18 @@ def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
     return total
 
 
+def step_flops(model: FlatModel, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
+    """FLOPs of one local step (forward and backward of a batch of ``batch_size``), counted on one sample
+    with ``FlopCounterMode`` and scaled (the work of every layer is linear in the batch)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    views = [v.detach().requires_grad_(True) for v in model.layout.views(w)]
+    with FlopCounterMode(display=False) as counter:
+        loss = torch.nn.functional.cross_entropy(model.call_views(views, x[:1]), y[:1])
+        torch.autograd.grad(loss, views)
+    return counter.get_total_flops() * batch_size
+
+
 def memory_budget(device: torch.device) -> int:
     """Bytes a vectorized chunk may use: half the free GPU memory, or 2 GiB on CPU."""
     if device.type == "cuda":

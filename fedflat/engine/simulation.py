@@ -21,7 +21,8 @@ from fedflat.config import Config
 from fedflat.data import Dataset, cifar_augment, load_dataset, partition
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine
+from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, step_flops
+from fedflat.engine.threads import choose_threads
 from fedflat.engine.store import ClientStore
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -66,8 +67,6 @@ class Simulation:
 
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None):
         self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         if dataset is None:
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
@@ -84,6 +83,11 @@ class Simulation:
                 cfg.model["name"], dataset.input_shape, dataset.num_classes,
                 **{k: v for k, v in cfg.model.items() if k != "name"})
         self.model = FlatModel(module.to(self.device))
+        self.step_flops = step_flops(self.model, self.model.initial, self.dataset.x_train, self.dataset.y_train,
+                                     cfg.train.batch_size)
+        self.threads = choose_threads(cfg.threads, self.step_flops)  # docs: fedflat/engine/threads.py
+        if self.threads:
+            torch.set_num_threads(self.threads)
         self.algorithm: Algorithm = build_algorithm(cfg.algo)
         self.engine = resolve_engine(cfg.engine, self.device)
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
@@ -112,7 +116,7 @@ class Simulation:
         from fedflat.engine.ray_executor import WorkerSpec, default_cpus
 
         cfg, ex = self.cfg, self.cfg.executor
-        threads = cfg.threads or max(1, int(ex.cpus_per_worker or default_cpus(ex.workers)))
+        threads = choose_threads(cfg.threads, self.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
         spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
                           input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
                           settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shutil
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import yaml
 
 from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve
+from fedflat.engine.threads import available_cores
 from fedflat.experiments.rundir import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -240,9 +240,9 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     from fedflat.experiments.checkpoint import resume
 
     if threads:
-        import torch
+        from fedflat.engine.threads import set_core_share
 
-        torch.set_num_threads(threads)
+        set_core_share(threads)  # this worker's share of the cores: `threads: auto` stays within it
     folder_path = Path(folder)
     start = time.perf_counter()
     try:
@@ -328,7 +328,7 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True) -> SweepRes
             bar.set_postfix_str(cell.name)
             record(cell, run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress))
     else:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = max(1, available_cores() // workers)
         with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
             running: dict[Future, Cell] = {
                 pool.submit(run_cell, c.config.model_dump(), str(sweep.out / c.name), False, threads): c for c in todo}
