@@ -264,3 +264,23 @@ def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_p
                          cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "['sequential@ray:1', 'sequential@ray:2'] False" in out.stdout
+
+
+def test_a_sweep_on_ray_equals_the_serial_sweep_and_keeps_skip_and_resume(ray_session, tmp_path):
+    import yaml
+
+    from fedflat.experiments.sweep import RayCells, load_sweep, run_sweep
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree()))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", "overrides": ["rounds=2", "threads=1"],
+                                    "grid": {"seed": [0, 1], "algo": ["fedavg", "scaffold"]}}))
+    on_ray = run_sweep(load_sweep(path, out=tmp_path / "ray"), progress=False, ray=RayCells(cpus=0.5))
+    serial = run_sweep(load_sweep(path, out=tmp_path / "serial"), progress=False)
+    assert [c["status"] for c in on_ray.cells] == ["completed"] * 4
+    for cell in serial.cells:
+        a = read_jsonl(tmp_path / "ray" / cell["name"] / "metrics.jsonl")
+        b = read_jsonl(tmp_path / "serial" / cell["name"] / "metrics.jsonl")
+        assert metrics_equal(a, b), cell["name"]
+    again = run_sweep(load_sweep(path, out=tmp_path / "ray"), progress=False, ray=RayCells(cpus=0.5))
+    assert [c["action"] for c in again.cells] == ["skipped"] * 4

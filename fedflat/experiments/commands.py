@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedflat.experiments.sweep import load_sweep, run_sweep
+    from fedflat.experiments.sweep import RayCells, load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep, variant=args.variant, out=args.out, extra_overrides=args.overrides)
     cells = sweep.cells()
@@ -17,8 +17,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"{sweep.out / cell.name}  {' '.join(cell.as_dict()['overrides'])}{note}")
         print(f"{len(cells)} cells")
         return 0
-    print(f"sweep folder: {sweep.out} ({len(cells)} cells, {args.workers} worker(s))")
-    result = run_sweep(sweep, workers=args.workers, progress=not args.no_progress)
+    ray = None
+    if args.backend == "ray":
+        ray = RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell)
+        print(f"sweep folder: {sweep.out} ({len(cells)} cells as Ray tasks of {ray.cpus:g} CPU, {ray.gpus:g} GPU)")
+    else:
+        print(f"sweep folder: {sweep.out} ({len(cells)} cells, {args.workers} worker(s))")
+    result = run_sweep(sweep, workers=args.workers, progress=not args.no_progress, ray=ray)
     counts: dict[str, int] = {}
     for c in result.cells:
         counts[c["status"]] = counts.get(c["status"], 0) + 1
@@ -76,6 +81,12 @@ def register(sub) -> None:
     p.add_argument("sweep", help="sweep YAML (see configs/ and docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every cell")
     p.add_argument("--workers", type=int, default=1, help="cells run at once, each in its own process")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="ray: every cell a Ray task on a cluster (docs/distributed.md)")
+    p.add_argument("--ray-address", default=None, help="with --backend ray: auto or HOST:PORT (default: a local Ray)")
+    p.add_argument("--cpus-per-cell", type=float, default=1.0, help="with --backend ray: CPUs per cell (default 1)")
+    p.add_argument("--gpus-per-cell", type=float, default=0.0,
+                   help="with --backend ray: GPUs per cell, fractions share a GPU (default 0)")
     p.add_argument("--variant", default=None, help="a variant of the sweep file, e.g. small")
     p.add_argument("--out", default=None, help="the sweep folder (default: the file's 'out')")
     p.add_argument("--dry-run", action="store_true", help="list the cells and their folders, run nothing")

@@ -17,7 +17,8 @@ A sweep file (YAML)::
 Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
 them: a completed or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
 one starts. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
-others go on. With ``workers > 1`` cells run in separate processes.
+others go on. With ``workers > 1`` cells run in separate processes; with ``backend="ray"`` each cell is a
+Ray task on a cluster (one GPU per cell, or a fraction), with the same skip/resume/failure rules.
 """
 from __future__ import annotations
 
@@ -299,8 +300,18 @@ def _live_round(folder: Path) -> str:
     return f"r{lines[-1]['round']}" if lines else "r0"
 
 
-def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True) -> SweepResult:
-    """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time."""
+@dataclass
+class RayCells:
+    """Where a sweep's cells run on Ray: the cluster (None: a local instance; ``auto``; ``HOST:PORT``) and
+    what each cell reserves (its run's torch threads follow ``cpus``)."""
+
+    address: str | None = None
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
+def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCells | None = None) -> SweepResult:
+    """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
     from tqdm.auto import tqdm
 
     cells = sweep.cells()
@@ -323,7 +334,9 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True) -> SweepRes
             bar.write(f"{cell.name}: {result['status']}" + (f", final test acc {acc:.4f}" if acc is not None else "")
                       + (f" ({result['reason']})" if result.get("reason") else ""))
 
-    if workers <= 1:
+    if ray is not None:
+        _run_on_ray(sweep, todo, ray, record, bar)
+    elif workers <= 1:
         for cell in todo:
             bar.set_postfix_str(cell.name)
             record(cell, run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress))
@@ -346,3 +359,31 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True) -> SweepRes
                 bar.set_postfix_str("; ".join(live)[:200])
     bar.close()
     return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
+
+
+def _run_on_ray(sweep: Sweep, todo: list[Cell], where: RayCells, record, bar) -> None:
+    """Every cell a Ray task reserving ``where.cpus``/``where.gpus``; a task whose worker dies is recorded as
+    failed (its folder keeps its checkpoint, so the next run of the sweep resumes it)."""
+    from fedflat.config import ExecutorConfig
+    from fedflat.engine.ray_executor import connect, release, require_ray
+
+    ray = require_ray()
+    started = connect(ray, ExecutorConfig(name="ray", address=where.address))
+    try:
+        task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
+        share = max(1, int(where.cpus))
+        running = {task.remote(c.config.model_dump(), str(sweep.out / c.name), False, share): c for c in todo}
+        while running:
+            (done,), _ = ray.wait(list(running), num_returns=1)
+            cell = running.pop(done)
+            try:
+                result = ray.get(done)
+            except (ray.exceptions.RayTaskError, ray.exceptions.WorkerCrashedError,
+                    ray.exceptions.RayActorError) as err:
+                result = {"status": "failed", "reason": f"ray worker: {type(err).__name__}: {err}"[:500],
+                          "action": "failed"}
+            record(cell, result)
+            bar.set_postfix_str(f"{len(running)} cells running or queued on Ray")
+    finally:
+        if started:
+            release(ray)
