@@ -7,7 +7,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-from fedflat.api import History, run  # noqa: E402
-from fedflat.config import Config, ConfigError, load_config  # noqa: E402
+from fedflat.config import Config, ConfigError, load_config  # noqa: E402 (no torch: `fedflat --help` stays fast)
+
+
+def __getattr__(name: str):
+    """``fedflat.run`` and ``fedflat.History`` load the engine (and torch) on first use."""
+    if name in ("run", "History"):
+        from fedflat import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fedflat' has no attribute {name!r}")
+
 
 __all__ = ["Config", "ConfigError", "History", "load_config", "run", "__version__"]

@@ -1,7 +1,10 @@
 """The Python API: ``fedflat.run(config) -> History``."""
 from __future__ import annotations
 
+import shutil
+import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -15,7 +18,8 @@ from fedflat.config import Config, dump_yaml, load_config, resolve, validate
 from fedflat.data import Dataset
 from fedflat.engine.simulation import Diverged, Simulation
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.rundir import RunDir, machine_info, versions
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info,
+                                       versions)
 
 
 def quickstart_path() -> Path:
@@ -57,10 +61,23 @@ def _label(cfg: Config) -> str:
     return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)
 
 
+@dataclass
+class Output:
+    """Where a run's results go and what it tells the user on the way."""
+
+    save: bool = True
+    out: str | Path | None = None
+    run_dir: str | Path | None = None
+    resume: str | Path | None = None
+    progress: bool = True  # progress bar
+    announce: bool = True  # print the run folder when it is made (stderr)
+
+
 def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
         dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
         out: str | Path | None = None, save: bool = True, progress: bool = True,
-        run_dir: str | Path | None = None, resume: str | Path | None = None) -> History:
+        run_dir: str | Path | None = None, resume: str | Path | None = None,
+        announce: bool | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -68,16 +85,33 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
     ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones. With ``save``,
     results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
     (created; it must not exist). ``resume`` continues the run folder it names from its latest
-    checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config).
+    checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config). ``announce``
+    (default: ``progress``) prints the run folder to stderr as soon as it exists.
     """
     cfg = as_config(config, overrides)
-    with torch_threads(None):  # the run may set torch's thread count (threads: auto); the caller's comes back
-        return _run(cfg, dataset, model_fn, out, save, progress, run_dir, resume)
+    where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce)
+    with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
+        if resume is not None:
+            stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
+        elif save:
+            check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
+        stack.callback(sim.close)
+        resolved = _resolved(cfg, dataset, model_fn)
+        folder, checkpoint = _open_folder(cfg, where, stack)
+        try:
+            runner = _Runner(cfg, sim, resolved, folder, checkpoint)
+        except OSError as err:
+            if is_disk_full(err) and resume is None:  # nothing of this run is worth keeping: no empty folder
+                shutil.rmtree(folder.path, ignore_errors=True)
+                raise DiskFull(f"no space left on the device of {folder.path.parent}: free some space and run "
+                               "again") from None
+            raise
+        return runner.run(progress)
 
 
-def _run(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None, out: str | Path | None,
-         save: bool, progress: bool, run_dir: str | Path | None, resume: str | Path | None) -> History:
-    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
+def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None) -> dict[str, Any]:
+    """The config as ``config.yaml`` records it (a user's dataset or model by name)."""
     resolved = resolve(cfg)
     if dataset is not None:
         resolved["data"]["name"] = f"user:{dataset.name}"
@@ -87,23 +121,26 @@ def _run(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module]
         from fedflat.experiments.tensorboard import require_tensorboard
 
         require_tensorboard()  # before a run folder is made
+    return resolved
+
+
+def _open_folder(cfg: Config, where: Output, stack: ExitStack) -> tuple[RunDir | None, dict[str, Any] | None]:
+    """The run folder (made, or readied to resume, and held by this process) and the checkpoint to continue."""
     checkpoint = None
-    if resume is not None:
+    if where.resume is not None:
         from fedflat.experiments.checkpoint import prepare_resume
 
-        folder = RunDir(Path(resume))
+        folder = RunDir(Path(where.resume))
         checkpoint = prepare_resume(folder.path)
-    elif not save:
-        folder = None
-    elif run_dir is not None:
-        folder = RunDir.at(run_dir)
+    elif not where.save:
+        return None, None
     else:
-        folder = RunDir.create(out if out is not None else cfg.out, _label(cfg))
-    try:
-        runner = _Runner(cfg, sim, resolved, folder, checkpoint)
-        return runner.run(progress)
-    finally:
-        sim.close()
+        folder = RunDir.at(where.run_dir) if where.run_dir is not None else RunDir.create(
+            where.out if where.out is not None else cfg.out, _label(cfg))
+        stack.enter_context(hold(folder.path))
+    if where.announce:
+        print(f"run folder: {folder.path}", file=sys.stderr, flush=True)
+    return folder, checkpoint
 
 
 class _Runner:
@@ -132,6 +169,7 @@ class _Runner:
         if checkpoint is not None:
             self._restore(checkpoint)
         if run_dir is not None:
+            run_dir.reserve()
             run_dir.write_config(dump_yaml(resolved))
             run_dir.write_summary(self.summary)
         if cfg.tensorboard and run_dir is not None:
@@ -180,24 +218,57 @@ class _Runner:
             self.summary["status"] = "completed"
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
-        except KeyboardInterrupt:
-            self.summary.update(status="failed", reason="interrupted (KeyboardInterrupt)")
+        except KeyboardInterrupt as err:
+            self.summary.update(status="failed", reason=f"interrupted ({err or 'KeyboardInterrupt'})")
+            err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
             raise
         except Exception as err:
+            if is_disk_full(err):
+                raise self._disk_full(err) from None
             self.summary.update(status="failed", reason=f"{type(err).__name__}: {err}")
             raise
         finally:
             bar.close()
-            self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
-            self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._finish(wall_before + time.perf_counter() - start)
+        return self.history()
+
+    def _finish(self, wall_seconds: float) -> None:
+        """The final checkpoint (of the last complete round), model and summary; on a full disk the reserve
+        is given back so that at least the summary says what happened."""
+        self.summary["wall_seconds"] = wall_seconds
+        self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        try:
             if self._consistent and self.summary["status"] != "diverged":
                 self._checkpoint()  # the final state, or the last complete round of an interrupted run
             self._save()
-        return self.history()
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            raise self._disk_full(err) from None
+        if self.run_dir is not None:
+            self.run_dir.release_reserve()
+
+    def _disk_full(self, err: OSError) -> DiskFull:
+        """Records the failure in summary.json (in the space the reserve gives back) and says what to do."""
+        where = self.run_dir.path if self.run_dir else "the output folder"
+        message = (f"disk full while writing {getattr(err, 'filename', None) or where}: free some space, then "
+                   f"`fedflat resume {where}` continues from the last checkpoint")
+        self.summary.update(status="failed", reason=message)
+        if self.run_dir is not None:
+            self.run_dir.release_reserve()
+            try:
+                self.run_dir.write_summary(self.summary)
+            except OSError:
+                pass  # still no room: the summary keeps its last state; the message says what happened
+        return DiskFull(message)
 
     def _round(self, t: int, bar) -> None:
         sim, s = self.sim, self.summary
-        result = sim.run_round(t)
+        try:
+            result = sim.run_round(t)
+        except KeyboardInterrupt:
+            self._consistent = True  # a round is a transaction: the state is still that of round t
+            raise
         s["rounds"] = t + 1
         s["train_seconds"] += result.seconds
         # communication as measured from the payloads: vectors per sampled client, bytes in total

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from fedflat.config import ConfigError
+from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -21,9 +23,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, overrides = _split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
-    history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress)
+    history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
-    print(f"run folder: {history.run_dir}")
+    print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s["final_test_acc"] is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, final test accuracy "
@@ -121,19 +123,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, _frame) -> None:
+    """SIGTERM (``kill``, ``timeout``, a scheduler's preemption) stops a run as Ctrl-C does: status, reason and
+    a checkpoint of the last complete round are written before the process ends."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, RunFolderBusy) as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
-        print(f"fedflat: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fedflat: interrupted; the run folder records status 'failed'", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        folder = getattr(err, "run_dir", None)
+        where = (f"; {folder} records status 'failed' with its last checkpoint: `fedflat resume {folder}` "
+                 "continues it") if folder else ""
+        print(f"fedflat: interrupted ({err or 'Ctrl-C'}){where}", file=sys.stderr)
         return 130
+    except OSError as err:
+        if is_disk_full(err):
+            print(f"fedflat: {err}", file=sys.stderr)
+            return 3
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ class ClientMemory(Correction):
         cohort.new_state["test_memory"] = (ctx.w_start - W) / (steps * ctx.lr)
 
     def after_step(self, ctx, w_new):
-        ctx.server["test_rounds_seen"] += 1
+        ctx.server["test_rounds_seen"] = ctx.server["test_rounds_seen"] + 1  # server state is replaced, not edited
 
 
 @pytest.fixture

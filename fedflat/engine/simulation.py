@@ -8,9 +8,12 @@ measured from the payloads.
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,20 @@ from fedflat.rng import SERVER, numpy_stream, stream_seed
 
 class Diverged(RuntimeError):
     """A non-finite loss or model: the run stops with ``status: diverged``."""
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Holds SIGINT and SIGTERM back (they arrive right after the block) while a round commits its state, so
+    an interrupted run always stops at a round boundary: the last complete round can be checkpointed."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -169,7 +186,7 @@ class Simulation:
                              device=self.device)
         held, held_known = self.load_state(sampled, self.algorithm.held_keys())
         return RoundContext(round=round, lr=self.lr_at(round), w=self.w, sampled=sampled.to(self.device),
-                            num_samples=n, steps=steps, server=self.server, settings=self.settings,
+                            num_samples=n, steps=steps, server=dict(self.server), settings=self.settings,
                             held=held, held_known=held_known)
 
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
@@ -182,7 +199,11 @@ class Simulation:
         return state, known
 
     def run_round(self, round: int) -> RoundResult:
-        """One communication round; updates ``self.w``, the server state and the client-state store."""
+        """One communication round; updates ``self.w``, the server state and the client-state store.
+
+        A round is a transaction: the parts work on a copy of the server state, and the new model, server
+        state and client state are committed together at the end; an exception or an interrupt before
+        that leaves the simulation exactly at the previous round."""
         start = time.perf_counter()
         ctx = self.new_context(round)
         algorithm = self.algorithm
@@ -194,14 +215,16 @@ class Simulation:
         w_new = algorithm.aggregate(ctx, result)
         if not torch.isfinite(w_new).all():
             raise Diverged(f"round {round}: the global model became non-finite")
-        for name, rows in (*result.state.items(), *ctx.held.items()):
-            self.store.put(name, result.ids, rows)
         P = self.num_parameters
         down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
         up_vectors, up_bytes = payload_size({}, P, result.upload)
         drift = (ctx.w_final - ctx.w).norm(dim=1).mean().item()
-        self.w = w_new
-        self.backprops += result.backprops
+        with uninterrupted():  # the commit
+            for name, rows in (*result.state.items(), *ctx.held.items()):
+                self.store.put(name, result.ids, rows)
+            self.server = ctx.server
+            self.w = w_new
+            self.backprops += result.backprops
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=ctx.K,

@@ -3,10 +3,18 @@
 Whole files are written atomically (temporary file in the same folder, fsync, ``os.replace``), so a
 reader sees the old or the new version and never half of one. ``metrics.jsonl`` grows by one
 complete line per evaluated round (a single write, flushed and synced); a reader ignores a final
-line without its newline. A run folder is created exclusively and never overwritten.
+line without its newline. A run folder is created exclusively and never overwritten. Files follow the
+user's umask (readable by colleagues where the umask allows), like any file the user writes.
+
+A run folder has one writer at a time: :func:`hold` takes an OS lock on ``RUN_DIR/.lock`` (released by
+the kernel when its holder dies, however it dies), and a second process — a ``fedflat resume`` of a live
+run, a second sweep over the same cells — is refused with the holder's pid. A small ``.reserve`` file is
+kept while the run writes, and given back when the disk fills, so the failure can still be recorded.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
@@ -15,10 +23,25 @@ import secrets
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-import torch
+LOCK, RESERVE = ".lock", ".reserve"
+RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the disk is full
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process is writing this run folder."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -26,6 +49,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; the user's umask decides, as for any file
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -41,8 +65,11 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_torch_save(path: Path, obj: Any) -> None:
+    import torch
+
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, FILE_MODE)
     os.close(fd)
     try:
         torch.save(obj, tmp)
@@ -78,6 +105,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def machine_info() -> dict[str, Any]:
+    import torch
+
     info = {
         "hostname": platform.node(),
         "platform": platform.platform(),
@@ -90,9 +119,76 @@ def machine_info() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
+    import torch
+
     from fedflat import __version__
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "fedflat": __version__}
+
+
+_HELD: dict[Path, list] = {}  # run folders this process holds: path -> [lock file, depth]
+
+
+@contextmanager
+def hold(folder: str | Path) -> Iterator[None]:
+    """This process's exclusive hold on a run folder (re-entrant within the process)."""
+    folder = Path(folder).resolve()
+    if folder in _HELD:
+        _HELD[folder][1] += 1
+        try:
+            yield
+        finally:
+            _HELD[folder][1] -= 1
+        return
+    fh = open(folder / LOCK, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise RunFolderBusy(f"run folder {folder} is in use by process {holder} (a fedflat run, resume or sweep); "
+                            "wait for it to finish or stop it, then try again") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    _HELD[folder] = [fh, 1]
+    try:
+        yield
+    finally:
+        _HELD[folder][1] -= 1
+        if _HELD[folder][1] == 0:
+            del _HELD[folder]
+            fh.close()  # closing the file releases the lock (the kernel does it for a dead holder)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(OSError):
+    """The disk filled up during a run; the message says where and how to continue."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.args[1]
+
+
+def check_output_folder(path: str | Path) -> None:
+    """Refuses, before any data are loaded, an output folder that cannot be made or written."""
+    from fedflat.config import ConfigError
+
+    target = Path(path).absolute()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"output folder {path}: {probe} is not writable; choose another --out")
 
 
 class RunDir:
@@ -117,15 +213,27 @@ class RunDir:
 
     @classmethod
     def at(cls, path: str | Path) -> "RunDir":
-        """Creates exactly ``path`` (a sweep cell's folder); an existing folder is an error, never reused."""
+        """Creates exactly ``path`` (a sweep cell's folder); a folder with a run in it is an error, never
+        reused (an empty one, or one holding only the lock a sweep took first, is taken)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
         except FileExistsError:
-            raise FileExistsError(f"run folder {path} already exists; resume it (`fedflat resume {path}`) "
-                                  "or choose another folder") from None
+            if any(p.name not in (LOCK, RESERVE) for p in path.iterdir()):
+                raise FileExistsError(f"run folder {path} already exists; resume it (`fedflat resume {path}`) "
+                                      "or choose another folder") from None
         return cls(path)
+
+    def reserve(self) -> None:
+        """Sets aside a little disk space (given back by :meth:`release_reserve` when the disk is full)."""
+        with open(self.path / RESERVE, "wb") as fh:
+            fh.write(b"\0" * RESERVE_BYTES)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def release_reserve(self) -> None:
+        (self.path / RESERVE).unlink(missing_ok=True)
 
     @property
     def metrics_path(self) -> Path:
@@ -147,7 +255,7 @@ class RunDir:
     def read_summary(self) -> dict[str, Any]:
         return json.loads((self.path / "summary.json").read_text())
 
-    def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def save_model(self, state_dict: dict[str, Any]) -> None:
         atomic_torch_save(self.path / "model.pt", state_dict)
 
     def metrics(self) -> list[dict[str, Any]]:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import sys
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -38,7 +39,7 @@ import yaml
 
 from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve
 from fedflat.engine.threads import available_cores
-from fedflat.experiments.rundir import atomic_write_text, json_safe, read_jsonl
+from fedflat.experiments.rundir import LOCK, RunFolderBusy, atomic_write_text, hold, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
 FINISHED = ("completed", "diverged")
@@ -237,14 +238,23 @@ def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
 def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None) -> dict[str, Any]:
     """Runs, resumes or skips one cell; never raises (errors are recorded in the result and
     ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes)."""
-    from fedflat.api import run
-    from fedflat.experiments.checkpoint import resume
-
     if threads:
         from fedflat.engine.threads import set_core_share
 
         set_core_share(threads)  # this worker's share of the cores: `threads: auto` stays within it
     folder_path = Path(folder)
+    folder_path.mkdir(parents=True, exist_ok=True)
+    try:
+        with hold(folder_path):  # one writer per cell: a second sweep over the same cells is refused here
+            return _run_held_cell(tree, folder_path, progress)
+    except RunFolderBusy as err:
+        return {"status": "busy", "reason": str(err), "action": "none"}
+
+
+def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> dict[str, Any]:
+    from fedflat.api import run
+    from fedflat.experiments.checkpoint import resume
+
     start = time.perf_counter()
     try:
         cfg = load_config(None, (), base=tree)
@@ -253,9 +263,10 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
             return _result(folder_path, "skipped")
         if state == "stale":
             return {"status": "failed", "reason": reason, "action": "none"}
-        if state == "new" and folder_path.exists():
-            shutil.rmtree(folder_path)
-        if state == "new":
+        if state == "new":  # killed before its config was written: start afresh (the lock stays ours)
+            for leftover in folder_path.iterdir():
+                if leftover.name != LOCK:
+                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             run(cfg, run_dir=folder_path, progress=progress)
         else:
             resume(folder_path, config=cfg, progress=progress)
@@ -263,7 +274,6 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     except BaseException as err:  # noqa: BLE001 - a cell's failure must not stop the sweep
         if isinstance(err, KeyboardInterrupt):
             raise
-        folder_path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder_path / "error.txt", traceback.format_exc())
         return {"status": "failed", "reason": f"{type(err).__name__}: {err}", "action": "failed",
                 "seconds": time.perf_counter() - start}
@@ -334,31 +344,118 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCel
             bar.write(f"{cell.name}: {result['status']}" + (f", final test acc {acc:.4f}" if acc is not None else "")
                       + (f" ({result['reason']})" if result.get("reason") else ""))
 
-    if ray is not None:
-        _run_on_ray(sweep, todo, ray, record, bar)
-    elif workers <= 1:
-        for cell in todo:
-            bar.set_postfix_str(cell.name)
-            record(cell, run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress))
-    else:
-        threads = max(1, available_cores() // workers)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            running: dict[Future, Cell] = {
-                pool.submit(run_cell, c.config.model_dump(), str(sweep.out / c.name), False, threads): c for c in todo}
-            while running:
-                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
-                for future in done:
-                    cell = running.pop(future)
-                    try:
-                        result = future.result()
-                    except BaseException as err:  # noqa: BLE001 - e.g. a worker killed by the OS
-                        result = {"status": "failed", "reason": f"worker: {type(err).__name__}: {err}",
-                                  "action": "failed"}
-                    record(cell, result)
-                live = [f"{c.name} {_live_round(sweep.out / c.name)}" for f, c in running.items() if f.running()]
-                bar.set_postfix_str("; ".join(live)[:200])
-    bar.close()
+    try:
+        if ray is not None:
+            _run_on_ray(sweep, todo, ray, record, bar)
+        elif workers <= 1:
+            for cell in todo:
+                bar.set_postfix_str(cell.name)
+                try:
+                    result = run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress)
+                except KeyboardInterrupt:
+                    record(cell, interrupted_cell(sweep.out / cell.name))
+                    raise
+                record(cell, result)
+        else:
+            _run_in_processes(sweep, todo, workers, record, bar)
+    finally:
+        bar.close()
     return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
+
+
+def interrupted_cell(folder: Path) -> dict[str, Any]:
+    """The true state of a cell whose run was stopped: what its summary says, and that rerunning resumes it."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {"status": "interrupted", "reason": summary.get("reason") or "stopped before its first round",
+            "action": "interrupted", "rounds": summary.get("rounds")}
+
+
+def _die_with_parent() -> None:
+    """Linux: this process is killed when the sweep that started it dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the sweep died before the line above took effect
+        return
+    try:
+        results.put((folder, run_cell(tree, folder, False, threads)))
+    except KeyboardInterrupt:
+        results.put((folder, interrupted_cell(Path(folder))))
+
+
+def _run_in_processes(sweep: Sweep, todo: list[Cell], workers: int, record, bar) -> None:
+    """At most ``workers`` cells at a time, each in its own process that dies with the sweep. Ctrl-C (or SIGTERM
+    through the command line) stops the running cells, which record a checkpoint, and starts no new one."""
+    context = get_context("spawn")
+    queue = context.Queue()
+    threads = max(1, available_cores() // workers)
+    pending, running = list(todo), {}
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                cell = pending.pop(0)
+                folder = str(sweep.out / cell.name)
+                process = context.Process(target=_cell_process, daemon=True,
+                                          args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
+                process.start()
+                running[folder] = (cell, process)
+            _collect(queue, running, record)
+            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
+            bar.set_postfix_str("; ".join(live)[:200])
+    except KeyboardInterrupt:
+        _stop(running, queue, record)
+        raise
+
+
+def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
+    """Records the results that arrived, and cells whose process died without one."""
+    from queue import Empty
+
+    try:
+        folder, result = queue.get(timeout=timeout)
+        cell, process = running.pop(folder)
+        process.join()
+        record(cell, result)
+    except Empty:
+        pass
+    for folder, (cell, process) in list(running.items()):
+        if not process.is_alive() and process.exitcode not in (0, None):
+            running.pop(folder)
+            record(cell, {"status": "failed", "reason": f"worker process died (exit code {process.exitcode}); "
+                                                         "rerunning the sweep resumes the cell", "action": "failed"})
+
+
+def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
+    """Interrupts the running cells (their runs write status and checkpoint), waits ``grace`` seconds, then
+    kills what is left; each cell is recorded as its folder says."""
+    import signal
+
+    def settle(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while running and time.monotonic() < deadline:
+            _collect(queue, running, record, timeout=0.2)
+            for folder, (cell, process) in list(running.items()):
+                if not process.is_alive():
+                    running.pop(folder)
+                    record(cell, interrupted_cell(Path(folder)))
+
+    settle(2.0)  # Ctrl-C at a terminal reached the cells too: let them finish on their own
+    for _, process in running.values():
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGINT)  # only the sweep was signalled (kill -INT, SIGTERM)
+    settle(grace)
+    for folder, (cell, process) in running.items():
+        process.kill()
+        record(cell, interrupted_cell(Path(folder)))
 
 
 def _run_on_ray(sweep: Sweep, todo: list[Cell], where: RayCells, record, bar) -> None:

@@ -5,13 +5,40 @@ landscapes, t-SNE and PCA of representations. See docs/diagnostics.md.
 Python: ``analyze(kind, open_run(run_dir))``; command line: ``fedflat analyze KIND RUN_DIR``; during
 training: ``diagnostics.every=N`` (``diagnostics.kinds=[...]``).
 """
-from fedflat.metrics.analysis import KINDS, Target, analyze, open_run
-from fedflat.metrics.flatness import flatness_incompatibility, perturbation_drift, perturbation_drift_at
-from fedflat.metrics.landscape import filter_normalized_direction, interpolation, landscape_2d, surface
-from fedflat.metrics.objective import DataObjective, global_objective, seeded_subset
-from fedflat.metrics.sharpness import global_sharpness, sam_sharpness, top_hessian_eigenvalue
-from fedflat.metrics.spectra import band_variance, frequency_variance, perturbation_spectra
-from fedflat.metrics.tracking import direction_tracking, tracking_error
+import importlib
+
+_WHERE = {
+    "DataObjective": "fedflat.metrics.objective",
+    "KINDS": "fedflat.metrics.analysis",
+    "Target": "fedflat.metrics.analysis",
+    "analyze": "fedflat.metrics.analysis",
+    "band_variance": "fedflat.metrics.spectra",
+    "direction_tracking": "fedflat.metrics.tracking",
+    "filter_normalized_direction": "fedflat.metrics.landscape",
+    "flatness_incompatibility": "fedflat.metrics.flatness",
+    "frequency_variance": "fedflat.metrics.spectra",
+    "global_objective": "fedflat.metrics.objective",
+    "global_sharpness": "fedflat.metrics.sharpness",
+    "interpolation": "fedflat.metrics.landscape",
+    "landscape_2d": "fedflat.metrics.landscape",
+    "open_run": "fedflat.metrics.analysis",
+    "perturbation_drift": "fedflat.metrics.flatness",
+    "perturbation_drift_at": "fedflat.metrics.flatness",
+    "perturbation_spectra": "fedflat.metrics.spectra",
+    "sam_sharpness": "fedflat.metrics.sharpness",
+    "seeded_subset": "fedflat.metrics.objective",
+    "surface": "fedflat.metrics.landscape",
+    "top_hessian_eigenvalue": "fedflat.metrics.sharpness",
+    "tracking_error": "fedflat.metrics.tracking",
+}
+
+
+def __getattr__(name: str):
+    """The diagnostics (and torch) load on first use, so the command line's help stays fast."""
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'fedflat.metrics' has no attribute {name!r}")
+
 
 __all__ = ["DataObjective", "KINDS", "Target", "analyze", "band_variance", "direction_tracking",
            "filter_normalized_direction", "flatness_incompatibility", "frequency_variance", "global_objective",

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedflat.config import DiagnosticsConfig
+from fedflat.config import DIAGNOSTIC_KINDS, DiagnosticsConfig
 
 _SKIP = ("every", "kinds")
 
@@ -27,7 +27,7 @@ def _value(text: str) -> Any:
 
 
 def register(subparsers) -> None:
-    from fedflat.metrics.analysis import KINDS
+    KINDS = DIAGNOSTIC_KINDS  # the same names as fedflat.metrics.analysis.KINDS, without loading it
 
     p = subparsers.add_parser(
         "analyze", help="flatness diagnostics of a run: " + ", ".join(KINDS),

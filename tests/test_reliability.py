@@ -1,0 +1,237 @@
+"""Reliability under load and faults (issue 11): one writer per run folder, disk full, SIGTERM, permissions,
+output folders checked before any data are loaded, and a fast `--help`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fedflat
+from fedflat.cli import main
+from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume
+from fedflat.experiments.rundir import RunFolderBusy, read_jsonl
+from fedflat.experiments.sweep import run_cell
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _holder(folder: Path) -> subprocess.Popen:
+    """Another process that holds the run folder (as a live run does) until it is killed."""
+    code = ("import sys, time; from fedflat.experiments.rundir import hold\n"
+            "with hold(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_run_folder_refuses_a_second_writer(tiny, tmp_path):
+    folder = tmp_path / "run"
+    fedflat.run(tiny("rounds=4", "checkpoint_every=2"), run_dir=folder, progress=False)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".lock"}
+    holder = _holder(folder)
+    try:
+        with pytest.raises(RunFolderBusy, match=f"in use by process {holder.pid}"):
+            resume(folder, progress=False)
+        assert main(["resume", str(folder)]) == 2  # one line, exit 2
+        after = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".lock"}
+        assert after == before  # nothing was truncated or appended while the other writer lives
+    finally:
+        holder.kill()
+        holder.wait()
+    resume(folder, progress=False)  # the lock died with its holder
+
+
+def test_a_second_sweep_over_a_live_cell_does_not_touch_it(tiny, tmp_path):
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    holder = _holder(folder)
+    try:
+        result = run_cell(tiny("rounds=1").model_dump(), str(folder))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result["status"] == "busy" and str(holder.pid) in result["reason"]
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no error.txt in the other's live cell
+
+
+def test_files_follow_the_umask(tiny, tmp_path):
+    folder = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        code = ("import sys; sys.path.insert(0, 'tests'); import fedflat; from conftest import tiny_tree\n"
+                "from fedflat.config import load_config\n"
+                "fedflat.run(load_config(None, ['rounds=2'], base=tiny_tree()), run_dir=sys.argv[1], progress=False)\n")
+        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=REPO, timeout=120)
+    finally:
+        os.umask(old)
+    for name in ("config.yaml", "summary.json", "model.pt", "checkpoint.pt", "metrics.jsonl"):
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o644, name
+
+
+def test_an_unusable_output_folder_is_refused_before_the_data_load(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "under"):
+        assert main(["run", "rounds=1", "--out", str(out), "--no-progress"]) == 2
+        assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_read_only_output_folder_is_refused_before_the_data_load(tmp_path):
+    fedflat_cli = Path(sys.executable).with_name("fedflat")
+    out = _in_small_tmpfs("64k,ro", f"{fedflat_cli} run rounds=1 --out $T/runs --no-progress; echo EXIT=$?", tmp_path)
+    assert "EXIT=2" in out.stdout and "is not writable" in out.stderr, out.stderr[-2000:]
+
+
+def _in_small_tmpfs(size: str, script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Runs ``script`` (bash) with $T a tmpfs of ``size``, in a private mount namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not available")
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no user/mount namespaces here")
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    wrapped = f"mount -t tmpfs -o size={size} tmpfs {mount} && export T={mount} && {script}"
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", wrapped], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
+    """A 512 KiB tmpfs holds the run's first files but not its checkpoint of the quickstart MLP: the run
+    ends with one line, summary.json says failed (never 'running') with what to do; after space is freed
+    (here: a bigger disk), resume finishes exactly as an uninterrupted run."""
+    fedflat_cli = Path(sys.executable).with_name("fedflat")
+    out = _in_small_tmpfs("512k", f"{fedflat_cli} run rounds=6 checkpoint_every=2 --out $T --no-progress; "
+                                  "echo EXIT=$?; cp -r $T/. " + str(tmp_path / "saved"), tmp_path)
+    assert "EXIT=3" in out.stdout, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) <= 2 and "Traceback" not in out.stderr  # the folder, one error line
+    assert "disk full" in out.stderr and "fedflat resume" in out.stderr
+    (folder,) = [p for p in (tmp_path / "saved").iterdir() if p.is_dir()]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and "disk full" in summary["reason"]
+    resumed = resume(folder, progress=False)  # on a disk with room
+    full = fedflat.run(None, overrides=["rounds=6", "checkpoint_every=2"], save=False, progress=False)
+    assert resumed.summary["status"] == "completed"
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), full.metrics)
+
+
+def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):
+    fedflat_cli = Path(sys.executable).with_name("fedflat")
+    out = _in_small_tmpfs("64k", f"{fedflat_cli} run rounds=2 --out $T --no-progress; echo EXIT=$?; ls -A $T",
+                          tmp_path)
+    assert "EXIT=3" in out.stdout and "no space left" in out.stderr, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "EXIT=3"  # and `ls` printed nothing: no folder left behind
+
+
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("fedflat")), "run", "rounds=100000",
+                             "checkpoint_every=5", "--out", str(tmp_path), "--no-progress"],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    first = proc.stderr.readline()
+    assert first.startswith("run folder: ")  # printed at the start, not only at the end
+    folder = Path(first.split(": ", 1)[1].strip())
+    deadline = time.monotonic() + 120
+    while len(read_jsonl(folder / "metrics.jsonl")) < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"] == "interrupted (SIGTERM)"
+    assert read_checkpoint(folder)["round"] == summary["rounds"] >= 6  # a checkpoint of the last complete round
+    assert f"fedflat resume {folder}" in err
+
+
+def test_help_does_not_load_torch():
+    code = "import sys; from fedflat.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def _endless_sweep(tmp_path: Path) -> Path:
+    """Four cells of the tiny problem that would run for hours: two run at once, two wait."""
+    import yaml
+
+    from conftest import tiny_tree
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree()))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", "out": str(tmp_path / "out"),
+                                    "overrides": ["rounds=1000000", "checkpoint_every=5", "threads=1"],
+                                    "grid": {"seed": [0, 1, 2, 3]}}))
+    return path
+
+
+def _start_sweep(path: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(Path(sys.executable).with_name("fedflat")), "sweep", str(path), "--workers", "2",
+                             "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=True)
+
+
+def _wait_for_rounds(folders: list[Path], rounds: int, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(len(read_jsonl(f / "metrics.jsonl")) >= rounds for f in folders):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"cells did not reach round {rounds}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_ctrl_c_stops_a_sweep_within_seconds_with_each_cells_true_state(tmp_path):
+    path = _endless_sweep(tmp_path)
+    proc = _start_sweep(path)
+    running = [tmp_path / "out" / "seed0", tmp_path / "out" / "seed1"]
+    try:
+        _wait_for_rounds(running, 6)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == 130
+        assert time.monotonic() - start < 20
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    index = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    states = {c["name"]: c["status"] for c in index["cells"]}
+    assert states == {"seed0": "interrupted", "seed1": "interrupted", "seed2": "pending", "seed3": "pending"}
+    for folder in running:
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["reason"].startswith("interrupted")
+        assert read_checkpoint(folder)["round"] == summary["rounds"]  # resumable from where it stopped
+    assert not (tmp_path / "out" / "seed2").exists()  # no new cell was started
+
+
+def test_sweep_workers_die_with_a_killed_parent(tmp_path):
+    path = _endless_sweep(tmp_path)
+    proc = _start_sweep(path)
+    running = [tmp_path / "out" / "seed0", tmp_path / "out" / "seed1"]
+    try:
+        _wait_for_rounds(running, 2)
+        workers = [int((f / ".lock").read_text()) for f in running]  # each cell's holder is its worker
+        proc.kill()  # SIGKILL: the sweep has no chance to clean up
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    rounds = {f.name: len(read_jsonl(f / "metrics.jsonl")) for f in running}
+    time.sleep(2)
+    assert {f.name: len(read_jsonl(f / "metrics.jsonl")) for f in running} == rounds  # nobody trains them
