@@ -158,7 +158,7 @@ class _Runner:
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
-            "algorithm": alg.name, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
+            "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,

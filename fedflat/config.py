@@ -257,9 +257,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
         tree = loaded
-    for item in overrides:
-        apply_override(tree, *parse_override(item))
+    parsed = [parse_override(item) for item in overrides]
+    # Choosing a method (model, partition) comes first, whatever its place on the command line: it starts
+    # that section from the chosen one's defaults, and the other overrides then apply to it.
+    for key, value in sorted(parsed, key=lambda kv: not _selects(tree, *kv)):
+        if _selects(tree, key, value):
+            key = key.rsplit(".", 1)[0] if key not in SHORTHANDS else key
+        apply_override(tree, key, value)
     return validate(tree)
+
+
+def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
+    """Whether an override chooses another method/model/partition: ``algo=X``, or ``algo.name=X`` with X not
+    the section's current name (so a run's resolved config.yaml never keeps one method's parts under
+    another method's name)."""
+    if key in RESETTING and not isinstance(value, dict):
+        return True
+    section, _, leaf = key.rpartition(".")
+    if section not in RESETTING or leaf != SHORTHANDS[section]:
+        return False
+    node = tree
+    for part in section.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return not isinstance(node, dict) or node.get(leaf) != value
 
 
 def validate(tree: dict[str, Any] | "Config") -> "Config":

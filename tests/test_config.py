@@ -41,10 +41,12 @@ def test_negative_radius_is_refused():
 
 
 def test_algo_shorthand_starts_from_the_recipe_defaults():
-    cfg = load_config(None, ["algo=fedsam", "algo.rho=0.05", "algo=fedavg"])
-    assert cfg.algo == {"name": "fedavg"}
-    cfg = load_config(None, ["algo=fedsam", "algo.rho=0.05"])
-    assert resolve(cfg)["algo"]["rho"] == 0.05
+    cfg = load_config(None, ["algo=fedsam", "algo=fedavg"])
+    assert cfg.algo == {"name": "fedavg"}  # the last choice of method wins
+    for order in (["algo=fedsam", "algo.rho=0.05"], ["algo.rho=0.05", "algo=fedsam"]):
+        assert resolve(load_config(None, order))["algo"]["rho"] == 0.05  # options apply to the chosen method
+    with pytest.raises(ConfigError, match="algo.rho: not a hyperparameter of 'fedavg'"):
+        load_config(None, ["algo=fedsam", "algo.rho=0.05", "algo=fedavg"])
 
 
 def test_override_values_are_yaml():
@@ -77,3 +79,25 @@ def test_resolved_config_reloads_to_the_same_config(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tree))
     assert resolve(load_config(path)) == tree
+
+
+def test_renaming_the_method_of_a_resolved_config_selects_that_methods_parts(tmp_path):
+    """A run's config.yaml holds every role; `algo.name=X` on it must train X's own parts (roles given on
+    the same command line still apply), never X's name over another method's parts."""
+    import fedflat
+    from conftest import tiny_tree
+    from fedflat.algorithms import build_algorithm
+    from fedflat.config import dump_yaml, resolve
+
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_yaml(resolve(load_config(None, ["algo=fedsam"], base=tiny_tree()))))
+    renamed = build_algorithm(load_config(path, ["algo.rho=0.2", "algo.name=fedvssam"]).algo)
+    assert {r: p.name for r, p in renamed.parts.items()} == {"perturbation": "vssam", "filter": "none",
+                                                            "correction": "vssam", "aggregation": "mean",
+                                                            "server": "vssam"}
+    assert renamed.hyperparameters["rho"] == 0.2  # order on the command line does not matter
+    composed = load_config(path, ["algo.name=fedlesam", "algo.filter=fft", "rounds=1"])
+    hist = fedflat.run(composed, save=False, progress=False)
+    assert hist.summary["algorithm"] == "fedlesam[filter=fft]"  # reported as the composition it is
+    same = load_config(path, ["algo.name=fedsam", "algo.rho=0.3"])  # the same name: the file's roles stay
+    assert same.algo["perturbation"] == "sam" and same.algo["rho"] == 0.3

@@ -140,3 +140,23 @@ def test_cli_report_end_to_end(runs_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(list(csv.DictReader(io.StringIO(out)))) == 3
     assert main(["report", str(tmp_path / "nowhere")]) == 2
+
+
+def test_report_flags_repeated_rounds_and_skips_corrupt_folders(tmp_path, capsys):
+    """A folder two writers appended to is reported 'corrupt', not 'ok'; an unreadable folder is skipped with
+    a warning and the others are still reported."""
+    import fedflat
+    from conftest import tiny_tree
+    from fedflat.config import load_config
+    from fedflat.experiments.report import find_runs
+
+    for name in ("good", "doubled", "broken"):
+        fedflat.run(load_config(None, ["rounds=3"], base=tiny_tree()), run_dir=tmp_path / name, progress=False)
+    lines = (tmp_path / "doubled" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "doubled" / "metrics.jsonl").write_text("".join(lines + lines[1:]))  # rounds 1 2 3 2 3
+    (tmp_path / "broken" / "summary.json").write_text("{not json")
+    runs = {r.path.name: r for r in find_runs([tmp_path])}
+    assert set(runs) == {"good", "doubled"}
+    assert runs["doubled"].summary["status"] == "corrupt" and runs["good"].summary["status"] == "completed"
+    err = capsys.readouterr().err
+    assert "skipped" in err and "broken" in err and "summary.json is not valid JSON" in err

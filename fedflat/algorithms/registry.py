@@ -54,6 +54,18 @@ class Recipe:
         return {role: getattr(self, role) for role in ROLES}
 
 
+def composition_label(section: dict[str, Any]) -> str:
+    """A method's name, or — when its roles differ from its recipe's — the composition it is:
+    ``fedlesam[correction=scaffold,filter=fft]``. Never a name that labels other parts."""
+    name = section.get("name", "fedavg")
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        return str(name)
+    changed = [f"{role}={section[role]}" for role in ROLES
+               if role in section and section[role] != recipe.part_names()[role]]
+    return f"{name}[{','.join(changed)}]" if changed else name
+
+
 def register_recipe(recipe: Recipe) -> Recipe:
     RECIPES[recipe.name] = recipe
     return recipe
@@ -70,6 +82,11 @@ class Algorithm:
     @property
     def ordered(self) -> list[Part]:
         return [self.parts[role] for role in ROLES]
+
+    @property
+    def label(self) -> str:
+        """The name, or the composition it is when roles were swapped (:func:`composition_label`)."""
+        return composition_label(self.resolved())
 
     @property
     def backprops_per_step(self) -> int:

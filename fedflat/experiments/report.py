@@ -22,12 +22,14 @@ import csv
 import io
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
+from fedflat.algorithms.registry import ROLES, composition_label
 from fedflat.experiments.rundir import read_jsonl
 
 DASH = "–"
@@ -92,12 +94,41 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
         if key in seen:
             continue
         seen.add(key)
-        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        runs.append(Run(path=path, config=flatten(config), summary=json.loads((path / "summary.json").read_text()),
-                        metrics=read_jsonl(path / "metrics.jsonl")))
+        try:
+            run = read_run(path)
+        except (OSError, ValueError, yaml.YAMLError) as err:  # one unreadable folder must not hide the others
+            warn(f"skipped {path}: {err}")
+            continue
+        runs.append(run)
     if not runs:
         raise ReportError(f"no run folders (with summary.json and config.yaml) under {', '.join(map(str, paths))}")
     return runs
+
+
+def warn(message: str) -> None:
+    print(f"fedflat report: warning: {message}", file=sys.stderr)
+
+
+def read_run(path: Path) -> Run:
+    """A run folder read back; a corrupt file is an error naming it. Metrics whose rounds repeat or go back
+    (two writers in one folder) mark the run's summary ``corrupt`` instead of passing for a clean run."""
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    if not isinstance(config, dict):
+        raise ValueError("config.yaml is not a mapping of keys")
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"summary.json is not valid JSON ({err})") from None
+    try:
+        metrics = read_jsonl(path / "metrics.jsonl")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"metrics.jsonl has a line that is not JSON ({err})") from None
+    rounds = [m.get("round") for m in metrics]
+    if any(not isinstance(r, int) for r in rounds) or any(b <= a for a, b in zip(rounds, rounds[1:])):
+        summary = {**summary, "status": "corrupt",
+                   "reason": "metrics.jsonl has repeated or out-of-order rounds (two writers?)"}
+        warn(f"{path}: metrics.jsonl has repeated or out-of-order rounds; reported as corrupt")
+    return Run(path=path, config=flatten(config), summary=summary, metrics=metrics)
 
 
 def _ignored(key: str) -> bool:
@@ -136,6 +167,11 @@ class Group:
     runs: list[Run] = field(default_factory=list)
 
 
+def _method_name(flat_algo: dict[str, Any]) -> str:
+    """The method a run trained: its recipe name, or the composition when its roles were swapped."""
+    return composition_label({k[len("algo."):]: v for k, v in flat_algo.items()}) if flat_algo else "?"
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
     """Groups runs by (setting, method); labels name only the keys that vary across ``runs``."""
     method_part = [{k: v for k, v in r.config.items() if k.startswith("algo.")} for r in runs]
@@ -145,11 +181,13 @@ def group_runs(runs: list[Run]) -> list[Group]:
     # a method's label: its name plus the hyperparameters that differ between runs of the same name
     by_name: dict[str, list[dict[str, Any]]] = {}
     for m in method_part:
-        by_name.setdefault(m.get("algo.name", "?"), []).append(m)
-    method_keys = {name: [k for k in _varying(ms) if k != "algo.name"] for name, ms in by_name.items()}
+        by_name.setdefault(_method_name(m), []).append(m)
+    roles = {f"algo.{role}" for role in ROLES}
+    method_keys = {name: [k for k in _varying(ms) if k != "algo.name" and k not in roles]
+                   for name, ms in by_name.items()}
     groups: dict[tuple[str, str], Group] = {}
     for run, m, s in zip(runs, method_part, setting_part):
-        name = m.get("algo.name", "?")
+        name = _method_name(m)
         extra = _label([(k, m.get(k)) for k in method_keys[name]])
         method = f"{name} ({extra})" if extra else name
         setting = _label([(k, s.get(k)) for k in setting_keys if k in s]) or "all"
