@@ -5,6 +5,7 @@ import shutil
 import sys
 import time
 from contextlib import ExitStack
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 from fedflat.config import Config, dump_yaml, load_config, resolve, validate
 from fedflat.data import Dataset
-from fedflat.engine.simulation import Diverged, Simulation
+from fedflat.engine.simulation import Diverged, RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info,
                                        versions)
@@ -55,9 +56,9 @@ def as_config(config: Config | dict | str | Path | None, overrides: list[str] | 
     return load_config(quickstart_path() if config is None else config, overrides)
 
 
-def _label(cfg: Config) -> str:
+def _label(cfg: Config, dataset: Dataset | None = None) -> str:
     parts = [cfg.name] if cfg.name else []
-    parts += [cfg.algo["name"], cfg.data.name, f"s{cfg.seed}"]
+    parts += [cfg.algo["name"], dataset.name if dataset is not None else cfg.data.name, f"s{cfg.seed}"]
     return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)
 
 
@@ -98,7 +99,7 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
         stack.callback(sim.close)
         resolved = _resolved(cfg, dataset, model_fn)
-        folder, checkpoint = _open_folder(cfg, where, stack)
+        folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
             runner = _Runner(cfg, sim, resolved, folder, checkpoint)
         except OSError as err:
@@ -124,7 +125,8 @@ def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Mo
     return resolved
 
 
-def _open_folder(cfg: Config, where: Output, stack: ExitStack) -> tuple[RunDir | None, dict[str, Any] | None]:
+def _open_folder(cfg: Config, where: Output, stack: ExitStack,
+                 dataset: Dataset | None) -> tuple[RunDir | None, dict[str, Any] | None]:
     """The run folder (made, or readied to resume, and held by this process) and the checkpoint to continue."""
     checkpoint = None
     if where.resume is not None:
@@ -136,7 +138,7 @@ def _open_folder(cfg: Config, where: Output, stack: ExitStack) -> tuple[RunDir |
         return None, None
     else:
         folder = RunDir.at(where.run_dir) if where.run_dir is not None else RunDir.create(
-            where.out if where.out is not None else cfg.out, _label(cfg))
+            where.out if where.out is not None else cfg.out, _label(cfg, dataset))
         stack.enter_context(hold(folder.path))
     if where.announce:
         print(f"run folder: {folder.path}", file=sys.stderr, flush=True)
@@ -151,7 +153,9 @@ class _Runner:
         self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
         self.metrics: list[dict[str, Any]] = []
         self.start_round = 0
-        self._consistent = True  # sim state, metrics and summary all belong to the same completed round
+        # A round trained and committed whose metrics line is not yet written (interrupted in evaluation):
+        # the checkpoint carries it and a resume writes it first.
+        self._owed: RoundResult | None = None
         # Called after every round as hook(runner, round_index, record_or_None); record is the metrics
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["_Runner", int, dict[str, Any] | None], None]] = []
@@ -192,13 +196,17 @@ class _Runner:
         self.summary.update(status="running", reason=None)
         self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+        if checkpoint.get("owed") is not None:
+            self._owed = RoundResult(**checkpoint["owed"])
 
     def _checkpoint(self) -> None:
         if self.run_dir is None:
             return
         from fedflat.experiments.checkpoint import make_payload, save_checkpoint
 
-        save_checkpoint(self.run_dir.path, make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary))
+        owed = dataclasses.asdict(self._owed) if self._owed is not None else None
+        save_checkpoint(self.run_dir.path,
+                        make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
@@ -207,10 +215,10 @@ class _Runner:
                    total=self.cfg.rounds)
         every = self.cfg.checkpoint_every
         try:
+            if self._owed is not None:
+                self._record(self._owed.round, self._owed, bar)
             for t in bar:
-                self._consistent = False
                 self._round(t, bar)
-                self._consistent = True
                 if every and (t + 1) % every == 0 and t + 1 != self.cfg.rounds:
                     self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
                     self._checkpoint()
@@ -238,7 +246,7 @@ class _Runner:
         self.summary["wall_seconds"] = wall_seconds
         self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         try:
-            if self._consistent and self.summary["status"] != "diverged":
+            if self.summary["status"] != "diverged":
                 self._checkpoint()  # the final state, or the last complete round of an interrupted run
             self._save()
         except OSError as err:
@@ -263,26 +271,46 @@ class _Runner:
         return DiskFull(message)
 
     def _round(self, t: int, bar) -> None:
-        sim, s = self.sim, self.summary
+        result = self._train(t)
+        if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
+            for hook in self.hooks:
+                hook(self, t, None)
+        else:
+            self._record(t, result, bar)
+
+    def _train(self, t: int) -> RoundResult:
+        """Round ``t``, and its account in the summary. The simulation commits a round as one transaction;
+        the account is taken with signals held, and taken here too when an interrupt hit between the two,
+        so the summary always names the round the state is at."""
         try:
-            result = sim.run_round(t)
+            result = self.sim.run_round(t)
+            with uninterrupted():
+                self._account(result)
         except KeyboardInterrupt:
-            self._consistent = True  # a round is a transaction: the state is still that of round t
+            last = self.sim.last_round
+            if last is not None and last.round == t and self.summary["rounds"] == t:
+                with uninterrupted():
+                    self._account(last)
             raise
+        return result
+
+    def _account(self, result: RoundResult) -> None:
+        s, t = self.summary, result.round
         s["rounds"] = t + 1
         s["train_seconds"] += result.seconds
         # communication as measured from the payloads: vectors per sampled client, bytes in total
         s["up_vectors"], s["down_vectors"] = result.up_vectors, result.down_vectors
         s["up_bytes"] += result.up_bytes * result.clients
         s["down_bytes"] += result.down_bytes * result.clients
-        if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
-            for hook in self.hooks:
-                hook(self, t, None)
-            return
+        evaluated = not (t + 1) % self.cfg.eval.every or t + 1 == self.cfg.rounds
+        self._owed = result if evaluated else None
+
+    def _record(self, t: int, result: RoundResult, bar) -> None:
+        """Evaluates round ``t`` and writes its metrics line (the line is written with signals held)."""
+        sim, s = self.sim, self.summary
         eval_start = time.perf_counter()
         acc, loss = sim.evaluate()
         eval_seconds = time.perf_counter() - eval_start
-        s["eval_seconds"] += eval_seconds
         record = {"round": t + 1, "test_acc": acc, "test_loss": loss, "train_loss": result.train_loss,
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
@@ -291,12 +319,15 @@ class _Runner:
                   "backprops_per_step": result.backprops_per_step, "store": result.store, **result.log}
         for hook in self.hooks:
             hook(self, t, record)
-        self.metrics.append(record)
-        if self.run_dir is not None:
-            self.run_dir.append_metrics(record)
-        if s["best_test_acc"] is None or acc > s["best_test_acc"]:
-            s["best_test_acc"], s["best_round"] = acc, t + 1
-        s["final_test_acc"], s["final_test_loss"] = acc, loss
+        with uninterrupted():
+            if self.run_dir is not None:
+                self.run_dir.append_metrics(record)
+            self.metrics.append(record)
+            s["eval_seconds"] += eval_seconds
+            if s["best_test_acc"] is None or acc > s["best_test_acc"]:
+                s["best_test_acc"], s["best_round"] = acc, t + 1
+            s["final_test_acc"], s["final_test_loss"] = acc, loss
+            self._owed = None
         bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
 
     def _save_summary(self) -> None:

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, RunFolderBusy) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, RunFolderBusy, ConnectionError) as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:

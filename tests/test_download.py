@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import fedflat.data.sources as sources
-from fedflat.data import ChecksumError, download_file, file_checksum, load_dataset, verify_file
+from fedflat.data import ChecksumError, DownloadError, download_file, file_checksum, load_dataset, verify_file
 from fedflat.data.sources import RemoteFile
 
 IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -106,14 +106,23 @@ def test_checksum_mismatch_leaves_nothing(server, tmp_path):
         download_file(url + "a.txt", out / "a.txt", expected)
     message = str(info.value)
     assert expected in message and sha256(b"tampered") in message and "expected" in message
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # not even the folder the download made for its file
 
 
 def test_http_error_leaves_nothing(server, tmp_path):
     url, _, _ = server
-    with pytest.raises(urllib.error.HTTPError):
+    with pytest.raises(DownloadError, match="could not download .*missing.bin .*File not found"):
         download_file(url + "missing.bin", tmp_path / "missing.bin", sha256(b""))
     assert list(tmp_path.iterdir()) == [tmp_path / "www"]
+
+
+def test_no_network_is_one_clear_error_and_leaves_no_empty_folder(tmp_path):
+    """Port 9 of 127.0.0.1 refuses the connection, as a machine without network does: the error says what
+    to do, and the folders the download made for its file are gone again."""
+    dest = tmp_path / "cache" / "fedflat" / "data" / "cifar10" / "x.tar.gz"
+    with pytest.raises(DownloadError, match="without network access, copy x.tar.gz from elsewhere"):
+        download_file("http://127.0.0.1:9/x.tar.gz", dest, sha256(b""), timeout=5)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_algorithm(tmp_path):
@@ -188,7 +197,7 @@ def test_download_with_bad_checksum_fails_cleanly(server, tmp_path, monkeypatch)
     monkeypatch.setitem(sources.REMOTE, "mnist", broken)
     with pytest.raises(ChecksumError, match="0" * 64):
         load_dataset("mnist", root=tmp_path / "root", download=True)
-    assert list((tmp_path / "root" / "mnist").iterdir()) == []
+    assert not (tmp_path / "root").exists()  # nothing half-cached, not even an empty folder
 
 
 def test_cifar10_download_end_to_end(server, tmp_path, monkeypatch):

@@ -235,3 +235,77 @@ def test_sweep_workers_die_with_a_killed_parent(tmp_path):
     rounds = {f.name: len(read_jsonl(f / "metrics.jsonl")) for f in running}
     time.sleep(2)
     assert {f.name: len(read_jsonl(f / "metrics.jsonl")) for f in running} == rounds  # nobody trains them
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["device=cuda"] if not __import__("torch").cuda.is_available() else ["device=cuda:99"], "device=cuda"),
+    (["device=foo"], "'foo' is not a device"),
+    (["data.partition.alpha=0"], "alpha must be a number > 0"),
+    (["data.partition.alpha=-1"], "alpha must be a number > 0"),
+    (["data.partition=pathological", "data.partition.classes=20"], "classes=20 exceeds the 10 classes"),
+    (["data.partition.min_size=500"], "min_size=500"),
+    (["data.num_clients=5000"], "num_clients=5000 exceeds"),
+    (["data.partition=shards", "data.partition.per_client=1000"], "shards exceed"),
+    (["model.hidden=abc"], "hidden must be a sequence"),
+    (["model.hidden=[-5]"], "must be a positive integer"),
+    (["model=cnn"], "model=cnn on digits"),
+    (["model=textcnn"], "model=textcnn on digits"),
+])
+def test_bad_inputs_are_one_line_errors_that_leave_nothing_behind(tmp_path, capsys, overrides, message):
+    assert main(["run", *overrides, "rounds=1", "--out", str(tmp_path / "runs"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("fedflat: ") and message in err, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_bench_on_a_missing_gpu_is_a_clear_error(capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--device", "cuda", "--rounds", "1", "--quiet"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def _user_data(**change):
+    import numpy as np
+    import torch
+
+    from fedflat.data import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    fields = {"x_train": torch.randn(60, 5, generator=g), "y_train": torch.randint(0, 3, (60,), generator=g),
+              "x_test": torch.randn(20, 5, generator=g), "y_test": torch.randint(0, 3, (20,), generator=g)}
+    fields.update(change)
+    return lambda: Dataset("mine", fields["x_train"], fields["y_train"], fields["x_test"], fields["y_test"], 3)
+
+
+def test_user_inputs_are_checked_before_a_run_folder_exists(tmp_path):
+    import numpy as np
+    import torch
+
+    from fedflat.data import DatasetError
+
+    bad = {
+        "float labels": (_user_data(y_train=torch.rand(60)), "labels must be integer class ids"),
+        "label out of range": (_user_data(y_train=torch.full((60,), 3)), "labels must be 0 .. num_classes - 1"),
+        "negative label": (_user_data(y_test=torch.full((20,), -1)), "labels must be 0 .. num_classes - 1"),
+        "1-D x": (_user_data(x_train=torch.randn(60)), "needs a sample dimension"),
+        "float64 x": (_user_data(x_train=torch.randn(60, 5, dtype=torch.float64)), "pass x_train.float()"),
+        "uint8 x": (_user_data(x_train=torch.zeros(60, 5, dtype=torch.uint8)), "divide by 255"),
+        "lengths differ": (_user_data(y_train=torch.zeros(55, dtype=torch.long)), "one label per sample \\(60"),
+        "feature width": (_user_data(x_test=torch.randn(20, 7)), "both splits need the same features"),
+        "NaN in x_train": (_user_data(x_train=torch.full((60, 5), float("nan"))), "NaN or infinite"),
+        "NaN in x_test": (_user_data(x_test=torch.full((20, 5), float("inf"))), "NaN or infinite"),
+    }
+    for case, (make, message) in bad.items():
+        with pytest.raises(DatasetError, match=message):
+            make()
+    ok = _user_data(x_train=np.random.default_rng(0).normal(size=(60, 5)).astype("float32"))()  # NumPy is fine
+    assert isinstance(ok.x_train, torch.Tensor)
+    cfg = {"rounds": 1, "data": {"num_clients": 3, "partition": {"scheme": "iid"}}, "sampling": {"clients_per_round": 2}}
+    with pytest.raises(fedflat.ConfigError, match="model_fn must return a torch.nn.Module"):
+        fedflat.run(cfg, dataset=ok, model_fn=lambda: "not a model", out=tmp_path, progress=False)
+    with pytest.raises(fedflat.ConfigError, match="does not accept mine's inputs of shape"):
+        fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(9, 3), out=tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []  # no run folder with an untrained model.pt
+    hist = fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(5, 3), out=tmp_path, progress=False)
+    assert "-mine-" in hist.run_dir.name  # the folder names the user's dataset

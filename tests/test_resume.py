@@ -60,14 +60,14 @@ def stateful_recipe():
 
 
 def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
-    """A run of the config that dies right after round ``stop_after`` wrote its metrics line, before
-    that round counts as complete (as if killed there): it leaves no checkpoint of that round."""
+    """A run of the config killed (SIGKILL: nothing more is written) right after round ``stop_after`` wrote
+    its metrics line: it leaves no checkpoint of that round."""
     class Stop(Exception):
         pass
 
     from fedflat import api
 
-    original = api._Runner._round
+    original, finish = api._Runner._round, api._Runner._finish
 
     def round_then_maybe_stop(self, t, bar):
         original(self, t, bar)
@@ -75,12 +75,12 @@ def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
             raise Stop
 
     folder = tmp_path / "interrupted"
-    api._Runner._round = round_then_maybe_stop
+    api._Runner._round, api._Runner._finish = round_then_maybe_stop, lambda self, wall_seconds: None
     try:
         with pytest.raises(Stop):
             fedflat.run(tiny_cfg, run_dir=folder, progress=False)
     finally:
-        api._Runner._round = original
+        api._Runner._round, api._Runner._finish = original, finish
     return folder
 
 

@@ -10,6 +10,7 @@ import yaml
 import fedflat
 from fedflat.cli import main
 from fedflat.engine.simulation import Simulation
+from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume
 from fedflat.experiments.rundir import RunDir, atomic_write_text, read_jsonl
 from fedflat.models import build_model
 
@@ -94,6 +95,41 @@ def test_interrupted_or_crashed_run_leaves_a_consistent_folder(tiny, tmp_path, m
     assert summary["status"] == "failed" and status_reason in summary["reason"]
     assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [1, 2]
     assert summary["rounds"] == 2 and (folder / "model.pt").exists()
+
+
+def _interrupt_once(monkeypatch, cls, name: str, when) -> None:
+    """Makes ``cls.name`` raise KeyboardInterrupt once, after (or instead of) its work, when ``when(self)``."""
+    original, fired = getattr(cls, name), []
+
+    def patched(self, *args):
+        out = original(self, *args)
+        if not fired and when(self):
+            fired.append(True)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(cls, name, patched)
+
+
+@pytest.mark.parametrize("where", ["evaluation", "after the commit"])
+def test_an_interrupt_between_the_commit_and_the_metrics_line_loses_no_round(tiny, tmp_path, monkeypatch, where):
+    """Ctrl-C lands after round 3 is committed but before its metrics line is written: the checkpoint is
+    of round 3 and owes that line; the resume writes it and ends equal to a run never interrupted."""
+    full = fedflat.run(tiny("rounds=5"), save=False, progress=False)
+    if where == "evaluation":
+        _interrupt_once(monkeypatch, Simulation, "evaluate", lambda sim: sim.last_round.round == 2)
+    else:
+        _interrupt_once(monkeypatch, Simulation, "run_round", lambda sim: sim.last_round.round == 2)
+    with pytest.raises(KeyboardInterrupt):
+        fedflat.run(tiny("rounds=5", "checkpoint_every=1"), out=tmp_path, progress=False)
+    monkeypatch.undo()
+    (folder,) = list(tmp_path.iterdir())
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["rounds"] == 3 and read_checkpoint(folder)["round"] == 3
+    assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [1, 2]
+    resumed = resume(folder, progress=False)
+    assert metrics_equal(resumed.metrics, full.metrics)
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
 
 
 def test_cli_run_list_and_partition(tiny, tmp_path, capsys):

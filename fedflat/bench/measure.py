@@ -263,8 +263,9 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ValueError(f"unknown engine(s) {bad}; choose from {', '.join(ENGINES)}")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    from fedflat.engine.simulation import resolve_device
+
+    dev = resolve_device(device)  # a clear error for cuda on a machine without one
     info = machine(dev)
     results: list[dict[str, Any]] = []
     for name in workloads:

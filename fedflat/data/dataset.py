@@ -7,17 +7,27 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-__all__ = ["Dataset", "channel_stats", "normalize", "to_tensors"]
+from fedflat.config import ConfigError
+
+__all__ = ["Dataset", "DatasetError", "channel_stats", "normalize", "to_tensors"]
+
+
+class DatasetError(ConfigError):
+    """A dataset that cannot be trained on as given (dtype, shape, labels, NaN): the message says what to fix."""
 
 
 @dataclass
 class Dataset:
     """Train and test splits held as tensors (keep them on the training device, index batches).
 
-    ``x_*`` are float32 ``[N, *input_shape]``, already normalized; ``y_*`` are int64 ``[N]``.
-    ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
+    ``x_*`` are float32 ``[N, *input_shape]``, already normalized (or int64 token ids for text models);
+    ``y_*`` are integer class labels ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and
+    converted. ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
     horizontal flip, see :func:`fedflat.data.cifar_augment`) or is None.
     ``source`` says where the data came from (a folder, an archive, or a generator).
+
+    Everything is checked when the dataset is made: a wrong dtype, shape, length, label or a NaN is a
+    :class:`DatasetError` naming the field and what is expected, before any run starts.
     """
 
     name: str
@@ -28,6 +38,47 @@ class Dataset:
     num_classes: int
     augmentation: str | None = None
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("x_train", "y_train", "x_test", "y_test"):
+            value = getattr(self, field)
+            if isinstance(value, np.ndarray):
+                setattr(self, field, torch.from_numpy(np.ascontiguousarray(value)))
+            elif not isinstance(value, torch.Tensor):
+                raise DatasetError(f"Dataset {self.name!r}: {field} must be a torch tensor or NumPy array, "
+                                   f"got {type(value).__name__}")
+        if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 2:
+            raise DatasetError(f"Dataset {self.name!r}: num_classes must be an integer >= 2, got {self.num_classes!r}")
+        for split in ("train", "test"):
+            self._check_split(split)
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise DatasetError(f"Dataset {self.name!r}: x_train samples have shape {tuple(self.x_train.shape[1:])} "
+                               f"but x_test samples {tuple(self.x_test.shape[1:])}; both splits need the same features")
+
+    def _check_split(self, split: str) -> None:
+        x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+        where = f"Dataset {self.name!r}: x_{split}"
+        if x.dim() < 2:
+            raise DatasetError(f"{where} has shape {tuple(x.shape)}; it needs a sample dimension and feature "
+                               "dimensions, e.g. [N, features] or [N, channels, height, width]")
+        if x.dtype == torch.float64:
+            raise DatasetError(f"{where} is float64; fedflat trains in float32: pass x_{split}.float()")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+            raise DatasetError(f"{where} is {x.dtype}; expected float32 features (scaled and normalized; images as "
+                               "uint8 divide by 255 first) or int64 token ids")
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            raise DatasetError(f"{where} holds NaN or infinite values; clean or impute them first")
+        if y.dim() != 1 or y.shape[0] != x.shape[0]:
+            raise DatasetError(f"Dataset {self.name!r}: y_{split} must be one label per sample ({x.shape[0]} for "
+                               f"x_{split}), got shape {tuple(y.shape)}")
+        if y.is_floating_point() or y.dtype == torch.bool:
+            raise DatasetError(f"Dataset {self.name!r}: y_{split} is {y.dtype}; labels must be integer class ids "
+                               f"(y_{split}.long())")
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+            raise DatasetError(f"Dataset {self.name!r}: y_{split} has labels in [{int(y.min())}, {int(y.max())}] "
+                               f"but num_classes={self.num_classes}; labels must be 0 .. num_classes - 1")
+        if y.dtype != torch.int64:
+            setattr(self, f"y_{split}", y.long())
 
     @property
     def input_shape(self) -> tuple[int, ...]:

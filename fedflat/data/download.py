@@ -11,10 +11,11 @@ import hashlib
 import logging
 import os
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ChecksumError", "download_file", "file_checksum", "verify_file"]
+__all__ = ["ChecksumError", "DownloadError", "download_file", "file_checksum", "verify_file"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,10 @@ _USER_AGENT = "fedflat (https://pypi.org/project/fedflat)"
 
 class ChecksumError(ValueError):
     """A file's checksum differs from the expected one."""
+
+
+class DownloadError(ConnectionError):
+    """A download that could not be made (no network, a refused or failed connection)."""
 
 
 def _hasher(algorithm: str) -> "hashlib._Hash":
@@ -58,6 +63,7 @@ def download_file(url: str, dest: str | Path, checksum: str, algorithm: str = "s
     expected and actual digests is raised and neither ``dest`` nor the temporary file is left.
     """
     dest = Path(dest)
+    created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     digest = _hasher(algorithm)
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
@@ -74,6 +80,24 @@ def download_file(url: str, dest: str | Path, checksum: str, algorithm: str = "s
             raise ChecksumError(f"{algorithm} checksum mismatch for {url}: expected {checksum.lower()}, "
                                 f"got {actual}; the file was discarded")
         os.replace(tmp, dest)
-    finally:
+    except (OSError, urllib.error.URLError) as err:  # no network, refused, reset, timed out
         tmp.unlink(missing_ok=True)
+        _remove_empty(created)
+        reason = getattr(err, "reason", None) or err
+        raise DownloadError(f"could not download {url} ({reason}); without network access, copy {dest.name} "
+                            f"from elsewhere into {dest.parent} (or any folder fedflat searches: docs/data.md) "
+                            "and run again") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        _remove_empty(created)
+        raise
     return dest
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Removes the folders a failed download created, deepest first, if they are still empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break

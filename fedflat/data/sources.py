@@ -128,15 +128,14 @@ def candidate_dirs(name: str, root: str | Path | None) -> list[Path]:
 
 
 def writable_dir(root: str | Path | None) -> Path:
-    """The first base folder (``root``, ``$FEDFLAT_DATA``, cache) that exists or can be made, and is writable."""
+    """The first base folder (``root``, ``$FEDFLAT_DATA``, cache) that exists or could be made, and is writable.
+    Nothing is created here: the download makes the folders it needs, and removes them if it fails."""
     tried = []
     for base in base_dirs(root):
-        try:
-            base.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            tried.append(base)
-            continue
-        if os.access(base, os.W_OK | os.X_OK):
+        existing = base
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
             return base
         tried.append(base)
     raise PermissionError("no writable folder to download into; tried: " + ", ".join(map(str, tried)))

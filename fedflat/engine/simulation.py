@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, RoundContext, TrainSettings, build_algorithm, payload_size
-from fedflat.config import Config
+from fedflat.config import Config, ConfigError
 from fedflat.data import Dataset, cifar_augment, load_dataset, partition
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
@@ -30,6 +30,25 @@ from fedflat.engine.store import ClientStore
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 from fedflat.rng import SERVER, numpy_stream, stream_seed
+
+
+def _user_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    module = model_fn()
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"model_fn must return a torch.nn.Module, got {type(module).__name__}")
+    if not any(True for _ in module.parameters()):
+        raise ConfigError("model_fn returned a module without parameters: nothing to train")
+    return module
+
+
+def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
+    """The config's model for the dataset's inputs; a model that cannot take them is a clear error."""
+    options = {k: v for k, v in cfg.model.items() if k != "name"}
+    try:
+        return build_model(cfg.model["name"], dataset.input_shape, dataset.num_classes, **options)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model={cfg.model['name']} on {dataset.name} (inputs {tuple(dataset.input_shape)}): "
+                          f"{err}") from None
 
 
 class Diverged(RuntimeError):
@@ -51,11 +70,20 @@ def uninterrupted() -> Iterator[None]:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (a GPU when there is one); anything else is a clear error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device: {name!r} is not a device; use cpu, cuda, cuda:N or auto") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device '{name}' requested but CUDA is not available; use device=cpu")
+        raise ConfigError(f"device={name}: this torch ({torch.__version__}) sees no CUDA GPU; use device=cpu "
+                          "(or device=auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={name}: there are only {torch.cuda.device_count()} GPUs")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name}: fedflat runs on cpu or cuda")
     return device
 
 
@@ -90,18 +118,23 @@ class Simulation:
         self.dataset = dataset.to(self.device)
         scheme_params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
         labels = dataset.y_train.cpu().numpy()
-        self.client_indices_np = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
-                                           seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **scheme_params)
+        try:
+            self.client_indices_np = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
+                                               seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **scheme_params)
+        except ValueError as err:  # the split cannot be made for these data: say which key to change
+            raise ConfigError(f"data.partition ({cfg.data.partition['scheme']} on {dataset.name}): {err}") from None
         self.client_indices = [torch.as_tensor(ix, dtype=torch.long, device=self.device) for ix in self.client_indices_np]
         self.num_samples = torch.tensor([len(ix) for ix in self.client_indices_np], device=self.device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(stream_seed(cfg.seed, -1, SERVER, "init"))
-            module = model_fn() if model_fn is not None else build_model(
-                cfg.model["name"], dataset.input_shape, dataset.num_classes,
-                **{k: v for k, v in cfg.model.items() if k != "name"})
+            module = _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
         self.model = FlatModel(module.to(self.device))
-        self.step_flops = step_flops(self.model, self.model.initial, self.dataset.x_train, self.dataset.y_train,
-                                     cfg.train.batch_size)
+        try:  # one sample forward and backward: also the first check that the model takes these inputs
+            self.step_flops = step_flops(self.model, self.model.initial, self.dataset.x_train, self.dataset.y_train,
+                                         cfg.train.batch_size)
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
+                              f"{tuple(dataset.input_shape)} with {dataset.num_classes} classes: {err}") from None
         self.threads = choose_threads(cfg.threads, self.step_flops)  # docs: fedflat/engine/threads.py
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -126,6 +159,7 @@ class Simulation:
         self.model_fn = model_fn
         self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
         self.backprops = 0  # backward passes of every client's local training so far
+        self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
 
     def worker_spec(self, **options):
         """What a Ray worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
@@ -219,19 +253,21 @@ class Simulation:
         down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
         up_vectors, up_bytes = payload_size({}, P, result.upload)
         drift = (ctx.w_final - ctx.w).norm(dim=1).mean().item()
+        train_loss = ctx.train_loss.mean().item()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         with uninterrupted():  # the commit
             for name, rows in (*result.state.items(), *ctx.held.items()):
                 self.store.put(name, result.ids, rows)
             self.server = ctx.server
             self.w = w_new
             self.backprops += result.backprops
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return RoundResult(round=round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(), drift=drift, clients=ctx.K,
-                           seconds=time.perf_counter() - start,
-                           backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
-                           up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
-                           log=dict(ctx.log))
+            self.last_round = RoundResult(
+                round=round, lr=ctx.lr, train_loss=train_loss, drift=drift, clients=ctx.K,
+                seconds=time.perf_counter() - start, backprops_per_step=result.backprops / ctx.steps.sum().item(),
+                store=self.store.count(), up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes,
+                down_bytes=down_bytes, log=dict(ctx.log))
+        return self.last_round
 
     def state_dict(self) -> dict:
         """Everything that evolves across rounds: the global model, server state, client-state store.

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from fedflat.config import ConfigError
 from fedflat.experiments.rundir import RunDir, atomic_write_bytes, json_safe, read_jsonl
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ FORMAT = 1
 SLOW_WRITE_ENV = "FEDFLAT_TEST_CHECKPOINT_SLEEP"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ConfigError):
     """A run folder that cannot be resumed or loaded (missing files, unreadable checkpoint)."""
 
 
@@ -100,10 +101,11 @@ def remove_temporaries(run_dir: str | Path) -> list[Path]:
 
 
 def make_payload(sim: "Simulation", rounds_done: int, metrics: list[dict[str, Any]],
-                 summary: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint holds after ``rounds_done`` complete rounds."""
+                 summary: dict[str, Any], owed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint holds after ``rounds_done`` complete rounds; ``owed``: the last round's result when
+    its evaluation and metrics line were interrupted (a resume evaluates it first)."""
     return {"round": rounds_done, "state": sim.state_dict(), "metrics": [dict(m) for m in metrics],
-            "summary": dict(summary), "backprops": sim.backprops}
+            "summary": dict(summary), "backprops": sim.backprops, "owed": owed}
 
 
 def run_config(run_dir: str | Path) -> "Config":

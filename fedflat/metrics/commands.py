@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedflat.config import DIAGNOSTIC_KINDS, DiagnosticsConfig
+from pydantic import ValidationError
+
+from fedflat.config import DIAGNOSTIC_KINDS, ConfigError, DiagnosticsConfig
 
 _SKIP = ("every", "kinds")
 
@@ -47,8 +49,19 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_analyze)
 
 
-def _options(target, args: argparse.Namespace) -> DiagnosticsConfig:
+def _chosen(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line, checked (a bad value is a one-line error naming the option)."""
     chosen = {k: v for k, v in vars(args).items() if k in DiagnosticsConfig.model_fields and k not in _SKIP}
+    try:
+        DiagnosticsConfig(**chosen)
+    except ValidationError as err:
+        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']} (got {e['input']!r})"
+                             for e in err.errors())
+        raise ConfigError(f"analyze: {problems}") from None
+    return chosen
+
+
+def _options(target, chosen: dict[str, Any]) -> DiagnosticsConfig:
     return DiagnosticsConfig(**{**target.sim.cfg.diagnostics.model_dump(), **chosen})
 
 
@@ -73,8 +86,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from fedflat.metrics import plots
     from fedflat.metrics.analysis import analyze, open_run, run_labels
 
+    chosen = _chosen(args)  # before the run is loaded
     target = open_run(args.run_dir)
-    options = _options(target, args)
+    options = _options(target, chosen)
     others = [open_run(p) for p in args.compare]
     out = Path(args.out) if args.out else target.path / "diagnostics"
     extra: dict[str, Any] = {}
