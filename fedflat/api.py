@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from fedflat.config import Config, dump_yaml, load_config, resolve, validate
 from fedflat.data import Dataset
@@ -21,6 +20,7 @@ from fedflat.engine.simulation import Diverged, RoundResult, Simulation, uninter
 from fedflat.engine.threads import torch_threads
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info,
                                        versions)
+from fedflat.progress import progress_bar
 
 
 def quickstart_path() -> Path:
@@ -210,9 +210,9 @@ class _Runner:
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
-        bar = tqdm(range(self.start_round, self.cfg.rounds), desc=self.summary["algorithm"], unit="round",
-                   disable=not progress, dynamic_ncols=True, leave=True, initial=self.start_round,
-                   total=self.cfg.rounds)
+        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress, desc=self.summary["algorithm"],
+                           unit="round", dynamic_ncols=True, leave=True, initial=self.start_round,
+                           total=self.cfg.rounds)
         every = self.cfg.checkpoint_every
         try:
             if self._owed is not None:
@@ -272,11 +272,17 @@ class _Runner:
 
     def _round(self, t: int, bar) -> None:
         result = self._train(t)
-        if (t + 1) % self.cfg.eval.every and t + 1 != self.cfg.rounds:
+        if self._evaluated(t):
+            self._record(t, result, bar)
+        else:
             for hook in self.hooks:
                 hook(self, t, None)
-        else:
-            self._record(t, result, bar)
+
+    def _evaluated(self, t: int) -> bool:
+        """Round ``t`` gets a metrics line: every ``eval.every`` rounds, the last round, and every round that
+        records diagnostics (so their headlines land in metrics.jsonl whatever the two periods are)."""
+        n, diagnostics = t + 1, self.cfg.diagnostics.every
+        return n % self.cfg.eval.every == 0 or n == self.cfg.rounds or bool(diagnostics and n % diagnostics == 0)
 
     def _train(self, t: int) -> RoundResult:
         """Round ``t``, and its account in the summary. The simulation commits a round as one transaction;
@@ -302,8 +308,7 @@ class _Runner:
         s["up_vectors"], s["down_vectors"] = result.up_vectors, result.down_vectors
         s["up_bytes"] += result.up_bytes * result.clients
         s["down_bytes"] += result.down_bytes * result.clients
-        evaluated = not (t + 1) % self.cfg.eval.every or t + 1 == self.cfg.rounds
-        self._owed = result if evaluated else None
+        self._owed = result if self._evaluated(t) else None
 
     def _record(self, t: int, result: RoundResult, bar) -> None:
         """Evaluates round ``t`` and writes its metrics line (the line is written with signals held)."""

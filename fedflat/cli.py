@@ -6,6 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
+from fedflat.cliutil import Parser
 from fedflat.config import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
@@ -59,8 +60,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     import numpy as np
 
     from fedflat.api import as_config
-    from fedflat.data import PARTITIONS, label_counts, load_dataset, partition, plot_partition
-    from fedflat.rng import SERVER, stream_seed
+    from fedflat.data import client_split, label_counts, load_dataset, plot_partition, split_name
 
     config, overrides = _split_config_and_overrides(args.items)
     if args.data_dir:
@@ -68,10 +68,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     cfg = as_config(config, overrides)
     data = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
     labels = data.y_train.numpy()
-    params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
-    assert cfg.data.partition["scheme"] in PARTITIONS
-    parts = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
-                      seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **params)
+    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name)
     counts = label_counts(labels, parts, data.num_classes)
     print(f"{cfg.data.name}: {len(labels)} training samples, {cfg.data.num_clients} clients, "
           f"partition {cfg.data.partition}, seed {cfg.seed}")
@@ -79,7 +76,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     print(header)
     for i, row in enumerate(counts):
         print(f"{i:>6}  {row.sum():>7}  {np.count_nonzero(row):>7}  " + " ".join(f"{v:>5}" for v in row))
-    png = Path(args.png or f"partition-{cfg.data.name}-{cfg.data.partition['scheme']}-s{cfg.seed}.png")
+    png = Path(args.png or f"partition-{cfg.data.name}-{split_name(cfg.data.partition)}-n{cfg.data.num_clients}"
+                           f"-s{cfg.seed}.png")
     plot_partition(counts, png)
     print(f"heatmap: {png}")
     return 0
@@ -100,8 +98,8 @@ def _register_extensions(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedflat", description="Federated sharpness-aware minimization, side by side.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="fedflat", description="Federated sharpness-aware minimization, side by side.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     p = sub.add_parser("run", help="run one experiment (no config: the embedded quickstart)")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
@@ -117,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("partition", help="per-client sample and class counts of a split, and a heatmap PNG")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     p.add_argument("--png", default=None, help="where to write the heatmap")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
     p.set_defaults(func=cmd_partition)
     _register_extensions(sub)
     return parser

@@ -175,7 +175,8 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
-def _suggest(word: str, options: list[str]) -> str:
+def suggest(word: str, options: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, or nothing."""
     match = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -185,7 +186,7 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'{_suggest(key, _all_keys(Config))}")
+            lines.append(f"unknown key '{key}'{suggest(key, _all_keys(Config))}")
         else:
             got = e.get("input")
             lines.append(f"{key or 'config'}: {e['msg']}" + (f" (got {got!r})" if not isinstance(got, dict) else ""))
@@ -301,12 +302,12 @@ def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tupl
     valid = [n for n in params if n not in skip]
     for key in options:
         if key not in valid:
-            raise ConfigError(f"{where}.{key}: unknown option{_suggest(key, valid)}; valid: {', '.join(valid) or '(none)'}")
+            raise ConfigError(f"{where}.{key}: unknown option{suggest(key, valid)}; valid: {', '.join(valid) or '(none)'}")
 
 
 def _check_name(where: str, name: str, registry: dict[str, Any]) -> None:
     if name not in registry:
-        raise ConfigError(f"{where}: unknown name '{name}'{_suggest(name, list(registry))}; "
+        raise ConfigError(f"{where}: unknown name '{name}'{suggest(name, list(registry))}; "
                           f"allowed: {', '.join(sorted(registry))}")
 
 

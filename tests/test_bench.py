@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from fedflat.bench import BareLoop, WORKLOADS, bench, round_samples
+from fedflat.bench.measure import busy_warning
 from fedflat.cli import main
 from fedflat.config import load_config
 from fedflat.engine.simulation import Simulation
@@ -56,3 +58,20 @@ def test_unknown_workload_or_engine_is_an_error():
         bench(["W9"], ["fedavg"], ["sequential"], 1)
     with pytest.raises(ValueError, match="unknown engine"):
         bench(["tiny"], ["fedavg"], ["turbo"], 1)
+
+
+def test_bench_reports_progress_per_round_and_warns_on_a_busy_machine(monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.0, 6.0))  # other jobs on the machine
+    bench(["tiny"], ["fedavg"], ["sequential"], rounds=2, warmup=1, threads=1, progress=lines.append)
+    assert lines[0].startswith("warning: the machine is busy (load average 7.5")
+    rounds = [line for line in lines if "of every contestant done" in line]
+    assert [r.split()[1] for r in rounds] == ["1/3", "2/3", "3/3"] and "(warm-up)" in rounds[0]
+    assert busy_warning([0.3, 0.2, 0.1], 2) is None
+
+
+def test_bench_refuses_zero_rounds_or_threads(capsys):
+    for flag in ("--rounds", "--threads"):
+        with pytest.raises(SystemExit):
+            main(["bench", flag, "0"])
+        assert "must be at least 1" in capsys.readouterr().err

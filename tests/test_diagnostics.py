@@ -307,3 +307,13 @@ def test_global_directions_are_in_gradient_sign(algo):
         sim.run_round(t)
     result = direction_tracking(sim, 3, batches=2, batch_size=50)
     assert result["available"] and result["cosine"] > 0.2  # before the sign fix, fedadam/avgm/acg gave < -0.2
+
+
+def test_diagnostics_rounds_are_evaluated_whatever_eval_every_is(tmp_path):
+    """diagnostics.every=2 with eval.every=3 over 6 rounds: rounds 2 and 4 get metrics lines too, carrying
+    their headlines (they used to be recorded in diagnostics/ only and silently missing from metrics)."""
+    cfg = load_config(None, ["algo=fedsam", "rounds=6", "eval.every=3", "diagnostics.every=2",
+                             "diagnostics.kinds=[drift]"], base=tiny_tree())
+    hist = fedflat.run(cfg, out=tmp_path, progress=False)
+    assert [m["round"] for m in hist.metrics] == [2, 3, 4, 6]
+    assert [("perturbation_drift" in m) for m in hist.metrics] == [True, False, True, True]

@@ -183,3 +183,12 @@ def test_plot_partition_writes_a_png(labels, tmp_path):
     path = plot_partition(counts, tmp_path / "plots" / "partition.png", title="dirichlet 0.3")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_split_name_holds_the_scheme_parameters():
+    """Heatmaps of two splits of the same scheme get different default file names."""
+    from fedflat.data import split_name
+
+    assert split_name({"scheme": "dirichlet", "alpha": 0.1}) == "dirichlet-alpha0.1"
+    assert split_name({"scheme": "pathological", "classes": 2}) != split_name({"scheme": "pathological", "classes": 3})
+    assert split_name({"scheme": "iid"}) == "iid"

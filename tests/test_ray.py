@@ -255,8 +255,13 @@ def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_p
     """Two executors on the Ray instance fedflat started itself (as a bench racing ray:1 and ray:2 does):
     closing the first must not pull Ray from under the second, and the last one shuts Ray down."""
     script = (
-        "import ray\n"
-        "from fedflat.bench import bench\n"
+        "import os, ray\n"
+        "from fedflat.bench import WORKLOADS, bench, executor_overrides\n"
+        "from fedflat.config import load_config\n"
+        "from fedflat.engine.simulation import Simulation\n"
+        "sim = Simulation(load_config(None, executor_overrides('ray:2'), base=WORKLOADS['tiny'].tree))\n"
+        "print('nice', [os.getpriority(os.PRIO_PROCESS, pid) for pid in sim.executor.pids()])\n"
+        "sim.close()\n"
         "report = bench(['tiny'], ['fedavg'], ['sequential'], rounds=1, warmup=0, threads=1,\n"
         "               progress=lambda m: None, executors=('ray:1', 'ray:2'))\n"
         "print(sorted(r['engine'] for r in report['results'] if 'error' not in r), ray.is_initialized())\n")
@@ -264,6 +269,9 @@ def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_p
                          cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "['sequential@ray:1', 'sequential@ray:2'] False" in out.stdout
+    # the workers of the Ray fedflat starts train at normal priority (Ray's default, nice 15, starves them
+    # behind any other job on a shared machine)
+    assert f"nice {[os.getpriority(os.PRIO_PROCESS, 0)] * 2}" in out.stdout
 
 
 def test_a_sweep_on_ray_equals_the_serial_sweep_and_keeps_skip_and_resume(ray_session, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fedflat.config import load_config, resolve
-from fedflat.experiments.plots import curve, write_plots
+from fedflat.experiments.plots import _slug, curve, write_plots
 from fedflat.experiments.report import ReportError, build_rows, find_runs, report
 from tests.conftest import tiny_tree
 
@@ -116,9 +116,22 @@ def test_plots_are_written_and_curves_average_seeds(runs_dir, tmp_path):
     assert std[0] == pytest.approx(math.sqrt(0.005))
     written = write_plots(find_runs([runs_dir]), tmp_path / "plots")
     names = sorted(p.name for p in written)
-    assert names == ["convergence-alpha=0.3.png", "convergence-alpha=1.png", "partition-alpha=0.3.png",
-                     "partition-alpha=1.png"]
+    assert names == ["convergence-alpha0.3.png", "convergence-alpha1.png", "partition-alpha0.3.png",
+                     "partition-alpha1.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_no_blank_plot_for_a_setting_that_never_evaluated_and_file_names_stay_short(tmp_path, capsys):
+    make_run(tmp_path / "runs", "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    dead = make_run(tmp_path / "runs", "fedsam", 0.3, 0, [0.5], [1.0])
+    (dead / "metrics.jsonl").write_text("")  # diverged in round 1: nothing evaluated
+    lonely = make_run(tmp_path / "runs", "fedavg", 1.0, 0, [0.5], [1.0])
+    (lonely / "metrics.jsonl").write_text("")
+    written = write_plots(find_runs([tmp_path / "runs"]), tmp_path / "plots")
+    assert sorted(p.name for p in written if p.name.startswith("convergence")) == ["convergence-alpha0.3.png"]
+    assert "no convergence plot for 'alpha=1': no run has an evaluated round" in capsys.readouterr().out
+    long = " ".join(f"train.option_number_{i}={i}" for i in range(12))
+    assert len(_slug(long)) <= 69 and _slug(long) != _slug(long + " x=1") and "=" not in _slug(long)
 
 
 def test_report_errors(tmp_path, runs_dir):

@@ -15,8 +15,10 @@ import torch
 import fedflat
 from fedflat.algorithms import PARTS, RECIPES, Correction, Recipe, register_part, register_recipe
 from fedflat.algorithms.base import PartParams
-from fedflat.experiments.checkpoint import (CHECKPOINT, SLOW_WRITE_ENV, load_run, metrics_equal, read_checkpoint,
-                                            resume)
+from fedflat.cli import main
+from fedflat.config import ConfigError
+from fedflat.experiments.checkpoint import (CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, metrics_equal,
+                                            read_checkpoint, resume)
 from fedflat.experiments.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,10 +124,40 @@ def test_resume_of_a_completed_run_changes_nothing(tiny, tmp_path):
     cfg = tiny("rounds=3", "checkpoint_every=0")
     full = fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
     assert read_checkpoint(tmp_path / "run")["round"] == 3  # the final checkpoint
-    before = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    again = resume(tmp_path / "run", progress=False)
-    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == before
+    def results():  # every file but the lock, which names the process holding the folder
+        return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "run").iterdir()
+                if p.is_file() and p.name != ".lock"}
+
+    files = results()
+    again = resume(tmp_path / "run", overrides=["threads=1"], progress=False)
+    assert results() == files  # not a byte rewritten
     assert torch.equal(again.final_parameters, full.final_parameters)
+    assert again.metrics == full.metrics and again.summary["rounds"] == 3
+
+
+def test_resume_extends_a_run_with_rounds_and_refuses_other_changes(tiny, tmp_path):
+    longer = fedflat.run(tiny("rounds=5"), save=False, progress=False)
+    fedflat.run(tiny("rounds=3"), run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="can change only rounds"):
+        resume(tmp_path / "run", overrides=["train.lr=0.5"], progress=False)
+    with pytest.raises(CheckpointError, match="cannot shorten"):
+        resume(tmp_path / "run", overrides=["rounds=2"], progress=False)
+    extended = resume(tmp_path / "run", overrides=["rounds=5", "threads=1"], progress=False)
+    assert extended.summary["status"] == "completed" and extended.summary["rounds"] == 5
+    assert metrics_equal(extended.metrics, longer.metrics)  # the lr decays per round: same as planned 5
+    assert torch.equal(extended.final_parameters, longer.final_parameters)
+    assert "rounds: 5" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_garbage_checkpoint_says_what_to_do(tiny, tmp_path, capsys):
+    cfg = tiny("rounds=3", "checkpoint_every=1")
+    fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
+    (tmp_path / "run" / CHECKPOINT).write_bytes(b"not a checkpoint")
+    json_path = tmp_path / "run" / "summary.json"
+    json_path.write_text(json_path.read_text().replace('"completed"', '"failed"'))
+    assert main(["resume", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unreadable checkpoint" in err and "move it away" in err and f"fedflat resume {tmp_path / 'run'}" in err
 
 
 def test_load_run_restores_checkpoint_or_model(tiny, tmp_path, stateful_recipe):
@@ -150,6 +182,8 @@ def test_run_dir_is_never_reused(tiny, tmp_path):
 _CHILD = """
 import sys
 import fedflat
+from fedflat.cli import main
+from fedflat.config import ConfigError
 from fedflat.config import load_config
 sys.path.insert(0, {tests!r})
 from conftest import tiny_tree

@@ -74,6 +74,7 @@ def test_diverged_run_keeps_metrics_and_says_so(tiny, tmp_path):
     summary = json.loads((hist.run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and "non-finite" in summary["reason"]
     assert summary["rounds"] < 30
+    assert summary["reason"].startswith(f"round {summary['rounds'] + 1}:")  # counted from 1, like the summary
     assert len(read_jsonl(hist.run_dir / "metrics.jsonl")) == summary["rounds"]
     assert (hist.run_dir / "model.pt").exists() and (hist.run_dir / "config.yaml").exists()
 

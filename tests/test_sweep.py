@@ -52,8 +52,12 @@ def test_variant_replaces_axes_adds_overrides_and_moves_out(tmp_path):
 
 
 def test_bad_sweeps_are_clear_errors(tmp_path):
-    with pytest.raises(ConfigError, match="unknown sweep keys"):
+    with pytest.raises(ConfigError, match="unknown sweep key 'grdi' \\(did you mean 'grid'\\?\\)"):
         load_sweep(write_sweep(tmp_path, {"grdi": {}}))
+    with pytest.raises(ConfigError, match="variant 'small': unknown key 'overides' \\(did you mean 'overrides'"):
+        load_sweep(write_sweep(tmp_path, {"variants": {"small": {"overides": []}}}), variant="small")
+    with pytest.raises(ConfigError, match="workers must be at least 1"):
+        run_sweep(load_sweep(write_sweep(tmp_path, {"grid": {"seed": [0]}})), workers=0)
     with pytest.raises(ConfigError, match="no values"):
         load_sweep(write_sweep(tmp_path, {"grid": {"seed": []}}))
     cells = load_sweep(write_sweep(tmp_path, {"grid": {"algo.rho": [0.1]}})).cells()

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from fedflat.cliutil import at_least_one
+
 ENGINES = ("sequential", "vectorized", "bare")
 
 
@@ -95,17 +97,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="seconds per round per engine and method, against a bare PyTorch loop",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every workload")
     p.add_argument("--workload", default="W1", help=f"comma-separated: {', '.join(WORKLOADS)} (default W1)")
     p.add_argument("--algos", default="fedavg,fedsam", help="comma-separated recipes (default fedavg,fedsam)")
     p.add_argument("--engines", default="sequential,vectorized,bare", help="comma-separated: " + ", ".join(ENGINES))
     p.add_argument("--executors", default="local", help="comma-separated: local, ray:N (N Ray workers), e.g. "
                                                         "local,ray:1,ray:2 (default local)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
+    p.add_argument("--rounds", type=at_least_one, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (W3 on CPU: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of every contestant "
+    p.add_argument("--threads", type=at_least_one, default=None, help="torch intra-op threads of every contestant "
                                                               "(default: each run's threads: auto)")
     p.add_argument("--json", default=None, help="write the results and the machine description here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -228,12 +228,26 @@ class Contestant:
                    self.peak, chunk_size=chunk, extra=extra)
 
 
-def race(contestants: list[Contestant], rounds: int, warmup: int) -> None:
+def race(contestants: list[Contestant], rounds: int, warmup: int,
+         progress: Callable[[str], None] = lambda msg: None) -> None:
     """Runs every contestant's round ``t`` in turn (warm-up rounds untimed), so that a change of load
     on a shared machine hits all of them alike and their ratios stay meaningful."""
+    start = time.perf_counter()
     for t in range(warmup + rounds):
         for c in contestants:
             c.round(t, timed=t >= warmup)
+        kind = "warm-up" if t < warmup else "timed"
+        progress(f"  round {t + 1}/{warmup + rounds} ({kind}) of every contestant done, "
+                 f"{time.perf_counter() - start:.1f} s so far")
+
+
+def busy_warning(load_average: list[float] | None, cores: int) -> str | None:
+    """A warning when other jobs already load the machine (a load average over three quarters of the cores)."""
+    if not load_average or load_average[0] <= 0.75 * cores:
+        return None
+    return (f"warning: the machine is busy (load average {load_average[0]:.1f} on {cores} cores): seconds will be "
+            f"slow and noisy; the ratios stay comparable (rounds are interleaved). Default torch threads collapse "
+            f"under load: consider --threads 1.")
 
 
 def executor_overrides(executor: str) -> list[str]:
@@ -267,6 +281,9 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
 
     dev = resolve_device(device)  # a clear error for cuda on a machine without one
     info = machine(dev)
+    warning = busy_warning(info["load_average"], info["cpu_count"] or 1)
+    if warning:
+        progress(warning)
     results: list[dict[str, Any]] = []
     for name in workloads:
         w = WORKLOADS[name]
@@ -297,7 +314,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
                 contestants.append(Contestant(cfg, name, "bare", bp, rho))
         progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
         try:
-            race(contestants, n_rounds, n_warm)
+            race(contestants, n_rounds, n_warm, progress)
             rows = [c.row().summary(info["matmul_flops"]) for c in contestants]
         finally:
             for c in contestants:

@@ -9,12 +9,13 @@ from .augment import AUGMENTATIONS, apply_augmentation, cifar_augment, crop_flip
 from .dataset import Dataset, DatasetError
 from .datasets import DATASETS, dataset_options, load_dataset
 from .download import ChecksumError, DownloadError, download_file, file_checksum, verify_file
-from .partition import PARTITIONS, label_counts, partition, partition_params, plot_partition
+from .partition import (PARTITIONS, client_split, label_counts, partition, partition_params, plot_partition,
+                        split_name)
 from .sources import DatasetNotFoundError, cache_dir
 
 __all__ = [
     "AUGMENTATIONS", "ChecksumError", "DATASETS", "DatasetError", "DownloadError", "Dataset", "DatasetNotFoundError", "PARTITIONS",
-    "apply_augmentation", "cache_dir", "cifar_augment", "crop_flip", "dataset_options", "download_file",
-    "file_checksum", "label_counts", "load_dataset", "partition", "partition_params", "plot_partition",
-    "verify_file",
+    "apply_augmentation", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
+    "download_file", "file_checksum", "label_counts", "load_dataset", "partition", "partition_params",
+    "plot_partition", "split_name", "verify_file",
 ]

@@ -15,6 +15,9 @@ from typing import Callable
 
 import numpy as np
 
+from fedflat.config import ConfigError
+from fedflat.rng import SERVER, stream_seed
+
 __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
            "dirichlet_balanced", "pathological", "shards"]
 
@@ -199,6 +202,25 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int, **pa
     return PARTITIONS[scheme][0](labels, int(num_clients), np.random.default_rng(seed), **params)
 
 
+def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int,
+                 dataset: str = "the dataset") -> list[np.ndarray]:
+    """The split of a run: ``spec`` is its ``data.partition`` (``scheme`` and the scheme's parameters), drawn
+    from the run's keyed partition stream, so every command that rebuilds a run's split gets the same one.
+    A split these data cannot give is a :class:`ConfigError` naming the key to change."""
+    params = {k: v for k, v in spec.items() if k != "scheme"}
+    try:
+        return partition(labels, num_clients, spec["scheme"], seed=stream_seed(run_seed, -1, SERVER, "partition"),
+                         **params)
+    except ValueError as err:
+        raise ConfigError(f"data.partition ({spec['scheme']} on {dataset}): {err}") from None
+
+
+def split_name(spec: dict) -> str:
+    """``dirichlet-alpha0.1``: a partition and its parameters, fit for a file name."""
+    params = "-".join(f"{k}{v}" for k, v in sorted(spec.items()) if k != "scheme")
+    return "-".join(p for p in (str(spec["scheme"]), params) if p).replace("/", "_").replace(" ", "")
+
+
 def _check_params(scheme: str, params: dict[str, object]) -> None:
     valid = partition_params(scheme)
     described = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v}" for k, v in valid.items()) or "none"
@@ -230,6 +252,7 @@ def plot_partition(counts: np.ndarray, path: str | Path, title: str | None = Non
     """Write a heatmap PNG of ``counts`` (clients on x, classes on y) with a colorbar and a title."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     counts = np.asarray(counts)
     clients, classes = counts.shape
@@ -238,6 +261,8 @@ def plot_partition(counts: np.ndarray, path: str | Path, title: str | None = Non
     ax = fig.add_subplot()
     image = ax.imshow(counts.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
     fig.colorbar(image, ax=ax, label="samples")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # clients and classes are whole numbers
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("client")
     ax.set_ylabel("class")
     sizes = counts.sum(axis=1)

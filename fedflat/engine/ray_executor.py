@@ -305,7 +305,10 @@ def connect(ray, cfg: ExecutorConfig) -> bool:
                 options["_node_ip_address"] = host
             ray.init(address=cfg.address, **options)
         else:
-            ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, **options)
+            # Ray lowers its workers' priority (nice 15) by default, for a driver that schedules and waits;
+            # here the workers do the training, and at nice 15 any other job on a shared machine starves them.
+            ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, _system_config={"worker_niceness": 0},
+                     **options)
     except ConnectionError as err:
         raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
                           "`ray start --head` (docs/distributed.md) or leave executor.address unset") from None

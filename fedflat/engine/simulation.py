@@ -21,7 +21,7 @@ from torch import nn
 
 from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, RoundContext, TrainSettings, build_algorithm, payload_size
 from fedflat.config import Config, ConfigError
-from fedflat.data import Dataset, cifar_augment, load_dataset, partition
+from fedflat.data import Dataset, cifar_augment, client_split, load_dataset
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, step_flops
@@ -116,13 +116,8 @@ class Simulation:
         if dataset is None:
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
         self.dataset = dataset.to(self.device)
-        scheme_params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
-        labels = dataset.y_train.cpu().numpy()
-        try:
-            self.client_indices_np = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
-                                               seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **scheme_params)
-        except ValueError as err:  # the split cannot be made for these data: say which key to change
-            raise ConfigError(f"data.partition ({cfg.data.partition['scheme']} on {dataset.name}): {err}") from None
+        self.client_indices_np = client_split(dataset.y_train.cpu().numpy(), cfg.data.num_clients,
+                                              cfg.data.partition, cfg.seed, dataset.name)
         self.client_indices = [torch.as_tensor(ix, dtype=torch.long, device=self.device) for ix in self.client_indices_np]
         self.num_samples = torch.tensor([len(ix) for ix in self.client_indices_np], device=self.device)
         with torch.random.fork_rng(devices=[]):
@@ -245,10 +240,10 @@ class Simulation:
         task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
         result = self.executor.fit(broadcast, task, self.load_state).to(self.device)
         if not torch.isfinite(result.upload[TRAIN_LOSS]).all() or not torch.isfinite(result.upload[MODEL]).all():
-            raise Diverged(f"round {round}: non-finite local loss or model (try a smaller train.lr or algo radius)")
+            raise Diverged(f"round {round + 1}: non-finite local loss or model (try a smaller train.lr or algo radius)")
         w_new = algorithm.aggregate(ctx, result)
         if not torch.isfinite(w_new).all():
-            raise Diverged(f"round {round}: the global model became non-finite")
+            raise Diverged(f"round {round + 1}: the global model became non-finite")
         P = self.num_parameters
         down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
         up_vectors, up_bytes = payload_size({}, P, result.upload)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from fedflat.config import ConfigError
-from fedflat.experiments.rundir import RunDir, atomic_write_bytes, json_safe, read_jsonl
+from fedflat.experiments.rundir import RunDir, atomic_write_bytes, hold, json_safe, read_jsonl
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,10 +85,15 @@ def read_checkpoint(run_dir: str | Path) -> dict[str, Any] | None:
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # only reachable if the file was edited by hand: writes are atomic
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(err).__name__}: {err})") from None
-    if payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {payload.get('format')!r}, expected {FORMAT}")
+    except Exception as err:  # only reachable if the file was changed by something else: writes are atomic
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(err).__name__}: {err}); fedflat writes "
+                              f"checkpoints atomically, so something else changed it: restore it from a copy, or "
+                              f"move it away and `fedflat resume {run_dir}` runs the experiment again from round "
+                              f"0") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"{path}: checkpoint format {found!r}, expected {FORMAT}: resume it with the fedflat "
+                              f"version that wrote it, or move it away to run the experiment again from round 0")
     return payload
 
 
@@ -155,18 +160,72 @@ def load_run(run_dir: str | Path, *, config: "Config | None" = None, dataset: "D
     return sim
 
 
-def resume(run_dir: str | Path, *, progress: bool = True, config: "Config | None" = None,
-           dataset: "Dataset | None" = None, model_fn: "Callable[[], nn.Module] | None" = None) -> "History":
+# What a resume may change: none of them changes a result (rounds= only extends the run: the learning rate
+# decays per round, so an extended run equals one planned that long).
+RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor")
+
+
+def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
+           config: "Config | None" = None, dataset: "Dataset | None" = None,
+           model_fn: "Callable[[], nn.Module] | None" = None) -> "History":
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
-    apart from wall-clock fields (same engine, same machine). A completed run is returned as is.
+    apart from wall-clock fields (same engine, same machine). ``overrides`` may change only
+    :data:`RESUMABLE` keys (``rounds=`` to extend a run). A completed run with no more rounds to run is
+    returned as it is on disk: nothing in its folder is written.
     """
     from fedflat.api import run
 
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
-    return run(cfg, dataset=dataset, model_fn=model_fn, resume=run_dir, progress=progress)
+    if overrides:
+        cfg = _resumed_config(cfg, overrides, run_dir)
+    with hold(run_dir):  # a folder another process is writing is refused, finished or not
+        done = _completed_rounds(run_dir)
+        if done is not None and cfg.rounds < done:
+            raise CheckpointError(f"{run_dir} has completed {done} rounds: rounds={cfg.rounds} cannot shorten it "
+                                  f"(rounds= extends a run)")
+        if done is not None and cfg.rounds == done:
+            return _finished_history(run_dir, cfg, dataset, model_fn)
+        return run(cfg, dataset=dataset, model_fn=model_fn, resume=run_dir, progress=progress)
+
+
+def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...], run_dir: Path) -> "Config":
+    from fedflat.config import load_config, parse_override
+
+    for text in overrides:
+        key = parse_override(text)[0]
+        if key.split(".")[0] not in RESUMABLE:
+            raise ConfigError(f"{key}: a resume continues the run as it was configured; it can change only "
+                              f"{', '.join(RESUMABLE)} (start a new run to change {key})")
+    return load_config(None, overrides, base=cfg.model_dump())
+
+
+def _completed_rounds(run_dir: Path) -> int | None:
+    """The rounds of a run that completed, or None when it did not (or says nothing)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary.get("rounds") if summary.get("status") == "completed" else None
+
+
+def _finished_history(run_dir: Path, cfg: "Config", dataset: "Dataset | None",
+                      model_fn: "Callable[[], nn.Module] | None") -> "History":
+    """The :class:`History` of a completed run, read from its folder without writing to it."""
+    from fedflat.api import History
+    from fedflat.config import read_yaml
+
+    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn)
+    try:
+        return History(metrics=read_jsonl(run_dir / "metrics.jsonl"),
+                       summary=json.loads((run_dir / "summary.json").read_text()),
+                       config=read_yaml((run_dir / "config.yaml").read_text()),
+                       final_parameters=sim.w.detach().cpu().clone(), run_dir=run_dir,
+                       state_dict=sim.model.state_dict(sim.w))
+    finally:
+        sim.close()
 
 
 def metrics_equal(a: list[dict[str, Any]], b: list[dict[str, Any]],
@@ -176,7 +235,7 @@ def metrics_equal(a: list[dict[str, Any]], b: list[dict[str, Any]],
     return strip == [{k: v for k, v in m.items() if k not in ignore} for m in b]
 
 
-__all__ = ["CHECKPOINT", "CheckpointError", "checkpoint_path", "load_run", "make_payload", "metrics_equal",
+__all__ = ["CHECKPOINT", "CheckpointError", "checkpoint_path", "load_run", "make_payload", "metrics_equal", "RESUMABLE",
            "read_checkpoint", "read_jsonl", "remove_temporaries", "resume", "run_config", "save_checkpoint"]
 
 

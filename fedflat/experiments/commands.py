@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedflat.cliutil import at_least_one
+
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedflat.experiments.sweep import RayCells, load_sweep, run_sweep
@@ -38,7 +40,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedflat.experiments.checkpoint import CheckpointError, resume
 
     try:
-        history = resume(args.run_dir, progress=not args.no_progress)
+        history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)
     except CheckpointError as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
@@ -80,7 +82,7 @@ def register(sub) -> None:
     p = sub.add_parser("sweep", help="run a grid of experiments (reruns skip finished cells, resume unfinished)")
     p.add_argument("sweep", help="sweep YAML (see configs/ and docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every cell")
-    p.add_argument("--workers", type=int, default=1, help="cells run at once, each in its own process")
+    p.add_argument("--workers", type=at_least_one, default=1, help="cells run at once, each in its own process")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="ray: every cell a Ray task on a cluster (docs/distributed.md)")
     p.add_argument("--ray-address", default=None, help="with --backend ray: auto or HOST:PORT (default: a local Ray)")
@@ -95,6 +97,8 @@ def register(sub) -> None:
 
     p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
     p.add_argument("run_dir")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.*")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_resume)
 

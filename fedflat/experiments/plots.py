@@ -1,6 +1,7 @@
 """PNG figures of a report: convergence curves (mean ± std over seeds) per setting, partition heatmaps."""
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -8,11 +9,18 @@ import numpy as np
 
 from fedflat.experiments.report import Group, Run, group_runs
 
-_SAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
+_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def _slug(text: str) -> str:
-    return _SAFE.sub("_", text).strip("_") or "all"
+def _slug(text: str, limit: int = 60) -> str:
+    """A file-name part for a setting label: ``rounds=8 train.lr=3`` -> ``rounds8_train.lr3``; a label too long
+    is cut and keeps a short hash, so two settings never share a file."""
+    slug = _UNSAFE.sub("_", text.replace("=", "")).strip("_") or "all"
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[:limit].rstrip('_')}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
 def curve(runs: list[Run], key: str = "test_acc") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -39,14 +47,18 @@ def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     scale = 100.0 if key.endswith("acc") else 1.0
-    for g in groups:
+    for i, g in enumerate(groups):
+        # line style and marker as well as colour: methods that overlap stay distinguishable (and in grey print)
+        style = dict(linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)], markersize=4,
+                     linewidth=1.5)
         rounds, mean, std = curve(g.runs, key)
-        if len(rounds) == 0:
+        if len(rounds) == 0:  # diverged (or stopped) before its first evaluation: named, not silently dropped
+            ax.plot([], [], label=f"{g.method} (n={len(g.runs)}): no evaluated round", **style)
             continue
-        label = f"{g.method} (n={len(g.runs)})"
-        (line,) = ax.plot(rounds, scale * mean, label=label, linewidth=1.6)
+        (line,) = ax.plot(rounds, scale * mean, label=f"{g.method} (n={len(g.runs)})",
+                          markevery=max(1, len(rounds) // 12), **style)
         if len(g.runs) > 1:
-            ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), color=line.get_color(), alpha=0.2,
+            ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), color=line.get_color(), alpha=0.12,
                             linewidth=0)
     from matplotlib.ticker import MaxNLocator
 
@@ -66,16 +78,14 @@ def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str
 def partition_heatmap(run: Run, path: str | Path) -> Path:
     """The heatmap of the split ``run`` trained on (rebuilt from its config and seed)."""
     from fedflat.api import as_config
-    from fedflat.data import label_counts, load_dataset, partition, plot_partition
+    from fedflat.data import client_split, label_counts, load_dataset, plot_partition
     from fedflat.experiments.checkpoint import run_config
-    from fedflat.rng import SERVER, stream_seed
 
     cfg = as_config(run_config(run.path))
     data = load_dataset(cfg.data.name, root=cfg.data.root, download=False, **cfg.data.options)
     labels = data.y_train.cpu().numpy()
+    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name)
     params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
-    parts = partition(labels, cfg.data.num_clients, cfg.data.partition["scheme"],
-                      seed=stream_seed(cfg.seed, -1, SERVER, "partition"), **params)
     params_text = ", ".join(f"{k}={v}" for k, v in params.items())
     title = (f"{cfg.data.name}, {cfg.data.num_clients} clients, seed {cfg.seed}\n"
              f"{cfg.data.partition['scheme']}({params_text})")
@@ -93,7 +103,10 @@ def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc") -> 
     for setting, gs in settings.items():
         first = gs[0].runs[0]
         title = f"{first.config.get('data.name', '')}: {setting}"
-        written.append(plot_convergence(gs, out_dir / f"convergence-{_slug(setting)}.png", title, key))
+        if not any(len(curve(g.runs, key)[0]) for g in gs):
+            print(f"fedflat report: no convergence plot for '{setting}': no run has an evaluated round")
+        else:
+            written.append(plot_convergence(gs, out_dir / f"convergence-{_slug(setting)}.png", title, key))
         try:
             written.append(partition_heatmap(min((r for g in gs for r in g.runs), key=lambda r: r.seed or 0),
                                              out_dir / f"partition-{_slug(setting)}.png"))

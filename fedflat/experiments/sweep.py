@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve
+from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve, suggest
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.rundir import LOCK, RunFolderBusy, atomic_write_text, hold, json_safe, read_jsonl
 
@@ -155,6 +155,7 @@ def _parse_overrides(items: Any, where: str) -> list[tuple[str, Any]]:
 
 
 SWEEP_KEYS = {"base", "config", "overrides", "grid", "out", "variants"}
+VARIANT_KEYS = {"overrides", "grid", "out"}
 
 
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
@@ -166,10 +167,9 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
     spec = _read_yaml(path.read_text()) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    unknown = set(spec) - SWEEP_KEYS
-    if unknown:
-        raise ConfigError(f"{path}: unknown sweep keys {sorted(unknown)}; allowed: {sorted(SWEEP_KEYS)} "
-                          "(config keys go under 'config:' or 'overrides:')")
+    for key in sorted(set(spec) - SWEEP_KEYS, key=str):
+        raise ConfigError(f"{path}: unknown sweep key '{key}'{suggest(str(key), sorted(SWEEP_KEYS))}; allowed: "
+                          f"{', '.join(sorted(SWEEP_KEYS))} (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
         base_path = _base_path(path, str(spec["base"]))
@@ -184,9 +184,9 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
         if variant not in variants:
             raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
         v = variants[variant] or {}
-        bad = set(v) - {"overrides", "grid", "out"}
-        if bad:
-            raise ConfigError(f"{path}: variant '{variant}': unknown keys {sorted(bad)}")
+        for key in sorted(set(v) - VARIANT_KEYS, key=str):
+            raise ConfigError(f"{path}: variant '{variant}': unknown key '{key}'"
+                              f"{suggest(str(key), sorted(VARIANT_KEYS))}; allowed: {', '.join(sorted(VARIANT_KEYS))}")
         overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
         grid = {**grid, **(v.get("grid") or {})}
         sweep_out = v.get("out") or f"{sweep_out}-{variant}"
@@ -322,7 +322,9 @@ class RayCells:
 
 def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCells | None = None) -> SweepResult:
     """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
-    from tqdm.auto import tqdm
+    if workers < 1:
+        raise ConfigError(f"sweep workers must be at least 1, got {workers}")
+    from fedflat.progress import progress_bar
 
     cells = sweep.cells()
     sweep.out.mkdir(parents=True, exist_ok=True)
@@ -332,8 +334,8 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCel
             results[cell.name] = {"status": "failed", "reason": cell.error, "action": "invalid config"}
     todo = [c for c in cells if c.name not in results]
     _write_index(sweep, cells, results)
-    bar = tqdm(total=len(cells), initial=len(results), desc="cells", unit="cell", disable=not progress,
-               dynamic_ncols=True, position=0)
+    bar = progress_bar(total=len(cells), initial=len(results), desc="cells", unit="cell", enabled=progress,
+                       dynamic_ncols=True, position=0)
 
     def record(cell: Cell, result: dict[str, Any]) -> None:
         results[cell.name] = result

@@ -45,7 +45,7 @@ def register(subparsers) -> None:
         if name in _SKIP:
             continue
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_value, default=argparse.SUPPRESS,
-                       help=f"{field.description or name} (default from the run's config: {field.default})")
+                       help=f"{field.description or name} (default: the run's diagnostics.{name})")
     p.set_defaults(func=cmd_analyze)
 
 

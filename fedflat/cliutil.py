@@ -1,0 +1,45 @@
+"""What every ``fedflat`` subcommand's parser shares: plain help text and argument types."""
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def plain_text(doc: str | None) -> str | None:
+    """A docstring as a terminal shows it: reST roles and literals (``x``, :class:`X`, **bold**) unwrapped."""
+    if doc is None:
+        return None
+    doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "").replace("**", "")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their paragraphs; an option's default is shown once, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" not in text and action.default not in (None, False, [], argparse.SUPPRESS)
+                and action.option_strings and action.nargs != 0):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with fedflat's help formatting (subcommands' parsers too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        if "description" in kwargs:
+            kwargs["description"] = plain_text(kwargs["description"])
+        super().__init__(*args, **kwargs)
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
