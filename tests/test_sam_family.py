@@ -81,6 +81,19 @@ def test_fedvssam_with_unit_mixing_is_fedsam(tiny):
     close(base_recipe.final_parameters, sam.final_parameters)
 
 
+def test_fedvssam_with_unit_mixing_is_fedsam_for_unequal_local_steps(tiny):
+    """Dirichlet client sizes and local epochs: the clients take different E_i, and (16) with gamma = 1 still
+    gives FedSAM's step; the first reconstruction (scale=client, weights Ebar/E_i) does not."""
+    base = ("data.partition=dirichlet", "data.partition.alpha=0.3", "train.local_epochs=2", "train.batch_size=7",
+            "rounds=3")
+    sam = run(tiny("algo=fedsam", "algo.rho=0.05", *base))
+    steps = Simulation(tiny("algo=fedsam", *base)).new_context(0).steps
+    assert len(set(steps.tolist())) > 1  # the premise: unequal E_i
+    close(run(tiny("algo=fedvssam-base", "algo.rho=0.05", *base)).final_parameters, sam.final_parameters)
+    per_client = run(tiny("algo=fedvssam-base", "algo.rho=0.05", "algo.scale=client", *base))
+    assert (per_client.final_parameters - sam.final_parameters).abs().max() > 1e-3
+
+
 def test_fedgamma_with_zero_radius_is_scaffold(tiny):
     gamma = run(tiny("algo=fedgamma", "algo.rho=0"))
     scaffold = run(tiny("algo=scaffold"))
