@@ -5,20 +5,26 @@ Server state: momentum ``m`` (``Gbar`` of the previous round, 0 at round 0), SCA
 ``c_i`` and the momentum factor ``a`` (init 0.1).
 
 - Personalized momentum (seed 001 eq. 1-2): ``m_i = m + (c - c_i) a / (1 - a)``.
-- Momentum-guided perturbation: the inferred global trajectory ``xhat_k = w^t - k eta_l m_i``,
-  ``d_k = xhat_k - w_{i,k}``, ``eps_k = rho d_k / ||d_k||`` (``eps_0 = 0``); no extra backprop.
+- Momentum-guided perturbation (the authors' formula, README/poster C1: ``delta = (x_r + b Delta_r^(k)) - x_{b,k}``,
+  ``g = grad L(x + rho delta/||delta||)``; §4.1(b): the global model's position is inferred "by adding the momentum
+  to the received model"): ``xhat_k = w^t + k m_i``, ``d_k = xhat_k - w_{i,k}``, ``eps_k = rho d_k / ||d_k||``
+  (``eps_0 = 0``); no extra backprop. Since ``m_i`` is gradient-scale, ``eps_k`` points almost along ``+m_i``: the
+  SAM ascent along the momentum's estimate of the global gradient.
 - Local direction ``a g(w_{i,k} + eps_k) + (1 - a) m_i`` (``= a (g + c - c_i) + (1 - a) m``).
 - After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed and kept by the server: no extra upload);
-  ``s_i = cos(G_i, m)``; ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)`` (eq. 3-4);
-  FedAvg server, then ``m = Gbar``.
+  ``s_i = cos(Delta_i, m) + 1`` (the authors' code; eq. 3's formula is lost in our text, and this is the quantity
+  that rises and settles as App. B describes); ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)``
+  (eq. 3-4); FedAvg server, then ``m = Gbar``.
 
 Ablations (seed 001 Table 5): ``personalized`` (off: ``m_i = m``), ``guided`` (off: ``eps = 0``),
 ``adaptive`` (off: ``a`` fixed). With all three off FedWMSAM is FedCM with ``a`` = ``algo.a``.
 
-Public-code options: ``sign: code`` perturbs along ``-d_k`` (the public code's ``e_w = -g_update * scale``),
-``similarity: code`` uses its ``cos(Delta_i, m) + 1`` (``= 1 - cos(G_i, m)``). The public code's other
-deviations are NOT reproduced: it moves its target by ``+m`` per step (no ``-eta_l``) and, like the
-FedLESAM code, indexes the flat direction per tensor (one scalar shift per tensor).
+Options kept from earlier readings: ``target: descent`` is the first reconstruction's trajectory
+``xhat_k = w^t - k eta_l m_i`` (the spec's; ``eps`` then has cos -0.40 with ``m_i`` where the authors' has +0.99);
+``sign: code`` perturbs along ``-d_k``, as the public code's ``e_w = -g_update * scale`` does against its own README;
+``similarity: gradient`` uses ``cos(G_i, m) = 1 - (cos(Delta_i, m) + 1)``, which falls over training. Not
+reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
+tensor).
 """
 from __future__ import annotations
 
@@ -60,7 +66,8 @@ class WMSAMParams(PartParams):
     a_max: float = Field(0.9, gt=0, lt=1)
     personalized: bool = Field(True, description="ablation: personalized momentum m_i (off: m_i = m)")
     adaptive: bool = Field(True, description="ablation: cosine-adaptive a (off: a fixed)")
-    similarity: Literal["paper", "code"] = Field("paper", description="paper: cos(G_i, m); code: cos(Delta_i, m) + 1")
+    similarity: Literal["update", "gradient"] = Field(
+        "update", description="update: cos(Delta_i, m) + 1 (the authors' code; rises); gradient: cos(G_i, m) (falls)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "WMSAMParams":
@@ -121,7 +128,7 @@ class WeightedMomentum(Correction):
         server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], (c_plus - c_i).sum(0),
                                                          ctx.settings.num_clients)
         if self.p.adaptive:
-            if self.p.similarity == "code":
+            if self.p.similarity == "update":
                 s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
             else:
                 s = cosine_rows(ctx.pseudo_gradients, server[MOMENTUM])
@@ -138,18 +145,20 @@ class WeightedMomentum(Correction):
 class GuidedParams(PartParams):
     rho: float = Field(0.01, ge=0, description="perturbation radius")
     guided: bool = Field(True, description="ablation: momentum-guided SAM (off: eps = 0)")
+    target: Literal["momentum", "descent"] = Field(
+        "momentum", description="momentum: xhat_k = w^t + k m_i (the authors' formula); descent: w^t - k eta_l m_i")
     sign: Literal["paper", "code"] = Field("paper", description="code: perturb along -d_k as the public code does")
 
 
 class MomentumGuidedPerturbation(Perturbation):
-    """``eps_k = rho d_k/||d_k||``, ``d_k = (w_start - k eta_l m_i) - w_{i,k}`` (seed 001 §4.1(b)).
+    """``eps_k = rho d_k/||d_k||``, ``d_k = (w_start + k m_i) - w_{i,k}`` (seed 001 §4.1(b), README C1).
 
     ``m_i`` is the personalized momentum when the correction provides one (``wmsam``), otherwise
     the server momentum ``m`` (e.g. FedCM's ``momentum`` correction).
     """
 
     name = "wmsam"
-    summary = "FedWMSAM: eps = rho d/||d||, d = (w^t - k eta_l m_i) - w_k, the inferred global trajectory (no extra backprop)"
+    summary = "FedWMSAM: eps = rho d/||d||, d = (w^t + k m_i) - w_k, the inferred global trajectory (no extra backprop)"
     Params = GuidedParams
     requires = frozenset({MOMENTUM})
 
@@ -159,7 +168,8 @@ class MomentumGuidedPerturbation(Perturbation):
         m_i = cohort.extra.get(PERSONAL_MOMENTUM)
         if m_i is None:
             m_i = ctx.server[MOMENTUM]
-        d = (ctx.w_start - k * ctx.lr * m_i) - W
+        step = m_i if self.p.target == "momentum" else -ctx.lr * m_i
+        d = (ctx.w_start + k * step) - W
         return normalize_rows(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
 
     def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
