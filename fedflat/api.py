@@ -1,11 +1,11 @@
 """The Python API: ``fedflat.run(config) -> History``."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import time
 from contextlib import ExitStack
-import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path

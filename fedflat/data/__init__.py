@@ -14,7 +14,8 @@ from .partition import (PARTITIONS, client_split, label_counts, partition, parti
 from .sources import DatasetNotFoundError, cache_dir
 
 __all__ = [
-    "AUGMENTATIONS", "ChecksumError", "DATASETS", "DatasetError", "DownloadError", "Dataset", "DatasetNotFoundError", "PARTITIONS",
+    "AUGMENTATIONS", "ChecksumError", "DATASETS", "Dataset", "DatasetError", "DatasetNotFoundError", "DownloadError",
+    "PARTITIONS",
     "apply_augmentation", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
     "download_file", "file_checksum", "label_counts", "load_dataset", "partition", "partition_params",
     "plot_partition", "split_name", "verify_file",

@@ -180,18 +180,19 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
     if overrides:
-        cfg = _resumed_config(cfg, overrides, run_dir)
+        cfg = _resumed_config(cfg, overrides)
     with hold(run_dir):  # a folder another process is writing is refused, finished or not
-        done = _completed_rounds(run_dir)
+        completed = _completed_summary(run_dir)
+        done = completed["rounds"] if completed is not None else None
         if done is not None and cfg.rounds < done:
             raise CheckpointError(f"{run_dir} has completed {done} rounds: rounds={cfg.rounds} cannot shorten it "
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
-            return _finished_history(run_dir, cfg, dataset, model_fn)
+            return _finished_history(run_dir, completed, cfg, dataset, model_fn)
         return run(cfg, dataset=dataset, model_fn=model_fn, resume=run_dir, progress=progress)
 
 
-def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...], run_dir: Path) -> "Config":
+def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...]) -> "Config":
     from fedflat.config import load_config, parse_override
 
     for text in overrides:
@@ -202,16 +203,16 @@ def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...], run_d
     return load_config(None, overrides, base=cfg.model_dump())
 
 
-def _completed_rounds(run_dir: Path) -> int | None:
-    """The rounds of a run that completed, or None when it did not (or says nothing)."""
+def _completed_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a run that completed, or None when it did not (or says nothing)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    return summary.get("rounds") if summary.get("status") == "completed" else None
+    return summary if summary.get("status") == "completed" and "rounds" in summary else None
 
 
-def _finished_history(run_dir: Path, cfg: "Config", dataset: "Dataset | None",
+def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: "Config", dataset: "Dataset | None",
                       model_fn: "Callable[[], nn.Module] | None") -> "History":
     """The :class:`History` of a completed run, read from its folder without writing to it."""
     from fedflat.api import History
@@ -219,8 +220,7 @@ def _finished_history(run_dir: Path, cfg: "Config", dataset: "Dataset | None",
 
     sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn)
     try:
-        return History(metrics=read_jsonl(run_dir / "metrics.jsonl"),
-                       summary=json.loads((run_dir / "summary.json").read_text()),
+        return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),
                        final_parameters=sim.w.detach().cpu().clone(), run_dir=run_dir,
                        state_dict=sim.model.state_dict(sim.w))
@@ -235,7 +235,7 @@ def metrics_equal(a: list[dict[str, Any]], b: list[dict[str, Any]],
     return strip == [{k: v for k, v in m.items() if k not in ignore} for m in b]
 
 
-__all__ = ["CHECKPOINT", "CheckpointError", "checkpoint_path", "load_run", "make_payload", "metrics_equal", "RESUMABLE",
+__all__ = ["CHECKPOINT", "RESUMABLE", "CheckpointError", "checkpoint_path", "load_run", "make_payload", "metrics_equal",
            "read_checkpoint", "read_jsonl", "remove_temporaries", "resume", "run_config", "save_checkpoint"]
 
 

@@ -37,13 +37,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from fedflat.experiments.checkpoint import CheckpointError, resume
+    from fedflat.experiments.checkpoint import resume
 
-    try:
-        history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)
-    except CheckpointError as err:
-        print(f"fedflat: {err}", file=sys.stderr)
-        return 2
+    history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)  # errors: cli.main
     s = history.summary
     print(f"run folder: {history.run_dir}")
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))

@@ -158,6 +158,14 @@ SWEEP_KEYS = {"base", "config", "overrides", "grid", "out", "variants"}
 VARIANT_KEYS = {"overrides", "grid", "out"}
 
 
+def _refuse_unknown(spec: dict[str, Any], allowed: set[str], what: str, hint: str = "") -> None:
+    """A key of ``spec`` outside ``allowed`` is a ConfigError naming it, the closest allowed key, and the rest."""
+    unknown = sorted(map(str, set(spec) - allowed))
+    if unknown:
+        raise ConfigError(f"{what} '{unknown[0]}'{suggest(unknown[0], sorted(allowed))}; allowed: "
+                          f"{', '.join(sorted(allowed))}{hint}")
+
+
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
@@ -167,9 +175,8 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
     spec = _read_yaml(path.read_text()) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    for key in sorted(set(spec) - SWEEP_KEYS, key=str):
-        raise ConfigError(f"{path}: unknown sweep key '{key}'{suggest(str(key), sorted(SWEEP_KEYS))}; allowed: "
-                          f"{', '.join(sorted(SWEEP_KEYS))} (config keys go under 'config:' or 'overrides:')")
+    _refuse_unknown(spec, SWEEP_KEYS, f"{path}: unknown sweep key",
+                    " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
         base_path = _base_path(path, str(spec["base"]))
@@ -184,9 +191,7 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
         if variant not in variants:
             raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
         v = variants[variant] or {}
-        for key in sorted(set(v) - VARIANT_KEYS, key=str):
-            raise ConfigError(f"{path}: variant '{variant}': unknown key '{key}'"
-                              f"{suggest(str(key), sorted(VARIANT_KEYS))}; allowed: {', '.join(sorted(VARIANT_KEYS))}")
+        _refuse_unknown(v, VARIANT_KEYS, f"{path}: variant '{variant}': unknown key")
         overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
         grid = {**grid, **(v.get("grid") or {})}
         sweep_out = v.get("out") or f"{sweep_out}-{variant}"
