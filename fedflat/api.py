@@ -347,6 +347,6 @@ class _Runner:
 
     def history(self) -> History:
         return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
-                       final_parameters=self.sim.w.detach().clone(),
+                       final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
                        state_dict=self.sim.model.state_dict(self.sim.w))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
@@ -127,6 +128,9 @@ class DiagnosticsConfig(Section):
     layer: str | None = Field(None, description="parameter tensor of the PCA scatters (default: the first)")
 
 
+DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
+
+
 class Config(Section):
     name: str | None = Field(None, description="a label for the run folder")
     seed: int = 0
@@ -142,7 +146,10 @@ class Config(Section):
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     engine: Literal["auto", "sequential", "vectorized"] = "auto"
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
+    device: str = Field(default_factory=lambda: os.environ.get(DEVICE_ENV, "cpu"),
+                        description=f"cpu, cuda, cuda:N or auto (default: ${DEVICE_ENV}, else cpu)")
+    tf32: bool = Field(False, description="on CUDA, matrix products and convolutions in TF32 (10-bit mantissa "
+                                          "products, float32 sums): faster, about 1e-3 relative error per product")
     threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
         "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
                             "cores; fedflat/engine/threads.py), a number, or null for torch's own choice")

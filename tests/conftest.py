@@ -1,10 +1,35 @@
 """Shared fixtures: tiny synthetic configs that train in well under a second."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from fedflat.config import load_config
+from fedflat.config import DEVICE_ENV, load_config
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None,
+                     help="device of every config that names none (cpu, cuda): `pytest --device cuda` runs the "
+                          "device-independent tests on a GPU")
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    if device:
+        os.environ[DEVICE_ENV] = device
+
+
+def pytest_collection_modifyitems(config, items):
+    """On ``--device cuda``, tests marked ``cpu_only`` (why: in the marker) are skipped."""
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    if device == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker:
+            item.add_marker(pytest.mark.skip(reason=f"cpu_only: {marker.args[0] if marker.args else ''}"))
 
 
 def tiny_tree(**extra) -> dict:

@@ -62,7 +62,8 @@ def test_unknown_workload_or_engine_is_an_error():
 
 def test_bench_reports_progress_per_round_and_warns_on_a_busy_machine(monkeypatch):
     lines: list[str] = []
-    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.0, 6.0))  # other jobs on the machine
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.0, 6.0))  # other jobs on a 2-core machine
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     bench(["tiny"], ["fedavg"], ["sequential"], rounds=2, warmup=1, threads=1, progress=lines.append)
     assert lines[0].startswith("warning: the machine is busy (load average 7.5")
     rounds = [line for line in lines if "of every contestant done" in line]

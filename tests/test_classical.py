@@ -90,10 +90,10 @@ def _toy_data() -> Dataset:
 def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: dict) -> dict:
     """Runs ``method`` from the spec's equations in float64, drawing the same clients and batches as ``sim``
     (a fresh simulation; its sampler and batch schedules are the engine's keyed random streams)."""
-    X, y = sim.dataset.x_train.double().numpy(), sim.dataset.y_train.numpy()
+    X, y = sim.dataset.x_train.double().cpu().numpy(), sim.dataset.y_train.cpu().numpy()
     N, classes = sim.cfg.data.num_clients, sim.dataset.num_classes
     wd, clip = train["weight_decay"], train["clip"]
-    w = sim.w.double().numpy().copy()
+    w = sim.w.double().cpu().numpy().copy()
     zero = np.zeros_like(w)
     c, h, m, v = zero.copy(), zero.copy(), zero.copy(), zero.copy()
     c_i: dict[int, np.ndarray] = {}
@@ -111,7 +111,7 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
             ci, hi = c_i.get(i, zero), h_i.get(i, zero)
             wk, losses = start.copy(), []
             for idx in batches:
-                idx = idx.numpy()
+                idx = idx.cpu().numpy()
                 loss, g = softmax_regression(wk, X[idx], y[idx], classes)
                 losses.append(loss)
                 g = g + wd * wk
@@ -136,7 +136,7 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
             if method == "feddyn":
                 h_i[i] = hi - hp["alpha"] * (wk - start)
             if method == "qfedavg":
-                local = sim.client_indices[i].numpy()
+                local = sim.client_indices[i].cpu().numpy()
                 F.append(softmax_regression(w, X[local], y[local], classes)[0])
             finals.append(wk)
             mean_losses.append(np.mean(losses))
@@ -215,15 +215,15 @@ def _check_against_reference(method: str, engine: str, **train) -> None:
     for t in range(config.rounds):
         sim.run_round(t)
     tol = {"rtol": 1e-4, "atol": 1e-5}
-    np.testing.assert_allclose(sim.w.numpy(), expected["w"], **tol)
+    np.testing.assert_allclose(sim.w.cpu().numpy(), expected["w"], **tol)
     for where, key, ref in STATE.get(method, []):
         if where == "server":
-            np.testing.assert_allclose(sim.server[key].numpy(), expected[ref], **tol)
+            np.testing.assert_allclose(sim.server[key].cpu().numpy(), expected[ref], **tol)
         else:
             ids = sorted(expected[ref])
             values, present = sim.store.get(key, torch.tensor(ids))
             assert present.all() and sim.store.count(key) == len(ids)
-            np.testing.assert_allclose(values.numpy(), np.stack([expected[ref][i] for i in ids]), **tol)
+            np.testing.assert_allclose(values.cpu().numpy(), np.stack([expected[ref][i] for i in ids]), **tol)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -306,7 +306,7 @@ def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
     data, config = _heterogeneous_logreg()
     sim = Simulation(load_config(None, base=config), dataset=data)
     assert [len(ix) for ix in sim.client_indices] == [30] * 4
-    w_star = _global_minimizer(data, sim.w, 0.01)
+    w_star = _global_minimizer(data, sim.w.cpu(), 0.01)
     distance = {}
     for name, rounds in (("fedavg", 50), ("scaffold", 150), ("feddyn", 80)):  # FedAvg's fixed point: ~50 rounds
         run = {**config, "rounds": rounds, "eval": {"every": rounds}, "algo": {"name": name}}

@@ -44,7 +44,7 @@ def test_one_sam_step_equals_hand_computation(rho):
     X, y, data = _linear_problem()
     hist = fedflat.run(_one_client_config({"name": "fedsam", "rho": rho}), dataset=data, save=False, progress=False)
     sim_w0 = Simulation(fedflat.load_config(None, base=_one_client_config({"name": "fedsam", "rho": rho})),
-                        dataset=data).w.numpy()
+                        dataset=data).w.cpu().numpy()
     W, b = sim_w0[:6].reshape(2, 3), sim_w0[6:]
     gW, gb = softmax_regression_grad(W, b, X, y)
     norm = np.sqrt((gW ** 2).sum() + (gb ** 2).sum())

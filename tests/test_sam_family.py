@@ -348,7 +348,7 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
                           "sampling.clients_per_round=4"))
     hand = Hand(sim)
     seed = sim.cfg.seed
-    w, u = sim.w.clone(), torch.zeros(d)
+    w, u = sim.w.clone(), torch.zeros(d, device=sim.w.device)
     x, y = sim.dataset.x_train, sim.dataset.y_train
     for t in range(2):
         lr, ids = sim.lr_at(t), _sampled(sim, t)
@@ -364,7 +364,7 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
             radii.append(rho_i)
             finals.append(hand.local(w, i, lr, perturb=lambda k, wk, i=i, r=rho_i: hand.sam_eps(wk, i, r)))
             weights.append(len(sim.client_indices[i]) / (1 + gamma * h_adj) * max(0.0, 1 + beta * float(c)))
-        S = torch.tensor(weights)
+        S = torch.tensor(weights, device=w.device)
         deltas = torch.stack(finals) - w
         if clustering:
             Z = summarize(deltas, d, seed)
@@ -385,7 +385,7 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
         return out
     sim.algorithm.parts["aggregation"].weights = spy
     sim.run_round(1)
-    close(seen["scam.radius"], torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in radii]))
+    close(seen["scam.radius"], torch.stack([torch.as_tensor(r, dtype=torch.float32, device=w.device) for r in radii]))
     close(seen["weights"], p.float())
     c = seen["scam.c"]
     assert float(c.abs().max()) > 0  # round 1 is aligned against a non-zero u

@@ -33,12 +33,13 @@ def _layout_segments(ctx: ClientContext, eps: torch.Tensor) -> list[torch.Tensor
 
 
 def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
-                    keep: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+                    keep: Callable[[int, int], torch.Tensor | None]) -> torch.Tensor:
     """Applies a coefficient mask per tensor: ``iRFFT(mask * rFFT(v_l), n = len(v_l))``.
 
     ``keep(j, F)`` is the boolean mask over the ``F`` rFFT coefficients of segment ``j`` (shape
-    ``[F]`` or ``[C, F]``). Segments whose mask keeps everything are copied untouched, so the
-    rest of the spectrum (and of the vector) is exactly unchanged.
+    ``[F]`` or ``[C, F]``), or None where it keeps everything: such segments are copied untouched, so
+    the rest of the spectrum (and of the vector) is exactly unchanged. (None is decided on the host from
+    the number of removed coefficients, so no step waits for the GPU to inspect a mask.)
     """
     out = eps.clone()
     offset = 0
@@ -46,7 +47,7 @@ def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
         n = seg.shape[-1]
         F = n // 2 + 1
         mask = keep(j, F)
-        if not bool(mask.all()):
+        if mask is not None:
             V = torch.fft.rfft(seg, dim=-1)
             out[..., offset:offset + n] = torch.fft.irfft(V * mask.to(V.real.dtype), n=n, dim=-1)
         offset += n
@@ -61,8 +62,9 @@ class LowFrequencyFilter(Filter):
     Params = SpectrumParams
 
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        def keep(_: int, F: int) -> torch.Tensor:
-            return torch.arange(F, device=eps.device) >= int(self.p.r * F)
+        def keep(_: int, F: int) -> torch.Tensor | None:
+            removed = int(self.p.r * F)
+            return torch.arange(F, device=eps.device) >= removed if removed else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
 
 
@@ -74,8 +76,9 @@ class HighFrequencyFilter(Filter):
     Params = SpectrumParams
 
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        def keep(_: int, F: int) -> torch.Tensor:
-            return torch.arange(F, device=eps.device) < F - int(self.p.r * F)
+        def keep(_: int, F: int) -> torch.Tensor | None:
+            removed = int(self.p.r * F)
+            return torch.arange(F, device=eps.device) < F - removed if removed else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
 
 
@@ -113,8 +116,8 @@ class RandomFrequencyFilter(Filter):
         for n in ctx.settings.layout.numels:
             bounds.append(bounds[-1] + n // 2 + 1)
 
-        def keep(j: int, F: int) -> torch.Tensor:
-            return keep_all[:, bounds[j]:bounds[j + 1]]
+        def keep(j: int, F: int) -> torch.Tensor | None:
+            return keep_all[:, bounds[j]:bounds[j + 1]] if int(self.p.r * F) else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
 
 

@@ -62,7 +62,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 
 
 _MEASURING = ("BareLoop", "Contestant", "Row", "bench", "executor_overrides", "flops_per_sample", "format_table",
-              "machine", "matmul_flops", "race", "round_samples")
+              "machine", "matmul_flops", "profile_round", "race", "round_samples")
 
 
 def __getattr__(name: str):
@@ -86,7 +86,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench(_split(args.workload), _split(args.algos), _split(args.engines), args.rounds, args.warmup,
                    args.device, args.threads, tuple(args.overrides),
                    progress=(lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True)),
-                   executors=tuple(_split(args.executors)))
+                   executors=tuple(_split(args.executors)), profile=args.profile)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -110,5 +110,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=at_least_one, default=None, help="torch intra-op threads of every contestant "
                                                               "(default: each run's threads: auto)")
     p.add_argument("--json", default=None, help="write the results and the machine description here")
+    p.add_argument("--profile", default=None, metavar="DIR", help="profile one more round of every contestant "
+                                                                  "(torch.profiler) and write its table to DIR")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)

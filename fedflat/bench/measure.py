@@ -19,8 +19,11 @@ from fedflat.engine.threads import torch_threads
 
 # ----------------------------------------------------------------------------- the machine
 
-def matmul_flops(device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
-    """This machine's float32 matmul FLOP/s (``n x n`` products for about ``seconds``)."""
+def matmul_flops(device: torch.device, n: int | None = None, seconds: float = 0.5) -> float:
+    """This machine's float32 matmul FLOP/s (``n x n`` products for about ``seconds``; n = 1024 on CPU,
+    8192 on a GPU, whose peak smaller products do not reach). On CUDA the products are TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32`` is set."""
+    n = n or (8192 if device.type == "cuda" else 1024)
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     for _ in range(3):
         a @ b
@@ -48,7 +51,19 @@ def machine(device: torch.device) -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "matmul_flops": matmul_flops(device)}
+            "matmul_flops": matmul_flops(device), **_tf32_peak(device)}
+
+
+def _tf32_peak(device: torch.device) -> dict[str, float]:
+    """On CUDA, also the TF32 tensor-core matmul rate (the peak of runs with ``tf32=true``)."""
+    if device.type != "cuda":
+        return {}
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return {"matmul_flops_tf32": matmul_flops(device)}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _sync(device: torch.device) -> None:
@@ -218,7 +233,10 @@ class Contestant:
         per_round = statistics.mean(self.samples)
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
-        extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads}
+        extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
+                                 "tf32": self.cfg.tf32 and self.sim.device.type == "cuda"}
+        if self.engine == "vectorized" and self.executor == "local":
+            extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round
             extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start and data
             extra["ray_init_seconds"] = self.sim.executor.connect_seconds  # Ray itself (0 when already up)
@@ -239,6 +257,26 @@ def race(contestants: list[Contestant], rounds: int, warmup: int,
         kind = "warm-up" if t < warmup else "timed"
         progress(f"  round {t + 1}/{warmup + rounds} ({kind}) of every contestant done, "
                  f"{time.perf_counter() - start:.1f} s so far")
+
+
+def profile_round(contestant: Contestant, t: int, folder: str) -> str:
+    """Profiles round ``t`` of a contestant with ``torch.profiler`` (CPU, and CUDA kernels on a GPU) and
+    writes the operators' table, sorted by device time on a GPU and by CPU time otherwise, to
+    ``folder/<workload>-<algo>-<engine>.txt``; returns the path."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = contestant.sim.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_threads(contestant.sim.threads), profile(activities=activities) as prof:
+        contestant.runner(t)
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path = Path(folder) / f"{contestant.workload}-{contestant.algo}-{contestant.engine}.txt".replace("@", "-at-")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+    return str(path)
 
 
 def busy_warning(load_average: list[float] | None, cores: int) -> str | None:
@@ -265,10 +303,12 @@ def executor_overrides(executor: str) -> list[str]:
 
 def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: int, warmup: int = 1,
           device: str = "cpu", threads: int | None = None, overrides: tuple[str, ...] = (),
-          progress: Callable[[str], None] = print, executors: tuple[str, ...] = ("local",)) -> dict[str, Any]:
+          progress: Callable[[str], None] = print, executors: tuple[str, ...] = ("local",),
+          profile: str | None = None) -> dict[str, Any]:
     """Runs the bench and returns ``{"machine": ..., "results": [...]}`` with fedflat/bare ratios.
 
-    ``executors``: ``local`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally)."""
+    ``executors``: ``local`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally).
+    ``profile``: a folder; one more round of every contestant is profiled there (:func:`profile_round`)."""
     from fedflat.algorithms import build_algorithm
 
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -315,7 +355,9 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
         progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
         try:
             race(contestants, n_rounds, n_warm, progress)
-            rows = [c.row().summary(info["matmul_flops"]) for c in contestants]
+            rows = [_summary(c.row(), info) for c in contestants]
+            for c in contestants if profile else ():
+                progress(f"  profile: {profile_round(c, n_warm + n_rounds, profile)}")
         finally:
             for c in contestants:
                 c.sim.close()
@@ -325,6 +367,11 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
                                           "executors": list(executors),
                                           "rounds": rounds, "warmup": warmup, "threads": threads or "auto"},
             "workloads": {n: WORKLOADS[n].description for n in workloads}, "results": results}
+
+
+def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
+    """A row's summary, its FLOP/s against the matmul peak of its own precision (TF32 or float32)."""
+    return row.summary(info["matmul_flops_tf32"] if row.extra.get("tf32") else info["matmul_flops"])
 
 
 def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
@@ -345,7 +392,8 @@ def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
 def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [f"machine: {m['cpu']} ({m['cpu_count']} CPUs), {m['gpu'] or 'no GPU'}, torch {m['torch']}, "
-             f"threads {report['settings']['threads']}, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+             f"threads {report['settings']['threads']}, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s"
+             + (f" ({m['matmul_flops_tf32'] / 1e9:.0f} in TF32)" if "matmul_flops_tf32" in m else "") + ", "
              f"load {m['load_average']}"]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
             f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7}")

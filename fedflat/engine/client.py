@@ -27,24 +27,38 @@ def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
 
 
 class ClientBatches:
-    """Each sampled client's batch schedule for the round, drawn from its own (seed, round, client) stream."""
+    """Each sampled client's batch schedule for the round, drawn from its own (seed, round, client) stream.
+
+    Schedules are drawn on the host (CPU generators, CPU copies of the clients' indices) and sent to the
+    data's device in one copy per call, so a GPU round waits for the host once, not once per client epoch."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, client_indices: list[torch.Tensor], batch_size: int,
                  seed: int, augment=None):
         self.x, self.y = x, y
         self.client_indices = client_indices
+        self.host_indices = [ix.cpu() for ix in client_indices]
         self.batch_size = batch_size
         self.seed = seed
         self.augment = augment
 
     def schedules(self, round: int, ids: list[int], steps: list[int]) -> list[list[torch.Tensor]]:
-        return [local_schedule(self.client_indices[i], e, self.batch_size,
-                               torch_stream(self.seed, round, i, "batches")) for i, e in zip(ids, steps)]
+        return self._to_device([local_schedule(self.host_indices[i], e, self.batch_size,
+                                               torch_stream(self.seed, round, i, "batches"))
+                                for i, e in zip(ids, steps)])
 
     def extra(self, round: int, client: int, count: int, purpose: str) -> list[torch.Tensor]:
         """``count`` further batches of a client from a separate stream (pilot gradients, estimates)."""
-        return local_schedule(self.client_indices[client], count, self.batch_size,
-                              torch_stream(self.seed, round, client, purpose))
+        return self._to_device([local_schedule(self.host_indices[client], count, self.batch_size,
+                                               torch_stream(self.seed, round, client, purpose))])[0]
+
+    def _to_device(self, plans: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The host schedules ``plans`` on the data's device, every batch a view of one copied tensor."""
+        device = self.x.device
+        if device.type == "cpu":
+            return plans
+        batches = [b for plan in plans for b in plan]
+        moved = iter(torch.cat(batches).to(device).split([b.shape[0] for b in batches]))
+        return [[next(moved) for _ in plan] for plan in plans]
 
     def batch(self, picks: list[torch.Tensor], generators: list[torch.Generator] | None) -> Batch:
         """The step batch of a cohort; augmentation (if any) draws from each client's own stream and

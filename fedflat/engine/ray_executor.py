@@ -28,7 +28,7 @@ from fedflat.algorithms import Broadcast, ClientResult, TrainSettings, build_alg
 from fedflat.config import ConfigError, ExecutorConfig
 from fedflat.data import cifar_augment
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine
+from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, set_tf32
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -66,6 +66,8 @@ class WorkerSpec:
     threads: int | None
     augmentation: str | None
     use_gpu: bool
+    tf32: bool = False
+    step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
 
 
@@ -74,6 +76,7 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
     if spec.threads:
         torch.set_num_threads(spec.threads)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
+    set_tf32(device, spec.tf32)
     options = {k: v for k, v in spec.model.items() if k != "name"}
     module = spec.model_fn() if spec.model_fn is not None else build_model(
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
@@ -84,7 +87,7 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
                             spec.settings.batch_size, spec.settings.seed,
                             cifar_augment if spec.augmentation == "cifar" else None)
     settings = replace(spec.settings, layout=model.layout)
-    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, resolve_engine(spec.engine, device),
+    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, resolve_engine(spec.engine, device, spec.step_flops),
                          spec.chunk_size)
 
 

@@ -30,13 +30,32 @@ DEFAULT_CPU_BUDGET = 2 << 30  # bytes for one vectorized chunk on CPU
 StateLoader = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 
 
-def resolve_engine(name: str, device: torch.device) -> str:
-    """``auto``: vectorized on GPUs (launch-bound small batches), sequential on CPU, where the
-    vectorized engine measured slower on every standard workload (vmap over convolutions becomes
-    grouped convolutions; clients with fewer steps are padded): docs/benchmarks.md."""
+# One local step of at least this many FLOPs keeps a GPU busy by itself (measured on an H100: W3, 166 GFLOP
+# per step, ran 1.55x faster one client at a time; W2, 0.8 GFLOP, 10x faster vectorized): docs/benchmarks.md.
+GPU_BUSY_STEP_FLOPS = 1e10
+
+
+def resolve_engine(name: str, device: torch.device, step_flops: float = 0.0) -> str:
+    """``auto``, as measured (docs/benchmarks.md): on CPU the sequential engine (the vectorized one was
+    slower on every standard workload: vmap over convolutions becomes grouped convolutions, and clients
+    with fewer steps are padded); on a GPU the vectorized engine for small steps, which leave the GPU
+    waiting for kernel launches, and the sequential one where one client's step (``step_flops``, forward
+    and backward of a batch) already fills it."""
     if name != "auto":
         return name
-    return "vectorized" if device.type == "cuda" else "sequential"
+    if device.type != "cuda":
+        return "sequential"
+    return "sequential" if step_flops >= GPU_BUSY_STEP_FLOPS else "vectorized"
+
+
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """TF32 tensor-core products on CUDA for matmuls and cuDNN convolutions, or none (process-wide).
+
+    PyTorch's own defaults differ (convolutions TF32, matmuls not); fedflat sets both from ``tf32`` so a
+    GPU run is float32 throughout unless asked, and its numbers stay comparable with a CPU run's."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
 
 
 def check_vectorizable(algorithm: Algorithm) -> None:
@@ -80,10 +99,13 @@ def step_flops(model: FlatModel, w: torch.Tensor, x: torch.Tensor, y: torch.Tens
 
 
 def memory_budget(device: torch.device) -> int:
-    """Bytes a vectorized chunk may use: half the free GPU memory, or 2 GiB on CPU."""
+    """Bytes a vectorized chunk may use: half the GPU memory that is free, counting what PyTorch's caching
+    allocator holds unused (the driver reports it as taken: an earlier run in this process would otherwise
+    shrink every later chunk), or 2 GiB on CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (free + cached) // 2
     return DEFAULT_CPU_BUDGET
 
 

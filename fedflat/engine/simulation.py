@@ -24,7 +24,7 @@ from fedflat.config import Config, ConfigError
 from fedflat.data import Dataset, cifar_augment, client_split, load_dataset
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, step_flops
+from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
 from fedflat.engine.threads import choose_threads
 from fedflat.engine.store import ClientStore
 from fedflat.models import build_model
@@ -113,6 +113,7 @@ class Simulation:
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        set_tf32(self.device, cfg.tf32)
         if dataset is None:
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
         self.dataset = dataset.to(self.device)
@@ -134,7 +135,7 @@ class Simulation:
         if self.threads:
             torch.set_num_threads(self.threads)
         self.algorithm: Algorithm = build_algorithm(cfg.algo)
-        self.engine = resolve_engine(cfg.engine, self.device)
+        self.engine = resolve_engine(cfg.engine, self.device, self.step_flops)
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
@@ -166,7 +167,8 @@ class Simulation:
         spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
                           input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
                           settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
-                          augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0)
+                          augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
+                          tf32=cfg.tf32, step_flops=self.step_flops)
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:
@@ -282,10 +284,11 @@ class Simulation:
         """``(accuracy, mean loss)`` of ``w`` (default: the global model) on the test set."""
         w = self.w if w is None else w
         x, y = self.dataset.x_test, self.dataset.y_test
-        correct, loss = 0, 0.0
-        for lo in range(0, x.shape[0], self.cfg.eval.batch_size):
+        correct = torch.zeros((), dtype=torch.long, device=x.device)
+        loss = torch.zeros((), dtype=torch.float64, device=x.device)
+        for lo in range(0, x.shape[0], self.cfg.eval.batch_size):  # summed on the device: one sync at the end
             logits = self.model(w, x[lo:lo + self.cfg.eval.batch_size])
             target = y[lo:lo + self.cfg.eval.batch_size]
-            loss += F.cross_entropy(logits, target, reduction="sum").item()
-            correct += (logits.argmax(1) == target).sum().item()
-        return correct / x.shape[0], loss / x.shape[0]
+            loss += F.cross_entropy(logits, target, reduction="sum").double()
+            correct += (logits.argmax(1) == target).sum()
+        return correct.item() / x.shape[0], loss.item() / x.shape[0]

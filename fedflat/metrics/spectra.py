@@ -63,7 +63,7 @@ def perturbation_spectra(sim, round: int, *, clients: int | None = 20, client_sa
     ids = seeded_clients(sim, clients)
     objectives = [client_objective(sim, int(i), client_samples) for i in ids]
     pert = method_perturbations(sim, round, ids, objectives, direction, rho)
-    rows = pert.available.nonzero().flatten()
+    rows = pert.available.nonzero().flatten().cpu()
     if len(rows) < 2:
         return {"available": False, "direction": pert.direction,
                 "reason": f"fewer than 2 probed clients have a perturbation ({pert.direction}); "
