@@ -121,8 +121,8 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
                     d = g + c - ci
                 elif method == "feddyn":
                     d = g - hi + hp["alpha"] * (wk - start)
-                elif method == "fedcm":
-                    d = hp["a"] * g + (1 - hp["a"]) * m
+                elif method == "fedcm":  # weight decay unscaled (FL-Simulator's SGD adds it to the mixed gradient)
+                    d = hp["a"] * (g - wd * wk) + (1 - hp["a"]) * m + wd * wk
                 elif method == "fedacg":
                     d = g + hp["beta"] * (wk - start)
                 else:

@@ -23,7 +23,7 @@ parts on chunks of one client, the vectorized engine on the whole cohort.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -346,6 +346,22 @@ class Correction(Part):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
         return grad
+
+
+DecayPlacement = Literal["outside", "inside"]
+DECAY_DESCRIPTION = ("outside: a g + (1 - a) m + wd w, weight decay unscaled as torch.optim.SGD adds it in FL-Simulator and "
+                     "the FedWMSAM code; inside: a (g + wd w) + (1 - a) m, the spec's (effective decay a wd)")
+
+
+def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W: torch.Tensor, weight_decay: float,
+                 decay: DecayPlacement) -> torch.Tensor:
+    """The momentum-mixed local direction from ``grad = g + wd w``: ``a grad + (1 - a) m``, plus
+    ``(1 - a) wd w`` with ``decay = outside`` so that the decay is ``wd w`` whatever ``a``
+    (FedCM/MoFedSAM/FedWMSAM/FedVSSAM as their public codes run them)."""
+    d = a * grad + (1 - a) * m
+    if decay == "outside" and weight_decay:
+        d = d + (1 - a) * weight_decay * W
+    return d
 
 
 class Aggregation(Part):

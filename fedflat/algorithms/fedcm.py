@@ -1,14 +1,16 @@
 """FedCM (Xu et al., 2021, arXiv:2106.10874): client-level momentum from the server's last average.
 
 The server keeps ``m = Gbar`` of the previous round (0 at round 0), the average update in gradient
-scale, and sends it with the model (2 vectors down). Local direction ``a g(w) + (1 - a) m``.
+scale, and sends it with the model (2 vectors down). Local direction ``a g(w) + (1 - a) m + wd w``
+(weight decay unscaled, as FL-Simulator's FedCM adds it through ``torch.optim.SGD``).
 """
 from __future__ import annotations
 
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, Correction, PartParams, RoundContext, TrainSettings
+from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
+                                    RoundContext, TrainSettings, momentum_mix)
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
@@ -16,11 +18,13 @@ MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
 class MomentumParams(PartParams):
     a: float = Field(0.1, ge=0, le=1, description="weight of the local gradient (1 - a on the momentum)")
+    decay: DecayPlacement = Field("outside", description=DECAY_DESCRIPTION)
 
 
 class Momentum(Correction):
-    """``d = a grad + (1 - a) m`` with ``m = sum_i p_i G_i`` of the previous round,
-    ``G_i = -Delta_i / (E_i eta_l^t)`` (uniform ``p_i``: the spec's ``Gbar``)."""
+    """``d = a g + (1 - a) m + wd w`` with ``m = sum_i p_i G_i`` of the previous round,
+    ``G_i = -Delta_i / (E_i eta_l^t)`` (uniform ``p_i``: the spec's ``Gbar``); ``decay = inside``:
+    ``a (g + wd w) + (1 - a) m`` (:func:`momentum_mix`)."""
 
     name = "momentum"
     summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"
@@ -32,7 +36,7 @@ class Momentum(Correction):
         server[MOMENTUM] = torch.zeros_like(w0)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return self.p.a * grad + (1 - self.p.a) * ctx.server[MOMENTUM]
+        return momentum_mix(self.p.a, grad, ctx.server[MOMENTUM], W, ctx.settings.weight_decay, self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         ctx.server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)

@@ -6,9 +6,9 @@ pseudo-gradient; no perturbation at round 0). Clients start from ``w~`` and run 
 ``lambda_i <- lambda_i - (w_{i,E} - w~) / beta``. The server: ``sigma <- sigma - sum_i (w_{i,E} - w~) / (beta N)``;
 remove the perturbation; ``w^{t+1} = w^t + eta_g sum_i p_i (w_{i,E} - w~) - beta sigma``.
 
-``rho_s`` warms up linearly from 0.001 over ``algo.warmup_rounds`` rounds (0: off; the authors' scripts
-use a fifth of the rounds). The public code divides the ``sigma`` update by a further ``|S|`` and warms
-up ``rho_l`` too; the spec's rule is followed here.
+``algo.warmup_rounds`` warms up both radii, ``rho_s`` and the local ``rho``, linearly from 0.001 (0: off; the
+authors' scripts use a fifth of the rounds, and aggregate sample-weighted: ``algo.weighting=samples``). The
+public code divides the ``sigma`` update by a further ``|S|``; the spec's rule is followed here.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from pydantic import Field
 from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate,
                                      TrainSettings, normalize_rows)
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
+from fedflat.algorithms.fedsam import warmed_up
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round
 HAS_PSEUDO_GRADIENT = "gloss.has_d"
 CLIENT_DUAL = "gloss.lambda_i"  # client state and cohort.extra
-WARMUP_START = 0.001
 
 
 class ADMMParams(PartParams):
@@ -51,14 +51,8 @@ class ADMMCorrection(Correction):
 
 class GlobalSAMParams(ADMMParams):
     rho_s: float = Field(0.1, ge=0, description="server-side SAM radius")
-    warmup_rounds: int = Field(0, ge=0, description="rounds over which rho_s grows linearly from 0.001 (0: off)")
-
-
-def server_radius(rho_s: float, round: int, warmup_rounds: int) -> float:
-    """``rho_s`` after a linear warm-up from 0.001 over ``warmup_rounds`` rounds."""
-    if warmup_rounds == 0 or round >= warmup_rounds:
-        return rho_s
-    return WARMUP_START + (rho_s - WARMUP_START) * round / warmup_rounds
+    warmup_rounds: int = Field(0, ge=0, description="rounds over which rho_s (and the local rho) grow linearly from "
+                                                    "0.001 (0: off)")
 
 
 class GlobalSAMServer(ServerUpdate):
@@ -76,7 +70,7 @@ class GlobalSAMServer(ServerUpdate):
     def broadcast(self, ctx: RoundContext) -> torch.Tensor:
         if not bool(ctx.server[HAS_PSEUDO_GRADIENT]):
             return ctx.w
-        radius = server_radius(self.p.rho_s, ctx.round, self.p.warmup_rounds)
+        radius = warmed_up(self.p.rho_s, ctx.round, self.p.warmup_rounds)
         return ctx.w + normalize_rows(ctx.server[PSEUDO_GRADIENT][None], radius)[0]
 
     def step(self, ctx: RoundContext) -> torch.Tensor:

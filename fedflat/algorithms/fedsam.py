@@ -8,8 +8,20 @@ from fedflat.algorithms.base import Cohort, PartParams, Perturbation, ClientCont
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 
+WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
+
+
+def warmed_up(rho, round: int, warmup_rounds: int):
+    """``rho`` (a float or a tensor of radii) after a linear warm-up from 0.001 over ``warmup_rounds`` rounds
+    (0: none), as FedGloSS's scripts warm up both radii over a fifth of the rounds."""
+    if warmup_rounds == 0 or round >= warmup_rounds:
+        return rho
+    return WARMUP_START + (rho - WARMUP_START) * round / warmup_rounds
+
+
 class SAMParams(PartParams):
     rho: float = Field(0.01, ge=0, description="SAM radius")
+    warmup_rounds: int = Field(0, ge=0, description="rounds over which the radius grows linearly from 0.001 (0: off)")
 
 
 class LocalSAM(Perturbation):
@@ -36,7 +48,8 @@ class LocalSAM(Perturbation):
         if self.p.rho == 0:
             return None
         _, grad = ctx.oracle.loss_grad(W, batch)
-        return normalize_rows(self.ascent(ctx, cohort, k, W, grad), self.radius(ctx, cohort))
+        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
+        return normalize_rows(self.ascent(ctx, cohort, k, W, grad), radius)
 
 
 register_recipe(Recipe(

@@ -25,14 +25,15 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings)
-from fedflat.algorithms.fedsam import LocalSAM
+from fedflat.algorithms.base import (ClientContext, Cohort, Correction, DecayPlacement, PartParams, RoundContext,
+                                    ServerUpdate, TrainSettings, momentum_mix)
+from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.algorithms.registry import Recipe, register_recipe
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
 
-class SearchParams(PartParams):
+class SearchParams(SAMParams):
     rho: float = Field(0.05, ge=0, description="perturbation radius")
     alpha: float = Field(0.6, ge=0, le=1, description="local mixing of the flatness search (14)")
 
@@ -54,10 +55,12 @@ class VarianceSuppressedSearch(LocalSAM):
 
 class UpdateParams(PartParams):
     beta: float = Field(0.3, ge=0, le=1, description="local mixing of the update (15)")
+    decay: DecayPlacement = Field("outside", description="outside: beta g + (1 - beta) v + wd w (weight decay "
+                                  "unscaled, as SGD adds it in the FL-Simulator codes); inside: beta (g + wd w) + (1 - beta) v")
 
 
 class VarianceSuppressedUpdate(Correction):
-    """(15): ``d = beta grad + (1 - beta) v``."""
+    """(15): ``d = beta g + (1 - beta) v + wd w`` (``decay = inside``: ``beta (g + wd w) + (1 - beta) v``)."""
 
     name = "vssam"
     summary = "FedVSSAM (15): beta grad + (1 - beta) v (reconstruction)"
@@ -65,7 +68,7 @@ class VarianceSuppressedUpdate(Correction):
     requires = frozenset({DIRECTION})
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return self.p.beta * grad + (1 - self.p.beta) * ctx.server[DIRECTION]
+        return momentum_mix(self.p.beta, grad, ctx.server[DIRECTION], W, ctx.settings.weight_decay, self.p.decay)
 
 
 class GlobalParams(PartParams):

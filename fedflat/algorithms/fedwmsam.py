@@ -33,8 +33,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, Perturbation, RoundContext,
-                                     TrainSettings, normalize_rows, row_norm)
+from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
+                                    Perturbation, RoundContext, TrainSettings, momentum_mix, normalize_rows, row_norm)
 from fedflat.algorithms.fedcm import MOMENTUM
 from fedflat.algorithms.registry import Recipe, register_recipe
 from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate,
@@ -68,6 +68,7 @@ class WMSAMParams(PartParams):
     adaptive: bool = Field(True, description="ablation: cosine-adaptive a (off: a fixed)")
     similarity: Literal["update", "gradient"] = Field(
         "update", description="update: cos(Delta_i, m) + 1 (the authors' code; rises); gradient: cos(G_i, m) (falls)")
+    decay: DecayPlacement = Field("outside", description=DECAY_DESCRIPTION)
 
     @model_validator(mode="after")
     def _bounds(self) -> "WMSAMParams":
@@ -77,7 +78,8 @@ class WMSAMParams(PartParams):
 
 
 class WeightedMomentum(Correction):
-    """``d = a grad + (1 - a) m_i`` with FedWMSAM's personalized momentum and adaptive factor ``a``.
+    """``d = a g + (1 - a) m_i + wd w`` with FedWMSAM's personalized momentum and adaptive factor ``a``
+    (weight decay unscaled, as in the authors' optimizer; ``decay = inside``: ``a (g + wd w) + (1 - a) m_i``).
 
     As seed 001 §4 describes the protocol, the server keeps the correctors: ``c`` and every client's
     ``c_i``, which it "computes based on the differences in gradients uploaded by clients" (SCAFFOLD's
@@ -117,8 +119,8 @@ class WeightedMomentum(Correction):
                                            else ctx.server[MOMENTUM].expand(cohort.size, -1))
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        a = ctx.server[FACTOR]
-        return a * grad + (1 - a) * cohort.extra[PERSONAL_MOMENTUM]
+        return momentum_mix(ctx.server[FACTOR], grad, cohort.extra[PERSONAL_MOMENTUM], W, ctx.settings.weight_decay,
+                            self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
