@@ -23,6 +23,9 @@ TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
     ("resnet18", (3, 16, 16), 10, {"stem": "imagenet"}),
     ("resnet34", (1, 8, 8), 4, {"groups": 4}),
     ("textcnn", (12,), 5, {"vocab_size": 50, "embed_dim": 8, "num_filters": 6}),
+    ("resnet20", (3, 8, 8), 3, {}),
+    ("wrn28_4", (3, 8, 8), 4, {"groups": 4}),
+    ("lstm", (6,), 5, {"hidden": 8, "embed_dim": 4}),
 ]
 IDS = [f"{n}-{'x'.join(map(str, s))}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
        for n, s, _, o in TINY]
@@ -45,7 +48,7 @@ def tiny(index: int, seed: int = 0) -> nn.Module:
 # ----------------------------------------------------------------------------- registry
 
 def test_registry_lists_every_model_with_description() -> None:
-    assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet34", "textcnn"}
+    assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "wrn28_4", "lstm", "textcnn"}
     for factory, description in MODELS.values():
         assert callable(factory) and isinstance(description, str) and description
 
@@ -115,6 +118,44 @@ def test_resnet_parameter_counts(name: str, stem: str, expected: int, low: float
     assert n == expected  # torchvision count with GN in place of BN, 10-class head
 
 
+def test_resnet20_parameter_count() -> None:
+    """He et al.'s ResNet-20 has 0.27 M parameters (269,722 with option-A zero-padding shortcuts, as the
+    common CIFAR reference implementations); fedflat's two 1x1 projection shortcuts add their convolutions
+    and norms: 16*32 + 32*64 weights and 2*(32 + 64) GroupNorm parameters."""
+    assert count_parameters(build_model("resnet20", (3, 32, 32), 10)) == 269_722 + 16 * 32 + 32 * 64 + 2 * (32 + 64)
+
+
+def test_wrn28_4_parameter_count_by_layer() -> None:
+    """WRN-28-4 for CIFAR-100, counted layer by layer from the paper's layout (3x3 convs without bias, a
+    1x1 projection where the width or stride changes, two norm parameters per channel)."""
+    conv = lambda i, o, k=3: i * o * k * k  # noqa: E731
+    norm = lambda c: 2 * c  # noqa: E731
+    total, in_ch = conv(3, 16), 16
+    for width in (64, 128, 256):
+        for j in range(4):
+            c_in = in_ch if j == 0 else width
+            total += norm(c_in) + conv(c_in, width) + norm(width) + conv(width, width)
+            total += conv(c_in, width, 1) if j == 0 else 0
+        in_ch = width
+    total += norm(256) + 256 * 100 + 100
+    assert count_parameters(build_model("wrn28_4", (3, 32, 32), 100)) == total == 5_872_180
+
+
+def test_lstm_is_nn_lstm_and_leaf_sized() -> None:
+    """The vmap-friendly recurrence computes ``nn.LSTM``'s function with its parameters; LEAF's Shakespeare
+    size: embedding 80 x 8, LSTM 8 -> 256 -> 256 (two bias vectors per layer, PyTorch's), classifier 256 -> 80."""
+    model = build_model("lstm", (80,), 80)
+    lstm_params = 4 * 256 * (8 + 256) + 4 * 256 * (256 + 256) + 2 * 2 * 4 * 256
+    assert count_parameters(model) == 80 * 8 + lstm_params + 256 * 80 + 80 == 819_920
+    reference = nn.LSTM(8, 256, 2, batch_first=True)
+    with torch.no_grad():
+        for layer in range(2):
+            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(reference, f"{kind}_l{layer}").copy_(getattr(model.lstm, kind)[layer])
+    embedded = model.embedding(torch.randint(0, 80, (3, 80)))
+    torch.testing.assert_close(model.lstm(embedded), reference(embedded)[0][:, -1], rtol=1e-5, atol=1e-6)
+
+
 def test_textcnn_parameter_count() -> None:
     model = build_model("textcnn", (64,), 14)
     embed, convs, head = 30000 * 128, 128 * 100 * (3 + 4 + 5) + 300, 300 * 14 + 14
@@ -123,8 +164,8 @@ def test_textcnn_parameter_count() -> None:
 
 # ----------------------------------------------------------------------------- behaviour
 
-@pytest.mark.parametrize("name, stem", [("resnet18", "cifar"), ("resnet18", "imagenet"),
-                                        ("resnet34", "cifar"), ("cnn", None), ("mlp", None)])
+@pytest.mark.parametrize("name, stem", [("resnet18", "cifar"), ("resnet18", "imagenet"), ("resnet20", None),
+                                        ("wrn28_4", None), ("resnet34", "cifar"), ("cnn", None), ("mlp", None)])
 def test_full_size_output_shapes(name: str, stem: str | None) -> None:
     opts = {"stem": stem} if stem else {}
     model = build_model(name, (3, 32, 32), 10, **opts)

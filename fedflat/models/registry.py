@@ -9,8 +9,9 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from .cnn import cnn
+from .lstm import lstm
 from .mlp import logreg, mlp
-from .resnet import resnet18, resnet34
+from .resnet import resnet18, resnet20, resnet34, wrn28_4
 from .textcnn import textcnn
 
 #: name -> (factory(input_shape, num_classes, **options), one-line description)
@@ -18,8 +19,11 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "logreg": (logreg, "Logistic regression: flatten + one Linear layer"),
     "mlp": (mlp, "FedAvg 2NN MLP: flatten, ReLU hidden layers (200, 200), Linear"),
     "cnn": (cnn, "FedAvg/FL-Simulator CNN: 2x conv5x5(64)+maxpool, FC 384-192-classes"),
+    "resnet20": (resnet20, "CIFAR ResNet-20 (3x3 BasicBlocks, 16-32-64) with GroupNorm(2)"),
     "resnet18": (resnet18, "ResNet-18 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
     "resnet34": (resnet34, "ResNet-34 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
+    "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation) with GroupNorm(2)"),
+    "lstm": (lstm, "LEAF's Shakespeare LSTM on int64 windows [B, L]: embed 8, 2 x LSTM 256, next symbol"),
     "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),
 }
 

@@ -1,4 +1,4 @@
-"""ResNet-18/34 with GroupNorm, as used in federated-learning benchmarks.
+"""ResNet-18/34, CIFAR ResNet-20 and WRN-28-4 with GroupNorm, as used in federated-learning benchmarks.
 
 He et al., *Deep Residual Learning for Image Recognition* (CVPR 2016), with
 BasicBlocks ``[2, 2, 2, 2]`` (ResNet-18) or ``[3, 4, 6, 3]`` (ResNet-34) and
@@ -22,6 +22,8 @@ model                 stem="cifar"  stem="imagenet"
 ====================  ============  ==============
 resnet18              11,173,962    11,181,642
 resnet34              21,282,122    21,289,802
+resnet20              272,474       -
+wrn28_4 (100 classes) 5,872,180     -
 ====================  ============  ==============
 
 Initialisation follows torchvision: Kaiming-normal (fan_out, ReLU) convolutions,
@@ -39,6 +41,7 @@ from torch import nn
 from .base import FedModel, check_common, check_image_shape, check_positive_int
 
 WIDTHS = (64, 128, 256, 512)
+CIFAR_WIDTHS = (16, 32, 64)  # He et al.'s CIFAR ResNets (§4.2)
 STEMS = ("cifar", "imagenet")
 
 
@@ -70,60 +73,69 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-def make_stem(in_ch: int, stem: str, groups: int) -> nn.Sequential:
+def make_stem(in_ch: int, width: int, stem: str, groups: int) -> nn.Sequential:
     """The input stem: CIFAR-style 3x3/s1 conv, or ImageNet-style 7x7/s2 conv + max-pool."""
     if stem == "cifar":
-        return nn.Sequential(conv3x3(in_ch, WIDTHS[0]), nn.GroupNorm(groups, WIDTHS[0]), nn.ReLU())
+        return nn.Sequential(conv3x3(in_ch, width), nn.GroupNorm(groups, width), nn.ReLU())
     return nn.Sequential(
-        nn.Conv2d(in_ch, WIDTHS[0], 7, stride=2, padding=3, bias=False),
-        nn.GroupNorm(groups, WIDTHS[0]), nn.ReLU(),
+        nn.Conv2d(in_ch, width, 7, stride=2, padding=3, bias=False),
+        nn.GroupNorm(groups, width), nn.ReLU(),
         nn.MaxPool2d(3, stride=2, padding=1),
     )
 
 
+def init_weights(model: nn.Module) -> None:
+    """torchvision's initialisation: Kaiming-normal (fan_out, ReLU) convolutions, norms weight 1 / bias 0."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.GroupNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class ResNet(FedModel):
-    """ResNet with BasicBlocks and GroupNorm; ``blocks`` gives blocks per stage."""
+    """ResNet with BasicBlocks and GroupNorm; ``blocks`` gives blocks per stage of ``widths`` channels (the
+    first stage at stride 1, every later one halving the resolution)."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, blocks: Sequence[int],
-                 stem: str = "cifar", groups: int = 2) -> None:
+                 stem: str = "cifar", groups: int = 2, widths: Sequence[int] = WIDTHS) -> None:
         super().__init__(input_shape, num_classes)
-        self.stem = make_stem(self.input_shape[0], stem, groups)
+        self.stem = make_stem(self.input_shape[0], widths[0], stem, groups)
         stages: list[nn.Module] = []
-        in_ch = WIDTHS[0]
-        for i, (width, n) in enumerate(zip(WIDTHS, blocks)):
+        in_ch = widths[0]
+        for i, (width, n) in enumerate(zip(widths, blocks)):
             layers = [BasicBlock(in_ch if j == 0 else width, width,
                                  1 if (i == 0 or j > 0) else 2, groups) for j in range(n)]
             stages.append(nn.Sequential(*layers))
             in_ch = width
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.feature_dim = WIDTHS[-1]
+        self.feature_dim = widths[-1]
         self.head = nn.Linear(self.feature_dim, self.num_classes)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.GroupNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_weights(self)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.pool(self.stages(self.stem(x))).flatten(1)
 
 
-def _resnet(name: str, blocks: Sequence[int], input_shape: Sequence[int], num_classes: int,
-            stem: str, groups: int) -> ResNet:
-    """Validate options and build a GroupNorm ResNet."""
+def _check(name: str, input_shape: Sequence[int], num_classes: int, groups: int,
+           widths: Sequence[int]) -> tuple[tuple[int, ...], int]:
     shape = check_common(input_shape, num_classes)
     check_image_shape(name, shape)
+    groups = check_positive_int(f"{name} groups", groups)
+    if any(w % groups for w in widths):
+        raise ValueError(f"{name} groups={groups} must divide every width {tuple(widths)}")
+    return shape, groups
+
+
+def _resnet(name: str, blocks: Sequence[int], input_shape: Sequence[int], num_classes: int,
+            stem: str, groups: int, widths: Sequence[int] = WIDTHS) -> ResNet:
+    """Validate options and build a GroupNorm ResNet."""
+    shape, groups = _check(name, input_shape, num_classes, groups, widths)
     if stem not in STEMS:
         raise ValueError(f"{name} stem must be one of {STEMS}, got {stem!r}")
-    groups = check_positive_int(f"{name} groups", groups)
-    if any(w % groups for w in WIDTHS):
-        raise ValueError(f"{name} groups={groups} must divide every width {WIDTHS}")
-    return ResNet(shape, num_classes, blocks, stem, groups)
+    return ResNet(shape, num_classes, blocks, stem, groups, widths)
 
 
 def resnet18(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
@@ -136,3 +148,60 @@ def resnet34(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
              groups: int = 2) -> ResNet:
     """ResNet-34 (BasicBlocks [3, 4, 6, 3]) with GroupNorm(groups)."""
     return _resnet("resnet34", (3, 4, 6, 3), input_shape, num_classes, stem, groups)
+
+
+def resnet20(input_shape: Sequence[int], num_classes: int, groups: int = 2) -> ResNet:
+    """He et al.'s CIFAR ResNet-20 (§4.2: 3 stages of 3 BasicBlocks, 16-32-64 channels) with GroupNorm(groups);
+    shortcuts that change shape are 1x1 convolutions (option B; option A's zero padding has no parameters)."""
+    return _resnet("resnet20", (3, 3, 3), input_shape, num_classes, "cifar", groups, CIFAR_WIDTHS)
+
+
+class WideBlock(nn.Module):
+    """Zagoruyko & Komodakis' pre-activation wide block: norm-ReLU-conv3x3-norm-ReLU-conv3x3, plus the
+    input (or a 1x1 convolution of the pre-activated input when the shape changes)."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, in_ch)
+        self.conv1 = conv3x3(in_ch, out_ch, stride)
+        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.conv2 = conv3x3(out_ch, out_ch)
+        self.relu = nn.ReLU()
+        self.shortcut = (nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False)
+                         if stride != 1 or in_ch != out_ch else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.relu(self.norm1(x))
+        out = self.conv2(self.relu(self.norm2(self.conv1(pre))))
+        return out + (x if self.shortcut is None else self.shortcut(pre))
+
+
+class WideResNet(FedModel):
+    """WRN-depth-k (Zagoruyko & Komodakis, BMVC 2016): a 3x3 conv of 16, three stages of ``(depth - 4) / 6``
+    wide blocks of 16k, 32k, 64k channels, norm-ReLU, global pooling, linear; GroupNorm for BatchNorm."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, depth: int, k: int, groups: int) -> None:
+        super().__init__(input_shape, num_classes)
+        n = (depth - 4) // 6
+        widths = (16 * k, 32 * k, 64 * k)
+        self.stem = conv3x3(self.input_shape[0], 16)
+        stages, in_ch = [], 16
+        for i, width in enumerate(widths):
+            stages.append(nn.Sequential(*[WideBlock(in_ch if j == 0 else width, width, 2 if (i > 0 and j == 0) else 1,
+                                                    groups) for j in range(n)]))
+            in_ch = width
+        self.stages = nn.Sequential(*stages)
+        self.norm = nn.GroupNorm(groups, widths[-1])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.feature_dim = widths[-1]
+        self.head = nn.Linear(self.feature_dim, self.num_classes)
+        init_weights(self)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.relu(self.norm(self.stages(self.stem(x))))).flatten(1)
+
+
+def wrn28_4(input_shape: Sequence[int], num_classes: int, groups: int = 2) -> WideResNet:
+    """WRN-28-4 (FedVSSAM's CIFAR-100 backbone, seed 000 Table 1) with GroupNorm(groups)."""
+    shape, groups = _check("wrn28_4", input_shape, num_classes, groups, (16, 64, 128, 256))
+    return WideResNet(shape, num_classes, 28, 4, groups)
