@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,6 +76,7 @@ class Output:
 
 def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
         dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
+        clients: Sequence[Sequence[int]] | None = None,
         out: str | Path | None = None, save: bool = True, progress: bool = True,
         run_dir: str | Path | None = None, resume: str | Path | None = None,
         announce: bool | None = None) -> History:
@@ -83,22 +84,26 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
     ``overrides`` are ``key=value`` strings. ``dataset`` (a :class:`fedflat.data.Dataset`) and
-    ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones. With ``save``,
+    ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones; ``clients`` (one
+    sequence of training-sample indices per client: a natural split) replaces ``data.partition`` and sets
+    ``data.num_clients``. With ``save``,
     results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
     (created; it must not exist). ``resume`` continues the run folder it names from its latest
     checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config). ``announce``
     (default: ``progress``) prints the run folder to stderr as soon as it exists.
     """
     cfg = as_config(config, overrides)
+    if clients is not None and cfg.data.num_clients != len(clients):
+        cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
     where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce)
     with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
         if resume is not None:
             stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
         elif save:
             check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
-        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
+        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
         stack.callback(sim.close)
-        resolved = _resolved(cfg, dataset, model_fn)
+        resolved = _resolved(cfg, dataset, model_fn, clients)
         folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
             runner = _Runner(cfg, sim, resolved, folder, checkpoint)
@@ -111,13 +116,16 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         return runner.run(progress)
 
 
-def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None) -> dict[str, Any]:
-    """The config as ``config.yaml`` records it (a user's dataset or model by name)."""
+def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None,
+              clients: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """The config as ``config.yaml`` records it (a user's dataset, model or split by name)."""
     resolved = resolve(cfg)
     if dataset is not None:
         resolved["data"]["name"] = f"user:{dataset.name}"
     if model_fn is not None:
         resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
+    if clients is not None:
+        resolved["data"]["partition"] = {"scheme": f"user:{len(clients)} clients"}
     if cfg.tensorboard:
         from fedflat.experiments.tensorboard import require_tensorboard
 

@@ -192,3 +192,54 @@ def test_split_name_holds_the_scheme_parameters():
     assert split_name({"scheme": "dirichlet", "alpha": 0.1}) == "dirichlet-alpha0.1"
     assert split_name({"scheme": "pathological", "classes": 2}) != split_name({"scheme": "pathological", "classes": 3})
     assert split_name({"scheme": "iid"}) == "iid"
+
+
+# ----------------------------------------------------------------------------- a user's own split (clients=)
+
+def test_a_given_split_equal_to_the_configured_one_gives_the_same_run(tmp_path):
+    """``fedflat.run(..., clients=...)`` trains exactly on the given lists: given the split the config would
+    draw, the run is the configured run number for number; the folder records the split as the user's."""
+    import fedflat
+    from fedflat.config import load_config
+    from fedflat.engine.simulation import Simulation
+
+    cfg = load_config(None, ["rounds=3", "eval.every=1", "threads=1", "data.num_clients=8", "sampling.clients_per_round=3"])
+    drawn = Simulation(cfg).client_indices_np
+    configured = fedflat.run(cfg, save=False, progress=False)
+    given = fedflat.run(cfg, clients=[list(c) for c in drawn], out=tmp_path, progress=False)
+    assert torch.equal(given.final_parameters, configured.final_parameters)
+    assert [m["test_acc"] for m in given.metrics] == [m["test_acc"] for m in configured.metrics]
+    assert "user:8 clients" in (given.run_dir / "config.yaml").read_text()
+
+
+def test_a_natural_split_sets_the_number_of_clients_and_is_used_as_given():
+    """Clients of very different sizes (a natural split): ``data.num_clients`` follows the lists, and every
+    batch a client trains on comes from its own samples."""
+    import fedflat
+    from fedflat.engine.simulation import Simulation
+    from fedflat.config import load_config
+
+    clients = [list(range(0, 40)), list(range(40, 50)), list(range(100, 400)), [500, 450, 900]]
+    hist = fedflat.run(None, overrides=["rounds=2", "sampling.clients_per_round=2", "threads=1"], clients=clients,
+                       save=False, progress=False)
+    assert hist.summary["rounds"] == 2
+    sim = Simulation(load_config(None, ["data.num_clients=4", "sampling.clients_per_round=4"]), clients=clients)
+    ids = sim.sample_clients(0).tolist()
+    for i, schedule in zip(ids, sim.batches.schedules(0, ids, [3] * len(ids))):
+        assert set(torch.cat(schedule).tolist()) <= set(clients[i])
+
+
+@pytest.mark.parametrize("clients, message", [
+    ([[0, 1], [1, 2]], "sample 1 is given to more than one client"),
+    ([[0, 1], [2, 5000]], "index 5000 outside the 1438 training samples"),
+    ([[0, 1], []], "client 1 has no samples"),
+    ([[0, 1], [2.5]], "integer sample indices"),
+])
+def test_a_bad_given_split_is_refused_with_the_reason(clients, message):
+    from fedflat.config import ConfigError, load_config
+    from fedflat.engine.simulation import Simulation
+
+    with pytest.raises(ConfigError, match=message):
+        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=clients)
+    with pytest.raises(ConfigError, match="3 clients given but data.num_clients=2"):
+        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=[[0], [1], [2]])

@@ -10,7 +10,7 @@ from .dataset import Dataset, DatasetError
 from .datasets import DATASETS, dataset_options, load_dataset
 from .download import ChecksumError, DownloadError, download_file, file_checksum, verify_file
 from .partition import (PARTITIONS, client_split, label_counts, partition, partition_params, plot_partition,
-                        split_name)
+                        split_name, user_split)
 from .sources import DatasetNotFoundError, cache_dir
 
 __all__ = [
@@ -18,5 +18,5 @@ __all__ = [
     "PARTITIONS",
     "apply_augmentation", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
     "download_file", "file_checksum", "label_counts", "load_dataset", "partition", "partition_params",
-    "plot_partition", "split_name", "verify_file",
+    "plot_partition", "split_name", "user_split", "verify_file",
 ]

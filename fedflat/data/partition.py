@@ -19,7 +19,7 @@ from fedflat.config import ConfigError
 from fedflat.rng import SERVER, stream_seed
 
 __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
-           "dirichlet_balanced", "pathological", "shards"]
+           "dirichlet_balanced", "pathological", "shards", "user_split"]
 
 MAX_DIRICHLET_TRIES = 1000
 
@@ -213,6 +213,29 @@ def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int
                          **params)
     except ValueError as err:
         raise ConfigError(f"data.partition ({spec['scheme']} on {dataset}): {err}") from None
+
+
+def user_split(clients, num_samples: int, num_clients: int) -> list[np.ndarray]:
+    """A split the user gives (``fedflat.run(..., clients=[...])``): one sequence of training-sample indices
+    per client, e.g. a natural split by writer or device. Checked: ``num_clients`` lists, every index in
+    ``[0, num_samples)``, no sample in two clients, no empty client. Returns sorted int64 arrays."""
+    parts = [np.asarray(c).reshape(-1) for c in clients]
+    if len(parts) != num_clients:
+        raise ConfigError(f"clients=: {len(parts)} clients given but data.num_clients={num_clients}")
+    for i, part in enumerate(parts):
+        if part.size == 0:
+            raise ConfigError(f"clients=: client {i} has no samples; drop it or give it some")
+        if not np.issubdtype(part.dtype, np.integer):
+            raise ConfigError(f"clients=: client {i} holds {part.dtype} values; give integer sample indices")
+        if part.min() < 0 or part.max() >= num_samples:
+            raise ConfigError(f"clients=: client {i} has index {int(part.min() if part.min() < 0 else part.max())} "
+                              f"outside the {num_samples} training samples")
+    everything = np.concatenate(parts)
+    if np.unique(everything).size != everything.size:
+        counts = np.bincount(everything, minlength=num_samples)
+        raise ConfigError(f"clients=: sample {int(np.argmax(counts > 1))} is given to more than one client (a "
+                          "sample belongs to one client)")
+    return _finish(parts)
 
 
 def split_name(spec: dict) -> str:

@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch import nn
 
 from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, RoundContext, TrainSettings, build_algorithm, payload_size
 from fedflat.config import Config, ConfigError
-from fedflat.data import Dataset, cifar_augment, client_split, load_dataset
+from fedflat.data import Dataset, cifar_augment, client_split, load_dataset, user_split
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
@@ -107,18 +107,23 @@ class RoundResult:
 class Simulation:
     """One federated experiment in memory: data, split, model, algorithm, server and client state.
 
-    ``dataset`` and ``model_fn`` let a Python user bring their own tensors and ``nn.Module`` factory.
+    ``dataset`` and ``model_fn`` let a Python user bring their own tensors and ``nn.Module`` factory, and
+    ``clients`` their own split (one sequence of training-sample indices per client, in place of
+    ``data.partition``: :func:`fedflat.data.user_split`).
     """
 
-    def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None):
+    def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
+                 clients: Sequence[Sequence[int]] | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         set_tf32(self.device, cfg.tf32)
         if dataset is None:
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
         self.dataset = dataset.to(self.device)
-        self.client_indices_np = client_split(dataset.y_train.cpu().numpy(), cfg.data.num_clients,
-                                              cfg.data.partition, cfg.seed, dataset.name)
+        self.client_indices_np = (
+            user_split(clients, dataset.y_train.shape[0], cfg.data.num_clients) if clients is not None else
+            client_split(dataset.y_train.cpu().numpy(), cfg.data.num_clients, cfg.data.partition, cfg.seed,
+                         dataset.name))
         self.client_indices = [torch.as_tensor(ix, dtype=torch.long, device=self.device) for ix in self.client_indices_np]
         self.num_samples = torch.tensor([len(ix) for ix in self.client_indices_np], device=self.device)
         with torch.random.fork_rng(devices=[]):

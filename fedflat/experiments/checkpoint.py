@@ -124,13 +124,13 @@ def run_config(run_dir: str | Path) -> "Config":
         return load_config(path)
     except ConfigError as err:
         if "user:" in path.read_text():
-            raise CheckpointError(f"{run_dir} was run on a user-supplied dataset or model; pass config=, "
-                                  "dataset= and model_fn= to load or resume it") from None
+            raise CheckpointError(f"{run_dir} was run on a user-supplied dataset, model or split; pass config=, "
+                                  "dataset=, model_fn= and clients= as the run had them to load or resume it") from None
         raise
 
 
 def load_run(run_dir: str | Path, *, config: "Config | None" = None, dataset: "Dataset | None" = None,
-             model_fn: "Callable[[], nn.Module] | None" = None) -> "Simulation":
+             model_fn: "Callable[[], nn.Module] | None" = None, clients=None) -> "Simulation":
     """A :class:`Simulation` of a run folder, restored to the latest state on disk.
 
     State comes from ``checkpoint.pt`` (global model, server state, client store) when present,
@@ -141,7 +141,7 @@ def load_run(run_dir: str | Path, *, config: "Config | None" = None, dataset: "D
 
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
-    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn)
+    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
     payload = read_checkpoint(run_dir)
     if payload is not None:
         sim.load_state_dict(payload["state"])
@@ -167,7 +167,7 @@ RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor")
 
 def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
            config: "Config | None" = None, dataset: "Dataset | None" = None,
-           model_fn: "Callable[[], nn.Module] | None" = None) -> "History":
+           model_fn: "Callable[[], nn.Module] | None" = None, clients=None) -> "History":
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
@@ -189,7 +189,7 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
             return _finished_history(run_dir, completed, cfg, dataset, model_fn)
-        return run(cfg, dataset=dataset, model_fn=model_fn, resume=run_dir, progress=progress)
+        return run(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir, progress=progress)
 
 
 def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...]) -> "Config":
@@ -213,12 +213,12 @@ def _completed_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: "Config", dataset: "Dataset | None",
-                      model_fn: "Callable[[], nn.Module] | None") -> "History":
+                      model_fn: "Callable[[], nn.Module] | None", clients=None) -> "History":
     """The :class:`History` of a completed run, read from its folder without writing to it."""
     from fedflat.api import History
     from fedflat.config import read_yaml
 
-    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn)
+    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn, clients=clients)
     try:
         return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),
