@@ -68,7 +68,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     cfg = as_config(config, overrides)
     data = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
     labels = data.y_train.numpy()
-    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name)
+    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name,
+                         owners=data.owners)
     counts = label_counts(labels, parts, data.num_classes)
     print(f"{cfg.data.name}: {len(labels)} training samples, {cfg.data.num_clients} clients, "
           f"partition {cfg.data.partition}, seed {cfg.seed}")

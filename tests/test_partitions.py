@@ -38,7 +38,7 @@ def assert_disjoint(parts: list[np.ndarray], n: int) -> np.ndarray:
 
 
 def test_registry_lists_every_scheme_with_a_description():
-    assert set(PARTITIONS) == set(SCHEMES)
+    assert set(PARTITIONS) == set(SCHEMES) | {"natural"}  # natural splits by owners, not labels (below)
     for fn, description in PARTITIONS.values():
         assert callable(fn) and isinstance(description, str) and description
 
@@ -243,3 +243,15 @@ def test_a_bad_given_split_is_refused_with_the_reason(clients, message):
         Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=clients)
     with pytest.raises(ConfigError, match="3 clients given but data.num_clients=2"):
         Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=[[0], [1], [2]])
+
+
+def test_natural_split_follows_the_owners_and_samples_a_fraction_by_seed():
+    owners = [4, 4, 9, 1, 9, 9, 1]
+    labels = np.zeros(len(owners), dtype=np.int64)
+    parts = partition(labels, 3, "natural", seed=0, owners=owners)
+    assert [p.tolist() for p in parts] == [[3, 6], [0, 1], [2, 4, 5]]  # owners 1, 4, 9 in ascending id
+    kept = [partition(labels, 2, "natural", seed=s, owners=owners, fraction=0.6) for s in range(8)]
+    assert all(len(k) == 2 and len({owners[i] for i in p}) == 1 for k in kept for p in k)
+    assert len({tuple(np.concatenate(k).tolist()) for k in kept}) > 1  # which owners are kept depends on the seed
+    with pytest.raises(ValueError, match="set data.num_clients=3"):
+        partition(labels, 2, "natural", seed=0, owners=owners)

@@ -24,7 +24,9 @@ class Dataset:
     ``y_*`` are integer class labels ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and
     converted. ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
     horizontal flip, see :func:`fedflat.data.cifar_augment`) or is None.
-    ``source`` says where the data came from (a folder, an archive, or a generator).
+    ``source`` says where the data came from (a folder, an archive, or a generator). ``owners`` (optional,
+    int64 ``[N_train]``) is each training sample's natural owner, e.g. its writer, and ``owner_names`` their
+    names: ``data.partition: {scheme: natural}`` makes one client per owner (LEAF's natural split).
 
     Everything is checked when the dataset is made: a wrong dtype, shape, length, label or a NaN is a
     :class:`DatasetError` naming the field and what is expected, before any run starts.
@@ -38,6 +40,8 @@ class Dataset:
     num_classes: int
     augmentation: str | None = None
     source: str = ""
+    owners: np.ndarray | None = None
+    owner_names: list[str] | None = None
 
     def __post_init__(self) -> None:
         for field in ("x_train", "y_train", "x_test", "y_test"):
@@ -51,6 +55,11 @@ class Dataset:
             raise DatasetError(f"Dataset {self.name!r}: num_classes must be an integer >= 2, got {self.num_classes!r}")
         for split in ("train", "test"):
             self._check_split(split)
+        if self.owners is not None:
+            self.owners = np.asarray(self.owners)
+            if self.owners.shape != (self.x_train.shape[0],) or not np.issubdtype(self.owners.dtype, np.integer):
+                raise DatasetError(f"Dataset {self.name!r}: owners must be one integer owner id per training sample "
+                                   f"({self.x_train.shape[0]}), got {self.owners.dtype} {self.owners.shape}")
         if self.x_train.shape[1:] != self.x_test.shape[1:]:
             raise DatasetError(f"Dataset {self.name!r}: x_train samples have shape {tuple(self.x_train.shape[1:])} "
                                f"but x_test samples {tuple(self.x_test.shape[1:])}; both splits need the same features")

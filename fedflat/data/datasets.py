@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .dataset import Dataset, to_tensors
+from .leaf import load_femnist, load_shakespeare
 from .download import download_file, verify_file
 from .readers import CIFAR_LAYOUT, extract_tar_safely, read_cifar_split, read_idx
 from .sources import (IDX_FILES, REMOTE, SUBFOLDERS, DatasetNotFoundError, candidate_dirs,
@@ -226,6 +227,10 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
     "fmnist": (load_fmnist, "Fashion-MNIST, 60,000/10,000 images [1,28,28], 10 classes (IDX files)"),
     "cifar10": (load_cifar10, "CIFAR-10, 50,000/10,000 images [3,32,32], 10 classes, crop+flip augmentation"),
     "cifar100": (load_cifar100, "CIFAR-100 (fine labels), 50,000/10,000 images [3,32,32], 100 classes, crop+flip"),
+    "femnist": (load_femnist, "LEAF FEMNIST, 28x28 characters of 3,500 writers, 62 classes, natural split by writer "
+                              "(LEAF's JSON; partition natural)"),
+    "shakespeare": (load_shakespeare, "LEAF Shakespeare, 80-character windows -> next character (80 symbols), natural "
+                                      "split by role (LEAF's JSON; model lstm)"),
     "synthetic": (load_synthetic, "seeded Gaussian class clusters of any shape/size (options: shape, "
                                   "num_classes, train_size, test_size, seed, noise)"),
 }

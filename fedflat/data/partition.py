@@ -19,7 +19,7 @@ from fedflat.config import ConfigError
 from fedflat.rng import SERVER, stream_seed
 
 __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
-           "dirichlet_balanced", "pathological", "shards", "user_split"]
+           "dirichlet_balanced", "pathological", "shards", "natural", "user_split"]
 
 MAX_DIRICHLET_TRIES = 1000
 
@@ -167,6 +167,33 @@ def shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
     return _finish([np.concatenate([pieces[s] for s in row]) for row in owners])
 
 
+def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, fraction: float = 1.0,
+            owners: list[int] | None = None) -> list[np.ndarray]:
+    """LEAF's natural split: one client per owner of the samples (a writer, a speaking role), in ascending
+    owner id. ``owners`` (one id per sample) comes from the dataset (:attr:`Dataset.owners`) unless given;
+    ``fraction < 1`` keeps a random share of the owners, ``round(fraction * owners)``, as LEAF's ``--sf``.
+    ``num_clients`` must be the number of owners kept."""
+    if owners is None:
+        raise ValueError("natural: this dataset has no natural owners (LEAF's femnist and shakespeare have: one "
+                         "client per writer / role); choose another scheme, or pass clients= from Python")
+    owners = np.asarray(owners).reshape(-1)
+    if owners.shape[0] != len(labels):
+        raise ValueError(f"natural: {owners.shape[0]} owners for {len(labels)} samples")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"natural: fraction must be in (0, 1], got {fraction}")
+    ids = np.unique(owners)
+    kept = max(1, int(round(fraction * len(ids))))
+    if kept < len(ids):
+        ids = np.sort(rng.choice(ids, kept, replace=False))
+    if num_clients != len(ids):
+        raise ValueError(f"the data have {len(np.unique(owners))} owners and fraction={fraction} keeps {len(ids)}: "
+                         f"set data.num_clients={len(ids)}")
+    order = np.argsort(owners, kind="stable")
+    starts = np.searchsorted(owners[order], ids)
+    ends = np.searchsorted(owners[order], ids, side="right")
+    return _finish([order[a:b] for a, b in zip(starts, ends)])
+
+
 PARTITIONS: dict[str, tuple[Callable[..., list[np.ndarray]], str]] = {
     "iid": (iid, "uniformly random, near-equal sizes"),
     "dirichlet": (dirichlet, "per class, proportions ~ Dir(alpha) over clients; redraw until every "
@@ -176,6 +203,8 @@ PARTITIONS: dict[str, tuple[Callable[..., list[np.ndarray]], str]] = {
     "pathological": (pathological, "every client holds exactly `classes` classes, split evenly "
                                    "(params: classes)"),
     "shards": (shards, "sort by label, per_client random shards per client (McMahan) (params: per_client)"),
+    "natural": (natural, "one client per owner of the data (LEAF's writers / roles); fraction samples a share "
+                         "(params: fraction=1.0)"),
 }
 
 
@@ -203,11 +232,14 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int, **pa
 
 
 def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int,
-                 dataset: str = "the dataset") -> list[np.ndarray]:
+                 dataset: str = "the dataset", owners: np.ndarray | None = None) -> list[np.ndarray]:
     """The split of a run: ``spec`` is its ``data.partition`` (``scheme`` and the scheme's parameters), drawn
     from the run's keyed partition stream, so every command that rebuilds a run's split gets the same one.
-    A split these data cannot give is a :class:`ConfigError` naming the key to change."""
+    ``owners`` (the dataset's) feed the ``natural`` scheme. A split these data cannot give is a
+    :class:`ConfigError` naming the key to change."""
     params = {k: v for k, v in spec.items() if k != "scheme"}
+    if spec["scheme"] == "natural" and params.get("owners") is None:
+        params["owners"] = owners
     try:
         return partition(labels, num_clients, spec["scheme"], seed=stream_seed(run_seed, -1, SERVER, "partition"),
                          **params)

@@ -123,7 +123,7 @@ class Simulation:
         self.client_indices_np = (
             user_split(clients, dataset.y_train.shape[0], cfg.data.num_clients) if clients is not None else
             client_split(dataset.y_train.cpu().numpy(), cfg.data.num_clients, cfg.data.partition, cfg.seed,
-                         dataset.name))
+                         dataset.name, owners=dataset.owners))
         self.client_indices = [torch.as_tensor(ix, dtype=torch.long, device=self.device) for ix in self.client_indices_np]
         self.num_samples = torch.tensor([len(ix) for ix in self.client_indices_np], device=self.device)
         with torch.random.fork_rng(devices=[]):

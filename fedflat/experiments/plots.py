@@ -84,7 +84,8 @@ def partition_heatmap(run: Run, path: str | Path) -> Path:
     cfg = as_config(run_config(run.path))
     data = load_dataset(cfg.data.name, root=cfg.data.root, download=False, **cfg.data.options)
     labels = data.y_train.cpu().numpy()
-    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name)
+    parts = client_split(labels, cfg.data.num_clients, cfg.data.partition, cfg.seed, data.name,
+                         owners=data.owners)
     params = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}
     params_text = ", ".join(f"{k}={v}" for k, v in params.items())
     title = (f"{cfg.data.name}, {cfg.data.num_clients} clients, seed {cfg.seed}\n"
