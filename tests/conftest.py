@@ -21,17 +21,6 @@ def pytest_configure(config):
         os.environ[DEVICE_ENV] = device
 
 
-def pytest_collection_modifyitems(config, items):
-    """On ``--device cuda``, tests marked ``cpu_only`` (why: in the marker) are skipped."""
-    device = os.environ.get(DEVICE_ENV, "cpu")
-    if device == "cpu":
-        return
-    for item in items:
-        marker = item.get_closest_marker("cpu_only")
-        if marker:
-            item.add_marker(pytest.mark.skip(reason=f"cpu_only: {marker.args[0] if marker.args else ''}"))
-
-
 def tiny_tree(**extra) -> dict:
     """A tiny federated problem: synthetic 1x4x4 data, 6 clients, an MLP with one small layer."""
     tree = {

@@ -54,9 +54,9 @@ class ClientBatches:
     def _to_device(self, plans: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The host schedules ``plans`` on the data's device, every batch a view of one copied tensor."""
         device = self.x.device
-        if device.type == "cpu":
-            return plans
         batches = [b for plan in plans for b in plan]
+        if device.type == "cpu" or not batches:
+            return plans
         moved = iter(torch.cat(batches).to(device).split([b.shape[0] for b in batches]))
         return [[next(moved) for _ in plan] for plan in plans]
 
