@@ -17,6 +17,7 @@ import numpy as np
 
 from .dataset import Dataset, to_tensors
 from .leaf import load_femnist, load_shakespeare
+from .text import load_dbpedia
 from .download import download_file, verify_file
 from .readers import CIFAR_LAYOUT, extract_tar_safely, read_cifar_split, read_idx
 from .sources import (IDX_FILES, REMOTE, SUBFOLDERS, DatasetNotFoundError, candidate_dirs,
@@ -231,6 +232,8 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
                               "(LEAF's JSON; partition natural)"),
     "shakespeare": (load_shakespeare, "LEAF Shakespeare, 80-character windows -> next character (80 symbols), natural "
                                       "split by role (LEAF's JSON; model lstm)"),
+    "dbpedia": (load_dbpedia, "DBpedia-14 (dbpedia_csv), 14 classes, token ids [128] for textcnn; FedVSSAM's "
+                              "balanced 10,000/1,000 per class, vocabulary 30,000 from the training split (cached)"),
     "synthetic": (load_synthetic, "seeded Gaussian class clusters of any shape/size (options: shape, "
                                   "num_classes, train_size, test_size, seed, noise)"),
 }
