@@ -117,6 +117,12 @@ def normalize(x_train: torch.Tensor, x_test: torch.Tensor) -> tuple[torch.Tensor
     return (x_train - mean) / std, (x_test - mean) / std
 
 
+def _writable_float32(x: np.ndarray) -> np.ndarray:
+    """``x`` as a contiguous float32 array torch may write to (a read-only memory map is copied)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return x if x.flags.writeable else x.copy()
+
+
 def to_tensors(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
                y_test: np.ndarray, num_classes: int, scale: float = 1.0,
                augmentation: str | None = None, source: str = "") -> Dataset:
@@ -125,8 +131,7 @@ def to_tensors(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.n
     Normalization is per channel with the train split's mean and std, done in place to keep
     peak memory near one copy of the data.
     """
-    xtr = torch.from_numpy(np.ascontiguousarray(x_train)).float().div_(scale)
-    xte = torch.from_numpy(np.ascontiguousarray(x_test)).float().div_(scale)
+    xtr, xte = (torch.from_numpy(_writable_float32(x)).div_(scale) for x in (x_train, x_test))
     mean, std = channel_stats(xtr)
     xtr.sub_(mean).div_(std)
     xte.sub_(mean).div_(std)

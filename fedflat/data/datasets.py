@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .dataset import Dataset, to_tensors
+from .images import load_tiny_imagenet
 from .leaf import load_femnist, load_shakespeare
 from .text import load_dbpedia
 from .download import download_file, verify_file
@@ -228,6 +229,8 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
     "fmnist": (load_fmnist, "Fashion-MNIST, 60,000/10,000 images [1,28,28], 10 classes (IDX files)"),
     "cifar10": (load_cifar10, "CIFAR-10, 50,000/10,000 images [3,32,32], 10 classes, crop+flip augmentation"),
     "cifar100": (load_cifar100, "CIFAR-100 (fine labels), 50,000/10,000 images [3,32,32], 100 classes, crop+flip"),
+    "tinyimagenet": (load_tiny_imagenet, "Tiny-ImageNet-200, 100,000/10,000 (val) images [3,64,64], 200 classes, "
+                                         "crop+flip; the official folder or zip, decoded once to a uint8 cache"),
     "femnist": (load_femnist, "LEAF FEMNIST, 28x28 characters of 3,500 writers, 62 classes, natural split by writer "
                               "(LEAF's JSON; partition natural)"),
     "shakespeare": (load_shakespeare, "LEAF Shakespeare, 80-character windows -> next character (80 symbols), natural "

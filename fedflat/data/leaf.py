@@ -75,8 +75,8 @@ def _owners(users: list[str], ys: list[list]) -> np.ndarray:
 def load_femnist(root: str | Path | None = None, download: bool = False) -> Dataset:
     """LEAF FEMNIST: 28x28 handwritten characters of 3,500 writers, 62 classes, natural split by writer."""
     _no_download("femnist", download)
-    splits = {}
-    for split, folder in zip(SPLITS, find_leaf("femnist", root)):
+    splits, folders = {}, find_leaf("femnist", root)
+    for split, folder in zip(SPLITS, folders):
         users, xs, ys = read_leaf_split(folder)
         x = np.asarray([img for user in xs for img in user], dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != 28 * 28:
@@ -85,7 +85,7 @@ def load_femnist(root: str | Path | None = None, download: bool = False) -> Data
         splits[split] = (torch.from_numpy(x).view(-1, 1, 28, 28), torch.from_numpy(y), _owners(users, ys), users)
     (xtr, ytr, owners, users), (xte, yte, _, _) = splits["train"], splits["test"]
     mean, std = channel_stats(xtr)
-    return Dataset("femnist", (xtr - mean) / std, ytr, (xte - mean) / std, yte, 62, source=str(root or ""),
+    return Dataset("femnist", (xtr - mean) / std, ytr, (xte - mean) / std, yte, 62, source=str(folders[0].parent),
                    owners=owners, owner_names=users)
 
 
@@ -101,8 +101,8 @@ def encode_text(texts: list[str], where: Path) -> np.ndarray:
 def load_shakespeare(root: str | Path | None = None, download: bool = False) -> Dataset:
     """LEAF Shakespeare: 80-character windows and the next character (80 symbols), natural split by role."""
     _no_download("shakespeare", download)
-    splits = {}
-    for split, folder in zip(SPLITS, find_leaf("shakespeare", root)):
+    splits, folders = {}, find_leaf("shakespeare", root)
+    for split, folder in zip(SPLITS, folders):
         users, xs, ys = read_leaf_split(folder)
         windows = [w for user in xs for w in user]
         if len({len(w) for w in windows}) > 1:
@@ -111,7 +111,7 @@ def load_shakespeare(root: str | Path | None = None, download: bool = False) -> 
         y = encode_text([c for user in ys for c in user], folder)[:, 0]
         splits[split] = (x, y, _owners(users, ys), users)
     (xtr, ytr, owners, users), (xte, yte, _, _) = splits["train"], splits["test"]
-    return Dataset("shakespeare", xtr, ytr, xte, yte, len(LEAF_LETTERS), source=str(root or ""),
+    return Dataset("shakespeare", xtr, ytr, xte, yte, len(LEAF_LETTERS), source=str(folders[0].parent),
                    owners=owners, owner_names=users)
 
 
