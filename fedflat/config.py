@@ -331,7 +331,7 @@ def _check_registered(cfg: Config) -> None:
     _check_options("data.partition", PARTITIONS[scheme][0], part_opts, ("labels", "num_clients", "seed", "rng"))
     model = cfg.model["name"]
     _check_name("model.name", model, MODELS)
-    _check_options("model", MODELS[model][0], {k: v for k, v in cfg.model.items() if k != "name"},
+    _check_options("model", MODELS[model][0], {k: v for k, v in cfg.model.items() if k not in ("name", "pretrained")},
                    ("input_shape", "num_classes"))
     if cfg.sampling.clients_per_round > cfg.data.num_clients:
         raise ConfigError(f"sampling.clients_per_round ({cfg.sampling.clients_per_round}) exceeds "

@@ -24,6 +24,7 @@ TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
     ("resnet34", (1, 8, 8), 4, {"groups": 4}),
     ("textcnn", (12,), 5, {"vocab_size": 50, "embed_dim": 8, "num_filters": 6}),
     ("resnet20", (3, 8, 8), 3, {}),
+    ("resnet50", (3, 16, 16), 3, {"stem": "cifar", "groups": 4}),
     ("wrn28_4", (3, 8, 8), 4, {"groups": 4}),
     ("lstm", (6,), 5, {"hidden": 8, "embed_dim": 4}),
 ]
@@ -48,7 +49,8 @@ def tiny(index: int, seed: int = 0) -> nn.Module:
 # ----------------------------------------------------------------------------- registry
 
 def test_registry_lists_every_model_with_description() -> None:
-    assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "wrn28_4", "lstm", "textcnn"}
+    assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "resnet50", "wrn28_4", "lstm",
+                           "textcnn"}
     for factory, description in MODELS.values():
         assert callable(factory) and isinstance(description, str) and description
 
@@ -116,6 +118,13 @@ def test_resnet_parameter_counts(name: str, stem: str, expected: int, low: float
     n = count_parameters(build_model(name, (3, 32, 32), 10, stem=stem))
     assert low <= n <= high
     assert n == expected  # torchvision count with GN in place of BN, 10-class head
+
+
+@pytest.mark.parametrize("name, expected", [("resnet18", 11_689_512), ("resnet50", 25_557_032)])
+def test_imagenet_resnets_have_torchvisions_parameter_counts(name: str, expected: int) -> None:
+    """With the ImageNet stem and 1000 classes, torchvision's counts (GroupNorm has BatchNorm's two affine
+    parameters per channel and no buffers)."""
+    assert count_parameters(build_model(name, (3, 224, 224), 1000, stem="imagenet")) == expected
 
 
 def test_resnet20_parameter_count() -> None:
@@ -252,3 +261,62 @@ def test_textcnn_optional_dropout_sits_in_head() -> None:
     assert any(isinstance(m, nn.Dropout) for m in model.head.modules())
     tokens = torch.randint(0, 20, (2, 8))
     torch.testing.assert_close(model.head(model.features(tokens)), model(tokens))
+
+
+# ----------------------------------------------------------------------------- pretrained weights
+
+def _as_torchvision(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A fedflat ResNet's parameters under torchvision's names, spelled out here, plus BatchNorm statistics."""
+    out = {}
+    for name, value in model.state_dict().items():
+        tv = (name.replace("stem.0.", "conv1.").replace("stem.1.", "bn1.").replace("head.", "fc.")
+              .replace(".shortcut.", ".downsample."))
+        parts = tv.split(".")
+        if parts[0] == "stages":
+            tv = ".".join([f"layer{int(parts[1]) + 1}", *parts[2:]]).replace(".norm", ".bn")
+        out[tv] = value.clone()
+        if (tv.startswith("bn1.") or ".bn" in tv) and tv.endswith(".weight"):
+            out[tv.replace(".weight", ".running_mean")] = torch.zeros_like(value)
+    return out
+
+
+def test_a_torchvision_resnet_checkpoint_loads_with_a_new_head(tmp_path) -> None:
+    torch.manual_seed(1)
+    source = build_model("resnet18", (3, 224, 224), 1000, stem="imagenet")
+    path = tmp_path / "resnet18.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in _as_torchvision(source).items()}}, path)
+    torch.manual_seed(2)
+    fresh_head = build_model("resnet18", (3, 64, 64), 7, stem="imagenet").head.weight.clone()
+    torch.manual_seed(2)
+    model = build_model("resnet18", (3, 64, 64), 7, stem="imagenet", pretrained=str(path))
+    for (name, p), q in zip(model.named_parameters(), source.parameters()):
+        if not name.startswith("head."):
+            assert torch.equal(p, q), name
+    assert torch.equal(model.head.weight, fresh_head)  # 7 classes: the head is replaced, not loaded
+    from fedflat.models.pretrained import load_pretrained
+    report = load_pretrained(build_model("resnet18", (3, 64, 64), 7, stem="imagenet"), path)
+    assert report["replaced"] == ["head.weight", "head.bias"] and "bn1.running_mean" in report["unused"]
+
+
+def test_a_runs_model_pt_starts_another_run(tmp_path) -> None:
+    import fedflat
+    from fedflat.config import load_config
+    from fedflat.engine.simulation import Simulation
+
+    hist = fedflat.run(None, overrides=["rounds=2", "threads=1"], out=tmp_path, progress=False)
+    cfg = load_config(None, ["rounds=2", f"model.pretrained={hist.run_dir / 'model.pt'}"])
+    assert torch.equal(Simulation(cfg).w.cpu(), hist.final_parameters)
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_parameters(tmp_path) -> None:
+    from fedflat.config import ConfigError
+
+    path = tmp_path / "r18.pt"
+    torch.save(build_model("resnet18", (3, 32, 32), 10).state_dict(), path)
+    with pytest.raises(ConfigError, match=r"does not fit this model: stages\.0\.2\.conv1\.weight .*missing"):
+        build_model("resnet34", (3, 32, 32), 10, pretrained=str(path))
+    with pytest.raises(ConfigError, match="not found .*give a local file"):
+        build_model("resnet18", (3, 32, 32), 10, pretrained=str(tmp_path / "nope.pt"))
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+        build_model("resnet18", (3, 32, 32), 10, pretrained=str(tmp_path / "junk.pt"))

@@ -11,7 +11,8 @@ from torch import nn
 from .cnn import cnn
 from .lstm import lstm
 from .mlp import logreg, mlp
-from .resnet import resnet18, resnet20, resnet34, wrn28_4
+from .pretrained import load_pretrained
+from .resnet import resnet18, resnet20, resnet34, resnet50, wrn28_4
 from .textcnn import textcnn
 
 #: name -> (factory(input_shape, num_classes, **options), one-line description)
@@ -22,6 +23,7 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "resnet20": (resnet20, "CIFAR ResNet-20 (3x3 BasicBlocks, 16-32-64) with GroupNorm(2)"),
     "resnet18": (resnet18, "ResNet-18 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
     "resnet34": (resnet34, "ResNet-34 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
+    "resnet50": (resnet50, "ResNet-50 (Bottleneck, torchvision v1.5) with GroupNorm(2); stem imagenet|cifar"),
     "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation) with GroupNorm(2)"),
     "lstm": (lstm, "LEAF's Shakespeare LSTM on int64 windows [B, L]: embed 8, 2 x LSTM 256, next symbol"),
     "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),
@@ -54,10 +56,12 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int,
 
     Raises ``ValueError`` for an unknown name (listing the valid names and the
     closest match) or an unknown option (listing the model's valid options).
+    ``pretrained=PATH`` (every model) loads a local checkpoint (:mod:`fedflat.models.pretrained`).
     """
     key = _resolve(name)
+    pretrained = options.pop("pretrained", None)
     valid = model_options(key)
-    unknown = sorted(set(options) - set(valid))
+    unknown = sorted(set(options) - set(valid) - {"pretrained"})
     if unknown:
         listed = ", ".join(valid) if valid else "(none)"
         close = difflib.get_close_matches(unknown[0], list(valid), n=1)
@@ -65,7 +69,10 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int,
         raise ValueError(f"Unknown option(s) {', '.join(map(repr, unknown))} for model "
                          f"{key!r}.{hint} Valid options: {listed}")
     factory, _ = MODELS[key]
-    return factory(tuple(input_shape), num_classes, **options)
+    model = factory(tuple(input_shape), num_classes, **options)
+    if pretrained:
+        load_pretrained(model, pretrained)
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""ResNet-18/34, CIFAR ResNet-20 and WRN-28-4 with GroupNorm, as used in federated-learning benchmarks.
+"""ResNet-18/34/50, CIFAR ResNet-20 and WRN-28-4 with GroupNorm, as used in federated-learning benchmarks.
 
 He et al., *Deep Residual Learning for Image Recognition* (CVPR 2016), with
 BasicBlocks ``[2, 2, 2, 2]`` (ResNet-18) or ``[3, 4, 6, 3]`` (ResNet-34) and
@@ -22,6 +22,7 @@ model                 stem="cifar"  stem="imagenet"
 ====================  ============  ==============
 resnet18              11,173,962    11,181,642
 resnet34              21,282,122    21,289,802
+resnet50 (1000 cl.)   -             25,557,032 (torchvision's count)
 resnet20              272,474       -
 wrn28_4 (100 classes) 5,872,180     -
 ====================  ============  ==============
@@ -94,24 +95,53 @@ def init_weights(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+class Bottleneck(nn.Module):
+    """1x1 (width) - 3x3 (width, the stride here as torchvision's ResNet v1.5) - 1x1 (4 width) conv-GN
+    layers, with an identity or 1x1-conv-GN projection shortcut."""
+
+    expansion = 4
+
+    def __init__(self, in_ch: int, width: int, stride: int, groups: int) -> None:
+        super().__init__()
+        out_ch = width * self.expansion
+        self.conv1 = nn.Conv2d(in_ch, width, 1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, width)
+        self.conv2 = conv3x3(width, width, stride)
+        self.norm2 = nn.GroupNorm(groups, width)
+        self.conv3 = nn.Conv2d(width, out_ch, 1, bias=False)
+        self.norm3 = nn.GroupNorm(groups, out_ch)
+        self.relu = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_ch != out_ch:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False),
+                                          nn.GroupNorm(groups, out_ch))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.norm1(self.conv1(x)))
+        out = self.relu(self.norm2(self.conv2(out)))
+        return self.relu(self.norm3(self.conv3(out)) + self.shortcut(x))
+
+
 class ResNet(FedModel):
-    """ResNet with BasicBlocks and GroupNorm; ``blocks`` gives blocks per stage of ``widths`` channels (the
-    first stage at stride 1, every later one halving the resolution)."""
+    """ResNet with GroupNorm; ``blocks`` gives blocks per stage of ``widths`` channels (the first stage at
+    stride 1, every later one halving the resolution); ``block``: BasicBlock or Bottleneck."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, blocks: Sequence[int],
-                 stem: str = "cifar", groups: int = 2, widths: Sequence[int] = WIDTHS) -> None:
+                 stem: str = "cifar", groups: int = 2, widths: Sequence[int] = WIDTHS,
+                 block: type[nn.Module] = BasicBlock) -> None:
         super().__init__(input_shape, num_classes)
         self.stem = make_stem(self.input_shape[0], widths[0], stem, groups)
+        expansion = getattr(block, "expansion", 1)
         stages: list[nn.Module] = []
         in_ch = widths[0]
         for i, (width, n) in enumerate(zip(widths, blocks)):
-            layers = [BasicBlock(in_ch if j == 0 else width, width,
-                                 1 if (i == 0 or j > 0) else 2, groups) for j in range(n)]
+            layers = [block(in_ch if j == 0 else width * expansion, width,
+                            1 if (i == 0 or j > 0) else 2, groups) for j in range(n)]
             stages.append(nn.Sequential(*layers))
-            in_ch = width
+            in_ch = width * expansion
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.feature_dim = widths[-1]
+        self.feature_dim = widths[-1] * expansion
         self.head = nn.Linear(self.feature_dim, self.num_classes)
         init_weights(self)
 
@@ -130,12 +160,12 @@ def _check(name: str, input_shape: Sequence[int], num_classes: int, groups: int,
 
 
 def _resnet(name: str, blocks: Sequence[int], input_shape: Sequence[int], num_classes: int,
-            stem: str, groups: int, widths: Sequence[int] = WIDTHS) -> ResNet:
+            stem: str, groups: int, widths: Sequence[int] = WIDTHS, block: type[nn.Module] = BasicBlock) -> ResNet:
     """Validate options and build a GroupNorm ResNet."""
     shape, groups = _check(name, input_shape, num_classes, groups, widths)
     if stem not in STEMS:
         raise ValueError(f"{name} stem must be one of {STEMS}, got {stem!r}")
-    return ResNet(shape, num_classes, blocks, stem, groups, widths)
+    return ResNet(shape, num_classes, blocks, stem, groups, widths, block)
 
 
 def resnet18(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
@@ -148,6 +178,12 @@ def resnet34(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
              groups: int = 2) -> ResNet:
     """ResNet-34 (BasicBlocks [3, 4, 6, 3]) with GroupNorm(groups)."""
     return _resnet("resnet34", (3, 4, 6, 3), input_shape, num_classes, stem, groups)
+
+
+def resnet50(input_shape: Sequence[int], num_classes: int, stem: str = "imagenet", groups: int = 2) -> ResNet:
+    """ResNet-50 (Bottlenecks [3, 4, 6, 3], torchvision's v1.5 layout) with GroupNorm(groups); the ImageNet stem
+    by default (FedWMSAM's OfficeHome table: 224 x 224 inputs)."""
+    return _resnet("resnet50", (3, 4, 6, 3), input_shape, num_classes, stem, groups, WIDTHS, Bottleneck)
 
 
 def resnet20(input_shape: Sequence[int], num_classes: int, groups: int = 2) -> ResNet:

@@ -1,0 +1,91 @@
+"""``model.pretrained=PATH``: start from a local checkpoint (nothing is downloaded).
+
+Reads a PyTorch state dict (``torch.save``; also nested under ``state_dict`` / ``model``, with DataParallel's
+``module.`` prefix) or a ``.safetensors`` file. Keys are fedflat's own, or torchvision's ResNet names
+(``conv1``, ``bn1``, ``layerL.B.bnK``, ``downsample``, ``fc``), translated: BatchNorm's affine weights load into
+the GroupNorm that replaces it, and its running statistics are dropped (GroupNorm keeps none). The classifier
+head is replaced when its shape differs (another number of classes). Every model parameter must be found
+with its shape: a missing or mis-shaped one is an error naming it; checkpoint entries the model has no use
+for are listed in the returned report.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedflat.config import ConfigError
+
+HEADS = ("head.weight", "head.bias")
+_TORCHVISION_RESNET = [  # (torchvision's name, fedflat's)
+    (re.compile(r"^conv1\.weight$"), "stem.0.weight"),
+    (re.compile(r"^bn1\.(weight|bias)$"), r"stem.1.\1"),
+    (re.compile(r"^layer(\d)\.(\d+)\.conv(\d)\.weight$"), r"stages.<\1>.\2.conv\3.weight"),
+    (re.compile(r"^layer(\d)\.(\d+)\.bn(\d)\.(weight|bias)$"), r"stages.<\1>.\2.norm\3.\4"),
+    (re.compile(r"^layer(\d)\.(\d+)\.downsample\.(\d)\.(weight|bias)$"), r"stages.<\1>.\2.shortcut.\3.\4"),
+    (re.compile(r"^fc\.(weight|bias)$"), r"head.\1"),
+]
+
+
+def torchvision_key(key: str) -> str | None:
+    """fedflat's name for a torchvision ResNet parameter (None: nothing fedflat has, e.g. BN statistics);
+    torchvision's ``layer1`` is fedflat's stage 0."""
+    for pattern, target in _TORCHVISION_RESNET:
+        if pattern.match(key):
+            name = pattern.sub(target, key)
+            return re.sub(r"<(\d)>", lambda m: str(int(m.group(1)) - 1), name)
+    return None
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint file (see the module docstring for the formats)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"model.pretrained: {path} not found (fedflat downloads no weights: give a local file)")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise ConfigError("model.pretrained: reading .safetensors needs the safetensors package "
+                          "(pip install safetensors)") from None
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ConfigError(f"model.pretrained: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"model.pretrained: {path} holds no state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
+    """Loads ``path`` into ``model`` in place; returns ``{"loaded", "replaced", "unused"}`` key lists."""
+    state = read_checkpoint(path)
+    own = dict(model.named_parameters())
+    if not set(state) & set(own):  # not fedflat's names: try torchvision's
+        state = {name: v for k, v in state.items() if (name := torchvision_key(k)) is not None} | {
+            f"unused:{k}": v for k, v in state.items() if torchvision_key(k) is None}
+    report: dict[str, list[str]] = {"loaded": [], "replaced": [], "unused": []}
+    wrong = []
+    with torch.no_grad():
+        for name, param in own.items():
+            value = state.get(name)
+            if value is not None and value.shape == param.shape:
+                param.copy_(value)
+                report["loaded"].append(name)
+            elif name in HEADS and value is not None:
+                report["replaced"].append(name)  # another number of classes: the fresh head stays
+            else:
+                wrong.append(f"{name} {tuple(param.shape)}: "
+                             + ("missing" if value is None else f"checkpoint has {tuple(value.shape)}"))
+    if wrong:
+        shown = "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        raise ConfigError(f"model.pretrained: {path} does not fit this model: {shown}")
+    report["unused"] = sorted(k.removeprefix("unused:") for k in state if k not in own)
+    return report
