@@ -27,6 +27,7 @@ TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
     ("resnet50", (3, 16, 16), 3, {"stem": "cifar", "groups": 4}),
     ("wrn28_4", (3, 8, 8), 4, {"groups": 4}),
     ("lstm", (6,), 5, {"hidden": 8, "embed_dim": 4}),
+    ("vit", (3, 32, 32), 3, {}),
 ]
 IDS = [f"{n}-{'x'.join(map(str, s))}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
        for n, s, _, o in TINY]
@@ -50,7 +51,7 @@ def tiny(index: int, seed: int = 0) -> nn.Module:
 
 def test_registry_lists_every_model_with_description() -> None:
     assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "resnet50", "wrn28_4", "lstm",
-                           "textcnn"}
+                           "textcnn", "vit"}
     for factory, description in MODELS.values():
         assert callable(factory) and isinstance(description, str) and description
 
@@ -320,3 +321,32 @@ def test_a_checkpoint_that_does_not_fit_names_the_parameters(tmp_path) -> None:
     (tmp_path / "junk.pt").write_bytes(b"junk")
     with pytest.raises(ConfigError, match="not a readable checkpoint"):
         build_model("resnet18", (3, 32, 32), 10, pretrained=str(tmp_path / "junk.pt"))
+
+
+@pytest.mark.parametrize("variant, expected", [("tiny16", 5_717_416), ("base32", 88_224_232)])
+def test_vit_has_timms_parameter_count_and_names(variant: str, expected: int) -> None:
+    """timm's vit_tiny_patch16_224 and vit_base_patch32_224 counts, under timm's state-dict keys."""
+    model = build_model("vit", (3, 224, 224), 1000, variant=variant)
+    assert count_parameters(model) == expected
+    assert {"cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.11.mlp.fc2.bias",
+            "norm.weight", "head.weight"} <= set(model.state_dict())
+
+
+def test_vit_attention_is_scaled_dot_product_attention() -> None:
+    from fedflat.models.vit import Attention
+
+    torch.manual_seed(0)
+    attn, x = Attention(12, 3), torch.randn(2, 5, 12)
+    q, k, v = attn.qkv(x).view(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4)
+    expected = attn.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 12))
+    torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_vit_checkpoint_in_timms_names_fine_tunes_with_a_new_head(tmp_path) -> None:
+    source = build_model("vit", (3, 64, 64), 1000)
+    torch.save(source.state_dict(), tmp_path / "vit.pt")
+    model = build_model("vit", (3, 64, 64), 65, pretrained=str(tmp_path / "vit.pt"))
+    assert torch.equal(model.pos_embed, source.pos_embed) and model.head.weight.shape == (65, 192)
+    from fedflat.config import ConfigError
+    with pytest.raises(ConfigError, match=r"pos_embed \(1, 5, 192\): checkpoint has \(1, 17, 192\)"):
+        build_model("vit", (3, 32, 32), 65, pretrained=str(tmp_path / "vit.pt"))  # another resolution
