@@ -292,3 +292,13 @@ def test_a_sweep_on_ray_equals_the_serial_sweep_and_keeps_skip_and_resume(ray_se
         assert metrics_equal(a, b), cell["name"]
     again = run_sweep(load_sweep(path, out=tmp_path / "ray"), progress=False, ray=RayCells(cpus=0.5))
     assert [c["action"] for c in again.cells] == ["skipped"] * 4
+
+
+def test_a_worker_builds_its_model_without_the_pretrained_file(tiny):
+    """model.pretrained is read once, by the driver: the broadcast carries the weights, so a worker (perhaps on
+    a node without the file) builds its runtime from the spec alone."""
+    from fedflat.engine.ray_executor import build_runtime
+
+    sim = Simulation(tiny())
+    spec = sim.worker_spec(model={**sim.cfg.model, "pretrained": "/nowhere/weights.pt"})
+    assert build_runtime(spec, sim.worker_data()).model.layout.size == sim.num_parameters

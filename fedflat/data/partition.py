@@ -181,12 +181,12 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, f
         raise ValueError(f"natural: {owners.shape[0]} owners for {len(labels)} samples")
     if not 0 < fraction <= 1:
         raise ValueError(f"natural: fraction must be in (0, 1], got {fraction}")
-    ids = np.unique(owners)
-    kept = max(1, int(round(fraction * len(ids))))
-    if kept < len(ids):
-        ids = np.sort(rng.choice(ids, kept, replace=False))
+    ids = every = np.unique(owners)
+    kept = max(1, int(round(fraction * len(every))))
+    if kept < len(every):
+        ids = np.sort(rng.choice(every, kept, replace=False))
     if num_clients != len(ids):
-        raise ValueError(f"the data have {len(np.unique(owners))} owners and fraction={fraction} keeps {len(ids)}: "
+        raise ValueError(f"the data have {len(every)} owners and fraction={fraction} keeps {len(ids)}: "
                          f"set data.num_clients={len(ids)}")
     order = np.argsort(owners, kind="stable")
     starts = np.searchsorted(owners[order], ids)

@@ -77,7 +77,8 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
         torch.set_num_threads(spec.threads)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
     set_tf32(device, spec.tf32)
-    options = {k: v for k, v in spec.model.items() if k != "name"}
+    # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
+    options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
     module = spec.model_fn() if spec.model_fn is not None else build_model(
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
     model = FlatModel(module.to(device))
@@ -87,8 +88,8 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
                             spec.settings.batch_size, spec.settings.seed,
                             cifar_augment if spec.augmentation == "cifar" else None)
     settings = replace(spec.settings, layout=model.layout)
-    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, resolve_engine(spec.engine, device, spec.step_flops),
-                         spec.chunk_size)
+    engine = resolve_engine(spec.engine, device, spec.step_flops)
+    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size)
 
 
 Data = tuple[np.ndarray, np.ndarray, list[np.ndarray]]

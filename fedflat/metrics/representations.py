@@ -88,7 +88,7 @@ def client_layer_vectors(sim, round: int, *, what: str, layer: str | None = None
     if what == "perturbations":
         objectives = [client_objective(sim, int(i), client_samples) for i in ids]
         pert = method_perturbations(sim, round, ids, objectives, direction, rho)
-        rows = pert.available.nonzero().flatten().cpu().cpu()
+        rows = pert.available.nonzero().flatten().cpu()
         return {"layer": name, "clients": ids[rows].tolist(), "direction": pert.direction,
                 "vectors": pert.eps[rows][:, cut].cpu().numpy()}
     if what == "parameters":

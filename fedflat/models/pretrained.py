@@ -68,9 +68,16 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
     """Loads ``path`` into ``model`` in place; returns ``{"loaded", "replaced", "unused"}`` key lists."""
     state = read_checkpoint(path)
     own = dict(model.named_parameters())
+    untranslated: list[str] = []
     if not set(state) & set(own):  # not fedflat's names: try torchvision's
-        state = {name: v for k, v in state.items() if (name := torchvision_key(k)) is not None} | {
-            f"unused:{k}": v for k, v in state.items() if torchvision_key(k) is None}
+        translated = {}
+        for key, value in state.items():
+            name = torchvision_key(key)
+            if name is None:
+                untranslated.append(key)
+            else:
+                translated[name] = value
+        state = translated
     report: dict[str, list[str]] = {"loaded": [], "replaced": [], "unused": []}
     wrong = []
     with torch.no_grad():
@@ -87,5 +94,5 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
     if wrong:
         shown = "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
         raise ConfigError(f"model.pretrained: {path} does not fit this model: {shown}")
-    report["unused"] = sorted(k.removeprefix("unused:") for k in state if k not in own)
+    report["unused"] = sorted(untranslated + [k for k in state if k not in own])
     return report

@@ -63,7 +63,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int,
     key = _resolve(name)
     pretrained = options.pop("pretrained", None)
     valid = model_options(key)
-    unknown = sorted(set(options) - set(valid) - {"pretrained"})
+    unknown = sorted(set(options) - set(valid))
     if unknown:
         listed = ", ".join(valid) if valid else "(none)"
         close = difflib.get_close_matches(unknown[0], list(valid), n=1)
