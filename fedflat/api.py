@@ -79,7 +79,8 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         clients: Sequence[Sequence[int]] | None = None,
         out: str | Path | None = None, save: bool = True, progress: bool = True,
         run_dir: str | Path | None = None, resume: str | Path | None = None,
-        announce: bool | None = None) -> History:
+        announce: bool | None = None,
+        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -90,7 +91,9 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
     results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
     (created; it must not exist). ``resume`` continues the run folder it names from its latest
     checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config). ``announce``
-    (default: ``progress``) prints the run folder to stderr as soon as it exists.
+    (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
+    the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
+    :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
     """
     cfg = as_config(config, overrides)
     if clients is not None and cfg.data.num_clients != len(clients):
@@ -107,6 +110,8 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
             runner = _Runner(cfg, sim, resolved, folder, checkpoint)
+            if driver is not None:
+                runner.train_round = driver(sim)
         except OSError as err:
             if is_disk_full(err) and resume is None:  # nothing of this run is worth keeping: no empty folder
                 shutil.rmtree(folder.path, ignore_errors=True)
@@ -167,6 +172,7 @@ class _Runner:
         # Called after every round as hook(runner, round_index, record_or_None); record is the metrics
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["_Runner", int, dict[str, Any] | None], None]] = []
+        self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
@@ -297,7 +303,7 @@ class _Runner:
         the account is taken with signals held, and taken here too when an interrupt hit between the two,
         so the summary always names the round the state is at."""
         try:
-            result = self.sim.run_round(t)
+            result = self.train_round(t)
             with uninterrupted():
                 self._account(result)
         except KeyboardInterrupt:
@@ -316,6 +322,8 @@ class _Runner:
         s["up_vectors"], s["down_vectors"] = result.up_vectors, result.down_vectors
         s["up_bytes"] += result.up_bytes * result.clients
         s["down_bytes"] += result.down_bytes * result.clients
+        if result.dropped:
+            s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
         self._owed = result if self._evaluated(t) else None
 
     def _record(self, t: int, result: RoundResult, bar) -> None:
@@ -328,7 +336,7 @@ class _Runner:
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
                   "down_vectors": result.down_vectors, "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
-                  "clients": result.clients, "drift": result.drift,
+                  "clients": result.clients, "dropped": len(result.dropped), "drift": result.drift,
                   "backprops_per_step": result.backprops_per_step, "store": result.store, **result.log}
         for hook in self.hooks:
             hook(self, t, record)

@@ -22,7 +22,7 @@ parts on chunks of one client, the vectorized engine on the whole cohort.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -251,6 +251,19 @@ class RoundContext:
     def aggregate(self, X: torch.Tensor) -> torch.Tensor:
         """``sum_i p_i X_i`` with the round's aggregation weights."""
         return self.weights.to(X.dtype) @ X
+
+    def answered(self, ids: torch.Tensor) -> "RoundContext":
+        """The context of the round as if only the clients ``ids`` (a subset of ``sampled``, ascending) had
+        been sampled: a federation aggregates the clients whose uploads came back. Called after
+        :meth:`Algorithm.configure`, before any upload is read; the server state, log and info carry over."""
+        position = {int(c): row for row, c in enumerate(self.sampled.tolist())}
+        missing = [int(c) for c in ids.tolist() if int(c) not in position]
+        if missing:
+            raise ValueError(f"round {self.round}: clients {missing} answered but were not sampled")
+        keep = torch.tensor([position[int(c)] for c in ids.tolist()], dtype=torch.long, device=self.sampled.device)
+        rows = (lambda d: {k: v[keep.to(v.device)] for k, v in d.items()})
+        return replace(self, sampled=self.sampled[keep], num_samples=self.num_samples[keep], steps=self.steps[keep],
+                       held=rows(self.held), held_known=rows(self.held_known))
 
 
 class Part:

@@ -28,7 +28,7 @@ from fedflat.algorithms import Broadcast, ClientResult, TrainSettings, build_alg
 from fedflat.config import ConfigError, ExecutorConfig
 from fedflat.data import cifar_augment
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, set_tf32
+from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, rows_loader, set_tf32
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -123,13 +123,7 @@ class ClientWorker:
         if self.spec.pause_s:
             time.sleep(self.spec.pause_s)
         broadcast = replace(shared, ids=task.ids, personal=personal)
-        row_of = {int(c): r for r, c in enumerate(task.ids.tolist())}
-
-        def load_state(ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-            rows = torch.tensor([row_of[int(c)] for c in ids.tolist()], dtype=torch.long)
-            return {k: v[rows] for k, v in state.items()}, {k: v[rows] for k, v in known.items()}
-
-        return self.runtime.fit(broadcast, task, load_state).to("cpu")
+        return self.runtime.fit(broadcast, task, rows_loader(task.ids, state, known)).to("cpu")
 
 
 def worker_class(ray):

@@ -129,6 +129,18 @@ class RoundTask:
         return RoundTask(self.ids[index], self.num_samples[index], self.steps[index])
 
 
+def rows_loader(ids: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor]) -> StateLoader:
+    """A :data:`StateLoader` over state rows sent with a task (``[C, ...]`` in the order of ``ids``): what a
+    remote worker or node gives :meth:`ClientRuntime.fit` in place of the driver's store."""
+    row_of = {int(c): r for r, c in enumerate(ids.tolist())}
+
+    def load_state(sub: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        rows = torch.tensor([row_of[int(c)] for c in sub.tolist()], dtype=torch.long)
+        return {k: v[rows] for k, v in state.items()}, {k: v[rows] for k, v in known.items()}
+
+    return load_state
+
+
 def make_cohort(task: RoundTask, broadcast: Broadcast, load_state: StateLoader, device: torch.device) -> Cohort:
     """The clients of ``task`` on ``device`` with their own state rows and their rows of the broadcast."""
     state, known = load_state(task.ids)

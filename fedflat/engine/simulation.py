@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, RoundContext, TrainSettings, build_algorithm, payload_size
+from fedflat.algorithms import (MODEL, TRAIN_LOSS, Algorithm, Broadcast, ClientResult, RoundContext, TrainSettings,
+                                build_algorithm, payload_size)
 from fedflat.config import Config, ConfigError
 from fedflat.data import Dataset, cifar_augment, client_split, load_dataset, user_split
 from fedflat.engine.batches import local_steps
@@ -53,6 +54,21 @@ def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
 
 class Diverged(RuntimeError):
     """A non-finite loss or model: the run stops with ``status: diverged``."""
+
+
+class NoClients(RuntimeError):
+    """No sampled client answered a round (every node of a federation failed): nothing to aggregate."""
+
+
+@dataclass
+class OpenRound:
+    """A round between its broadcast and its aggregation: the server's context, the broadcast, the clients'
+    task (ids, sample counts, step counts) and when the round began."""
+
+    ctx: RoundContext
+    broadcast: Broadcast
+    task: RoundTask
+    start: float
 
 
 @contextmanager
@@ -101,6 +117,7 @@ class RoundResult:
     down_vectors: int = 0  # ... and in the broadcast it received
     up_bytes: int = 0
     down_bytes: int = 0
+    dropped: list[int] = field(default_factory=list)  # sampled clients whose upload never came (failed nodes)
     log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
 
 
@@ -160,6 +177,8 @@ class Simulation:
         self.model_fn = model_fn
         self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
         self.backprops = 0  # backward passes of every client's local training so far
+        # the last round whose aggregation used each client's upload (-1: none yet)
+        self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
 
     def worker_spec(self, **options):
@@ -234,21 +253,39 @@ class Simulation:
             state[name], known[name] = self.store.get(name, ids)
         return state, known
 
-    def run_round(self, round: int) -> RoundResult:
-        """One communication round; updates ``self.w``, the server state and the client-state store.
-
-        A round is a transaction: the parts work on a copy of the server state, and the new model, server
-        state and client state are committed together at the end; an exception or an interrupt before
-        that leaves the simulation exactly at the previous round."""
+    def begin_round(self, round: int) -> OpenRound:
+        """The server side of round ``t`` before training: its clients and the broadcast (Flower's
+        ``configure_train``). Nothing is committed: a round never finished leaves no trace."""
         start = time.perf_counter()
         ctx = self.new_context(round)
-        algorithm = self.algorithm
-        broadcast = algorithm.configure(ctx)
+        broadcast = self.algorithm.configure(ctx)
         task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
-        result = self.executor.fit(broadcast, task, self.load_state).to(self.device)
+        return OpenRound(ctx, broadcast, task, start)
+
+    def run_round(self, round: int) -> RoundResult:
+        """One communication round on the executor; updates ``self.w``, the server state and the store."""
+        opened = self.begin_round(round)
+        return self.finish_round(opened, self.executor.fit(opened.broadcast, opened.task, self.load_state))
+
+    def finish_round(self, opened: OpenRound, result: ClientResult) -> RoundResult:
+        """Aggregation, server update and commit of an open round (Flower's ``aggregate_train``).
+
+        ``result`` holds the clients that answered, in ascending id order: all sampled clients, or (a
+        federation whose nodes failed or timed out) a subset, which the round aggregates as if only they
+        had been sampled; the round's ``dropped`` count says how many were not. A round is a transaction:
+        the parts work on a copy of the server state, and the new model, server state and client state
+        are committed together at the end; an exception or an interrupt before that leaves the simulation
+        exactly at the previous round."""
+        ctx, broadcast, round = opened.ctx, opened.broadcast, opened.ctx.round
+        dropped = sorted(set(ctx.sampled.tolist()) - set(result.ids.tolist()))
+        if dropped:
+            if not len(result.ids):
+                raise NoClients(f"round {round + 1}: none of the {ctx.K} sampled clients answered")
+            ctx = ctx.answered(result.ids.to(ctx.sampled.device))
+        result = result.to(self.device)
         if not torch.isfinite(result.upload[TRAIN_LOSS]).all() or not torch.isfinite(result.upload[MODEL]).all():
             raise Diverged(f"round {round + 1}: non-finite local loss or model (try a smaller train.lr or algo radius)")
-        w_new = algorithm.aggregate(ctx, result)
+        w_new = self.algorithm.aggregate(ctx, result)
         if not torch.isfinite(w_new).all():
             raise Diverged(f"round {round + 1}: the global model became non-finite")
         P = self.num_parameters
@@ -263,12 +300,14 @@ class Simulation:
                 self.store.put(name, result.ids, rows)
             self.server = ctx.server
             self.w = w_new
+            self.aggregated_round[result.ids.cpu()] = round
             self.backprops += result.backprops
             self.last_round = RoundResult(
                 round=round, lr=ctx.lr, train_loss=train_loss, drift=drift, clients=ctx.K,
-                seconds=time.perf_counter() - start, backprops_per_step=result.backprops / ctx.steps.sum().item(),
-                store=self.store.count(), up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes,
-                down_bytes=down_bytes, log=dict(ctx.log))
+                seconds=time.perf_counter() - opened.start,
+                backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
+                up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
+                dropped=dropped, log=dict(ctx.log))
         return self.last_round
 
     def state_dict(self) -> dict:
@@ -276,13 +315,15 @@ class Simulation:
         (Random streams are keyed by round, so no generator state needs saving.)"""
         return {"w": self.w.detach().cpu().clone(),
                 "server": {k: v.detach().cpu().clone() for k, v in self.server.items()},
-                "store": self.store.state_dict()}
+                "store": self.store.state_dict(), "aggregated_round": self.aggregated_round.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.w = state["w"].to(self.device)
         self.server.clear()
         self.server.update({k: v.to(self.device) for k, v in state["server"].items()})
         self.store.load_state_dict(state["store"])
+        if "aggregated_round" in state:  # (checkpoints before fedflat 0.x's Flower layer lack it)
+            self.aggregated_round = state["aggregated_round"].clone()
 
     @torch.no_grad()
     def evaluate(self, w: torch.Tensor | None = None) -> tuple[float, float]:
