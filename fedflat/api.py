@@ -112,6 +112,7 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
             runner = _Runner(cfg, sim, resolved, folder, checkpoint)
             if driver is not None:
                 runner.train_round = driver(sim)
+                runner.summary["driver"] = driver.__module__  # its clients' state is not in this folder
         except OSError as err:
             if is_disk_full(err) and resume is None:  # nothing of this run is worth keeping: no empty folder
                 shutil.rmtree(folder.path, ignore_errors=True)

@@ -43,3 +43,15 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def print_outcome(history, label: str = "") -> int:
+    """Prints where a run's folder is, its status and final accuracy; returns the command's exit code
+    (0 when the run completed, 3 otherwise)."""
+    s = history.summary
+    print(f"run folder: {history.run_dir}")
+    print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
+    if s.get("final_test_acc") is not None:
+        print(f"{s['algorithm']}{label}: {s['rounds']} rounds, final test accuracy {s['final_test_acc']:.4f}, "
+              f"best {s['best_test_acc']:.4f} (round {s['best_round']})")
+    return 0 if s["status"] == "completed" else 3

@@ -167,13 +167,14 @@ RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor")
 
 def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
            config: "Config | None" = None, dataset: "Dataset | None" = None,
-           model_fn: "Callable[[], nn.Module] | None" = None, clients=None) -> "History":
+           model_fn: "Callable[[], nn.Module] | None" = None, clients=None, driver=None) -> "History":
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
     apart from wall-clock fields (same engine, same machine). ``overrides`` may change only
     :data:`RESUMABLE` keys (``rounds=`` to extend a run). A completed run with no more rounds to run is
-    returned as it is on disk: nothing in its folder is written.
+    returned as it is on disk: nothing in its folder is written. A run whose rounds went through a
+    ``driver`` (a Flower federation, whose nodes keep their clients' state) continues only through one.
     """
     from fedflat.api import run
 
@@ -182,6 +183,11 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     if overrides:
         cfg = _resumed_config(cfg, overrides)
     with hold(run_dir):  # a folder another process is writing is refused, finished or not
+        recorded = _summary(run_dir).get("driver")
+        if recorded and driver is None:
+            raise CheckpointError(f"{run_dir} trained its clients through {recorded}, whose nodes keep the clients' "
+                                  "state: resume it there (a Flower run: the run config's resume=FOLDER, "
+                                  "docs/flower.md)")
         completed = _completed_summary(run_dir)
         done = completed["rounds"] if completed is not None else None
         if done is not None and cfg.rounds < done:
@@ -189,7 +195,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
             return _finished_history(run_dir, completed, cfg, dataset, model_fn)
-        return run(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir, progress=progress)
+        return run(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir, progress=progress,
+                   driver=driver)
 
 
 def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...]) -> "Config":
@@ -203,12 +210,17 @@ def _resumed_config(cfg: "Config", overrides: list[str] | tuple[str, ...]) -> "C
     return load_config(None, overrides, base=cfg.model_dump())
 
 
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """A run folder's summary ({} when it has none or it cannot be read)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _completed_summary(run_dir: Path) -> dict[str, Any] | None:
     """The summary of a run that completed, or None when it did not (or says nothing)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
+    summary = _summary(run_dir)
     return summary if summary.get("status") == "completed" and "rounds" in summary else None
 
 

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import at_least_one
+from fedflat.cliutil import at_least_one, print_outcome
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -40,13 +40,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedflat.experiments.checkpoint import resume
 
     history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)  # errors: cli.main
-    s = history.summary
-    print(f"run folder: {history.run_dir}")
-    print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
-    if s.get("final_test_acc") is not None:
-        print(f"{s['algorithm']}: {s['rounds']} rounds, final test accuracy {s['final_test_acc']:.4f}, "
-              f"best {s['best_test_acc']:.4f} (round {s['best_round']})")
-    return 0 if s["status"] == "completed" else 3
+    return print_outcome(history)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

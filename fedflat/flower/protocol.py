@@ -1,0 +1,106 @@
+"""What travels between a fedflat server and its Flower nodes: the client contract as Flower records.
+
+Server to node (``train``): ``broadcast`` (an ArrayRecord of the model the clients start from and the
+server-state entries the parts send), ``personal`` (the node's clients' rows of the personal entries,
+when the method has any) and ``task`` (a ConfigRecord: round, ``eta_l^t``, the node's sampled clients in
+ascending id order, their sample and local step counts, and the last round whose aggregation used each
+client's upload, which tells the node which of its saved client states is the current one).
+
+Node to server: ``upload`` (an ArrayRecord of the clients' upload rows, ``[C, ...]`` in the order of
+``clients``) and ``result`` (a ConfigRecord: the clients and the backward passes they took).
+
+Tensors go as NumPy arrays in Flower's own serialization, bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedflat.algorithms import MODEL, TRAIN_LOSS, Broadcast, ClientResult
+from fedflat.engine.runtime import RoundTask
+
+def array_record(tensors: dict[str, torch.Tensor]):
+    return ArrayRecord({k: Array(v.detach().cpu().contiguous().numpy()) for k, v in tensors.items()})
+
+
+def tensors(record) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v.numpy())) for k, v in record.items()}
+
+
+def wire_bytes(content) -> int:
+    """Bytes of the arrays a message carries as serialized by Flower (data and array headers)."""
+    return sum(len(array.data) for record in content.array_records.values() for array in record.values())
+
+
+@dataclass
+class NodeTask:
+    """A node's share of a round: the broadcast with its clients' personal rows, their task, and the
+    round whose saved state each client continues from (-1: none)."""
+
+    broadcast: Broadcast
+    task: RoundTask
+    state_rounds: list[int]
+
+
+def task_content(broadcast: Broadcast, task: RoundTask, state_rounds: list[int]):
+    """The ``train`` message content for one node (``broadcast`` already narrowed to its clients)."""
+    content = RecordDict({"broadcast": array_record(broadcast.shared()), "task": ConfigRecord({
+        "round": broadcast.round, "lr": float(broadcast.lr), "clients": task.ids.tolist(),
+        "num-samples": task.num_samples.tolist(), "steps": task.steps.tolist(), "state-rounds": state_rounds})})
+    if broadcast.personal:
+        content["personal"] = array_record(broadcast.personal)
+    return content
+
+
+def read_task(content) -> NodeTask:
+    task = content["task"]
+    shared = tensors(content["broadcast"])
+    ids = torch.tensor(task["clients"], dtype=torch.long)
+    personal = tensors(content["personal"]) if "personal" in content.array_records else {}
+    broadcast = Broadcast(int(task["round"]), float(task["lr"]), shared.pop(MODEL), shared, ids, personal)
+    return NodeTask(broadcast, RoundTask(ids, torch.tensor(task["num-samples"], dtype=torch.long),
+                                         torch.tensor(task["steps"], dtype=torch.long)),
+                    [int(r) for r in task["state-rounds"]])
+
+
+def result_content(result: ClientResult):
+    return RecordDict({"upload": array_record(result.upload),
+                       "result": ConfigRecord({"clients": result.ids.tolist(), "backprops": int(result.backprops)})})
+
+
+class BadReply(ValueError):
+    """A node's reply that cannot be used as a whole: an error, missing clients or a partial upload."""
+
+
+def reply_content(message):
+    """The content of a node's reply; an error reply or one without content is a :class:`BadReply`."""
+    if message.has_error():
+        raise BadReply(f"the node reported an error: {message.error.reason}")
+    if not message.has_content():
+        raise BadReply("the reply has no content")
+    return message.content
+
+
+def read_result(content, expected: list[int], size: int) -> ClientResult:
+    """The clients' result in a node's reply, checked whole: exactly the ``expected`` clients, a model row of
+    ``size`` parameters and a training loss for each, every upload entry with one row per client."""
+    if "upload" not in content.array_records or "result" not in content.config_records:
+        raise BadReply("the reply has no upload")
+    clients = [int(c) for c in content["result"]["clients"]]
+    if clients != expected:
+        raise BadReply(f"the reply is for clients {clients}, the node was sent {expected}")
+    upload = tensors(content["upload"])
+    missing = {MODEL, TRAIN_LOSS} - set(upload)
+    if missing:
+        raise BadReply(f"the upload lacks {sorted(missing)}")
+    if tuple(upload[MODEL].shape) != (len(expected), size):
+        raise BadReply(f"the uploaded models have shape {tuple(upload[MODEL].shape)}, "
+                       f"expected ({len(expected)}, {size})")
+    short = [k for k, v in upload.items() if v.dim() == 0 or v.shape[0] != len(expected)]
+    if short:
+        raise BadReply(f"upload entries {short} do not have one row per client")
+    return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {},
+                        int(content["result"]["backprops"]))

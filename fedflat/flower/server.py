@@ -1,0 +1,233 @@
+"""The server side of a Flower federation: a Flower ``Strategy`` that runs a fedflat recipe's server.
+
+:class:`FedflatStrategy` keeps fedflat's server: the global model, the server state and the vectors the
+server holds per client (a :class:`~fedflat.engine.simulation.Simulation` whose clients never train in
+this process), fedflat's keyed client sampling (not Flower's unseeded ``sample_nodes``), the aggregation
+in ascending client-id order whatever order replies arrive in, and central evaluation. Its Flower methods
+are the two halves of a round: ``configure_train`` (sample, broadcast, one message per node that hosts
+sampled clients) and ``aggregate_train`` (check every reply whole, aggregate the clients that answered).
+
+:func:`serve` runs it the way ``fedflat run`` runs a config: a run folder with metrics, checkpoints,
+summary and final model, progress bar, diagnostics. Flower's own ``Strategy.start`` loop works too.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Strategy
+
+from fedflat.algorithms import MODEL, ClientResult, merge_results
+from fedflat.config import Config, ConfigError
+from fedflat.engine.simulation import OpenRound, RoundResult, Simulation
+from fedflat.flower.protocol import BadReply, array_record, read_result, reply_content, task_content, wire_bytes
+
+log = logging.getLogger("fedflat.flower")
+
+QUERY = "query"  # Flower message type of the discovery message: which partition a node holds
+
+
+def partition_of(client: int, partitions: int) -> int:
+    """The partition (node) that hosts fedflat client ``client``: ``client mod num-partitions``."""
+    return client % partitions
+
+
+class Federation:
+    """Which Flower node hosts which fedflat client, learned by asking each node once (a ``query`` message).
+
+    A node that does not answer (a query or a round's task) is left out for the rest of the run; a node
+    restarted after a failure comes back under a new node id and is asked again."""
+
+    def __init__(self, query_timeout: float):
+        self.query_timeout = query_timeout
+        self.partition: dict[int, int] = {}  # node id -> partition
+        self.partitions: int | None = None
+        self.silent: set[int] = set()
+
+    def leave_out(self, node: int) -> None:
+        """Stops using ``node`` for the rest of the run (it failed to answer)."""
+        self.silent.add(node)
+        self.partition.pop(node, None)
+
+    def host(self, client: int) -> int | None:
+        """The node that hosts ``client`` now (the newest one of its partition), or None."""
+        if self.partitions is None:
+            return None
+        wanted = partition_of(client, self.partitions)
+        nodes = [n for n, p in self.partition.items() if p == wanted]
+        return nodes[-1] if nodes else None
+
+    def refresh(self, grid, clients: list[int], wait_s: float) -> None:
+        """Learns the partitions of new nodes until every client in ``clients`` has a host, or ``wait_s`` passed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            online = set(grid.get_node_ids())
+            for node in [n for n in self.partition if n not in online]:
+                del self.partition[node]
+            new = sorted(online - set(self.partition) - self.silent)
+            if new:
+                self._ask(grid, new)
+            if all(self.host(c) is not None for c in clients) or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+
+    def _ask(self, grid, nodes: list[int]) -> None:
+        replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(
+            [Message(RecordDict(), dst_node_id=n, message_type=QUERY) for n in nodes], timeout=self.query_timeout)}
+        for node in nodes:
+            reply = replies.get(node)
+            if reply is None or reply.has_error() or not reply.has_content():
+                why = reply.error.reason if reply is not None and reply.has_error() else "no answer"
+                log.warning("node %s left out: its query failed (%s)", node, why)
+                self.leave_out(node)
+                continue
+            info = reply.content["node"]
+            partition, partitions = int(info["partition-id"]), int(info["num-partitions"])
+            if self.partitions is not None and partitions != self.partitions:
+                raise ConfigError(f"node {node} has num-partitions={partitions}, other nodes {self.partitions}: "
+                                  "every node of a federation needs the same num-partitions")
+            self.partitions = partitions
+            self.partition.pop(node, None)
+            self.partition[node] = partition  # last in: the newest node of its partition
+
+
+class FedflatStrategy(Strategy):
+    """A Flower strategy running a fedflat recipe's server (see the module docstring).
+
+    ``round_timeout``: seconds a round waits for the nodes' replies; ``wait_s``: seconds a round waits for
+    a node of every partition with sampled clients to be online (a restarted node). Clients whose node is
+    missing, failed, timed out or sent an incomplete reply are left out of the round's aggregation, and
+    its metrics line says how many (``dropped``; the summary names them).
+    """
+
+    def __init__(self, sim: Simulation, round_timeout: float = 600.0, wait_s: float = 120.0,
+                 query_timeout: float = 60.0):
+        if sim.cfg.executor.name != "local":
+            raise ConfigError("a Flower federation trains its clients on the SuperNodes: remove executor.name="
+                              f"{sim.cfg.executor.name} from the config")
+        self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
+        self.federation = Federation(query_timeout)
+        self.opened: OpenRound | None = None
+        self.sent: dict[int, list[int]] = {}  # node -> the clients of its message this round
+        self.wire_down = 0
+
+    # -- Flower's Strategy --------------------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays, config, grid) -> list:
+        """Round ``server_round`` (1-based): samples with fedflat's keyed stream, builds the broadcast once,
+        and sends each node hosting sampled clients their share (the model, the shared server entries, the
+        clients' personal rows and task). ``arrays`` and ``config`` are Flower's; fedflat's server state is
+        the authority."""
+        opened = self.sim.begin_round(server_round - 1)
+        ids = opened.task.ids.tolist()
+        self.federation.refresh(grid, ids, self.wait_s)
+        by_node: dict[int, list[int]] = {}
+        for row, client in enumerate(ids):
+            node = self.federation.host(client)
+            if node is not None:
+                by_node.setdefault(node, []).append(row)
+        messages = []
+        for node, rows in by_node.items():
+            index = torch.tensor(rows, dtype=torch.long)
+            task = opened.task.rows(index)
+            state_rounds = self.sim.aggregated_round[task.ids].tolist()
+            content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
+            messages.append(Message(content, dst_node_id=node, message_type="train"))
+        self.opened, self.sent = opened, {m.metadata.dst_node_id: self._ids(m) for m in messages}
+        self.wire_down = sum(wire_bytes(m.content) for m in messages)
+        return messages
+
+    @staticmethod
+    def _ids(message) -> list[int]:
+        return [int(c) for c in message.content["task"]["clients"]]
+
+    def aggregate_train(self, server_round: int, replies: Iterable) -> tuple[Any, Any]:
+        """Checks every reply whole and aggregates the clients that answered, in ascending id order; returns
+        the new global model and the round's metrics as Flower records."""
+        result, wire_up = self.collect(replies)
+        round = self.sim.finish_round(self.opened, result)
+        round.log.update(wire_down_bytes=float(self.wire_down), wire_up_bytes=float(wire_up))
+        self.opened = None
+        metrics = {"train_loss": round.train_loss, "drift": round.drift, "clients": round.clients,
+                   "dropped": len(round.dropped), **round.log}
+        return array_record({MODEL: self.sim.w}), MetricRecord(metrics)
+
+    def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
+        """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
+        clients left out. Also the bytes of the arrays that came back."""
+        results, wire_up, answered = [], 0, set()
+        size = self.sim.num_parameters
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in self.sent or node in answered:
+                continue
+            answered.add(node)
+            try:
+                results.append(read_result(reply_content(reply), self.sent[node], size))
+                wire_up += wire_bytes(reply.content)
+            except BadReply as err:
+                log.warning("round %d: node %s's clients %s left out: %s", self.opened.ctx.round + 1, node,
+                            self.sent[node], err)
+        for node in set(self.sent) - answered:
+            log.warning("round %d: node %s did not answer in %.0f s: its clients %s left out", self.opened.ctx.round
+                        + 1, node, self.round_timeout, self.sent[node])
+            self.federation.leave_out(node)
+        if not results:
+            return ClientResult(torch.zeros(0, dtype=torch.long), {}, {}), wire_up
+        return merge_results(results), wire_up
+
+    def configure_evaluate(self, server_round: int, arrays, config, grid) -> list:
+        """None: fedflat evaluates the global model centrally (:meth:`evaluate`)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable):
+        return None
+
+    def summary(self) -> None:
+        cfg = self.sim.cfg
+        log.info("fedflat %s on %s: %d clients, %d per round, %d parameters", self.sim.algorithm.label,
+                 cfg.data.name, cfg.data.num_clients, cfg.sampling.clients_per_round, self.sim.num_parameters)
+
+    def initial_arrays(self):
+        """The global model fedflat starts from (seeded as ``fedflat run``'s), for Flower's ``start``."""
+        return array_record({MODEL: self.sim.w})
+
+    def evaluate(self, server_round: int, arrays):
+        """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``)."""
+        acc, loss = self.sim.evaluate()
+        return MetricRecord({"test_acc": acc, "test_loss": loss})
+
+    # -- fedflat's round loop -----------------------------------------------------------------------------------
+    def round_driver(self, grid) -> Callable[[int], RoundResult]:
+        """Round ``t`` through the grid, for fedflat's run loop (:func:`fedflat.run`'s ``driver``)."""
+        def train_round(t: int) -> RoundResult:
+            messages = self.configure_train(t + 1, None, ConfigRecord(), grid)
+            replies = grid.send_and_receive(messages, timeout=self.round_timeout) if messages else []
+            self.aggregate_train(t + 1, replies)
+            return self.sim.last_round
+
+        return train_round
+
+
+def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Path | None = None,
+          resume: str | Path | None = None, progress: bool = False, round_timeout: float = 600.0,
+          wait_s: float = 120.0):
+    """Runs ``cfg`` on the federation behind ``grid`` as ``fedflat run`` runs it in one process, and returns
+    its :class:`~fedflat.api.History` (run folder, metrics, checkpoints, summary). ``resume`` continues
+    the run folder it names from its last checkpoint on the same nodes, whose saved client states the
+    checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it)."""
+    from fedflat.api import run
+    from fedflat.experiments.checkpoint import resume as resume_run
+
+    def driver(sim: Simulation) -> Callable[[int], RoundResult]:
+        strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s)
+        strategy.summary()
+        return strategy.round_driver(grid)
+
+    if resume:
+        return resume_run(resume, config=cfg, progress=progress, driver=driver)
+    return run(cfg, out=out, run_dir=run_dir, progress=progress, announce=progress, driver=driver)
