@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Message  # noqa: E402
+import numpy as np  # noqa: E402
+from flwr.app import Array, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import ServerApp  # noqa: E402
 
@@ -140,8 +141,9 @@ def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
 
 
 def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state_back(tmp_path):
-    """Partition 1's node fails in round 2 and partition 2's sends an upload without its losses in round 3:
-    those rounds aggregate the other clients, say so, and the run equals fedflat's with them left out."""
+    """Partition 1's node fails in round 2, partition 2's sends an upload without its losses in round 3 and
+    partition 0's one with an entry the others lack in round 4: those rounds aggregate the other clients,
+    say so, and the run equals fedflat's with them left out (their SCAFFOLD state rolled back on the nodes)."""
     cfg = small("scaffold", "rounds=4", "sampling.clients_per_round=6")
     inner = client_app(cfg, state_dir=tmp_path / "nodes")
     client = ClientApp()
@@ -158,13 +160,15 @@ def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state
         reply = inner(message, context)
         if (round, partition) == (2, 2):
             del reply.content["upload"][TRAIN_LOSS]
+        if (round, partition) == (3, 0):
+            reply.content["upload"]["extra"] = Array(np.zeros(2, dtype=np.float32))
         return reply
 
     history = simulate(cfg, supernodes=3, out=tmp_path / "runs", progress=False, client=client)
     assert history.summary["status"] == "completed"
-    assert history.summary["dropped_clients"] == {"2": [1, 4], "3": [2, 5]}
-    assert [m["dropped"] for m in history.metrics] == [0, 2, 2, 0]
-    assert [m["clients"] for m in history.metrics] == [6, 4, 4, 6]
+    assert history.summary["dropped_clients"] == {"2": [1, 4], "3": [2, 5], "4": [0, 3]}
+    assert [m["dropped"] for m in history.metrics] == [0, 2, 2, 2]
+    assert [m["clients"] for m in history.metrics] == [6, 4, 4, 4]
     accuracy, w = reference(cfg, history.summary["dropped_clients"])
     assert [m["test_acc"] for m in history.metrics] == pytest.approx(accuracy, abs=0)
     assert torch.equal(history.final_parameters, w)

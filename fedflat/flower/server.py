@@ -159,7 +159,7 @@ class FedflatStrategy(Strategy):
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
         """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
         clients left out. Also the bytes of the arrays that came back."""
-        results, wire_up, answered = [], 0, set()
+        results, wire, answered = {}, {}, set()
         size = self.sim.num_parameters
         for reply in replies:
             node = reply.metadata.src_node_id
@@ -167,18 +167,28 @@ class FedflatStrategy(Strategy):
                 continue
             answered.add(node)
             try:
-                results.append(read_result(reply_content(reply), self.sent[node], size))
-                wire_up += wire_bytes(reply.content)
+                results[node] = read_result(reply_content(reply), self.sent[node], size)
+                wire[node] = wire_bytes(reply.content)
             except BadReply as err:
-                log.warning("round %d: node %s's clients %s left out: %s", self.opened.ctx.round + 1, node,
-                            self.sent[node], err)
+                self._left_out(node, err)
+        # every node runs the same method: an upload whose entries differ from the others' is incomplete
+        shapes = [frozenset(r.upload) for r in results.values()]
+        usual = max(set(shapes), key=lambda k: (shapes.count(k), len(k)), default=None)
+        for node in [n for n, r in results.items() if frozenset(r.upload) != usual]:
+            self._left_out(node, f"its upload has entries {sorted(results.pop(node).upload)}, the other nodes' "
+                                 f"{sorted(usual)}")
+        wire_up = sum(wire[n] for n in results)
         for node in set(self.sent) - answered:
             log.warning("round %d: node %s did not answer in %.0f s: its clients %s left out", self.opened.ctx.round
                         + 1, node, self.round_timeout, self.sent[node])
             self.federation.leave_out(node)
         if not results:
             return ClientResult(torch.zeros(0, dtype=torch.long), {}, {}), wire_up
-        return merge_results(results), wire_up
+        return merge_results(list(results.values())), wire_up
+
+    def _left_out(self, node: int, why) -> None:
+        log.warning("round %d: node %s's clients %s left out: %s", self.opened.ctx.round + 1, node, self.sent[node],
+                    why)
 
     def configure_evaluate(self, server_round: int, arrays, config, grid) -> list:
         """None: fedflat evaluates the global model centrally (:meth:`evaluate`)."""
