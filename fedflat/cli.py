@@ -6,22 +6,15 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser
+from fedflat.cliutil import Parser, split_config_and_overrides
 from fedflat.config import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
-
-
-def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG.yaml] [key=value ...]``: the first item is a config path unless it has '='."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedflat.api import run
 
-    config, overrides = _split_config_and_overrides(args.items)
+    config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
@@ -62,7 +55,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from fedflat.api import as_config
     from fedflat.data import client_split, label_counts, load_dataset, plot_partition, split_name
 
-    config, overrides = _split_config_and_overrides(args.items)
+    config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
     cfg = as_config(config, overrides)

@@ -55,3 +55,10 @@ def print_outcome(history, label: str = "") -> int:
         print(f"{s['algorithm']}{label}: {s['rounds']} rounds, final test accuracy {s['final_test_acc']:.4f}, "
               f"best {s['best_test_acc']:.4f} (round {s['best_round']})")
     return 0 if s["status"] == "completed" else 3
+
+
+def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] [key=value ...]``: the first item is a config path unless it has '='."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items

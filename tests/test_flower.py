@@ -230,9 +230,9 @@ class Deployment:
             f'[superlink]\ndefault = "here"\n\n[superlink.here]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
 
     def start(self, name: str, *args: str) -> None:
-        log = open(self.root / f"{name}.log", "ab")
-        self.processes[name] = subprocess.Popen(args, cwd=self.root, env=self.env, stdout=log, stderr=log,
-                                                start_new_session=True)
+        with open(self.root / f"{name}.log", "ab") as log:  # the process keeps its own copy of the handle
+            self.processes[name] = subprocess.Popen(args, cwd=self.root, env=self.env, stdout=log, stderr=log,
+                                                    start_new_session=True)
 
     def superlink(self) -> None:
         self.start("superlink", "flower-superlink", "--insecure", "--port", str(self.port),

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from fedflat.cliutil import print_outcome
+from fedflat.cliutil import print_outcome, split_config_and_overrides
 from fedflat.flower import require_flower
 
 
 def _config(items: list[str]):
     from fedflat.api import as_config
-    from fedflat.cli import _split_config_and_overrides
 
-    config, overrides = _split_config_and_overrides(items)
-    return as_config(config, overrides)
+    return as_config(*split_config_and_overrides(items))
 
 
 def cmd_flower_app(args: argparse.Namespace) -> int:

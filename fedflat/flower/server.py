@@ -130,20 +130,16 @@ class FedflatStrategy(Strategy):
             node = self.federation.host(client)
             if node is not None:
                 by_node.setdefault(node, []).append(row)
-        messages = []
+        messages, self.sent = [], {}
         for node, rows in by_node.items():
-            index = torch.tensor(rows, dtype=torch.long)
-            task = opened.task.rows(index)
+            task = opened.task.rows(torch.tensor(rows, dtype=torch.long))
             state_rounds = self.sim.aggregated_round[task.ids].tolist()
             content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
             messages.append(Message(content, dst_node_id=node, message_type="train"))
-        self.opened, self.sent = opened, {m.metadata.dst_node_id: self._ids(m) for m in messages}
+            self.sent[node] = task.ids.tolist()
+        self.opened = opened
         self.wire_down = sum(wire_bytes(m.content) for m in messages)
         return messages
-
-    @staticmethod
-    def _ids(message) -> list[int]:
-        return [int(c) for c in message.content["task"]["clients"]]
 
     def aggregate_train(self, server_round: int, replies: Iterable) -> tuple[Any, Any]:
         """Checks every reply whole and aggregates the clients that answered, in ascending id order; returns
