@@ -327,7 +327,7 @@ def test_synthetic_is_learnable():
     ("synthetic", {"shape": (0, 3)}, r"shape must be a non-empty sequence of positive ints"),
     ("synthetic", {"num_classes": 1}, r"num_classes must be an int >= 2"),
     ("synthetic", {"noise": -1.0}, r"noise must be >= 0"),
-    ("imagenet", {}, r"unknown dataset 'imagenet'; available: digits, mnist, fmnist, cifar10, cifar100, tinyimagenet, femnist, shakespeare, dbpedia, synthetic"),
+    ("imagenet", {}, r"unknown dataset 'imagenet'; available: digits, mnist, fmnist, cifar10, cifar100, tinyimagenet, officehome, domainnet, femnist, shakespeare, dbpedia, synthetic"),
 ])
 def test_bad_dataset_options(name, options, message):
     with pytest.raises(ValueError, match=message):
@@ -335,7 +335,7 @@ def test_bad_dataset_options(name, options, message):
 
 
 def test_registry_and_dataset_helpers():
-    assert set(DATASETS) == {"digits", "mnist", "fmnist", "cifar10", "cifar100", "tinyimagenet", "femnist", "shakespeare", "dbpedia", "synthetic"}
+    assert set(DATASETS) == {"digits", "mnist", "fmnist", "cifar10", "cifar100", "tinyimagenet", "officehome", "domainnet", "femnist", "shakespeare", "dbpedia", "synthetic"}
     assert all(callable(loader) and description for loader, description in DATASETS.values())
     data = load_dataset("synthetic", shape=(2, 3), train_size=10, test_size=4)
     assert isinstance(data, Dataset) and data.input_shape == (2, 3)
@@ -401,6 +401,6 @@ def test_apply_augmentation():
     assert apply_augmentation(None, x, torch.Generator()) is x
     assert torch.equal(apply_augmentation("cifar", x, torch.Generator().manual_seed(0)),
                        cifar_augment(x, torch.Generator().manual_seed(0)))
-    assert set(AUGMENTATIONS) == {"cifar"}
+    assert set(AUGMENTATIONS) == {"cifar", "flip"}
     with pytest.raises(ValueError, match="unknown augmentation 'mixup'"):
         apply_augmentation("mixup", x, torch.Generator())

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import fedflat
@@ -41,9 +42,16 @@ def test_layout_labels_and_the_uint8_cache(tmp_path, monkeypatch):
     assert data.y_train.tolist() == [0, 0, 1, 1, 2, 2] and data.y_test.tolist() == [0, 1, 2]
     assert data.augmentation == "cifar"
     cached = sorted(p.name for p in (folder / ".fedflat-cache").iterdir())
-    assert len(cached) == 2 and all(n.endswith(".npy") and "partial" not in n for n in cached)
-    raw = np.load(folder / ".fedflat-cache" / next(n for n in cached if n.startswith("train")), mmap_mode="r")
+    assert len(cached) == 4 and all(n.endswith(".npy") and "partial" not in n for n in cached)
+    raw = np.load(folder / ".fedflat-cache" / next(n for n in cached if n.startswith("train") and "moments" not in n),
+                  mmap_mode="r")
     assert raw.dtype == np.uint8 and abs(int(raw[2].mean()) - 40) <= 2  # class 1, image 0: grey level 40
+    # kept uint8 (a quarter of float32's memory), standardized per batch with the training split's statistics
+    assert data.x_train.dtype == torch.uint8 and data.standardize is not None
+    pixels = torch.from_numpy(np.asarray(raw, dtype=np.float32)) / 255
+    inputs = data.features(data.x_train)
+    assert torch.allclose(inputs, (pixels - pixels.mean((0, 2, 3), keepdim=True)) / pixels.std((0, 2, 3), keepdim=True),
+                          atol=1e-5)
     monkeypatch.setattr(images_module, "decode", lambda files, out: pytest.fail("decoded again"))
     again = load_dataset("tinyimagenet", root=tmp_path)
     assert np.array_equal(again.x_train.numpy(), data.x_train.numpy())

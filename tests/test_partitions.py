@@ -38,7 +38,7 @@ def assert_disjoint(parts: list[np.ndarray], n: int) -> np.ndarray:
 
 
 def test_registry_lists_every_scheme_with_a_description():
-    assert set(PARTITIONS) == set(SCHEMES) | {"natural"}  # natural splits by owners, not labels (below)
+    assert set(PARTITIONS) == set(SCHEMES) | {"natural", "domain"}  # natural and domain split by owners, not labels (below)
     for fn, description in PARTITIONS.values():
         assert callable(fn) and isinstance(description, str) and description
 

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ ray = pytest.importorskip("ray")
 
 import fedflat  # noqa: E402
 from fedflat.algorithms import RECIPES  # noqa: E402
+from fedflat.data.dataset import uint8_dataset  # noqa: E402
 from fedflat.config import ConfigError, ExecutorConfig, dump_yaml, load_config  # noqa: E402
 from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
 from fedflat.engine.simulation import Simulation  # noqa: E402
@@ -90,6 +92,22 @@ def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name)
         assert _trajectory(sim, 2) == expected, f"{workers} workers"
         _assert_identical(local, sim)
         sim.close()
+
+
+def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):
+    """Workers get the uint8 pixels with their standardization and flip augmentation: the local numbers exactly."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (180, 1, 4, 4), dtype=np.uint8), rng.integers(0, 3, 180)
+    data = uint8_dataset("pixels", x, y, x[:60], y[:60], 3, augmentation="flip")
+    cfg = _tiny(*UNEQUAL)
+    local = Simulation(cfg, dataset=data)
+    expected = _trajectory(local, 2)
+    sim = Simulation(cfg, dataset=data)
+    sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
+                               actors=pool[:2])
+    assert _trajectory(sim, 2) == expected
+    _assert_identical(local, sim)
+    sim.close()
 
 
 def test_longest_first_balances_known_step_counts():

@@ -111,7 +111,7 @@ class BareLoop:
                     p.copy_(v)
             opt = torch.optim.SGD(params, lr=ctx.lr, weight_decay=sim.cfg.train.weight_decay)
             for idx in schedule:
-                x, y = x_all[idx], y_all[idx]
+                x, y = sim.dataset.features(x_all[idx]), y_all[idx]
                 if self.backprops == 2:
                     self._sam_ascent(params, x, y)
                 opt.zero_grad()
@@ -171,7 +171,7 @@ class Row:
 
 def flops_per_sample(sim) -> float:
     """FLOPs of one forward and backward pass per training sample (``FlopCounterMode``)."""
-    x = sim.dataset.x_train[: sim.cfg.train.batch_size]
+    x = sim.dataset.features(sim.dataset.x_train[: sim.cfg.train.batch_size])
     y = sim.dataset.y_train[: sim.cfg.train.batch_size]
     views = [v.detach().requires_grad_(True) for v in sim.model.layout.views(sim.w)]
     with FlopCounterMode(display=False) as counter:

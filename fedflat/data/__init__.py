@@ -5,8 +5,8 @@
 >>> parts = partition(data.y_train.numpy(), num_clients=10, scheme="dirichlet", seed=0, alpha=0.5)
 """
 
-from .augment import AUGMENTATIONS, apply_augmentation, cifar_augment, crop_flip
-from .dataset import Dataset, DatasetError
+from .augment import AUGMENTATIONS, apply_augmentation, augmentation_fn, cifar_augment, crop_flip
+from .dataset import Dataset, DatasetError, Standardize
 from .datasets import DATASETS, dataset_options, load_dataset
 from .download import ChecksumError, DownloadError, download_file, file_checksum, verify_file
 from .partition import (PARTITIONS, client_split, label_counts, partition, partition_params, plot_partition,
@@ -15,8 +15,8 @@ from .sources import DatasetNotFoundError, cache_dir
 
 __all__ = [
     "AUGMENTATIONS", "ChecksumError", "DATASETS", "Dataset", "DatasetError", "DatasetNotFoundError", "DownloadError",
-    "PARTITIONS",
-    "apply_augmentation", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
+    "PARTITIONS", "Standardize",
+    "apply_augmentation", "augmentation_fn", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
     "download_file", "file_checksum", "label_counts", "load_dataset", "partition", "partition_params",
     "plot_partition", "split_name", "user_split", "verify_file",
 ]

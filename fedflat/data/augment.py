@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AUGMENTATIONS", "apply_augmentation", "cifar_augment", "crop_flip"]
+__all__ = ["AUGMENTATIONS", "apply_augmentation", "augmentation_fn", "cifar_augment", "crop_flip", "flip_augment"]
 
 
 def crop_flip(x: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor, padding: int = 4) -> torch.Tensor:
@@ -46,15 +46,28 @@ def cifar_augment(x: torch.Tensor, generator: torch.Generator, padding: int = 4,
     return crop_flip(x, offsets, flips, padding)
 
 
+def flip_augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A horizontal flip with probability 1/2 per sample (the usual train transform of the 224 x 224 domain
+    benchmarks, whose images are resized, not cropped): :func:`cifar_augment` without padding."""
+    return cifar_augment(x, generator, padding=0)
+
+
 AUGMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "cifar": cifar_augment,
+    "flip": flip_augment,
 }
+
+
+def augmentation_fn(name: str | None) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None:
+    """The batch augmentation ``name`` (a :attr:`Dataset.augmentation` value), None for None."""
+    if name is None:
+        return None
+    if name not in AUGMENTATIONS:
+        raise ValueError(f"unknown augmentation {name!r}; available: {', '.join(AUGMENTATIONS)} or None")
+    return AUGMENTATIONS[name]
 
 
 def apply_augmentation(name: str | None, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Apply the augmentation ``name`` (a :attr:`Dataset.augmentation` value) to a batch; None: unchanged."""
-    if name is None:
-        return x
-    if name not in AUGMENTATIONS:
-        raise ValueError(f"unknown augmentation {name!r}; available: {', '.join(AUGMENTATIONS)} or None")
-    return AUGMENTATIONS[name](x, generator)
+    augment = augmentation_fn(name)
+    return x if augment is None else augment(x, generator)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -9,18 +10,42 @@ import torch
 
 from fedflat.config import ConfigError
 
-__all__ = ["Dataset", "DatasetError", "channel_stats", "normalize", "to_tensors"]
+__all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "to_tensors", "uint8_dataset"]
 
 
 class DatasetError(ConfigError):
     """A dataset that cannot be trained on as given (dtype, shape, labels, NaN): the message says what to fix."""
 
 
+@dataclass(frozen=True)
+class Standardize:
+    """Per-channel standardization of stored uint8 pixels, applied to each batch as it is indexed:
+    ``x -> (x / scale - mean_c) / std_c`` in float32. Large image sets (Tiny-ImageNet, OfficeHome, DomainNet)
+    stay uint8 on the training device, a quarter of float32's memory."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale: float = 255.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: uint8 ``[..., C, H, W]`` (a batch, or a cohort's ``[clients, B, C, H, W]``)."""
+        mean, std = _channel_constants(self.mean, self.std, x.device)
+        return (x.float() / self.scale - mean) / std
+
+
+@functools.lru_cache(maxsize=32)
+def _channel_constants(mean: tuple[float, ...], std: tuple[float, ...],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean`` and ``std`` as float32 ``[C, 1, 1]`` tensors on ``device``, made once (not copied every batch)."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1) for v in (mean, std))
+
+
 @dataclass
 class Dataset:
     """Train and test splits held as tensors (keep them on the training device, index batches).
 
-    ``x_*`` are float32 ``[N, *input_shape]``, already normalized (or int64 token ids for text models);
+    ``x_*`` are float32 ``[N, *input_shape]``, already normalized (or int64 token ids for text models), or uint8
+    pixels ``[N, C, H, W]`` with ``standardize`` set, which :meth:`features` applies to every batch;
     ``y_*`` are integer class labels ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and
     converted. ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
     horizontal flip, see :func:`fedflat.data.cifar_augment`) or is None.
@@ -42,6 +67,7 @@ class Dataset:
     source: str = ""
     owners: np.ndarray | None = None
     owner_names: list[str] | None = None
+    standardize: Standardize | None = None
 
     def __post_init__(self) -> None:
         for field in ("x_train", "y_train", "x_test", "y_test"):
@@ -70,11 +96,19 @@ class Dataset:
         if x.dim() < 2:
             raise DatasetError(f"{where} has shape {tuple(x.shape)}; it needs a sample dimension and feature "
                                "dimensions, e.g. [N, features] or [N, channels, height, width]")
-        if x.dtype == torch.float64:
+        if (x.dtype == torch.uint8) != (self.standardize is not None):
+            raise DatasetError(f"{where} is {x.dtype}: uint8 pixels need standardize=Standardize(mean, std) (per "
+                               "channel, after dividing by 255; or divide by 255 and pass float32), and only uint8 "
+                               "inputs take one")
+        if x.dtype == torch.uint8:
+            if x.dim() < 3 or x.shape[1] != len(self.standardize.mean) or len(self.standardize.std) != x.shape[1]:
+                raise DatasetError(f"{where}: uint8 images [N, C, ...] need one standardize mean and std per channel "
+                                   f"(C={x.shape[1] if x.dim() > 1 else '?'}), got {len(self.standardize.mean)}")
+        elif x.dtype == torch.float64:
             raise DatasetError(f"{where} is float64; fedflat trains in float32: pass x_{split}.float()")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
-            raise DatasetError(f"{where} is {x.dtype}; expected float32 features (scaled and normalized; images as "
-                               "uint8 divide by 255 first) or int64 token ids")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8):
+            raise DatasetError(f"{where} is {x.dtype}; expected float32 features (scaled and normalized), uint8 "
+                               "pixels with standardize=, or int64 token ids")
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise DatasetError(f"{where} holds NaN or infinite values; clean or impute them first")
         if y.dim() != 1 or y.shape[0] != x.shape[0]:
@@ -89,6 +123,11 @@ class Dataset:
         if y.dtype != torch.int64:
             setattr(self, f"y_{split}", y.long())
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's input for raw rows ``x`` of ``x_train``/``x_test``: standardized float32 for uint8
+        pixels, ``x`` itself otherwise."""
+        return x if self.standardize is None else self.standardize(x)
+
     @property
     def input_shape(self) -> tuple[int, ...]:
         """Shape of one input, without the batch dimension."""
@@ -102,7 +141,8 @@ class Dataset:
     def __repr__(self) -> str:
         return (f"Dataset({self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
                 f"input_shape={self.input_shape}, num_classes={self.num_classes}, "
-                f"augmentation={self.augmentation!r}, device={self.x_train.device})")
+                f"augmentation={self.augmentation!r}, device={self.x_train.device}"
+                f"{', stored uint8' if self.standardize else ''})")
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,3 +178,31 @@ def to_tensors(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.n
     return Dataset(name, xtr, torch.from_numpy(np.asarray(y_train, dtype=np.int64)),
                    xte, torch.from_numpy(np.asarray(y_test, dtype=np.int64)),
                    num_classes, augmentation, source)
+
+
+def uint8_dataset(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
+                  num_classes: int, augmentation: str | None = None, source: str = "",
+                  moments: np.ndarray | None = None, **fields) -> Dataset:
+    """A :class:`Dataset` that keeps uint8 images ``[N, C, H, W]`` (a memory map stays one: nothing is copied
+    here) and standardizes each batch with the training split's per-channel mean and (unbiased) std of ``x/255``.
+    ``moments``: the training images' per-image sums of ``x/255`` and its square, float64 ``[N, 2, C]``
+    (:func:`fedflat.data.images.pixel_moments`; computed here when not given). ``fields``: further
+    :class:`Dataset` fields (``owners``...)."""
+    if moments is None:
+        from .images import pixel_moments
+        moments = pixel_moments(x_train)
+    total, count = moments.sum(axis=0), max(2, x_train.shape[0] * x_train.shape[2] * x_train.shape[3])
+    mean = total[0] / count
+    std = np.sqrt(np.maximum(total[1] / count - mean ** 2, 0.0) * count / (count - 1)).clip(min=1e-8)
+    return Dataset(name, _tensor(x_train), torch.from_numpy(np.asarray(y_train, dtype=np.int64)),
+                   _tensor(x_test), torch.from_numpy(np.asarray(y_test, dtype=np.int64)), num_classes,
+                   augmentation, source, standardize=Standardize(tuple(mean.tolist()), tuple(std.tolist())), **fields)
+
+
+def _tensor(x: np.ndarray) -> torch.Tensor:
+    """``x`` as a tensor sharing its memory; a read-only memory map is shared too (fedflat never writes data)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import replace
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .dataset import Dataset, to_tensors
+from .domains import load_domainnet, load_officehome
 from .images import load_tiny_imagenet
 from .leaf import load_femnist, load_shakespeare
 from .text import load_dbpedia
@@ -184,14 +186,20 @@ def load_digits(root: str | Path | None = None, download: bool = False) -> Datas
 
 def load_synthetic(root: str | Path | None = None, download: bool = False, *,
                    shape: Sequence[int] = (1, 28, 28), num_classes: int = 10, train_size: int = 6000,
-                   test_size: int = 1000, seed: int = 0, noise: float = 1.0) -> Dataset:
+                   test_size: int = 1000, seed: int = 0, noise: float = 1.0, domains: int = 0) -> Dataset:
     """Seeded class-conditional Gaussian data of any ``shape``, for tests and benchmarks.
 
     Each class ``k`` has a mean pattern ``mu_k ~ N(0, 1)`` of the given shape; a sample is
     ``mu_k + noise * N(0, 1)``. Labels are balanced (as equal as the sizes allow) and shuffled.
     Train and test are drawn from the same distribution; the result depends only on the options.
+
+    ``domains > 0`` gives the shape of a leave-one-domain-out benchmark: domain ``d`` adds its own style pattern
+    ``s_d ~ N(0, 0.25)`` to every sample, training sample ``j`` is in domain ``j mod domains`` (its owner, for the
+    ``domain`` partition) and the test set is one further, unseen domain.
     """
     shape = _check_synthetic(shape, num_classes, train_size, test_size, noise)
+    if isinstance(domains, bool) or not isinstance(domains, int) or domains < 0:
+        raise ValueError(f"synthetic: domains must be an int >= 0, got {domains!r}")
     rng = np.random.default_rng(seed)
     means = rng.standard_normal((num_classes, *shape), dtype=np.float32)
 
@@ -201,8 +209,14 @@ def load_synthetic(root: str | Path | None = None, download: bool = False, *,
         return x, labels
 
     (x_train, y_train), (x_test, y_test) = draw(train_size), draw(test_size)
-    return to_tensors("synthetic", x_train, y_train, x_test, y_test, num_classes,
-                      source=f"synthetic(shape={shape}, num_classes={num_classes}, seed={seed}, noise={noise})")
+    source = f"synthetic(shape={shape}, num_classes={num_classes}, seed={seed}, noise={noise}, domains={domains})"
+    if not domains:
+        return to_tensors("synthetic", x_train, y_train, x_test, y_test, num_classes, source=source)
+    styles = np.float32(0.5) * rng.standard_normal((domains + 1, *shape), dtype=np.float32)
+    owners = np.arange(train_size) % domains
+    data = to_tensors("synthetic", x_train + styles[owners], y_train, x_test + styles[domains], y_test, num_classes,
+                      source=source)
+    return replace(data, owners=owners.astype(np.int64), owner_names=[f"domain{d}" for d in range(domains)])
 
 
 def _check_synthetic(shape: Sequence[int], num_classes: int, train_size: int, test_size: int,
@@ -231,6 +245,12 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
     "cifar100": (load_cifar100, "CIFAR-100 (fine labels), 50,000/10,000 images [3,32,32], 100 classes, crop+flip"),
     "tinyimagenet": (load_tiny_imagenet, "Tiny-ImageNet-200, 100,000/10,000 (val) images [3,64,64], 200 classes, "
                                          "crop+flip; the official folder or zip, decoded once to a uint8 cache"),
+    "officehome": (load_officehome, "OfficeHome, 65 classes in 4 domains (art, clipart, product, real_world), "
+                                    "leave-one-domain-out (option test_domain; partition domain), [3,size,size] "
+                                    "(size=224), flip; the official folder or zip, decoded once to a uint8 cache"),
+    "domainnet": (load_domainnet, "DomainNet, 345 classes in 6 domains (clipart, infograph, painting, quickdraw, "
+                                  "real, sketch), leave-one-domain-out (options test_domain, split=official|all; "
+                                  "partition domain), [3,size,size] (size=224), flip; uint8 cache"),
     "femnist": (load_femnist, "LEAF FEMNIST, 28x28 characters of 3,500 writers, 62 classes, natural split by writer "
                               "(LEAF's JSON; partition natural)"),
     "shakespeare": (load_shakespeare, "LEAF Shakespeare, 80-character windows -> next character (80 symbols), natural "
@@ -238,7 +258,8 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
     "dbpedia": (load_dbpedia, "DBpedia-14 (dbpedia_csv), 14 classes, token ids [128] for textcnn; FedVSSAM's "
                               "balanced 10,000/1,000 per class, vocabulary 30,000 from the training split (cached)"),
     "synthetic": (load_synthetic, "seeded Gaussian class clusters of any shape/size (options: shape, "
-                                  "num_classes, train_size, test_size, seed, noise)"),
+                                  "num_classes, train_size, test_size, seed, noise, domains: styled domains, the "
+                                  "test set an unseen one)"),
 }
 
 

@@ -19,7 +19,7 @@ from fedflat.config import ConfigError
 from fedflat.rng import SERVER, stream_seed
 
 __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
-           "dirichlet_balanced", "pathological", "shards", "natural", "user_split"]
+           "dirichlet_balanced", "pathological", "shards", "natural", "domain", "user_split"]
 
 MAX_DIRICHLET_TRIES = 1000
 
@@ -194,6 +194,36 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, f
     return _finish([order[a:b] for a, b in zip(starts, ends)])
 
 
+def domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, per_domain: int = 1,
+           fraction: float = 1.0, owners: list[int] | None = None) -> list[np.ndarray]:
+    """The domain benchmarks' split (FedLESAM Table 3, FedWMSAM Table 2): each training domain (the samples'
+    ``owners``, :attr:`Dataset.owners` of ``officehome`` / ``domainnet``) is shuffled, a ``fraction`` of it kept
+    (FedWMSAM's "10% data sample rate": ``round(fraction * n_d)``, at least one per client) and dealt into
+    ``per_domain`` near-equal clients. Clients are numbered domain by domain: client ``d * per_domain + j``.
+    ``num_clients`` must be ``domains * per_domain``."""
+    if owners is None:
+        raise ValueError("domain: this dataset has no domains (officehome and domainnet have, and synthetic with "
+                         "options.domains); choose another scheme")
+    _int_at_least("domain", "per_domain", per_domain, 1)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"domain: fraction must be in (0, 1], got {fraction}")
+    owners = np.asarray(owners).reshape(-1)
+    if owners.shape[0] != len(labels):
+        raise ValueError(f"domain: {owners.shape[0]} owners for {len(labels)} samples")
+    ids = np.unique(owners)
+    if num_clients != len(ids) * per_domain:
+        raise ValueError(f"the data have {len(ids)} training domains and per_domain={per_domain}: set "
+                         f"data.num_clients={len(ids) * per_domain}")
+    parts = []
+    for d in ids:
+        members = rng.permutation(np.flatnonzero(owners == d))
+        kept = members[:max(per_domain, int(round(fraction * len(members))))]
+        if len(kept) < per_domain:
+            raise ValueError(f"domain: domain {d} has {len(members)} samples, fewer than per_domain={per_domain}")
+        parts += np.array_split(kept, per_domain)
+    return _finish(parts)
+
+
 PARTITIONS: dict[str, tuple[Callable[..., list[np.ndarray]], str]] = {
     "iid": (iid, "uniformly random, near-equal sizes"),
     "dirichlet": (dirichlet, "per class, proportions ~ Dir(alpha) over clients; redraw until every "
@@ -205,6 +235,8 @@ PARTITIONS: dict[str, tuple[Callable[..., list[np.ndarray]], str]] = {
     "shards": (shards, "sort by label, per_client random shards per client (McMahan) (params: per_client)"),
     "natural": (natural, "one client per owner of the data (LEAF's writers / roles); fraction samples a share "
                          "(params: fraction=1.0)"),
+    "domain": (domain, "per_domain clients of each training domain (officehome, domainnet: leave-one-domain-out); "
+                       "fraction keeps a share of each domain (params: per_domain=1, fraction=1.0)"),
 }
 
 
@@ -238,7 +270,7 @@ def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int
     ``owners`` (the dataset's) feed the ``natural`` scheme. A split these data cannot give is a
     :class:`ConfigError` naming the key to change."""
     params = {k: v for k, v in spec.items() if k != "scheme"}
-    if spec["scheme"] == "natural" and params.get("owners") is None:
+    if spec["scheme"] in ("natural", "domain") and params.get("owners") is None:
         params["owners"] = owners
     try:
         return partition(labels, num_clients, spec["scheme"], seed=stream_seed(run_seed, -1, SERVER, "partition"),

@@ -45,5 +45,5 @@ def stack_batches(x: torch.Tensor, y: torch.Tensor, picks: list[torch.Tensor], b
     # Padding repeats the row's first sample; its weight 0 keeps it out of the loss and gradient.
     idx = torch.stack([torch.cat([p, p[:1].expand(width - p.shape[0])]) for p in picks])
     n = torch.tensor(lengths, device=x.device)
-    weight = (torch.arange(width, device=x.device) < n[:, None]).to(x.dtype)
+    weight = (torch.arange(width, device=x.device) < n[:, None]).to(x.dtype if x.is_floating_point() else torch.float32)
     return Batch(gather(x, idx), gather(y, idx), weight)

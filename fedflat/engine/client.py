@@ -33,8 +33,9 @@ class ClientBatches:
     data's device in one copy per call, so a GPU round waits for the host once, not once per client epoch."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, client_indices: list[torch.Tensor], batch_size: int,
-                 seed: int, augment=None):
+                 seed: int, augment=None, features=None):
         self.x, self.y = x, y
+        self.features = features  # raw rows -> model inputs (Dataset.features: uint8 pixels standardized)
         self.client_indices = client_indices
         self.host_indices = [ix.cpu() for ix in client_indices]
         self.batch_size = batch_size
@@ -64,6 +65,8 @@ class ClientBatches:
         """The step batch of a cohort; augmentation (if any) draws from each client's own stream and
         touches only its real samples, so padding never shifts a client's random numbers."""
         batch = stack_batches(self.x, self.y, picks, self.batch_size)
+        if self.features is not None:
+            batch.x = self.features(batch.x)
         if self.augment is not None and generators is not None:
             rows = []
             for c, pick in enumerate(picks):

@@ -26,7 +26,7 @@ import torch
 
 from fedflat.algorithms import Broadcast, ClientResult, TrainSettings, build_algorithm, merge_results
 from fedflat.config import ConfigError, ExecutorConfig
-from fedflat.data import cifar_augment
+from fedflat.data import Standardize, augmentation_fn
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, rows_loader, set_tf32
 from fedflat.models import build_model
@@ -68,6 +68,7 @@ class WorkerSpec:
     use_gpu: bool
     tf32: bool = False
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
+    standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
 
 
@@ -86,7 +87,7 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
     batches = ClientBatches(torch.tensor(x, device=device), torch.tensor(y, device=device),
                             [torch.tensor(ix, dtype=torch.long, device=device) for ix in indices],
                             spec.settings.batch_size, spec.settings.seed,
-                            cifar_augment if spec.augmentation == "cifar" else None)
+                            augmentation_fn(spec.augmentation), spec.standardize)
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(spec.engine, device, spec.step_flops)
     return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size)

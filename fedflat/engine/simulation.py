@@ -22,7 +22,7 @@ from torch import nn
 from fedflat.algorithms import (MODEL, TRAIN_LOSS, Algorithm, Broadcast, ClientResult, RoundContext, TrainSettings,
                                 build_algorithm, payload_size)
 from fedflat.config import Config, ConfigError
-from fedflat.data import Dataset, cifar_augment, client_split, load_dataset, user_split
+from fedflat.data import Dataset, augmentation_fn, client_split, load_dataset, user_split
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
@@ -148,8 +148,8 @@ class Simulation:
             module = _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
         self.model = FlatModel(module.to(self.device))
         try:  # one sample forward and backward: also the first check that the model takes these inputs
-            self.step_flops = step_flops(self.model, self.model.initial, self.dataset.x_train, self.dataset.y_train,
-                                         cfg.train.batch_size)
+            self.step_flops = step_flops(self.model, self.model.initial, dataset.features(dataset.x_train[:1]),
+                                         self.dataset.y_train, cfg.train.batch_size)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
                               f"{tuple(dataset.input_shape)} with {dataset.num_classes} classes: {err}") from None
@@ -168,9 +168,9 @@ class Simulation:
             part.setup(self.server, self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
                                  directory=cfg.store.dir)
-        augment = cifar_augment if dataset.augmentation == "cifar" else None
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
-                                     cfg.train.batch_size, cfg.seed, augment)
+                                     cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
+                                     dataset.standardize)
         self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine,
                                      cfg.chunk_size)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
@@ -192,7 +192,7 @@ class Simulation:
                           input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
                           settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
                           augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
-                          tf32=cfg.tf32, step_flops=self.step_flops)
+                          tf32=cfg.tf32, step_flops=self.step_flops, standardize=self.dataset.standardize)
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:
@@ -333,7 +333,7 @@ class Simulation:
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         for lo in range(0, x.shape[0], self.cfg.eval.batch_size):  # summed on the device: one sync at the end
-            logits = self.model(w, x[lo:lo + self.cfg.eval.batch_size])
+            logits = self.model(w, self.dataset.features(x[lo:lo + self.cfg.eval.batch_size]))
             target = y[lo:lo + self.cfg.eval.batch_size]
             loss += F.cross_entropy(logits, target, reduction="sum").double()
             correct += (logits.argmax(1) == target).sum()

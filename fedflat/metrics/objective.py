@@ -102,7 +102,7 @@ def global_objective(sim, samples: int | None, weight_decay: float = 0.0, purpos
     (all clients' data together, i.e. ``F = sum_i (n_i/n) F_i``)."""
     data = sim.dataset
     idx = seeded_subset(data.y_train.shape[0], samples, sim.cfg.seed, -1, purpose).to(data.y_train.device)
-    return DataObjective(sim.model, data.x_train[idx], data.y_train[idx], weight_decay=weight_decay)
+    return DataObjective(sim.model, data.features(data.x_train[idx]), data.y_train[idx], weight_decay=weight_decay)
 
 
 def client_objective(sim, client: int, samples: int | None, purpose: str = "diagnostics/client") -> DataObjective:
@@ -110,7 +110,7 @@ def client_objective(sim, client: int, samples: int | None, purpose: str = "diag
     indices = sim.client_indices[client]
     pick = seeded_subset(indices.shape[0], samples, sim.cfg.seed, client, purpose).to(indices.device)
     idx = indices[pick]
-    return DataObjective(sim.model, sim.dataset.x_train[idx], sim.dataset.y_train[idx])
+    return DataObjective(sim.model, sim.dataset.features(sim.dataset.x_train[idx]), sim.dataset.y_train[idx])
 
 
 def seeded_clients(sim, count: int | None, purpose: str = "diagnostics/clients") -> torch.Tensor:
