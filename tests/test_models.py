@@ -26,6 +26,7 @@ TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
     ("resnet20", (3, 8, 8), 3, {}),
     ("resnet50", (3, 16, 16), 3, {"stem": "cifar", "groups": 4}),
     ("wrn28_4", (3, 8, 8), 4, {"groups": 4}),
+    ("densenet121", (3, 8, 8), 3, {"groups": 4}),
     ("lstm", (6,), 5, {"hidden": 8, "embed_dim": 4}),
     ("vit", (3, 32, 32), 3, {}),
 ]
@@ -51,7 +52,7 @@ def tiny(index: int, seed: int = 0) -> nn.Module:
 
 def test_registry_lists_every_model_with_description() -> None:
     assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "resnet50", "wrn28_4", "lstm",
-                           "textcnn", "vit"}
+                           "textcnn", "vit", "densenet121"}
     for factory, description in MODELS.values():
         assert callable(factory) and isinstance(description, str) and description
 
@@ -151,6 +152,22 @@ def test_wrn28_4_parameter_count_by_layer() -> None:
     assert count_parameters(build_model("wrn28_4", (3, 32, 32), 100)) == total == 5_872_180
 
 
+def test_densenet121_parameter_count_by_layer() -> None:
+    """DenseNet-121 in FedLAW's CIFAR layout (seed 004's), counted layer by layer: a 3x3 stem of 64, bottlenecks
+    norm + 1x1 to 128 + norm + 3x3 to 32, transitions norm + 1x1 halving, a final norm and the classifier."""
+    total, channels = 3 * 64 * 9, 64
+    for i, layers in enumerate((6, 12, 24, 16)):
+        for j in range(layers):
+            c_in = channels + 32 * j
+            total += 2 * c_in + c_in * 128 + 2 * 128 + 128 * 32 * 9
+        channels += 32 * layers
+        if i < 3:
+            total += 2 * channels + channels * (channels // 2)
+            channels //= 2
+    total += 2 * channels + channels * 10 + 10
+    assert count_parameters(build_model("densenet121", (3, 32, 32), 10)) == total == 6_956_298
+
+
 def test_lstm_is_nn_lstm_and_leaf_sized() -> None:
     """The vmap-friendly recurrence computes ``nn.LSTM``'s function with its parameters; LEAF's Shakespeare
     size: embedding 80 x 8, LSTM 8 -> 256 -> 256 (two bias vectors per layer, PyTorch's), classifier 256 -> 80."""
@@ -175,7 +192,8 @@ def test_textcnn_parameter_count() -> None:
 # ----------------------------------------------------------------------------- behaviour
 
 @pytest.mark.parametrize("name, stem", [("resnet18", "cifar"), ("resnet18", "imagenet"), ("resnet20", None),
-                                        ("wrn28_4", None), ("resnet34", "cifar"), ("cnn", None), ("mlp", None)])
+                                        ("wrn28_4", None), ("resnet34", "cifar"), ("cnn", None), ("mlp", None),
+                                        ("densenet121", None)])
 def test_full_size_output_shapes(name: str, stem: str | None) -> None:
     opts = {"stem": stem} if stem else {}
     model = build_model(name, (3, 32, 32), 10, **opts)
@@ -347,6 +365,16 @@ def test_a_vit_checkpoint_in_timms_names_fine_tunes_with_a_new_head(tmp_path) ->
     torch.save(source.state_dict(), tmp_path / "vit.pt")
     model = build_model("vit", (3, 64, 64), 65, pretrained=str(tmp_path / "vit.pt"))
     assert torch.equal(model.pos_embed, source.pos_embed) and model.head.weight.shape == (65, 192)
+    # another resolution: the 4 x 4 grid of position embeddings resampled to 2 x 4, the class token's row kept
+    from fedflat.models.pretrained import load_pretrained
+    small = build_model("vit", (3, 32, 64), 65)
+    assert load_pretrained(small, tmp_path / "vit.pt")["resized"] == ["pos_embed"]
+    grid = source.pos_embed[:, 1:].reshape(1, 4, 4, 192).permute(0, 3, 1, 2)
+    expected = F.interpolate(grid, size=(2, 4), mode="bicubic", align_corners=False, antialias=True)
+    assert torch.equal(small.pos_embed[:, 0], source.pos_embed[:, 0])
+    torch.testing.assert_close(small.pos_embed[:, 1:], expected.permute(0, 2, 3, 1).reshape(1, 8, 192))
+    assert torch.equal(small.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
     from fedflat.config import ConfigError
-    with pytest.raises(ConfigError, match=r"pos_embed \(1, 5, 192\): checkpoint has \(1, 17, 192\)"):
-        build_model("vit", (3, 32, 32), 65, pretrained=str(tmp_path / "vit.pt"))  # another resolution
+    torch.save({**source.state_dict(), "pos_embed": source.pos_embed[:, :-1]}, tmp_path / "odd.pt")  # no square grid
+    with pytest.raises(ConfigError, match=r"pos_embed \(1, 9, 192\): checkpoint has \(1, 16, 192\)"):
+        build_model("vit", (3, 32, 64), 65, pretrained=str(tmp_path / "odd.pt"))

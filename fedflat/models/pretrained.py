@@ -4,7 +4,9 @@ Reads a PyTorch state dict (``torch.save``; also nested under ``state_dict`` / `
 ``module.`` prefix) or a ``.safetensors`` file. Keys are fedflat's own, or torchvision's ResNet names
 (``conv1``, ``bn1``, ``layerL.B.bnK``, ``downsample``, ``fc``), translated: BatchNorm's affine weights load into
 the GroupNorm that replaces it, and its running statistics are dropped (GroupNorm keeps none). The classifier
-head is replaced when its shape differs (another number of classes). Every model parameter must be found
+head is replaced when its shape differs (another number of classes). A ViT's position embedding learnt on another
+input size is resampled to the model's patch grid (bicubic, as timm's ``resample_abs_pos_embed``; the class
+token's row is kept). Every model parameter must be found
 with its shape: a missing or mis-shaped one is an error naming it; checkpoint entries the model has no use
 for are listed in the returned report.
 """
@@ -64,6 +66,21 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def resample_pos_embed(value: torch.Tensor, grid: tuple[int, int] | None,
+                       shape: torch.Size) -> torch.Tensor | None:
+    """A ViT position embedding ``[1, 1 + g*g, D]`` (class token first, a square grid) resampled bicubically to
+    the model's ``grid`` (``[1, 1 + h*w, D]``); None when the shapes do not allow it."""
+    if grid is None or value.dim() != 3 or value.shape[-1] != shape[-1]:
+        return None
+    side = int(round((value.shape[1] - 1) ** 0.5))
+    if side * side != value.shape[1] - 1 or 1 + grid[0] * grid[1] != shape[1]:
+        return None
+    patches = value[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
+    patches = torch.nn.functional.interpolate(patches, size=grid, mode="bicubic", align_corners=False,
+                                              antialias=True)
+    return torch.cat([value[:, :1], patches.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)], dim=1)
+
+
 def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
     """Loads ``path`` into ``model`` in place; returns ``{"loaded", "replaced", "unused"}`` key lists."""
     state = read_checkpoint(path)
@@ -78,11 +95,16 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
             else:
                 translated[name] = value
         state = translated
-    report: dict[str, list[str]] = {"loaded": [], "replaced": [], "unused": []}
+    report: dict[str, list[str]] = {"loaded": [], "replaced": [], "resized": [], "unused": []}
     wrong = []
     with torch.no_grad():
         for name, param in own.items():
             value = state.get(name)
+            if name == "pos_embed" and value is not None and value.shape != param.shape:
+                resized = resample_pos_embed(value, getattr(model, "grid", None), param.shape)
+                if resized is not None:
+                    value = resized
+                    report["resized"].append(name)
             if value is not None and value.shape == param.shape:
                 param.copy_(value)
                 report["loaded"].append(name)

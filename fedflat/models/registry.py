@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from .cnn import cnn
+from .densenet import densenet121
 from .lstm import lstm
 from .mlp import logreg, mlp
 from .pretrained import load_pretrained
@@ -26,6 +27,7 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "resnet34": (resnet34, "ResNet-34 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
     "resnet50": (resnet50, "ResNet-50 (Bottleneck, torchvision v1.5) with GroupNorm(2); stem imagenet|cifar"),
     "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation) with GroupNorm(2)"),
+    "densenet121": (densenet121, "DenseNet-121 (growth 32, blocks 6-12-24-16), CIFAR stem (FedLAW's), GroupNorm(2)"),
     "vit": (vit, "Vision Transformer with timm's parameter names: variant tiny16 (ViT-Ti/16) | base32 (ViT-B/32)"),
     "lstm": (lstm, "LEAF's Shakespeare LSTM on int64 windows [B, L]: embed 8, 2 x LSTM 256, next symbol"),
     "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),

@@ -78,7 +78,8 @@ class VisionTransformer(FedModel):
                  heads: int) -> None:
         super().__init__(input_shape, num_classes)
         channels, height, width = self.input_shape
-        tokens = (height // patch) * (width // patch)
+        self.grid = (height // patch, width // patch)  # patches per column and row
+        tokens = self.grid[0] * self.grid[1]
         self.patch_embed = PatchEmbed(channels, patch, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
