@@ -133,3 +133,31 @@ def test_uint8_needs_its_standardization():
     x = torch.zeros(4, 3, 8, 8, dtype=torch.uint8)
     with pytest.raises(DatasetError, match="uint8 pixels need standardize"):
         Dataset("d", x, torch.zeros(4, dtype=torch.long), x, torch.zeros(4, dtype=torch.long), 2)
+
+
+def test_synthetic_domains_shift_every_domain_and_hold_one_out():
+    plain = load_dataset("synthetic", shape=[2, 4, 4], num_classes=3, train_size=60, test_size=30)
+    data = load_dataset("synthetic", shape=[2, 4, 4], num_classes=3, train_size=60, test_size=30, domains=3)
+    assert data.owners.tolist() == [j % 3 for j in range(60)] and data.owner_names == ["domain0", "domain1", "domain2"]
+    assert torch.equal(data.y_train, plain.y_train)  # the class draws are the plain data's; styles come after
+    # noise 0: a sample is its class pattern plus its domain's style, so (class k, domain 1) - (class k, domain 0)
+    # is the same style difference for every class, and the unseen test domain differs from every training one
+    clean = load_dataset("synthetic", shape=[2, 4, 4], num_classes=3, train_size=60, test_size=30, domains=3,
+                         noise=0.0)
+    x, y, d = clean.x_train, clean.y_train.numpy(), clean.owners
+    first = lambda k, dom: x[np.flatnonzero((y == k) & (d == dom))[0]]  # noqa: E731
+    diffs = [first(k, 1) - first(k, 0) for k in range(3)]
+    assert diffs[0].abs().max() > 0.05 and all(torch.allclose(diffs[0], e, atol=1e-5) for e in diffs[1:])
+    test_first = clean.x_test[np.flatnonzero(clean.y_test.numpy() == 0)[0]]
+    assert all((test_first - first(0, dom)).abs().max() > 0.05 for dom in range(3))
+    parts = partition(data.y_train.numpy(), 3, "domain", seed=0, owners=data.owners)
+    assert [sorted(set(data.owners[p])) for p in parts] == [[0], [1], [2]]
+
+
+def test_synthetic_tokens_are_class_conditional_ids():
+    data = load_dataset("synthetic", shape=[40], num_classes=2, train_size=400, test_size=40, tokens=20, seed=1)
+    assert data.x_train.dtype == torch.int64 and int(data.x_train.min()) >= 0 and int(data.x_train.max()) < 20
+    counts = [torch.bincount(data.x_train[data.y_train == k].flatten(), minlength=20).float() for k in (0, 1)]
+    assert (counts[0] / counts[0].sum() - counts[1] / counts[1].sum()).abs().sum() > 0.3  # distinct distributions
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        load_dataset("synthetic", tokens=-1)

@@ -186,7 +186,8 @@ def load_digits(root: str | Path | None = None, download: bool = False) -> Datas
 
 def load_synthetic(root: str | Path | None = None, download: bool = False, *,
                    shape: Sequence[int] = (1, 28, 28), num_classes: int = 10, train_size: int = 6000,
-                   test_size: int = 1000, seed: int = 0, noise: float = 1.0, domains: int = 0) -> Dataset:
+                   test_size: int = 1000, seed: int = 0, noise: float = 1.0, domains: int = 0,
+                   tokens: int = 0) -> Dataset:
     """Seeded class-conditional Gaussian data of any ``shape``, for tests and benchmarks.
 
     Each class ``k`` has a mean pattern ``mu_k ~ N(0, 1)`` of the given shape; a sample is
@@ -196,11 +197,18 @@ def load_synthetic(root: str | Path | None = None, download: bool = False, *,
     ``domains > 0`` gives the shape of a leave-one-domain-out benchmark: domain ``d`` adds its own style pattern
     ``s_d ~ N(0, 0.25)`` to every sample, training sample ``j`` is in domain ``j mod domains`` (its owner, for the
     ``domain`` partition) and the test set is one further, unseen domain.
+
+    ``tokens > 0`` gives text-shaped data for ``textcnn`` and ``lstm``: int64 token ids in ``[0, tokens)`` of
+    ``shape`` (a sequence length), drawn i.i.d. from a class-specific distribution ``~ Dir(0.5)`` over the tokens.
     """
     shape = _check_synthetic(shape, num_classes, train_size, test_size, noise)
     if isinstance(domains, bool) or not isinstance(domains, int) or domains < 0:
         raise ValueError(f"synthetic: domains must be an int >= 0, got {domains!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0 or (tokens and domains):
+        raise ValueError(f"synthetic: tokens must be an int >= 0 (and not combined with domains), got {tokens!r}")
     rng = np.random.default_rng(seed)
+    if tokens:
+        return _synthetic_tokens(rng, shape, num_classes, train_size, test_size, tokens)
     means = rng.standard_normal((num_classes, *shape), dtype=np.float32)
 
     def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -217,6 +225,23 @@ def load_synthetic(root: str | Path | None = None, download: bool = False, *,
     data = to_tensors("synthetic", x_train + styles[owners], y_train, x_test + styles[domains], y_test, num_classes,
                       source=source)
     return replace(data, owners=owners.astype(np.int64), owner_names=[f"domain{d}" for d in range(domains)])
+
+
+def _synthetic_tokens(rng: np.random.Generator, shape: tuple[int, ...], num_classes: int, train_size: int,
+                      test_size: int, tokens: int) -> Dataset:
+    """Class-conditional i.i.d. token sequences (see :func:`load_synthetic`)."""
+    emission = rng.dirichlet(np.full(tokens, 0.5), size=num_classes)
+
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = rng.permutation(np.arange(n) % num_classes).astype(np.int64)
+        cumulative = np.cumsum(emission[labels], axis=1)
+        u = rng.random((n, int(np.prod(shape))))
+        ids = np.minimum((u[:, :, None] > cumulative[:, None, :]).sum(axis=2), tokens - 1)
+        return ids.reshape(n, *shape).astype(np.int64), labels
+
+    (x_train, y_train), (x_test, y_test) = draw(train_size), draw(test_size)
+    return Dataset("synthetic", x_train, y_train, x_test, y_test, num_classes,
+                   source=f"synthetic(shape={shape}, num_classes={num_classes}, tokens={tokens})")
 
 
 def _check_synthetic(shape: Sequence[int], num_classes: int, train_size: int, test_size: int,
@@ -259,7 +284,7 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
                               "balanced 10,000/1,000 per class, vocabulary 30,000 from the training split (cached)"),
     "synthetic": (load_synthetic, "seeded Gaussian class clusters of any shape/size (options: shape, "
                                   "num_classes, train_size, test_size, seed, noise, domains: styled domains, the "
-                                  "test set an unseen one)"),
+                                  "test set an unseen one; tokens: int64 token sequences for text models)"),
 }
 
 
