@@ -229,6 +229,23 @@ def test_a_natural_split_sets_the_number_of_clients_and_is_used_as_given():
         assert set(torch.cat(schedule).tolist()) <= set(clients[i])
 
 
+def test_a_completed_run_of_a_given_split_loads_with_that_split(tmp_path):
+    """Resuming a finished run of a user's split reads it back with the split given (the configured partition,
+    here one these data cannot give, is never drawn) and writes nothing."""
+    import fedflat
+    from fedflat.config import load_config
+    from fedflat.experiments.checkpoint import resume
+
+    clients = [list(range(0, 40)), list(range(40, 50)), list(range(100, 400)), [500, 450, 900]]
+    cfg = load_config(None, ["rounds=2", "sampling.clients_per_round=2", "threads=1", "data.num_clients=4",
+                             "data.partition.min_size=400"])  # 4 x 400 > the 1,438 samples: undrawable
+    done = fedflat.run(cfg, clients=clients, out=tmp_path, progress=False)
+    before = {p.name: p.stat().st_mtime_ns for p in done.run_dir.iterdir() if p.name != ".lock"}
+    again = resume(done.run_dir, config=cfg, clients=clients, progress=False)
+    assert torch.equal(again.final_parameters, done.final_parameters) and again.metrics == done.metrics
+    assert {p.name: p.stat().st_mtime_ns for p in done.run_dir.iterdir() if p.name != ".lock"} == before
+
+
 @pytest.mark.parametrize("clients, message", [
     ([[0, 1], [1, 2]], "sample 1 is given to more than one client"),
     ([[0, 1], [2, 5000]], "index 5000 outside the 1438 training samples"),

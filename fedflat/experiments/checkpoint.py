@@ -194,7 +194,7 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
             raise CheckpointError(f"{run_dir} has completed {done} rounds: rounds={cfg.rounds} cannot shorten it "
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
-            return _finished_history(run_dir, completed, cfg, dataset, model_fn)
+            return _finished_history(run_dir, completed, cfg, dataset, model_fn, clients)
         return run(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir, progress=progress,
                    driver=driver)
 
