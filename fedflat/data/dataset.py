@@ -48,10 +48,11 @@ class Dataset:
     pixels ``[N, C, H, W]`` with ``standardize`` set, which :meth:`features` applies to every batch;
     ``y_*`` are integer class labels ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and
     converted. ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
-    horizontal flip, see :func:`fedflat.data.cifar_augment`) or is None.
+    horizontal flip, see :func:`fedflat.data.cifar_augment`; ``"flip"``: the flip alone) or is None.
     ``source`` says where the data came from (a folder, an archive, or a generator). ``owners`` (optional,
-    int64 ``[N_train]``) is each training sample's natural owner, e.g. its writer, and ``owner_names`` their
-    names: ``data.partition: {scheme: natural}`` makes one client per owner (LEAF's natural split).
+    int64 ``[N_train]``) is each training sample's natural owner, e.g. its writer or its domain, and
+    ``owner_names`` their names: ``data.partition: {scheme: natural}`` makes one client per owner (LEAF's natural
+    split), ``{scheme: domain, per_domain: M}`` M clients per owner (the domain benchmarks).
 
     Everything is checked when the dataset is made: a wrong dtype, shape, length, label or a NaN is a
     :class:`DatasetError` naming the field and what is expected, before any run starts.
