@@ -267,7 +267,7 @@ def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int
                  dataset: str = "the dataset", owners: np.ndarray | None = None) -> list[np.ndarray]:
     """The split of a run: ``spec`` is its ``data.partition`` (``scheme`` and the scheme's parameters), drawn
     from the run's keyed partition stream, so every command that rebuilds a run's split gets the same one.
-    ``owners`` (the dataset's) feed the ``natural`` scheme. A split these data cannot give is a
+    ``owners`` (the dataset's) feed the ``natural`` and ``domain`` schemes. A split these data cannot give is a
     :class:`ConfigError` naming the key to change."""
     params = {k: v for k, v in spec.items() if k != "scheme"}
     if spec["scheme"] in ("natural", "domain") and params.get("owners") is None:
