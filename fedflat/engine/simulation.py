@@ -148,8 +148,9 @@ class Simulation:
             module = _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
         self.model = FlatModel(module.to(self.device))
         try:  # one sample forward and backward: also the first check that the model takes these inputs
-            self.step_flops = step_flops(self.model, self.model.initial, dataset.features(dataset.x_train[:1]),
-                                         self.dataset.y_train, cfg.train.batch_size)
+            self.step_flops = step_flops(self.model, self.model.initial,
+                                         self.dataset.features(self.dataset.x_train[:1]), self.dataset.y_train,
+                                         cfg.train.batch_size)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
                               f"{tuple(dataset.input_shape)} with {dataset.num_classes} classes: {err}") from None
