@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import Dataset, DatasetError, uint8_dataset
-from .images import IMAGE_SUFFIXES, cache_home, cached_images, extract_zip
-from .sources import DatasetNotFoundError, base_dirs
+from .images import IMAGE_SUFFIXES, cached_images, extract_zip
+from .sources import DatasetNotFoundError, base_dirs, cache_home, not_found
 
 OFFICEHOME_DOMAINS = {"art": "Art", "clipart": "Clipart", "product": "Product", "real_world": "Real World"}
 OFFICEHOME_FOLDER = "OfficeHomeDataset_10072016"
@@ -73,12 +73,10 @@ def find_officehome(root: str | Path | None) -> Path:
         searched.append(archive)
         if archive.is_file():
             return extract_zip(archive, OFFICEHOME_FOLDER, "Art")
-    places = "\n".join(f"  - {p}" for p in searched)
-    raise DatasetNotFoundError(
-        f"OfficeHome ('officehome') not found. Searched, in order:\n{places}\nTo get it: put the official "
-        f"{OFFICEHOME_FOLDER}.zip (https://www.hemanthdv.org/officeHomeDataset.html) or its extracted folder, with "
-        "the domain folders Art, Clipart, Product and Real World, into one of these folders (data.root or "
-        "$FEDFLAT_DATA)", searched)
+    raise not_found("OfficeHome ('officehome') not found", searched,
+                    f"put the official {OFFICEHOME_FOLDER}.zip (https://www.hemanthdv.org/officeHomeDataset.html) or "
+                    "its extracted folder, with the domain folders Art, Clipart, Product and Real World, into one of "
+                    "these folders (data.root or $FEDFLAT_DATA)")
 
 
 def _officehome_domain(folder: Path, domain: str) -> Path | None:
@@ -122,12 +120,10 @@ def find_domainnet(root: str | Path | None) -> Path:
             searched.append(folder)
             if all((folder / d).is_dir() and (folder / f"{d}_train.txt").is_file() for d in DOMAINNET_DOMAINS):
                 return folder
-    places = "\n".join(f"  - {p}" for p in searched)
-    raise DatasetNotFoundError(
-        f"DomainNet ('domainnet') not found. Searched, in order:\n{places}\nTo get it: from "
-        "http://ai.bu.edu/M3SDA/ extract each domain's zip (clipart.zip ... sketch.zip) and put its split lists "
-        "(clipart_train.txt, clipart_test.txt, ...) beside the domain folders, in one of these folders "
-        "(data.root or $FEDFLAT_DATA)", searched)
+    raise not_found("DomainNet ('domainnet') not found", searched,
+                    "from http://ai.bu.edu/M3SDA/ extract each domain's zip (clipart.zip ... sketch.zip) and put its "
+                    "split lists (clipart_train.txt, clipart_test.txt, ...) beside the domain folders, in one of "
+                    "these folders (data.root or $FEDFLAT_DATA)")
 
 
 def read_split_list(path: Path, folder: Path) -> tuple[list[Path], np.ndarray]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import Dataset, DatasetError, uint8_dataset
-from .sources import DatasetNotFoundError, base_dirs, cache_dir
+from .sources import DatasetNotFoundError, base_dirs, cache_dir, cache_home, not_found
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,9 @@ def find_tiny_imagenet(root: str | Path | None) -> Path:
         searched.append(archive)
         if archive.is_file():
             return _extract(archive)
-    places = "\n".join(f"  - {p}" for p in searched)
-    raise DatasetNotFoundError(
-        f"Tiny-ImageNet-200 ('tinyimagenet') not found. Searched, in order:\n{places}\nTo get it: put the official "
-        f"{FOLDER}.zip (http://cs231n.stanford.edu/{FOLDER}.zip) or its extracted folder into one of these folders "
-        "(data.root or $FEDFLAT_DATA)", searched)
+    raise not_found("Tiny-ImageNet-200 ('tinyimagenet') not found", searched,
+                    f"put the official {FOLDER}.zip (http://cs231n.stanford.edu/{FOLDER}.zip) or its extracted folder "
+                    "into one of these folders (data.root or $FEDFLAT_DATA)")
 
 
 def _extract(archive: Path) -> Path:
@@ -131,8 +129,7 @@ def cached_images(files: list[Path], home: Path, stem: str, size: int) -> tuple[
     Decoded on the first call into temporary files renamed at the end (an interrupted or failed decode leaves no
     cache). KEY digests the files' names, sizes and modification times and ``size``: a changed file or another
     size decodes anew."""
-    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) if f.exists() else (str(f), -1, 0) for f in files]
-    key = hashlib.sha256(repr((size, stats)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((size, [(str(f), *_size_and_time(f)) for f in files])).encode()).hexdigest()[:16]
     path, moments_path = home / f"{stem}-{key}.npy", home / f"{stem}-{key}.moments.npy"
     if not (path.is_file() and moments_path.is_file()):
         home.mkdir(parents=True, exist_ok=True)
@@ -154,6 +151,15 @@ def cached_images(files: list[Path], home: Path, stem: str, size: int) -> tuple[
     return np.load(path, mmap_mode="r"), np.load(moments_path)
 
 
+def _size_and_time(path: Path) -> tuple[int, int]:
+    """``path``'s size and modification time (``(-1, 0)`` when it is missing: the decode then names it)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return -1, 0
+    return stat.st_size, stat.st_mtime_ns
+
+
 def pixel_moments(images: np.ndarray, chunk: int = 256) -> np.ndarray:
     """Per image and channel, the sum of ``x / 255`` and of its square: float64 ``[N, 2, C]``."""
     out = np.empty((len(images), 2, images.shape[1]))
@@ -169,12 +175,6 @@ def atomic_save(path: Path, array: np.ndarray) -> None:
     partial = path.with_name(path.name + ".partial.npy")
     np.save(partial, array)
     os.replace(partial, path)
-
-
-def cache_home(folder: Path, name: str) -> Path:
-    """Where ``folder``'s decoded images are cached: ``folder/.fedflat-cache``, or fedflat's cache when
-    ``folder`` is read-only."""
-    return folder / ".fedflat-cache" if os.access(folder, os.W_OK) else cache_dir() / name
 
 
 def cached_split(folder: Path, split: str, classes: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

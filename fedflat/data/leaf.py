@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .dataset import Dataset, DatasetError, channel_stats
-from .sources import DatasetNotFoundError, base_dirs
+from .sources import DatasetNotFoundError, base_dirs, not_found
 
 # LEAF's shakespeare/language_utils.py ALL_LETTERS: a character's index is its position here.
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -38,12 +38,9 @@ def find_leaf(name: str, root: str | Path | None) -> tuple[Path, Path]:
             searched.append(folder)
             if all((folder / split).is_dir() and any((folder / split).glob("*.json")) for split in SPLITS):
                 return folder / "train", folder / "test"
-    places = "\n".join(f"  - {p}" for p in searched)
-    raise DatasetNotFoundError(
-        f"LEAF {name} not found: no folder with train/*.json and test/*.json. Searched, in order:\n{places}\n"
-        f"To get it: LEAF's scripts build it (github.com/TalwalkarLab/leaf, data/{name}: ./preprocess.sh -s niid "
-        f"--sf 1.0 -k 0 -t sample); point data.root (or $FEDFLAT_DATA) at the folder holding {name}/data/",
-        searched)
+    raise not_found(f"LEAF {name} not found: no folder with train/*.json and test/*.json", searched,
+                    f"LEAF's scripts build it (github.com/TalwalkarLab/leaf, data/{name}: ./preprocess.sh -s niid "
+                    f"--sf 1.0 -k 0 -t sample); point data.root (or $FEDFLAT_DATA) at the folder holding {name}/data/")
 
 
 def read_leaf_split(folder: Path) -> tuple[list[str], list[list], list[list]]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["DatasetNotFoundError", "RemoteFile", "REMOTE", "SUBFOLDERS", "SYSTEM_DIRS",
-           "IDX_FILES", "base_dirs", "cache_dir", "candidate_dirs", "writable_dir"]
+           "IDX_FILES", "base_dirs", "cache_dir", "cache_home", "candidate_dirs", "not_found", "writable_dir"]
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -104,6 +104,19 @@ def cache_dir() -> Path:
     """The download cache: ``$XDG_CACHE_HOME/fedflat/data`` (default ``~/.cache/fedflat/data``)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "fedflat" / "data"
+
+
+def cache_home(folder: Path, name: str) -> Path:
+    """Where what fedflat derives from ``folder``'s files (decoded images, encoded text) is cached:
+    ``folder/.fedflat-cache``, or ``cache_dir()/name`` when ``folder`` is read-only."""
+    return folder / ".fedflat-cache" if os.access(folder, os.W_OK) else cache_dir() / name
+
+
+def not_found(what: str, searched: list[Path], advice: str) -> DatasetNotFoundError:
+    """The error for a dataset found in none of ``searched``: ``what`` (its name and what was missing), every
+    place searched in order, and ``advice`` on how to get it."""
+    places = "\n".join(f"  - {p}" for p in searched)
+    return DatasetNotFoundError(f"{what}. Searched, in order:\n{places}\nTo get it: {advice}", searched)
 
 
 def base_dirs(root: str | Path | None) -> list[Path]:

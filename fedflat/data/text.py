@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import Dataset, DatasetError
-from .sources import DatasetNotFoundError, base_dirs, cache_dir
+from .sources import DatasetNotFoundError, base_dirs, cache_home, not_found
 
 PAD, UNKNOWN = 0, 1
 DBPEDIA_CLASSES = 14
@@ -84,18 +84,15 @@ def find_dbpedia(root: str | Path | None) -> Path:
             searched.append(folder)
             if (folder / "train.csv").is_file() and (folder / "test.csv").is_file():
                 return folder
-    places = "\n".join(f"  - {p}" for p in searched)
-    raise DatasetNotFoundError(
-        f"DBpedia-14 ('dbpedia') not found: no folder with train.csv and test.csv. Searched, in order:\n{places}\n"
-        "To get it: extract the official dbpedia_csv.tar.gz (Zhang et al., 2015; also on Hugging Face as "
-        "fancyzhx/dbpedia_14) into one of these folders (data.root or $FEDFLAT_DATA)", searched)
+    raise not_found("DBpedia-14 ('dbpedia') not found: no folder with train.csv and test.csv", searched,
+                    "extract the official dbpedia_csv.tar.gz (Zhang et al., 2015; also on Hugging Face as "
+                    "fancyzhx/dbpedia_14) into one of these folders (data.root or $FEDFLAT_DATA)")
 
 
 def _cache_path(folder: Path, options: dict) -> Path:
     stamp = [options] + [(p.stat().st_size, p.stat().st_mtime_ns) for p in (folder / "train.csv", folder / "test.csv")]
     key = hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
-    home = folder / ".fedflat-cache" if os.access(folder, os.W_OK) else cache_dir() / "dbpedia"
-    return home / f"dbpedia-{key}.npz"
+    return cache_home(folder, "dbpedia") / f"dbpedia-{key}.npz"
 
 
 def load_dbpedia(root: str | Path | None = None, download: bool = False, *, per_class_train: int | None = 10000,

@@ -1,6 +1,6 @@
 """Vision Transformer (Dosovitskiy et al., ICLR 2021), fedflat's own, with timm's parameter names.
 
-FedLESAM's Table 3 fine-tunes a pretrained ViT-B/32 and FedFFT's backbone table trains ViT-Tiny/16 at 224.
+FedLESAM's Table 3 fine-tunes a pretrained ViT-B/32 and FedFFT's backbone table trains timm's ViT-Tiny/16 layout.
 timm needs torchvision, which does not import with the CPU torch used here (and installing it may pull
 another torch), so the model is written out here, small and vmap-friendly (attention as plain matrix
 products, no fused kernel), with **timm's state-dict keys** (``patch_embed.proj``, ``cls_token``,
