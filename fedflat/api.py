@@ -181,7 +181,9 @@ class _Runner:
             "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
-            "final_test_acc": None, "best_test_acc": None, "best_round": None, "final_test_loss": None,
+            "evaluated_on": sim.heldout, "final_test_acc": None, "best_test_acc": None, "best_round": None,
+            "final_test_loss": None,
+            **({"final_val_acc": None, "best_val_acc": None, "final_val_loss": None} if sim.heldout == "val" else {}),
             "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
             "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -333,7 +335,8 @@ class _Runner:
         eval_start = time.perf_counter()
         acc, loss = sim.evaluate()
         eval_seconds = time.perf_counter() - eval_start
-        record = {"round": t + 1, "test_acc": acc, "test_loss": loss, "train_loss": result.train_loss,
+        split = sim.heldout  # "test", or "val" for a run that selects on a validation split
+        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, "train_loss": result.train_loss,
                   "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
                   "down_vectors": result.down_vectors, "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
@@ -346,9 +349,9 @@ class _Runner:
                 self.run_dir.append_metrics(record)
             self.metrics.append(record)
             s["eval_seconds"] += eval_seconds
-            if s["best_test_acc"] is None or acc > s["best_test_acc"]:
-                s["best_test_acc"], s["best_round"] = acc, t + 1
-            s["final_test_acc"], s["final_test_loss"] = acc, loss
+            if s[f"best_{split}_acc"] is None or acc > s[f"best_{split}_acc"]:
+                s[f"best_{split}_acc"], s["best_round"] = acc, t + 1
+            s[f"final_{split}_acc"], s[f"final_{split}_loss"] = acc, loss
             self._owed = None
         bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
 

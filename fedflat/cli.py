@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, split_config_and_overrides
+from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
 from fedflat.config import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
@@ -21,9 +21,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     s = history.summary
     print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
-    if s["final_test_acc"] is not None:
-        print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, final test accuracy "
-              f"{s['final_test_acc']:.4f}, best {s['best_test_acc']:.4f} (round {s['best_round']}), "
+    if s.get(f"final_{evaluated_on(s)}_acc") is not None:
+        print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
               f"{s['train_seconds'] / max(s['rounds'], 1):.3f} s/round training, {s['wall_seconds']:.1f} s in all")
     return 0 if s["status"] == "completed" else 3
 
@@ -43,6 +42,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     table("datasets", [(n, d) for n, (_, d) in sorted(DATASETS.items())])
     table("models", [(n, d) for n, (_, d) in sorted(MODELS.items())])
     table("partitions", [(n, d) for n, (_, d) in sorted(PARTITIONS.items())])
+    if args.grids:
+        table("tuning grids (`fedflat tune`)", [(n, ", ".join(f"{k} {list(v)}" for k, v in r.tunable.items())
+                                                or "(nothing of its own)") for n, r in sorted(RECIPES.items())])
     if args.parts:
         for role, parts in PARTS.items():
             table(f"{role} parts", [(n, c.summary) for n, c in sorted(parts.items())])
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
     p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
+    p.add_argument("--grids", action="store_true", help="also list each recipe's tuning grid (fedflat tune)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("partition", help="per-client sample and class counts of a split, and a heatmap PNG")

@@ -51,10 +51,21 @@ def print_outcome(history, label: str = "") -> int:
     s = history.summary
     print(f"run folder: {history.run_dir}")
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
-    if s.get("final_test_acc") is not None:
-        print(f"{s['algorithm']}{label}: {s['rounds']} rounds, final test accuracy {s['final_test_acc']:.4f}, "
-              f"best {s['best_test_acc']:.4f} (round {s['best_round']})")
+    if s.get(f"final_{evaluated_on(s)}_acc") is not None:
+        print(f"{s['algorithm']}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
     return 0 if s["status"] == "completed" else 3
+
+
+def evaluated_on(summary: dict) -> str:
+    """``test``, or ``val`` for a run evaluated on a validation split (``data.validation``)."""
+    return summary.get("evaluated_on") or "test"
+
+
+def accuracy_text(summary: dict) -> str:
+    """``final test accuracy 0.9100, best 0.9200 (round 40)`` (``validation`` for a validation run)."""
+    split = evaluated_on(summary)
+    return (f"final {'validation' if split == 'val' else 'test'} accuracy {summary[f'final_{split}_acc']:.4f}, "
+            f"best {summary[f'best_{split}_acc']:.4f} (round {summary['best_round']})")
 
 
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:

@@ -53,6 +53,8 @@ class DataConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="dataset options (synthetic: shape, ...)")
     num_clients: int = Field(20, ge=1)
     partition: dict[str, Any] = Field(default_factory=lambda: {"scheme": "dirichlet", "alpha": 0.3, "min_size": 10})
+    validation: float = Field(0.0, ge=0, lt=1, description="hold out this fraction of each class of the training "
+                              "set and evaluate on it instead of the test set (model selection: `fedflat tune`)")
 
 
 class TrainConfig(Section):

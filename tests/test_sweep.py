@@ -144,12 +144,20 @@ SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_config_names_registered_things(path):
-    """Every sweep (and each variant) under configs/ expands to valid cells: algorithm, dataset, model
-    and partition names exist and every hyperparameter belongs to its method."""
+    """Every sweep and tune file (and each variant) under configs/ expands to valid cells: algorithm, dataset,
+    model and partition names exist and every hyperparameter belongs to its method."""
     from fedflat.config import load_config
     from fedflat.experiments.sweep import SWEEP_KEYS
 
     spec = yaml.safe_load(path.read_text())
+    if "methods" in spec:  # a tune file
+        from fedflat.experiments.tune import load_study
+
+        for variant in [None, *(spec.get("variants") or {})]:
+            trials = load_study(path, variant=variant).trial_cells()
+            bad = [(c.name, c.error) for per in trials.values() for _, cells in per for c in cells if c.error]
+            assert trials and not bad, f"{path.name} variant {variant}: {bad[:2]}"
+        return
     if not set(spec) & {"grid", "base", "variants"}:
         load_config(path)
         return

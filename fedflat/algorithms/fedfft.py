@@ -155,15 +155,19 @@ class CoordinateClipFilter(Filter):
         return torch.maximum(torch.minimum(eps, threshold), -threshold)
 
 
+FFT_GRID = {"algo.rho": (0.05, 0.1, 0.15, 0.2)}  # seed 004 §E.3, the radius sensitivity study (r stays 0.01)
 register_recipe(Recipe(
     name="fedfft", summary="FedSAM with the low-frequency perturbation components removed per tensor",
     source="seed 004 (FedFFT), Algorithm 1, eq. 5-7",
-    perturbation="sam", filter="fft", defaults={"rho": 0.1, "r": 0.01}))
+    perturbation="sam", filter="fft", defaults={"rho": 0.1, "r": 0.01},
+    tunable=FFT_GRID))
 register_recipe(Recipe(
     name="fedfft-s", summary="FedGAMMA (SAM on SCAFFOLD) with the FedFFT filter",
     source="seed 004 (FedFFT), Table 1 '-S'",
-    perturbation="sam", filter="fft", correction="scaffold", defaults={"rho": 0.1, "r": 0.01}))
+    perturbation="sam", filter="fft", correction="scaffold", defaults={"rho": 0.1, "r": 0.01},
+    tunable=FFT_GRID))
 register_recipe(Recipe(
     name="fedfft-d", summary="SAM on FedDyn with the FedFFT filter",
     source="seed 004 (FedFFT), Table 1 '-D'",
-    perturbation="sam", filter="fft", correction="dyn", server="dyn", defaults={"rho": 0.1, "r": 0.01}))
+    perturbation="sam", filter="fft", correction="dyn", server="dyn", defaults={"rho": 0.1, "r": 0.01},
+    tunable=FFT_GRID))

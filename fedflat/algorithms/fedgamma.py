@@ -10,7 +10,7 @@ import torch
 
 from fedflat.algorithms.base import Cohort, ClientContext
 from fedflat.algorithms.fedsam import LocalSAM
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 from fedflat.algorithms.scaffold import SHIFT
 
 
@@ -29,4 +29,5 @@ register_recipe(Recipe(
     name="fedgamma", summary="SCAFFOLD with local SAM: g(w + eps) + c - c_i (algo.perturbation=sam_corrected: "
                          "eps from g + c - c_i)",
     source="Dai et al., IEEE TNNLS 2024",
-    perturbation="sam", correction="scaffold", defaults={"rho": 0.01}))
+    perturbation="sam", correction="scaffold", defaults={"rho": 0.01},
+    tunable={"algo.rho": RHO_GRID}))

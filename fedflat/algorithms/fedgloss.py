@@ -19,7 +19,7 @@ from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartPara
                                      TrainSettings, normalize_rows)
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
 from fedflat.algorithms.fedsam import warmed_up
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round
@@ -91,4 +91,5 @@ register_recipe(Recipe(
     name="fedgloss", summary="server-side SAM along the last pseudo-gradient, local SAM with ADMM correction",
     source="Caldarola et al., CVPR 2025",
     perturbation="sam", correction="gloss", server="gloss",
-    defaults={"rho": 0.1, "rho_s": 0.1, "beta": 10.0}))
+    defaults={"rho": 0.1, "rho_s": 0.1, "beta": 10.0},
+    tunable={"algo.rho": RHO_GRID}))

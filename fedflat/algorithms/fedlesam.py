@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.base import ClientContext, Cohort, PartParams, Perturbation, RoundContext, normalize_rows
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 
 
 OLD_MODEL = "lesam_w_old"  # client state: w_i^old, the model the client received last time
@@ -101,12 +101,15 @@ class LocallyEstimatedPerturbation(Perturbation):
 register_recipe(Recipe(
     name="fedlesam", summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 1",
-    perturbation="lesam", defaults={"rho": 0.01}))
+    perturbation="lesam", defaults={"rho": 0.01},
+    tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
     name="fedlesam-s", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 3",
-    perturbation="lesam", correction="scaffold", defaults={"rho": 0.1}))
+    perturbation="lesam", correction="scaffold", defaults={"rho": 0.1},
+    tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
     name="fedlesam-d", summary="FedLESAM perturbation on FedDyn's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 4",
-    perturbation="lesam", correction="dyn", server="dyn", defaults={"rho": 0.1}))
+    perturbation="lesam", correction="dyn", server="dyn", defaults={"rho": 0.1},
+    tunable={"algo.rho": RHO_GRID}))

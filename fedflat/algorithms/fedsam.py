@@ -5,7 +5,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.base import Cohort, PartParams, Perturbation, ClientContext, normalize_rows
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
@@ -55,4 +55,5 @@ class LocalSAM(Perturbation):
 register_recipe(Recipe(
     name="fedsam", summary="local SAM steps, FedAvg server",
     source="Caldarola et al., ECCV 2022; Qu et al., ICML 2022",
-    perturbation="sam", defaults={"rho": 0.01}))
+    perturbation="sam", defaults={"rho": 0.01},
+    tunable={"algo.rho": RHO_GRID}))

@@ -33,7 +33,7 @@ from pydantic import Field
 
 from fedflat.algorithms.base import Aggregation, ClientContext, Cohort, PartParams, RoundContext, TrainSettings, row_norm
 from fedflat.algorithms.fedsam import LocalSAM
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 from fedflat.rng import SERVER, numpy_stream, torch_stream
 
 DIRECTION_MEMORY = "scam.u"  # server state, broadcast: u_{t-1}, the projected direction of the last global update
@@ -232,15 +232,19 @@ class AlignmentWeights(Aggregation):
 
 
 _SOURCE = "seed 003 (FedSCAM), Algorithm 1"
+SCAM_GRID = {"algo.rho_max": (0.01, 0.05, 0.1)}  # seed 003 §5.1.1
 register_recipe(Recipe(
     name="fedscam", summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
-    source=_SOURCE, perturbation="scam", aggregation="scam"))
+    source=_SOURCE, perturbation="scam", aggregation="scam",
+    tunable=SCAM_GRID))
 register_recipe(Recipe(
     name="fedscam-wa", summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
     aggregation="scam"))
 register_recipe(Recipe(
     name="fedscam-sam", summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
-    perturbation="scam"))
+    perturbation="scam",
+    tunable=SCAM_GRID))
 register_recipe(Recipe(
     name="fedlwsam", summary="local SAM with FedLW's loss-based weights p_i ∝ n_i / F_i",
-    source="seed 003 (FedSCAM), Table 2 baseline", perturbation="sam", aggregation="fedlw", defaults={"rho": 0.05}))
+    source="seed 003 (FedSCAM), Table 2 baseline", perturbation="sam", aggregation="fedlw", defaults={"rho": 0.05},
+    tunable={"algo.rho": RHO_GRID}))

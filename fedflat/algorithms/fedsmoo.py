@@ -12,7 +12,7 @@ import torch
 
 from fedflat.algorithms.base import ClientContext, Cohort, RoundContext, TrainSettings, normalize_rows
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 
 SERVER_CORRECTION = "smoo.s"  # server state, broadcast: s
 CLIENT_DUAL = "smoo.mu_i"  # client state, cohort.extra and upload
@@ -58,4 +58,5 @@ class CorrectedPerturbation(LocalSAM):
 register_recipe(Recipe(
     name="fedsmoo", summary="FedDyn + SAM with the dual-corrected perturbation u = g - mu_i - s",
     source="Sun et al., ICML 2023",
-    perturbation="smoo", correction="dyn", server="dyn", defaults={"rho": 0.1}))
+    perturbation="smoo", correction="dyn", server="dyn", defaults={"rho": 0.1},
+    tunable={"algo.rho": RHO_GRID}))

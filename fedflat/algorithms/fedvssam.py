@@ -28,7 +28,7 @@ from pydantic import Field
 from fedflat.algorithms.base import (ClientContext, Cohort, Correction, DecayPlacement, PartParams, RoundContext,
                                     ServerUpdate, TrainSettings, momentum_mix)
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
@@ -116,7 +116,8 @@ _PARTS = dict(perturbation="vssam", correction="vssam", server="vssam")
 _SOURCE = "seed 000 (FedVSSAM), eq. 14-16, RECONSTRUCTED from the text"
 register_recipe(Recipe(
     name="fedvssam", summary="one variance-suppressed direction v for flatness search, local and global update "
-                         "(reconstruction)", source=_SOURCE, **_PARTS, defaults=DEFAULTS))
+                         "(reconstruction)", source=_SOURCE, **_PARTS, defaults=DEFAULTS,
+    tunable={"algo.rho": RHO_GRID, "algo.alpha": (0.3, 0.6, 0.9), "algo.beta": (0.1, 0.3, 0.5)}))
 for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gamma = 1): FedSAM"),
                              ("lf", "alpha", "only the flatness-search mixing (14) on, alpha = 0.6"),
                              ("lu", "beta", "only the local-update mixing (15) on, beta = 0.3"),
@@ -125,4 +126,4 @@ for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gam
     if mixing:
         off[mixing] = ABLATION[mixing]
     register_recipe(Recipe(name=f"fedvssam-{suffix}", summary=f"FedVSSAM ablation: {text}",
-                           source=_SOURCE + ", Fig. 3", **_PARTS, defaults=off))
+                           source=_SOURCE + ", Fig. 3", **_PARTS, defaults=off, tunable={"algo.rho": RHO_GRID}))

@@ -36,7 +36,7 @@ from pydantic import Field, model_validator
 from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
                                     Perturbation, RoundContext, TrainSettings, momentum_mix, normalize_rows, row_norm)
 from fedflat.algorithms.fedcm import MOMENTUM
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate,
                                          scaffold_server_variate)
 
@@ -181,4 +181,5 @@ class MomentumGuidedPerturbation(Perturbation):
 register_recipe(Recipe(
     name="fedwmsam", summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
     source="Li et al., NeurIPS 2025 (seed 001)",
-    perturbation="wmsam", correction="wmsam", defaults={"rho": 0.01, "a": 0.1}))
+    perturbation="wmsam", correction="wmsam", defaults={"rho": 0.01, "a": 0.1},
+    tunable={"algo.rho": RHO_GRID}))

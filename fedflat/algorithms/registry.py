@@ -36,9 +36,16 @@ def register_part(cls: type[Part]) -> type[Part]:
     return cls
 
 
+# The SAM radius grid of the seeds: FedLESAM tunes rho in {0.05, 0.01, 0.005, 0.001, 0.0005} for every method
+# (seed 002 §E.1); 0.1 is the radius FedSMOO, FedLESAM-S/D and FedFFT run at (seeds 002, 004).
+RHO_GRID = (0.1, 0.05, 0.01, 0.005, 0.001, 0.0005)
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """A named method: a part per role, default hyperparameters, and its source."""
+    """A named method: a part per role, default hyperparameters, its source, and ``tunable``: the grid of each
+    hyperparameter a fair comparison tunes (dotted config keys, ``algo.rho``; the seeds' or the original paper's
+    grid), which `fedflat tune` searches."""
 
     name: str
     summary: str
@@ -49,6 +56,7 @@ class Recipe:
     aggregation: str = "mean"
     server: str = "avg"
     defaults: dict[str, Any] = field(default_factory=dict)
+    tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def part_names(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}

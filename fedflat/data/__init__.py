@@ -6,7 +6,7 @@
 """
 
 from .augment import AUGMENTATIONS, apply_augmentation, augmentation_fn, cifar_augment, crop_flip
-from .dataset import Dataset, DatasetError, Standardize
+from .dataset import Dataset, DatasetError, Standardize, validation_split
 from .datasets import DATASETS, dataset_options, load_dataset
 from .download import ChecksumError, DownloadError, download_file, file_checksum, verify_file
 from .partition import (PARTITIONS, client_split, label_counts, partition, partition_params, plot_partition,
@@ -18,5 +18,5 @@ __all__ = [
     "PARTITIONS", "Standardize",
     "apply_augmentation", "augmentation_fn", "cache_dir", "cifar_augment", "client_split", "crop_flip", "dataset_options",
     "download_file", "file_checksum", "label_counts", "load_dataset", "partition", "partition_params",
-    "plot_partition", "split_name", "user_split", "verify_file",
+    "plot_partition", "split_name", "user_split", "validation_split", "verify_file",
 ]

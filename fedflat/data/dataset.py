@@ -10,7 +10,8 @@ import torch
 
 from fedflat.config import ConfigError
 
-__all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "to_tensors", "uint8_dataset"]
+__all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "to_tensors", "uint8_dataset",
+           "validation_split"]
 
 
 class DatasetError(ConfigError):
@@ -52,7 +53,9 @@ class Dataset:
     ``source`` says where the data came from (a folder, an archive, or a generator). ``owners`` (optional,
     int64 ``[N_train]``) is each training sample's natural owner, e.g. its writer or its domain, and
     ``owner_names`` their names: ``data.partition: {scheme: natural}`` makes one client per owner (LEAF's natural
-    split), ``{scheme: domain, per_domain: M}`` M clients per owner (the domain benchmarks).
+    split), ``{scheme: domain, per_domain: M}`` M clients per owner (the domain benchmarks). ``heldout`` names what
+    ``x_test``/``y_test`` hold: ``"test"``, or ``"validation"`` after :func:`validation_split` (training samples
+    held out; the test split is then gone).
 
     Everything is checked when the dataset is made: a wrong dtype, shape, length, label or a NaN is a
     :class:`DatasetError` naming the field and what is expected, before any run starts.
@@ -69,6 +72,7 @@ class Dataset:
     owners: np.ndarray | None = None
     owner_names: list[str] | None = None
     standardize: Standardize | None = None
+    heldout: str = "test"
 
     def __post_init__(self) -> None:
         for field in ("x_train", "y_train", "x_test", "y_test"):
@@ -144,6 +148,32 @@ class Dataset:
                 f"input_shape={self.input_shape}, num_classes={self.num_classes}, "
                 f"augmentation={self.augmentation!r}, device={self.x_train.device}"
                 f"{', stored uint8' if self.standardize else ''})")
+
+
+def validation_split(data: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, np.ndarray]:
+    """Holds out ``fraction`` of each class of the training split as the evaluation set, in place of the test
+    split, which the result does not contain (model selection then never sees it). The draw depends only on the
+    labels, ``fraction`` and ``seed``, so every run of a tuning study validates on the same samples. Returns the
+    dataset (``heldout="validation"``) and the indices of the original training samples it trains on."""
+    if not 0 < fraction < 1:
+        raise DatasetError(f"data.validation must be a fraction in (0, 1), got {fraction}")
+    labels = data.y_train.cpu().numpy()
+    rng = np.random.default_rng(seed)
+    held = []
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        take = int(round(fraction * members.size))
+        held.append(rng.permutation(members)[:take])
+    held = np.sort(np.concatenate(held))
+    if held.size == 0 or held.size == labels.size:
+        raise DatasetError(f"data.validation={fraction} of {labels.size} training samples leaves "
+                           f"{'no validation' if held.size == 0 else 'no training'} samples; choose another fraction")
+    kept = np.setdiff1d(np.arange(labels.size), held)
+    take_kept, take_held = (torch.as_tensor(ix, device=data.y_train.device) for ix in (kept, held))
+    split = replace(data, x_train=data.x_train[take_kept], y_train=data.y_train[take_kept],
+                    x_test=data.x_train[take_held], y_test=data.y_train[take_held],
+                    owners=None if data.owners is None else data.owners[kept], heldout="validation")
+    return split, kept
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +23,7 @@ from torch import nn
 from fedflat.algorithms import (MODEL, TRAIN_LOSS, Algorithm, Broadcast, ClientResult, RoundContext, TrainSettings,
                                 build_algorithm, payload_size)
 from fedflat.config import Config, ConfigError
-from fedflat.data import Dataset, augmentation_fn, client_split, load_dataset, user_split
+from fedflat.data import Dataset, augmentation_fn, client_split, load_dataset, user_split, validation_split
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
@@ -121,6 +122,22 @@ class RoundResult:
     log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
 
 
+def _without_heldout(clients: Sequence[Sequence[int]], kept: np.ndarray, num_samples: int, num_clients: int,
+                     fraction: float) -> list[np.ndarray]:
+    """A user's split of the ``num_samples`` training samples, checked, then re-indexed into the ``kept`` ones:
+    the samples held out for validation leave their clients."""
+    position = np.full(num_samples, -1, dtype=np.int64)
+    position[kept] = np.arange(kept.size)
+    remapped = []
+    for i, client in enumerate(user_split(clients, num_samples, num_clients)):
+        ix = position[client]
+        if (ix < 0).all():
+            raise ConfigError(f"data.validation={fraction}: client {i} gave all its samples to the validation set; "
+                              "lower the fraction or give it more samples")
+        remapped.append(ix[ix >= 0])
+    return remapped
+
+
 class Simulation:
     """One federated experiment in memory: data, split, model, algorithm, server and client state.
 
@@ -136,6 +153,11 @@ class Simulation:
         set_tf32(self.device, cfg.tf32)
         if dataset is None:
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
+        if cfg.data.validation:
+            full = dataset.y_train.shape[0]
+            dataset, kept = validation_split(dataset, cfg.data.validation)
+            if clients is not None:
+                clients = _without_heldout(clients, kept, full, cfg.data.num_clients, cfg.data.validation)
         self.dataset = dataset.to(self.device)
         self.client_indices_np = (
             user_split(clients, dataset.y_train.shape[0], cfg.data.num_clients) if clients is not None else
@@ -209,6 +231,12 @@ class Simulation:
     def close(self) -> None:
         """Releases the executor's workers (a no-op for the local executor)."""
         self.executor.close()
+
+    @property
+    def heldout(self) -> str:
+        """The prefix of the evaluation's metrics: ``test``, or ``val`` when ``data.validation`` held out part of
+        the training set (the test set is then never evaluated)."""
+        return "val" if self.dataset.heldout == "validation" else "test"
 
     @property
     def num_parameters(self) -> int:

@@ -1,4 +1,4 @@
-"""``fedflat sweep``, ``fedflat resume`` and ``fedflat report``."""
+"""``fedflat sweep``, ``fedflat tune``, ``fedflat resume`` and ``fedflat report``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from fedflat.cliutil import at_least_one, print_outcome
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedflat.experiments.sweep import RayCells, load_sweep, run_sweep
+    from fedflat.experiments.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep, variant=args.variant, out=args.out, extra_overrides=args.overrides)
     cells = sweep.cells()
@@ -19,9 +19,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"{sweep.out / cell.name}  {' '.join(cell.as_dict()['overrides'])}{note}")
         print(f"{len(cells)} cells")
         return 0
-    ray = None
-    if args.backend == "ray":
-        ray = RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell)
+    ray = _ray_cells(args)
+    if ray is not None:
         print(f"sweep folder: {sweep.out} ({len(cells)} cells as Ray tasks of {ray.cpus:g} CPU, {ray.gpus:g} GPU)")
     else:
         print(f"sweep folder: {sweep.out} ({len(cells)} cells, {args.workers} worker(s))")
@@ -34,6 +33,38 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"  failed: {c['name']}: {c.get('reason')}  (see {result.folder / c['name'] / 'error.txt'})")
     print(f"report: fedflat report {result.folder}")
     return 3 if result.failed else 0
+
+
+def _ray_cells(args: argparse.Namespace):
+    from fedflat.experiments.sweep import RayCells
+
+    return RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell) if args.backend == "ray" else None
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fedflat.experiments.tune import load_study, run_study, selection_table
+
+    study = load_study(args.tune, variant=args.variant, out=args.out, extra_overrides=args.overrides)
+    trials = study.trial_cells()
+    if args.dry_run:
+        for name, per in trials.items():
+            method = study.methods[name]
+            print(f"{name}: {len(per)} of {method.grid_size} candidates over "
+                  + (", ".join(f"{k} {v}" for k, v in method.space.items()) or "nothing (its defaults)"))
+            for _, cells in per:
+                for cell in cells:
+                    print(f"  {study.out / 'trials' / cell.name}" + (f"  INVALID: {cell.error}" if cell.error else ""))
+        return 0
+    count = sum(len(cells) for per in trials.values() for _, cells in per)
+    print(f"tune folder: {study.out} ({len(study.methods)} methods, {count} trial runs on "
+          f"{study.validation:g} of the training set held out, then {len(study.final_seeds)} seeds per selection)")
+    result = run_study(study, workers=args.workers, progress=not args.no_progress, ray=_ray_cells(args))
+    sys.stdout.write(selection_table(result, study))
+    for name in result.incomplete:
+        print(f"  {name}: not finished (a trial or final run failed or was interrupted: see its error.txt under "
+              f"{study.out}); rerunning the same command resumes it")
+    print(f"selections: {study.out / 'tune.json'}; report: fedflat report {study.out / 'final'}")
+    return 3 if result.incomplete else 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -72,18 +103,15 @@ def register(sub) -> None:
     p = sub.add_parser("sweep", help="run a grid of experiments (reruns skip finished cells, resume unfinished)")
     p.add_argument("sweep", help="sweep YAML (see configs/ and docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every cell")
-    p.add_argument("--workers", type=at_least_one, default=1, help="cells run at once, each in its own process")
-    p.add_argument("--backend", choices=("local", "ray"), default="local",
-                   help="ray: every cell a Ray task on a cluster (docs/distributed.md)")
-    p.add_argument("--ray-address", default=None, help="with --backend ray: auto or HOST:PORT (default: a local Ray)")
-    p.add_argument("--cpus-per-cell", type=float, default=1.0, help="with --backend ray: CPUs per cell (default 1)")
-    p.add_argument("--gpus-per-cell", type=float, default=0.0,
-                   help="with --backend ray: GPUs per cell, fractions share a GPU (default 0)")
-    p.add_argument("--variant", default=None, help="a variant of the sweep file, e.g. small")
-    p.add_argument("--out", default=None, help="the sweep folder (default: the file's 'out')")
-    p.add_argument("--dry-run", action="store_true", help="list the cells and their folders, run nothing")
-    p.add_argument("--no-progress", action="store_true")
+    _cell_options(p)
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("tune", help="tune every method on a validation split with equal budgets, then test the "
+                                    "selections over seeds (reruns resume)")
+    p.add_argument("tune", help="tune YAML (see configs/ and docs/experiments.md)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every trial and final run")
+    _cell_options(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
     p.add_argument("run_dir")
@@ -100,3 +128,18 @@ def register(sub) -> None:
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG convergence curves and partition heatmaps")
     p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
     p.set_defaults(func=cmd_report)
+
+
+def _cell_options(p) -> None:
+    """Where and how the cells of a sweep or a tune run: processes or Ray, the file's variant and folder."""
+    p.add_argument("--workers", type=at_least_one, default=1, help="cells run at once, each in its own process")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="ray: every cell a Ray task on a cluster (docs/distributed.md)")
+    p.add_argument("--ray-address", default=None, help="with --backend ray: auto or HOST:PORT (default: a local Ray)")
+    p.add_argument("--cpus-per-cell", type=float, default=1.0, help="with --backend ray: CPUs per cell (default 1)")
+    p.add_argument("--gpus-per-cell", type=float, default=0.0,
+                   help="with --backend ray: GPUs per cell, fractions share a GPU (default 0)")
+    p.add_argument("--variant", default=None, help="a variant of the file, e.g. small")
+    p.add_argument("--out", default=None, help="the output folder (default: the file's 'out')")
+    p.add_argument("--dry-run", action="store_true", help="list the cells and their folders, run nothing")
+    p.add_argument("--no-progress", action="store_true")

@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -288,7 +288,9 @@ def _result(folder: Path, action: str, seconds: float = 0.0) -> dict[str, Any]:
     s = json.loads((folder / "summary.json").read_text())
     return {"status": s.get("status"), "reason": s.get("reason"), "action": action, "seconds": seconds,
             "rounds": s.get("rounds"), "final_test_acc": s.get("final_test_acc"),
-            "best_test_acc": s.get("best_test_acc")}
+            "best_test_acc": s.get("best_test_acc"),
+            **({"final_val_acc": s.get("final_val_acc"), "best_val_acc": s.get("best_val_acc")}
+               if s.get("evaluated_on") == "val" else {})}
 
 
 # --- running a sweep -------------------------------------------------------------------------------
@@ -327,24 +329,36 @@ class RayCells:
 
 def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCells | None = None) -> SweepResult:
     """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
+    cells = sweep.cells()
+    results = run_cells(cells, sweep.out, workers, progress, ray,
+                        on_record=lambda done: _write_index(sweep, cells, done))
+    return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
+
+
+def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = True, ray: RayCells | None = None,
+              on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Runs, resumes or skips each cell in ``out/<cell name>``, ``workers`` at a time or as Ray tasks; a cell
+    with an invalid config is recorded as failed. Returns each cell's result by name; ``on_record`` sees the
+    results so far after every cell (and once before the first)."""
     if workers < 1:
         raise ConfigError(f"sweep workers must be at least 1, got {workers}")
     from fedflat.progress import progress_bar
 
-    cells = sweep.cells()
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
         if cell.error:
             results[cell.name] = {"status": "failed", "reason": cell.error, "action": "invalid config"}
     todo = [c for c in cells if c.name not in results]
-    _write_index(sweep, cells, results)
+    if on_record:
+        on_record(results)
     bar = progress_bar(total=len(cells), initial=len(results), desc="cells", unit="cell", enabled=progress,
                        dynamic_ncols=True, position=0)
 
     def record(cell: Cell, result: dict[str, Any]) -> None:
         results[cell.name] = result
-        _write_index(sweep, cells, results)
+        if on_record:
+            on_record(results)
         bar.update(1)
         if result["action"] != "skipped" and progress:
             acc = result.get("final_test_acc")
@@ -353,21 +367,21 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCel
 
     try:
         if ray is not None:
-            _run_on_ray(sweep, todo, ray, record, bar)
+            _run_on_ray(out, todo, ray, record, bar)
         elif workers <= 1:
             for cell in todo:
                 bar.set_postfix_str(cell.name)
                 try:
-                    result = run_cell(cell.config.model_dump(), str(sweep.out / cell.name), progress=progress)
+                    result = run_cell(cell.config.model_dump(), str(out / cell.name), progress=progress)
                 except KeyboardInterrupt:
-                    record(cell, interrupted_cell(sweep.out / cell.name))
+                    record(cell, interrupted_cell(out / cell.name))
                     raise
                 record(cell, result)
         else:
-            _run_in_processes(sweep, todo, workers, record, bar)
+            _run_in_processes(out, todo, workers, record, bar)
     finally:
         bar.close()
-    return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
+    return results
 
 
 def interrupted_cell(folder: Path) -> dict[str, Any]:
@@ -399,7 +413,7 @@ def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, 
         results.put((folder, interrupted_cell(Path(folder))))
 
 
-def _run_in_processes(sweep: Sweep, todo: list[Cell], workers: int, record, bar) -> None:
+def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) -> None:
     """At most ``workers`` cells at a time, each in its own process that dies with the sweep. Ctrl-C (or SIGTERM
     through the command line) stops the running cells, which record a checkpoint, and starts no new one."""
     context = get_context("spawn")
@@ -410,7 +424,7 @@ def _run_in_processes(sweep: Sweep, todo: list[Cell], workers: int, record, bar)
         while pending or running:
             while pending and len(running) < workers:
                 cell = pending.pop(0)
-                folder = str(sweep.out / cell.name)
+                folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
                                           args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
                 process.start()
@@ -465,7 +479,7 @@ def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
         record(cell, interrupted_cell(Path(folder)))
 
 
-def _run_on_ray(sweep: Sweep, todo: list[Cell], where: RayCells, record, bar) -> None:
+def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> None:
     """Every cell a Ray task reserving ``where.cpus``/``where.gpus``; a task whose worker dies is recorded as
     failed (its folder keeps its checkpoint, so the next run of the sweep resumes it)."""
     from fedflat.config import ExecutorConfig
@@ -476,7 +490,7 @@ def _run_on_ray(sweep: Sweep, todo: list[Cell], where: RayCells, record, bar) ->
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))
-        running = {task.remote(c.config.model_dump(), str(sweep.out / c.name), False, share): c for c in todo}
+        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share): c for c in todo}
         while running:
             (done,), _ = ray.wait(list(running), num_returns=1)
             cell = running.pop(done)

@@ -205,7 +205,7 @@ class FedflatStrategy(Strategy):
     def evaluate(self, server_round: int, arrays):
         """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``)."""
         acc, loss = self.sim.evaluate()
-        return MetricRecord({"test_acc": acc, "test_loss": loss})
+        return MetricRecord({f"{self.sim.heldout}_acc": acc, f"{self.sim.heldout}_loss": loss})
 
     # -- fedflat's round loop -----------------------------------------------------------------------------------
     def round_driver(self, grid) -> Callable[[int], RoundResult]:
