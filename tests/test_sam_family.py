@@ -380,7 +380,9 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
             batches = sim.batches.extra(t, i, 3, "scam_heterogeneity")
             grads = [hand.grad_on(w, x[b], y[b]) for b in batches]
             h = torch.stack([g.norm() for g in grads]).mean()
-            s = summarize(-grads[0][None], d, seed)[0]
+            rho_pilot = 0.5 * rho_max / (1 + alpha_rho * h)  # the pilot: a SAM step at the pilot radius (§2.2)
+            pilot = -hand.grad_on(w + rho_pilot * hand.unit(grads[0]), x[batches[0]], y[batches[0]])
+            s = summarize(pilot[None], d, seed)[0]
             c = torch.dot(s, u) / (s.norm() * u.norm() + 1e-12)
             h_adj = h * max(0.0, 1 - kappa * float(c))
             rho_i = rho_max / (1 + alpha_rho * h_adj)
@@ -467,11 +469,14 @@ def test_backprops_per_local_step(tiny, algo, per_step):
     assert sim.algorithm.backprops_per_step == per_step
 
 
-def test_fedscam_pilot_costs_b_backprops_per_client(tiny):
-    sim = Simulation(tiny("algo=fedscam"))
+@pytest.mark.parametrize("algo,pilot,per_client", [("fedscam", "sam", 4), ("fedscam", "update", 3),
+                                                    ("fedscam-wa", "sam", 3)])
+def test_fedscam_pilot_costs_b_backprops_per_client_and_one_for_the_sam_pilot(tiny, algo, pilot, per_client):
+    sim = Simulation(tiny(f"algo={algo}", f"algo.pilot={pilot}"))
     steps = sim.new_context(0).steps
     sim.run_round(0)
-    assert sim.oracle.backprops == 2 * int(steps.sum()) + 3 * len(steps)
+    per_step = 2 if algo == "fedscam" else 1
+    assert sim.oracle.backprops == per_step * int(steps.sum()) + per_client * len(steps)
 
 
 def test_fft_filtered_lesam_on_scaffold_runs_and_filter_acts(tiny):

@@ -2,8 +2,9 @@
 
 Per selected client, before local training (at the received model ``w^t``):
 - heterogeneity ``h_i`` = mean of ``||g(w^t)||`` over ``B = 3`` batches;
-- pilot direction = the one-step update ``-g(w^t)`` on one batch (the first of those ``B``; no further
-  backprop), summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
+- pilot direction = the one-step SAM update ``-g(w^t + rho_pilot g/||g||)`` on one batch (the first of those
+  ``B``; one more backprop) at the pilot radius ``rho_pilot = 0.5 rho_max / (1 + alpha_rho h_i)`` (§2.2),
+  summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
 - alignment ``c_i = cos(s_i, u_{t-1})`` (0 at t = 0, where ``u`` is still zero);
 - ``h_adj = h_i max(0, 1 - kappa c_i)``, radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``; local SAM with ``rho_i``.
 After training: ``z_i = P_d(normalize(Delta_i))``; optional clustered dampening (k-means with ``clusters``
@@ -13,9 +14,11 @@ multiplied by ``dampening`` = lambda); weights ``S_i ∝ n_i / (1 + gamma h_adj)
 
 Variants: ``fedscam`` (both), ``fedscam-wa`` (local SGD, FedSCAM weights), ``fedscam-sam`` (adaptive
 radius, uniform weights); ``fedlwsam`` is local SAM with FedLW's loss-based weights.
-The pilot is the one-step update direction ``-g`` (one of the two options Algorithm 1 names), not the
-raw gradient: ``u`` summarizes an update ``w^{t+1} - w^t``, so only an update-direction pilot gives
-``c_i > 0`` to the clients that agree with the global progress, as the paper intends;
+The pilot is a one-step update direction (one of the two options Algorithm 1 names), not the raw gradient:
+``u`` summarizes an update ``w^{t+1} - w^t``, so only an update-direction pilot gives ``c_i > 0`` to the
+clients that agree with the global progress, as the paper intends. It is a SAM step at the pilot radius the
+paper's implementation sets (§2.2); FedSCAM-WA, without SAM, takes the plain step ``-g``. ``algo.pilot=update``
+takes ``-g(w^t)`` for every variant (fedflat's rule before the pilot radius, one backprop less);
 ``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
 The scores are computed on the client, once per round, by whichever FedSCAM part begins first and shared
 through ``cohort.extra``; the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
@@ -83,13 +86,18 @@ class ScoreParams(PartParams):
     kappa: float = Field(1.0, ge=0, description="heterogeneity-alignment coupling: h_adj = h max(0, 1 - kappa c)")
     pilot_batches: int = Field(3, ge=1, description="B: batches whose mean gradient norm is h_i")
     summary_dim: int = Field(256, ge=1, description="d: dimension of the random-projection summaries")
-    pilot: Literal["update", "gradient"] = Field("update", description="pilot direction: -g (update) or +g")
+    pilot: Literal["sam", "update", "gradient"] = Field(
+        "sam", description="pilot direction: the one-step SAM update at the pilot radius 0.5 rho_max/(1 + alpha_rho "
+                           "h_i) (sam; the plain update where no SAM radius exists), -g (update) or +g (gradient)")
 
 
-def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams) -> dict[str, torch.Tensor]:
-    """``{h, c, h_adj}`` of the chunk's clients, computed once per round (kept in ``cohort.extra``).
+def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: float = 0.0,
+                  alpha_rho: float = 0.0) -> dict[str, torch.Tensor]:
+    """``{h, c, h_adj}`` of the chunk's clients, computed once per round (kept in ``cohort.extra``) by the
+    first FedSCAM part to begin: the radius part (a perturbation, which begins before the aggregation) gives
+    its ``rho_max`` and ``alpha_rho`` for the pilot radius.
 
-    Costs ``B`` backprops per client and round, at the received model.
+    Costs ``B`` backprops per client and round at the received model, and one more for the SAM pilot.
     """
     if _SCORES in cohort.extra:
         return cohort.extra[_SCORES]
@@ -97,14 +105,30 @@ def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams) -> dict[st
     extra = [ctx.batches.extra(ctx.round, i, p.pilot_batches, "scam_heterogeneity") for i in cohort.ids.tolist()]
     norms = []
     for b in range(p.pilot_batches):
-        _, grad = ctx.oracle.loss_grad(W0, ctx.batches.batch([picks[b] for picks in extra], None))
+        batch = ctx.batches.batch([picks[b] for picks in extra], None)
+        _, grad = ctx.oracle.loss_grad(W0, batch)
         norms.append(row_norm(grad).squeeze(-1))
         if b == 0:
-            pilot = -grad if p.pilot == "update" else grad
+            first, first_grad = batch, grad
     h = torch.stack(norms).mean(0)
+    pilot = pilot_direction(ctx, p.pilot, W0, first, first_grad, h, rho_max, alpha_rho)
     c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
     scores = cohort.extra[_SCORES] = {"h": h, "c": c, "h_adj": h * (1 - p.kappa * c).clamp(min=0)}
     return scores
+
+
+def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad: torch.Tensor, h: torch.Tensor,
+                    rho_max: float, alpha_rho: float) -> torch.Tensor:
+    """The pilot ``v_i`` on the first batch (Algorithm 1, "Pilot direction"): ``sam``, the one-step SAM update
+    ``-g(w^t + rho_pilot g/||g||)`` at the pilot radius ``rho_pilot = 0.5 rho_max / (1 + alpha_rho h_i)``
+    (§2.2: "a conservative per-client initialization before full client-wise modulation"), or ``-g`` where
+    the method has no SAM radius (FedSCAM-WA); ``update``, ``-g``; ``gradient``, ``+g``."""
+    if kind == "gradient":
+        return grad
+    if kind == "sam" and rho_max > 0:
+        rho_pilot = 0.5 * rho_max / (1 + alpha_rho * h)
+        _, grad = ctx.oracle.loss_grad(W0 + grad * (rho_pilot[:, None] / (row_norm(grad) + 1e-12)), batch)
+    return -grad
 
 
 def remember_direction(ctx: RoundContext, w_new: torch.Tensor, d: int) -> None:
@@ -135,7 +159,7 @@ class AdaptiveRadiusSAM(LocalSAM):
         _setup_memory(server, w0, self.p.summary_dim)
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        scores = client_scores(ctx, cohort, self.p)
+        scores = client_scores(ctx, cohort, self.p, self.p.rho_max, self.p.alpha_rho)
         radius = self.p.rho_max / (1 + self.p.alpha_rho * scores["h_adj"])
         cohort.extra[RADIUS] = radius[:, None]
         cohort.upload[RADIUS] = radius
