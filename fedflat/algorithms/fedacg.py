@@ -3,6 +3,10 @@
 The server keeps a momentum ``m`` (0 at round 0) and broadcasts the lookahead ``w_hat = w^t + lambda m``;
 clients start from ``w_hat`` and add ``beta (w - w_hat)`` to their gradient (a proximal pull toward
 the lookahead); the server ``m <- lambda m + mean_i (w_{i,E} - w_hat)``, ``w^{t+1} = w^t + m``.
+
+``beta = 0.002`` is the pull the authors' code applies: its client adds ``1e-3 ||w - w_hat||^2`` (no 1/2) to
+the loss (``configs/client/ACG.yaml``, ``prox_loss.weight``), whose gradient is ``2e-3 (w - w_hat)``. The
+spec's 0.01 (five times stronger) has no source we could find; ``algo.beta=0.01`` gives it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ MOMENTUM = "acg.m"
 
 
 class ACGCorrectionParams(PartParams):
-    beta: float = Field(0.01, ge=0, description="pull toward the broadcast lookahead")
+    beta: float = Field(0.002, ge=0, description="pull toward the broadcast lookahead (the authors' code: 2e-3)")
 
 
 class ACGCorrection(Prox):
@@ -59,5 +63,5 @@ class ACGServer(ServerUpdate):
 
 register_recipe(Recipe(
     name="fedacg", summary="server momentum lookahead broadcast, local pull beta (w - w_hat)",
-    source="Kim et al., CVPR 2024", correction="acg", server="acg", defaults={"lam": 0.85, "beta": 0.01},
+    source="Kim et al., CVPR 2024", correction="acg", server="acg", defaults={"lam": 0.85, "beta": 0.002},
     tunable={"algo.beta": (0.01, 0.005, 0.002, 0.001)}))
