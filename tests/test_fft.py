@@ -130,3 +130,22 @@ def test_random_filter_runs_in_both_engines_identically(tiny):
     vec = fedflat.run(tiny("algo=fedfft", "algo.filter=random", "algo.r=0.3", "engine=vectorized"),
                       save=False, progress=False)
     torch.testing.assert_close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_filter_leaves_the_perturbation_and_filters_the_gradient():
+    """Seed 004 §E.6: the same per-tensor low-frequency removal, on the raw gradient instead of eps."""
+    layout, grad_filter, ctx, cohort, g = _setup("fft_grad", r=0.3)
+    _, eps_filter, _, _, _ = _setup("fft", r=0.3)
+    torch.testing.assert_close(grad_filter.apply(ctx, cohort, g), g, rtol=0, atol=0)
+    torch.testing.assert_close(grad_filter.apply_gradient(ctx, cohort, g), eps_filter.apply(ctx, cohort, g))
+    torch.testing.assert_close(eps_filter.apply_gradient(ctx, cohort, g), g, rtol=0, atol=0)
+
+
+def test_feddyn_gradfilter_is_feddyn_at_zero_ratio_and_agrees_across_engines(tiny):
+    dyn = fedflat.run(tiny("algo=feddyn"), save=False, progress=False)
+    zero = fedflat.run(tiny("algo=feddyn-gradfilter", "algo.r=0"), save=False, progress=False)
+    torch.testing.assert_close(zero.final_parameters, dyn.final_parameters, rtol=0, atol=0)
+    seq = fedflat.run(tiny("algo=feddyn-gradfilter", "algo.r=0.1", "engine=sequential"), save=False, progress=False)
+    vec = fedflat.run(tiny("algo=feddyn-gradfilter", "algo.r=0.1", "engine=vectorized"), save=False, progress=False)
+    torch.testing.assert_close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(seq.final_parameters, dyn.final_parameters)

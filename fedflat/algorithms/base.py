@@ -350,6 +350,11 @@ class Filter(Part):
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         return eps
 
+    def apply_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
+        """A transform of the raw minibatch gradient, before weight decay and correction (identity: filters
+        act on perturbations; seed 004 §E.6 filters the gradient instead)."""
+        return grad
+
 
 class Correction(Part):
     """What is added to (or mixed with) the local gradient to form the local direction."""

@@ -6,7 +6,8 @@ zero ``V[m]`` for ``m < floor(r len(V))`` (the lowest frequencies, DC included),
 (``high``, ``random``, ``l2``, ``clip``) are filters too, so any of them goes on any perturbation.
 
 Recipes: ``fedfft`` = FedSAM + filter, ``fedfft-s`` = FedGAMMA (SCAFFOLD) + filter,
-``fedfft-d`` = FedDyn + SAM + filter.
+``fedfft-d`` = FedDyn + SAM + filter; ``feddyn-gradfilter`` (§E.6) = FedDyn with the filter on the raw gradient
+(``fft_grad``), the paper's evidence that the gain comes from filtering perturbations.
 """
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ class LowFrequencyFilter(Filter):
             removed = int(self.p.r * F)
             return torch.arange(F, device=eps.device) >= removed if removed else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+
+
+class GradientLowFrequencyFilter(LowFrequencyFilter):
+    """Seed 004 §E.6 (Table 13): FedFFT's filter on the raw local gradient, the perturbation left alone."""
+
+    name = "fft_grad"
+    summary = "seed 004 E.6: FedFFT's low-frequency removal on the raw gradient instead of the perturbation"
+
+    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
+        return eps
+
+    def apply_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
+        return LowFrequencyFilter.apply(self, ctx, cohort, grad)
 
 
 class HighFrequencyFilter(Filter):
@@ -155,6 +169,10 @@ class CoordinateClipFilter(Filter):
         return torch.maximum(torch.minimum(eps, threshold), -threshold)
 
 
+register_recipe(Recipe(
+    name="feddyn-gradfilter", summary="FedDyn with FedFFT's filter on the raw gradient (no SAM)",
+    source="seed 004 (FedFFT), §E.6, Table 13", filter="fft_grad", correction="dyn", server="dyn",
+    defaults={"alpha": 0.1, "r": 0.01}, tunable={"algo.alpha": (0.1, 0.01, 0.001)}))
 FFT_GRID = {"algo.rho": (0.05, 0.1, 0.15, 0.2)}  # seed 004 §E.3, the radius sensitivity study (r stays 0.01)
 register_recipe(Recipe(
     name="fedfft", summary="FedSAM with the low-frequency perturbation components removed per tensor",
