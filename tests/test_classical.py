@@ -329,7 +329,7 @@ COMMUNICATION = {
     "fedgloss": (1, 1, 1), "fedspeed": (1, 1, 1), "fedlesam": (1, 1, 1), "fedlesam-s": (2, 2, 2),
     "fedlesam-d": (1, 1, 2), "fedwmsam": (1, 2, 1), "fedvssam": (1, 2, 0), "fedscam": (1, 1, 0),
     "fedscam-wa": (1, 1, 0), "fedscam-sam": (1, 1, 0), "fedlwsam": (1, 1, 0), "fedfft": (1, 1, 0),
-    "fedfft-s": (2, 2, 1), "fedfft-d": (1, 1, 1),
+    "fedfft-s": (2, 2, 1), "fedfft-d": (1, 1, 1), "feddyn-gradfilter": (1, 1, 1),
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

@@ -166,23 +166,28 @@ def _refuse_unknown(spec: dict[str, Any], allowed: set[str], what: str, hint: st
                           f"{', '.join(sorted(allowed))}{hint}")
 
 
+def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
+    tree: the ``base`` file read, the ``config`` keys applied."""
+    if not path.is_file():
+        raise ConfigError(f"{what} file '{path}' not found")
+    spec = _read_yaml(path.read_text()) or {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
+    base: dict[str, Any] = {}
+    if spec.get("base"):
+        base = _read_yaml(_base_path(path, str(spec["base"])).read_text()) or {}
+    for key, value in (spec.get("config") or {}).items():
+        apply_override(base, key, value)
+    return spec, base
+
+
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file '{path}' not found")
-    spec = _read_yaml(path.read_text()) or {}
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    _refuse_unknown(spec, SWEEP_KEYS, f"{path}: unknown sweep key",
-                    " (config keys go under 'config:' or 'overrides:')")
-    base: dict[str, Any] = {}
-    if spec.get("base"):
-        base_path = _base_path(path, str(spec["base"]))
-        base = _read_yaml(base_path.read_text()) or {}
-    for key, value in (spec.get("config") or {}).items():
-        apply_override(base, key, value)
+    spec, base = read_experiment_file(path, "sweep", SWEEP_KEYS)
     overrides = _parse_overrides(spec.get("overrides"), str(path))
     grid = spec.get("grid") or {}
     variants = spec.get("variants") or {}

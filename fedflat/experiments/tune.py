@@ -44,8 +44,8 @@ import numpy as np
 
 from fedflat.config import ConfigError, apply_override, load_config, parse_override
 from fedflat.experiments.rundir import atomic_write_text, json_safe
-from fedflat.experiments.sweep import (_UNSAFE, Cell, RayCells, _base_path, _option_name, _parse_overrides,
-                                       _read_yaml, _refuse_unknown, run_cells)
+from fedflat.experiments.sweep import (_UNSAFE, Cell, RayCells, _option_name, _parse_overrides, _refuse_unknown,
+                                       read_experiment_file, run_cells)
 
 TUNE_FILE = "tune.json"
 TUNE_KEYS = {"base", "config", "overrides", "methods", "search", "final", "out", "variants"}
@@ -198,17 +198,7 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
     from fedflat.algorithms.registry import RECIPES
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"tune file '{path}' not found")
-    spec = _read_yaml(path.read_text()) or {}
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    _refuse_unknown(spec, TUNE_KEYS, f"{path}: unknown tune key", " (config keys go under 'config:' or 'overrides:')")
-    base: dict[str, Any] = {}
-    if spec.get("base"):
-        base = _read_yaml(_base_path(path, str(spec["base"])).read_text()) or {}
-    for key, value in (spec.get("config") or {}).items():
-        apply_override(base, key, value)
+    spec, base = read_experiment_file(path, "tune", TUNE_KEYS)
     overrides = _parse_overrides(spec.get("overrides"), str(path))
     search, final = dict(spec.get("search") or {}), dict(spec.get("final") or {})
     out_dir = spec.get("out") or f"runs/tune/{path.stem}"
