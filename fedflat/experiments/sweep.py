@@ -104,10 +104,15 @@ class Sweep:
         return cells
 
     def config_of(self, cell: Cell) -> Config:
-        tree = copy.deepcopy(self.base)
-        for key, value in cell.overrides:
-            apply_override(tree, key, copy.deepcopy(value))
-        return load_config(None, (), base=tree)
+        return config_from(self.base, cell.overrides)
+
+
+def config_from(base: dict[str, Any], overrides: list[tuple[str, Any]]) -> Config:
+    """The validated config of a base tree with ``overrides`` applied (the base is left as it was)."""
+    tree = copy.deepcopy(base)
+    for key, value in overrides:
+        apply_override(tree, key, copy.deepcopy(value))
+    return load_config(None, (), base=tree)
 
 
 def _option_name(key: str, value: Any) -> str:
@@ -183,6 +188,16 @@ def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict
     return spec, base
 
 
+def pick_variant(spec: dict[str, Any], path: Path, variant: str, allowed: set[str]) -> dict[str, Any]:
+    """The entry ``variant`` of a sweep or tune file's ``variants``, its keys checked against ``allowed``."""
+    variants = spec.get("variants") or {}
+    if variant not in variants:
+        raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
+    chosen = variants[variant] or {}
+    _refuse_unknown(chosen, allowed, f"{path}: variant '{variant}': unknown key")
+    return chosen
+
+
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
@@ -193,10 +208,7 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
     variants = spec.get("variants") or {}
     sweep_out = spec.get("out") or f"runs/sweeps/{path.stem}"
     if variant is not None:
-        if variant not in variants:
-            raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
-        v = variants[variant] or {}
-        _refuse_unknown(v, VARIANT_KEYS, f"{path}: variant '{variant}': unknown key")
+        v = pick_variant(spec, path, variant, VARIANT_KEYS)
         overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
         grid = {**grid, **(v.get("grid") or {})}
         sweep_out = v.get("out") or f"{sweep_out}-{variant}"

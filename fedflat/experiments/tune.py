@@ -30,7 +30,6 @@ rerunning skips finished ones and resumes interrupted ones; ``tune.json`` record
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -42,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from fedflat.config import ConfigError, apply_override, load_config, parse_override
+from fedflat.config import ConfigError, parse_override
 from fedflat.experiments.rundir import atomic_write_text, json_safe
-from fedflat.experiments.sweep import (_UNSAFE, Cell, RayCells, _option_name, _parse_overrides, _refuse_unknown,
-                                       read_experiment_file, run_cells)
+from fedflat.experiments.sweep import (Cell, RayCells, _option_name, _parse_axis, _parse_overrides, _refuse_unknown,
+                                       config_from, pick_variant, read_experiment_file, run_cells)
 
 TUNE_FILE = "tune.json"
 TUNE_KEYS = {"base", "config", "overrides", "methods", "search", "final", "out", "variants"}
@@ -100,16 +99,10 @@ class Study:
         cell = Cell(name="__".join(label), options={"method": method.name, **{k: str(v) for k, v in params.items()},
                                                    "seed": str(seed)}, overrides=overrides)
         try:
-            cell.config = self._config(overrides)
+            cell.config = config_from(self.base, overrides)
         except ConfigError as err:
             cell.error = str(err)
         return cell
-
-    def _config(self, overrides: list[tuple[str, Any]]):
-        tree = copy.deepcopy(self.base)
-        for key, value in overrides:
-            apply_override(tree, key, copy.deepcopy(value))
-        return load_config(None, (), base=tree)
 
 
 def _named_keys(overrides: list[tuple[str, Any]]) -> set[str]:
@@ -137,29 +130,21 @@ def _grid(spec: Any, where: str) -> dict[str, list[Any]]:
 
 
 def _parse_methods(spec: Any, where: str) -> dict[str, tuple[list[tuple[str, Any]], dict[str, list[Any]] | None]]:
-    """``name -> (overrides, own grid or None)``; a list of names is shorthand for ``name: {algo: name}``."""
-    if isinstance(spec, list):
-        spec = {str(name): {"algo": str(name)} for name in spec}
-    if not isinstance(spec, dict) or not spec:
+    """``name -> (overrides, own grid or None)``: a sweep's method axis (a list of algorithm names, or name ->
+    overrides), whose entries may carry a ``tune:`` grid of their own."""
+    if not spec or not isinstance(spec, (dict, list)):
         raise ConfigError(f"{where}: 'methods' must name at least one method (a list of algorithm names, or "
                           "name -> overrides)")
-    methods = {}
-    for name, entry in spec.items():
-        safe = _UNSAFE.sub("-", str(name)).strip("-")
-        if not safe:
-            raise ConfigError(f"{where}: method name {name!r} is empty after cleaning")
-        own = None
-        if isinstance(entry, dict):
-            entry = dict(entry)
-            if "tune" in entry:
-                own = _grid(entry.pop("tune") or {}, f"{where}: method '{name}' tune")
-            overrides = list(entry.items())
-        elif isinstance(entry, list):
-            overrides = [parse_override(str(o)) for o in entry]
-        else:
-            overrides = [("algo", entry)]
-        methods[safe] = (overrides, own)
-    return methods
+    own: dict[Any, dict[str, list[Any]]] = {}
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        for name, entry in spec.items():
+            if isinstance(entry, dict) and "tune" in entry:
+                entry = dict(entry)
+                own[name] = _grid(entry.pop("tune") or {}, f"{where}: method '{name}' tune")
+                spec[name] = entry
+    options = _parse_axis("algo", spec, where)  # keeps the order of spec: option i is entry i
+    return {name: (overrides, own.get(raw)) for (name, overrides), raw in zip(options.items(), spec)}
 
 
 def _candidates(space: dict[str, list[Any]], budget: int, seed: int) -> tuple[list[dict[str, Any]], int]:
@@ -203,11 +188,7 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
     search, final = dict(spec.get("search") or {}), dict(spec.get("final") or {})
     out_dir = spec.get("out") or f"runs/tune/{path.stem}"
     if variant is not None:
-        variants = spec.get("variants") or {}
-        if variant not in variants:
-            raise ConfigError(f"{path}: no variant '{variant}'; variants: {', '.join(variants) or '(none)'}")
-        v = variants[variant] or {}
-        _refuse_unknown(v, VARIANT_KEYS, f"{path}: variant '{variant}': unknown key")
+        v = pick_variant(spec, path, variant, VARIANT_KEYS)
         overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
         if v.get("methods"):  # a subset of the methods, or methods of its own
             spec = {**spec, "methods": v["methods"]}
@@ -236,7 +217,7 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
                   out=Path(out or out_dir), variant=variant, sample_seed=int(search.get("sample_seed", 0)))
     common = _grid(search.get("grid"), f"{path}: search.grid")
     for name, (method_overrides, own) in _parse_methods(spec.get("methods"), str(path)).items():
-        algo = study._config([*overrides, *method_overrides]).algo.get("name", "fedavg")
+        algo = config_from(base, [*overrides, *method_overrides]).algo.get("name", "fedavg")
         recipe = RECIPES.get(algo)
         fixed = _named_keys(method_overrides)
         space = own if own is not None else {**(dict(recipe.tunable) if recipe else {}), **common}
@@ -279,29 +260,19 @@ class StudyResult:
         return [name for name, m in self.methods.items() if m.get("test_acc") is None]
 
 
-def _cell_result(folder: Path) -> dict[str, Any]:
-    try:
-        summary = json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {"status": "missing"}
-    return {k: summary.get(k) for k in ("status", "reason", "rounds", "final_val_acc", "best_val_acc",
-                                        "final_test_acc", "best_test_acc")}
-
-
 def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCells | None = None) -> StudyResult:
     """Runs the trials, selects each method's candidate on the validation split, runs the selections over the
     final seeds; a rerun skips what finished. Writes ``OUT/tune.json``."""
     trials = study.trial_cells()
-    run_cells([c for per in trials.values() for _, cells in per for c in cells], study.out / "trials", workers,
-              progress, ray)
+    results = run_cells([c for per in trials.values() for _, cells in per for c in cells], study.out / "trials",
+                        workers, progress, ray)
     index: dict[str, dict[str, Any]] = {}
     finals: list[Cell] = []
     for name, per in trials.items():
         scored = []
         rows = []
         for params, cells in per:
-            results = [_cell_result(study.out / "trials" / c.name) for c in cells]
-            score, state = _score(results, study.select)
+            score, state = _score([results[c.name] for c in cells], study.select)
             scored.append((params, score, state))
             rows.append({"params": params, "cells": [c.name for c in cells], "state": state,
                          "val_acc": score if score is None or math.isfinite(score) else None})
@@ -313,10 +284,9 @@ def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCel
             cells = study.final_cells(name, selected)
             index[name]["final"] = [c.name for c in cells]
             finals += cells
-    if finals:
-        run_cells(finals, study.out / "final", workers, progress, ray)
+    tested = run_cells(finals, study.out / "final", workers, progress, ray) if finals else {}
     for name, entry in index.items():
-        tests = [_cell_result(study.out / "final" / c).get("final_test_acc") for c in entry.get("final", [])]
+        tests = [tested[c].get("final_test_acc") for c in entry.get("final", [])]
         entry["test_acc"] = tests if tests and all(t is not None for t in tests) else None
     _write_index(study, index)
     return StudyResult(folder=study.out, methods=index)
