@@ -333,6 +333,7 @@ COMMUNICATION = {
     # FedPer: the model up (the head entries are the broadcast's) and down; the client keeps its last model
     "fedper": (1, 1, 1), "fedper-sam": (1, 1, 1), "fedper-fft": (1, 1, 1),
     "fedgf": (1, 2, 0),  # the model and the global perturbation down (and c)
+    "fedgmt": (1, 2, 1),  # the model and the trajectory down, the dual lambda_i kept by the client
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

@@ -127,7 +127,7 @@ def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path,
 
 
 # -- Flower simulation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "fedlesam"])
+@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "fedlesam", "fedgmt"])
 def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
     """Three virtual SuperNodes host two clients each; SCAFFOLD's c_i live on the nodes, not the server."""
     cfg = small(algo)

@@ -7,7 +7,7 @@ import importlib
 import pkgutil
 
 from fedflat.algorithms.base import (MODEL, TRAIN_LOSS, Aggregation, Broadcast, ClientContext, ClientResult, Cohort,
-                                     Correction, Filter, Part, PartParams, Personalization, Perturbation,
+                                     Correction, Distillation, Filter, Part, PartParams, Personalization, Perturbation,
                                      RoundContext, ServerUpdate, TrainSettings, merge_results, normalize_rows,
                                      payload_size, row_norm)
 from fedflat.algorithms.registry import (PARTS, RECIPES, ROLES, Algorithm, AlgorithmError, Recipe, build_algorithm,
@@ -29,7 +29,7 @@ def _load_methods() -> None:
 _load_methods()
 
 __all__ = ["MODEL", "TRAIN_LOSS", "Aggregation", "Algorithm", "AlgorithmError", "Broadcast", "ClientContext",
-           "ClientResult", "Cohort", "Correction", "Filter", "PARTS", "Part", "PartParams", "Personalization",
+           "ClientResult", "Cohort", "Correction", "Distillation", "Filter", "PARTS", "Part", "PartParams", "Personalization",
            "Perturbation", "RECIPES", "ROLES", "Recipe", "RoundContext", "ServerUpdate", "TrainSettings",
            "build_algorithm", "merge_results", "normalize_rows", "payload_size", "register_part", "register_recipe",
            "row_norm"]

@@ -341,10 +341,26 @@ class Part:
         and ``cohort.upload``."""
 
 
+@dataclass(frozen=True)
+class Distillation:
+    """A distillation term added to every client's mini-batch loss: ``weight * temperature^2 *
+    KL(softmax(f(teacher, x)/temperature) || softmax(f(w, x)/temperature))``, averaged over the batch (Hinton et
+    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort."""
+
+    teacher: torch.Tensor
+    weight: float
+    temperature: float
+
+
 class Perturbation(Part):
-    """Where the descent gradient is evaluated: ``g(w + eps)``."""
+    """Where the descent gradient is evaluated: ``g(w + eps)``, and what the local loss adds to find flat
+    regions without a perturbation (:meth:`distillation`, FedGMT)."""
 
     role = "perturbation"
+
+    def distillation(self, ctx: ClientContext) -> Distillation | None:
+        """A distillation term of this round's local objective (the same at every step), or None."""
+        return None
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: "Batch") -> torch.Tensor | None:
         """``eps[C, P]`` for local step ``k``, or ``None`` for no perturbation."""

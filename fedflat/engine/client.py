@@ -83,7 +83,8 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     """Runs ``E_i`` local steps for every client of ``cohort`` and returns what the clients send and keep.
 
     One step, for every client row at once:
-    ``eps = filter(perturbation)``, ``g = filter_g(g(w + eps)) + wd w``, ``d = correction(g)``, ``d = clip(d)``,
+    ``eps = filter(perturbation)``, ``g = filter_g(g(w + eps)) + wd w`` (``g`` of the loss plus the perturbation
+    part's distillation term, if any), ``d = correction(g)``, ``d = clip(d)``,
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
@@ -104,6 +105,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     W = ctx.w_start.expand(cohort.size, -1).clone()
     for part in algorithm.ordered:
         part.begin(ctx, cohort)
+    distill = perturbation.distillation(ctx)
     loss_sum = torch.zeros(cohort.size, device=W.device)
     longest = max(steps)
     uniform = min(steps) == longest
@@ -118,7 +120,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
         eps = perturbation.perturb(ctx, cohort, k, W, batch)
         if eps is not None:
             eps = filt.apply(ctx, cohort, eps)
-        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch)
+        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch, distill)
         grad = filt.apply_gradient(ctx, cohort, grad)
         if wd:
             grad.add_(wd * W)  # grad is the oracle's fresh tensor; same bits as grad + wd * W

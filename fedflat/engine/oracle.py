@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
+from fedflat.algorithms import Distillation
 from fedflat.params import FlatModel
 
 
@@ -39,6 +42,23 @@ class Batch:
             return self.x[c], self.y[c]
         keep = self.weight[c] > 0
         return self.x[c][keep], self.y[c][keep]
+
+
+def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
+                        weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
+    (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
+    ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
+    ``weight[B]`` (0 for padding) weighted means over the real ones."""
+    log_p = F.log_softmax(logits / tau, dim=-1)
+    if weight is None:
+        ce = F.cross_entropy(logits, y)
+        kl = F.kl_div(log_p, teacher_logp, reduction="batchmean", log_target=True)
+    else:
+        mean = (lambda per_sample: (per_sample * weight).sum() / weight.sum())
+        ce = mean(F.cross_entropy(logits, y, reduction="none"))
+        kl = mean(F.kl_div(log_p, teacher_logp, reduction="none", log_target=True).sum(-1))
+    return ce + gamma * tau ** 2 * kl, ce
 
 
 class Oracle:
@@ -68,6 +88,41 @@ class Oracle:
         losses = F.cross_entropy(self.model.call_views(views, x), y, reduction="none")
         return (losses * weight).sum() / weight.sum()
 
+    def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
+                        teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
+                        tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(objective, CE)`` of one client's batch."""
+        return distilled_objective(self.model.call_views(views, x), y, teacher_logp, gamma, tau, weight)
+
+    @torch.no_grad()
+    def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
+        """``log softmax(f(teacher, x) / tau)`` of a cohort's batch ``x[C, B, ...]`` in one forward pass, ``[C, B, K]``."""
+        C, B = x.shape[:2]
+        logits = self.model(distill.teacher, x.reshape(C * B, *x.shape[2:]))
+        return F.log_softmax(logits / distill.temperature, dim=-1).reshape(C, B, -1)
+
+    def _loss_grad_distilled(self, W: torch.Tensor, batch: Batch,
+                             distill: Distillation) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(CE[C], grad[C, P])`` of the distilled objective; the reported loss is the data loss, as it is for
+        methods whose regularizer enters through the gradient (FedProx, FedDyn)."""
+        C = W.shape[0]
+        teacher_logp = self.teacher_log_probs(distill, batch.x)
+        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature)
+        if self.vectorized:
+            views = tuple(self.model.layout.views(W.detach()))
+            padded = () if batch.weight is None else (batch.weight,)
+            grads, (_, ce) = torch.func.vmap(torch.func.grad_and_value(objective, has_aux=True))(
+                views, batch.x, batch.y, teacher_logp, *padded)
+            return ce, self._flat(grads, (C,))
+        losses, rows = [], []
+        for c in range(C):
+            keep = slice(None) if batch.weight is None else batch.weight[c] > 0
+            views = [v.detach().requires_grad_(True) for v in self.model.layout.views(W[c])]
+            total, ce = objective(views, batch.x[c][keep], batch.y[c][keep], teacher_logp[c][keep])
+            rows.append(self._flat(torch.autograd.grad(total, views), ()))
+            losses.append(ce.detach())
+        return torch.stack(losses), torch.stack(rows)
+
     def _flat(self, grads: tuple[torch.Tensor, ...], lead: tuple[int, ...]) -> torch.Tensor:
         return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
 
@@ -77,10 +132,14 @@ class Oracle:
         grads = torch.autograd.grad(loss, views)
         return loss.detach(), self._flat(grads, ())
 
-    def loss_grad(self, W: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``."""
+    def loss_grad(self, W: torch.Tensor, batch: Batch,
+                  distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
+        the gradient of the loss plus the distillation term (:func:`distilled_losses`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
+        if distill is not None:
+            return self._loss_grad_distilled(W, batch, distill)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             if batch.weight is None:
