@@ -12,7 +12,7 @@ A sweep file (YAML)::
       seed: [0, 1, 2]
     out: runs/sweeps/fmnist           # the sweep folder (default runs/sweeps/<file stem>)
     variants:                         # `--variant small`: replaces out and the named axes, adds overrides
-      small: {overrides: [rounds=20], grid: {seed: [0]}}
+      small: {overrides: [rounds=20], grid: {seed: [0]}}   # (an axis set to null is dropped)
 
 Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
 them: a completed or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
@@ -210,7 +210,7 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
     if variant is not None:
         v = pick_variant(spec, path, variant, VARIANT_KEYS)
         overrides += _parse_overrides(v.get("overrides"), f"{path} variant {variant}")
-        grid = {**grid, **(v.get("grid") or {})}
+        grid = {axis: options for axis, options in {**grid, **(v.get("grid") or {})}.items() if options is not None}
         sweep_out = v.get("out") or f"{sweep_out}-{variant}"
     overrides += [parse_override(o) for o in extra_overrides]
     axes = {axis: _parse_axis(axis, s, str(path)) for axis, s in grid.items()}
