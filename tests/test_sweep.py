@@ -51,6 +51,13 @@ def test_variant_replaces_axes_adds_overrides_and_moves_out(tmp_path):
         load_sweep(path, variant="big")
 
 
+def test_a_variant_drops_an_axis_set_to_null(tmp_path):
+    path = write_sweep(tmp_path, {"grid": {"data.partition.alpha": [0.1, 1.0], "seed": [0, 1]},
+                                  "variants": {"one": {"grid": {"data.partition.alpha": None, "seed": [3]}}}})
+    assert [c.name for c in load_sweep(path, variant="one").cells()] == ["seed3"]
+    assert len(load_sweep(path).cells()) == 4
+
+
 def test_bad_sweeps_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown sweep key 'grdi' \\(did you mean 'grid'\\?\\)"):
         load_sweep(write_sweep(tmp_path, {"grdi": {}}))
