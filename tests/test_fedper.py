@@ -147,13 +147,6 @@ def test_engines_agree_on_a_personalized_run(tiny):
         assert b["test_acc"] == pytest.approx(a["test_acc"], abs=1e-9)
 
 
-def test_a_flower_server_refuses_a_personalized_method(tiny):
-    from fedflat.flower.server import FedflatStrategy
-
-    with pytest.raises(ConfigError, match="never leave the SuperNodes"):
-        FedflatStrategy(Simulation(tiny("algo=fedsam", "algo.personalization=fedper")))
-
-
 def test_personalization_composes_with_any_method_and_checks_its_layers(tiny):
     algo = build_algorithm({"name": "fedlesam", "personalization": "fedper", "personal_layers": 2})
     assert algo.label == "fedlesam[personalization=fedper]" and "personal_model" in algo.state_keys()

@@ -97,6 +97,37 @@ def test_a_partial_reply_is_refused_whole(damage, says):
         read_result(short, [1, 4], 7)
 
 
+def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path):
+    """Personalized evaluation across two nodes (in process): each node scores its clients from their saved heads;
+    pooled, the scores equal the one-process evaluation; a reply naming a client it was not sent is refused."""
+    from fedflat.config import ConfigError
+    from fedflat.engine.simulation import ClientScores, pooled_accuracy
+    from fedflat.flower.node import Node
+    from fedflat.flower.protocol import evaluation_content, read_scores
+
+    cfg = small("fedper", "rounds=2")
+    sim = Simulation(cfg)
+    for t in range(2):
+        sim.run_round(t)
+    nodes = [Node(cfg, p, 2, tmp_path / f"node{p}") for p in range(2)]
+    ids = torch.arange(6)
+    state, known = sim.load_state(ids)
+    for c in range(6):  # each node holds its clients' state as training would have saved it
+        if known["personal_model"][c]:
+            nodes[c % 2].states.save(c, 1, {"personal_model": state["personal_model"][c]})
+    rounds = [1 if known["personal_model"][c] else -1 for c in range(6)]
+    scores = [read_scores(node.evaluate(evaluation_content(sim.w, node.clients, [rounds[c] for c in node.clients])),
+                          node.clients) for node in nodes]
+    merged = scores[1]
+    for column in ("clients", "correct", "loss", "samples"):
+        getattr(merged, column).extend(getattr(scores[0], column))  # node order does not matter
+    assert pooled_accuracy(merged) == sim.evaluate()
+    with pytest.raises(BadReply, match="not sent"):
+        read_scores(nodes[0].evaluate(evaluation_content(sim.w, [0, 2], [rounds[0], rounds[2]])), [0])
+    with pytest.raises(ConfigError, match="no test sample was scored"):  # e.g. no node answered
+        pooled_accuracy(ClientScores([], [], [], []))
+
+
 def test_a_node_continues_from_the_state_of_the_last_aggregated_round(tmp_path):
     states = ClientStates(tmp_path, 3)
     states.save(5, 0, {"c": torch.ones(3)})
@@ -127,9 +158,10 @@ def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path,
 
 
 # -- Flower simulation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "fedlesam", "fedgmt"])
+@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "fedlesam", "fedgmt", "fedper-sam"])
 def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
-    """Three virtual SuperNodes host two clients each; SCAFFOLD's c_i live on the nodes, not the server."""
+    """Three virtual SuperNodes host two clients each; SCAFFOLD's c_i and FedPer's heads live on the nodes, not the
+    server, so FedPer's personalized accuracy is computed there (per client, pooled by the server)."""
     cfg = small(algo)
     ours = fedflat.run(cfg, save=False, progress=False)
     theirs = simulate(cfg, supernodes=3, out=tmp_path, progress=False)
@@ -189,9 +221,11 @@ def test_a_flower_run_resumes_through_flower_with_the_nodes_saved_state(tmp_path
     assert_same_metrics(fedflat.run(longer, save=False, progress=False).metrics, resumed.metrics)
 
 
-def test_flowers_own_strategy_loop_runs_a_fedflat_recipe(tmp_path):
-    """FedflatStrategy in Flower's Strategy.start loop (no fedflat run folder): the same model and accuracy."""
-    cfg = small("scaffold")
+@pytest.mark.parametrize("algo", ["scaffold", "fedper"])
+def test_flowers_own_strategy_loop_runs_a_fedflat_recipe(algo, tmp_path):
+    """FedflatStrategy in Flower's Strategy.start loop (no fedflat run folder): the same model and accuracy,
+    evaluated centrally, or for a personalized method on the nodes (Flower's federated evaluation)."""
+    cfg = small(algo)
     out: dict = {}
     server = ServerApp()
 
@@ -205,7 +239,8 @@ def test_flowers_own_strategy_loop_runs_a_fedflat_recipe(tmp_path):
     ours = fedflat.run(cfg, save=False, progress=False)
     result = out["result"]
     assert torch.equal(torch.from_numpy(result.arrays[MODEL].numpy()), ours.final_parameters)
-    assert result.evaluate_metrics_serverapp[cfg.rounds]["test_acc"] == ours.final_test_acc
+    evaluated = result.evaluate_metrics_clientapp if algo == "fedper" else result.evaluate_metrics_serverapp
+    assert evaluated[cfg.rounds]["test_acc"] == ours.final_test_acc
     assert result.train_metrics_clientapp[1]["clients"] == 4
 
 

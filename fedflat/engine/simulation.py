@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +56,31 @@ def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
 
 
 PERSONAL_EVAL_ENTRIES = 2 ** 26  # parameters of the client models a personalized evaluation holds at once (256 MB)
+
+
+@dataclass
+class ClientScores:
+    """A personalized evaluation's per-client results: correct predictions, summed loss and test samples."""
+
+    clients: list[int]
+    correct: list[int]
+    loss: list[float]
+    samples: list[int]
+
+
+def pooled_accuracy(scores: ClientScores) -> tuple[float, float]:
+    """``(accuracy, mean loss)`` over every scored test sample, summed in ascending client order (so a
+    federation's scores, gathered from its nodes in any order, pool to the same bits as one process's)."""
+    order = sorted(range(len(scores.clients)), key=scores.clients.__getitem__)
+    total = sum(scores.samples)
+    if not total:
+        raise ConfigError("personalized evaluation: no test sample was scored (no class of the test set is in any "
+                          "client's training data, or in a federation no node answered)")
+    correct, loss = 0, 0.0
+    for i in order:
+        correct += scores.correct[i]
+        loss += scores.loss[i]
+    return correct / total, loss / total
 
 
 class Diverged(RuntimeError):
@@ -194,6 +219,7 @@ class Simulation:
             self.personalized = self.algorithm.parts["personalization"].private(self.settings) is not None
         except AlgorithmError as err:  # e.g. more private layers than the model has
             raise ConfigError(str(err)) from None
+        self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
         self.w = self.model.initial.clone()
         self.server: dict[str, torch.Tensor] = {}
         for part in self.algorithm.ordered:
@@ -387,26 +413,33 @@ class Simulation:
     def evaluate_personalized(self) -> tuple[float, float]:
         """FedPer's evaluation: every client's model (the global model with its private entries; the global
         model's where it has not trained yet) on its own test share, pooled: ``(accuracy, mean loss)`` over all
-        the test samples some client holds, i.e. the clients' accuracies weighted by their test shares."""
+        the test samples some client holds, i.e. the clients' accuracies weighted by their test shares. A
+        federation sets :attr:`personal_evaluation`: the private entries never leave its nodes, which score
+        their clients (:meth:`personal_scores`) for it."""
+        if self.personal_evaluation is not None:
+            scores = self.personal_evaluation(self.w)
+        else:
+            scores = self.personal_scores(self.w, list(range(self.cfg.data.num_clients)), self.load_state)
+        return pooled_accuracy(scores)
+
+    @torch.no_grad()
+    def personal_scores(self, w: torch.Tensor, clients: list[int], load_state: Callable[..., Any]) -> ClientScores:
+        """Each of ``clients`` (those with a test share) scored with its own model — ``w`` with its private
+        entries, from ``load_state(ids, names)`` — on its own test share, a few client models at a time."""
         shares, personalization = self.client_tests, self.algorithm.parts["personalization"]
-        tested = [i for i, share in enumerate(shares) if share.numel()]
-        total = sum(shares[i].numel() for i in tested)
-        if not total:
-            raise ConfigError("personalized evaluation: no client holds a test sample (no class of the test set "
-                              "is in any client's training data)")
-        correct = torch.zeros((), dtype=torch.long, device=self.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        tested = [c for c in clients if shares[c].numel()]
+        correct, loss = [], []
         per_chunk = max(1, PERSONAL_EVAL_ENTRIES // self.num_parameters)  # client models held at once
         for lo in range(0, len(tested), per_chunk):
             ids = torch.tensor(tested[lo:lo + per_chunk], dtype=torch.long)
-            state, known = self.load_state(ids, list(personalization.kept()))
-            models = personalization.models(self.w, state, known, self.settings)
+            state, known = load_state(ids, list(personalization.kept()))
+            models = personalization.models(w.to(self.device), {k: v.to(self.device) for k, v in state.items()},
+                                            known, self.settings)
             for row, client in enumerate(ids.tolist()):
-                share = shares[client]
-                c, l = self._scores(models[row], self.dataset.x_test[share], self.dataset.y_test[share])
-                correct += c
-                loss += l
-        return correct.item() / total, loss.item() / total
+                c, l = self._scores(models[row], self.dataset.x_test[shares[client]], self.dataset.y_test[shares[client]])
+                correct.append(int(c))
+                loss.append(float(l))
+        return ClientScores(tested, correct, loss, [int(shares[c].numel()) for c in tested])
 
     def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Correct predictions and summed cross-entropy of ``w`` on ``(x, y)``, on the device (no sync)."""

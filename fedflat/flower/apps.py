@@ -109,7 +109,8 @@ def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None) 
 
 
 def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None) -> ClientApp:
-    """A ``ClientApp`` that trains its node's sampled clients of ``cfg`` (default: the run config's) and keeps
+    """A ``ClientApp`` that trains its node's sampled clients of ``cfg`` (default: the run config's), evaluates
+    a personalized method's clients on their own models (the server cannot: their private entries stay here), and keeps
     their state under ``state_dir`` (default: the node config's or run config's ``state-dir``, else
     ``~/.cache/fedflat/flower``), one folder per Flower run and partition."""
     app = ClientApp()
@@ -123,6 +124,10 @@ def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None
     @app.train()
     def train(message: Message, context: Context) -> Message:
         return Message(node_of(context, cfg, state_dir).train(message.content), reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return Message(node_of(context, cfg, state_dir).evaluate(message.content), reply_to=message)
 
     return app
 

@@ -23,7 +23,7 @@ import torch
 from fedflat.config import Config, ConfigError
 from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import Simulation
-from fedflat.flower.protocol import read_task, result_content
+from fedflat.flower.protocol import read_evaluation, read_task, result_content, scores_content
 
 DEFAULT_STATE_DIR = Path.home() / ".cache" / "fedflat" / "flower"
 
@@ -90,12 +90,15 @@ class Node:
         self.clients = [i for i in range(cfg.data.num_clients) if i % partitions == partition]
         self.states = ClientStates(state_dir, self.sim.num_parameters)
 
-    def check(self, task: RoundTask) -> None:
-        """The server's task fits this node: its clients live here, with the sample counts the server expects."""
-        foreign = sorted(set(task.ids.tolist()) - set(self.clients))
+    def check_clients(self, ids: list[int]) -> None:
+        foreign = sorted(set(ids) - set(self.clients))
         if foreign:
             raise ConfigError(f"clients {foreign} are not on this node (partition {self.partition} of "
                               f"{self.partitions})")
+
+    def check(self, task: RoundTask) -> None:
+        """The server's task fits this node: its clients live here, with the sample counts the server expects."""
+        self.check_clients(task.ids.tolist())
         here = self.sim.num_samples.cpu()[task.ids]
         if not torch.equal(here, task.num_samples):
             raise ConfigError(f"this node's split differs from the server's: clients {task.ids.tolist()} hold "
@@ -114,3 +117,17 @@ class Node:
             # parts that wrote no new value of a vector this round leave the client's previous one
             self.states.save(client, job.broadcast.round, {**before, **{k: v[row] for k, v in result.state.items()}})
         return result_content(result)
+
+    def evaluate(self, content):
+        """A personalized evaluation: scores the named clients' own models (the server's global model with their
+        private entries, from their current state) on their test shares; the reply content."""
+        w, ids, rounds = read_evaluation(content)
+        self.check_clients(ids)
+        round_of = dict(zip(ids, rounds))
+
+        def load_state(chunk: torch.Tensor, names: list[str]):
+            chunk_ids = chunk.tolist()
+            _, rows, known = self.states.rows(chunk_ids, [round_of[c] for c in chunk_ids], names)
+            return rows, known
+
+        return scores_content(self.sim.personal_scores(w, ids, load_state))

@@ -9,6 +9,11 @@ client's upload, which tells the node which of its saved client states is the cu
 Node to server: ``upload`` (an ArrayRecord of the clients' upload rows, ``[C, ...]`` in the order of
 ``clients``) and ``result`` (a ConfigRecord: the clients and the backward passes they took).
 
+A personalized method's evaluation (``evaluate``, its clients' private entries never leave the nodes): the
+server sends ``model`` (the global model) and ``task`` (the node's clients and the round of each one's
+current state); the node answers ``scores`` (per client with a test share: correct predictions, summed loss
+and test samples of its own model on its own share).
+
 Tensors go as NumPy arrays in Flower's own serialization, bit for bit.
 """
 from __future__ import annotations
@@ -21,6 +26,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedflat.algorithms import MODEL, TRAIN_LOSS, Broadcast, ClientResult
 from fedflat.engine.runtime import RoundTask
+from fedflat.engine.simulation import ClientScores
+
+EVALUATE = "evaluate"  # Flower's message type of a personalized evaluation on the nodes
 
 def array_record(tensors: dict[str, torch.Tensor]):
     return ArrayRecord({k: Array(v.detach().cpu().contiguous().numpy()) for k, v in tensors.items()})
@@ -104,3 +112,36 @@ def read_result(content, expected: list[int], size: int) -> ClientResult:
         raise BadReply(f"upload entries {short} do not have one row per client")
     return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {},
                         int(content["result"]["backprops"]))
+
+
+def evaluation_content(w: torch.Tensor, clients: list[int], state_rounds: list[int]):
+    """The ``evaluate`` message content for one node: the global model, its clients and their state rounds."""
+    return RecordDict({"model": array_record({MODEL: w}),
+                       "task": ConfigRecord({"clients": clients, "state-rounds": state_rounds})})
+
+
+def read_evaluation(content) -> tuple[torch.Tensor, list[int], list[int]]:
+    task = content["task"]
+    return (tensors(content["model"])[MODEL], [int(c) for c in task["clients"]],
+            [int(r) for r in task["state-rounds"]])
+
+
+def scores_content(scores: ClientScores):
+    return RecordDict({"scores": ConfigRecord({"clients": scores.clients, "correct": scores.correct,
+                                               "loss": scores.loss, "samples": scores.samples})})
+
+
+def read_scores(content, sent: list[int]) -> ClientScores:
+    """A node's scores, checked whole: clients it was sent, one value of each kind per client."""
+    if "scores" not in content.config_records:
+        raise BadReply("the reply has no scores")
+    record = content["scores"]
+    clients = [int(c) for c in record["clients"]]
+    columns = [list(record[k]) for k in ("correct", "loss", "samples")]
+    if any(len(column) != len(clients) for column in columns):
+        raise BadReply("the scores do not have one value of each kind per client")
+    foreign = sorted(set(clients) - set(sent))
+    if foreign or len(set(clients)) != len(clients):
+        raise BadReply(f"scores for clients {foreign or clients} the node was not sent (once each)")
+    correct, loss, samples = columns
+    return ClientScores(clients, [int(c) for c in correct], [float(x) for x in loss], [int(n) for n in samples])

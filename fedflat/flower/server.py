@@ -5,7 +5,9 @@ server holds per client (a :class:`~fedflat.engine.simulation.Simulation` whose 
 this process), fedflat's keyed client sampling (not Flower's unseeded ``sample_nodes``), the aggregation
 in ascending client-id order whatever order replies arrive in, and central evaluation. Its Flower methods
 are the two halves of a round: ``configure_train`` (sample, broadcast, one message per node that hosts
-sampled clients) and ``aggregate_train`` (check every reply whole, aggregate the clients that answered).
+sampled clients) and ``aggregate_train`` (check every reply whole, aggregate the clients that answered). A
+personalized method (FedPer) is evaluated on the nodes, where its clients' private entries are:
+``configure_evaluate`` and ``aggregate_evaluate``.
 
 :func:`serve` runs it the way ``fedflat run`` runs a config: a run folder with metrics, checkpoints,
 summary and final model, progress bar, diagnostics. Flower's own ``Strategy.start`` loop works too.
@@ -24,8 +26,9 @@ from flwr.serverapp.strategy import Strategy
 
 from fedflat.algorithms import MODEL, ClientResult, merge_results
 from fedflat.config import Config, ConfigError
-from fedflat.engine.simulation import OpenRound, RoundResult, Simulation
-from fedflat.flower.protocol import BadReply, array_record, read_result, reply_content, task_content, wire_bytes
+from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
+from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluation_content, read_result, read_scores,
+                                     reply_content, task_content, wire_bytes)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -110,14 +113,11 @@ class FedflatStrategy(Strategy):
         if sim.cfg.executor.name != "local":
             raise ConfigError("a Flower federation trains its clients on the SuperNodes: remove executor.name="
                               f"{sim.cfg.executor.name} from the config")
-        if sim.personalized:
-            raise ConfigError("algo.personalization: a personalized method's private parameters never leave the "
-                              "SuperNodes, so this server cannot evaluate them and federated (on-node) evaluation is "
-                              "not built yet; run it with `fedflat run` (executor local or ray)")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
         self.federation = Federation(query_timeout)
         self.opened: OpenRound | None = None
         self.sent: dict[int, list[int]] = {}  # node -> the clients of its message this round
+        self.evaluating: dict[int, list[int]] = {}  # node -> the clients of its evaluate message
         self.wire_down = 0
 
     # -- Flower's Strategy --------------------------------------------------------------------------------------
@@ -191,11 +191,50 @@ class FedflatStrategy(Strategy):
                     why)
 
     def configure_evaluate(self, server_round: int, arrays, config, grid) -> list:
-        """None: fedflat evaluates the global model centrally (:meth:`evaluate`)."""
-        return []
+        """A personalized method: one ``evaluate`` message per node, for all its clients (the global model and the
+        round of each client's current state). Otherwise none: fedflat evaluates the global model centrally
+        (:meth:`evaluate`)."""
+        if not self.sim.personalized:
+            return []
+        clients = list(range(self.sim.cfg.data.num_clients))
+        self.federation.refresh(grid, clients, self.wait_s)
+        by_node: dict[int, list[int]] = {}
+        for client in clients:
+            node = self.federation.host(client)
+            if node is None:
+                log.warning("evaluation: client %d has no node online: left out", client)
+            else:
+                by_node.setdefault(node, []).append(client)
+        self.evaluating = by_node
+        return [Message(evaluation_content(self.sim.w, ids, self.sim.aggregated_round[ids].tolist()), dst_node_id=node,
+                        message_type=EVALUATE) for node, ids in by_node.items()]
+
+    def collect_scores(self, replies: Iterable) -> ClientScores:
+        """The clients' scores from every node whose reply is whole; the others are logged and left out."""
+        scores = ClientScores([], [], [], [])
+        answered = set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in self.evaluating or node in answered:
+                continue
+            answered.add(node)
+            try:
+                mine = read_scores(reply_content(reply), self.evaluating[node])
+            except BadReply as err:
+                log.warning("evaluation: node %s's clients %s left out: %s", node, self.evaluating[node], err)
+                continue
+            for column in ("clients", "correct", "loss", "samples"):
+                getattr(scores, column).extend(getattr(mine, column))
+        for node in set(self.evaluating) - answered:
+            log.warning("evaluation: node %s did not answer: its clients %s left out", node, self.evaluating[node])
+        return scores
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable):
-        return None
+        """A personalized method's accuracy and loss, pooled over the clients the nodes scored."""
+        if not self.sim.personalized:
+            return None
+        acc, loss = pooled_accuracy(self.collect_scores(replies))
+        return MetricRecord({f"{self.sim.heldout}_acc": acc, f"{self.sim.heldout}_loss": loss})
 
     def summary(self) -> None:
         cfg = self.sim.cfg
@@ -207,7 +246,10 @@ class FedflatStrategy(Strategy):
         return array_record({MODEL: self.sim.w})
 
     def evaluate(self, server_round: int, arrays):
-        """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``)."""
+        """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``); None for a personalized method,
+        which its nodes evaluate (:meth:`configure_evaluate`)."""
+        if self.sim.personalized:
+            return None
         acc, loss = self.sim.evaluate()
         return MetricRecord({f"{self.sim.heldout}_acc": acc, f"{self.sim.heldout}_loss": loss})
 
@@ -220,6 +262,12 @@ class FedflatStrategy(Strategy):
             self.aggregate_train(t + 1, replies)
             return self.sim.last_round
 
+        def evaluate_on_nodes(w: torch.Tensor) -> ClientScores:
+            messages = self.configure_evaluate(0, None, ConfigRecord(), grid)
+            return self.collect_scores(grid.send_and_receive(messages, timeout=self.round_timeout) if messages else [])
+
+        if self.sim.personalized:  # the run loop's evaluations go to the nodes
+            self.sim.personal_evaluation = evaluate_on_nodes
         return train_round
 
 
