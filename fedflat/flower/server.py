@@ -99,6 +99,16 @@ class Federation:
             self.partition[node] = partition  # last in: the newest node of its partition
 
 
+def first_replies(replies: Iterable, expected: dict[int, list[int]]) -> dict[int, Any]:
+    """The first reply of every node in ``expected`` (a node answers once; replies from other nodes are ignored)."""
+    first: dict[int, Any] = {}
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        if node in expected and node not in first:
+            first[node] = reply
+    return first
+
+
 class FedflatStrategy(Strategy):
     """A Flower strategy running a fedflat recipe's server (see the module docstring).
 
@@ -159,13 +169,10 @@ class FedflatStrategy(Strategy):
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
         """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
         clients left out. Also the bytes of the arrays that came back."""
-        results, wire, answered = {}, {}, set()
+        results, wire = {}, {}
         size = self.sim.num_parameters
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if node not in self.sent or node in answered:
-                continue
-            answered.add(node)
+        answered = first_replies(replies, self.sent)
+        for node, reply in answered.items():
             try:
                 results[node] = read_result(reply_content(reply), self.sent[node], size)
                 wire[node] = wire_bytes(reply.content)
@@ -178,7 +185,7 @@ class FedflatStrategy(Strategy):
             self._left_out(node, f"its upload has entries {sorted(results.pop(node).upload)}, the other nodes' "
                                  f"{sorted(usual)}")
         wire_up = sum(wire[n] for n in results)
-        for node in set(self.sent) - answered:
+        for node in set(self.sent) - set(answered):
             log.warning("round %d: node %s did not answer in %.0f s: its clients %s left out", self.opened.ctx.round
                         + 1, node, self.round_timeout, self.sent[node])
             self.federation.leave_out(node)
@@ -212,12 +219,8 @@ class FedflatStrategy(Strategy):
     def collect_scores(self, replies: Iterable) -> ClientScores:
         """The clients' scores from every node whose reply is whole; the others are logged and left out."""
         scores = ClientScores([], [], [], [])
-        answered = set()
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if node not in self.evaluating or node in answered:
-                continue
-            answered.add(node)
+        answered = first_replies(replies, self.evaluating)
+        for node, reply in answered.items():
             try:
                 mine = read_scores(reply_content(reply), self.evaluating[node])
             except BadReply as err:
@@ -225,7 +228,7 @@ class FedflatStrategy(Strategy):
                 continue
             for column in ("clients", "correct", "loss", "samples"):
                 getattr(scores, column).extend(getattr(mine, column))
-        for node in set(self.evaluating) - answered:
+        for node in set(self.evaluating) - set(answered):
             log.warning("evaluation: node %s did not answer: its clients %s left out", node, self.evaluating[node])
         return scores
 
