@@ -12,7 +12,6 @@ which costs more than the backward pass itself for a small MLP. The values are t
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from functools import partial
 
 import torch
@@ -135,7 +134,7 @@ class Oracle:
     def loss_grad(self, W: torch.Tensor, batch: Batch,
                   distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
-        the gradient of the loss plus the distillation term (:func:`distilled_losses`)."""
+        the gradient of the loss plus the distillation term (:func:`distilled_objective`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
         if distill is not None:
