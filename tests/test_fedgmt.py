@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import fedflat
 from fedflat.algorithms import Distillation, build_algorithm
-from fedflat.algorithms.fedgmt import CLIENT_DUAL, SERVER_DUAL, TRAJECTORY
+from fedflat.algorithms.feddyn import CLIENT_DUAL, SERVER_DUAL
+from fedflat.algorithms.fedgmt import TRAJECTORY
 from fedflat.engine.oracle import Batch, Oracle
 from fedflat.engine.simulation import Simulation
 
@@ -53,7 +54,7 @@ def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vecto
 
 def test_first_round_without_distillation_is_fedavg_plus_the_mean_dual(tiny):
     """Round 1, gamma = 0: clients have no dual yet, so they train as FedAvg's; the server adds
-    lambda = (1/N) sum_S Delta_i (K = 3 of N = 6 sampled: half the mean update) and moves the trajectory."""
+    -h/alpha = (1/N) sum_S Delta_i (K = 3 of N = 6 sampled: half the mean update) and moves the trajectory."""
     gmt = Simulation(tiny("algo=fedgmt", "algo.gamma=0", "rounds=1"))
     avg = Simulation(tiny("algo=fedavg", "rounds=1"))
     w0 = gmt.w.clone()
@@ -61,12 +62,12 @@ def test_first_round_without_distillation_is_fedavg_plus_the_mean_dual(tiny):
     avg.run_round(0)
     mean_delta = avg.w - w0
     torch.testing.assert_close(gmt.w, w0 + 1.5 * mean_delta)
-    torch.testing.assert_close(gmt.server[SERVER_DUAL], 0.5 * mean_delta)
+    torch.testing.assert_close(-gmt.server[SERVER_DUAL] / 0.01, 0.5 * mean_delta)
     torch.testing.assert_close(gmt.server[TRAJECTORY], 0.95 * w0 + 0.05 * gmt.w)
 
 
 def test_client_duals_sum_their_updates_and_shift_the_local_direction(tiny):
-    sim = Simulation(tiny("algo=fedgmt", "algo.beta=4", "rounds=3", "sampling.clients_per_round=4"))
+    sim = Simulation(tiny("algo=fedgmt", "algo.alpha=0.25", "rounds=3", "sampling.clients_per_round=4"))
     updates = {c: torch.zeros_like(sim.w) for c in range(6)}
     server_dual = torch.zeros_like(sim.w)
     for t in range(3):
@@ -79,14 +80,14 @@ def test_client_duals_sum_their_updates_and_shift_the_local_direction(tiny):
     state, known = sim.load_state(torch.arange(6))
     for c in range(6):
         if known[CLIENT_DUAL][c]:
-            torch.testing.assert_close(state[CLIENT_DUAL][c], updates[c])
-    torch.testing.assert_close(sim.server[SERVER_DUAL], server_dual)
+            torch.testing.assert_close(-state[CLIENT_DUAL][c] / 0.25, updates[c])  # lambda_i = -h_i / alpha
+    torch.testing.assert_close(-sim.server[SERVER_DUAL] / 0.25, server_dual)
     correction = sim.algorithm.parts["correction"]
-    grad, lam = torch.randn(2, 5), torch.randn(2, 5)
+    grad, h = torch.randn(2, 5), torch.randn(2, 5)
 
     class _Cohort:
-        extra = {CLIENT_DUAL: lam}
-    torch.testing.assert_close(correction.direction(None, _Cohort(), 0, None, grad), grad + lam / 4)
+        extra = {CLIENT_DUAL: h}
+    torch.testing.assert_close(correction.direction(None, _Cohort(), 0, None, grad), grad - h)  # no proximal term
 
 
 def test_distillation_pulls_toward_the_trajectory(tiny):
@@ -115,5 +116,5 @@ def test_bad_fedgmt_hyperparameters_are_clear_errors():
     from fedflat.algorithms import AlgorithmError
     with pytest.raises(AlgorithmError, match="algo.ema"):
         build_algorithm({"name": "fedgmt", "ema": 1.0})
-    with pytest.raises(AlgorithmError, match="algo.beta"):
-        build_algorithm({"name": "fedgmt", "beta": 0})
+    with pytest.raises(AlgorithmError, match="algo.alpha"):
+        build_algorithm({"name": "fedgmt", "alpha": 0})
