@@ -211,7 +211,7 @@ class _Runner:
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
         self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
-        self.summary.update(status="running", reason=None)
+        self.summary.update(status="running", reason=None, rounds_planned=self.cfg.rounds)  # rounds= may extend
         self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
         if checkpoint.get("owed") is not None:

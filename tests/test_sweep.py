@@ -128,7 +128,27 @@ def test_cell_with_a_changed_config_is_not_overwritten(tmp_path):
     before = (tmp_path / "out" / "seed0" / "metrics.jsonl").read_text()
     changed = run_sweep(load_sweep(path, extra_overrides=["train.lr=0.5"]), progress=False)
     assert changed.cells[0]["status"] == "failed" and "different config" in changed.cells[0]["reason"]
+    assert "train.lr: 0.1 there, 0.5 here" in changed.cells[0]["reason"]
     assert (tmp_path / "out" / "seed0" / "metrics.jsonl").read_text() == before
+
+
+def test_a_key_added_since_a_cell_ran_compares_at_its_default(tmp_path):
+    """A cell written by an older fedflat, whose config.yaml lacks keys added since (here the parts'
+    ``personalization`` and the data's ``validation``), is still the same cell: skipped when finished,
+    extended by more rounds; the same key at another value is a changed config."""
+    path = write_sweep(tmp_path, {"overrides": ["rounds=1"], "grid": {"seed": [0]}})
+    run_sweep(load_sweep(path), progress=False)
+    config = tmp_path / "out" / "seed0" / "config.yaml"
+    tree = yaml.safe_load(config.read_text())
+    assert tree["algo"].pop("personalization") == "none" and tree["data"].pop("validation") == 0.0
+    config.write_text(yaml.safe_dump(tree))
+    assert run_sweep(load_sweep(path), progress=False).cells[0]["action"] == "skipped"
+    longer = run_sweep(load_sweep(path, extra_overrides=["rounds=2"]), progress=False).cells[0]
+    assert (longer["status"], longer["action"], longer["rounds"]) == ("completed", "resumed", 2)
+    summary = json.loads((tmp_path / "out" / "seed0" / "summary.json").read_text())
+    assert summary["rounds_planned"] == 2
+    other = run_sweep(load_sweep(path, extra_overrides=["rounds=2", "data.validation=0.1"]), progress=False)
+    assert "data.validation: 0.0 there, 0.1 here" in other.cells[0]["reason"]
 
 
 def test_rerun_with_more_rounds_extends_completed_cells_and_never_shortens_them(tmp_path):

@@ -40,6 +40,7 @@ import yaml
 
 from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve, suggest
 from fedflat.engine.threads import available_cores
+from fedflat.experiments.report import flatten
 from fedflat.experiments.rundir import LOCK, RunFolderBusy, atomic_write_text, hold, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -241,6 +242,25 @@ def _comparable(tree: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(json_safe(tree)))
 
 
+def config_change(on_disk: dict[str, Any], cfg: Config) -> str | None:
+    """How ``cfg`` differs from a cell's ``config.yaml`` in the keys that make its results, or None.
+
+    Both are read by this version of fedflat, so a key added since the cell ran (say ``algo.personalization``)
+    compares at its default and leaves the cell valid; a changed value, or a key this version no longer
+    knows, is a change."""
+    try:
+        then = _comparable(resolve(load_config(None, (), base=on_disk)))
+    except ConfigError as err:
+        return f"its config.yaml is not a valid config now ({err})"
+    now = _comparable(resolve(cfg))
+    if then == now:
+        return None
+    then_flat, now_flat = flatten(then), flatten(now)
+    changed = [key for key in sorted(set(then_flat) | set(now_flat)) if then_flat.get(key) != now_flat.get(key)]
+    shown = ", ".join(f"{key}: {then_flat.get(key)!r} there, {now_flat.get(key)!r} here" for key in changed[:3])
+    return shown + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
 def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
     """``(state, reason)``: 'new', 'completed', 'diverged', 'resume' (unfinished, or completed with fewer rounds
     than ``cfg`` asks: a rerun with more ``rounds`` extends it) or 'stale' (config changed, or fewer rounds)."""
@@ -252,9 +272,10 @@ def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
     extend = False
     if cfg is not None:
         on_disk = _read_yaml(config_file.read_text())
-        if _comparable(on_disk) != _comparable(resolve(cfg)):
-            return "stale", (f"{folder} holds a run of a different config; delete the folder or change the "
-                             "sweep's out")
+        change = config_change(on_disk, cfg)
+        if change is not None:
+            return "stale", (f"{folder} holds a run of a different config ({change}); delete the folder or "
+                             "change the sweep's out")
         planned = on_disk.get("rounds", cfg.rounds)
         if cfg.rounds < planned:
             return "stale", (f"{folder} holds a run of {planned} rounds: rounds={cfg.rounds} cannot shorten it "
