@@ -152,6 +152,11 @@ class Config(Section):
                         description=f"cpu, cuda, cuda:N or auto (default: ${DEVICE_ENV}, else cpu)")
     tf32: bool = Field(False, description="on CUDA, matrix products and convolutions in TF32 (10-bit mantissa "
                                           "products, float32 sums): faster, about 1e-3 relative error per product")
+    precision: Literal["float32", "bf16"] = Field(
+        "float32", description="bf16: clients' forward and backward passes under torch.autocast in bfloat16 "
+                               "(parameters, gradients, the methods' updates and evaluation stay float32)")
+    channels_last: bool = Field(False, description="image batches in channels-last (NHWC) memory order for "
+                                                   "the sequential engine's passes: cuDNN's tensor-core convolutions")
     threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
         "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
                             "cores; fedflat/engine/threads.py), a number, or null for torch's own choice")

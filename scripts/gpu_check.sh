@@ -4,6 +4,7 @@
 #   tests     the test suite with --device cuda (tests/test_cuda.py included), 8 processes
 #   bench     fedflat bench on W1 and W2: sequential, vectorized, bare loop
 #   bench3    W3 (ResNet-18-GN, FL-Simulator's setting) in TF32 with torch.profiler tables, FedAvg in float32
+#   fast3     W3 with the options meant to close its targets: channels-last, then bf16 autocast (both in TF32)
 #   memory    automatic chunk sizes with ResNet-34 at 10 and 100 clients per round (peak memory, OOM retries)
 #   converge  FedAvg, FedSAM, FedLESAM with ResNet-18-GN on Fashion-MNIST, all three at once on the GPU
 #             (data.root: $FMNIST, default .gpu/fmnist; extra overrides: $CONVERGE_OVERRIDES)
@@ -41,6 +42,11 @@ for stage in "$@"; do
       timeout 100 $FEDFLAT bench --device cuda --algos fedavg --engines sequential,bare --workload W3 --rounds 1 \
         --json "$OUT/bench_w3_tf32_fedavg.json" --quiet --profile /tmp/profiles tf32=true
       tar czf "$OUT/profiles.tgz" -C /tmp profiles ;;
+    fast3)
+      for opts in "channels_last=true" "channels_last=true precision=bf16"; do
+        timeout 150 $BENCH --workload W3 --engines sequential,bare --rounds 2 --quiet \
+          --json "$OUT/bench_w3_$(echo "$opts" | tr ' =' '_-').json" tf32=true $opts
+      done ;;
     memory)
       for k in 10 100; do
         timeout 200 $FEDFLAT bench --device cuda --workload W3 --algos fedsam,fedsmoo --engines vectorized \

@@ -42,15 +42,20 @@ def test_round_samples_counts_every_local_batch():
     assert round_samples(sim, 0) == 90
 
 
-def test_bare_loop_does_the_same_fedavg_round():
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_bare_loop_does_the_same_fedavg_round(precision):
     """Without clipping, the bare loop (torch.optim.SGD, coupled weight decay) and fedflat compute the
-    same FedAvg round on the same batches."""
-    cfg = load_config(None, ["train.clip=null"], base=WORKLOADS["tiny"].tree)
+    same FedAvg round on the same batches, in the run's precision (bf16: both under autocast)."""
+    cfg = load_config(None, ["train.clip=null", f"precision={precision}"], base=WORKLOADS["tiny"].tree)
     sim = Simulation(cfg)
     bare = BareLoop(Simulation(cfg), backprops=1)
     sim.run_round(0)
     bare.run_round(0)
     assert (sim.w - bare.w).abs().max() < 1e-5
+    if precision == "bf16":
+        float32 = Simulation(load_config(None, ["train.clip=null"], base=WORKLOADS["tiny"].tree))
+        float32.run_round(0)
+        assert (float32.w - bare.w).abs().max() > 1e-4
 
 
 def test_unknown_workload_or_engine_is_an_error():

@@ -216,3 +216,81 @@ def test_an_out_of_memory_chunk_is_halved_and_retried_with_the_same_numbers(tiny
     torch.testing.assert_close(sim.w, reference.w, rtol=1e-5, atol=1e-6)
     assert sizes[:3] == [5, 2, 2] and sim.runtime.oom_retries == 1  # 5 -> halved to 2, and stays there
     assert client_module.fit is original_fit
+
+
+def _conv_oracle(vectorized: bool, **options) -> tuple[Oracle, torch.Tensor, Batch]:
+    """Two clients of a small convolutional network on 3x6x6 images."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                 torch.nn.Linear(4 * 4 * 4, 3))
+    model = FlatModel(module)
+    W = model.initial + 0.1 * torch.randn(2, model.layout.size)
+    return Oracle(model, vectorized=vectorized, **options), W, Batch(torch.randn(2, 5, 3, 6, 6),
+                                                                      torch.randint(0, 3, (2, 5)))
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_bf16_precision_runs_the_passes_under_autocast(vectorized):
+    """``precision: bf16`` gives each client the loss and gradient of its forward pass under
+    ``torch.autocast(bfloat16)`` (float32 logits into the loss), as float32 tensors; they differ from the
+    float32 ones by bfloat16's rounding, no more. (vmap's grouped convolution rounds its bfloat16 sums in
+    another order: the vectorized engine agrees to that rounding.)"""
+    rtol = 1e-3 if vectorized else 1e-5
+    oracle, W, batch = _conv_oracle(vectorized, precision="bf16")
+    reference, _, _ = _conv_oracle(vectorized)
+    loss, grad = oracle.loss_grad(W, batch)
+    loss32, grad32 = reference.loss_grad(W, batch)
+    assert grad.dtype == loss.dtype == torch.float32
+    for c in range(2):
+        leaf = W[c].clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = oracle.model(leaf, batch.x[c])
+        expected = torch.nn.functional.cross_entropy(logits.float(), batch.y[c])
+        (g,) = torch.autograd.grad(expected, leaf)
+        torch.testing.assert_close(loss[c], expected.detach(), rtol=rtol, atol=1e-6)
+        assert (grad[c] - g).norm() / g.norm() < (5e-2 if vectorized else 1e-5)
+    gap = (grad - grad32).norm() / grad32.norm()
+    assert 1e-4 < gap < 5e-2, gap  # bfloat16's 8-bit mantissa: visibly not float32, and close to it
+    torch.testing.assert_close(oracle.loss(W, batch), loss, rtol=rtol, atol=1e-6)
+
+
+def test_channels_last_feeds_the_convolutions_nhwc_with_the_same_numbers():
+    """``channels_last`` hands the sequential engine's convolutions channels-last batches (seen by a hook on
+    the convolution), and the loss and gradient are float32's up to rounding."""
+    oracle, W, batch = _conv_oracle(False, channels_last=True)
+    reference, _, _ = _conv_oracle(False)
+    seen: list[bool] = []
+    conv = oracle.model.module[0]
+    hook = conv.register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    loss, grad = oracle.loss_grad(W, batch)
+    hook.remove()
+    assert seen == [True, True]
+    loss32, grad32 = reference.loss_grad(W, batch)
+    torch.testing.assert_close(loss, loss32, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, grad32, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_run_trains_alike_on_both_engines_and_near_float32(tiny):
+    """A whole run with ``precision=bf16``: the engines agree to bfloat16's rounding, and the run stays near
+    the float32 one (the precision is a speed option, not another method)."""
+    runs = {(engine, precision): fedflat.run(tiny(*UNEQUAL, "algo=fedsam", f"engine={engine}",
+                                                  f"precision={precision}", "channels_last=true"),
+                                             save=False, progress=False)
+            for engine in ("sequential", "vectorized") for precision in ("bf16", "float32")}
+    bf16 = runs["sequential", "bf16"].final_parameters
+    torch.testing.assert_close(runs["vectorized", "bf16"].final_parameters, bf16, rtol=2e-2, atol=2e-3)
+    float32 = runs["sequential", "float32"].final_parameters
+    assert not torch.equal(bf16, float32)
+    start = Simulation(tiny(*UNEQUAL)).w
+    assert (bf16 - float32).norm() / (float32 - start).norm() < 0.05  # of the distance trained
+
+
+def test_ray_workers_build_their_oracle_in_the_runs_precision_and_layout(tiny):
+    """A Ray worker's runtime (built from the run's WorkerSpec) trains in the run's precision and layout."""
+    from fedflat.engine.ray_executor import build_runtime
+
+    sim = Simulation(tiny("precision=bf16", "channels_last=true"))
+    oracle = build_runtime(sim.worker_spec(), sim.worker_data()).oracle
+    assert oracle.autocast is torch.bfloat16 and oracle.channels_last
+    assert sim.oracle.autocast is torch.bfloat16 and sim.oracle.channels_last

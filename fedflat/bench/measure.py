@@ -19,12 +19,13 @@ from fedflat.engine.threads import torch_threads
 
 # ----------------------------------------------------------------------------- the machine
 
-def matmul_flops(device: torch.device, n: int | None = None, seconds: float = 0.5) -> float:
-    """This machine's float32 matmul FLOP/s (``n x n`` products for about ``seconds``; n = 1024 on CPU,
-    8192 on a GPU, whose peak smaller products do not reach). On CUDA the products are TF32 where
+def matmul_flops(device: torch.device, n: int | None = None, seconds: float = 0.5,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matmul FLOP/s in ``dtype`` (``n x n`` products for about ``seconds``; n = 1024 on CPU,
+    8192 on a GPU, whose peak smaller products do not reach). On CUDA float32 products are TF32 where
     ``torch.backends.cuda.matmul.allow_tf32`` is set."""
     n = n or (8192 if device.type == "cuda" else 1024)
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     _sync(device)
@@ -51,19 +52,21 @@ def machine(device: torch.device) -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "matmul_flops": matmul_flops(device), **_tf32_peak(device)}
+            "matmul_flops": matmul_flops(device), **_tensor_core_peaks(device)}
 
 
-def _tf32_peak(device: torch.device) -> dict[str, float]:
-    """On CUDA, also the TF32 tensor-core matmul rate (the peak of runs with ``tf32=true``)."""
+def _tensor_core_peaks(device: torch.device) -> dict[str, float]:
+    """On CUDA, also the tensor cores' TF32 and bfloat16 matmul rates (the peaks of runs with ``tf32=true``
+    and ``precision=bf16``)."""
     if device.type != "cuda":
         return {}
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        return {"matmul_flops_tf32": matmul_flops(device)}
+        tf32 = matmul_flops(device)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+    return {"matmul_flops_tf32": tf32, "matmul_flops_bf16": matmul_flops(device, dtype=torch.bfloat16)}
 
 
 def _sync(device: torch.device) -> None:
@@ -115,7 +118,7 @@ class BareLoop:
                 if self.backprops == 2:
                     self._sam_ascent(params, x, y)
                 opt.zero_grad()
-                F.cross_entropy(module(x), y).backward()
+                self._loss(x, y).backward()
                 if self.backprops == 2:
                     self._sam_descent(params)
                 if sim.cfg.train.clip is not None:
@@ -125,8 +128,18 @@ class BareLoop:
         self.w = torch.stack(finals).mean(0)
         _sync(sim.device)
 
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch loss with the run's ``precision`` (autocast) and ``channels_last`` input, as a plain loop
+        would write them."""
+        cfg = self.sim.cfg
+        if cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            logits = self.module(x)
+        return F.cross_entropy(logits.float(), y)
+
     def _sam_ascent(self, params, x, y) -> None:
-        grads = torch.autograd.grad(F.cross_entropy(self.module(x), y), params)
+        grads = torch.autograd.grad(self._loss(x, y), params)
         norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
         self._eps = [self.rho * g / (norm + 1e-12) for g in grads]
         with torch.no_grad():
@@ -234,7 +247,8 @@ class Contestant:
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
         extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
-                                 "tf32": self.cfg.tf32 and self.sim.device.type == "cuda"}
+                                 "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
+                                 "precision": self.cfg.precision, "channels_last": self.cfg.channels_last}
         if self.engine == "vectorized" and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round
@@ -370,7 +384,10 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
 
 
 def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
-    """A row's summary, its FLOP/s against the matmul peak of its own precision (TF32 or float32)."""
+    """A row's summary, its FLOP/s against the matmul peak of its own precision (bfloat16, TF32 or float32;
+    bfloat16 runs on a CPU are measured against the float32 peak, the only one measured there)."""
+    if row.extra.get("precision") == "bf16" and "matmul_flops_bf16" in info:
+        return row.summary(info["matmul_flops_bf16"])
     return row.summary(info["matmul_flops_tf32"] if row.extra.get("tf32") else info["matmul_flops"])
 
 

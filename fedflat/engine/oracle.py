@@ -72,9 +72,12 @@ class Oracle:
     exhausted (masked padding of the vectorized engine) are not counted.
     """
 
-    def __init__(self, model: FlatModel, vectorized: bool = False):
+    def __init__(self, model: FlatModel, vectorized: bool = False, precision: str = "float32",
+                 channels_last: bool = False):
         self.model = model
         self.vectorized = vectorized
+        self.autocast = {"float32": None, "bf16": torch.bfloat16}[precision]
+        self.channels_last = channels_last
         self.backprops = 0
         if vectorized:
             self._vgrad = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
@@ -82,20 +85,36 @@ class Oracle:
             self._vloss = torch.func.vmap(self._mean_loss)
             self._vloss_weighted = torch.func.vmap(self._weighted_loss)
 
+    def _logits(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+        """The model's forward pass at ``views``; with ``precision: bf16`` under ``torch.autocast`` (matrix
+        products and convolutions in bfloat16, reductions and normalizations in float32, as autocast decides),
+        the logits returned in float32. Parameters and gradients stay float32 leaves either way."""
+        if self.autocast is None:
+            return self.model.call_views(views, x)
+        with torch.autocast(x.device.type, dtype=self.autocast):
+            logits = self.model.call_views(views, x)
+        return logits.float()
+
+    def _arranged(self, x: torch.Tensor) -> torch.Tensor:
+        """One client's image batch in channels-last memory order when ``channels_last`` is set (cuDNN's
+        tensor-core convolutions want NHWC). Only outside ``vmap``, which cannot change a memory format: the
+        vectorized engine keeps its grouped convolutions' layout."""
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
+
     # Per-client losses of the tensors ``views`` (one client's parameters, per tensor).
     def _mean_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model.call_views(views, x), y)
+        return F.cross_entropy(self._logits(views, x), y)
 
     def _weighted_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                        weight: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(self.model.call_views(views, x), y, reduction="none")
+        losses = F.cross_entropy(self._logits(views, x), y, reduction="none")
         return (losses * weight).sum() / weight.sum()
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
                         tau: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
-        return distilled_objective(self.model.call_views(views, x), y, teacher_logp, gamma, tau, weight)
+        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +139,8 @@ class Oracle:
         losses, rows = [], []
         for c in range(C):
             views = [v.detach().requires_grad_(True) for v in self.model.layout.views(W[c])]
-            total, ce = objective(views, *batch.row(c), teacher_logp[c][batch.real(c)])
+            x, y = batch.row(c)
+            total, ce = objective(views, self._arranged(x), y, teacher_logp[c][batch.real(c)])
             rows.append(self._flat(torch.autograd.grad(total, views), ()))
             losses.append(ce.detach())
         return torch.stack(losses), torch.stack(rows)
@@ -130,7 +150,7 @@ class Oracle:
 
     def _loss_grad_one(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         views = [v.detach().requires_grad_(True) for v in self.model.layout.views(w)]
-        loss = F.cross_entropy(self.model.call_views(views, x), y)
+        loss = self._mean_loss(views, self._arranged(x), y)
         grads = torch.autograd.grad(loss, views)
         return loss.detach(), self._flat(grads, ())
 
@@ -166,5 +186,5 @@ class Oracle:
         losses = []
         for c in range(W.shape[0]):
             x, y = batch.row(c)
-            losses.append(F.cross_entropy(self.model(W[c], x), y))
+            losses.append(self._mean_loss(tuple(self.model.layout.views(W[c])), self._arranged(x), y))
         return torch.stack(losses)

@@ -67,6 +67,8 @@ class WorkerSpec:
     augmentation: str | None
     use_gpu: bool
     tf32: bool = False
+    precision: str = "float32"  # the clients' passes (Config.precision)
+    channels_last: bool = False
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
@@ -90,7 +92,8 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
                             augmentation_fn(spec.augmentation), spec.standardize)
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(spec.engine, device, spec.step_flops)
-    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size)
+    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size,
+                         spec.precision, spec.channels_last)
 
 
 Data = tuple[np.ndarray, np.ndarray, list[np.ndarray]]

@@ -160,7 +160,7 @@ class ClientRuntime:
     """
 
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
-                 engine: str, chunk_size: int | None = None):
+                 engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False):
         if engine not in ("sequential", "vectorized"):
             raise ConfigError(f"engine must be sequential or vectorized here, got {engine!r}")
         if engine == "vectorized":
@@ -168,7 +168,7 @@ class ClientRuntime:
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
         self.engine = engine
         self.fixed_chunk = chunk_size
-        self.oracle = Oracle(model, vectorized=engine == "vectorized")
+        self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last)
         self._client_bytes: int | None = None
         self.oom_retries = 0
         self.oom_cap: int | None = None  # the largest chunk known to fit, after an out-of-memory error

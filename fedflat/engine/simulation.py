@@ -230,7 +230,7 @@ class Simulation:
                                      cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
                                      dataset.standardize)
         self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine,
-                                     cfg.chunk_size)
+                                     cfg.chunk_size, cfg.precision, cfg.channels_last)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.model_fn = model_fn
         self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
@@ -250,7 +250,8 @@ class Simulation:
                           input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
                           settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
                           augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
-                          tf32=cfg.tf32, step_flops=self.step_flops, standardize=self.dataset.standardize)
+                          tf32=cfg.tf32, precision=cfg.precision, channels_last=cfg.channels_last,
+                          step_flops=self.step_flops, standardize=self.dataset.standardize)
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:
