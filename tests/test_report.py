@@ -12,7 +12,7 @@ import yaml
 
 from fedflat.config import load_config, resolve
 from fedflat.experiments.plots import _slug, curve, write_plots
-from fedflat.experiments.report import ReportError, build_rows, find_runs, report
+from fedflat.experiments.report import ReportError, build_rows, find_runs, report, runs_at
 from tests.conftest import tiny_tree
 
 # (method, alpha, seed) -> test accuracy after rounds 1, 2, 3 and cumulative training seconds
@@ -144,6 +144,32 @@ def test_report_errors(tmp_path, runs_dir):
         report([runs_dir], [75])
     with pytest.raises(ReportError, match="--format"):
         report([runs_dir], [], "html")
+
+
+def test_at_round_reports_the_runs_as_they_stood_then(runs_dir, tmp_path, capsys):
+    """``--at-round 2``: final accuracy at round 2, best up to it, rounds to target and s/round within it; a
+    run extended to 4 rounds groups with the 3-round runs; a run that never evaluated round 2 is left out."""
+    longer = make_run(tmp_path / "sweep", "fedavg", 0.3, 2, [0.40, 0.76, 0.70, 0.99], [1.0, 2.0, 3.0, 4.0])
+    summary = json.loads((longer / "summary.json").read_text())
+    (longer / "summary.json").write_text(json.dumps({**summary, "rounds": 4}))
+    short = make_run(tmp_path / "short", "fedsam", 0.3, 2, [0.95], [2.0])
+    rows = {(r.setting, r.method): r for r in build_rows(runs_at(find_runs([runs_dir, short]), 2), [0.8])}
+    assert set(rows) == {("alpha=0.3", "fedavg"), ("alpha=0.3", "fedsam"), ("alpha=1", "fedavg")}
+    avg = rows["alpha=0.3", "fedavg"]  # seeds 0, 1 and the extended seed 2: 0.70, 0.84, 0.76 at round 2
+    assert avg.seeds == 3 and avg.rounds == 2
+    assert avg.final[0] == pytest.approx(100 * (0.70 + 0.84 + 0.76) / 3)
+    assert avg.best[0] == pytest.approx(100 * (0.70 + 0.84 + 0.76) / 3)  # best so far: no later 0.99
+    assert avg.targets[0.8] == (2.0, 2.0, 1) and avg.sec_per_round == pytest.approx(1.0)
+    sam = rows["alpha=0.3", "fedsam"]  # the one-round run is not among its seeds
+    assert sam.seeds == 2 and sam.final[0] == pytest.approx(83.0) and sam.best[0] == pytest.approx(83.0)
+    assert "left out" in capsys.readouterr().err
+    with pytest.raises(ReportError, match="no run evaluated round 9"):
+        runs_at(find_runs([runs_dir]), 9)
+    from fedflat.cli import main
+
+    assert main(["report", str(runs_dir), "--at-round", "1", "--format", "csv"]) == 0
+    finals = {r["method"]: r["final_acc_mean"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    assert float(finals["fedsam"]) == pytest.approx(60.0)
 
 
 def test_cli_report_end_to_end(runs_dir, tmp_path, capsys):

@@ -75,14 +75,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedflat.experiments.report import ReportError, build_rows, find_runs, FORMATS
+    from fedflat.experiments.report import ReportError, find_runs, runs_at, table
 
     try:
         runs = find_runs(args.paths)
-        targets = sorted(set(args.target_acc or []))
-        if args.format not in FORMATS:
-            raise ReportError(f"--format {args.format}: choose one of {', '.join(FORMATS)}")
-        text = FORMATS[args.format](build_rows(runs, targets), targets)
+        if args.at_round is not None:
+            runs = runs_at(runs, args.at_round)
+        text = table(runs, args.target_acc or [], args.format)
     except ReportError as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
@@ -125,6 +124,9 @@ def register(sub) -> None:
     p.add_argument("--target-acc", type=float, nargs="*", default=[], metavar="X",
                    help="target test accuracies as fractions, e.g. 0.7 0.75")
     p.add_argument("--format", default="markdown", help="markdown | csv | latex")
+    p.add_argument("--at-round", type=int, default=None, metavar="R",
+                   help="the runs as they stood after round R (final accuracy there, best up to it); runs "
+                        "that did not evaluate round R are left out")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG convergence curves and partition heatmaps")
     p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
     p.set_defaults(func=cmd_report)

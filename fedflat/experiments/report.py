@@ -131,6 +131,39 @@ def read_run(path: Path) -> Run:
     return Run(path=path, config=flatten(config), summary=summary, metrics=metrics)
 
 
+def at_round(run: Run, round: int) -> Run | None:
+    """``run`` as it stood after ``round`` rounds: its metrics up to that round, final accuracy there, best
+    accuracy up to it, training time then — or None when it did not evaluate that round. Runs planned for
+    different lengths compare at a common round this way (the papers report round 500 of longer runs too)."""
+    kept = [m for m in run.metrics if m["round"] <= round]
+    if not kept or kept[-1]["round"] != round or kept[-1].get("test_acc") is None:
+        return None
+    accuracies = [m["test_acc"] for m in kept if m.get("test_acc") is not None]
+    status = run.summary.get("status") if run.summary.get("status") == "corrupt" else "completed"
+    summary = {**run.summary, "status": status, "rounds": round, "final_test_acc": kept[-1]["test_acc"],
+               "final_test_loss": kept[-1].get("test_loss"), "best_test_acc": max(accuracies),
+               "train_seconds": kept[-1].get("train_seconds")}
+    return Run(path=run.path, config={**run.config, "rounds": round}, summary=summary, metrics=kept)
+
+
+def runs_at(runs: list[Run], round: int) -> list[Run]:
+    """The runs that evaluated ``round``, each as it stood then (:func:`at_round`); the others are left out
+    with a warning, and none at all is an error."""
+    if round < 1:
+        raise ReportError(f"--at-round {round}: give a round of 1 or more")
+    cut = []
+    for run in runs:
+        then = at_round(run, round)
+        if then is None:
+            last = run.metrics[-1]["round"] if run.metrics else 0
+            warn(f"left out {run.path}: it did not evaluate round {round} (its last evaluation: round {last})")
+        else:
+            cut.append(then)
+    if not cut:
+        raise ReportError(f"no run evaluated round {round} (evaluations are every eval.every rounds)")
+    return cut
+
+
 def _ignored(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
 
@@ -347,9 +380,17 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
 FORMATS = {"markdown": to_markdown, "csv": to_csv, "latex": to_latex}
 
 
-def report(paths: Iterable[str | Path], targets: list[float] = (), fmt: str = "markdown") -> str:
-    """The table of every run under ``paths`` in ``fmt`` (markdown, csv or latex)."""
+def report(paths: Iterable[str | Path], targets: list[float] = (), fmt: str = "markdown",
+           round: int | None = None) -> str:
+    """The table of every run under ``paths`` in ``fmt`` (markdown, csv or latex); with ``round``, of the
+    runs as they stood after that round (:func:`runs_at`)."""
+    runs = find_runs(paths)
+    return table(runs if round is None else runs_at(runs, round), targets, fmt)
+
+
+def table(runs: list[Run], targets: Iterable[float], fmt: str) -> str:
+    """The table of ``runs`` in ``fmt`` (markdown, csv or latex)."""
     if fmt not in FORMATS:
         raise ReportError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     targets = sorted(set(targets))
-    return FORMATS[fmt](build_rows(find_runs(paths), targets), targets)
+    return FORMATS[fmt](build_rows(runs, targets), targets)
