@@ -39,8 +39,7 @@ def test_run_folder_contents_and_rerun_from_its_config(tiny, tmp_path):
     # config.yaml is complete: rerunning it reproduces the metrics
     again = fedflat.run(folder / "config.yaml", out=tmp_path, progress=False)
     assert again.run_dir != folder
-    strip = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k} for m in ms]  # noqa: E731
-    assert strip(again.metrics) == strip(metrics)
+    assert metrics_equal(again.metrics, metrics)
 
 
 def test_run_folders_are_never_reused(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from fedflat.config import ConfigError
-from fedflat.experiments.checkpoint import CHECKPOINT, read_checkpoint
+from fedflat.experiments.checkpoint import CHECKPOINT, metrics_equal, read_checkpoint
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.rundir import read_jsonl
 from fedflat.experiments.sweep import load_sweep, run_sweep
@@ -100,8 +100,7 @@ def test_rerun_skips_finished_cells_and_resumes_unfinished(tmp_path):
     assert actions == {"fedavg__seed0": "ran", "fedavg__seed1": "skipped", "fedsam__seed0": "skipped",
                        "fedsam__seed1": "resumed"}
     resumed = read_jsonl(cell / "metrics.jsonl")
-    strip = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k} for m in ms]  # noqa: E731
-    assert strip(resumed) == strip(reference)
+    assert metrics_equal(resumed, reference)
 
 
 def test_failed_cell_is_recorded_and_the_others_run(tmp_path, monkeypatch):
@@ -159,10 +158,9 @@ def test_rerun_with_more_rounds_extends_completed_cells_and_never_shortens_them(
     longer = run_sweep(load_sweep(path, extra_overrides=["rounds=3"]), progress=False)
     assert [(c["status"], c["action"], c["rounds"]) for c in longer.cells] == [("completed", "resumed", 3)] * 2
     planned = run_sweep(load_sweep(path, out=tmp_path / "planned", extra_overrides=["rounds=3"]), progress=False)
-    strip = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k} for m in ms]  # noqa: E731
     for cell in ("fedavg", "fedsam"):
-        assert strip(read_jsonl(tmp_path / "out" / cell / "metrics.jsonl")) == \
-            strip(read_jsonl(tmp_path / "planned" / cell / "metrics.jsonl"))
+        assert metrics_equal(read_jsonl(tmp_path / "out" / cell / "metrics.jsonl"),
+                             read_jsonl(tmp_path / "planned" / cell / "metrics.jsonl"))
     assert {c["action"] for c in planned.cells} == {"ran"}
     before = (tmp_path / "out" / "fedsam" / "metrics.jsonl").read_text()
     shorter = run_sweep(load_sweep(path), progress=False)
