@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
+from fedflat.algorithms import RECIPES, AlgorithmError, RoundContext, TrainSettings, build_algorithm
 from fedflat.algorithms.fedlw import fedlw_weights, fednolowe_weights
 from fedflat.algorithms.qfedavg import qfedavg_step
 from fedflat.config import ConfigError, load_config
@@ -98,6 +98,8 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
     c, h, m, v = zero.copy(), zero.copy(), zero.copy(), zero.copy()
     c_i: dict[int, np.ndarray] = {}
     h_i: dict[int, np.ndarray] = {}
+    n_all = np.array([len(ix) for ix in sim.client_indices], dtype=float)
+    T = n_all / n_all.sum()  # FedAWA's logits start at the sample fractions
     for t in range(rounds):
         lr = train["lr"] * train["lr_decay"] ** t
         ids = sim.sample_clients(t).tolist()
@@ -148,6 +150,8 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
         elif method == "fednolowe":
             losses = np.array(mean_losses)
             p = (1 - losses / losses.sum()) / (K - 1)
+        elif method == "fedawa":
+            p, T[ids] = awa_reference(T[ids], w, finals, hp["awa_steps"], hp["awa_lr"])
         else:
             p = np.full(K, 1.0 / K)
         Dbar = p @ deltas
@@ -178,7 +182,25 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
             w = w - D.sum(0) / hq.sum()
         else:
             w = w + Dbar
-    return {"w": w, "c": c, "c_i": c_i, "h": h, "h_i": h_i, "m": m, "v": v}
+    return {"w": w, "c": c, "c_i": c_i, "h": h, "h_i": h_i, "m": m, "v": v, "T_shift": T - n_all / n_all.sum()}
+
+
+def awa_reference(T: np.ndarray, w: np.ndarray, finals: np.ndarray, steps: int, lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """FedAWA's server: ``steps`` Adam steps (betas 0.5, 0.999, fresh state) on the logits ``T`` of
+    ``L = sum_i lam_i ||tau_i - lam^T tau|| + sum_i lam_i (1 - cos(w, w_i))``, ``lam = softmax(T)``, with the
+    gradient by hand; returns the ``lam`` of the last step's forward pass (before it moved ``T``) and the new ``T``."""
+    tau = finals - w
+    d = 1 - finals @ w / (np.linalg.norm(finals, axis=1) * np.linalg.norm(w))
+    m, v, T = np.zeros_like(T), np.zeros_like(T), T.copy()
+    for k in range(1, steps + 1):
+        lam = np.exp(T - T.max()) / np.exp(T - T.max()).sum()
+        r = tau - lam @ tau  # tau_i - tau_g
+        s = np.linalg.norm(r, axis=1)
+        dL_dlam = s + d - tau @ ((lam / s) @ r)  # d s_i / d lam_j = -(r_i . tau_j) / s_i
+        g = lam * (dL_dlam - lam @ dL_dlam)  # through the softmax
+        m, v = 0.5 * m + 0.5 * g, 0.999 * v + 0.001 * g ** 2
+        T = T - lr * (m / (1 - 0.5 ** k)) / (np.sqrt(v / (1 - 0.999 ** k)) + 1e-8)
+    return lam, T
 
 
 METHODS = {
@@ -192,6 +214,7 @@ METHODS = {
     "qfedavg": {"q": 1.5},
     "fedlw": {},
     "fednolowe": {},
+    "fedawa": {"awa_steps": 3, "awa_lr": 0.5},  # a large rate, so the logits move the weights visibly
     "fedavg": {},
 }
 
@@ -203,6 +226,7 @@ STATE = {
     "fedadam": [("server", "adam.m", "m"), ("server", "adam.v", "v")],
     "fedavgm": [("server", "avgm.m", "m")],
     "fedacg": [("server", "acg.m", "m")],
+    "fedawa": [("server", "fedawa.shift", "T_shift")],
 }
 
 
@@ -251,6 +275,26 @@ def test_fedlw_and_fednolowe_weights_by_hand():
     # l = F / sum F = 2/7, 4/7, 1/7  ->  (1 - l) / 2
     torch.testing.assert_close(fednolowe_weights(F), torch.tensor([5 / 14, 3 / 14, 6 / 14]))
     torch.testing.assert_close(fednolowe_weights(torch.tensor([0.7])), torch.tensor([1.0]))
+
+
+def test_fedawa_weighs_down_the_client_whose_update_disagrees():
+    """Three clients start at equal logits (equal sizes): the round averages uniformly, and the one Adam step
+    (lr 0.1: a step of about 0.1 on each logit) lowers the logit of the client whose update points away from the
+    others' and raises theirs; a client never sampled keeps its start (no shift)."""
+    w = torch.tensor([1.0, 1.0])
+    updates = torch.tensor([[1.0, 0.0], [1.0, 0.2], [-1.0, 0.0]])
+    settings = TrainSettings(weight_decay=0.0, clip=None, batch_size=10, global_lr=1.0, num_clients=4, seed=0,
+                             total_samples=40)
+    part = build_algorithm({"name": "fedawa", "awa_lr": 0.1}).parts["aggregation"]
+    server: dict[str, torch.Tensor] = {}
+    part.setup(server, w, settings)
+    ctx = RoundContext(round=0, lr=0.1, w=w, sampled=torch.tensor([0, 1, 2]), num_samples=torch.tensor([10, 10, 10]),
+                       steps=torch.tensor([1, 1, 1]), server=dict(server), settings=settings,
+                       uploads={"model": w + updates, "train_loss": torch.zeros(3)})
+    torch.testing.assert_close(part.weights(ctx), torch.full((3,), 1 / 3))
+    shift = ctx.server["fedawa.shift"]  # the logits minus their start, n_i / n = 0.25
+    torch.testing.assert_close(shift, torch.tensor([0.1, 0.1, -0.1, 0.0]), atol=1e-4, rtol=0)
+    assert not server["fedawa.shift"].any()  # the round changed its copy of the server state, not the state
 
 
 def test_qfedavg_step_by_hand():
@@ -325,7 +369,7 @@ def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
 COMMUNICATION = {
     "fedavg": (1, 1, 0), "fedprox": (1, 1, 0), "scaffold": (2, 2, 1), "feddyn": (1, 1, 1), "fedcm": (1, 2, 0),
     "fedadam": (1, 1, 0), "fedavgm": (1, 1, 0), "fedacg": (1, 1, 0), "qfedavg": (1, 1, 0), "fedlw": (1, 1, 0),
-    "fednolowe": (1, 1, 0), "fedsam": (1, 1, 0), "mofedsam": (1, 2, 0), "fedgamma": (2, 2, 1), "fedsmoo": (2, 2, 2),
+    "fednolowe": (1, 1, 0), "fedawa": (1, 1, 0), "fedsam": (1, 1, 0), "mofedsam": (1, 2, 0), "fedgamma": (2, 2, 1), "fedsmoo": (2, 2, 2),
     "fedgloss": (1, 1, 1), "fedspeed": (1, 1, 1), "fedlesam": (1, 1, 1), "fedlesam-s": (2, 2, 2),
     "fedlesam-d": (1, 1, 2), "fedwmsam": (1, 2, 1), "fedvssam": (1, 2, 0), "fedscam": (1, 1, 0),
     "fedscam-wa": (1, 1, 0), "fedscam-sam": (1, 1, 0), "fedlwsam": (1, 1, 0), "fedfft": (1, 1, 0),

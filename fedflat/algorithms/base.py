@@ -65,6 +65,7 @@ class TrainSettings:
     num_clients: int
     seed: int
     layout: "ParamLayout | None" = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
+    total_samples: int = 0  # training samples over all clients, n (FedAWA's initial logits n_i / n); 0: unknown
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,

@@ -214,7 +214,7 @@ class Simulation:
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
-                                      layout=self.model.layout)
+                                      layout=self.model.layout, total_samples=int(self.num_samples.sum()))
         try:  # clients keep private parameters (FedPer): evaluation is then per client (evaluate_personalized)
             self.personalized = self.algorithm.parts["personalization"].private(self.settings) is not None
         except AlgorithmError as err:  # e.g. more private layers than the model has
