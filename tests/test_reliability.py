@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -21,6 +22,10 @@ from fedflat.experiments.rundir import RunFolderBusy, read_jsonl
 from fedflat.experiments.sweep import run_cell
 
 REPO = Path(__file__).resolve().parents[1]
+# The command line as a subprocess: the module, so the tests need fedflat importable from the repository, not its
+# console script installed next to this Python (the GPU machine could not build it offline).
+CLI = [sys.executable, "-m", "fedflat.cli"]
+CLI_SHELL = " ".join(shlex.quote(part) for part in CLI)
 
 
 def _holder(folder: Path) -> subprocess.Popen:
@@ -85,8 +90,7 @@ def test_an_unusable_output_folder_is_refused_before_the_data_load(tmp_path, cap
 
 
 def test_a_read_only_output_folder_is_refused_before_the_data_load(tmp_path):
-    fedflat_cli = Path(sys.executable).with_name("fedflat")
-    out = _in_small_tmpfs("64k,ro", f"{fedflat_cli} run rounds=1 --out $T/runs --no-progress; echo EXIT=$?", tmp_path)
+    out = _in_small_tmpfs("64k,ro", f"{CLI_SHELL} run rounds=1 --out $T/runs --no-progress; echo EXIT=$?", tmp_path)
     assert "EXIT=2" in out.stdout and "is not writable" in out.stderr, out.stderr[-2000:]
 
 
@@ -108,8 +112,7 @@ def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
     """A 512 KiB tmpfs holds the run's first files but not its checkpoint of the quickstart MLP: the run
     ends with one line, summary.json says failed (never 'running') with what to do; after space is freed
     (here: a bigger disk), resume finishes exactly as an uninterrupted run."""
-    fedflat_cli = Path(sys.executable).with_name("fedflat")
-    out = _in_small_tmpfs("512k", f"{fedflat_cli} run rounds=6 checkpoint_every=2 --out $T --no-progress; "
+    out = _in_small_tmpfs("512k", f"{CLI_SHELL} run rounds=6 checkpoint_every=2 --out $T --no-progress; "
                                   "echo EXIT=$?; cp -r $T/. " + str(tmp_path / "saved"), tmp_path)
     assert "EXIT=3" in out.stdout, out.stderr[-2000:]
     assert len(out.stderr.strip().splitlines()) <= 2 and "Traceback" not in out.stderr  # the folder, one error line
@@ -124,15 +127,14 @@ def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
 
 
 def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):
-    fedflat_cli = Path(sys.executable).with_name("fedflat")
-    out = _in_small_tmpfs("64k", f"{fedflat_cli} run rounds=2 --out $T --no-progress; echo EXIT=$?; ls -A $T",
+    out = _in_small_tmpfs("64k", f"{CLI_SHELL} run rounds=2 --out $T --no-progress; echo EXIT=$?; ls -A $T",
                           tmp_path)
     assert "EXIT=3" in out.stdout and "no space left" in out.stderr, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "EXIT=3"  # and `ls` printed nothing: no folder left behind
 
 
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("fedflat")), "run", "rounds=100000",
+    proc = subprocess.Popen([*CLI, "run", "rounds=100000",
                              "checkpoint_every=5", "--out", str(tmp_path), "--no-progress"],
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     first = proc.stderr.readline()
@@ -178,7 +180,7 @@ def _foreground_signals() -> None:
 
 
 def _start_sweep(path: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(Path(sys.executable).with_name("fedflat")), "sweep", str(path), "--workers", "2",
+    return subprocess.Popen([*CLI, "sweep", str(path), "--workers", "2",
                              "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=REPO, start_new_session=True, preexec_fn=_foreground_signals)
 
