@@ -13,6 +13,7 @@ import torch
 
 import fedflat
 from fedflat.algorithms import RECIPES, AlgorithmError, RoundContext, TrainSettings, build_algorithm
+from fedflat.algorithms.fedawa import distance_to_global
 from fedflat.algorithms.fedlw import fedlw_weights, fednolowe_weights
 from fedflat.algorithms.qfedavg import qfedavg_step
 from fedflat.config import ConfigError, load_config
@@ -185,7 +186,8 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
     return {"w": w, "c": c, "c_i": c_i, "h": h, "h_i": h_i, "m": m, "v": v, "T_shift": T - n_all / n_all.sum()}
 
 
-def awa_reference(T: np.ndarray, w: np.ndarray, finals: np.ndarray, steps: int, lr: float) -> tuple[np.ndarray, np.ndarray]:
+def awa_reference(T: np.ndarray, w: np.ndarray, finals: np.ndarray, steps: int,
+                  lr: float) -> tuple[np.ndarray, np.ndarray]:
     """FedAWA's server: ``steps`` Adam steps (betas 0.5, 0.999, fresh state) on the logits ``T`` of
     ``L = sum_i lam_i ||tau_i - lam^T tau|| + sum_i lam_i (1 - cos(w, w_i))``, ``lam = softmax(T)``, with the
     gradient by hand; returns the ``lam`` of the last step's forward pass (before it moved ``T``) and the new ``T``."""
@@ -297,6 +299,13 @@ def test_fedawa_weighs_down_the_client_whose_update_disagrees():
     assert not server["fedawa.shift"].any()  # the round changed its copy of the server state, not the state
 
 
+def test_fedawa_distances_to_the_global_model_by_hand():
+    """``1 - cos``: 1 - 3 / sqrt(10), 0, 2 (opposite); the mean squared difference: (1 + 0) / 2, 0, (4 + 4) / 2."""
+    w, W = torch.tensor([1.0, 1.0]), torch.tensor([[2.0, 1.0], [1.0, 1.0], [-1.0, -1.0]])
+    torch.testing.assert_close(distance_to_global(w, W, "cos"), torch.tensor([1 - 3 / 10 ** 0.5, 0.0, 2.0]))
+    torch.testing.assert_close(distance_to_global(w, W, "euc"), torch.tensor([0.5, 0.0, 4.0]))
+
+
 def test_qfedavg_step_by_hand():
     """L = 2; dw_1 = (-2, 0), dw_2 = (0, -4); F = (1, 4), q = 1: D = (-2, 0), (0, -16);
     h_1 = 4 + 2 = 6, h_2 = 16 + 8 = 24; w+ = -(-2, -16) / 30."""
@@ -369,7 +378,8 @@ def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
 COMMUNICATION = {
     "fedavg": (1, 1, 0), "fedprox": (1, 1, 0), "scaffold": (2, 2, 1), "feddyn": (1, 1, 1), "fedcm": (1, 2, 0),
     "fedadam": (1, 1, 0), "fedavgm": (1, 1, 0), "fedacg": (1, 1, 0), "qfedavg": (1, 1, 0), "fedlw": (1, 1, 0),
-    "fednolowe": (1, 1, 0), "fedawa": (1, 1, 0), "fedsam": (1, 1, 0), "mofedsam": (1, 2, 0), "fedgamma": (2, 2, 1), "fedsmoo": (2, 2, 2),
+    "fednolowe": (1, 1, 0), "fedawa": (1, 1, 0), "fedsam": (1, 1, 0), "mofedsam": (1, 2, 0), "fedgamma": (2, 2, 1),
+    "fedsmoo": (2, 2, 2),
     "fedgloss": (1, 1, 1), "fedspeed": (1, 1, 1), "fedlesam": (1, 1, 1), "fedlesam-s": (2, 2, 2),
     "fedlesam-d": (1, 1, 2), "fedwmsam": (1, 2, 1), "fedvssam": (1, 2, 0), "fedscam": (1, 1, 0),
     "fedscam-wa": (1, 1, 0), "fedscam-sam": (1, 1, 0), "fedlwsam": (1, 1, 0), "fedfft": (1, 1, 0),
