@@ -195,7 +195,8 @@ def awa_reference(T: np.ndarray, w: np.ndarray, finals: np.ndarray, steps: int,
     d = 1 - finals @ w / (np.linalg.norm(finals, axis=1) * np.linalg.norm(w))
     m, v, T = np.zeros_like(T), np.zeros_like(T), T.copy()
     for k in range(1, steps + 1):
-        lam = np.exp(T - T.max()) / np.exp(T - T.max()).sum()
+        e = np.exp(T - T.max())
+        lam = e / e.sum()
         r = tau - lam @ tau  # tau_i - tau_g
         s = np.linalg.norm(r, axis=1)
         dL_dlam = s + d - tau @ ((lam / s) @ r)  # d s_i / d lam_j = -(r_i . tau_j) / s_i

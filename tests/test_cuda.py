@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fedflat
+from fedflat.engine.oracle import Batch
 from fedflat.engine.simulation import Simulation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -86,7 +87,6 @@ def test_out_of_memory_in_a_chunk_halves_it_and_changes_nothing(tiny):
     torch.testing.assert_close(sim.w, reference.w, rtol=1e-4, atol=1e-4)
 
 
-
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_bf16_channels_last_gradients_are_float32_ones_rounded(tiny, engine):
     """``precision=bf16 channels_last=true`` on the GPU (tensor-core kernels): a CNN's gradient on
@@ -95,8 +95,6 @@ def test_bf16_channels_last_gradients_are_float32_ones_rounded(tiny, engine):
     trains without a host synchronisation more than float32's."""
     overrides = ("algo=fedsam", f"engine={engine}", "device=cuda", "model=cnn", "data.options.shape=[3,32,32]")
     fast, exact = Simulation(tiny(*overrides, "precision=bf16", "channels_last=true")), Simulation(tiny(*overrides))
-    from fedflat.engine.oracle import Batch
-
     x = fast.dataset.features(fast.dataset.x_train[:20]).reshape(2, 10, 3, 32, 32)
     batch = Batch(x, fast.dataset.y_train[:20].reshape(2, 10))
     W = fast.w.expand(2, -1)

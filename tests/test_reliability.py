@@ -180,9 +180,9 @@ def _foreground_signals() -> None:
 
 
 def _start_sweep(path: Path) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "sweep", str(path), "--workers", "2",
-                             "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, start_new_session=True, preexec_fn=_foreground_signals)
+    return subprocess.Popen([*CLI, "sweep", str(path), "--workers", "2", "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+                            preexec_fn=_foreground_signals)
 
 
 def _wait_for_rounds(folders: list[Path], rounds: int, seconds: float = 120) -> None:
