@@ -489,6 +489,22 @@ def test_random_projection_blockwise_equals_cached(monkeypatch):
     torch.testing.assert_close(scam.random_projection(X, 32, seed=1), cached, rtol=1e-4, atol=1e-4)
 
 
+def test_random_projection_keeps_the_blocks_of_mid_size_models(monkeypatch):
+    """Between the two limits the blocks are drawn once and reused, bit for bit the blocks drawn every call."""
+    import fedflat.algorithms.fedscam as scam
+    X = torch.randn(2, 10000)
+    monkeypatch.setattr(scam, "_CACHE_LIMIT", 0)
+    monkeypatch.setattr(scam, "_BLOCK_CACHE_LIMIT", 0)
+    drawn = scam.random_projection(X, 32, seed=3)
+    monkeypatch.setattr(scam, "_BLOCK_CACHE_LIMIT", 10000 * 32)
+    scam._cached_blocks.cache_clear()
+    first, second = scam.random_projection(X, 32, seed=3), scam.random_projection(X, 32, seed=3)
+    assert scam._cached_blocks.cache_info().hits == 1 and scam._cached_blocks.cache_info().misses == 1
+    torch.testing.assert_close(first, drawn, rtol=0, atol=0)
+    torch.testing.assert_close(second, drawn, rtol=0, atol=0)
+    assert not torch.allclose(scam.random_projection(X, 32, seed=4), drawn)  # another seed: other blocks
+
+
 def test_conflict_dampening_downweights_the_smaller_of_each_conflicting_pair():
     Z = torch.tensor([[1.0, 0.0], [-1.0, 0.1], [0.0, 1.0], [0.0, -1.0]])
     norms = torch.tensor([2.0, 1.0, 3.0, 4.0])

@@ -43,31 +43,41 @@ DIRECTION_MEMORY = "scam.u"  # server state, broadcast: u_{t-1}, the projected d
 _SCORES = "scam.scores"  # cohort.extra: {h, c, h_adj} of the chunk's clients
 ALIGNMENT, ADJUSTED_HETEROGENEITY, RADIUS = "scam.c", "scam.h_adj", "scam.radius"  # uploads, [K]
 _COLUMNS = 4096  # the projection is generated in column blocks of this width, each from its own stream
-_CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory
+_CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory as one matrix
+# Larger ones up to this many entries (256 MiB in float32) keep their blocks: drawing them again costs a
+# FedSCAM round a second per summary on the MLP (P d = 51 M normals), most of its overhead over FedSAM.
+_BLOCK_CACHE_LIMIT = 1 << 26
 
 
-def _projection_blocks(seed: int, P: int, d: int):
+def _projection_blocks(seed: int, P: int, d: int, columns: int):
     """Column blocks ``(start, R_b[d, width])`` of the fixed Gaussian projection; block ``b`` is drawn from
     the stream (seed, ``"scam_projection/b"``), so ``R`` does not depend on how it is traversed."""
-    for b, start in enumerate(range(0, P, _COLUMNS)):
+    for b, start in enumerate(range(0, P, columns)):
         g = torch_stream(seed, -1, SERVER, f"scam_projection/{b}")
-        yield start, torch.randn(d, min(_COLUMNS, P - start), generator=g)
+        yield start, torch.randn(d, min(columns, P - start), generator=g)
 
 
 @lru_cache(maxsize=4)
 def _projection_matrix(seed: int, P: int, d: int, device: str) -> torch.Tensor:
-    return torch.cat([R for _, R in _projection_blocks(seed, P, d)], dim=1).to(device)
+    return torch.cat([R for _, R in _projection_blocks(seed, P, d, _COLUMNS)], dim=1).to(device)
+
+
+@lru_cache(maxsize=1)
+def _cached_blocks(seed: int, P: int, d: int, device: str, columns: int) -> tuple[tuple[int, torch.Tensor], ...]:
+    return tuple((start, R.to(device)) for start, R in _projection_blocks(seed, P, d, columns))
 
 
 def random_projection(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
     """``P_d X = R X / sqrt(d)`` row by row, ``R[d, P]`` a fixed Gaussian matrix drawn from ``seed``
-    (generated block by block, so large models never hold all of ``R``)."""
+    (generated block by block, so the largest models never hold all of ``R``)."""
     P = X.shape[-1]
     if P * d <= _CACHE_LIMIT:
         R = _projection_matrix(seed, P, d, str(X.device))
         return X @ R.T / d ** 0.5
     out = torch.zeros(*X.shape[:-1], d, device=X.device, dtype=X.dtype)
-    for start, R in _projection_blocks(seed, P, d):
+    blocks = (_cached_blocks(seed, P, d, str(X.device), _COLUMNS) if P * d <= _BLOCK_CACHE_LIMIT
+              else _projection_blocks(seed, P, d, _COLUMNS))
+    for start, R in blocks:
         out += X[..., start:start + R.shape[1]] @ R.to(X.device, X.dtype).T
     return out / d ** 0.5
 
