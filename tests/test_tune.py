@@ -161,6 +161,26 @@ def test_selection_never_reads_the_test_set_and_a_rerun_resumes(tmp_path):
     assert kept.stat().st_mtime_ns == stamp
 
 
+def test_a_group_of_methods_runs_the_whole_studys_cells_and_the_index_keeps_the_others(tmp_path):
+    path = write_study(tmp_path)
+    group = run_study(load_study(path, only=["fedprox", "fedavg"]), progress=False)
+    assert list(group.methods) == ["fedavg", "fedprox"]  # the file's order
+    out = tmp_path / "out"
+    assert {d.name.split("__")[0] for d in (out / "trials").iterdir()} == {"fedavg", "fedprox"}
+    stamps = {f: f.stat().st_mtime_ns for f in out.glob("*/*/summary.json")}
+    rest = run_study(load_study(path, only=["fedsam"]), progress=False)
+    index = json.loads((out / "tune.json").read_text())
+    assert list(index["methods"]) == ["fedavg", "fedprox", "fedsam"]
+    assert index["methods"]["fedprox"]["selected"] == group.methods["fedprox"]["selected"]
+    whole = run_study(load_study(path), progress=False)  # runs fedsam-fixed alone; the groups' cells are skipped
+    assert all(f.stat().st_mtime_ns == t for f, t in stamps.items())
+    assert whole.methods["fedsam"] == rest.methods["fedsam"] and whole.methods["fedavg"] == group.methods["fedavg"]
+    other = run_study(load_study(write_study(tmp_path / "b"), only=["fedsam"]), progress=False)
+    assert other.methods["fedsam"] == rest.methods["fedsam"]  # the same cells as a study of fedsam alone
+    with pytest.raises(ConfigError, match="no method 'fedsma' in this file; its methods: fedavg, fedsam"):
+        load_study(path, only=["fedsma"])
+
+
 def test_bad_tune_files_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown search key 'budjet'.*did you mean 'budget'"):
         load_study(write_study(tmp_path, budjet=2))
@@ -181,6 +201,9 @@ def test_the_command_runs_a_study_and_prints_the_selections(tmp_path, capsys):
     assert main(["tune", str(path), "--dry-run"]) == 0
     listing = capsys.readouterr().out
     assert "fedprox: 2 of 2 candidates over algo.mu [0.1, 0.01]" in listing and "fedprox__mu0.01__seed0" in listing
+    assert main(["tune", str(path), "--methods", "fedprox, fedavg", "--dry-run"]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")] == [
+        "fedavg", "fedprox"]
     assert main(["tune", str(path), "rounds=1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "| fedprox | 2 (of 2) | algo.mu=" in out and f"fedflat report {tmp_path / 'out' / 'final'}" in out

@@ -44,7 +44,8 @@ def _ray_cells(args: argparse.Namespace):
 def cmd_tune(args: argparse.Namespace) -> int:
     from fedflat.experiments.tune import load_study, run_study, selection_table
 
-    study = load_study(args.tune, variant=args.variant, out=args.out, extra_overrides=args.overrides)
+    only = [name.strip() for name in args.methods.split(",") if name.strip()] if args.methods else None
+    study = load_study(args.tune, variant=args.variant, out=args.out, extra_overrides=args.overrides, only=only)
     trials = study.trial_cells()
     if args.dry_run:
         for name, per in trials.items():
@@ -109,6 +110,9 @@ def register(sub) -> None:
                                     "selections over seeds (reruns resume)")
     p.add_argument("tune", help="tune YAML (see configs/ and docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every trial and final run")
+    p.add_argument("--methods", default=None, metavar="A,B,...",
+                   help="only these of the file's methods: a group finishes its trials and final runs before the "
+                        "next starts (tune.json keeps the other methods' entries)")
     _cell_options(p)
     p.set_defaults(func=cmd_tune)
 

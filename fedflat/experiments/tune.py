@@ -24,8 +24,9 @@ A tune file (YAML)::
 Trials run in ``OUT/trials`` with ``data.validation`` set: their runs evaluate on held-out training samples and
 never see the test set (:func:`fedflat.data.validation_split`). A key a method's overrides set is fixed for that
 method, not searched. Every method gets the same budget of candidates and the same rounds, seeds and validation
-split; one whose grid is smaller runs all of it. When all trials of a method finished, its best candidate runs
-over the final seeds in ``OUT/final`` (a sweep folder: ``fedflat report OUT/final``). Cells are sweep cells:
+split; one whose grid is smaller runs all of it. When all trials finished, each method's best candidate runs
+over the final seeds in ``OUT/final`` (a sweep folder: ``fedflat report OUT/final``); ``only`` (the command's
+``--methods``) runs a group of the methods, whose cells are those of the whole study. Cells are sweep cells:
 rerunning skips finished ones and resumes interrupted ones; ``tune.json`` records trials, scores and selections.
 """
 from __future__ import annotations
@@ -178,8 +179,9 @@ def _int_list(value: Any, where: str) -> list[int]:
 
 
 def load_study(path: str | Path, variant: str | None = None, out: str | Path | None = None,
-               extra_overrides: list[str] | tuple[str, ...] = ()) -> Study:
-    """Reads a tune file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
+               extra_overrides: list[str] | tuple[str, ...] = (), only: list[str] | None = None) -> Study:
+    """Reads a tune file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``); ``only`` keeps
+    these of its methods (in the file's order)."""
     from fedflat.algorithms.registry import RECIPES
 
     path = Path(path)
@@ -225,6 +227,12 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
         method = Method(name, method_overrides, space)
         method.candidates, method.grid_size = _candidates(space, budget, study.sample_seed)
         study.methods[name] = method
+    if only is not None:
+        unknown = [name for name in only if name not in study.methods]
+        if unknown:
+            raise ConfigError(f"{path}: no method {', '.join(map(repr, unknown))} in this file; its methods: "
+                              f"{', '.join(study.methods)}")
+        study.methods = {name: m for name, m in study.methods.items() if name in only}
     return study
 
 
@@ -293,11 +301,20 @@ def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCel
 
 
 def _write_index(study: Study, methods: dict[str, dict[str, Any]]) -> None:
+    """Writes ``OUT/tune.json``; the entries of methods this run left out (``--methods``) stay when the
+    earlier index was made with the same budget, validation split, selection and seeds."""
+    protocol = {"budget": study.budget, "validation": study.validation, "select": f"{study.select}_val_acc",
+                "trial_seeds": study.trial_seeds, "final_seeds": study.final_seeds}
+    path = study.out / TUNE_FILE
+    try:
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):  # unreadable: rewritten from this run (the runs themselves are on disk)
+        earlier = {}
+    if all(earlier.get(k) == v for k, v in protocol.items()):
+        methods = {**earlier.get("methods", {}), **methods}
     index = {"source": str(study.source) if study.source else None, "variant": study.variant,
-             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget": study.budget,
-             "validation": study.validation, "select": f"{study.select}_val_acc",
-             "trial_seeds": study.trial_seeds, "final_seeds": study.final_seeds, "methods": methods}
-    atomic_write_text(study.out / TUNE_FILE, json.dumps(json_safe(index), indent=2) + "\n")
+             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **protocol, "methods": methods}
+    atomic_write_text(path, json.dumps(json_safe(index), indent=2) + "\n")
 
 
 def selection_table(result: StudyResult, study: Study) -> str:
