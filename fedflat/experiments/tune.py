@@ -84,6 +84,7 @@ class Study:
     out: Path
     variant: str | None = None
     sample_seed: int = 0
+    listed: list[str] = field(default_factory=list)  # the file's methods, of which ``methods`` may be a group
 
     def trial_cells(self) -> dict[str, list[tuple[dict[str, Any], list[Cell]]]]:
         """Per method, each candidate and its trial cells (one per trial seed)."""
@@ -232,6 +233,7 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
         if unknown:
             raise ConfigError(f"{path}: no method {', '.join(map(repr, unknown))} in this file; its methods: "
                               f"{', '.join(study.methods)}")
+        study.listed = list(study.methods)
         study.methods = {name: m for name, m in study.methods.items() if name in only}
     return study
 
@@ -301,8 +303,9 @@ def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCel
 
 
 def _write_index(study: Study, methods: dict[str, dict[str, Any]]) -> None:
-    """Writes ``OUT/tune.json``; the entries of methods this run left out (``--methods``) stay when the
-    earlier index was made with the same budget, validation split, selection and seeds."""
+    """Writes ``OUT/tune.json`` in the file's order; the entries of the file's methods that this run left out
+    (``--methods``) stay when the earlier index was made with the same budget, validation split, selection and
+    seeds."""
     protocol = {"budget": study.budget, "validation": study.validation, "select": f"{study.select}_val_acc",
                 "trial_seeds": study.trial_seeds, "final_seeds": study.final_seeds}
     path = study.out / TUNE_FILE
@@ -310,8 +313,9 @@ def _write_index(study: Study, methods: dict[str, dict[str, Any]]) -> None:
         earlier = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):  # unreadable: rewritten from this run (the runs themselves are on disk)
         earlier = {}
-    if all(earlier.get(k) == v for k, v in protocol.items()):
-        methods = {**earlier.get("methods", {}), **methods}
+    if study.listed and all(earlier.get(k) == v for k, v in protocol.items()):
+        merged = {**earlier.get("methods", {}), **methods}
+        methods = {name: merged[name] for name in study.listed if name in merged}
     index = {"source": str(study.source) if study.source else None, "variant": study.variant,
              "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **protocol, "methods": methods}
     atomic_write_text(path, json.dumps(json_safe(index), indent=2) + "\n")
