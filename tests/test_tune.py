@@ -79,6 +79,11 @@ def test_every_recipe_grid_names_its_own_hyperparameters():
                     load_config(None, [f"{key}={value}"])
 
 
+def test_fedcm_and_mofedsam_search_the_same_momentum_weights():
+    # MoFedSAM is FedCM with local SAM: a tune must not give its momentum weight a narrower range
+    assert RECIPES["mofedsam"].tunable["algo.a"] == RECIPES["fedcm"].tunable["algo.a"]
+
+
 def test_a_grid_larger_than_the_budget_is_sampled_evenly_and_reproducibly():
     rho = [0.1, 0.05, 0.01, 0.005, 0.001, 0.0005]
     assert _candidates({"algo.rho": rho}, 3, 0) == ([{"algo.rho": 0.1}, {"algo.rho": 0.01}, {"algo.rho": 0.0005}], 6)

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
                                     RoundContext, TrainSettings, momentum_mix)
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.algorithms.registry import MOMENTUM_WEIGHT_GRID, Recipe, register_recipe
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
@@ -48,4 +48,4 @@ class Momentum(Correction):
 register_recipe(Recipe(
     name="fedcm", summary="client-level momentum: a g + (1 - a) m, m the last average update; FedAvg server",
     source="Xu et al., arXiv:2106.10874, 2021", correction="momentum", defaults={"a": 0.1},
-    tunable={"algo.a": (0.05, 0.1, 0.2, 0.5)}))
+    tunable={"algo.a": MOMENTUM_WEIGHT_GRID}))

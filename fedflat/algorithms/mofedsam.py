@@ -5,10 +5,10 @@ Local direction ``a g(w + eps) + (1 - a) m``, ``eps = rho g(w)/||g(w)||``, ``m``
 """
 from __future__ import annotations
 
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
+from fedflat.algorithms.registry import MOMENTUM_WEIGHT_GRID, RHO_GRID, Recipe, register_recipe
 
 register_recipe(Recipe(
     name="mofedsam", summary="FedCM momentum with local SAM: a g(w + eps) + (1 - a) m",
     source="Qu et al., ICML 2022",
     perturbation="sam", correction="momentum", defaults={"rho": 0.1, "a": 0.1},
-    tunable={"algo.rho": RHO_GRID, "algo.a": (0.05, 0.1, 0.2)}))
+    tunable={"algo.rho": RHO_GRID, "algo.a": MOMENTUM_WEIGHT_GRID}))

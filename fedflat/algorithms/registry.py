@@ -39,6 +39,9 @@ def register_part(cls: type[Part]) -> type[Part]:
 # The SAM radius grid of the seeds: FedLESAM tunes rho in {0.05, 0.01, 0.005, 0.001, 0.0005} for every method
 # (seed 002 §E.1); 0.1 is the radius FedSMOO, FedLESAM-S/D and FedFFT run at (seeds 002, 004).
 RHO_GRID = (0.1, 0.05, 0.01, 0.005, 0.001, 0.0005)
+# The weight ``a`` of the local gradient in the client momentum ``a g + (1 - a) m`` (FedCM, MoFedSAM): one grid,
+# so that the two methods, which differ only by SAM, search the same values.
+MOMENTUM_WEIGHT_GRID = (0.05, 0.1, 0.2, 0.5)
 
 
 @dataclass(frozen=True)
