@@ -87,4 +87,6 @@ register_recipe(Recipe(
     name="fedgf", summary="FedGF: local SAM at an interpolation of the global and the local perturbed model",
     source="Lee & Yoon, ICML 2024; the authors' code (github.com/hwan-sig/Official-FedGF)",
     perturbation="gf", defaults={"rho": 0.05},
-    tunable={"algo.rho": (0.02, 0.05, 0.1), "algo.threshold": (0.2, 0.3)}))
+    # T_D: the authors' two values (their local work: 1 epoch of batch 64 at lr 0.01), then two on the scale of the
+    # divergence under the seeds' shared setting (5 epochs at lr 0.1), where theirs make c = 1 from round 1 on
+    tunable={"algo.rho": (0.02, 0.05, 0.1), "algo.threshold": (0.2, 0.3, 1.0, 3.0)}))
