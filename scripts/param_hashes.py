@@ -1,0 +1,86 @@
+"""Final-parameter hashes of a fixed set of short runs: every recipe on both engines, a few compositions.
+
+A refactor keeps every number: record the hashes before a structural change and check them after, on the
+same machine (the hashes depend on the CPU's arithmetic, so they are a development check, not a CI test).
+
+    python scripts/param_hashes.py --out before.json           # record
+    python scripts/param_hashes.py --check before.json         # compare; exit 1 naming every run that moved
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import warnings
+
+import torch
+
+import fedflat
+from fedflat.algorithms import RECIPES
+
+# The tiny problem of the tests (tests/conftest.py) with unequal local step counts (Dirichlet sizes), partial
+# participation, a binding clip, weight decay and a decaying learning rate, so every branch of the step runs.
+BASE = {
+    "seed": 0, "rounds": 3,
+    "data": {"name": "synthetic", "num_clients": 6,
+             "options": {"shape": [1, 4, 4], "num_classes": 3, "train_size": 180, "test_size": 60},
+             "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}},
+    "model": {"name": "mlp", "hidden": [8]},
+    "algo": {"name": "fedavg"},
+    "train": {"local_epochs": 1, "batch_size": 10, "lr": 0.1, "clip": 0.5, "weight_decay": 1e-3, "lr_decay": 0.99},
+    "sampling": {"clients_per_round": 3},
+}
+COMPOSITIONS = [
+    ["algo=fedacg", "algo.aggregation=scam"],
+    ["algo=fedscam", "algo.correction=acg"],
+    ["algo=fedlesam", "algo.filter=fft", "algo.correction=scaffold"],
+    ["algo=fedsam", "algo.personalization=fedper"],
+]
+
+
+# Convolutions and image inputs: a few methods on the CNN (8x8 images, 2 rounds).
+CNN = ["model=cnn", "model.padding=2", "data.options.shape=[1,8,8]", "rounds=2"]
+CNN_METHODS = ["fedavg", "fedsam", "scaffold", "fedlesam", "feddyn", "fedwmsam"]
+
+
+def runs() -> list[list[str]]:
+    """Every recipe and composition, and the CNN's methods, on both engines."""
+    methods = ([[f"algo={name}"] for name in sorted(RECIPES)] + COMPOSITIONS
+               + [[f"algo={name}", *CNN] for name in CNN_METHODS])
+    return [m + [f"engine={engine}"] for m in methods for engine in ("sequential", "vectorized")]
+
+
+def digest(overrides: list[str]) -> str:
+    try:
+        history = fedflat.run(BASE, overrides=overrides, save=False, progress=False)
+    except Exception as err:  # a method the vectorized engine refuses: its message is its record
+        return f"error: {type(err).__name__}"
+    return hashlib.sha256(history.final_parameters.numpy().tobytes()).hexdigest()[:16]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the hashes to this JSON file")
+    parser.add_argument("--check", help="compare with the hashes in this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    hashes = {" ".join(o): digest(o) for o in runs()}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(hashes, f, indent=1)
+    if not args.check:
+        json.dump(hashes, sys.stdout, indent=1)
+        return 0
+    with open(args.check) as f:
+        before = json.load(f)
+    moved = [k for k in before if hashes.get(k) != before[k]]
+    for k in moved:
+        print(f"moved: {k}: {before[k]} -> {hashes.get(k)}")
+    print(f"{len(before) - len(moved)} of {len(before)} runs unchanged")
+    return 1 if moved else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
