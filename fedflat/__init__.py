@@ -5,9 +5,9 @@ import os
 # (measured: >300 s instead of 30 s for two runs on 2 cores; fedflat/engine/threads.py). Must precede torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
-
-from fedflat.config import Config, ConfigError, load_config  # noqa: E402 (no torch: `fedflat --help` stays fast)
+from fedflat._version import __version__  # noqa: E402
+from fedflat.config import Config, load_config
+from fedflat.core import ConfigError
 
 
 def __getattr__(name: str):

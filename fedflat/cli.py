@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
 

@@ -12,11 +12,14 @@ import difflib
 import inspect
 import os
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedflat.core.errors import ConfigError
 
 
 class _Loader(yaml.SafeLoader):
@@ -36,10 +39,6 @@ _Loader.add_implicit_resolver(
 def read_yaml(text: str):
     """Parses YAML with numbers read as a researcher expects (``1e-3`` is a float)."""
     return yaml.load(text, Loader=_Loader)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key and the fix."""
 
 
 class Section(BaseModel):
@@ -376,3 +375,17 @@ def resolve(cfg: Config) -> dict[str, Any]:
 
 def dump_yaml(tree: dict[str, Any]) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
+
+
+def quickstart_path() -> Path:
+    """The embedded quickstart config (digits, Dirichlet split, FedSAM)."""
+    return Path(str(resources.files("fedflat") / "configs" / "quickstart.yaml"))
+
+
+def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A validated :class:`Config` from a Config, a raw dict, a YAML path, or None (the quickstart)."""
+    if isinstance(config, Config):
+        return load_config(None, overrides, base=config.model_dump()) if overrides else validate(config)
+    if isinstance(config, dict):
+        return load_config(None, overrides, base=config)
+    return load_config(quickstart_path() if config is None else config, overrides)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.algorithms import RECIPES, AlgorithmError, RoundContext, TrainSettings, build_algorithm
+from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
 from fedflat.algorithms.fedawa import distance_to_global
 from fedflat.algorithms.fedlw import fedlw_weights, fednolowe_weights
 from fedflat.algorithms.qfedavg import qfedavg_step
-from fedflat.config import ConfigError, load_config
+from fedflat.config import load_config
+from fedflat.core import ConfigError, RoundContext, TrainSettings
 from fedflat.data import Dataset
 from fedflat.engine.batches import local_steps
 from fedflat.engine.simulation import Simulation

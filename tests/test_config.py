@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedflat.config import ConfigError, load_config, parse_override, resolve
+from fedflat.config import load_config, parse_override, resolve
+from fedflat.core import ConfigError
 
 
 def test_defaults_are_the_spec_local_training_setting():
@@ -84,8 +85,9 @@ def test_resolved_config_reloads_to_the_same_config(tmp_path):
 def test_renaming_the_method_of_a_resolved_config_selects_that_methods_parts(tmp_path):
     """A run's config.yaml holds every role; `algo.name=X` on it must train X's own parts (roles given on
     the same command line still apply), never X's name over another method's parts."""
-    import fedflat
     from conftest import tiny_tree
+
+    import fedflat
     from fedflat.algorithms import build_algorithm
     from fedflat.config import dump_yaml, resolve
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.engine.oracle import Batch
+from fedflat.core import Batch
 from fedflat.engine.simulation import Simulation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,13 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_tree
 from torch import nn
 
 import fedflat
-from conftest import tiny_tree
 from fedflat.algorithms import RECIPES
 from fedflat.cli import main as cli_main
 from fedflat.config import load_config
+from fedflat.core import ParamLayout
 from fedflat.data import Dataset
 from fedflat.engine.simulation import Simulation
 from fedflat.metrics import analyze, open_run
@@ -26,7 +27,7 @@ from fedflat.metrics.sharpness import sam_sharpness, top_hessian_eigenvalue
 from fedflat.metrics.spectra import band_variance
 from fedflat.metrics.tracking import direction_tracking, reference_gradient
 from fedflat.models.mlp import LogReg
-from fedflat.params import FlatModel, ParamLayout
+from fedflat.params import FlatModel
 
 
 class Quadratic:

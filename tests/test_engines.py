@@ -12,11 +12,11 @@ import torch
 
 import fedflat
 from fedflat.algorithms import RECIPES, build_algorithm
-from fedflat.config import ConfigError
+from fedflat.core import Batch, ConfigError
 from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
 from fedflat.engine.batches import stack_batches
-from fedflat.engine.oracle import Batch, Oracle
+from fedflat.engine.oracle import Oracle
 from fedflat.engine.runtime import auto_chunk_size, resolve_engine
 from fedflat.engine.simulation import Simulation
 from fedflat.params import FlatModel

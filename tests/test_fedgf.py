@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.algorithms import ClientContext, build_algorithm
-from fedflat.algorithms.base import normalize_rows
+from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.fedgf import GLOBAL_PERTURBATION, SEEN, WEIGHT, WINDOW, flatness_weight
+from fedflat.core import ClientContext, normalize_rows
 from fedflat.engine.runtime import make_cohort
 from fedflat.engine.simulation import Simulation
 

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import fedflat
-from fedflat.algorithms import Distillation, build_algorithm
+from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.feddyn import CLIENT_DUAL, SERVER_DUAL
 from fedflat.algorithms.fedgmt import TRAJECTORY
-from fedflat.engine.oracle import Batch, Oracle
+from fedflat.core import Batch, Distillation
+from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation
 
 

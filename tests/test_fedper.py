@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_leaf import femnist
 
 import fedflat
 from fedflat.algorithms import AlgorithmError, build_algorithm
 from fedflat.algorithms.fedper import PERSONAL_MODEL, private_layers
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 from fedflat.data import client_test_split, load_dataset
 from fedflat.engine.simulation import Simulation
-from test_leaf import femnist
 
 
 def _head(sim: Simulation) -> torch.Tensor:
@@ -65,7 +65,7 @@ def test_a_returning_client_starts_from_its_own_head_and_the_global_base(tiny):
     opened = sim.begin_round(1)
     result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
     plain = Simulation(tiny("algo=fedavg", "rounds=2", "sampling.clients_per_round=6"))
-    from fedflat.algorithms import ClientContext
+    from fedflat.core import ClientContext
     from fedflat.engine.client import fit
     from fedflat.engine.runtime import make_cohort
     rows = []

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import fedflat
-from fedflat.algorithms import Cohort, build_algorithm
-from fedflat.params import ParamLayout
+from fedflat.algorithms import build_algorithm
+from fedflat.core import Cohort, ParamLayout
 
 
 def _layout() -> ParamLayout:

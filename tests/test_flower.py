@@ -22,8 +22,8 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import ServerApp  # noqa: E402
 
 import fedflat  # noqa: E402
-from fedflat.algorithms import MODEL, TRAIN_LOSS, ClientResult  # noqa: E402
 from fedflat.api import as_config  # noqa: E402
+from fedflat.core import MODEL, TRAIN_LOSS, ClientResult
 from fedflat.engine.simulation import Simulation  # noqa: E402
 from fedflat.flower import FedflatStrategy, client_app, simulate, write_app  # noqa: E402
 from fedflat.flower.apps import run_flower_simulation  # noqa: E402
@@ -62,7 +62,7 @@ def reference(cfg, dropped: dict[str, list[int]]) -> tuple[list[float], torch.Te
 
 # -- the protocol --------------------------------------------------------------------------------------------------
 def test_a_task_and_a_result_cross_as_flower_records_bit_for_bit():
-    from fedflat.algorithms import Broadcast
+    from fedflat.core import Broadcast
     from fedflat.engine.runtime import RoundTask
 
     w = torch.randn(7)
@@ -100,7 +100,7 @@ def test_a_partial_reply_is_refused_whole(damage, says):
 def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path):
     """Personalized evaluation across two nodes (in process): each node scores its clients from their saved heads;
     pooled, the scores equal the one-process evaluation; a reply naming a client it was not sent is refused."""
-    from fedflat.config import ConfigError
+    from fedflat.core import ConfigError
     from fedflat.engine.simulation import ClientScores, pooled_accuracy
     from fedflat.flower.node import Node
     from fedflat.flower.protocol import evaluation_content, read_scores
@@ -209,7 +209,8 @@ def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state
 def test_a_flower_run_resumes_through_flower_with_the_nodes_saved_state(tmp_path):
     """Two rounds, then a new Flower run (a new run id) resuming the folder to four: equal to four rounds in
     one go. A plain `fedflat resume`, which has no nodes and so no SCAFFOLD c_i, is refused."""
-    from fedflat.experiments.checkpoint import CheckpointError, resume
+    from fedflat.engine.checkpoint import CheckpointError
+    from fedflat.experiments.checkpoint import resume
 
     cfg = small("scaffold", "rounds=2")
     first = simulate(cfg, supernodes=2, out=tmp_path / "runs", state_dir=tmp_path / "nodes", progress=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 from fedflat.data import DatasetError, DatasetNotFoundError, load_dataset
 from fedflat.data.leaf import LEAF_LETTERS
 

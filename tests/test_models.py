@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import U64, assert_close_normwise
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedflat.models import MODELS, build_model, count_parameters, model_options
-from numerics import U64, assert_close_normwise
 
 # (name, input_shape, num_classes, options): tiny configurations, fast on CPU.
 TINY: list[tuple[str, tuple[int, ...], int, dict[str, Any]]] = [
@@ -338,7 +338,7 @@ def test_a_runs_model_pt_starts_another_run(tmp_path) -> None:
 
 
 def test_a_checkpoint_that_does_not_fit_names_the_parameters(tmp_path) -> None:
-    from fedflat.config import ConfigError
+    from fedflat.core import ConfigError
 
     path = tmp_path / "r18.pt"
     torch.save(build_model("resnet18", (3, 32, 32), 10).state_dict(), path)
@@ -384,7 +384,7 @@ def test_a_vit_checkpoint_in_timms_names_fine_tunes_with_a_new_head(tmp_path) ->
     assert torch.equal(small.pos_embed[:, 0], source.pos_embed[:, 0])
     torch.testing.assert_close(small.pos_embed[:, 1:], expected.permute(0, 2, 3, 1).reshape(1, 8, 192))
     assert torch.equal(small.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
-    from fedflat.config import ConfigError
+    from fedflat.core import ConfigError
     torch.save({**source.state_dict(), "pos_embed": source.pos_embed[:, :-1]}, tmp_path / "odd.pt")  # no square grid
     with pytest.raises(ConfigError, match=r"pos_embed \(1, 9, 192\): checkpoint has \(1, 16, 192\)"):
         build_model("vit", (3, 32, 64), 65, pretrained=str(tmp_path / "odd.pt"))

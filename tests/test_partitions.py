@@ -216,8 +216,8 @@ def test_a_natural_split_sets_the_number_of_clients_and_is_used_as_given():
     """Clients of very different sizes (a natural split): ``data.num_clients`` follows the lists, and every
     batch a client trains on comes from its own samples."""
     import fedflat
-    from fedflat.engine.simulation import Simulation
     from fedflat.config import load_config
+    from fedflat.engine.simulation import Simulation
 
     clients = [list(range(0, 40)), list(range(40, 50)), list(range(100, 400)), [500, 450, 900]]
     hist = fedflat.run(None, overrides=["rounds=2", "sampling.clients_per_round=2", "threads=1"], clients=clients,
@@ -253,7 +253,8 @@ def test_a_completed_run_of_a_given_split_loads_with_that_split(tmp_path):
     ([[0, 1], [2.5]], "integer sample indices"),
 ])
 def test_a_bad_given_split_is_refused_with_the_reason(clients, message):
-    from fedflat.config import ConfigError, load_config
+    from fedflat.config import load_config
+    from fedflat.core import ConfigError
     from fedflat.engine.simulation import Simulation
 
     with pytest.raises(ConfigError, match=message):

@@ -23,16 +23,18 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from conftest import tiny_tree  # noqa: E402
+
 import fedflat  # noqa: E402
 from fedflat.algorithms import RECIPES  # noqa: E402
+from fedflat.config import ExecutorConfig, dump_yaml, load_config
+from fedflat.core import ConfigError
 from fedflat.data.dataset import uint8_dataset  # noqa: E402
-from fedflat.config import ConfigError, ExecutorConfig, dump_yaml, load_config  # noqa: E402
+from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
 from fedflat.engine.simulation import Simulation  # noqa: E402
-from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume  # noqa: E402
-from fedflat.experiments.rundir import read_jsonl  # noqa: E402
-
-from conftest import tiny_tree  # noqa: E402
+from fedflat.experiments.checkpoint import metrics_equal, resume  # noqa: E402
+from fedflat.files import read_jsonl  # noqa: E402
 
 UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "engine=sequential",
            "sampling.clients_per_round=4")
@@ -156,9 +158,9 @@ def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session
 def test_no_worker_left_fails_the_run_with_its_checkpoint_and_resume_finishes_it(ray_session, tmp_path):
     cfg = _tiny("algo=feddyn", *UNEQUAL, "rounds=4", "checkpoint_every=1")
     full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
-    from fedflat import api
+    from fedflat.experiments import runner
 
-    original = api._Runner._round
+    original = runner.Runner._round
 
     def kill_workers_before_round_3(self, t, bar):
         if t == 2:
@@ -167,13 +169,13 @@ def test_no_worker_left_fails_the_run_with_its_checkpoint_and_resume_finishes_it
         original(self, t, bar)
 
     folder = tmp_path / "killed"
-    api._Runner._round = kill_workers_before_round_3
+    runner.Runner._round = kill_workers_before_round_3
     try:
         with pytest.raises(Exception, match="Ray workers died"):
             fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.max_restarts=0",
                                         "executor.cpus_per_worker=0.5"], run_dir=folder, progress=False)
     finally:
-        api._Runner._round = original
+        runner.Runner._round = original
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "failed" and "Ray workers died" in summary["reason"]
     assert read_checkpoint(folder)["round"] == 2 and len(read_jsonl(folder / "metrics.jsonl")) == 2

@@ -17,9 +17,11 @@ import pytest
 
 import fedflat
 from fedflat.cli import main
-from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume
-from fedflat.experiments.rundir import RunFolderBusy, read_jsonl
+from fedflat.engine.checkpoint import read_checkpoint
+from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.rundir import RunFolderBusy
 from fedflat.experiments.sweep import run_cell
+from fedflat.files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 # The command line as a subprocess: the module, so the tests need fedflat importable from the repository, not its
@@ -161,7 +163,6 @@ def test_help_does_not_load_torch():
 def _endless_sweep(tmp_path: Path) -> Path:
     """Four cells of the tiny problem that would run for hours: two run at once, two wait."""
     import yaml
-
     from conftest import tiny_tree
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree()))

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.algorithms import PARTS, RECIPES, Correction, Recipe, register_part, register_recipe
-from fedflat.algorithms.base import PartParams
+from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_recipe
 from fedflat.cli import main
-from fedflat.config import ConfigError
-from fedflat.experiments.checkpoint import (CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, metrics_equal,
-                                            read_checkpoint, resume)
-from fedflat.experiments.rundir import read_jsonl
+from fedflat.core import ConfigError, Correction, PartParams
+from fedflat.engine.checkpoint import CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, read_checkpoint
+from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,9 +66,9 @@ def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
     class Stop(Exception):
         pass
 
-    from fedflat import api
+    from fedflat.experiments import runner
 
-    original, finish = api._Runner._round, api._Runner._finish
+    original, finish = runner.Runner._round, runner.Runner._finish
 
     def round_then_maybe_stop(self, t, bar):
         original(self, t, bar)
@@ -77,12 +76,12 @@ def _interrupted(tiny_cfg, tmp_path: Path, stop_after: int) -> Path:
             raise Stop
 
     folder = tmp_path / "interrupted"
-    api._Runner._round, api._Runner._finish = round_then_maybe_stop, lambda self, wall_seconds: None
+    runner.Runner._round, runner.Runner._finish = round_then_maybe_stop, lambda self, wall_seconds: None
     try:
         with pytest.raises(Stop):
             fedflat.run(tiny_cfg, run_dir=folder, progress=False)
     finally:
-        api._Runner._round, api._Runner._finish = original, finish
+        runner.Runner._round, runner.Runner._finish = original, finish
     return folder
 
 
@@ -184,7 +183,7 @@ _CHILD = """
 import sys
 import fedflat
 from fedflat.cli import main
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 from fedflat.config import load_config
 sys.path.insert(0, {tests!r})
 from conftest import tiny_tree
@@ -260,7 +259,7 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
 def test_tensorboard_missing_gives_install_hint(tiny, tmp_path, monkeypatch):
     import importlib.util
 
-    from fedflat.config import ConfigError
+    from fedflat.core import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))

@@ -9,9 +9,11 @@ import yaml
 
 import fedflat
 from fedflat.cli import main
+from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.simulation import Simulation
-from fedflat.experiments.checkpoint import metrics_equal, read_checkpoint, resume
-from fedflat.experiments.rundir import RunDir, atomic_write_text, read_jsonl
+from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.rundir import RunDir
+from fedflat.files import atomic_write_text, read_jsonl
 from fedflat.models import build_model
 
 REQUIRED_METRICS = {"round", "test_acc", "test_loss", "train_loss", "lr", "seconds", "up_vectors", "down_vectors",

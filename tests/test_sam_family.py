@@ -435,7 +435,7 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
         deltas = torch.stack(finals) - w
         if clustering:
             Z = summarize(deltas, d, seed)
-            from fedflat.rng import SERVER, numpy_stream
+            from fedflat.core import SERVER, numpy_stream
             labels = kmeans(Z, 2, numpy_stream(seed, t, SERVER, "scam_kmeans"))
             S = S * conflict_dampening(Z, deltas.norm(dim=1), labels, 0.25)
         p = S / S.sum()

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedflat.config import ConfigError
-from fedflat.experiments.checkpoint import CHECKPOINT, metrics_equal, read_checkpoint
+from fedflat.core import ConfigError
+from fedflat.engine.checkpoint import CHECKPOINT, read_checkpoint
 from fedflat.engine.threads import available_cores
-from fedflat.experiments.rundir import read_jsonl
+from fedflat.experiments.checkpoint import metrics_equal
 from fedflat.experiments.sweep import load_sweep, run_sweep
+from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
 
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 import yaml
 
-from fedflat.algorithms.registry import RECIPES, build_algorithm
-from fedflat.config import ConfigError, load_config
+from fedflat.algorithms import build_algorithm
+from fedflat.config import load_config
+from fedflat.core import RECIPES, ConfigError
 from fedflat.data import load_dataset, validation_split
 from fedflat.engine.simulation import Simulation
-from fedflat.experiments.rundir import read_jsonl
 from fedflat.experiments.tune import _candidates, load_study, run_study, select_candidate
+from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
 
 

@@ -1,35 +1,32 @@
 """Federated methods as recipes of parts: perturbation, filter, correction, aggregation, server, personalization.
 
-Every module of this package defines the parts of one method (or family) and registers its
-recipes; importing the package imports them all, so a new method is one new module.
+Every module of this package defines the parts of one method (or family) against the contract in
+:mod:`fedflat.core` and registers its recipes; importing the package imports them all. A researcher's own
+method is written the same way in their own module and named in a config's ``plugins:`` (docs/extending.md).
 """
 import importlib
 import pkgutil
 
-from fedflat.algorithms.base import (MODEL, TRAIN_LOSS, Aggregation, Broadcast, ClientContext, ClientResult, Cohort,
-                                     Correction, Distillation, Filter, Part, PartParams, Personalization, Perturbation,
-                                     RoundContext, ServerUpdate, TrainSettings, merge_results, normalize_rows,
-                                     payload_size, row_norm)
-from fedflat.algorithms.registry import (PARTS, RECIPES, ROLES, Algorithm, AlgorithmError, Recipe, build_algorithm,
-                                         register_part, register_recipe)
+from fedflat.algorithms.compose import Algorithm, build_algorithm
+from fedflat.core import PARTS, RECIPES, ROLES, AlgorithmError, Part, Recipe, register_part, register_recipe
 
-_INFRASTRUCTURE = {"base", "registry"}
+_INFRASTRUCTURE = {"compose"}
+
+
+def register_parts_of(module) -> None:
+    """Registers every part class defined in ``module`` (one with a ``name``)."""
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, Part) and obj.name and obj.__module__ == module.__name__:
+            register_part(obj)
 
 
 def _load_methods() -> None:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name in _INFRASTRUCTURE:
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, Part) and obj.name and obj.__module__ == module.__name__:
-                register_part(obj)
+        if info.name not in _INFRASTRUCTURE:
+            register_parts_of(importlib.import_module(f"{__name__}.{info.name}"))
 
 
 _load_methods()
 
-__all__ = ["MODEL", "TRAIN_LOSS", "Aggregation", "Algorithm", "AlgorithmError", "Broadcast", "ClientContext",
-           "ClientResult", "Cohort", "Correction", "Distillation", "Filter", "PARTS", "Part", "PartParams", "Personalization",
-           "Perturbation", "RECIPES", "ROLES", "Recipe", "RoundContext", "ServerUpdate", "TrainSettings",
-           "build_algorithm", "merge_results", "normalize_rows", "payload_size", "register_part", "register_recipe",
-           "row_norm"]
+__all__ = ["Algorithm", "AlgorithmError", "PARTS", "RECIPES", "ROLES", "Recipe", "build_algorithm", "register_part",
+           "register_recipe"]

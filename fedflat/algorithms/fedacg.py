@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import PartParams, RoundContext, ServerUpdate, TrainSettings
 from fedflat.algorithms.fedprox import Prox
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import PartParams, Recipe, RoundContext, ServerUpdate, TrainSettings, register_recipe
 
 MOMENTUM = "acg.m"
 

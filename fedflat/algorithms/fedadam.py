@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import PartParams, RoundContext, ServerUpdate, TrainSettings
-from fedflat.algorithms.registry import Recipe, register_recipe
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError, PartParams, Recipe, RoundContext, ServerUpdate, TrainSettings, register_recipe
 
 ADAM_M, ADAM_V = "adam.m", "adam.v"
 AVGM_M = "avgm.m"

@@ -8,9 +8,8 @@ from typing import Literal
 
 import torch
 
-from fedflat.algorithms.base import (Aggregation, Correction, Filter, PartParams, Perturbation, RoundContext,
-                                     ServerUpdate)
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import (Aggregation, Correction, Filter, PartParams, Perturbation, Recipe, RoundContext, ServerUpdate,
+                          register_recipe)
 
 
 class NoPerturbation(Perturbation):

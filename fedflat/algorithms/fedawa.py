@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedflat.algorithms.base import Aggregation, PartParams, RoundContext, TrainSettings
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import Aggregation, PartParams, Recipe, RoundContext, TrainSettings, register_recipe
 
 SHIFT = "fedawa.shift"  # server state [N]: T_i - n_i / n, how far each client's logit has moved from its start
 DEFAULT_LR = {"adam": 1e-3, "sgd": 1e-2}  # the authors' code

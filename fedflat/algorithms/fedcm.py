@@ -6,14 +6,31 @@ scale, and sends it with the model (2 vectors down). Local direction ``a g(w) + 
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
-                                    RoundContext, TrainSettings, momentum_mix)
-from fedflat.algorithms.registry import MOMENTUM_WEIGHT_GRID, Recipe, register_recipe
+from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext,
+                          TrainSettings, register_recipe)
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
+
+
+DecayPlacement = Literal["outside", "inside"]
+DECAY_DESCRIPTION = ("outside: a g + (1 - a) m + wd w, weight decay unscaled as torch.optim.SGD adds it in FL-Simulator and "
+                     "the FedWMSAM code; inside: a (g + wd w) + (1 - a) m, the spec's (effective decay a wd)")
+
+
+def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W: torch.Tensor, weight_decay: float,
+                 decay: DecayPlacement) -> torch.Tensor:
+    """The momentum-mixed local direction from ``grad = g + wd w``: ``a grad + (1 - a) m``, plus
+    ``(1 - a) wd w`` with ``decay = outside`` so that the decay is ``wd w`` whatever ``a``
+    (FedCM/MoFedSAM/FedWMSAM/FedVSSAM as their public codes run them)."""
+    d = a * grad + (1 - a) * m
+    if decay == "outside" and weight_decay:
+        d = d + (1 - a) * weight_decay * W
+    return d
 
 
 class MomentumParams(PartParams):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate, TrainSettings
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
+                          TrainSettings, register_recipe)
 
 SERVER_DUAL = "dyn.h"  # server state: h
 CLIENT_DUAL = "dyn.h_i"  # client state and cohort.extra: h_i of the chunk's clients

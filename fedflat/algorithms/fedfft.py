@@ -16,9 +16,8 @@ from typing import Callable
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Filter, PartParams, ClientContext, row_norm
-from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
-from fedflat.rng import torch_stream
+from fedflat.core import (AlgorithmError, ClientContext, Cohort, Filter, PartParams, Recipe, register_recipe, row_norm,
+                          torch_stream)
 
 
 class SpectrumParams(PartParams):

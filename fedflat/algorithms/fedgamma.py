@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import Cohort, ClientContext
 from fedflat.algorithms.fedsam import LocalSAM
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
 from fedflat.algorithms.scaffold import SHIFT
+from fedflat.core import RHO_GRID, ClientContext, Cohort, Recipe, register_recipe
 
 
 class CorrectedSAM(LocalSAM):

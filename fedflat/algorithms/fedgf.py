@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, NORM_EPS, RoundContext, TrainSettings
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import NORM_EPS, ClientContext, Cohort, Recipe, RoundContext, TrainSettings, register_recipe
 
 GLOBAL_PERTURBATION = "gf.global_perturbation"  # w~_g - w^t = rho_g (w^{t-1} - w^t)/||.||, sent to clients
 WEIGHT = "gf.c"  # c, sent to clients

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (ClientContext, Cohort, Correction, PartParams, RoundContext, ServerUpdate,
-                                     TrainSettings, normalize_rows)
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
 from fedflat.algorithms.fedsam import warmed_up
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
+                          TrainSettings, normalize_rows, register_recipe)
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round

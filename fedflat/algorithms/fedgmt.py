@@ -28,10 +28,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (ClientContext, Cohort, Distillation, PartParams, Perturbation, RoundContext,
-                                     TrainSettings)
 from fedflat.algorithms.feddyn import CLIENT_DUAL, DynCorrection
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import (ClientContext, Cohort, Distillation, PartParams, Perturbation, Recipe, RoundContext,
+                          TrainSettings, register_recipe)
 
 TRAJECTORY = "gmt.trajectory"  # server state, sent to clients: e^t, the EMA of the global models
 

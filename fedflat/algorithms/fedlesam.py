@@ -27,9 +27,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, PartParams, Perturbation, RoundContext, normalize_rows
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
-
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, RoundContext,
+                          normalize_rows, register_recipe)
 
 OLD_MODEL = "lesam_w_old"  # client state: w_i^old, the model the client received last time
 PREVIOUS_MODEL = "lesam.w_prev"  # broadcast (reference: previous_round): w^{t-1}

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import Aggregation, RoundContext
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import Aggregation, Recipe, RoundContext, register_recipe
 
 
 def fedlw_weights(num_samples: torch.Tensor, losses: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

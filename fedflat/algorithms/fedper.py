@@ -19,9 +19,9 @@ import functools
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import MODEL, ClientContext, Cohort, PartParams, Personalization, TrainSettings
 from fedflat.algorithms.fedfft import FFT_GRID
-from fedflat.algorithms.registry import AlgorithmError, Recipe, register_recipe
+from fedflat.core import (MODEL, AlgorithmError, ClientContext, Cohort, PartParams, Personalization, Recipe,
+                          TrainSettings, register_recipe)
 
 PERSONAL_MODEL = "personal_model"  # client state: the client's last local model (only its private entries are read)
 

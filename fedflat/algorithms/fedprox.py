@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, Correction, PartParams, ClientContext
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import ClientContext, Cohort, Correction, PartParams, Recipe, register_recipe
 
 
 class ProxParams(PartParams):

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, PartParams, Perturbation, ClientContext, normalize_rows
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
-
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
+                          register_recipe)
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 

@@ -34,10 +34,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Aggregation, ClientContext, Cohort, PartParams, RoundContext, TrainSettings, row_norm
 from fedflat.algorithms.fedsam import LocalSAM
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
-from fedflat.rng import SERVER, numpy_stream, torch_stream
+from fedflat.core import (RHO_GRID, SERVER, Aggregation, ClientContext, Cohort, PartParams, Recipe, RoundContext,
+                          TrainSettings, numpy_stream, register_recipe, row_norm, torch_stream)
 
 DIRECTION_MEMORY = "scam.u"  # server state, broadcast: u_{t-1}, the projected direction of the last global update
 _SCORES = "scam.scores"  # cohort.extra: {h, c, h_adj} of the chunk's clients

@@ -19,9 +19,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, RoundContext, TrainSettings, normalize_rows
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Recipe, RoundContext, TrainSettings, normalize_rows,
+                          register_recipe)
 
 SERVER_CORRECTION = "smoo.s"  # server state, broadcast: s
 CLIENT_DUAL = "smoo.mu_i"  # client state, cohort.extra and upload

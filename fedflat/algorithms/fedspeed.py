@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import Cohort, ClientContext
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
+from fedflat.core import RHO_GRID, ClientContext, Cohort, Recipe, register_recipe
 
 PLAIN_GRADIENT = "speed.plain_gradient"  # cohort.extra: g(w) of the current step, [C, P]
 MERGE_GRID = (0.5, 0.75, 0.875, 0.9375, 1.0)  # the merge coefficients of FedSpeed's ablation

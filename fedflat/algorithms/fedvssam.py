@@ -25,10 +25,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import (ClientContext, Cohort, Correction, DecayPlacement, PartParams, RoundContext,
-                                    ServerUpdate, TrainSettings, momentum_mix)
+from fedflat.algorithms.fedcm import DecayPlacement, momentum_mix
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
+                          TrainSettings, register_recipe)
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 

@@ -33,12 +33,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.base import (DECAY_DESCRIPTION, ClientContext, Cohort, Correction, DecayPlacement, PartParams,
-                                    Perturbation, RoundContext, TrainSettings, momentum_mix, normalize_rows, row_norm)
-from fedflat.algorithms.fedcm import MOMENTUM
-from fedflat.algorithms.registry import RHO_GRID, Recipe, register_recipe
-from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate,
-                                         scaffold_server_variate)
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_mix
+from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
+                          TrainSettings, normalize_rows, register_recipe, row_norm)
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast (per client) and cohort.extra: m_i of the chunk's clients

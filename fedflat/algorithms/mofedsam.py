@@ -5,7 +5,7 @@ Local direction ``a g(w + eps) + (1 - a) m``, ``eps = rho g(w)/||g(w)||``, ``m``
 """
 from __future__ import annotations
 
-from fedflat.algorithms.registry import MOMENTUM_WEIGHT_GRID, RHO_GRID, Recipe, register_recipe
+from fedflat.core import MOMENTUM_WEIGHT_GRID, RHO_GRID, Recipe, register_recipe
 
 register_recipe(Recipe(
     name="mofedsam", summary="FedCM momentum with local SAM: a g(w + eps) + (1 - a) m",

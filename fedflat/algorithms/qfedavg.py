@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.base import ClientContext, Cohort, PartParams, RoundContext, ServerUpdate
-from fedflat.algorithms.registry import Recipe, register_recipe
-from fedflat.engine.oracle import Batch
+from fedflat.core import ClientContext, Cohort, PartParams, Recipe, RoundContext, ServerUpdate, register_recipe
 
 CLIENT_LOSS = "qfedavg.F"  # upload: F_i of the round's clients, [K]
 _EVAL_CHUNK = 1024
@@ -21,12 +19,11 @@ _EVAL_CHUNK = 1024
 def client_objective(ctx: ClientContext, client: int, w: torch.Tensor) -> torch.Tensor:
     """``F_i(w)``: the mean loss of client ``client`` over all of its local samples (no augmentation,
     no backprop), in chunks of at most 1024 samples."""
-    indices = ctx.batches.client_indices[client]
-    total = torch.zeros((), dtype=w.dtype, device=w.device)
-    for chunk in indices.split(_EVAL_CHUNK):
-        batch = Batch(ctx.batches.x[chunk].unsqueeze(0), ctx.batches.y[chunk].unsqueeze(0))
-        total += ctx.oracle.loss(w.unsqueeze(0), batch)[0] * chunk.numel()
-    return total / indices.numel()
+    total, count = torch.zeros((), dtype=w.dtype, device=w.device), 0
+    for batch in ctx.batches.full(client, _EVAL_CHUNK):
+        total += ctx.oracle.loss(w.unsqueeze(0), batch)[0] * batch.y.shape[1]
+        count += batch.y.shape[1]
+    return total / count
 
 
 def qfedavg_step(w: torch.Tensor, w_final: torch.Tensor, F: torch.Tensor, q: float, lr: float) -> torch.Tensor:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.algorithms.base import ClientContext, Cohort, Correction, RoundContext, TrainSettings
-from fedflat.algorithms.registry import Recipe, register_recipe
+from fedflat.core import ClientContext, Cohort, Correction, Recipe, RoundContext, TrainSettings, register_recipe
 
 SERVER_VARIATE = "scaffold.c"  # server state, broadcast: c
 CLIENT_VARIATE = "scaffold.c_i"  # client state and cohort.extra: c_i of the chunk's clients

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedflat.config import Config, load_config
-from fedflat.bench import ENGINES, WORKLOADS
+from fedflat.bench.workloads import ENGINES, WORKLOADS
 from fedflat.engine.threads import torch_threads
 
 # ----------------------------------------------------------------------------- the machine

@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 
-__all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "to_tensors", "uint8_dataset",
-           "validation_split"]
+__all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "pixel_moments", "to_tensors",
+           "uint8_dataset", "validation_split"]
 
 
 class DatasetError(ConfigError):
@@ -218,16 +218,25 @@ def to_tensors(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.n
                    num_classes, augmentation, source)
 
 
+def pixel_moments(images: np.ndarray, chunk: int = 256) -> np.ndarray:
+    """Per image and channel, the sum of ``x / 255`` and of its square: float64 ``[N, 2, C]``."""
+    out = np.empty((len(images), 2, images.shape[1]))
+    for lo in range(0, len(images), chunk):
+        block = np.asarray(images[lo:lo + chunk], dtype=np.float64) / 255.0
+        out[lo:lo + chunk, 0] = block.sum(axis=(2, 3))
+        out[lo:lo + chunk, 1] = np.square(block).sum(axis=(2, 3))
+    return out
+
+
 def uint8_dataset(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
                   num_classes: int, augmentation: str | None = None, source: str = "",
                   moments: np.ndarray | None = None, **fields) -> Dataset:
     """A :class:`Dataset` that keeps uint8 images ``[N, C, H, W]`` (a memory map stays one: nothing is copied
     here) and standardizes each batch with the training split's per-channel mean and (unbiased) std of ``x/255``.
     ``moments``: the training images' per-image sums of ``x/255`` and its square, float64 ``[N, 2, C]``
-    (:func:`fedflat.data.images.pixel_moments`; computed here when not given). ``fields``: further
+    (:func:`pixel_moments`; computed here when not given). ``fields``: further
     :class:`Dataset` fields (``owners``...)."""
     if moments is None:
-        from .images import pixel_moments
         moments = pixel_moments(x_train)
     total, count = moments.sum(axis=0), max(2, x_train.shape[0] * x_train.shape[2] * x_train.shape[3])
     mean = total[0] / count

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataset import Dataset, DatasetError, uint8_dataset
+from .dataset import Dataset, DatasetError, pixel_moments, uint8_dataset
 from .sources import DatasetNotFoundError, base_dirs, cache_dir, cache_home, not_found
 
 log = logging.getLogger(__name__)
@@ -158,16 +158,6 @@ def _size_and_time(path: Path) -> tuple[int, int]:
     except FileNotFoundError:
         return -1, 0
     return stat.st_size, stat.st_mtime_ns
-
-
-def pixel_moments(images: np.ndarray, chunk: int = 256) -> np.ndarray:
-    """Per image and channel, the sum of ``x / 255`` and of its square: float64 ``[N, 2, C]``."""
-    out = np.empty((len(images), 2, images.shape[1]))
-    for lo in range(0, len(images), chunk):
-        block = np.asarray(images[lo:lo + chunk], dtype=np.float64) / 255.0
-        out[lo:lo + chunk, 0] = block.sum(axis=(2, 3))
-        out[lo:lo + chunk, 1] = np.square(block).sum(axis=(2, 3))
-    return out
 
 
 def atomic_save(path: Path, array: np.ndarray) -> None:

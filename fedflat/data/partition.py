@@ -15,8 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedflat.config import ConfigError
-from fedflat.rng import SERVER, stream_seed
+from fedflat.core import SERVER, ConfigError, stream_seed
 
 __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "dirichlet",
            "dirichlet_balanced", "pathological", "shards", "natural", "domain", "user_split", "client_test_split"]

@@ -5,7 +5,7 @@ from math import ceil
 
 import torch
 
-from fedflat.engine.oracle import Batch
+from fedflat.core import Batch
 
 
 def local_steps(num_samples: int, batch_size: int, local_epochs: int, fixed_steps: int | None) -> int:

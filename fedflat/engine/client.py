@@ -7,13 +7,13 @@ their random streams, returning their uploads, new state and measured work — n
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Iterator
 
 import torch
 
-from fedflat.algorithms import MODEL, TRAIN_LOSS, Algorithm, ClientContext, ClientResult, Cohort
+from fedflat.algorithms import Algorithm
+from fedflat.core import MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, torch_stream
 from fedflat.engine.batches import local_schedule, stack_batches
-from fedflat.engine.oracle import Batch
-from fedflat.rng import torch_stream
 
 
 def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -53,6 +53,13 @@ class ClientBatches:
         """``count`` further batches of a client from a separate stream (pilot gradients, estimates)."""
         return self._to_device([local_schedule(self.host_indices[client], count, self.batch_size,
                                                torch_stream(self.seed, round, client, purpose))])[0]
+
+    def full(self, client: int, size: int) -> Iterator[Batch]:
+        """Every training sample of ``client`` once, in order, as one-client batches of at most ``size`` (model
+        inputs: features applied, no augmentation)."""
+        for chunk in self.client_indices[client].split(size):
+            x = self.x[chunk] if self.features is None else self.features(self.x[chunk])
+            yield Batch(x.unsqueeze(0), self.y[chunk].unsqueeze(0))
 
     def _to_device(self, plans: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The host schedules ``plans`` on the data's device, every batch a view of one copied tensor."""

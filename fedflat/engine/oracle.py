@@ -11,40 +11,13 @@ which costs more than the backward pass itself for a small MLP. The values are t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from fedflat.algorithms import Distillation
+from fedflat.core import Batch, Distillation
 from fedflat.params import FlatModel
-
-
-@dataclass
-class Batch:
-    """One local step's mini-batches of a cohort: ``x[C, B, ...]``, ``y[C, B]``.
-
-    ``weight[C, B]`` (1 for a real sample, 0 for padding) is set only when clients' batches had to be
-    padded to a common size; the loss is then the mean over real samples. ``clients`` is how many rows
-    are real work (the engine sets it when padded steps are masked), for counting backprops.
-    """
-
-    x: torch.Tensor
-    y: torch.Tensor
-    weight: torch.Tensor | None = None
-    clients: int | None = None
-
-    def real(self, c: int) -> slice | torch.Tensor:
-        """The index of client ``c``'s real samples in its row (all of them, or a mask dropping the padding)."""
-        return slice(None) if self.weight is None else self.weight[c] > 0
-
-    def row(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Client ``c``'s real samples ``(x[n_c, ...], y[n_c])`` (padding dropped)."""
-        if self.weight is None:
-            return self.x[c], self.y[c]
-        keep = self.real(c)
-        return self.x[c][keep], self.y[c][keep]
 
 
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,

@@ -24,8 +24,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fedflat.algorithms import Broadcast, ClientResult, TrainSettings, build_algorithm, merge_results
-from fedflat.config import ConfigError, ExecutorConfig
+from fedflat.algorithms import build_algorithm
+from fedflat.config import ExecutorConfig
+from fedflat.core import Broadcast, ClientResult, ConfigError, TrainSettings, merge_results
 from fedflat.data import Standardize, augmentation_fn
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, rows_loader, set_tf32

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from fedflat.algorithms import Algorithm, Broadcast, ClientContext, ClientResult, Cohort, TrainSettings, merge_results
-from fedflat.config import ConfigError
+from fedflat.algorithms import Algorithm
+from fedflat.core import Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings, merge_results
 from fedflat.engine.client import ClientBatches, fit
 from fedflat.engine.oracle import Oracle
 from fedflat.params import FlatModel

@@ -21,19 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedflat.algorithms import (MODEL, TRAIN_LOSS, Algorithm, AlgorithmError, Broadcast, ClientResult, RoundContext,
-                                TrainSettings, build_algorithm, payload_size)
-from fedflat.config import Config, ConfigError
+from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm
+from fedflat.config import Config
+from fedflat.core import (MODEL, SERVER, TRAIN_LOSS, Broadcast, ClientResult, ConfigError, Diverged, NoClients,
+                          RoundContext, TrainSettings, numpy_stream, payload_size, stream_seed)
 from fedflat.data import (Dataset, augmentation_fn, client_split, client_test_split, load_dataset, user_split,
                           validation_split)
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
-from fedflat.engine.threads import choose_threads
 from fedflat.engine.store import ClientStore
+from fedflat.engine.threads import choose_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
-from fedflat.rng import SERVER, numpy_stream, stream_seed
 
 
 def _user_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -81,14 +81,6 @@ def pooled_accuracy(scores: ClientScores) -> tuple[float, float]:
         correct += scores.correct[i]
         loss += scores.loss[i]
     return correct / total, loss / total
-
-
-class Diverged(RuntimeError):
-    """A non-finite loss or model: the run stops with ``status: diverged``."""
-
-
-class NoClients(RuntimeError):
-    """No sampled client answered a round (every node of a federation failed): nothing to aggregate."""
 
 
 @dataclass

@@ -77,9 +77,9 @@ def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str
 
 def partition_heatmap(run: Run, path: str | Path) -> Path:
     """The heatmap of the split ``run`` trained on (rebuilt from its config and seed)."""
-    from fedflat.api import as_config
+    from fedflat.config import as_config
     from fedflat.data import client_split, label_counts, load_dataset, plot_partition
-    from fedflat.experiments.checkpoint import run_config
+    from fedflat.engine.checkpoint import run_config
 
     cfg = as_config(run_config(run.path))
     data = load_dataset(cfg.data.name, root=cfg.data.root, download=False, **cfg.data.options)

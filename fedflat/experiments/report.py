@@ -29,8 +29,8 @@ from typing import Any, Iterable
 
 import yaml
 
-from fedflat.algorithms.registry import ROLES, composition_label
-from fedflat.experiments.rundir import read_jsonl
+from fedflat.core import ROLES, composition_label
+from fedflat.files import read_jsonl
 
 DASH = "–"
 # Keys that never define a setting: bookkeeping and execution details that do not change results

@@ -16,16 +16,17 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import math
 import os
 import platform
 import secrets
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from fedflat._version import __version__
+from fedflat.files import atomic_torch_save, atomic_write_text, json_safe, read_jsonl
 
 LOCK, RESERVE = ".lock", ".reserve"
 RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the disk is full
@@ -33,75 +34,6 @@ RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the d
 
 class RunFolderBusy(RuntimeError):
     """Another process is writing this run folder."""
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-FILE_MODE = 0o666 & ~_umask()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that ``path`` is always either the old or the new file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600; the user's umask decides, as for any file
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_torch_save(path: Path, obj: Any) -> None:
-    import torch
-
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, FILE_MODE)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def json_safe(value: Any) -> Any:
-    """NaN/inf become None so that every line is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSONL file (a torn last line, from a killed writer, is ignored)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")
-    if not text.endswith("\n"):
-        lines = lines[:-1]
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def machine_info() -> dict[str, Any]:
@@ -120,8 +52,6 @@ def machine_info() -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     import torch
-
-    from fedflat import __version__
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "fedflat": __version__}
 
@@ -179,7 +109,7 @@ class DiskFull(OSError):
 
 def check_output_folder(path: str | Path) -> None:
     """Refuses, before any data are loaded, an output folder that cannot be made or written."""
-    from fedflat.config import ConfigError
+    from fedflat.core import ConfigError
 
     target = Path(path).absolute()
     probe = target

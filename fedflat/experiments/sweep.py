@@ -38,10 +38,12 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import Config, ConfigError, apply_override, load_config, parse_override, resolve, suggest
+from fedflat.config import Config, apply_override, load_config, parse_override, resolve, suggest
+from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import LOCK, RunFolderBusy, atomic_write_text, hold, json_safe, read_jsonl
+from fedflat.experiments.rundir import LOCK, RunFolderBusy, hold
+from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
 FINISHED = ("completed", "diverged")
@@ -222,7 +224,7 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
 
 def _base_path(sweep_path: Path, base: str) -> Path:
     if base == "quickstart":
-        from fedflat.api import quickstart_path
+        from fedflat.config import quickstart_path
 
         return quickstart_path()
     candidate = (sweep_path.parent / base).resolve()
@@ -305,8 +307,8 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
 
 
 def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> dict[str, Any]:
-    from fedflat.api import run
     from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.runner import run_experiment
 
     start = time.perf_counter()
     try:
@@ -320,7 +322,7 @@ def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> d
             for leftover in folder_path.iterdir():
                 if leftover.name != LOCK:
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            run(cfg, run_dir=folder_path, progress=progress)
+            run_experiment(cfg, run_dir=folder_path, progress=progress)
         else:
             resume(folder_path, config=cfg, progress=progress)
         return _result(folder_path, "resumed" if state == "resume" else "ran", time.perf_counter() - start)

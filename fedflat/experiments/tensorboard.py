@@ -10,7 +10,7 @@ import numbers
 from pathlib import Path
 from typing import Any, Callable
 
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 
 INSTALL_HINT = ("tensorboard=true needs the optional 'tensorboard' package: "
                 "pip install 'fedflat[tensorboard]' (or pip install tensorboard), or set tensorboard=false")

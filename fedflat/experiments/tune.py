@@ -42,10 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from fedflat.config import ConfigError, parse_override
-from fedflat.experiments.rundir import atomic_write_text, json_safe
+from fedflat.config import parse_override
+from fedflat.core import ConfigError
 from fedflat.experiments.sweep import (Cell, RayCells, _option_name, _parse_axis, _parse_overrides, _refuse_unknown,
                                        config_from, pick_variant, read_experiment_file, run_cells)
+from fedflat.files import atomic_write_text, json_safe
 
 TUNE_FILE = "tune.json"
 TUNE_KEYS = {"base", "config", "overrides", "methods", "search", "final", "out", "variants"}
@@ -183,7 +184,7 @@ def load_study(path: str | Path, variant: str | None = None, out: str | Path | N
                extra_overrides: list[str] | tuple[str, ...] = (), only: list[str] | None = None) -> Study:
     """Reads a tune file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``); ``only`` keeps
     these of its methods (in the file's order)."""
-    from fedflat.algorithms.registry import RECIPES
+    from fedflat.core import RECIPES
 
     path = Path(path)
     spec, base = read_experiment_file(path, "tune", TUNE_KEYS)

@@ -25,7 +25,7 @@ def require_flower():
     try:
         return importlib.import_module("flwr")
     except ImportError:
-        from fedflat.config import ConfigError
+        from fedflat.core import ConfigError
 
         raise ConfigError(FLOWER_HINT) from None
 

@@ -25,7 +25,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedflat import __version__
-from fedflat.config import Config, ConfigError, dump_yaml, read_yaml, resolve
+from fedflat.config import Config, dump_yaml, read_yaml, resolve
+from fedflat.core import ConfigError
 from fedflat.flower.node import DEFAULT_STATE_DIR, Node
 from fedflat.flower.server import serve
 
@@ -38,7 +39,7 @@ def config_of(context: Context, cfg: Config | None) -> Config:
     """The fedflat config of a Flower run: ``cfg`` when given, else the run config's ``fedflat-config``."""
     if cfg is not None:
         return cfg
-    from fedflat.api import as_config
+    from fedflat.config import as_config
 
     text = context.run_config.get(CONFIG_KEY)
     if not isinstance(text, str) or not text.strip():

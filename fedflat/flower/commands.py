@@ -8,7 +8,7 @@ from fedflat.flower import require_flower
 
 
 def _config(items: list[str]):
-    from fedflat.api import as_config
+    from fedflat.config import as_config
 
     return as_config(*split_config_and_overrides(items))
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fedflat.config import Config, ConfigError
+from fedflat.config import Config
+from fedflat.core import ConfigError
 from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import Simulation
 from fedflat.flower.protocol import read_evaluation, read_task, result_content, scores_content

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedflat.algorithms import MODEL, TRAIN_LOSS, Broadcast, ClientResult
+from fedflat.core import MODEL, TRAIN_LOSS, Broadcast, ClientResult
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.simulation import ClientScores
 

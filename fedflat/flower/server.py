@@ -24,8 +24,8 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
-from fedflat.algorithms import MODEL, ClientResult, merge_results
-from fedflat.config import Config, ConfigError
+from fedflat.config import Config
+from fedflat.core import MODEL, ClientResult, ConfigError, merge_results
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
 from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluation_content, read_result, read_scores,
                                      reply_content, task_content, wire_bytes)

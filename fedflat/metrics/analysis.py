@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from fedflat.config import DiagnosticsConfig
-from fedflat.experiments.rundir import atomic_write_text, json_safe, read_jsonl
+from fedflat.files import atomic_write_text, json_safe, read_jsonl
 from fedflat.metrics import plots
-from fedflat.metrics.flatness import flatness_incompatibility, perturbation_drift_at, probe
+from fedflat.metrics.flatness import flatness_incompatibility, perturbation_drift_at
 from fedflat.metrics.landscape import interpolation, landscape_2d
 from fedflat.metrics.objective import global_objective
 from fedflat.metrics.representations import client_layer_vectors, pca_2d, penultimate_features, tsne_embedding
@@ -72,7 +72,7 @@ class Target:
 
 def open_run(run_dir: str | Path) -> Target:
     """The run folder's simulation restored to its latest state (checkpoint, else model.pt)."""
-    from fedflat.experiments.checkpoint import load_run
+    from fedflat.engine.checkpoint import load_run
 
     path = Path(run_dir)
     if not (path / "config.yaml").is_file():

@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedflat.config import DIAGNOSTIC_KINDS, ConfigError, DiagnosticsConfig
+from fedflat.config import DIAGNOSTIC_KINDS, DiagnosticsConfig
+from fedflat.core import ConfigError
 
 _SKIP = ("every", "kinds")
 
@@ -114,7 +115,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             edges = ok[0]["result"]["band_edges"]
             for b in range(len(edges) - 1):
                 writer.writerow([b, edges[b], edges[b + 1], *(c[b] for c in curves.values())])
-            from fedflat.experiments.rundir import atomic_write_text
+            from fedflat.files import atomic_write_text
 
             atomic_write_text(out / "spectra_compare.csv", buffer.getvalue())
             atomic_write_text(out / "spectra_compare.json", json.dumps({"curves": curves, "band_edges": edges}) + "\n")

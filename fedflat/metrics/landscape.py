@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
+from fedflat.core import SERVER, ParamLayout, torch_stream
 from fedflat.metrics.objective import FIXED, DataObjective
-from fedflat.params import ParamLayout
-from fedflat.rng import SERVER, torch_stream
 
 
 def filter_normalized_direction(w: torch.Tensor, layout: ParamLayout, generator: torch.Generator) -> torch.Tensor:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedflat.core import SERVER, numpy_stream
 from fedflat.params import FlatModel
-from fedflat.rng import SERVER, numpy_stream
 
 FIXED = -1  # the round coordinate of draws that stay the same at every round (subsets, directions)
 

@@ -31,8 +31,9 @@ def png_size(path: str | Path) -> tuple[int, int]:
 
 
 def _save(fig, path: Path) -> Path:
-    from fedflat.experiments.rundir import atomic_write_bytes
     import io
+
+    from fedflat.files import atomic_write_bytes
 
     fig.tight_layout()
     buffer = io.BytesIO()

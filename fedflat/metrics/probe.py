@@ -15,9 +15,8 @@ from typing import Iterator
 
 import torch
 
-from fedflat.algorithms import Broadcast, ClientContext, RoundContext, normalize_rows
+from fedflat.core import Batch, Broadcast, ClientContext, RoundContext, normalize_rows
 from fedflat.engine.batches import local_steps
-from fedflat.engine.oracle import Batch
 from fedflat.engine.runtime import RoundTask, make_cohort
 from fedflat.metrics.objective import DataObjective
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedflat.config import DiagnosticsConfig
-from fedflat.experiments.rundir import json_safe
+from fedflat.files import json_safe
 from fedflat.metrics.analysis import Target, analyze, headline
 
 

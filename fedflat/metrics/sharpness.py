@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from fedflat.core import SERVER, torch_stream
 from fedflat.metrics.objective import FIXED, Objective, global_objective
-from fedflat.rng import SERVER, torch_stream
 
 
 def sam_sharpness(objective: Objective, w: torch.Tensor, rho: float, steps: int = 1) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fedflat.params import ParamLayout
+from fedflat.core import ParamLayout
 
 
 def frequency_variance(eps: torch.Tensor) -> torch.Tensor:

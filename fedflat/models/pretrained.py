@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedflat.config import ConfigError
+from fedflat.core import ConfigError
 
 HEADS = ("head.weight", "head.bias")
 _TORCHVISION_RESNET = [  # (torchvision's name, fedflat's)

@@ -1,4 +1,4 @@
-"""Registries of parts and recipes, and the assembly of an :class:`Algorithm` from a config.
+"""The assembly of an :class:`Algorithm` from a config's ``algo`` section: one part per role, checked.
 
 A recipe names one part per role plus default hyperparameters; the config's ``algo`` section names a
 recipe and may override any role (``algo.filter=fft`` on ``fedlesam``) or hyperparameter
@@ -6,81 +6,14 @@ recipe and may override any role (``algo.filter=fft`` on ``fedlesam``) or hyperp
 """
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
-import torch
-
-from fedflat.algorithms.base import Broadcast, ClientResult, Part, RoundContext
-
-ROLES = ("perturbation", "filter", "correction", "aggregation", "server", "personalization")
-PARTS: dict[str, dict[str, type[Part]]] = {role: {} for role in ROLES}
-RECIPES: dict[str, "Recipe"] = {}
-
-
-class AlgorithmError(ValueError):
-    """A bad algorithm name, role, hyperparameter or combination of parts."""
-
-
-def closest(word: str, options) -> str:
-    """`` (did you mean 'x'?)`` when a close option exists."""
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f" (did you mean '{match[0]}'?)" if match else ""
-
-
-def register_part(cls: type[Part]) -> type[Part]:
-    PARTS[cls.role][cls.name] = cls
-    return cls
-
-
-# The SAM radius grid of the seeds: FedLESAM tunes rho in {0.05, 0.01, 0.005, 0.001, 0.0005} for every method
-# (seed 002 §E.1); 0.1 is the radius FedSMOO, FedLESAM-S/D and FedFFT run at (seeds 002, 004).
-RHO_GRID = (0.1, 0.05, 0.01, 0.005, 0.001, 0.0005)
-# The weight ``a`` of the local gradient in the client momentum ``a g + (1 - a) m`` (FedCM, MoFedSAM): one grid,
-# so that the two methods, which differ only by SAM, search the same values.
-MOMENTUM_WEIGHT_GRID = (0.05, 0.1, 0.2, 0.5)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A named method: a part per role, default hyperparameters, its source, and ``tunable``: the grid of each
-    hyperparameter a fair comparison tunes (dotted config keys, ``algo.rho``; the seeds' or the original paper's
-    grid), which `fedflat tune` searches."""
-
-    name: str
-    summary: str
-    source: str
-    perturbation: str = "none"
-    filter: str = "none"
-    correction: str = "none"
-    aggregation: str = "mean"
-    server: str = "avg"
-    personalization: str = "none"
-    defaults: dict[str, Any] = field(default_factory=dict)
-    tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-
-    def part_names(self) -> dict[str, str]:
-        return {role: getattr(self, role) for role in ROLES}
-
-
-def composition_label(section: dict[str, Any]) -> str:
-    """A method's name, or — when its roles differ from its recipe's — the composition it is:
-    ``fedlesam[correction=scaffold,filter=fft]``. Never a name that labels other parts."""
-    name = section.get("name", "fedavg")
-    recipe = RECIPES.get(name)
-    if recipe is None:
-        return str(name)
-    changed = [f"{role}={section[role]}" for role in ROLES
-               if role in section and section[role] != recipe.part_names()[role]]
-    return f"{name}[{','.join(changed)}]" if changed else name
-
-
-def register_recipe(recipe: Recipe) -> Recipe:
-    RECIPES[recipe.name] = recipe
-    return recipe
+from fedflat.core import (PARTS, RECIPES, ROLES, AlgorithmError, Broadcast, ClientResult, Part, RoundContext, closest,
+                          composition_label)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""The contract a federated method is written against: fedflat's bottom layer.
+
+Everything a part needs lives here and imports nothing else of fedflat: the part and role bases
+(:mod:`fedflat.core.part`), the data of a round (:mod:`fedflat.core.round`), the registries of parts and
+recipes (:mod:`fedflat.core.registry`), the errors (:mod:`fedflat.core.errors`), flat-vector helpers
+(:mod:`fedflat.core.vectors`) and keyed random streams (:mod:`fedflat.core.rng`). A method written against
+these names runs on every engine and executor; docs/extending.md shows how.
+
+Names load on first use, so importing :mod:`fedflat.core.errors` (as the torch-free config does) does not
+import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "errors": ("AlgorithmError", "ConfigError", "ContractError", "Diverged", "NoClients", "PluginError"),
+    "vectors": ("NORM_EPS", "ParamLayout", "normalize_rows", "row_norm"),
+    "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
+    "round": ("MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Cohort",
+              "Distillation", "GradientOracle", "RoundContext", "TrainSettings", "merge_results", "payload_size"),
+    "part": ("Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
+             "ServerUpdate"),
+    "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "Recipe", "closest",
+                 "composition_label", "register_part", "register_recipe"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fedflat.core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

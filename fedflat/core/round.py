@@ -1,0 +1,313 @@
+"""The data of a round, as parts see it: what the server broadcasts, what a cohort of clients computes with
+and returns, and the server's view of the round.
+
+A round runs as Flower's vocabulary has it: the server configures it (:class:`Broadcast`, ``configure_fit``),
+each client computes a pure function of the broadcast, its own state, its data and its random streams
+(:class:`ClientContext`, :class:`Cohort` -> :class:`ClientResult`, ``fit``), and the server reduces the uploads
+in ascending client-id order (:class:`RoundContext`, ``aggregate_fit``). Every client-side tensor carries a
+leading client dimension ``C``: the sequential engine runs chunks of one client, the vectorized engine a cohort.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from fedflat.core.vectors import ParamLayout
+
+MODEL = "model"  # upload: the client's final model w_{i,E}, [C, P]
+TRAIN_LOSS = "train_loss"  # upload: the client's mean local loss of the round, [C]
+
+
+@dataclass
+class Batch:
+    """One local step's mini-batches of a cohort: ``x[C, B, ...]``, ``y[C, B]``.
+
+    ``weight[C, B]`` (1 for a real sample, 0 for padding) is set only when clients' batches had to be
+    padded to a common size; the loss is then the mean over real samples. ``clients`` is how many rows
+    are real work (the engine sets it when padded steps are masked), for counting backprops.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: torch.Tensor | None = None
+    clients: int | None = None
+
+    def real(self, c: int) -> slice | torch.Tensor:
+        """The index of client ``c``'s real samples in its row (all of them, or a mask dropping the padding)."""
+        return slice(None) if self.weight is None else self.weight[c] > 0
+
+    def row(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``c``'s real samples ``(x[n_c, ...], y[n_c])`` (padding dropped)."""
+        if self.weight is None:
+            return self.x[c], self.y[c]
+        keep = self.real(c)
+        return self.x[c][keep], self.y[c][keep]
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """A distillation term added to every client's mini-batch loss: ``weight * temperature^2 *
+    KL(softmax(f(teacher, x)/temperature) || softmax(f(w, x)/temperature))``, averaged over the batch (Hinton et
+    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort."""
+
+    teacher: torch.Tensor
+    weight: float
+    temperature: float
+
+
+class GradientOracle(Protocol):
+    """Loss and gradient of each client's mini-batch loss at its own row of ``W[C, P]`` (the engine's oracle:
+    one reused module for the sequential engine, ``torch.func.vmap`` for the vectorized one). Every call of
+    :meth:`loss_grad` is a counted backward pass per client."""
+
+    backprops: int
+
+    def loss_grad(self, W: torch.Tensor, batch: Batch,
+                  distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], grad[C, P])``; with ``distill`` the gradient of the loss plus the distillation term."""
+        ...
+
+    def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``loss[C]`` without a backward pass."""
+        ...
+
+
+class ClientData(Protocol):
+    """A cohort's own training data, as parts may draw from it beyond the local steps' batches."""
+
+    def extra(self, round: int, client: int, count: int, purpose: str) -> list[torch.Tensor]:
+        """``count`` further batches (index tensors) of ``client``, from their own random stream ``purpose``."""
+        ...
+
+    def batch(self, picks: list[torch.Tensor], generators: list[torch.Generator] | None) -> Batch:
+        """The cohort batch of one index tensor per client (augmented when ``generators`` are given)."""
+        ...
+
+    def full(self, client: int, size: int) -> Iterator[Batch]:
+        """Every training sample of ``client`` once, in order, as one-client batches of at most ``size``."""
+        ...
+
+
+@dataclass
+class TrainSettings:
+    """The local-training settings every part may read (the same on the server and on every client)."""
+
+    weight_decay: float
+    clip: float | None
+    batch_size: int
+    global_lr: float
+    num_clients: int
+    seed: int
+    layout: ParamLayout | None = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
+    total_samples: int = 0  # training samples over all clients, n (FedAWA's initial logits n_i / n); 0: unknown
+
+
+def payload_size(shared: dict[str, torch.Tensor], size: int,
+                 per_client: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
+    """``(model-sized vectors, bytes)`` one client sends or receives: the ``shared`` tensors plus one row of
+    each ``per_client`` tensor (stacked ``[K, ...]``). A vector is model-sized when it has ``size`` entries."""
+    tensors = list(shared.values()) + [t[0] for t in (per_client or {}).values() if t.shape[0]]
+    return (sum(1 for t in tensors if t.numel() == size),
+            sum(t.numel() * t.element_size() for t in tensors))
+
+
+@dataclass
+class Broadcast:
+    """The downlink of round ``t`` (Flower's ``FitIns``), the same for every sampled client.
+
+    ``w`` is the point clients start from (``w^t``, or what the server update broadcasts, e.g.
+    FedACG's lookahead); ``server`` holds the server-state entries the parts send every client
+    (:meth:`Part.downlink`), e.g. SCAFFOLD's ``c``; ``personal`` the rows the server computes for each
+    client (:meth:`Part.personal`), ``[K, ...]`` in the order of ``ids``. ``lr`` is ``eta_l^t``.
+    """
+
+    round: int
+    lr: float
+    w: torch.Tensor
+    server: dict[str, torch.Tensor]
+    ids: torch.Tensor | None = None
+    personal: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def shared(self) -> dict[str, torch.Tensor]:
+        """What every client receives alike: the model and the parts' shared entries."""
+        return {MODEL: self.w, **self.server}
+
+    def to(self, device: torch.device | str) -> "Broadcast":
+        return Broadcast(self.round, self.lr, self.w.to(device), {k: v.to(device) for k, v in self.server.items()},
+                         self.ids, {k: v.to(device) for k, v in self.personal.items()})
+
+    def for_clients(self, ids: torch.Tensor) -> "Broadcast":
+        """The broadcast as the clients ``ids`` (a subset of ``self.ids``) receive it: their personal rows only."""
+        if not self.personal:
+            return Broadcast(self.round, self.lr, self.w, self.server, ids)
+        position = {int(c): row for row, c in enumerate(self.ids.tolist())}
+        index = torch.tensor([position[int(c)] for c in ids.tolist()], dtype=torch.long)
+        return Broadcast(self.round, self.lr, self.w, self.server, ids,
+                         {k: v[index.to(v.device)] for k, v in self.personal.items()})
+
+
+@dataclass
+class ClientContext:
+    """What a client's local work may read: the broadcast, the shared settings, and its means to
+    compute (the gradient ``oracle`` and the ``batches`` of its own data).
+
+    ``w_start`` is where local training starts: the broadcast model ``w_broadcast`` ``[P]``, or with a
+    personalization part each client's own model ``[C, P]`` (the broadcast with its private entries)."""
+
+    round: int
+    lr: float
+    w_start: torch.Tensor
+    server: dict[str, torch.Tensor]  # the broadcast entries only: a part reading anything else is a contract error
+    settings: TrainSettings
+    oracle: GradientOracle
+    batches: ClientData
+    w_broadcast: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.w_broadcast is None:
+            self.w_broadcast = self.w_start
+
+    @classmethod
+    def of(cls, broadcast: Broadcast, settings: TrainSettings, oracle: GradientOracle,
+           batches: ClientData) -> "ClientContext":
+        return cls(round=broadcast.round, lr=broadcast.lr, w_start=broadcast.w, server=broadcast.server,
+                   settings=settings, oracle=oracle, batches=batches)
+
+
+@dataclass
+class Cohort:
+    """A chunk of the round's sampled clients trained together (``C`` rows), with their own state.
+
+    In: ``state[name][C, P]`` (zeros where a client has none yet) and ``known[name][C]`` for every
+    name the parts keep; ``personal[name]`` the clients' rows of the broadcast. ``active[C]`` is set before every local step: ``k < E_i``; a part that keeps
+    per-step state must leave inactive rows unchanged (the vectorized engine pads clients with
+    fewer steps). ``extra`` carries per-chunk quantities one part computes and another reads.
+    Out: ``new_state`` (what each client keeps for its next participation) and ``upload`` (what it
+    sends the server, rows ``[C, ...]``), both written by the parts' ``end``.
+    """
+
+    ids: torch.Tensor
+    num_samples: torch.Tensor
+    steps: torch.Tensor
+    active: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    known: dict[str, torch.Tensor] = field(default_factory=dict)
+    personal: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    new_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    upload: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class ClientResult:
+    """What a cohort of clients returns (Flower's ``FitRes``), one row per client in the order of ``ids``:
+    the ``upload`` (``"model"`` = ``w_{i,E}``, ``"train_loss"``, and the parts' entries), the
+    ``state`` each client keeps, and ``backprops``, the backward passes it took."""
+
+    ids: torch.Tensor
+    upload: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+    backprops: int = 0
+
+    def rows(self, index: torch.Tensor) -> "ClientResult":
+        """The clients at positions ``index``."""
+        pick = (lambda d: {k: v[index.to(v.device)] for k, v in d.items()})
+        return ClientResult(self.ids[index], pick(self.upload), pick(self.state), self.backprops)
+
+    def to(self, device: torch.device | str) -> "ClientResult":
+        move = (lambda d: {k: v.to(device) for k, v in d.items()})
+        return ClientResult(self.ids.to(device), move(self.upload), move(self.state), self.backprops)
+
+
+def merge_results(results: list[ClientResult]) -> ClientResult:
+    """One result with every client's rows in ascending client-id order (the canonical reduction order),
+    whatever order the results arrived in."""
+    ids = torch.cat([r.ids.cpu() for r in results])
+    order = ids.argsort()
+    if len(set(ids.tolist())) != len(ids):
+        raise ValueError(f"a client appears in more than one result: {sorted(ids.tolist())}")
+
+    def stack(name: str, part: str) -> torch.Tensor:
+        rows = torch.cat([getattr(r, part)[name] for r in results])
+        return rows[order.to(rows.device)]
+    upload_names = results[0].upload.keys()
+    state_names = results[0].state.keys()
+    return ClientResult(ids[order], {k: stack(k, "upload") for k in upload_names},
+                        {k: stack(k, "state") for k in state_names}, sum(r.backprops for r in results))
+
+
+@dataclass
+class RoundContext:
+    """The server's view of round ``t``.
+
+    Before training: ``w`` (the global model ``w^t``), ``lr`` (``eta_l^t``), the sampled clients in
+    ascending id order with their sample counts and local step counts ``E_i``, the server state, and
+    the per-client vectors the server holds for them (``held[name][K, P]``, zeros and
+    ``held_known = False`` before a client's first round; parts replace the rows they update).
+    After training: ``w_start`` (what clients started from), ``uploads`` (every upload stacked over
+    the sampled clients, ``[K, ...]``, rows in the order of ``sampled``) and ``weights[K]`` (the
+    aggregation). Parts may add per-round scalars to ``log`` (written to the round's metrics line)
+    and anything else to ``info``.
+    """
+
+    round: int
+    lr: float
+    w: torch.Tensor
+    sampled: torch.Tensor
+    num_samples: torch.Tensor
+    steps: torch.Tensor
+    server: dict[str, torch.Tensor]
+    settings: TrainSettings
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+    held_known: dict[str, torch.Tensor] = field(default_factory=dict)
+    w_start: torch.Tensor | None = None
+    uploads: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: torch.Tensor | None = None
+    log: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def K(self) -> int:
+        return int(self.sampled.shape[0])
+
+    @property
+    def w_final(self) -> torch.Tensor:
+        """``w_{i,E}`` of every sampled client, ``[K, P]``."""
+        return self.uploads[MODEL]
+
+    @property
+    def train_loss(self) -> torch.Tensor:
+        return self.uploads[TRAIN_LOSS]
+
+    @property
+    def deltas(self) -> torch.Tensor:
+        """``Delta_i = w_{i,E} - w^t`` for every sampled client, ``[K, P]``."""
+        return self.w_final - self.w
+
+    @property
+    def pseudo_gradients(self) -> torch.Tensor:
+        """``G_i = -Delta_i / (E_i eta_l^t)``, the gradient-scale conversion of the spec, ``[K, P]``."""
+        return -self.deltas / (self.steps.to(self.w.dtype)[:, None] * self.lr)
+
+    def aggregate(self, X: torch.Tensor) -> torch.Tensor:
+        """``sum_i p_i X_i`` with the round's aggregation weights."""
+        return self.weights.to(X.dtype) @ X
+
+    def answered(self, ids: torch.Tensor) -> "RoundContext":
+        """The context of the round as if only the clients ``ids`` (a subset of ``sampled``, ascending) had
+        been sampled: a federation aggregates the clients whose uploads came back. Called after
+        :meth:`Algorithm.configure`, before any upload is read; the server state, log and info carry over."""
+        position = {int(c): row for row, c in enumerate(self.sampled.tolist())}
+        missing = [int(c) for c in ids.tolist() if int(c) not in position]
+        if missing:
+            raise ValueError(f"round {self.round}: clients {missing} answered but were not sampled")
+        keep = torch.tensor([position[int(c)] for c in ids.tolist()], dtype=torch.long, device=self.sampled.device)
+        rows = (lambda d: {k: v[keep.to(v.device)] for k, v in d.items()})
+        return replace(self, sampled=self.sampled[keep], num_samples=self.num_samples[keep], steps=self.steps[keep],
+                       held=rows(self.held), held_known=rows(self.held_known))

@@ -1,0 +1,377 @@
+"""The run loop: rounds, evaluation, checkpoints and the run folder, kept consistent whatever happens.
+
+:func:`run_experiment` is what ``fedflat.run`` (:mod:`fedflat.api`), a sweep's cells and a resume call; the
+:class:`Runner` drives the rounds of a :class:`Simulation` and writes the run folder (config.yaml, metrics.jsonl,
+summary.json, checkpoint.pt, model.pt), so that an interruption at any moment leaves a folder that resumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from fedflat.config import Config, as_config, dump_yaml, resolve
+from fedflat.core import Diverged
+from fedflat.data import Dataset
+from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
+from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
+from fedflat.engine.threads import torch_threads
+from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info, versions
+from fedflat.files import atomic_write_bytes, json_safe
+from fedflat.progress import progress_bar
+
+
+@dataclass
+class History:
+    """What a run produced: per-evaluation metrics, the summary, the final global model (flat)."""
+
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    final_parameters: torch.Tensor
+    run_dir: Path | None = None
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def column(self, key: str) -> list[Any]:
+        return [m.get(key) for m in self.metrics]
+
+    @property
+    def final_test_acc(self) -> float | None:
+        return self.summary.get("final_test_acc")
+
+
+def _label(cfg: Config, dataset: Dataset | None = None) -> str:
+    parts = [cfg.name] if cfg.name else []
+    parts += [cfg.algo["name"], dataset.name if dataset is not None else cfg.data.name, f"s{cfg.seed}"]
+    return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts)
+
+
+@dataclass
+class Output:
+    """Where a run's results go and what it tells the user on the way."""
+
+    save: bool = True
+    out: str | Path | None = None
+    run_dir: str | Path | None = None
+    resume: str | Path | None = None
+    progress: bool = True  # progress bar
+    announce: bool = True  # print the run folder when it is made (stderr)
+
+
+def run_experiment(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
+        dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
+        clients: Sequence[Sequence[int]] | None = None,
+        out: str | Path | None = None, save: bool = True, progress: bool = True,
+        run_dir: str | Path | None = None, resume: str | Path | None = None,
+        announce: bool | None = None,
+        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None) -> History:
+    """Runs one federated experiment and returns its :class:`History`.
+
+    ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
+    ``overrides`` are ``key=value`` strings. ``dataset`` (a :class:`fedflat.data.Dataset`) and
+    ``model_fn`` (a zero-argument ``nn.Module`` factory) replace the configured ones; ``clients`` (one
+    sequence of training-sample indices per client: a natural split) replaces ``data.partition`` and sets
+    ``data.num_clients``. With ``save``,
+    results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
+    (created; it must not exist). ``resume`` continues the run folder it names from its latest
+    checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config). ``announce``
+    (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
+    the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
+    :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
+    """
+    cfg = as_config(config, overrides)
+    if clients is not None and cfg.data.num_clients != len(clients):
+        cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
+    where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce)
+    with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
+        if resume is not None:
+            stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
+        elif save:
+            check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
+        stack.callback(sim.close)
+        resolved = _resolved(cfg, dataset, model_fn, clients)
+        folder, checkpoint = _open_folder(cfg, where, stack, dataset)
+        try:
+            runner = Runner(cfg, sim, resolved, folder, checkpoint)
+            if driver is not None:
+                runner.train_round = driver(sim)
+                runner.summary["driver"] = driver.__module__  # its clients' state is not in this folder
+        except OSError as err:
+            if is_disk_full(err) and resume is None:  # nothing of this run is worth keeping: no empty folder
+                shutil.rmtree(folder.path, ignore_errors=True)
+                raise DiskFull(f"no space left on the device of {folder.path.parent}: free some space and run "
+                               "again") from None
+            raise
+        return runner.run(progress)
+
+
+def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None,
+              clients: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """The config as ``config.yaml`` records it (a user's dataset, model or split by name)."""
+    resolved = resolve(cfg)
+    if dataset is not None:
+        resolved["data"]["name"] = f"user:{dataset.name}"
+    if model_fn is not None:
+        resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
+    if clients is not None:
+        resolved["data"]["partition"] = {"scheme": f"user:{len(clients)} clients"}
+    if cfg.tensorboard:
+        from fedflat.experiments.tensorboard import require_tensorboard
+
+        require_tensorboard()  # before a run folder is made
+    return resolved
+
+
+def _open_folder(cfg: Config, where: Output, stack: ExitStack,
+                 dataset: Dataset | None) -> tuple[RunDir | None, dict[str, Any] | None]:
+    """The run folder (made, or readied to resume, and held by this process) and the checkpoint to continue."""
+    checkpoint = None
+    if where.resume is not None:
+        folder = RunDir(Path(where.resume))
+        checkpoint = prepare_resume(folder.path)
+    elif not where.save:
+        return None, None
+    else:
+        folder = RunDir.at(where.run_dir) if where.run_dir is not None else RunDir.create(
+            where.out if where.out is not None else cfg.out, _label(cfg, dataset))
+        stack.enter_context(hold(folder.path))
+    if where.announce:
+        print(f"run folder: {folder.path}", file=sys.stderr, flush=True)
+    return folder, checkpoint
+
+
+def prepare_resume(run_dir: str | Path) -> dict[str, Any] | None:
+    """Readies a run folder to continue: removes torn temporaries, reads the checkpoint, and rewrites
+    ``metrics.jsonl`` to exactly the checkpoint's lines (dropping those of rounds that will run again).
+    Returns the checkpoint, or None when the run must start from round 0."""
+    run_dir = Path(run_dir)
+    remove_temporaries(run_dir)
+    payload = read_checkpoint(run_dir)
+    metrics = payload["metrics"] if payload is not None else []
+    rundir = RunDir(run_dir)
+    if rundir.metrics_path.exists() or metrics:
+        text = "".join(json.dumps(json_safe(m)) + "\n" for m in metrics)
+        atomic_write_bytes(rundir.metrics_path, text.encode())
+    return payload
+
+
+class Runner:
+    """Drives the rounds and keeps the run folder consistent whatever happens."""
+
+    def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None,
+                 checkpoint: dict[str, Any] | None = None):
+        self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
+        self.metrics: list[dict[str, Any]] = []
+        self.start_round = 0
+        # A round trained and committed whose metrics line is not yet written (interrupted in evaluation):
+        # the checkpoint carries it and a resume writes it first.
+        self._owed: RoundResult | None = None
+        # Called after every round as hook(runner, round_index, record_or_None); record is the metrics
+        # line of an evaluated round, which a hook may extend before it is written.
+        self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
+        self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
+        alg = sim.algorithm
+        self.summary: dict[str, Any] = {
+            "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
+            "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
+            "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
+            "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
+            "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
+            "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
+            "final_test_acc": None, "best_test_acc": None, "best_round": None,
+            "final_test_loss": None,
+            **({"final_val_acc": None, "best_val_acc": None, "final_val_loss": None} if sim.heldout == "val" else {}),
+            "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
+            "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        if run_dir is not None:
+            run_dir.reserve()
+            run_dir.write_config(dump_yaml(resolved))
+            run_dir.write_summary(self.summary)
+        if cfg.tensorboard and run_dir is not None:
+            from fedflat.experiments.tensorboard import tensorboard_hook
+
+            self.hooks.append(tensorboard_hook(run_dir.path / "tensorboard", purge_step=self.start_round + 1))
+        if cfg.diagnostics.every:
+            from fedflat.metrics.recorder import DiagnosticsRecorder
+
+            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # before loggers, which see its scalars
+
+    def _restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
+        self.sim.load_state_dict(checkpoint["state"])
+        self.sim.backprops = checkpoint.get("backprops", 0)
+        self.start_round = checkpoint["round"]
+        self.metrics = [dict(m) for m in checkpoint["metrics"]]
+        saved = checkpoint["summary"]
+        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
+        self.summary.update(status="running", reason=None, rounds_planned=self.cfg.rounds)  # rounds= may extend
+        self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
+                                                                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+        if checkpoint.get("owed") is not None:
+            self._owed = RoundResult(**checkpoint["owed"])
+
+    def _checkpoint(self) -> None:
+        if self.run_dir is None:
+            return
+        owed = dataclasses.asdict(self._owed) if self._owed is not None else None
+        save_checkpoint(self.run_dir.path,
+                        make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+
+    def run(self, progress: bool) -> History:
+        start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
+        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress, desc=self.summary["algorithm"],
+                           unit="round", dynamic_ncols=True, leave=True, initial=self.start_round,
+                           total=self.cfg.rounds)
+        every = self.cfg.checkpoint_every
+        try:
+            if self._owed is not None:
+                self._record(self._owed.round, self._owed, bar)
+            for t in bar:
+                self._round(t, bar)
+                if every and (t + 1) % every == 0 and t + 1 != self.cfg.rounds:
+                    self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
+                    self._checkpoint()
+                    self._save_summary()
+            self.summary["status"] = "completed"
+        except Diverged as err:
+            self.summary.update(status="diverged", reason=str(err))
+        except KeyboardInterrupt as err:
+            self.summary.update(status="failed", reason=f"interrupted ({err or 'KeyboardInterrupt'})")
+            err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
+            raise
+        except Exception as err:
+            if is_disk_full(err):
+                raise self._disk_full(err) from None
+            self.summary.update(status="failed", reason=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            bar.close()
+            self._finish(wall_before + time.perf_counter() - start)
+        return self.history()
+
+    def _finish(self, wall_seconds: float) -> None:
+        """The final checkpoint (of the last complete round), model and summary; on a full disk the reserve
+        is given back so that at least the summary says what happened."""
+        self.summary["wall_seconds"] = wall_seconds
+        self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        try:
+            if self.summary["status"] != "diverged":
+                self._checkpoint()  # the final state, or the last complete round of an interrupted run
+            self._save()
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            raise self._disk_full(err) from None
+        if self.run_dir is not None:
+            self.run_dir.release_reserve()
+
+    def _disk_full(self, err: OSError) -> DiskFull:
+        """Records the failure in summary.json (in the space the reserve gives back) and says what to do."""
+        where = self.run_dir.path if self.run_dir else "the output folder"
+        message = (f"disk full while writing {getattr(err, 'filename', None) or where}: free some space, then "
+                   f"`fedflat resume {where}` continues from the last checkpoint")
+        self.summary.update(status="failed", reason=message)
+        if self.run_dir is not None:
+            self.run_dir.release_reserve()
+            try:
+                self.run_dir.write_summary(self.summary)
+            except OSError:
+                pass  # still no room: the summary keeps its last state; the message says what happened
+        return DiskFull(message)
+
+    def _round(self, t: int, bar) -> None:
+        result = self._train(t)
+        if self._evaluated(t):
+            self._record(t, result, bar)
+        else:
+            for hook in self.hooks:
+                hook(self, t, None)
+
+    def _evaluated(self, t: int) -> bool:
+        """Round ``t`` gets a metrics line: every ``eval.every`` rounds, the last round, and every round that
+        records diagnostics (so their headlines land in metrics.jsonl whatever the two periods are)."""
+        n, diagnostics = t + 1, self.cfg.diagnostics.every
+        return n % self.cfg.eval.every == 0 or n == self.cfg.rounds or bool(diagnostics and n % diagnostics == 0)
+
+    def _train(self, t: int) -> RoundResult:
+        """Round ``t``, and its account in the summary. The simulation commits a round as one transaction;
+        the account is taken with signals held, and taken here too when an interrupt hit between the two,
+        so the summary always names the round the state is at."""
+        try:
+            result = self.train_round(t)
+            with uninterrupted():
+                self._account(result)
+        except KeyboardInterrupt:
+            last = self.sim.last_round
+            if last is not None and last.round == t and self.summary["rounds"] == t:
+                with uninterrupted():
+                    self._account(last)
+            raise
+        return result
+
+    def _account(self, result: RoundResult) -> None:
+        s, t = self.summary, result.round
+        s["rounds"] = t + 1
+        s["train_seconds"] += result.seconds
+        # communication as measured from the payloads: vectors per sampled client, bytes in total
+        s["up_vectors"], s["down_vectors"] = result.up_vectors, result.down_vectors
+        s["up_bytes"] += result.up_bytes * result.clients
+        s["down_bytes"] += result.down_bytes * result.clients
+        if result.dropped:
+            s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
+        self._owed = result if self._evaluated(t) else None
+
+    def _record(self, t: int, result: RoundResult, bar) -> None:
+        """Evaluates round ``t`` and writes its metrics line (the line is written with signals held)."""
+        sim, s = self.sim, self.summary
+        eval_start = time.perf_counter()
+        acc, loss = sim.evaluate()
+        eval_seconds = time.perf_counter() - eval_start
+        split = sim.heldout  # "test", or "val" for a run that selects on a validation split
+        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, "train_loss": result.train_loss,
+                  "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
+                  "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
+                  "down_vectors": result.down_vectors, "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
+                  "clients": result.clients, "dropped": len(result.dropped), "drift": result.drift,
+                  "backprops_per_step": result.backprops_per_step, "store": result.store, **result.log}
+        for hook in self.hooks:
+            hook(self, t, record)
+        with uninterrupted():
+            if self.run_dir is not None:
+                self.run_dir.append_metrics(record)
+            self.metrics.append(record)
+            s["eval_seconds"] += eval_seconds
+            if s[f"best_{split}_acc"] is None or acc > s[f"best_{split}_acc"]:
+                s[f"best_{split}_acc"], s["best_round"] = acc, t + 1
+            s[f"final_{split}_acc"], s[f"final_{split}_loss"] = acc, loss
+            self._owed = None
+        bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
+
+    def _save_summary(self) -> None:
+        if self.run_dir is not None:
+            self.run_dir.write_summary(self.summary)
+
+    def _save(self) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.save_model(self.sim.model.state_dict(self.sim.w))
+        self.run_dir.write_summary(self.summary)
+
+    def history(self) -> History:
+        return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
+                       final_parameters=self.sim.w.detach().cpu().clone(),
+                       run_dir=self.run_dir.path if self.run_dir else None,
+                       state_dict=self.sim.model.state_dict(self.sim.w))
