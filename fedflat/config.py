@@ -67,6 +67,10 @@ class TrainConfig(Section):
     lr_decay: float = Field(0.998, gt=0, le=1, description="eta_l^t = eta_l * lr_decay^t")
     weight_decay: float = Field(1e-3, ge=0, description="coupled: added to the gradient")
     clip: float | None = Field(10.0, gt=0, description="L2 clip of the local direction")
+    clip_scope: Literal["loss", "step"] = Field(
+        "loss", description="loss: clip the gradient of the loss with the method's linear terms, then add the weight "
+                            "decay (and a proximal mu w) as the methods' public codes do (clip_grad_norm_ before "
+                            "torch.optim.SGD's weight_decay); step: clip the whole local direction, decay included")
     global_lr: float = Field(1.0, gt=0, description="eta_g")
 
 

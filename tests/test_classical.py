@@ -94,7 +94,7 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
     (a fresh simulation; its sampler and batch schedules are the engine's keyed random streams)."""
     X, y = sim.dataset.x_train.double().cpu().numpy(), sim.dataset.y_train.cpu().numpy()
     N, classes = sim.cfg.data.num_clients, sim.dataset.num_classes
-    wd, clip = train["weight_decay"], train["clip"]
+    wd, clip, scope = train["weight_decay"], train["clip"], train.get("clip_scope", "loss")
     w = sim.w.double().cpu().numpy().copy()
     zero = np.zeros_like(w)
     c, h, m, v = zero.copy(), zero.copy(), zero.copy(), zero.copy()
@@ -118,20 +118,26 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
                 idx = idx.cpu().numpy()
                 loss, g = softmax_regression(wk, X[idx], y[idx], classes)
                 losses.append(loss)
-                g = g + wd * wk
+                # As the public codes step: ``L``, the gradient of the loss they backpropagate (the method's linear
+                # terms included), and ``decay``, the weight decay their torch.optim.SGD adds after the clip
+                # (FL-Simulator folds FedProx's mu and FedDyn's alpha into it; FedACG's pull is in its loss)
+                decay = wd
                 if method == "fedprox":
-                    d = g + hp["mu"] * (wk - start)
+                    L, decay = g - hp["mu"] * start, wd + hp["mu"]
                 elif method == "scaffold":
-                    d = g + c - ci
+                    L = g + c - ci
                 elif method == "feddyn":
-                    d = g - hi + hp["alpha"] * (wk - start)
+                    L, decay = g - hi - hp["alpha"] * start, wd + hp["alpha"]
                 elif method == "fedcm":  # weight decay unscaled (FL-Simulator's SGD adds it to the mixed gradient)
-                    d = hp["a"] * (g - wd * wk) + (1 - hp["a"]) * m + wd * wk
+                    L = hp["a"] * g + (1 - hp["a"]) * m
                 elif method == "fedacg":
-                    d = g + hp["beta"] * (wk - start)
+                    L = g + hp["beta"] * (wk - start)
                 else:
-                    d = g
-                if clip is not None:
+                    L = g
+                if clip is not None and scope == "loss":
+                    L = L * min(1.0, clip / (np.linalg.norm(L) + 1e-6))
+                d = L + decay * wk
+                if clip is not None and scope == "step":  # the whole direction, weight decay included
                     d = d * min(1.0, clip / (np.linalg.norm(d) + 1e-6))
                 wk = wk - lr * d
             if method == "scaffold":  # option II
@@ -266,10 +272,35 @@ def test_vectorized_engine_equals_hand_computation(method):
     _check_against_reference(method, "vectorized")
 
 
-def test_scaffold_clips_the_whole_corrected_direction():
-    """fedflat clips g + wd w + c - c_i as one vector (the spec), unlike FL-Simulator, which adds the
-    correction as a loss term before clipping the gradient alone."""
-    _check_against_reference("scaffold", "sequential", clip=0.2, lr=1.5)
+CLIPPED = ("fedprox", "scaffold", "feddyn", "fedcm", "fedacg", "fedavg")
+
+
+@pytest.mark.parametrize("scope", ["loss", "step"])
+@pytest.mark.parametrize("method", CLIPPED)
+def test_binding_clip_by_hand(method, scope):
+    """A clip that binds (0.2 at lr 1.5) in both scopes: ``loss`` (the default) clips what the public codes clip,
+    the gradient of their loss, and adds the weight decay of their optimizer after it (FL-Simulator's
+    ``clip_grad_norm_`` then ``SGD(weight_decay=wd [+ mu | + alpha])``, FedACG's likewise); ``step`` clips the
+    whole direction ``g + wd w + ...`` as one vector (the spec's reading)."""
+    _check_against_reference(method, "sequential", clip=0.2, lr=1.5, clip_scope=scope)
+
+
+def test_binding_clip_on_the_vectorized_engine():
+    """Padded rows (clients with fewer steps) and clipped rows together: the vectorized engine clips per client."""
+    _check_against_reference("feddyn", "vectorized", clip=0.2, lr=1.5)
+
+
+@pytest.mark.parametrize("method", CLIPPED)
+def test_clip_scopes_differ_only_where_the_clip_binds(method):
+    """The premise of the test above: with this clip the two scopes give different models; with a clip that never
+    binds they give the same model bit for bit (an unclipped row keeps the step of ``clip_scope=step``)."""
+    final = {}
+    for scope, clip in (("loss", 0.2), ("step", 0.2), ("loss", 1e6), ("step", 1e6)):
+        config = load_config(None, base=_toy_config({"name": method, **METHODS[method]}, "sequential", clip=clip,
+                                                    lr=1.5, clip_scope=scope))
+        final[scope, clip] = fedflat.run(config, dataset=_toy_data(), save=False, progress=False).final_parameters
+    assert (final["loss", 0.2] - final["step", 0.2]).abs().max() > 1e-3
+    assert torch.equal(final["loss", 1e6], final["step", 1e6])
 
 
 def test_fedlw_and_fednolowe_weights_by_hand():

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedprox import Prox
-from fedflat.core import PartParams, Recipe, RoundContext, ServerUpdate, init, register_recipe
+from fedflat.core import ClientContext, PartParams, Recipe, RoundContext, ServerUpdate, init, register_recipe
 
 MOMENTUM = "acg.m"
 
@@ -32,6 +32,11 @@ class ACGCorrection(Prox):
 
     def coefficient(self) -> float:
         return self.p.beta
+
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        """``wd``: the authors' code has the whole pull in the loss (``clients/base_client.py:200-205``), clipped
+        with it (``:160``); SGD adds only the weight decay."""
+        return ctx.settings.weight_decay
 
 
 class ACGServerParams(PartParams):

@@ -33,6 +33,13 @@ def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W
     return d
 
 
+def mixed_decay(a: float | torch.Tensor, weight_decay: float, decay: DecayPlacement) -> float | torch.Tensor:
+    """The weight decay of :func:`momentum_mix`'s direction, ``wd`` (``outside``) or ``a wd`` (``inside``): what
+    ``clip_scope=loss`` adds after the clip (:meth:`~fedflat.core.Correction.decoupled_decay`). FL-Simulator's
+    FedCM/MoFedSAM and the FedWMSAM code clip ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds ``wd w``."""
+    return weight_decay if decay == "outside" else a * weight_decay
+
+
 class MomentumParams(PartParams):
     a: float = Field(0.1, ge=0, le=1, description="weight of the local gradient (1 - a on the momentum)")
     decay: DecayPlacement = Field("outside", description=DECAY_DESCRIPTION)
@@ -52,6 +59,9 @@ class Momentum(Correction):
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return momentum_mix(self.p.a, grad, ctx.server[MOMENTUM], W, ctx.settings.weight_decay, self.p.decay)
+
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        return mixed_decay(self.p.a, ctx.settings.weight_decay, self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         ctx.server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)

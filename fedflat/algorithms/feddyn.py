@@ -44,6 +44,11 @@ class DynCorrection(Correction):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.state[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
 
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        """``wd + alpha``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put ``<w, -h_i - alpha w^t>`` in the loss and
+        ``alpha`` in SGD's weight decay (``client/feddyn.py:10``, ``fedsmoo.py:12``, ``fedspeed.py:12``)."""
+        return ctx.settings.weight_decay + self.p.alpha
+
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], self.p.alpha, ctx.w_start, W)
 

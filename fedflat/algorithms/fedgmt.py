@@ -76,6 +76,9 @@ class ADMMDual(DynCorrection):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.state[CLIENT_DUAL]
 
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        return ctx.settings.weight_decay  # no proximal term to decouple
+
 
 register_recipe(Recipe(
     name="fedgmt", summary="FedGMT: distillation from the global trajectory (EMA) + ADMM duals, one backprop",

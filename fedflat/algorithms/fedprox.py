@@ -31,6 +31,11 @@ class Prox(Correction):
             return grad
         return grad + coefficient * (W - ctx.w_start)
 
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        """``wd + mu``: FL-Simulator's FedProx puts ``-mu <w, w^t>`` in the loss and ``mu`` in SGD's weight decay
+        (``client/fedprox.py:10, 26-28``), so ``mu w`` is added after the clip."""
+        return ctx.settings.weight_decay + self.coefficient()
+
 
 register_recipe(Recipe(
     name="fedprox", summary="local SGD with a proximal term mu (w - w^t), FedAvg server",

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.fedcm import DecayPlacement, momentum_mix
+from fedflat.algorithms.fedcm import DecayPlacement, mixed_decay, momentum_mix
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
                           init, register_recipe)
@@ -66,6 +66,9 @@ class VarianceSuppressedUpdate(Correction):
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return momentum_mix(self.p.beta, grad, ctx.server[DIRECTION], W, ctx.settings.weight_decay, self.p.decay)
+
+    def decoupled_decay(self, ctx: ClientContext) -> float:
+        return mixed_decay(self.p.beta, ctx.settings.weight_decay, self.p.decay)
 
 
 class GlobalParams(PartParams):

@@ -19,7 +19,7 @@ _HOMES = {
     "errors": ("AlgorithmError", "ConfigError", "ContractError", "Diverged", "NoClients", "PluginError"),
     "vectors": ("NORM_EPS", "ParamLayout", "normalize_rows", "row_norm"),
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
-    "round": ("MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Cohort",
+    "round": ("MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClipScope", "ClientData", "ClientResult", "Cohort",
               "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "merge_results",
               "payload_size"),
     "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",

@@ -24,7 +24,8 @@ from fedflat.core.round import ClientContext, Cohort, RoundContext
 
 CHECK_ENV = "FEDFLAT_CHECK_CONTRACT"
 HOOKS = frozenset({"downlink", "personal", "finish", "after_step", "weights", "broadcast", "step", "begin", "end",
-                   "perturb", "descent_gradient", "distillation", "apply", "direction", "models", "private"})
+                   "perturb", "descent_gradient", "distillation", "apply", "direction", "decoupled_decay", "models",
+                   "private"})
 
 
 def checking() -> bool:

@@ -184,6 +184,13 @@ class Correction(Part):
         """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
         return grad
 
+    def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
+        """The coefficient ``c`` of the term ``c w`` of :meth:`direction` that the method's public code gives its
+        optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``: under
+        ``train.clip_scope=loss`` the engine clips ``d - c w`` (the gradient of the loss that code backpropagates,
+        with the method's linear terms) and adds ``c w`` back. Default ``wd``: the direction holds ``wd w`` once."""
+        return ctx.settings.weight_decay
+
 
 class Personalization(Part):
     """Which parameters stay with the client (personalized FL): a client starts from the broadcast model with its

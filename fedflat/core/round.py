@@ -10,11 +10,13 @@ leading client dimension ``C``: the sequential engine runs chunks of one client,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Literal, Protocol
 
 import torch
 
 from fedflat.core.vectors import ParamLayout
+
+ClipScope = Literal["loss", "step"]
 
 MODEL = "model"  # upload: the client's final model w_{i,E}, [C, P]
 TRAIN_LOSS = "train_loss"  # upload: the client's mean local loss of the round, [C]
@@ -102,6 +104,10 @@ class TrainSettings:
     seed: int
     layout: ParamLayout | None = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
     total_samples: int = 0  # training samples over all clients, n (FedAWA's initial logits n_i / n); 0: unknown
+    # What ``clip`` bounds: "loss", the direction without the terms in w that the authors' codes hand to their
+    # optimizer as weight decay (:meth:`Correction.decoupled_decay`), added after the clip; "step": all of it
+    clip_scope: ClipScope = "loss"
+    lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,

@@ -16,16 +16,41 @@ from fedflat.core import MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, 
 from fedflat.engine.batches import local_schedule, stack_batches
 
 
+def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / ||D_c||)`` per row of ``D[C, P]``, ``[C, 1]`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    return (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+
+
+def unclipped(scale: torch.Tensor) -> bool:
+    """Whether no row is clipped, checked only on CPU (on a GPU the check would cost a synchronisation)."""
+    return scale.device.type == "cpu" and bool((scale == 1.0).all())
+
+
 def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """Clips each row of ``D[C, P]`` to L2 norm ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    """Clips each row of ``D[C, P]`` to L2 norm ``max_norm`` (``train.clip_scope=step``)."""
     if max_norm is None:
         return D
-    scale = (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
-    # D * 1.0 is D bit for bit: skip the full-size multiply when no row is clipped (a free check on
-    # CPU; on a GPU it would cost a synchronisation, so there the multiply is always done).
-    if D.device.type == "cpu" and bool((scale == 1.0).all()):
+    scale = clip_scale(D, max_norm)
+    if unclipped(scale):  # D * 1.0 is D bit for bit: skip the full-size multiply
         return D
     return D * scale
+
+
+def clip_loss_rows(D: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """``train.clip_scope=loss``, as the methods' public codes step: ``clip(D - c W) + c W`` per row, ``c = decay``
+    (:meth:`~fedflat.core.Correction.decoupled_decay`): ``clip_grad_norm_`` bounds the gradient of the loss they
+    backpropagate, then ``torch.optim.SGD`` adds its weight decay ``c w``. A row whose loss gradient is within
+    ``max_norm`` keeps ``D`` itself, bit for bit the step of ``clip_scope=step``."""
+    if max_norm is None:
+        return D
+    if not torch.is_tensor(decay) and decay == 0:
+        return clip_rows(D, max_norm)
+    decayed = decay * W
+    loss = D - decayed
+    scale = clip_scale(loss, max_norm)
+    if unclipped(scale):
+        return D
+    return torch.where(scale < 1.0, loss * scale + decayed, D)
 
 
 class ClientBatches:
@@ -93,7 +118,8 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     ``eps = filter(perturbation)``, ``g = descent(g(w + eps)) + wd w`` (``g`` of the loss plus the
     perturbation part's distillation term, if any; ``descent`` is the perturbation's, e.g. FedSpeed's merging;
     a filter that ``acts_on`` the gradient filters ``descent(...)`` instead of ``eps``),
-    ``d = correction(g)``, ``d = clip(d)``,
+    ``d = correction(g)``, ``d = clip(d)`` (``train.clip_scope``: the whole ``d``, or, as the methods' public codes,
+    ``d`` without the weight decay their optimizer adds after the clip: :func:`clip_loss_rows`),
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
@@ -101,7 +127,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     parts = algorithm.parts
     perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
     settings, batches = ctx.settings, ctx.batches
-    wd, clip, lr = settings.weight_decay, settings.clip, ctx.lr
+    wd, clip, clip_scope, lr = settings.weight_decay, settings.clip, settings.clip_scope, ctx.lr
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
     steps = cohort.steps.tolist()
@@ -134,7 +160,11 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
             grad = filt.apply(ctx, cohort, grad)
         if wd:
             grad.add_(wd * W)  # grad is the oracle's fresh tensor; same bits as grad + wd * W
-        direction = clip_rows(correction.direction(ctx, cohort, k, W, grad), clip)
+        direction = correction.direction(ctx, cohort, k, W, grad)
+        if clip_scope == "loss":
+            direction = clip_loss_rows(direction, W, correction.decoupled_decay(ctx), clip)
+        else:
+            direction = clip_rows(direction, clip)
         if uniform:
             W -= lr * direction
             loss_sum += loss

@@ -208,7 +208,8 @@ class Simulation:
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
-                                      layout=self.model.layout, total_samples=int(self.num_samples.sum()))
+                                      layout=self.model.layout, total_samples=int(self.num_samples.sum()),
+                                      clip_scope=cfg.train.clip_scope, lr_decay=cfg.train.lr_decay)
         try:  # clients keep private parameters (FedPer): evaluation is then per client (evaluate_personalized)
             self.personalized = self.algorithm.parts["personalization"].private(self.settings) is not None
         except AlgorithmError as err:  # e.g. more private layers than the model has
