@@ -139,9 +139,10 @@ def test_fedscam_wa_without_heterogeneity_terms_is_sample_weighted_fedavg(tiny):
 
 
 def test_fedwmsam_with_every_switch_off_is_fedcm(tiny):
-    """seed 001 Table 5, bottom row: no personalized momentum, no SAM, no adaptive weight = FedCM."""
+    """seed 001 Table 5, bottom row: no personalized momentum, no SAM, no adaptive weight = FedCM (with FedCM's
+    momentum Gbar: the authors' FedWMSAM server stores lr_decay Gbar, FL-Simulator's FedCM Gbar)."""
     wm = run(tiny("algo=fedwmsam", "algo.personalized=false", "algo.guided=false", "algo.adaptive=false",
-                  "algo.rho=0.3", "rounds=4"))
+                  "algo.momentum_lr_decay=false", "algo.rho=0.3", "rounds=4"))
     cm = run(tiny("algo=fedcm", "rounds=4"))
     torch.testing.assert_close(wm.final_parameters, cm.final_parameters, rtol=0, atol=0)
 
@@ -174,22 +175,54 @@ def test_fedlesam_two_rounds_by_hand(tiny, first):
         close(sim.store.get("lesam.w_old", torch.tensor([i]))[0][0], ref)
 
 
+@pytest.mark.parametrize("lamb", [1.0, 0.1])
+def test_fedlesam_s_two_rounds_by_hand(tiny, lamb):
+    """FedLESAM-S: the locally estimated perturbation on SCAFFOLD, direction ``g(w + eps) + lamb (c - c_i)``;
+    ``lamb`` scales only the local correction, the variates update as SCAFFOLD's (lamb 1: the paper's Algorithm 3;
+    0.1: the authors' public code, ``client/fedlesam_s.py``, ``--lamb`` 0.1)."""
+    rho = 0.3
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedlesam-s", f"algo.rho={rho}", f"algo.lamb={lamb}", "rounds=3"))
+    hand = Hand(sim)
+    w, c, w_old, c_i = sim.w.clone(), torch.zeros_like(sim.w), {}, {}
+    for t in range(3):
+        lr, finals, dc = sim.lr_at(t), [], torch.zeros_like(w)
+        for i in _sampled(sim, t):
+            eps = rho * hand.unit(w_old[i] - w) if i in w_old else None
+            ci = c_i.get(i, torch.zeros_like(w))
+            wf = hand.local(w, i, lr, perturb=lambda k, _w, e=eps: e,
+                            direction=lambda k, wk, g, ci=ci: g + lamb * (c - ci))
+            c_i[i] = ci - c + (w - wf) / (STEPS * lr)
+            dc += c_i[i] - ci
+            w_old[i] = w.clone()
+            finals.append(wf)
+        c = c + dc / hand.N
+        w = torch.stack(finals).mean(0)
+    rounds(sim, 3)
+    close(sim.w, w)
+    close(sim.server["scaffold.c"], c, rtol=1e-4, atol=1e-5)
+    assert float(c.abs().max()) > 0.01  # the correction acted: c is far from zero by round 2
+
+
 def mix(a, g, m, wk, wd, decay="outside"):
     """The momentum-mixed direction from ``g = g(w + eps) + wd w``: weight decay unscaled (``outside``,
     FL-Simulator's and the FedWMSAM code's) or inside the mixing (``a (g + wd w) + (1 - a) m``)."""
     return a * g + (1 - a) * m + ((1 - a) * wd * wk if decay == "outside" else 0)
 
 
-@pytest.mark.parametrize("target, sign, similarity, decay", [
-    ("momentum", "paper", "update", "outside"), ("momentum", "code", "update", "outside"),
-    ("descent", "paper", "gradient", "inside")])
-def test_fedwmsam_two_rounds_by_hand(tiny, target, sign, similarity, decay):
+@pytest.mark.parametrize("target, sign, similarity, decay, at_zero, scaled", [
+    ("momentum", "paper", "update", "outside", 0.0, True), ("momentum", "code", "update", "outside", 1.0, False),
+    ("descent", "paper", "gradient", "inside", 0.0, True)])
+def test_fedwmsam_two_rounds_by_hand(tiny, target, sign, similarity, decay, at_zero, scaled):
     """Personalized momentum, guided perturbation, SCAFFOLD variates, momentum factor a and m, by hand
-    (the default first: the authors' trajectory w + k m_i, similarity cos(Delta_i, m) + 1, unscaled decay)."""
+    (the default first: the authors' trajectory w + k m_i, similarity cos(Delta_i, m) + 1 and 0 where m is zero
+    (round 0), m = lr_decay Gbar, unscaled decay; then fedflat's earlier similarity 1 at round 0 and m = Gbar)."""
     rho, tau, a_min = 0.2, 0.5, 0.1
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedwmsam", f"algo.rho={rho}", f"algo.tau={tau}", f"algo.sign={sign}",
-                          f"algo.target={target}", f"algo.similarity={similarity}", f"algo.decay={decay}", "rounds=3"))
+                          f"algo.target={target}", f"algo.similarity={similarity}", f"algo.decay={decay}", "rounds=3",
+                          f"algo.similarity_at_zero={at_zero}", f"algo.momentum_lr_decay={scaled}"))
     hand = Hand(sim)
+    lr_decay = sim.cfg.train.lr_decay if scaled else 1.0
+    assert sim.cfg.train.lr_decay < 1  # the premise: the two momenta differ
     w, m, c, a = sim.w.clone(), torch.zeros_like(sim.w), torch.zeros_like(sim.w), torch.tensor(0.1)
     c_i: dict[int, torch.Tensor] = {}
     sgn = -1.0 if sign == "code" else 1.0
@@ -212,10 +245,13 @@ def test_fedwmsam_two_rounds_by_hand(tiny, target, sign, similarity, decay):
         W = torch.stack(finals)
         G = -(W - w) / (STEPS * lr)
         X = (W - w) if similarity == "update" else G
-        s = torch.stack([torch.dot(x, m) / (x.norm() * m.norm() + 1e-12) for x in X]) + (similarity == "update")
+        s = torch.stack([torch.dot(x, m) / (x.norm() * m.norm()) + (similarity == "update") if m.norm() > 0
+                         else torch.tensor(at_zero) for x in X])
         a = (1 - tau) * a + tau * s.mean().clamp(a_min, 0.9)
+        if t == 0:  # the authors' round 0 leaves a at its start (a_min); the earlier rule moved it toward a_max
+            assert float(a) == pytest.approx(0.1 if at_zero == 0 else 0.5 * 0.1 + 0.5 * 0.9)
         c = c + dc / hand.N
-        w, m = W.mean(0), G.mean(0)
+        w, m = W.mean(0), lr_decay * G.mean(0)
     rounds(sim, 3)
     close(sim.w, w)
     close(sim.server["momentum.m"], m, rtol=1e-4, atol=1e-5)

@@ -13,13 +13,18 @@ Server state: momentum ``m`` (``Gbar`` of the previous round, 0 at round 0), SCA
 - Local direction ``a g(w_{i,k} + eps_k) + (1 - a) m_i`` (``= a (g + c - c_i) + (1 - a) m``).
 - After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed and kept by the server: no extra upload);
   ``s_i = cos(Delta_i, m) + 1`` (the authors' code; eq. 3's formula is lost in our text, and this is the quantity
-  that rises and settles as App. B describes); ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)``
-  (eq. 3-4); FedAvg server, then ``m = Gbar``.
+  that rises and settles as App. B describes), ``s_i = 0`` where ``m`` (round 0) or ``Delta_i`` is zero, as the
+  code's ``cosine_similarity`` returns (``server/FedWMSAM.py:77-84``); ``a <- (1 - tau) a + tau clip(mean_i s_i,
+  a_min, a_max)`` (eq. 3-4); FedAvg server, then ``m = lr_decay Gbar``: the code divides the round's average update
+  by ``E eta_l^t`` and multiplies by ``lr_decay`` before the scheduler steps (``server/FedWMSAM.py:57``), where
+  FL-Simulator's FedCM, dividing by the next round's rate, cancels the factor.
 
 Ablations (seed 001 Table 5): ``personalized`` (off: ``m_i = m``), ``guided`` (off: ``eps = 0``),
 ``adaptive`` (off: ``a`` fixed). With all three off FedWMSAM is FedCM with ``a`` = ``algo.a``.
 
-Options kept from earlier readings: ``target: descent`` is the first reconstruction's trajectory
+Options kept from earlier readings (where the paper's text is silent the authors' code is the default):
+``similarity_at_zero: 1`` gives round 0 the similarity ``0 + 1`` (``a`` then moves to ``0.99 a + 0.01 a_max``
+after round 0); ``momentum_lr_decay: false`` keeps ``m = Gbar``; ``target: descent`` is the first reconstruction's trajectory
 ``xhat_k = w^t - k eta_l m_i`` (the spec's; ``eps`` then has cos -0.40 with ``m_i`` where the authors' has +0.99);
 ``sign: code`` perturbs along ``-d_k``, as the public code's ``e_w = -g_update * scale`` does against its own README;
 ``similarity: gradient`` uses ``cos(G_i, m) = 1 - (cos(Delta_i, m) + 1)``, which falls over training. Not
@@ -33,7 +38,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_mix
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, mixed_decay, momentum_mix
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
                           Slot, init, normalize_rows, register_recipe, row_norm)
@@ -53,6 +58,14 @@ def cosine_rows(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (X @ y) / (row_norm(X).squeeze(-1) * y.norm() + 1e-12)
 
 
+def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
+    """``s_i = cos(X_i, m) (+ 1 when shifted)``, and ``at_zero`` where ``X_i`` or ``m`` is the zero vector (the
+    authors' ``cosine_similarity``, ``server/FedWMSAM.py:77-84``, returns 0 there, before its ``+ 1``)."""
+    s = cosine_rows(X, m) + (1 if shifted else 0)
+    defined = (row_norm(X).squeeze(-1) > 0) & (m.norm() > 0)
+    return torch.where(defined, s, torch.full_like(s, at_zero))
+
+
 def adapt_factor(a: torch.Tensor, similarity: torch.Tensor, tau: float, a_min: float, a_max: float) -> torch.Tensor:
     """Seed 001 eq. 3-4: ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)``."""
     return (1 - tau) * a + tau * similarity.mean().clamp(a_min, a_max)
@@ -67,6 +80,11 @@ class WMSAMParams(PartParams):
     adaptive: bool = Field(True, description="ablation: cosine-adaptive a (off: a fixed)")
     similarity: Literal["update", "gradient"] = Field(
         "update", description="update: cos(Delta_i, m) + 1 (the authors' code; rises); gradient: cos(G_i, m) (falls)")
+    similarity_at_zero: float = Field(
+        0.0, ge=0, le=2, description="s_i where m or Delta_i is zero (round 0): 0 as the authors' code returns; 1 is "
+                                     "cos := 0 plus 1, fedflat's earlier rule")
+    momentum_lr_decay: bool = Field(
+        True, description="m = lr_decay Gbar as the authors' server stores it; false: m = Gbar (FedCM's)")
     decay: DecayPlacement = Field("outside", description=DECAY_DESCRIPTION)
 
     @model_validator(mode="after")
@@ -118,6 +136,9 @@ class WeightedMomentum(Correction):
         return momentum_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], W, ctx.settings.weight_decay,
                             self.p.decay)
 
+    def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
+        return mixed_decay(ctx.server[FACTOR], ctx.settings.weight_decay, self.p.decay)
+
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
         c_i = ctx.held[CLIENT_VARIATE]
@@ -126,14 +147,13 @@ class WeightedMomentum(Correction):
         server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], (c_plus - c_i).sum(0),
                                                          ctx.settings.num_clients)
         if self.p.adaptive:
-            if self.p.similarity == "update":
-                s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
-            else:
-                s = cosine_rows(ctx.pseudo_gradients, server[MOMENTUM])
+            s = update_similarity(ctx.deltas if self.p.similarity == "update" else ctx.pseudo_gradients,
+                                  server[MOMENTUM], self.p.similarity == "update", self.p.similarity_at_zero)
             ctx.log["wmsam_similarity"] = float(s.mean())
             server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
         ctx.log["wmsam_a"] = float(server[FACTOR])
-        server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
+        gbar = ctx.aggregate(ctx.pseudo_gradients)
+        server[MOMENTUM] = ctx.settings.lr_decay * gbar if self.p.momentum_lr_decay else gbar
 
 
 class GuidedParams(PartParams):

@@ -8,16 +8,24 @@ Client ``i`` keeps ``c_i`` (0 at first participation), the server keeps ``c``. L
 The two update rules are plain functions so methods that keep the same variates (FedGAMMA,
 FedLESAM-S, FedFFT-S through the ``scaffold`` correction; FedWMSAM on the server) share them.
 Client ``i`` keeps ``c_i``; ``c`` goes down with the model; ``c_i^+ - c_i`` goes up.
+
+``lamb`` scales the correction in the local direction, ``g + lamb (c - c_i)``, and nothing else (the variates
+update as above): FedLESAM's public FedLESAM-S adds ``lamb <w, c - c_i>`` to its loss with ``--lamb`` 0.1 by
+default (github.com/MediaBrain-SJTU/FedLESAM, ``client/fedlesam_s.py:5-6``, ``train.py:48``), where the paper's
+Algorithm 3 and SCAFFOLD have coefficient 1, the default.
 """
 from __future__ import annotations
 
 import torch
 
-from fedflat.core import ClientContext, Cohort, Correction, Recipe, RoundContext, Slot, init, register_recipe
+from pydantic import Field
+
+from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, Slot, init,
+                          register_recipe)
 
 SERVER_VARIATE = "scaffold.c"  # server state, broadcast: c
 CLIENT_VARIATE = "scaffold.c_i"  # client state: c_i
-SHIFT = Slot("scaffold.shift", "c - c_i of the chunk's clients [C, P], the correction added to the gradient")
+SHIFT = Slot("scaffold.shift", "lamb (c - c_i) of the chunk's clients [C, P], the correction added to the gradient")
 VARIATE_CHANGE = "scaffold.dc"  # upload: c_i^+ - c_i
 
 
@@ -33,18 +41,25 @@ def scaffold_server_variate(c: torch.Tensor, sum_dc: torch.Tensor, num_clients: 
     return c + sum_dc / num_clients
 
 
+class ScaffoldParams(PartParams):
+    lamb: float = Field(1.0, ge=0, description="scale of the correction, grad + lamb (c - c_i): 1 is SCAFFOLD and "
+                                               "FedLESAM's Algorithm 3; 0.1 FedLESAM's public FedLESAM-S")
+
+
 class Scaffold(Correction):
-    """``d = grad + c - c_i`` with SCAFFOLD's client and server control variates."""
+    """``d = grad + lamb (c - c_i)`` with SCAFFOLD's client and server control variates (``lamb = 1``: SCAFFOLD)."""
 
     name = "scaffold"
-    summary = "SCAFFOLD control variates: grad + c - c_i (option II update)"
+    summary = "SCAFFOLD control variates: grad + lamb (c - c_i) (option II update; lamb 1)"
+    Params = ScaffoldParams
     server_state = {SERVER_VARIATE: init.zeros}
     sends = (SERVER_VARIATE,)
     keeps = (CLIENT_VARIATE,)
     provides = frozenset({SHIFT})
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        cohort.shared.put(SHIFT, ctx.server[SERVER_VARIATE] - cohort.state[CLIENT_VARIATE])
+        shift = ctx.server[SERVER_VARIATE] - cohort.state[CLIENT_VARIATE]
+        cohort.shared.put(SHIFT, shift if self.p.lamb == 1 else self.p.lamb * shift)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad + cohort.shared[SHIFT]
