@@ -19,7 +19,7 @@ from torch import nn
 
 import fedflat
 from fedflat.config import load_config
-from fedflat.core import BUFFERS, ConfigError, torch_stream
+from fedflat.core import BUFFERS, ConfigError, stream_seed, torch_stream
 from fedflat.engine.batches import local_schedule
 from fedflat.engine.checkpoint import CHECKPOINT, load_run
 from fedflat.engine.modes import inspect_module
@@ -181,6 +181,41 @@ def test_dropout_gives_the_same_training_on_both_engines_and_any_chunking():
         assert_close_normwise(other, finals[0], 2 ** 10 * U32)
     no_dropout = fedflat.run(_cfg(*UNEQUAL), save=False, progress=False).final_parameters
     assert no_dropout.shape != finals[0].shape or not torch.equal(no_dropout, finals[0])
+
+
+class StochasticDepth(nn.Module):
+    """A residual branch dropped per sample with torch.bernoulli: randomness outside PyTorch's dropout functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.branch, self.out = nn.Linear(16, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x.flatten(1)))
+        if self.training:
+            h = h + self.branch(h) * torch.bernoulli(torch.full((x.shape[0], 1), 0.8, device=x.device)) / 0.8
+        return self.out(h)
+
+
+def test_other_random_operations_draw_from_the_clients_stream_on_the_sequential_engine():
+    """The global generator is seeded from the client's stream ``"forward"`` while it trains (one local step by
+    hand); the vectorized engine, which cannot key such draws per client, refuses the module."""
+    sim = Simulation(_cfg("train.local_steps=1", "train.weight_decay=0", "train.clip=null"), model_fn=StochasticDepth)
+    opened = sim.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    client = int(opened.task.ids[0])
+    (batch,) = local_schedule(sim.client_indices[client], 1, 10, torch_stream(0, 0, client, "batches"))
+    reference = StochasticDepth()
+    reference.load_state_dict(sim.model.state_dict(sim.w))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(0, 0, client, "forward"))
+        loss = F.cross_entropy(reference(sim.dataset.x_train[batch]), sim.dataset.y_train[batch])
+    grads = torch.autograd.grad(loss, list(reference.parameters()))
+    step = torch.cat([(p - sim.lr_at(0) * g).detach().reshape(-1) for p, g in zip(reference.parameters(), grads)])
+    assert torch.equal(result.upload["model"][0], step)
+    with pytest.raises(ConfigError, match=r"model StochasticDepth cannot run under torch.func.vmap \(its forward draws "
+                                          r"random numbers \(bernoulli\) outside PyTorch's dropout functions"):
+        Simulation(_cfg("engine=vectorized"), model_fn=StochasticDepth)
 
 
 # -- train() for training, eval() for every evaluation -----------------------------------------------------------

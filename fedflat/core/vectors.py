@@ -27,8 +27,35 @@ def normalize_rows(X: torch.Tensor, radius: float | torch.Tensor = 1.0) -> torch
     return radius * X / (row_norm(X) + NORM_EPS)
 
 
+class Packed:
+    """Tensors packed one after another in a flat vector: ``names``, ``shapes`` and ``offsets`` (the parameters'
+    :class:`ParamLayout`, the buffers' :class:`BufferLayout`)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(prod(s) for s in self.shapes)
+
+    @property
+    def size(self) -> int:
+        """The number of scalar entries (``P`` of the parameters, ``Q`` of the buffers)."""
+        return sum(self.numels)
+
+    def mask(self, owners: tuple[str, ...] | frozenset[str]) -> torch.Tensor:
+        """Boolean ``[size]``: the entries of the tensors whose module (the name up to its last dot) is in
+        ``owners``."""
+        mask = torch.zeros(self.size, dtype=torch.bool)
+        for name, offset, numel in zip(self.names, self.offsets, self.numels):
+            if name.rpartition(".")[0] in owners:
+                mask[offset:offset + numel] = True
+        return mask
+
+
 @dataclass(frozen=True)
-class ParamLayout:
+class ParamLayout(Packed):
     """Names, shapes and offsets of a model's parameters inside a flat vector."""
 
     names: tuple[str, ...]
@@ -45,15 +72,6 @@ class ParamLayout:
             offset += p.numel()
         return cls(tuple(names), tuple(shapes), tuple(offsets))
 
-    @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(prod(s) for s in self.shapes)
-
-    @property
-    def size(self) -> int:
-        """``P``, the number of scalar parameters."""
-        return sum(self.numels)
-
     def segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-tensor slices ``[..., numel_j]`` of ``flat[..., P]`` (views, no copy)."""
         return [flat[..., o:o + n] for o, n in zip(self.offsets, self.numels)]
@@ -67,24 +85,9 @@ class ParamLayout:
         """The model's current parameters as one detached flat vector."""
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
-    def mask(self, owners: tuple[str, ...] | frozenset[str]) -> torch.Tensor:
-        """Boolean ``[P]``: the entries of the parameters of the modules named in ``owners``."""
-        return owned(self.names, self.offsets, self.numels, self.size, owners)
-
-
-def owned(names: tuple[str, ...], offsets: tuple[int, ...], numels: tuple[int, ...], size: int,
-          owners: tuple[str, ...] | frozenset[str]) -> torch.Tensor:
-    """Boolean ``[size]``: the entries of the named tensors whose module (the name up to its last dot) is in
-    ``owners``."""
-    mask = torch.zeros(size, dtype=torch.bool)
-    for name, offset, numel in zip(names, offsets, numels):
-        if name.rpartition(".")[0] in owners:
-            mask[offset:offset + numel] = True
-    return mask
-
 
 @dataclass(frozen=True)
-class BufferLayout:
+class BufferLayout(Packed):
     """Names, shapes, dtypes and offsets of a model's persistent buffers (BatchNorm's running statistics and
     ``num_batches_tracked``, any registered buffer) inside one flat float64 vector ``b[Q]``.
 
@@ -110,15 +113,6 @@ class BufferLayout:
         return cls(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets))
 
     @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(prod(s) for s in self.shapes)
-
-    @property
-    def size(self) -> int:
-        """``Q``, the number of buffer entries."""
-        return sum(self.numels)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the buffers in their own dtypes: what a deployment sends (communication accounting)."""
         return sum(n * torch.empty(0, dtype=d).element_size() for n, d in zip(self.numels, self.dtypes))
@@ -139,10 +133,6 @@ class BufferLayout:
     def flatten(self, model: nn.Module) -> torch.Tensor:
         """The model's current buffers as ``b[Q]``."""
         return self.pack([buffer.detach() for _, buffer in persistent_buffers(model)])
-
-    def mask(self, owners: tuple[str, ...] | frozenset[str]) -> torch.Tensor:
-        """Boolean ``[Q]``: the entries of the buffers of the modules named in ``owners``."""
-        return owned(self.names, self.offsets, self.numels, self.size, owners)
 
     def average(self, b: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``b + sum_i p_i (b_i - b)`` over the clients' buffers ``rows[K, Q]`` with the round's aggregation weights

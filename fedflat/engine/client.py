@@ -97,6 +97,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
+    A model with buffers trains each client from the broadcast buffers (with its own private entries, FedBN's)
+    within the oracle's :class:`~fedflat.engine.oracle.ClientSession` and uploads its final ones as ``buffers``
+    (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings
     backprops_before = ctx.oracle.backprops

@@ -213,9 +213,11 @@ class Oracle:
     def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
         """``loss[C]`` without a backward pass (an evaluation: ``eval()`` mode, each client's current buffers)."""
         if self.traits.stateful:
-            buffers = self._eval_buffers(W.shape[0])
-            return torch.stack([F.cross_entropy(self._eval_logits(W[c], buffers[c], self._arranged(batch.row(c)[0])),
-                                                batch.row(c)[1]) for c in range(W.shape[0])])
+            buffers, losses = self._eval_buffers(W.shape[0]), []
+            for c in range(W.shape[0]):
+                x, y = batch.row(c)
+                losses.append(F.cross_entropy(self._eval_logits(W[c], buffers[c], self._arranged(x)), y))
+            return torch.stack(losses)
         if self.vectorized:
             views = tuple(self.model.layout.views(W))
             if batch.weight is None:
