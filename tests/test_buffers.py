@@ -18,6 +18,7 @@ from numerics import U32, U64, assert_close_normwise
 from torch import nn
 
 import fedflat
+from fedflat.algorithms.fedper import PERSONAL_MODEL
 from fedflat.config import load_config
 from fedflat.core import BUFFERS, ConfigError, stream_seed, torch_stream
 from fedflat.engine.batches import local_schedule
@@ -394,12 +395,12 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
     assert torch.equal(sim.buffers, sim.model.initial_buffers)  # every buffer of this CNN is a BatchNorm's
     ids = torch.arange(6)
     state, known = sim.load_state(ids)
-    assert known[BUFFERS].all() and known["personal_model"].all()
+    assert known[BUFFERS].all() and known[PERSONAL_MODEL].all()
     own = state[BUFFERS]
     for i in range(6):
         for j in range(i + 1, 6):
-            assert not torch.equal(own[i], own[j]) and not torch.equal(state["personal_model"][i][private],
-                                                                        state["personal_model"][j][private])
+            assert not torch.equal(own[i], own[j]) and not torch.equal(state[PERSONAL_MODEL][i][private],
+                                                                        state[PERSONAL_MODEL][j][private])
     # each client's model: the global one with its own BatchNorm, in eval mode on its own test share
     models = sim.algorithm.parts["personalization"].models(sim.w, state, known, sim.settings)
     correct = 0
@@ -411,6 +412,18 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
     total = sum(len(s) for s in sim.client_tests)
     assert sim.evaluate()[0] == correct / total
     assert torch.allclose(models[:, shared], sim.w[shared].expand(6, -1), rtol=0, atol=0)
+
+
+def test_fedbn_passes_the_checks_every_part_passes():
+    """fedflat.testing.check_part on the BatchNorm CNN: the contract kept, both engines agree, it composes with
+    FedSAM, a resumed run ends bit for bit where an uninterrupted one does."""
+    from fedflat.algorithms.fedbn import FedBN
+    from fedflat.testing import TINY, check_part
+
+    tree = {**TINY, "model": {"name": "cnn", "padding": 2, "norm": "batch", "dropout": 0.3},
+            "data": {**TINY["data"], "options": {**TINY["data"]["options"], "shape": [1, 8, 8]}}}
+    report = check_part(FedBN, recipe="fedbn", tree=tree)
+    assert report["contract"] == "kept" and report["checkpoint"].endswith("bit for bit")
 
 
 def test_fedbn_on_a_model_without_batch_norm_says_what_to_use():

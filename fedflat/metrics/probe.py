@@ -85,13 +85,12 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
             start = None if ctx.buffers is None else own_buffers(ctx.buffers, sim.private_buffers, cohort.state,
                                                                   cohort.known, 1)
             with sim.oracle.clients(cohort.ids.tolist(), round, sim.cfg.seed, start) as session:
-                for part in sim.algorithm.ordered:
-                    part.begin(ctx, cohort)
+                sim.algorithm.begin(ctx, cohort)
                 if session is not None:
                     session.step(None)
                 batch = Batch(objective.x.unsqueeze(0), objective.y.unsqueeze(0))
                 e = parts["perturbation"].perturb(ctx, cohort, 0, w[None].clone(), batch)
-            if e is not None:
+            if e is not None and parts["filter"].acts_on == "perturbation":
                 eps[row] = parts["filter"].apply(ctx, cohort, e)[0]
     names = f"perturbation '{parts['perturbation'].name}'" + (
         f" + filter '{parts['filter'].name}'" if parts["filter"].name != "none" else "")
