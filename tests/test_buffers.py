@@ -54,7 +54,7 @@ def _eval_mode_scores(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tu
 
 
 # -- the reported accuracy is the saved model's, on both engines, which agree ------------------------------------
-@pytest.mark.parametrize("algo", METHODS)
+@pytest.mark.parametrize("algo", [*METHODS[:3], *(pytest.param(a, marks=pytest.mark.slow) for a in METHODS[3:])])
 def test_reported_accuracy_is_model_pt_in_eval_mode_and_the_engines_agree(algo, tmp_path):
     runs = {}
     for engine in ("sequential", "vectorized"):
