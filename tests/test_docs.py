@@ -23,13 +23,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """The site built (as `make docs` does, warnings as errors) from a copy of docs/ and README, so the build's
-    generated pages and caches stay out of the working tree."""
+    """The site built (as `make docs` does, warnings as errors) from a copy of docs/, examples/ and README, so the
+    build's generated pages and caches stay out of the working tree."""
     pytest.importorskip("sphinx", reason="Sphinx is not installed: `make setup` installs the docs extra")
     pytest.importorskip("myst_parser", reason="myst-parser is not installed: `make setup` installs the docs extra")
     source = tmp_path_factory.mktemp("docs-source")
     shutil.copy(REPO / "README.md", source / "README.md")
     shutil.copytree(REPO / "docs", source / "docs", ignore=shutil.ignore_patterns("_build", "generated"))
+    shutil.copytree(REPO / "examples", source / "examples", ignore=shutil.ignore_patterns("__pycache__", "runs"))
     out = source / "html"
     done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
                            str(source / "docs"), str(out)], capture_output=True, text=True, timeout=600)
