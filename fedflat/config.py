@@ -407,8 +407,12 @@ def packaged_names() -> list[str]:
 def packaged_config(name: str | Path) -> Path | None:
     """The shipped config called ``name`` (a ``.yaml`` suffix and a leading ``configs/`` may be given, so the
     repository's paths name them too), or None."""
-    key = Path(name).as_posix().removeprefix("configs/").removesuffix(".yaml")
+    key = _shipped_key(name)
     return packaged_configs() / f"{key}.yaml" if key in packaged_names() else None
+
+
+def _shipped_key(name: str | Path) -> str:
+    return Path(name).as_posix().removeprefix("configs/").removesuffix(".yaml")
 
 
 def packaged_name(path: Path) -> str:
@@ -421,13 +425,14 @@ def config_file(path: str | Path, what: str = "config") -> Path:
     NAME), else the shipped config of that name: ``fedflat run fmnist_mlp`` and ``fedflat sweep
     configs/demo_sweep.yaml`` work in any folder once fedflat is installed."""
     path = Path(path)
-    for candidate in (path, path.with_name(f"{path.name}.yaml")):
+    with_suffix = [path.with_name(f"{path.name}.yaml")] if path.name and path.suffix != ".yaml" else []
+    for candidate in (path, *with_suffix):
         if candidate.is_file():
             return candidate
     shipped = packaged_config(path)
     if shipped is None:
         raise ConfigError(f"{what} file '{path}' not found, and no shipped config has that name"
-                          f"{suggest(Path(path).as_posix().removesuffix('.yaml'), packaged_names())}; "
+                          f"{suggest(_shipped_key(path), packaged_names())}; "
                           "`fedflat list --configs` lists the shipped ones")
     return shipped
 

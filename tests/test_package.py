@@ -58,6 +58,8 @@ def test_unknown_names_and_wrong_commands_say_what_to_do(tmp_path, monkeypatch):
         load_config("fmnist_mpl")
     with pytest.raises(ConfigError, match=r"sweep file 'papers/nope' not found"):
         load_sweep("papers/nope")
+    with pytest.raises(ConfigError, match=r"config file '\.' not found"):
+        load_config(".")
     with pytest.raises(ConfigError, match=r"^demo_sweep is a sweep file, not one run's config: `fedflat sweep "
                                           r"demo_sweep` runs it$"):
         load_config("demo_sweep")
