@@ -3,6 +3,8 @@
 ``make docs`` builds it into docs/_build/html; tests/test_docs.py builds it with warnings as errors."""
 from __future__ import annotations
 
+import re
+
 import fedflat
 
 project = "fedflat"
@@ -72,5 +74,17 @@ def _follow_reexport(app, env, node, contnode):
     return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], target, node, contnode)
 
 
+# A link of the README to a repository file (not a docs/ page, which the include's :relative-docs: handles, nor a URL)
+REPOSITORY_LINK = re.compile(r"\]\((?!docs/|[a-z]+:|#)([^)\s]+)\)")
+
+
+def _readme_links(app, relative_path, parent_docname, content):
+    """The start page includes the README from docs/: its links to repository files (examples/...) are made
+    relative to docs/, so the site carries those files as downloads."""
+    if relative_path.name == "README.md":
+        content[0] = REPOSITORY_LINK.sub(r"](../\1)", content[0])
+
+
 def setup(app):
     app.connect("missing-reference", _follow_reexport)
+    app.connect("include-read", _readme_links)
