@@ -414,6 +414,7 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
     assert torch.allclose(models[:, shared], sim.w[shared].expand(6, -1), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_fedbn_passes_the_checks_every_part_passes():
     """fedflat.testing.check_part on the BatchNorm CNN: the contract kept, both engines agree, it composes with
     FedSAM, a resumed run ends bit for bit where an uninterrupted one does."""

@@ -100,8 +100,8 @@ BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dro
                   "data.options.shape=[1,8,8]")
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedbn", *(pytest.param(a, marks=pytest.mark.slow)
-                                                     for a in ("scaffold", "fedsam", "fedlesam", "feddyn"))])
+@pytest.mark.parametrize("name", ["fedavg", *(pytest.param(a, marks=pytest.mark.slow)  # fedbn: also every recipe's
+                                             for a in ("fedbn", "scaffold", "fedsam", "fedlesam", "feddyn"))])
 def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, name):
     """Workers rebuild the CNN, train each client from the broadcast buffers with its dropout stream, and return its
     statistics (FedBN: its own BatchNorm, kept in the driver's store): the local numbers, bit for bit."""
