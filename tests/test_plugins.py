@@ -172,3 +172,23 @@ def test_check_part_passes_the_example_and_names_what_a_broken_part_breaks():
 
     with pytest.raises(AssertionError, match="resumed after round 2, the run ends elsewhere"):
         check_part(Forgetful)
+
+
+def test_the_example_is_tuned_and_reported_like_a_built_in_method(tmp_path):
+    """`fedflat tune` searches the plugin recipe's own grid (its `tunable`) with the same budget as fedflat's
+    methods, and `fedflat report` groups its runs under its name."""
+    from fedflat.experiments.report import find_runs, group_runs
+    from fedflat.experiments.tune import load_study, run_study
+
+    config = example_config(tmp_path / "mine")
+    study_file = tmp_path / "tune.yaml"
+    study_file.write_text(yaml.safe_dump({
+        "base": str(config), "out": str(tmp_path / "tune"),
+        "methods": {"fedasam": {"algo": "fedasam"}, "fedavg": {"algo": "fedavg"}},
+        "search": {"budget": 2, "validation": 0.2, "seeds": [0]}, "final": {"seeds": [0]}}))
+    study = load_study(study_file)
+    assert study.methods["fedasam"].space == {"algo.rho": [0.1, 0.5, 1.0]}
+    result = run_study(study, progress=False)
+    assert result.methods["fedasam"]["selected"]["algo.rho"] in (0.1, 0.5, 1.0)
+    methods = {g.method.split(" ")[0] for g in group_runs(find_runs([tmp_path / "tune" / "final"]))}
+    assert methods == {"fedasam", "fedavg"}

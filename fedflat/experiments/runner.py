@@ -32,7 +32,12 @@ from fedflat.progress import progress_bar
 
 @dataclass
 class History:
-    """What a run produced: per-evaluation metrics, the summary, the final global model (flat)."""
+    """What a run produced: per-evaluation metrics, the summary, the final global model (flat).
+
+    ``metrics`` holds one dict per evaluated round (the lines of ``metrics.jsonl``), ``summary`` what
+    ``summary.json`` holds, ``config`` the resolved config, ``final_parameters`` the global model as one flat
+    vector and ``state_dict`` as the model's state dict; ``run_dir`` is the run folder (None with ``save=False``).
+    """
 
     metrics: list[dict[str, Any]]
     summary: dict[str, Any]
@@ -42,10 +47,12 @@ class History:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def column(self, key: str) -> list[Any]:
+        """One metric over the evaluated rounds (``history.column("test_acc")``; None where a round lacks it)."""
         return [m.get(key) for m in self.metrics]
 
     @property
     def final_test_acc(self) -> float | None:
+        """The test accuracy of the final model (None without a test evaluation, as in a validation run)."""
         return self.summary.get("final_test_acc")
 
 
@@ -184,7 +191,8 @@ class Runner:
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
-            "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
+            "seed": cfg.seed, "parameters": sim.num_parameters,
+            "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
@@ -367,11 +375,11 @@ class Runner:
     def _save(self) -> None:
         if self.run_dir is None:
             return
-        self.run_dir.save_model(self.sim.model.state_dict(self.sim.w))
+        self.run_dir.save_model(self.sim.model_state())
         self.run_dir.write_summary(self.summary)
 
     def history(self) -> History:
         return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
                        final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
-                       state_dict=self.sim.model.state_dict(self.sim.w))
+                       state_dict=self.sim.model_state())

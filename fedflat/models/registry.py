@@ -19,17 +19,18 @@ from .resnet import resnet18, resnet20, resnet34, resnet50, wrn28_4
 from .textcnn import textcnn
 from .vit import vit
 
-#: name -> (factory(input_shape, num_classes, **options), one-line description)
+#: name -> ``(factory(input_shape, num_classes, **options), one-line description)``
 MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "logreg": (logreg, "Logistic regression: flatten + one Linear layer"),
     "mlp": (mlp, "FedAvg 2NN MLP: flatten, ReLU hidden layers (200, 200), Linear"),
-    "cnn": (cnn, "FedAvg/FL-Simulator CNN: 2x conv5x5(64)+maxpool, FC 384-192-classes"),
-    "resnet20": (resnet20, "CIFAR ResNet-20 (3x3 BasicBlocks, 16-32-64) with GroupNorm(2)"),
-    "resnet18": (resnet18, "ResNet-18 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
-    "resnet34": (resnet34, "ResNet-34 (BasicBlock) with GroupNorm(2); stem cifar|imagenet"),
-    "resnet50": (resnet50, "ResNet-50 (Bottleneck, torchvision v1.5) with GroupNorm(2); stem imagenet|cifar"),
-    "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation) with GroupNorm(2)"),
-    "densenet121": (densenet121, "DenseNet-121 (growth 32, blocks 6-12-24-16), CIFAR stem (FedLAW's), GroupNorm(2)"),
+    "cnn": (cnn, "FedAvg/FL-Simulator CNN: 2x conv5x5(64)+maxpool, FC 384-192-classes; norm none|batch|group, dropout"),
+    "resnet20": (resnet20, "CIFAR ResNet-20 (3x3 BasicBlocks, 16-32-64); norm group (GroupNorm(2))|batch|none"),
+    "resnet18": (resnet18, "ResNet-18 (BasicBlock); norm group (GroupNorm(2))|batch|none; stem cifar|imagenet"),
+    "resnet34": (resnet34, "ResNet-34 (BasicBlock); norm group (GroupNorm(2))|batch|none; stem cifar|imagenet"),
+    "resnet50": (resnet50, "ResNet-50 (Bottleneck, torchvision v1.5); norm group|batch|none; stem imagenet|cifar"),
+    "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation); norm group (GroupNorm(2))|batch|none"),
+    "densenet121": (densenet121, "DenseNet-121 (growth 32, blocks 6-12-24-16), CIFAR stem (FedLAW's); "
+                                 "norm group|batch|none"),
     "vit": (vit, "Vision Transformer with timm's parameter names: variant tiny16 (ViT-Ti/16) | base32 (ViT-B/32)"),
     "lstm": (lstm, "LEAF's Shakespeare LSTM on int64 windows [B, L]: embed 8, 2 x LSTM 256, next symbol"),
     "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),
