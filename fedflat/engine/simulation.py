@@ -31,7 +31,7 @@ from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
 from fedflat.engine.store import ClientStore
-from fedflat.engine.threads import choose_threads
+from fedflat.engine.threads import choose_threads, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -174,7 +174,11 @@ class Simulation:
         self.device = resolve_device(cfg.device)
         set_tf32(self.device, cfg.tf32)
         if dataset is None:
-            dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
+            # on one thread: torch splits a long reduction (the standardization's mean and std) across its threads,
+            # so the data's bits, and every number trained on them, would depend on the process's thread count
+            with torch_threads(1):
+                dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download,
+                                       **cfg.data.options)
         if cfg.data.validation:
             full = dataset.y_train.shape[0]
             dataset, kept = validation_split(dataset, cfg.data.validation)
@@ -230,6 +234,13 @@ class Simulation:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
+
+    def thread_counts(self) -> dict[str, int | None]:
+        """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
+        ``clients`` (the local training, or each Ray worker's; None: the worker's own default)."""
+        server = torch.get_num_threads()
+        spec = getattr(self.executor, "spec", None)
+        return {"server": server, "clients": spec.threads if spec is not None else server}
 
     def worker_spec(self, **options):
         """What a Ray worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``

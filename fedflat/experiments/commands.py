@@ -119,7 +119,8 @@ def register(sub) -> None:
     p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.*")
+                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.* (a change of "
+                        "thread counts may change the last bits: said and recorded)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_resume)
 

@@ -185,6 +185,7 @@ class Runner:
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
+            "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
@@ -216,12 +217,28 @@ class Runner:
         self.start_round = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
-        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
+        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine", "threads")})
         self.summary.update(status="running", reason=None, rounds_planned=self.cfg.rounds)  # rounds= may extend
+        self._note_thread_change(saved.get("threads"))
         self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
         if checkpoint.get("owed") is not None:
             self._owed = RoundResult(**checkpoint["owed"])
+
+    def _note_thread_change(self, before: dict[str, Any] | None) -> None:
+        """A resume on other torch thread counts than the run so far (``threads=``, ``executor.*``, or ``auto`` with
+        another core share) continues it correctly, but a reduction split over other threads rounds differently:
+        the numbers from here on may differ in the last bits from an uninterrupted run's. Said, and recorded."""
+        now = self.summary["threads"]
+        if before is None or before == now:  # (a checkpoint of an older fedflat does not say)
+            return
+        self.summary["threads_changed"] = [*self.summary.get("threads_changed", []),
+                                           {"round": self.start_round + 1, "from": before, "to": now}]
+        text = lambda counts: ", ".join(f"{k} {v}" for k, v in counts.items())  # noqa: E731
+        print(f"fedflat: warning: the run trained on torch threads ({text(before)}), this resume on ({text(now)}): "
+              f"from round "
+              f"{self.start_round + 1} on its numbers may differ in the last bits from an uninterrupted run's "
+              "(recorded in summary.json as threads_changed)", file=sys.stderr)
 
     def _checkpoint(self) -> None:
         if self.run_dir is None:
