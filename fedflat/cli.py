@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
 from fedflat.core import ConfigError
-from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
+from fedflat.experiments.rundir import RunFolderBusy, interruption, is_disk_full
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = getattr(err, "run_dir", None)
         where = (f"; {folder} records status 'failed' with its last checkpoint: `fedflat resume {folder}` "
                  "continues it") if folder else ""
-        print(f"fedflat: interrupted ({err or 'Ctrl-C'}){where}", file=sys.stderr)
+        print(f"fedflat: interrupted ({interruption(err)}){where}", file=sys.stderr)
         return 130
     except OSError as err:
         if is_disk_full(err):

@@ -213,6 +213,7 @@ def test_ctrl_c_stops_a_sweep_within_seconds_with_each_cells_true_state(tmp_path
         start = time.monotonic()
         assert proc.wait(timeout=60) == 130
         assert time.monotonic() - start < 20
+        assert proc.stderr.read() == "fedflat: interrupted (Ctrl-C)\n"  # (not `interrupted ()`)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -224,6 +225,36 @@ def test_ctrl_c_stops_a_sweep_within_seconds_with_each_cells_true_state(tmp_path
         assert summary["status"] == "failed" and summary["reason"].startswith("interrupted")
         assert read_checkpoint(folder)["round"] == summary["rounds"]  # resumable from where it stopped
     assert not (tmp_path / "out" / "seed2").exists()  # no new cell was started
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
+    """Ctrl-C reaches the whole process group: a worker still importing printed its 40-line traceback (issue 32),
+    and the message read `interrupted ()`. The workers ignore Ctrl-C; the sweep stops them and says so once."""
+    proc = _start_sweep(_endless_sweep(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_spawned_workers(proc.pid)) == 2  # both just started: importing fedflat and torch
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.stderr.read() == "fedflat: interrupted (Ctrl-C)\n"
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """The sweep's cell processes (multiprocessing's spawn), by their command line."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent and \
+                    "spawn_main" in stat.with_name("cmdline").read_text():
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def test_sweep_workers_die_with_a_killed_parent(tmp_path):

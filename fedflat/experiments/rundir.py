@@ -97,6 +97,12 @@ def is_disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def interruption(err: KeyboardInterrupt) -> str:
+    """What interrupted a run: the signal or stop request a ``KeyboardInterrupt`` names, else Ctrl-C (an exception
+    object is truthy even when its text is empty: ``err or 'Ctrl-C'`` printed ``interrupted ()``)."""
+    return str(err) or "Ctrl-C"
+
+
 class DiskFull(OSError):
     """The disk filled up during a run; the message says where and how to continue."""
 

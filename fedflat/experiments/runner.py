@@ -25,7 +25,8 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info, versions
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
+                                       machine_info, versions)
 from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
 
@@ -266,7 +267,7 @@ class Runner:
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
         except KeyboardInterrupt as err:
-            self.summary.update(status="failed", reason=f"interrupted ({err or 'KeyboardInterrupt'})")
+            self.summary.update(status="failed", reason=f"interrupted ({interruption(err)})")
             err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
             raise
         except Exception as err:

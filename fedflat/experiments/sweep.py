@@ -28,7 +28,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -448,15 +450,19 @@ def _die_with_parent() -> None:
     """Linux: this process is killed when the sweep that started it dies, however it dies."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stopped_by_the_sweep(_signum, _frame) -> None:
+    raise KeyboardInterrupt("the sweep was stopped")
 
 
 def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the sweep died before the line above took effect
         return
+    signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
         results.put((folder, run_cell(tree, folder, False, threads)))
     except KeyboardInterrupt:
@@ -477,7 +483,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
                 folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
                                           args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
-                process.start()
+                _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
             _collect(queue, running, record)
             live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
@@ -485,6 +491,20 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
     except KeyboardInterrupt:
         _stop(running, queue, record)
         raise
+
+
+def _start_deaf_to_ctrl_c(process) -> None:
+    """Starts a cell's process with SIGINT ignored, a disposition that survives its exec. Ctrl-C at a terminal
+    signals the whole process group, and a worker it reached while still importing printed a 40-line traceback
+    (issue 32); the sweep stops its cells itself (:func:`_stop`: SIGTERM, which a cell's run takes as Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():  # (signal dispositions: main thread only)
+        process.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
@@ -508,8 +528,6 @@ def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
 def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
     """Interrupts the running cells (their runs write status and checkpoint), waits ``grace`` seconds, then
     kills what is left; each cell is recorded as its folder says."""
-    import signal
-
     def settle(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while running and time.monotonic() < deadline:
@@ -519,10 +537,9 @@ def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
                     running.pop(folder)
                     record(cell, interrupted_cell(Path(folder)))
 
-    settle(2.0)  # Ctrl-C at a terminal reached the cells too: let them finish on their own
     for _, process in running.values():
         if process.is_alive():
-            os.kill(process.pid, signal.SIGINT)  # only the sweep was signalled (kill -INT, SIGTERM)
+            os.kill(process.pid, signal.SIGTERM)  # (cells ignore Ctrl-C: _start_deaf_to_ctrl_c)
     settle(grace)
     for folder, (cell, process) in running.items():
         process.kill()
