@@ -217,6 +217,8 @@ def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(t
     """Two Ray nodes on this machine (`ray start --head`, `ray start --address`), each with one CPU; a driver
     process joins them by address, one worker lands on each node, and the numbers equal the local run's."""
     port = _free_port()
+    recorded = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    before = recorded.read_text() if recorded.exists() else None
     head = _ray_node("--head", f"--port={port}", "--include-dashboard=false")
     node = None
     try:
@@ -256,6 +258,12 @@ def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(t
         if node is not None:
             _stop(node)
         _stop(head)
+        # `ray start --head` records its address there and its end leaves it: every later `ray.init()` on this
+        # machine without an address would join the dead instance (Flower's simulation did; issue 32)
+        if before is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(before)
 
 
 def test_bench_races_local_and_ray_executors(ray_session):

@@ -69,6 +69,35 @@ def test_a_second_sweep_over_a_live_cell_does_not_touch_it(tiny, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no error.txt in the other's live cell
 
 
+def test_a_second_sweep_on_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Two sweeps on one folder both ran, each found the other's live cells busy, and the last sweep.json marked
+    completed cells 'busy' (issue 32). The second is refused in one line naming the first's process, and
+    writes nothing."""
+    import yaml
+
+    from conftest import tiny_tree
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree()))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", "out": str(tmp_path / "out"), "overrides": ["rounds=1"],
+                                    "grid": {"seed": [0, 1]}}))
+    (tmp_path / "out").mkdir()
+    holder = _holder(tmp_path / "out")  # as the first sweep holds it
+    try:
+        capsys.readouterr()
+        assert main(["sweep", str(path), "--no-progress"]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedflat: sweep folder {tmp_path / 'out'} is in use by process {holder.pid}")
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+    assert main(["sweep", str(path), "--no-progress"]) == 0  # the hold died with its holder
+    index = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [c["status"] for c in index["cells"]] == ["completed", "completed"]
+
+
 def test_files_follow_the_umask(tiny, tmp_path):
     folder = tmp_path / "run"
     old = os.umask(0o022)

@@ -60,8 +60,9 @@ _HELD: dict[Path, list] = {}  # run folders this process holds: path -> [lock fi
 
 
 @contextmanager
-def hold(folder: str | Path) -> Iterator[None]:
-    """This process's exclusive hold on a run folder (re-entrant within the process)."""
+def hold(folder: str | Path, what: str = "run folder") -> Iterator[None]:
+    """This process's exclusive hold on a run folder, or on a sweep's folder (``what`` names it in the message
+    that refuses a second holder; re-entrant within the process)."""
     folder = Path(folder).resolve()
     if folder in _HELD:
         _HELD[folder][1] += 1
@@ -77,7 +78,7 @@ def hold(folder: str | Path) -> Iterator[None]:
         fh.seek(0)
         holder = fh.read().strip() or "?"
         fh.close()
-        raise RunFolderBusy(f"run folder {folder} is in use by process {holder} (a fedflat run, resume or sweep); "
+        raise RunFolderBusy(f"{what} {folder} is in use by process {holder} (a fedflat run, resume, sweep or tune); "
                             "wait for it to finish or stop it, then try again") from None
     fh.seek(0)
     fh.truncate()

@@ -394,9 +394,16 @@ def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = T
     results so far after every cell (and once before the first)."""
     if workers < 1:
         raise ConfigError(f"sweep workers must be at least 1, got {workers}")
+    out.mkdir(parents=True, exist_ok=True)
+    # one sweep per folder: two at once each found the other's live cells busy and wrote that in sweep.json
+    with hold(out, "sweep folder"):
+        return _run_held_cells(cells, out, workers, progress, ray, on_record)
+
+
+def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, ray: RayCells | None,
+                    on_record: Callable[[dict[str, dict[str, Any]]], None] | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
-    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
         if cell.error:
