@@ -376,6 +376,10 @@ def test_user_inputs_are_checked_before_a_run_folder_exists(tmp_path):
         fedflat.run(cfg, dataset=ok, model_fn=lambda: "not a model", out=tmp_path, progress=False)
     with pytest.raises(fedflat.ConfigError, match="does not accept mine's inputs of shape"):
         fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(9, 3), out=tmp_path, progress=False)
+    for outputs in (2, 4):  # 3 classes: torch's raw IndexError deep in training, or a silent run (issue 32)
+        with pytest.raises(fedflat.ConfigError, match=f"the model gives {outputs} outputs for mine's 3 classes: its "
+                                                      "last layer needs 3 outputs"):
+            fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(5, outputs), out=tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []  # no run folder with an untrained model.pt
     hist = fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(5, 3), out=tmp_path, progress=False)
     assert "-mine-" in hist.run_dir.name  # the folder names the user's dataset

@@ -55,6 +55,21 @@ def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
                           f"{err}") from None
 
 
+def _check_outputs(model: FlatModel, x: torch.Tensor, dataset: Dataset) -> None:
+    """One output per class, before round 0: cross-entropy takes a model with fewer outputs as an index error deep
+    in training, and trains one with more without a word (the extra outputs are never a target)."""
+    training = model.module.training
+    model.module.eval()  # (a normalization layer's running statistics stay as they are)
+    try:
+        with torch.no_grad():
+            width = model.call_views(model.layout.views(model.initial), x[:1]).shape[-1]
+    finally:
+        model.module.train(training)
+    if width != dataset.num_classes:
+        raise ConfigError(f"the model gives {width} outputs for {dataset.name}'s {dataset.num_classes} classes: its "
+                          f"last layer needs {dataset.num_classes} outputs, one per class")
+
+
 PERSONAL_EVAL_ENTRIES = 2 ** 26  # parameters of the client models a personalized evaluation holds at once (256 MB)
 
 
@@ -196,8 +211,9 @@ class Simulation:
             module = _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
         self.model = FlatModel(module.to(self.device))
         try:  # one sample forward and backward: also the first check that the model takes these inputs
-            self.step_flops = step_flops(self.model, self.model.initial,
-                                         self.dataset.features(self.dataset.x_train[:1]), self.dataset.y_train,
+            sample = self.dataset.features(self.dataset.x_train[:1])
+            _check_outputs(self.model, sample, dataset)
+            self.step_flops = step_flops(self.model, self.model.initial, sample, self.dataset.y_train,
                                          cfg.train.batch_size)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
