@@ -41,6 +41,24 @@ def read_yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """A YAML file's content. A missing file, a folder, or invalid YAML is a one-line :class:`ConfigError` that
+    names the file and, for YAML, the line (PyYAML's own message names ``<unicode string>``, over five lines)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} '{path}' is a folder, not a file: give the path of a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' not found")
+    try:
+        return read_yaml(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -262,12 +280,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found")
-        try:
-            loaded = read_yaml(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        loaded = read_yaml_file(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
         tree = loaded

@@ -318,6 +318,7 @@ def test_sweep_workers_die_with_a_killed_parent(tmp_path):
     (["data.partition=shards", "data.partition.per_client=1000"], "shards exceed"),
     (["model.hidden=abc"], "hidden must be a sequence"),
     (["model.hidden=[-5]"], "must be a positive integer"),
+    (["model.hidden=[]"], "hidden=[] leaves the MLP no hidden layer: for a linear model use model=logreg"),
     (["model=cnn"], "model=cnn on digits"),
     (["model=textcnn"], "model=textcnn on digits"),
 ])
@@ -326,6 +327,25 @@ def test_bad_inputs_are_one_line_errors_that_leave_nothing_behind(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("fedflat: ") and message in err, err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_file_and_folder_mistakes_are_one_line_errors(tmp_path, capsys):
+    """Issue 32: a config path that is a folder was "not found", a YAML error named `<unicode string>` over five
+    lines (in a sweep file: a traceback), and `--out /proc/x` ended in a bare errno."""
+    (tmp_path / "folder").mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 3\ndata: {name: digits\n")
+    cases = [(["run", str(tmp_path / "folder")], f"config file '{tmp_path / 'folder'}' is a folder, not a file"),
+             (["sweep", str(tmp_path / "folder")], f"sweep file '{tmp_path / 'folder'}' is a folder, not a file"),
+             (["run", str(bad)], f"{bad}, line 3, column 1: not valid YAML: expected ',' or '}}', but got"),
+             (["sweep", str(bad)], f"{bad}, line 3, column 1: not valid YAML: expected ',' or '}}', but got")]
+    if Path("/proc").is_dir():
+        cases.append((["run", "rounds=1", "--out", "/proc/fedflat"],
+                      "output folder /proc/fedflat: cannot be made in /proc (No such file or directory)"))
+    for argv, message in cases:
+        assert main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"fedflat: {message}"), err
 
 
 def test_bench_on_a_missing_gpu_is_a_clear_error(capsys):

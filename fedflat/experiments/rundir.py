@@ -126,6 +126,15 @@ def check_output_folder(path: str | Path) -> None:
         raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {path}: {probe} is not writable; choose another --out")
+    if probe != target:  # made as the run would make it (/proc is "writable" and takes no folder), then removed
+        try:
+            target.mkdir(parents=True)
+        except OSError as err:
+            raise ConfigError(f"output folder {path}: cannot be made in {probe} ({err.strerror or err}); choose "
+                              "another --out") from None
+        while target != probe:
+            target.rmdir()
+            target = target.parent
 
 
 class RunDir:

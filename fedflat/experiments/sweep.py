@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import Config, apply_override, load_config, parse_override, resolve, suggest
+from fedflat.config import Config, apply_override, load_config, parse_override, read_yaml_file, resolve, suggest
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
@@ -180,15 +180,13 @@ def _refuse_unknown(spec: dict[str, Any], allowed: set[str], what: str, hint: st
 def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
     tree: the ``base`` file read, the ``config`` keys applied."""
-    if not path.is_file():
-        raise ConfigError(f"{what} file '{path}' not found")
-    spec = _read_yaml(path.read_text()) or {}
+    spec = read_yaml_file(path, f"{what} file") or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
-        base = _read_yaml(_base_path(path, str(spec["base"])).read_text()) or {}
+        base = read_yaml_file(_base_path(path, str(spec["base"])), f"{path}: base config") or {}
     for key, value in (spec.get("config") or {}).items():
         apply_override(base, key, value)
     return spec, base
