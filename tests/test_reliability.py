@@ -151,10 +151,28 @@ def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
     (folder,) = [p for p in (tmp_path / "saved").iterdir() if p.is_dir()]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "failed" and "disk full" in summary["reason"]
+    checkpoint = read_checkpoint(folder)  # the summary's rounds are the checkpoint's, not those trained since
+    assert summary["rounds"] == (checkpoint["round"] if checkpoint is not None else 0)  # (issue 32)
     resumed = resume(folder, progress=False)  # on a disk with room
     full = fedflat.run(None, overrides=["rounds=6", "checkpoint_every=2"], save=False, progress=False)
     assert resumed.summary["status"] == "completed"
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), full.metrics)
+
+
+def test_a_disk_that_stays_full_leaves_the_summary_at_the_checkpoints_round(tmp_path):
+    """A 2 MiB tmpfs holds the round-2 checkpoint of a 300k-parameter MLP but not the round-4 one, even after the
+    run gives back its reserve: summary.json said rounds 4 while the checkpoint held round 2 (issue 32). It now
+    names the checkpoint's round, where a resume starts."""
+    overrides = ["rounds=6", "checkpoint_every=2", "model.hidden=[512,512]"]
+    out = _in_small_tmpfs("2m", f"{CLI_SHELL} run {' '.join(overrides)} --out $T --no-progress; echo EXIT=$?; "
+                                "cp -r $T/. " + str(tmp_path / "saved"), tmp_path)
+    assert "EXIT=3" in out.stdout and "disk full" in out.stderr, out.stderr[-2000:]
+    (folder,) = [p for p in (tmp_path / "saved").iterdir() if p.is_dir()]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds"] == read_checkpoint(folder)["round"] == 2
+    resumed = resume(folder, progress=False)
+    full = fedflat.run(None, overrides=overrides, save=False, progress=False)
+    assert resumed.summary["rounds"] == 6 and metrics_equal(resumed.metrics, full.metrics)
 
 
 def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):

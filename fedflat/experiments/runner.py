@@ -181,6 +181,7 @@ class Runner:
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
         self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
+        self.checkpointed = 0  # the round of the checkpoint on disk (a resume starts from it)
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
@@ -215,7 +216,7 @@ class Runner:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
         self.sim.load_state_dict(checkpoint["state"])
         self.sim.backprops = checkpoint.get("backprops", 0)
-        self.start_round = checkpoint["round"]
+        self.start_round = self.checkpointed = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
         self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine", "threads")})
@@ -247,6 +248,7 @@ class Runner:
         owed = dataclasses.asdict(self._owed) if self._owed is not None else None
         save_checkpoint(self.run_dir.path,
                         make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+        self.checkpointed = self.summary["rounds"]
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
@@ -304,8 +306,8 @@ class Runner:
         self.summary.update(status="failed", reason=message)
         if self.run_dir is not None:
             self.run_dir.release_reserve()
-            try:
-                self.run_dir.write_summary(self.summary)
+            try:  # the rounds a resume starts from, not those trained since (their checkpoint did not fit)
+                self.run_dir.write_summary({**self.summary, "rounds": self.checkpointed})
             except OSError:
                 pass  # still no room: the summary keeps its last state; the message says what happened
         return DiskFull(message)
