@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
+from fedflat.cliutil import Parser, accuracy_text, evaluated_on, print_run_folder, split_config_and_overrides
 from fedflat.core import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, interruption, is_disk_full
 
@@ -19,7 +19,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides = [f"data.root={args.data_dir}", *overrides]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
-    print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
+    print_run_folder(history.run_dir, announced=True)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "

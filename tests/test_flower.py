@@ -163,6 +163,39 @@ def test_the_nodes_a_process_hosts_share_one_simulation(tmp_path):
     assert node_of(context(2, 0), cfg, tmp_path).sim is not first.sim
 
 
+def test_a_simulations_ray_is_its_own_unless_ray_address_says_otherwise(monkeypatch):
+    from fedflat.flower.apps import own_ray_for_simulation
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    own_ray_for_simulation()
+    assert os.environ["RAY_ADDRESS"] == "local"  # never the instance /tmp/ray/ray_current_cluster names
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # Flower's multi-node simulation: the user's choice stands
+    own_ray_for_simulation()
+    assert os.environ["RAY_ADDRESS"] == "auto"
+
+
+def test_flowers_console_in_a_log_has_no_colour_codes_and_no_notice_fedflat_knows(monkeypatch):
+    """`fedflat flower-sim ... > log` held Flower's `[93mWARNING [0m` codes and its notice that run_simulation is
+    deprecated, which fedflat calls on purpose (issue 32)."""
+    import logging
+
+    from flwr.supercore.logger import ConsoleHandler
+
+    from fedflat.flower.apps import plain_flower_console
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    plain_flower_console()
+    flower = logging.getLogger("flwr")
+    assert all(not h.colored for h in flower.handlers if isinstance(h, ConsoleHandler))
+
+    def shown(message: str) -> bool:
+        return all(f.filter(logging.LogRecord("flwr", logging.WARNING, "", 0, message, (), None))
+                   for f in flower.filters)
+
+    assert not shown("DEPRECATED FEATURE: The `run_simulation` function is deprecated and will be removed")
+    assert shown("DEPRECATED FEATURE: something else")
+
+
 def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path, capsys):
     import tomli
 
@@ -174,7 +207,8 @@ def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path,
     app = project["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "fedflat_app.server_app:app", "clientapp": "fedflat_app.client_app:app"}
     assert read_yaml(app["config"]["fedflat-config"]) == resolve(as_config(None, ["algo.name=fedlesam", "rounds=7"]))
-    assert (tmp_path / "app" / "fedflat_app" / "client_app.py").exists()
+    # its simulation's Ray is one of its own (Flower's ray.init() joined a dead `ray start`'s instance: issue 32)
+    assert "own_ray_for_simulation()" in (tmp_path / "app" / "fedflat_app" / "client_app.py").read_text()
     assert main(["flower-app", "-o", str(tmp_path / "app")]) == 2  # not over an existing project
     assert "--force" in capsys.readouterr().err
 

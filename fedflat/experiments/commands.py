@@ -72,7 +72,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedflat.experiments.checkpoint import resume
 
     history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)  # errors: cli.main
-    return print_outcome(history)
+    return print_outcome(history, announced=not args.no_progress)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -33,7 +33,8 @@ def cmd_flower_sim(args: argparse.Namespace) -> int:
     cfg = _config(args.items)
     history = simulate(cfg, supernodes=args.supernodes, out=args.out, progress=not args.no_progress,
                        cpus_per_node=args.cpus_per_node)
-    return print_outcome(history, f" on {history.summary['dataset']} (Flower simulation)")
+    return print_outcome(history, f" on {history.summary['dataset']} (Flower simulation)",
+                         announced=not args.no_progress)
 
 
 def register(sub) -> None:
