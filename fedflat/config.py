@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedflat import plugins
 from fedflat.core.errors import ConfigError
 
 
@@ -41,14 +42,10 @@ def read_yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
-def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
-    """A YAML file's content. A missing file, a folder, or invalid YAML is a one-line :class:`ConfigError` that
-    names the file and, for YAML, the line (PyYAML's own message names ``<unicode string>``, over five lines)."""
+def read_yaml_file(path: str | Path) -> Any:
+    """A YAML file's content (:func:`config_file` finds the file). Invalid YAML is a one-line :class:`ConfigError`
+    that names the file, line and column (PyYAML's own message names ``<unicode string>``, over five lines)."""
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"{what} '{path}' is a folder, not a file: give the path of a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"{what} '{path}' not found")
     try:
         return read_yaml(path.read_text())
     except yaml.YAMLError as err:
@@ -152,6 +149,9 @@ DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests
 
 class Config(Section):
     name: str | None = Field(None, description="a label for the run folder")
+    plugins: list[str] = Field(default_factory=list, description="modules (or .py files, package folders) of your own "
+                               "parts, recipes, models and datasets, imported before anything is built "
+                               "(docs/extending.md)")
     seed: int = 0
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -240,7 +240,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_override(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Sets ``key`` (dotted) in the raw config tree; ``algo=X`` style shorthands set the name."""
+    """Sets ``key`` (dotted) in the raw config tree; ``algo=X`` style shorthands set the name. A flat algorithm
+    hyperparameter (``algo.rho``) replaces the value any part holds under that name (a resolved config.yaml
+    holds each under its role: ``algo.perturbation.rho``), so the command line wins over the file."""
     if key in SHORTHANDS and not isinstance(value, dict):
         node = _walk(tree, key, create=True)
         if key in RESETTING:
@@ -249,15 +251,22 @@ def apply_override(tree: dict[str, Any], key: str, value: Any) -> None:
         return
     *parents, leaf = key.split(".")
     node = _walk(tree, ".".join(parents), create=True) if parents else tree
+    if parents == ["algo"] and leaf not in _roles() and leaf != "name":
+        for role in _roles():
+            if isinstance(node.get(role), dict):
+                node[role].pop(leaf, None)
     node[leaf] = value
 
 
 def _walk(tree: dict[str, Any], dotted: str, create: bool) -> dict[str, Any]:
-    node = tree
+    node, path = tree, []
     for part in dotted.split("."):
+        path.append(part)
         child = node.get(part)
         if child is None and create:
             child = node[part] = _default_subtree(dotted, part, node)
+        if isinstance(child, str) and len(path) == 2 and path[0] == "algo" and part in _roles():
+            child = node[part] = {"name": child}  # algo.<role>.key on a role given by name
         if not isinstance(child, dict):
             raise ConfigError(f"cannot set a key inside '{dotted}': it is a value, not a section")
         node = child
@@ -274,24 +283,48 @@ def _default_subtree(dotted: str, part: str, node: dict[str, Any]) -> dict[str, 
     return copy.deepcopy(cursor) if isinstance(cursor, dict) else {}
 
 
+def located(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``tree`` read from a file in ``folder``: its plugins' paths made absolute (they are relative to the file)."""
+    if isinstance(tree.get("plugins"), list):
+        tree["plugins"] = plugins.resolve([str(p) for p in tree["plugins"]], base=folder)
+    return tree
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict[str, Any] | None = None) -> "Config":
     """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
-        path = Path(path)
-        loaded = read_yaml_file(path) or {}
+        file = config_file(path)
+        loaded = read_yaml_file(file) or {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys")
-        tree = loaded
+            raise ConfigError(f"{file}: the top level must be a mapping of keys")
+        if file_kind(loaded) != "run":
+            raise wrong_kind(path, file_kind(loaded), "run")
+        tree = located(loaded, file.parent)
     parsed = [parse_override(item) for item in overrides]
     # Choosing a method (model, partition) comes first, whatever its place on the command line: it starts
     # that section from the chosen one's defaults, and the other overrides then apply to it.
-    for key, value in sorted(parsed, key=lambda kv: not _selects(tree, *kv)):
+    # A part swapped into a role (algo.filter=fft) comes next: it starts that role from the part's own defaults.
+    for key, value in sorted(parsed, key=lambda kv: 0 if _selects(tree, *kv) else 1 if _swaps_part(*kv) else 2):
         if _selects(tree, key, value):
             key = key.rsplit(".", 1)[0] if key not in SHORTHANDS else key
+        if key == "plugins" and isinstance(value, list):
+            value = plugins.resolve([str(p) for p in value])  # on the command line: relative to the working folder
         apply_override(tree, key, value)
     return validate(tree)
+
+
+def _roles() -> tuple[str, ...]:
+    from fedflat.core.registry import ROLES  # here: importing the config module stays free of torch
+
+    return ROLES
+
+
+def _swaps_part(key: str, value: Any) -> bool:
+    """Whether an override puts another part in one role of the method: ``algo.<role>=NAME``."""
+    section, _, role = key.rpartition(".")
+    return section == "algo" and role in _roles() and isinstance(value, str)
 
 
 def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
@@ -317,6 +350,7 @@ def validate(tree: dict[str, Any] | "Config") -> "Config":
         cfg = Config(**tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    plugins.load(cfg.plugins)  # their parts, recipes, models and datasets, before anything is looked up by name
     _check_registered(cfg)
     return cfg
 
@@ -376,6 +410,7 @@ def resolve(cfg: Config) -> dict[str, Any]:
     from fedflat.data import PARTITIONS
     from fedflat.models import MODELS
 
+    plugins.load(cfg.plugins)  # a Config that crossed into another process names what it needs
     tree = cfg.model_dump()
     tree["algo"] = build_algorithm(cfg.algo).resolved()
     model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))
@@ -390,9 +425,71 @@ def dump_yaml(tree: dict[str, Any]) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
 
 
+def file_kind(spec: Any) -> str:
+    """What a YAML file of fedflat's is, from its top-level keys: ``tune`` (it has ``methods``), ``sweep`` (a
+    ``base``, ``config``, ``grid``, ``overrides`` or ``variants``: none is a config key) or ``run`` (one run's
+    config)."""
+    keys = set(spec) if isinstance(spec, dict) else set()
+    if "methods" in keys:
+        return "tune"
+    return "sweep" if keys & {"base", "config", "grid", "overrides", "variants"} else "run"
+
+
+def wrong_kind(name: str | Path, kind: str, wanted: str) -> ConfigError:
+    """The error for a file given to the wrong command: it names the command that runs it."""
+    what = {"run": "one run's config", "sweep": "a sweep file", "tune": "a tune file"}
+    return ConfigError(f"{name} is {what[kind]}, not {what[wanted]}: `fedflat {kind} {name}` runs it")
+
+
+def packaged_configs() -> Path:
+    """The folder of the configs shipped inside the package (the repository's ``configs/`` is a link to it)."""
+    return Path(str(resources.files("fedflat") / "configs"))
+
+
+def packaged_names() -> list[str]:
+    """The names of the shipped configs, as ``fedflat run NAME`` takes them: ``fmnist_mlp``,
+    ``papers/fedwmsam_table1_fmnist``."""
+    return sorted(packaged_name(p) for p in packaged_configs().rglob("*.yaml"))
+
+
+def packaged_config(name: str | Path) -> Path | None:
+    """The shipped config called ``name`` (a ``.yaml`` suffix and a leading ``configs/`` may be given, so the
+    repository's paths name them too), or None."""
+    key = _shipped_key(name)
+    return packaged_configs() / f"{key}.yaml" if key in packaged_names() else None
+
+
+def _shipped_key(name: str | Path) -> str:
+    return Path(name).as_posix().removeprefix("configs/").removesuffix(".yaml")
+
+
+def packaged_name(path: Path) -> str:
+    """The name of a shipped config's file (``papers/fedwmsam_table1_fmnist``)."""
+    return path.relative_to(packaged_configs()).with_suffix("").as_posix()
+
+
+def config_file(path: str | Path, what: str = "config") -> Path:
+    """``path`` if it is a file (or ``path.yaml``: a copy made by ``fedflat copy NAME`` is found before the shipped
+    NAME), else the shipped config of that name: ``fedflat run fmnist_mlp`` and ``fedflat sweep
+    configs/demo_sweep.yaml`` work in any folder once fedflat is installed."""
+    path = Path(path)
+    with_suffix = [path.with_name(f"{path.name}.yaml")] if path.name and path.suffix != ".yaml" else []
+    for candidate in (path, *with_suffix):
+        if candidate.is_file():
+            return candidate
+    shipped = packaged_config(path)
+    if shipped is None and path.is_dir():  # (it said "not found")
+        raise ConfigError(f"{what} file '{path}' is a folder, not a file: give the path of a YAML file")
+    if shipped is None:
+        raise ConfigError(f"{what} file '{path}' not found, and no shipped config has that name"
+                          f"{suggest(_shipped_key(path), packaged_names())}; "
+                          "`fedflat list --configs` lists the shipped ones")
+    return shipped
+
+
 def quickstart_path() -> Path:
     """The embedded quickstart config (digits, Dirichlet split, FedSAM)."""
-    return Path(str(resources.files("fedflat") / "configs" / "quickstart.yaml"))
+    return packaged_configs() / "quickstart.yaml"
 
 
 def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

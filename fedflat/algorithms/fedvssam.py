@@ -6,6 +6,7 @@ from the surrounding text (convex combinations with mixing coefficients, an EMA 
 ``1/(E eta_l)`` scaling that makes the aggregate comparable with ``v``), as the project spec states them.
 
 Server state ``v`` (gradient scale, init 0), sent with the model (download 2x, upload 1x).
+
 - (14) local flatness search: ``d_k = alpha g(w_{i,k}) + (1 - alpha) v``, ``eps_k = rho d_k / ||d_k||``.
 - (15) local update: ``w_{i,k+1} = w_{i,k} - eta_l (beta g(w_{i,k} + eps_k) + (1 - beta) v)``.
 - (16) global update: ``v <- (1 - gamma) v + gamma Gbar``; ``w^{t+1} = w^t - eta_g eta_l^t Ebar v``, ``Ebar = mean E_i``,
@@ -28,7 +29,7 @@ from pydantic import Field
 from fedflat.algorithms.fedcm import DecayPlacement, momentum_mix
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          TrainSettings, register_recipe)
+                          init, register_recipe)
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
@@ -48,9 +49,6 @@ class VarianceSuppressedSearch(LocalSAM):
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return self.p.alpha * grad + (1 - self.p.alpha) * ctx.server[DIRECTION]
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server.get(DIRECTION)
 
 
 class UpdateParams(PartParams):
@@ -87,11 +85,9 @@ class VarianceSuppressedServer(ServerUpdate):
     name = "vssam"
     summary = "FedVSSAM (16): v <- (1 - gamma) v + gamma Gbar, w <- w - eta_g eta_l Ebar v (reconstruction)"
     Params = GlobalParams
+    server_state = {DIRECTION: init.zeros}
     sends = (DIRECTION,)
-    provides = frozenset({DIRECTION})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[DIRECTION] = torch.zeros_like(w0)
+    global_direction = (DIRECTION, 1.0)
 
     def step(self, ctx: RoundContext) -> torch.Tensor:
         mean_steps = ctx.steps.to(ctx.w.dtype).mean()
@@ -102,9 +98,6 @@ class VarianceSuppressedServer(ServerUpdate):
         v = (1 - self.p.gamma) * ctx.server[DIRECTION] + self.p.gamma * g_bar
         ctx.server[DIRECTION] = v
         return ctx.w - ctx.settings.global_lr * ctx.lr * mean_steps * v
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server.get(DIRECTION)
 
 
 # Chosen from the sensitivity sweep of docs/fedvssam_sweep.md (the paper's values were lost): the local-update

@@ -2,7 +2,7 @@
 
 A sweep file (YAML)::
 
-    base: ../fmnist_mlp.yaml          # a config file, relative to this file ('quickstart': the embedded one)
+    base: ../fmnist_mlp.yaml          # a config file relative to this file, or a shipped one's name (quickstart)
     overrides: [rounds=500]           # applied to every cell
     grid:                             # axes, in order; a cell takes one option of each axis
       method:                         # a named axis: option name -> overrides
@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import Config, apply_override, load_config, parse_override, read_yaml_file, resolve, suggest
+from fedflat.config import (Config, apply_override, config_file, file_kind, load_config, located, packaged_config,
+                            parse_override, read_yaml_file, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
@@ -177,17 +178,21 @@ def _refuse_unknown(spec: dict[str, Any], allowed: set[str], what: str, hint: st
                           f"{', '.join(sorted(allowed))}{hint}")
 
 
-def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_experiment_file(path: Path, what: str, allowed: set[str],
+                         name: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
-    tree: the ``base`` file read, the ``config`` keys applied."""
-    spec = read_yaml_file(path, f"{what} file") or {}
+    tree: the ``base`` file read, the ``config`` keys applied. ``name``: the file as the user gave it."""
+    spec = read_yaml_file(path) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    if set(spec) - allowed and file_kind(spec) != what:
+        raise wrong_kind(name or path, file_kind(spec), what)
     _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
-        base = read_yaml_file(_base_path(path, str(spec["base"])), f"{path}: base config") or {}
-    for key, value in (spec.get("config") or {}).items():
+        base_file = _base_path(path, str(spec["base"]))
+        base = located(read_yaml_file(base_file) or {}, base_file.parent)
+    for key, value in located(dict(spec.get("config") or {}), path.parent).items():
         apply_override(base, key, value)
     return spec, base
 
@@ -204,9 +209,10 @@ def pick_variant(spec: dict[str, Any], path: Path, variant: str, allowed: set[st
 
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
-    """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
-    path = Path(path)
-    spec, base = read_experiment_file(path, "sweep", SWEEP_KEYS)
+    """Reads a sweep file (a path, or a shipped sweep's name); ``variant`` picks an entry of its ``variants``
+    (e.g. ``small``)."""
+    given, path = path, config_file(path, "sweep")
+    spec, base = read_experiment_file(path, "sweep", SWEEP_KEYS, given)
     overrides = _parse_overrides(spec.get("overrides"), str(path))
     grid = spec.get("grid") or {}
     variants = spec.get("variants") or {}
@@ -223,14 +229,15 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
 
 
 def _base_path(sweep_path: Path, base: str) -> Path:
-    if base == "quickstart":
-        from fedflat.config import quickstart_path
-
-        return quickstart_path()
+    """A file relative to the sweep file, or else a shipped config by name (``quickstart``, ``fmnist_mlp``)."""
     candidate = (sweep_path.parent / base).resolve()
-    if not candidate.is_file():
-        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate})")
-    return candidate
+    if candidate.is_file():
+        return candidate
+    shipped = packaged_config(base)
+    if shipped is None:
+        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate}, and no shipped "
+                          "config has that name: `fedflat list --configs`)")
+    return shipped
 
 
 # --- the state of a cell folder --------------------------------------------------------------------
@@ -558,7 +565,8 @@ def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> No
     from fedflat.engine.ray_executor import connect, release, require_ray
 
     ray = require_ray()
-    started = connect(ray, ExecutorConfig(name="ray", address=where.address))
+    started = connect(ray, ExecutorConfig(name="ray", address=where.address),
+                      sorted({p for c in todo for p in c.config.plugins}))
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))
