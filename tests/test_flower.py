@@ -427,13 +427,32 @@ class LocalSuperLink:
     def close(self) -> None:
         import shutil
 
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                if "flower-superlink" in cmdline.read_text() and str(self.home) in cmdline.read_text():
-                    os.killpg(int(cmdline.parent.name), signal.SIGKILL)  # started in a session of its own
-            except (OSError, ProcessLookupError):
-                pass
+        for pid, cmd in command_lines().items():
+            if "flower-superlink" in cmd and str(self.home) in cmd:
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # started in a session of its own
+                except ProcessLookupError:
+                    pass
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def command_lines() -> dict[int, str]:
+    """Every live process's command line."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found[int(cmdline.parent.name)] = cmdline.read_text().replace("\0", " ")
+        except OSError:
+            pass  # gone meanwhile
+    return found
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone (or a zombie its parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def run_id_of(submitted: subprocess.CompletedProcess) -> str:
@@ -441,14 +460,15 @@ def run_id_of(submitted: subprocess.CompletedProcess) -> str:
     return submitted.stdout.split("Successfully started run ", 1)[1].split()[0]
 
 
-@pytest.mark.slow  # two `flwr run`s, each a simulation process with a Ray of its own: 1.5 min on 2 cores
+@pytest.mark.slow  # three `flwr run`s, each a simulation process with a Ray of its own: 2 min on 2 cores
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="the test finds Flower's local SuperLink in /proc to stop it")
 def test_flwr_run_of_a_fedflat_app_trains_on_flowers_local_simulation(tmp_path):
     """The README's commands as written: `fedflat flower-app ... -o APP`, then `flwr run APP`, which starts Flower's
     local simulation SuperLink. Its simulation started Ray with `ray.init()`, which joined the dead instance a
     `ray start` had recorded and waited on it for ever: no node answered, the run failed two minutes later
-    (issue 32). Now the app's Ray is its own, the run completes with fedflat's numbers, and a run that cannot
-    train (here: nodes that cannot keep their clients' state) fails at once with fedflat's one-line reason."""
+    (issue 32). Now the app's Ray is its own, the run completes with fedflat's numbers, a run that cannot
+    train (here: nodes that cannot keep their clients' state) fails at once with fedflat's one-line reason, and
+    SIGTERM ends a run's simulation process within seconds."""
     from fedflat.cli import main
 
     overrides = ["algo=scaffold", "rounds=2", "data.num_clients=4", "sampling.clients_per_round=4", "threads=1"]
@@ -467,6 +487,17 @@ def test_flwr_run_of_a_fedflat_app_trains_on_flowers_local_simulation(tmp_path):
         assert reason in failed["status-details"] and "Traceback" not in failed["status-details"]
         summaries = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/summary.json")]
         assert [s["status"] for s in summaries if reason in (s["reason"] or "")] == ["failed"]
+
+        # SIGTERM ends a run's simulation process and its Ray within seconds (it hung in Ray's start, deaf to it)
+        before = set((tmp_path / "runs").iterdir())
+        assert main(["flower-app", *overrides, "rounds=100000", "-o", str(tmp_path / "endless")]) == 0
+        run_id_of(here.flwr("run", "endless"))
+        wait_for(lambda: [m for f in set((tmp_path / "runs").iterdir()) - before
+                          for m in f.glob("metrics.jsonl") if m.stat().st_size], 240, "the endless run's round 1")
+        port = here.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+        (simulation,) = [pid for pid, cmd in command_lines().items() if "flwr-simulation" in cmd and port in cmd]
+        os.kill(simulation, signal.SIGTERM)
+        wait_for(lambda: ended(simulation), 15, "the simulation process to end")
     finally:
         here.close()
 
