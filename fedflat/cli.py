@@ -6,11 +6,11 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
+from fedflat.cliutil import Parser, accuracy_text, evaluated_on, print_run_folder, split_config_and_overrides
 from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
                             suggest)
 from fedflat.core import ConfigError
-from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
+from fedflat.experiments.rundir import RunFolderBusy, interruption, is_disk_full
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -21,7 +21,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides = [f"data.root={args.data_dir}", *overrides]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
-    print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
+    print_run_folder(history.run_dir, announced=True)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = getattr(err, "run_dir", None)
         where = (f"; {folder} records status 'failed' with its last checkpoint: `fedflat resume {folder}` "
                  "continues it") if folder else ""
-        print(f"fedflat: interrupted ({err or 'Ctrl-C'}){where}", file=sys.stderr)
+        print(f"fedflat: interrupted ({interruption(err)}){where}", file=sys.stderr)
         return 130
     except OSError as err:
         if is_disk_full(err):

@@ -42,6 +42,20 @@ def read_yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
+def read_yaml_file(path: str | Path) -> Any:
+    """A YAML file's content (:func:`config_file` finds the file). Invalid YAML is a one-line :class:`ConfigError`
+    that names the file, line and column (PyYAML's own message names ``<unicode string>``, over five lines)."""
+    path = Path(path)
+    try:
+        return read_yaml(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -282,10 +296,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         file = config_file(path)
-        try:
-            loaded = read_yaml(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{file}: not valid YAML: {err}") from None
+        loaded = read_yaml_file(file) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: the top level must be a mapping of keys")
         if file_kind(loaded) != "run":
@@ -467,6 +478,8 @@ def config_file(path: str | Path, what: str = "config") -> Path:
         if candidate.is_file():
             return candidate
     shipped = packaged_config(path)
+    if shipped is None and path.is_dir():  # (it said "not found")
+        raise ConfigError(f"{what} file '{path}' is a folder, not a file: give the path of a YAML file")
     if shipped is None:
         raise ConfigError(f"{what} file '{path}' not found, and no shipped config has that name"
                           f"{suggest(_shipped_key(path), packaged_names())}; "

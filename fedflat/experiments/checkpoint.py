@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
     from fedflat.data import Dataset
 
-# What a resume may change: none of them changes a result (rounds= only extends the run: the learning rate
-# decays per round, so an extended run equals one planned that long).
+# What a resume may change. rounds= only extends the run (the learning rate decays per round, so an extended run
+# equals one planned that long); checkpoint_every changes no result. threads= and executor.* can change the torch
+# thread counts, and with them the rounding of reductions split over threads: the resume says so and records it
+# (summary.json's threads_changed), and from there the numbers may differ in the last bits.
 RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor")
 
 
@@ -32,10 +34,11 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
-    apart from wall-clock fields (same engine, same machine). ``overrides`` may change only
-    :data:`RESUMABLE` keys (``rounds=`` to extend a run). A completed run with no more rounds to run is
-    returned as it is on disk: nothing in its folder is written. A run whose rounds went through a
-    ``driver`` (a Flower federation, whose nodes keep their clients' state) continues only through one.
+    apart from wall-clock fields (same engine, machine and torch thread counts). ``overrides`` may change only
+    :data:`RESUMABLE` keys (``rounds=`` to extend a run; a change of thread counts is reported and recorded). A
+    completed run with no more rounds to run is returned as it is on disk: nothing in its folder is written. A run
+    whose rounds went through a ``driver`` (a Flower federation, whose nodes keep their clients' state) continues
+    only through one.
     """
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)

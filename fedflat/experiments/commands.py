@@ -72,7 +72,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedflat.experiments.checkpoint import resume
 
     history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)  # errors: cli.main
-    return print_outcome(history)
+    return print_outcome(history, announced=not args.no_progress)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -119,7 +119,8 @@ def register(sub) -> None:
     p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.*")
+                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.* (a change of "
+                        "thread counts may change the last bits: said and recorded)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_resume)
 

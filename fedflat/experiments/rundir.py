@@ -60,8 +60,9 @@ _HELD: dict[Path, list] = {}  # run folders this process holds: path -> [lock fi
 
 
 @contextmanager
-def hold(folder: str | Path) -> Iterator[None]:
-    """This process's exclusive hold on a run folder (re-entrant within the process)."""
+def hold(folder: str | Path, what: str = "run folder") -> Iterator[None]:
+    """This process's exclusive hold on a run folder, or on a sweep's folder (``what`` names it in the message
+    that refuses a second holder; re-entrant within the process)."""
     folder = Path(folder).resolve()
     if folder in _HELD:
         _HELD[folder][1] += 1
@@ -77,7 +78,7 @@ def hold(folder: str | Path) -> Iterator[None]:
         fh.seek(0)
         holder = fh.read().strip() or "?"
         fh.close()
-        raise RunFolderBusy(f"run folder {folder} is in use by process {holder} (a fedflat run, resume or sweep); "
+        raise RunFolderBusy(f"{what} {folder} is in use by process {holder} (a fedflat run, resume, sweep or tune); "
                             "wait for it to finish or stop it, then try again") from None
     fh.seek(0)
     fh.truncate()
@@ -95,6 +96,12 @@ def hold(folder: str | Path) -> Iterator[None]:
 
 def is_disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def interruption(err: KeyboardInterrupt) -> str:
+    """What interrupted a run: the signal or stop request a ``KeyboardInterrupt`` names, else Ctrl-C (an exception
+    object is truthy even when its text is empty: ``err or 'Ctrl-C'`` printed ``interrupted ()``)."""
+    return str(err) or "Ctrl-C"
 
 
 class DiskFull(OSError):
@@ -119,6 +126,15 @@ def check_output_folder(path: str | Path) -> None:
         raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {path}: {probe} is not writable; choose another --out")
+    if probe != target:  # made as the run would make it (/proc is "writable" and takes no folder), then removed
+        try:
+            target.mkdir(parents=True)
+        except OSError as err:
+            raise ConfigError(f"output folder {path}: cannot be made in {probe} ({err.strerror or err}); choose "
+                              "another --out") from None
+        while target != probe:
+            target.rmdir()
+            target = target.parent
 
 
 class RunDir:

@@ -25,7 +25,8 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info, versions
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
+                                       machine_info, versions)
 from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
 
@@ -187,12 +188,14 @@ class Runner:
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
         self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
+        self.checkpointed = 0  # the round of the checkpoint on disk (a resume starts from it)
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
             "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
+            "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
@@ -221,15 +224,31 @@ class Runner:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
         self.sim.load_state_dict(checkpoint["state"])
         self.sim.backprops = checkpoint.get("backprops", 0)
-        self.start_round = checkpoint["round"]
+        self.start_round = self.checkpointed = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
-        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
+        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine", "threads")})
         self.summary.update(status="running", reason=None, rounds_planned=self.cfg.rounds)  # rounds= may extend
+        self._note_thread_change(saved.get("threads"))
         self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
         if checkpoint.get("owed") is not None:
             self._owed = RoundResult(**checkpoint["owed"])
+
+    def _note_thread_change(self, before: dict[str, Any] | None) -> None:
+        """A resume on other torch thread counts than the run so far (``threads=``, ``executor.*``, or ``auto`` with
+        another core share) continues it correctly, but a reduction split over other threads rounds differently:
+        the numbers from here on may differ in the last bits from an uninterrupted run's. Said, and recorded."""
+        now = self.summary["threads"]
+        if before is None or before == now:  # (a checkpoint of an older fedflat does not say)
+            return
+        self.summary["threads_changed"] = [*self.summary.get("threads_changed", []),
+                                           {"round": self.start_round + 1, "from": before, "to": now}]
+        text = lambda counts: ", ".join(f"{k} {v}" for k, v in counts.items())  # noqa: E731
+        print(f"fedflat: warning: the run trained on torch threads ({text(before)}), this resume on ({text(now)}): "
+              f"from round "
+              f"{self.start_round + 1} on its numbers may differ in the last bits from an uninterrupted run's "
+              "(recorded in summary.json as threads_changed)", file=sys.stderr)
 
     def _checkpoint(self) -> None:
         if self.run_dir is None:
@@ -237,6 +256,7 @@ class Runner:
         owed = dataclasses.asdict(self._owed) if self._owed is not None else None
         save_checkpoint(self.run_dir.path,
                         make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+        self.checkpointed = self.summary["rounds"]
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
@@ -257,7 +277,7 @@ class Runner:
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
         except KeyboardInterrupt as err:
-            self.summary.update(status="failed", reason=f"interrupted ({err or 'KeyboardInterrupt'})")
+            self.summary.update(status="failed", reason=f"interrupted ({interruption(err)})")
             err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
             raise
         except Exception as err:
@@ -294,8 +314,8 @@ class Runner:
         self.summary.update(status="failed", reason=message)
         if self.run_dir is not None:
             self.run_dir.release_reserve()
-            try:
-                self.run_dir.write_summary(self.summary)
+            try:  # the rounds a resume starts from, not those trained since (their checkpoint did not fit)
+                self.run_dir.write_summary({**self.summary, "rounds": self.checkpointed})
             except OSError:
                 pass  # still no room: the summary keeps its last state; the message says what happened
         return DiskFull(message)

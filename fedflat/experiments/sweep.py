@@ -28,7 +28,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from typing import Any, Callable
 import yaml
 
 from fedflat.config import (Config, apply_override, config_file, file_kind, load_config, located, packaged_config,
-                            parse_override, resolve, suggest, wrong_kind)
+                            parse_override, read_yaml_file, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
@@ -180,7 +182,7 @@ def read_experiment_file(path: Path, what: str, allowed: set[str],
                          name: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
     tree: the ``base`` file read, the ``config`` keys applied. ``name``: the file as the user gave it."""
-    spec = _read_yaml(path.read_text()) or {}
+    spec = read_yaml_file(path) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     if set(spec) - allowed and file_kind(spec) != what:
@@ -189,7 +191,7 @@ def read_experiment_file(path: Path, what: str, allowed: set[str],
     base: dict[str, Any] = {}
     if spec.get("base"):
         base_file = _base_path(path, str(spec["base"]))
-        base = located(_read_yaml(base_file.read_text()) or {}, base_file.parent)
+        base = located(read_yaml_file(base_file) or {}, base_file.parent)
     for key, value in located(dict(spec.get("config") or {}), path.parent).items():
         apply_override(base, key, value)
     return spec, base
@@ -397,9 +399,16 @@ def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = T
     results so far after every cell (and once before the first)."""
     if workers < 1:
         raise ConfigError(f"sweep workers must be at least 1, got {workers}")
+    out.mkdir(parents=True, exist_ok=True)
+    # one sweep per folder: two at once each found the other's live cells busy and wrote that in sweep.json
+    with hold(out, "sweep folder"):
+        return _run_held_cells(cells, out, workers, progress, ray, on_record)
+
+
+def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, ray: RayCells | None,
+                    on_record: Callable[[dict[str, dict[str, Any]]], None] | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
-    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
         if cell.error:
@@ -453,15 +462,19 @@ def _die_with_parent() -> None:
     """Linux: this process is killed when the sweep that started it dies, however it dies."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stopped_by_the_sweep(_signum, _frame) -> None:
+    raise KeyboardInterrupt("the sweep was stopped")
 
 
 def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the sweep died before the line above took effect
         return
+    signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
         results.put((folder, run_cell(tree, folder, False, threads)))
     except KeyboardInterrupt:
@@ -482,7 +495,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
                 folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
                                           args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
-                process.start()
+                _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
             _collect(queue, running, record)
             live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
@@ -490,6 +503,20 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
     except KeyboardInterrupt:
         _stop(running, queue, record)
         raise
+
+
+def _start_deaf_to_ctrl_c(process) -> None:
+    """Starts a cell's process with SIGINT ignored, a disposition that survives its exec. Ctrl-C at a terminal
+    signals the whole process group, and a worker it reached while still importing printed a 40-line traceback
+    (issue 32); the sweep stops its cells itself (:func:`_stop`: SIGTERM, which a cell's run takes as Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():  # (signal dispositions: main thread only)
+        process.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
@@ -513,8 +540,6 @@ def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
 def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
     """Interrupts the running cells (their runs write status and checkpoint), waits ``grace`` seconds, then
     kills what is left; each cell is recorded as its folder says."""
-    import signal
-
     def settle(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while running and time.monotonic() < deadline:
@@ -524,10 +549,9 @@ def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
                     running.pop(folder)
                     record(cell, interrupted_cell(Path(folder)))
 
-    settle(2.0)  # Ctrl-C at a terminal reached the cells too: let them finish on their own
     for _, process in running.values():
         if process.is_alive():
-            os.kill(process.pid, signal.SIGINT)  # only the sweep was signalled (kill -INT, SIGTERM)
+            os.kill(process.pid, signal.SIGTERM)  # (cells ignore Ctrl-C: _start_deaf_to_ctrl_c)
     settle(grace)
     for folder, (cell, process) in running.items():
         process.kill()
