@@ -230,15 +230,40 @@ app = client_app()
 '''
 
 
+def ship_plugins(resolved: dict[str, Any], package: Path) -> None:
+    """Copies the config's path plugins (a ``.py`` file, a package folder) into ``package/plugins/`` and names them
+    there (``fedflat_app.plugins.fedasam``), so the app carries them to the SuperLink and every SuperNode; a plugin
+    named as a module stays so (it must be installed beside fedflat where the app runs)."""
+    shipped = []
+    for plugin in resolved.get("plugins", []):
+        source = Path(plugin)
+        if not source.exists():
+            shipped.append(plugin)
+            continue
+        target = package / "plugins"
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "__init__.py").write_text('"""The config\'s plugins, carried by the app."""\n')
+        if source.is_dir():
+            shutil.copytree(source, target / source.name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target / source.name)
+        shipped.append(f"{package.name}.plugins.{source.stem if source.is_file() else source.name}")
+    if shipped:
+        resolved["plugins"] = shipped
+
+
 def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False) -> Path:
     """Writes a Flower app project for ``cfg`` to ``folder``: ``pyproject.toml`` (the config in its run
-    config) and a package with the ServerApp and ClientApp. ``flwr run FOLDER [CONNECTION]`` runs it."""
+    config) and a package with the ServerApp, the ClientApp and the config's path plugins
+    (:func:`ship_plugins`). ``flwr run FOLDER [CONNECTION]`` runs it."""
     import tomli_w
 
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise FileExistsError(f"{folder} exists and is not empty: choose another --out (or --force to rewrite it)")
     resolved = resolve(cfg)
+    ship_plugins(resolved, folder / APP_PACKAGE)
     name = re.sub(r"[^a-z0-9]+", "-", f"fedflat-{cfg.name or resolved['algo']['name']}-{resolved['data']['name']}"
                   .lower()).strip("-")
     project = {
