@@ -6,7 +6,8 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
+from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluated_on, loggers_override,
+                             split_config_and_overrides)
 from fedflat.core import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
@@ -17,6 +18,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
+    overrides = [*overrides, *loggers_override(args.loggers)]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
     print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="parent folder of the run folder (default: config 'out', runs/)")
     p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_loggers_option(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")

@@ -45,6 +45,20 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def add_loggers_option(parser: argparse.ArgumentParser) -> None:
+    """``--loggers tensorboard,csv,wandb,mlflow``: the config key ``loggers`` set from the command line."""
+    parser.add_argument("--loggers", default=None, metavar="NAME,...",
+                        help="also record the config and metrics with these loggers: tensorboard, csv, wandb, mlflow "
+                             "(the config key loggers; options: docs/experiments.md, 'Tracking runs')")
+
+
+def loggers_override(names: str | None) -> list[str]:
+    """The ``loggers=[...]`` override of a ``--loggers`` value ([] when none was given)."""
+    if names is None:
+        return []
+    return [f"loggers=[{', '.join(n.strip() for n in names.split(',') if n.strip())}]"]
+
+
 def print_outcome(history, label: str = "") -> int:
     """Prints where a run's folder is, its status and final accuracy; returns the command's exit code
     (0 when the run completed, 3 otherwise)."""

@@ -254,15 +254,3 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
     resume(folder, progress=False)
     full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
-
-
-def test_tensorboard_missing_gives_install_hint(tiny, tmp_path, monkeypatch):
-    import importlib.util
-
-    from fedflat.core import ConfigError
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"pip install 'fedflat\[tensorboard\]'"):
-        fedflat.run(tiny("tensorboard=true"), out=tmp_path, progress=False)
-    assert not any(tmp_path.iterdir())  # no run folder was made
