@@ -151,6 +151,42 @@ def cached_images(files: list[Path], home: Path, stem: str, size: int) -> tuple[
     return np.load(path, mmap_mode="r"), np.load(moments_path)
 
 
+def concatenated_cache(parts: list[np.ndarray], home: Path, stem: str, chunk: int = 1024) -> np.ndarray:
+    """``np.concatenate(parts)`` as a memory-mapped ``home/stem-KEY.npy`` instead of an array in memory: cached
+    uint8 images (memory maps of :func:`cached_images`) stay on disk, paged in as batches need them. Written a
+    chunk at a time through a temporary file renamed at the end; KEY digests the parts' files and shapes, so a
+    changed part writes anew. One part is returned as it is; parts that are not all memory maps are joined in
+    memory."""
+    if len(parts) == 1:
+        return parts[0]
+    files = [getattr(p, "filename", None) for p in parts]
+    if None in files:
+        return np.concatenate(parts)
+    key = hashlib.sha256(repr([(f, p.shape, *_size_and_time(Path(f))) for f, p in zip(files, parts)]).encode())
+    key = key.hexdigest()[:16]
+    path = home / f"{stem}-{key}.npy"
+    if not path.is_file():
+        home.mkdir(parents=True, exist_ok=True)
+        partial = home / f"{stem}-{key}.partial.npy"
+        shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+        out = np.lib.format.open_memmap(partial, mode="w+", dtype=parts[0].dtype, shape=shape)
+        try:
+            row = 0
+            for part in parts:
+                for lo in range(0, len(part), chunk):
+                    block = part[lo:lo + chunk]
+                    out[row:row + len(block)] = block
+                    row += len(block)
+            out.flush()
+        except BaseException:
+            del out
+            partial.unlink(missing_ok=True)
+            raise
+        del out
+        os.replace(partial, path)
+    return np.load(path, mmap_mode="r")
+
+
 def _size_and_time(path: Path) -> tuple[int, int]:
     """``path``'s size and modification time (``(-1, 0)`` when it is missing: the decode then names it)."""
     try:
