@@ -30,9 +30,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from fedflat import plugins
     from fedflat.algorithms import PARTS, RECIPES
     from fedflat.data import DATASETS, PARTITIONS
     from fedflat.models import MODELS
+
+    plugins.load(plugins.resolve(args.plugin))  # and every plugin installed through the entry-point group
 
     def table(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"{title}:")
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
     p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
     p.add_argument("--grids", action="store_true", help="also list each recipe's tuning grid (fedflat tune)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="also list what this plugin registers (a module, .py file or package folder; repeatable)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("partition", help="per-client sample and class counts of a split, and a heatmap PNG")

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedflat import plugins
 from fedflat.core.errors import ConfigError
 
 
@@ -200,6 +201,9 @@ DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests
 
 class Config(Section):
     name: str | None = Field(None, description="a label for the run folder")
+    plugins: list[str] = Field(default_factory=list, description="modules (or .py files, package folders) of your own "
+                               "parts, recipes, models and datasets, imported before anything is built "
+                               "(docs/extending.md)")
     seed: int = 0
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -300,7 +304,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_override(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Sets ``key`` (dotted) in the raw config tree; ``algo=X`` style shorthands set the name."""
+    """Sets ``key`` (dotted) in the raw config tree; ``algo=X`` style shorthands set the name. A flat algorithm
+    hyperparameter (``algo.rho``) replaces the value any part holds under that name (a resolved config.yaml
+    holds each under its role: ``algo.perturbation.rho``), so the command line wins over the file."""
     if key in SHORTHANDS and not isinstance(value, dict):
         node = _walk(tree, key, create=True)
         if key in RESETTING:
@@ -309,15 +315,22 @@ def apply_override(tree: dict[str, Any], key: str, value: Any) -> None:
         return
     *parents, leaf = key.split(".")
     node = _walk(tree, ".".join(parents), create=True) if parents else tree
+    if parents == ["algo"] and leaf not in _roles() and leaf != "name":
+        for role in _roles():
+            if isinstance(node.get(role), dict):
+                node[role].pop(leaf, None)
     node[leaf] = value
 
 
 def _walk(tree: dict[str, Any], dotted: str, create: bool) -> dict[str, Any]:
-    node = tree
+    node, path = tree, []
     for part in dotted.split("."):
+        path.append(part)
         child = node.get(part)
         if child is None and create:
             child = node[part] = _default_subtree(dotted, part, node)
+        if isinstance(child, str) and len(path) == 2 and path[0] == "algo" and part in _roles():
+            child = node[part] = {"name": child}  # algo.<role>.key on a role given by name
         if not isinstance(child, dict):
             raise ConfigError(f"cannot set a key inside '{dotted}': it is a value, not a section")
         node = child
@@ -334,6 +347,13 @@ def _default_subtree(dotted: str, part: str, node: dict[str, Any]) -> dict[str, 
     return copy.deepcopy(cursor) if isinstance(cursor, dict) else {}
 
 
+def located(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``tree`` read from a file in ``folder``: its plugins' paths made absolute (they are relative to the file)."""
+    if isinstance(tree.get("plugins"), list):
+        tree["plugins"] = plugins.resolve([str(p) for p in tree["plugins"]], base=folder)
+    return tree
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict[str, Any] | None = None) -> "Config":
     """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates."""
@@ -348,15 +368,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of keys")
-        tree = loaded
+        tree = located(loaded, path.parent)
     parsed = [parse_override(item) for item in overrides]
     # Choosing a method (model, partition) comes first, whatever its place on the command line: it starts
     # that section from the chosen one's defaults, and the other overrides then apply to it.
-    for key, value in sorted(parsed, key=lambda kv: not _selects(tree, *kv)):
+    # A part swapped into a role (algo.filter=fft) comes next: it starts that role from the part's own defaults.
+    for key, value in sorted(parsed, key=lambda kv: 0 if _selects(tree, *kv) else 1 if _swaps_part(*kv) else 2):
         if _selects(tree, key, value):
             key = key.rsplit(".", 1)[0] if key not in SHORTHANDS else key
+        if key == "plugins" and isinstance(value, list):
+            value = plugins.resolve([str(p) for p in value])  # on the command line: relative to the working folder
         apply_override(tree, key, value)
     return validate(tree)
+
+
+def _roles() -> tuple[str, ...]:
+    from fedflat.core.registry import ROLES  # here: importing the config module stays free of torch
+
+    return ROLES
+
+
+def _swaps_part(key: str, value: Any) -> bool:
+    """Whether an override puts another part in one role of the method: ``algo.<role>=NAME``."""
+    section, _, role = key.rpartition(".")
+    return section == "algo" and role in _roles() and isinstance(value, str)
 
 
 def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
@@ -382,6 +417,7 @@ def validate(tree: dict[str, Any] | "Config") -> "Config":
         cfg = Config(**tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    plugins.load(cfg.plugins)  # their parts, recipes, models and datasets, before anything is looked up by name
     _check_registered(cfg)
     return cfg
 
@@ -441,6 +477,7 @@ def resolve(cfg: Config) -> dict[str, Any]:
     from fedflat.data import PARTITIONS
     from fedflat.models import MODELS
 
+    plugins.load(cfg.plugins)  # a Config that crossed into another process names what it needs
     tree = cfg.model_dump()
     tree["algo"] = build_algorithm(cfg.algo).resolved()
     model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))

@@ -7,6 +7,11 @@ import pytest
 import torch
 
 from fedflat.config import DEVICE_ENV, load_config
+from fedflat.core.contract import CHECK_ENV
+
+# Every part's every hook is watched for in-place changes of tensors it does not own (the contract's rule 1), in
+# this process and in the workers it starts (sweep workers, Ray workers, Flower nodes inherit the environment).
+os.environ.setdefault(CHECK_ENV, "1")
 
 
 def pytest_addoption(parser):

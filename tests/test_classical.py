@@ -290,8 +290,7 @@ def test_fedawa_weighs_down_the_client_whose_update_disagrees():
     settings = TrainSettings(weight_decay=0.0, clip=None, batch_size=10, global_lr=1.0, num_clients=4, seed=0,
                              total_samples=40)
     part = build_algorithm({"name": "fedawa", "awa_lr": 0.1}).parts["aggregation"]
-    server: dict[str, torch.Tensor] = {}
-    part.setup(server, w, settings)
+    server = part.initial_state(w, settings)
     ctx = RoundContext(round=0, lr=0.1, w=w, sampled=torch.tensor([0, 1, 2]), num_samples=torch.tensor([10, 10, 10]),
                        steps=torch.tensor([1, 1, 1]), server=dict(server), settings=settings,
                        uploads={"model": w + updates, "train_loss": torch.zeros(3)})
@@ -440,12 +439,12 @@ def test_fedadam_refuses_a_conflicting_global_lr(tiny):
 
 def test_recipe_defaults_follow_the_spec():
     resolved = {name: build_algorithm({"name": name}).resolved() for name in METHODS}
-    assert resolved["fedprox"]["mu"] == 0.01
-    assert resolved["feddyn"]["alpha"] == 0.1
-    assert resolved["fedcm"]["a"] == 0.1
-    assert {k: resolved["fedadam"][k] for k in ("b1", "b2", "tau", "server_lr")} == \
+    assert resolved["fedprox"]["correction"]["mu"] == 0.01
+    assert resolved["feddyn"]["correction"]["alpha"] == resolved["feddyn"]["server"]["alpha"] == 0.1
+    assert resolved["fedcm"]["correction"]["a"] == 0.1
+    assert {k: resolved["fedadam"]["server"][k] for k in ("b1", "b2", "tau", "server_lr")} == \
         {"b1": 0.9, "b2": 0.99, "tau": 1e-3, "server_lr": 0.1}
-    assert resolved["fedavgm"]["beta"] == 0.9
+    assert resolved["fedavgm"]["server"]["beta"] == 0.9
     # FedACG's pull: the authors' code, 1e-3 ||w - w_hat||^2 in the loss (the spec's 0.01 is 5x that)
-    assert (resolved["fedacg"]["lam"], resolved["fedacg"]["beta"]) == (0.85, 0.002)
-    assert resolved["qfedavg"]["q"] == 1.0
+    assert (resolved["fedacg"]["server"]["lam"], resolved["fedacg"]["correction"]["beta"]) == (0.85, 0.002)
+    assert resolved["qfedavg"]["server"]["q"] == 1.0

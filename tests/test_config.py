@@ -37,7 +37,7 @@ def test_bad_config_names_the_key(override, fragment):
 
 
 def test_negative_radius_is_refused():
-    with pytest.raises(ConfigError, match="algo.rho"):
+    with pytest.raises(ConfigError, match="algo.perturbation.rho: Input should be greater than or equal to 0"):
         load_config(None, ["algo=fedsam", "algo.rho=-0.1"])
 
 
@@ -45,7 +45,7 @@ def test_algo_shorthand_starts_from_the_recipe_defaults():
     cfg = load_config(None, ["algo=fedsam", "algo=fedavg"])
     assert cfg.algo == {"name": "fedavg"}  # the last choice of method wins
     for order in (["algo=fedsam", "algo.rho=0.05"], ["algo.rho=0.05", "algo=fedsam"]):
-        assert resolve(load_config(None, order))["algo"]["rho"] == 0.05  # options apply to the chosen method
+        assert resolve(load_config(None, order))["algo"]["perturbation"]["rho"] == 0.05  # options apply to the method
     with pytest.raises(ConfigError, match="algo.rho: not a hyperparameter of 'fedavg'"):
         load_config(None, ["algo=fedsam", "algo.rho=0.05", "algo=fedavg"])
 
@@ -76,7 +76,8 @@ def test_resolved_config_reloads_to_the_same_config(tmp_path):
 
     cfg = load_config(None, ["algo=fedsam", "data.partition=pathological", "data.partition.classes=2"])
     tree = resolve(cfg)
-    assert tree["model"]["hidden"] == [200, 200] and tree["algo"]["rho"] == 0.01
+    assert tree["model"]["hidden"] == [200, 200] and tree["algo"]["perturbation"] == {"name": "sam", "rho": 0.01,
+                                                                                        "warmup_rounds": 0}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tree))
     assert resolve(load_config(path)) == tree
@@ -97,9 +98,11 @@ def test_renaming_the_method_of_a_resolved_config_selects_that_methods_parts(tmp
     assert {r: p.name for r, p in renamed.parts.items()} == {"perturbation": "vssam", "filter": "none",
                                                             "correction": "vssam", "aggregation": "mean",
                                                             "server": "vssam", "personalization": "none"}
-    assert renamed.hyperparameters["rho"] == 0.2  # order on the command line does not matter
+    assert renamed.parts["perturbation"].p.rho == 0.2  # order on the command line does not matter
     composed = load_config(path, ["algo.name=fedlesam", "algo.filter=fft", "rounds=1"])
     hist = fedflat.run(composed, save=False, progress=False)
     assert hist.summary["algorithm"] == "fedlesam[filter=fft]"  # reported as the composition it is
     same = load_config(path, ["algo.name=fedsam", "algo.rho=0.3"])  # the same name: the file's roles stay
-    assert same.algo["perturbation"] == "sam" and same.algo["rho"] == 0.3
+    assert build_algorithm(same.algo).parts["perturbation"].p.rho == 0.3  # the command line wins over the file
+    scoped = load_config(path, ["algo.perturbation.rho=0.4", "algo.perturbation=lesam"])  # a swap resets the role
+    assert build_algorithm(scoped.algo).parts["perturbation"].p.rho == 0.4 and scoped.algo["perturbation"]["name"] == "lesam"

@@ -199,7 +199,7 @@ def test_direction_tracking_error_is_zero_for_the_reference_gradient_and_unavail
     assert not missing["available"] and "no global direction" in missing["reason"]
     reference, _ = reference_gradient(sim, sim.w, batches=2, batch_size=50)
     sim.server["reference"] = reference
-    sim.algorithm.parts["server"].global_direction = lambda server: server["reference"]
+    sim.algorithm.parts["server"].global_direction = ("reference", 1.0)
     exact = direction_tracking(sim, 0, batches=2, batch_size=50)
     assert exact["available"] and exact["squared_error"] == 0.0 and exact["cosine"] == pytest.approx(1.0)
     sim.server["reference"] = 2 * reference

@@ -87,7 +87,7 @@ def test_client_duals_sum_their_updates_and_shift_the_local_direction(tiny):
     grad, h = torch.randn(2, 5), torch.randn(2, 5)
 
     class _Cohort:
-        extra = {CLIENT_DUAL: h}
+        state = {CLIENT_DUAL: h}
     torch.testing.assert_close(correction.direction(None, _Cohort(), 0, None, grad), grad - h)  # no proximal term
 
 
@@ -115,7 +115,7 @@ def test_one_backprop_per_step_and_no_trajectory_sent_without_distillation(tiny)
 
 def test_bad_fedgmt_hyperparameters_are_clear_errors():
     from fedflat.algorithms import AlgorithmError
-    with pytest.raises(AlgorithmError, match="algo.ema"):
+    with pytest.raises(AlgorithmError, match="algo.perturbation.ema"):
         build_algorithm({"name": "fedgmt", "ema": 1.0})
-    with pytest.raises(AlgorithmError, match="algo.alpha"):
+    with pytest.raises(AlgorithmError, match="algo.correction.alpha: Input should be greater than 0"):
         build_algorithm({"name": "fedgmt", "alpha": 0})

@@ -149,7 +149,7 @@ def test_engines_agree_on_a_personalized_run(tiny):
 
 def test_personalization_composes_with_any_method_and_checks_its_layers(tiny):
     algo = build_algorithm({"name": "fedlesam", "personalization": "fedper", "personal_layers": 2})
-    assert algo.label == "fedlesam[personalization=fedper]" and "personal_model" in algo.state_keys()
+    assert algo.label == "fedlesam[personalization=fedper]" and "fedper.w_i" in algo.state_keys()
     history = fedflat.run(tiny("algo=scaffold", "algo.personalization=fedper", "rounds=2"), save=False, progress=False)
     assert history.summary["status"] == "completed" and history.summary["evaluation"] == "personalized"
     with pytest.raises(ConfigError, match="personal_layers"):

@@ -113,9 +113,9 @@ def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path
     ids = torch.arange(6)
     state, known = sim.load_state(ids)
     for c in range(6):  # each node holds its clients' state as training would have saved it
-        if known["personal_model"][c]:
-            nodes[c % 2].states.save(c, 1, {"personal_model": state["personal_model"][c]})
-    rounds = [1 if known["personal_model"][c] else -1 for c in range(6)]
+        if known["fedper.w_i"][c]:
+            nodes[c % 2].states.save(c, 1, {"fedper.w_i": state["fedper.w_i"][c]})
+    rounds = [1 if known["fedper.w_i"][c] else -1 for c in range(6)]
     scores = [read_scores(node.evaluate(evaluation_content(sim.w, node.clients, [rounds[c] for c in node.clients])),
                           node.clients) for node in nodes]
     merged = scores[1]

@@ -15,7 +15,7 @@ import torch
 import fedflat
 from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_recipe
 from fedflat.cli import main
-from fedflat.core import ConfigError, Correction, PartParams
+from fedflat.core import ConfigError, Correction, PartParams, init
 from fedflat.engine.checkpoint import CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, read_checkpoint
 from fedflat.experiments.checkpoint import metrics_equal, resume
 from fedflat.files import read_jsonl
@@ -29,26 +29,21 @@ class ClientMemory(Correction):
 
     name = "test_client_memory"
     summary = "test only"
-    keeps = ("test_memory",)
+    keeps = ("test.memory",)
+    server_state = {"test.rounds_seen": init.scalar(0.0)}
 
     class Params(PartParams):
         beta: float = 0.5
 
-    def setup(self, server, w0, settings):
-        server["test_rounds_seen"] = torch.zeros(())
-
-    def begin(self, ctx, cohort):
-        cohort.extra["m"] = cohort.state["test_memory"]
-
     def direction(self, ctx, cohort, k, W, grad):
-        return grad + self.p.beta * cohort.extra["m"]
+        return grad + self.p.beta * cohort.state["test.memory"]
 
     def end(self, ctx, cohort, W):
         steps = cohort.steps.to(W.dtype)[:, None]
-        cohort.new_state["test_memory"] = (ctx.w_start - W) / (steps * ctx.lr)
+        cohort.new_state["test.memory"] = (ctx.w_start - W) / (steps * ctx.lr)
 
     def after_step(self, ctx, w_new):
-        ctx.server["test_rounds_seen"] = ctx.server["test_rounds_seen"] + 1  # server state is replaced, not edited
+        ctx.server["test.rounds_seen"] = ctx.server["test.rounds_seen"] + 1  # server state is replaced, not edited
 
 
 @pytest.fixture
@@ -112,7 +107,7 @@ def test_resume_equals_uninterrupted(tiny, tmp_path, algo, stateful_recipe):
         for client in a["store"][slot]:
             assert torch.equal(a["store"][slot][client], b["store"][slot][client])
     if algo == "stateful":
-        assert a["store"]["test_memory"] and float(a["server"]["test_rounds_seen"]) == 6
+        assert a["store"]["test.memory"] and float(a["server"]["test.rounds_seen"]) == 6
     if algo != "fedavg":
         assert a["store"], "the method keeps client state, so the comparison covers the store"
     s = json.loads((folder / "summary.json").read_text())
@@ -165,11 +160,11 @@ def test_load_run_restores_checkpoint_or_model(tiny, tmp_path, stateful_recipe):
     full = fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
     sim = load_run(tmp_path / "run")
     assert sim.rounds_done == 3 and torch.equal(sim.w.cpu(), full.final_parameters)
-    assert float(sim.server["test_rounds_seen"]) == 3 and sim.store.count("test_memory") > 0
+    assert float(sim.server["test.rounds_seen"]) == 3 and sim.store.count("test.memory") > 0
     (tmp_path / "run" / CHECKPOINT).unlink()
     sim = load_run(tmp_path / "run")  # only model.pt: the model, fresh server state
     assert sim.rounds_done is None and torch.equal(sim.w.cpu(), full.final_parameters)
-    assert float(sim.server["test_rounds_seen"]) == 0
+    assert float(sim.server["test.rounds_seen"]) == 0
     assert sim.evaluate()[0] == full.summary["final_test_acc"]
 
 

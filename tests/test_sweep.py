@@ -134,13 +134,16 @@ def test_cell_with_a_changed_config_is_not_overwritten(tmp_path):
 
 def test_a_key_added_since_a_cell_ran_compares_at_its_default(tmp_path):
     """A cell written by an older fedflat, whose config.yaml lacks keys added since (here the parts'
-    ``personalization`` and the data's ``validation``), is still the same cell: skipped when finished,
-    extended by more rounds; the same key at another value is a changed config."""
-    path = write_sweep(tmp_path, {"overrides": ["rounds=1"], "grid": {"seed": [0]}})
+    ``personalization`` and the data's ``validation``) and holds the algorithm's hyperparameters flat (before they
+    were scoped to their parts), is still the same cell: skipped when finished, extended by more rounds; the same
+    key at another value is a changed config."""
+    path = write_sweep(tmp_path, {"overrides": ["rounds=1", "algo=fedavgm"], "grid": {"seed": [0]}})
     run_sweep(load_sweep(path), progress=False)
     config = tmp_path / "out" / "seed0" / "config.yaml"
     tree = yaml.safe_load(config.read_text())
-    assert tree["algo"].pop("personalization") == "none" and tree["data"].pop("validation") == 0.0
+    assert tree["algo"]["server"] == {"name": "avgm", "beta": 0.9} and tree["data"].pop("validation") == 0.0
+    tree["algo"] = {"name": "fedavgm", "perturbation": "none", "filter": "none", "correction": "none",
+                    "aggregation": "mean", "server": "avgm", "weighting": "uniform", "beta": 0.9}  # as fedflat 0.1 wrote
     config.write_text(yaml.safe_dump(tree))
     assert run_sweep(load_sweep(path), progress=False).cells[0]["action"] == "skipped"
     longer = run_sweep(load_sweep(path, extra_overrides=["rounds=2"]), progress=False).cells[0]

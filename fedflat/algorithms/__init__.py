@@ -7,7 +7,7 @@ method is written the same way in their own module and named in a config's ``plu
 import importlib
 import pkgutil
 
-from fedflat.algorithms.compose import Algorithm, build_algorithm
+from fedflat.algorithms.compose import Algorithm, build_algorithm, renamed_state
 from fedflat.core import PARTS, RECIPES, ROLES, AlgorithmError, Part, Recipe, register_part, register_recipe
 
 _INFRASTRUCTURE = {"compose"}
@@ -29,4 +29,4 @@ def _load_methods() -> None:
 _load_methods()
 
 __all__ = ["Algorithm", "AlgorithmError", "PARTS", "RECIPES", "ROLES", "Recipe", "build_algorithm", "register_part",
-           "register_recipe"]
+           "register_recipe", "renamed_state"]

@@ -1,8 +1,17 @@
-"""The assembly of an :class:`Algorithm` from a config's ``algo`` section: one part per role, checked.
+"""The assembly of an :class:`Algorithm` from a config's ``algo`` section: one part per role, each with its own
+hyperparameters, checked.
 
-A recipe names one part per role plus default hyperparameters; the config's ``algo`` section names a
-recipe and may override any role (``algo.filter=fft`` on ``fedlesam``) or hyperparameter
-(``algo.rho=0.05``). Hyperparameters live in one flat namespace, the union of the parts' fields.
+A recipe names one part per role plus default hyperparameters; the ``algo`` section names a recipe and may swap
+any role (``algo.filter=fft`` on ``fedlesam``) and set any part's hyperparameter. Hyperparameters are scoped to
+their part: the resolved section reads
+
+    algo: {name: fedscam, perturbation: {name: scam, rho_max: 0.05, ...}, ..., aggregation: {name: scam, beta: 0.8}}
+
+and ``algo.aggregation.beta=0.8`` sets one part's value. A flat key (``algo.rho=0.05``) is accepted when exactly one
+part of the method owns it, or when every owner declares it shared (FedDyn's ``alpha`` on client and server); when
+several parts own it separately it is an error that names them. A recipe's defaults apply only to the parts it
+names, never to a part swapped in. The section of a run folder written before scoping (every role a name, every
+value flat) is read as it ran: each flat value set every part that owned it (:func:`scoped_section`).
 """
 from __future__ import annotations
 
@@ -12,17 +21,16 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from fedflat.core import (PARTS, RECIPES, ROLES, AlgorithmError, Broadcast, ClientResult, Part, RoundContext, closest,
-                          composition_label)
+from fedflat.core import (PARTS, RECIPES, ROLES, AlgorithmError, Broadcast, ClientContext, ClientResult, Cohort, Part,
+                          Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label, contract)
 
 
 @dataclass
 class Algorithm:
-    """An assembled method: its parts (one per role) and resolved hyperparameters."""
+    """An assembled method: its parts (one per role), each holding its own hyperparameters (``part.p``)."""
 
     name: str
     parts: dict[str, Part]
-    hyperparameters: dict[str, Any]
 
     @property
     def ordered(self) -> list[Part]:
@@ -50,6 +58,25 @@ class Algorithm:
     def client_state_vectors(self) -> int:
         """Model-sized vectors stored per client, on the client or on the server."""
         return len(self.state_keys()) + len(self.held_keys())
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The hyperparameter ``key`` of the first part (in role order) that has it, or ``default``."""
+        return next((getattr(p.p, key) for p in self.ordered if key in type(p.p).model_fields), default)
+
+    def initial_server_state(self, w0: torch.Tensor, settings: TrainSettings) -> dict[str, torch.Tensor]:
+        """Every part's declared server entries at round 0 (an entry two parts declare is made once)."""
+        server: dict[str, torch.Tensor] = {}
+        for part in self.ordered:
+            for key, value in part.initial_state(w0, settings).items():
+                server.setdefault(key, value)
+        return server
+
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        """Opens a chunk's local work: a fresh channel (knowing which part provides each slot), then every part's
+        ``begin`` in role order."""
+        cohort.shared = Shared({slot: repr(part) for part in self.ordered for slot in part.provides})
+        for part in self.ordered:
+            part.begin(ctx, cohort)
 
     # -- the server side of a round (Flower's configure_fit / aggregate_fit) ------------------
     def configure(self, ctx: RoundContext) -> Broadcast:
@@ -79,58 +106,167 @@ class Algorithm:
         return w_new
 
     def resolved(self) -> dict[str, Any]:
-        """The ``algo`` config section with every role and default filled in."""
-        roles = {role: part.name for role, part in self.parts.items()}
-        return {"name": self.name, **roles, **self.hyperparameters}
+        """The ``algo`` config section with every part and every hyperparameter, each under its role."""
+        return {"name": self.name,
+                **{role: {"name": part.name, **part.p.model_dump()} for role, part in self.parts.items()}}
 
 
-def _check_composition(parts: dict[str, Part]) -> None:
-    provided = set().union(*(p.provides for p in parts.values()))
-    for role, part in parts.items():
-        missing = part.requires - provided
-        if missing:
-            suppliers = [f"{r} '{n}'" for r in ROLES for n, c in PARTS[r].items() if missing & c.provides]
-            raise AlgorithmError(
-                f"{role} '{part.name}' needs {sorted(missing)}, which no part of this combination provides"
-                + (f"; use {' or '.join(suppliers)}" if suppliers else ""))
+# State entries renamed to the ``<part>.<symbol>`` convention: checkpoints and node state written before it still
+# load (:func:`renamed_state`).
+RENAMED_STATE = {"lesam_w_old": "lesam.w_old", "lesam_global": "lesam.global", "lesam_has_prev": "lesam.has_prev",
+                 "personal_model": "fedper.w_i"}
+
+
+def renamed_state(entries: dict[str, Any]) -> dict[str, Any]:
+    """``entries`` (server state, a store's slots, a client's saved state) under today's names."""
+    return {RENAMED_STATE.get(k, k): v for k, v in entries.items()}
+
+
+# -- reading an ``algo`` section -------------------------------------------------------------------------------
+
+LEGACY_ROLES = ROLES[:5]  # the roles of every resolved section before scoping (personalization came later)
+
+
+def is_legacy(section: dict[str, Any]) -> bool:
+    """Whether ``section`` is the resolved form written before hyperparameters were scoped: every role a part's
+    name (``personalization`` possibly missing) and the hyperparameters flat beside them."""
+    return (all(isinstance(section.get(role), str) for role in LEGACY_ROLES)
+            and not any(isinstance(section.get(role), dict) for role in ROLES)
+            and any(k not in ROLES and k != "name" for k in section))
+
+
+def scoped_section(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with every role a dict ``{name?, key: value}`` and the flat keys left at the top; a legacy
+    section (:func:`is_legacy`) becomes the scoped form of what it ran: each flat value under every role whose
+    part owns it."""
+    section = dict(section)
+    legacy = is_legacy(section)
+    for role in ROLES:
+        value = section.get(role)
+        if isinstance(value, str):
+            section[role] = {"name": value}
+        elif isinstance(value, dict):
+            section[role] = dict(value)
+        elif value is not None:
+            raise AlgorithmError(f"algo.{role}: a part's name or a mapping of its hyperparameters, got {value!r}")
+    if legacy:
+        for key in [k for k in section if k not in ROLES and k != "name"]:
+            value = section.pop(key)
+            for role in ROLES:
+                part = PARTS[role].get(section.get(role, {}).get("name", ""))
+                if part is not None and key in part.Params.model_fields:
+                    section[role][key] = value
+    return section
+
+
+def _chosen_parts(name: str, recipe: Recipe, section: dict[str, Any]) -> dict[str, type[Part]]:
+    classes = {}
+    for role in ROLES:
+        part_name = section.get(role, {}).get("name", recipe.part_names()[role])
+        if part_name not in PARTS[role]:
+            raise AlgorithmError(f"algo.{role}: unknown {role} '{part_name}'{closest(part_name, PARTS[role])}; "
+                                 f"allowed: {', '.join(sorted(PARTS[role]))}")
+        classes[role] = PARTS[role][part_name]
+    return classes
+
+
+def _owners(classes: dict[str, type[Part]], key: str) -> list[str]:
+    return [role for role, cls in classes.items() if key in cls.Params.model_fields]
+
+
+def _flat_owners(name: str, classes: dict[str, type[Part]], key: str, where: str) -> list[str]:
+    """The roles a flat ``key`` sets: its one owner, or every owner when all of them share it."""
+    owners = _owners(classes, key)
+    if not owners:
+        valid = sorted({k for cls in classes.values() for k in cls.Params.model_fields})
+        raise AlgorithmError(f"{where}: not a hyperparameter of '{name}'{closest(key, valid + list(ROLES))}; "
+                             f"valid: {', '.join(valid) or '(none)'}")
+    if len(owners) > 1 and not all(key in classes[r].Params.shared_fields() for r in owners):
+        named = " and ".join(f"{r} '{classes[r].name}'" for r in owners)
+        raise AlgorithmError(f"{where}: {named} each have a '{key}'; say whose: "
+                             + " or ".join(f"algo.{r}.{key}" for r in owners))
+    return owners
+
+
+def _recipe_defaults(recipe: Recipe, classes: dict[str, type[Part]]) -> dict[str, dict[str, Any]]:
+    """The recipe's defaults for the roles whose part is the recipe's own (a swapped-in part keeps its own)."""
+    own = {role: cls for role, cls in classes.items() if cls.name == recipe.part_names()[role]}
+    values: dict[str, dict[str, Any]] = {role: {} for role in ROLES}
+    recipe_classes = {role: PARTS[role][n] for role, n in recipe.part_names().items()}
+    for key, value in recipe.defaults.items():
+        role, _, leaf = key.rpartition(".")
+        roles = [role] if role else _flat_owners(recipe.name, recipe_classes, leaf, f"recipe {recipe.name}: {key}")
+        for r in roles:
+            if r in own:
+                values[r][leaf] = value
+    return values
 
 
 def build_algorithm(section: dict[str, Any]) -> Algorithm:
-    """Assembles the algorithm of a config's ``algo`` section (``name`` + roles + hyperparameters)."""
-    section = dict(section)
+    """Assembles the algorithm of a config's ``algo`` section (``name``, roles, hyperparameters flat or scoped)."""
+    section = scoped_section(section)
     name = section.pop("name", "fedavg")
     if name not in RECIPES:
         raise AlgorithmError(f"unknown algorithm '{name}'{closest(name, RECIPES)}; run `fedflat list` for all")
     recipe = RECIPES[name]
-    chosen = recipe.part_names()
+    classes = _chosen_parts(name, recipe, section)
+    values = _recipe_defaults(recipe, classes)
+    for key in [k for k in section if k not in ROLES]:
+        for role in _flat_owners(name, classes, key, f"algo.{key}"):
+            values[role][key] = section[key]
     for role in ROLES:
-        if role in section:
-            chosen[role] = section.pop(role)
-        if chosen[role] not in PARTS[role]:
-            raise AlgorithmError(f"algo.{role}: unknown {role} '{chosen[role]}'{closest(chosen[role], PARTS[role])}; "
-                                 f"allowed: {', '.join(sorted(PARTS[role]))}")
-    classes = {role: PARTS[role][chosen[role]] for role in ROLES}
-    owners: dict[str, list[str]] = {}
-    for role, cls in classes.items():
-        for key in cls.Params.model_fields:
-            owners.setdefault(key, []).append(role)
-    for key in section:
-        if key not in owners:
-            valid = sorted(owners) + list(ROLES)
-            raise AlgorithmError(f"algo.{key}: not a hyperparameter of '{name}'{closest(key, valid)}; "
-                                 f"valid: {', '.join(sorted(owners)) or '(none)'}")
-    values = {k: v for k, v in recipe.defaults.items() if k in owners}
-    values.update(section)
-    parts: dict[str, Part] = {}
-    hyper: dict[str, Any] = {}
-    for role, cls in classes.items():
-        mine = {k: v for k, v in values.items() if k in cls.Params.model_fields}
-        try:
-            params = cls.Params(**mine)
-        except ValidationError as err:
-            problems = "; ".join(f"algo.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-            raise AlgorithmError(problems) from None
-        parts[role] = cls(params)
-        hyper.update(params.model_dump())
+        for key, value in section.get(role, {}).items():
+            if key != "name":
+                if key not in classes[role].Params.model_fields:
+                    valid = sorted(classes[role].Params.model_fields)
+                    raise AlgorithmError(f"algo.{role}.{key}: not a hyperparameter of {role} '{classes[role].name}'"
+                                         f"{closest(key, valid)}; valid: {', '.join(valid) or '(none)'}")
+                values[role][key] = value
+    parts = {role: cls(_params(cls, role, values[role])) for role, cls in classes.items()}
+    _check_shared(parts)
     _check_composition(parts)
-    return Algorithm(name=name, parts=parts, hyperparameters=hyper)
+    if contract.checking():  # FEDFLAT_CHECK_CONTRACT=1: every hook watched for in-place changes (the tests)
+        parts = {role: contract.Checked(part) for role, part in parts.items()}
+    return Algorithm(name=name, parts=parts)
+
+
+def _params(cls: type[Part], role: str, values: dict[str, Any]):
+    try:
+        return cls.Params(**values)
+    except ValidationError as err:
+        problems = "; ".join(f"algo.{role}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise AlgorithmError(problems) from None
+
+
+def _check_shared(parts: dict[str, Part]) -> None:
+    """Parts that share a hyperparameter hold one value of it."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for role, part in parts.items():
+        for key in part.Params.shared_fields():
+            value = getattr(part.p, key)
+            if key in seen and seen[key][1] != value:
+                other, first = seen[key]
+                raise AlgorithmError(f"algo.{key}: {other} and {role} '{part.name}' share it, so they take one value "
+                                     f"(got {first!r} and {value!r}); set algo.{key}")
+            seen.setdefault(key, (f"{role} '{part.name}'", value))
+
+
+def _check_composition(parts: dict[str, Part]) -> None:
+    """Every slot and server entry a part requires has a provider; an entry two parts declare has one init."""
+    slots = set().union(*(p.provides for p in parts.values()))
+    declared: dict[str, tuple[Part, Any]] = {}
+    for part in parts.values():
+        for key, init in part.server_state.items():
+            if key in declared and declared[key][1] is not init:
+                raise AlgorithmError(f"server state '{key}': {declared[key][0]!r} and {part!r} declare it with "
+                                     "different initial values")
+            declared.setdefault(key, (part, init))
+    for role, part in parts.items():
+        missing = sorted((r.name if isinstance(r, Slot) else r) for r in part.requires
+                         if (r not in slots if isinstance(r, Slot) else r not in declared))
+        if missing:
+            suppliers = [f"{r} '{n}'" for r in ROLES for n, c in PARTS[r].items()
+                         if any(m in c.server_state or m in {s.name for s in c.provides} for m in missing)]
+            raise AlgorithmError(
+                f"{role} '{part.name}' needs {missing}, which no part of this combination provides"
+                + (f"; use {' or '.join(suppliers)}" if suppliers else ""))

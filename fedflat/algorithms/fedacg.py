@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedprox import Prox
-from fedflat.core import PartParams, Recipe, RoundContext, ServerUpdate, TrainSettings, register_recipe
+from fedflat.core import PartParams, Recipe, RoundContext, ServerUpdate, init, register_recipe
 
 MOMENTUM = "acg.m"
 
@@ -45,9 +45,8 @@ class ACGServer(ServerUpdate):
     name = "acg"
     summary = "FedACG: broadcast w + lambda m, m <- lambda m + mean (w_i - w_hat), w <- w + m"
     Params = ACGServerParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[MOMENTUM] = torch.zeros_like(w0)
+    server_state = {MOMENTUM: init.zeros}
+    global_direction = (MOMENTUM, -1.0)  # the momentum of updates, in gradient sign
 
     def broadcast(self, ctx: RoundContext) -> torch.Tensor:
         return ctx.w + self.p.lam * ctx.server[MOMENTUM]
@@ -55,9 +54,6 @@ class ACGServer(ServerUpdate):
     def step(self, ctx: RoundContext) -> torch.Tensor:
         m = ctx.server[MOMENTUM] = self.p.lam * ctx.server[MOMENTUM] + ctx.aggregate(ctx.w_final - ctx.w_start)
         return ctx.w + ctx.settings.global_lr * m
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return -server[MOMENTUM]  # the momentum of updates, in gradient sign
 
 
 register_recipe(Recipe(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.core import ConfigError, PartParams, Recipe, RoundContext, ServerUpdate, TrainSettings, register_recipe
+from fedflat.core import (ConfigError, PartParams, Recipe, RoundContext, ServerUpdate, TrainSettings, init,
+                          register_recipe)
 
 ADAM_M, ADAM_V = "adam.m", "adam.v"
 AVGM_M = "avgm.m"
@@ -22,6 +23,16 @@ class AdamParams(PartParams):
                                                             "(the fedadam recipe sets 0.1, as Reddi et al.)")
 
 
+def first_moment(w0: torch.Tensor, settings: TrainSettings, params: AdamParams) -> torch.Tensor:
+    """``m = 0``, once ``eta_g`` is unambiguous: ``algo.server_lr`` and a ``train.global_lr`` other than 1 disagree."""
+    if params.server_lr is not None and settings.global_lr != 1.0 and settings.global_lr != params.server_lr:
+        raise ConfigError(
+            f"the adam server takes eta_g from algo.server_lr ({params.server_lr}), but train.global_lr is "
+            f"{settings.global_lr}: set algo.server_lr={settings.global_lr}, or algo.server_lr=null to use "
+            "train.global_lr")
+    return init.zeros(w0, settings, params)
+
+
 class Adam(ServerUpdate):
     """``m <- b1 m + (1 - b1) Dbar``, ``v <- b2 v + (1 - b2) Dbar^2``, ``w^{t+1} = w^t + eta_g m / (sqrt(v) + tau)``
     (no bias correction, as in the paper's Algorithm 2)."""
@@ -29,15 +40,8 @@ class Adam(ServerUpdate):
     name = "adam"
     summary = "FedAdam: Adam on the averaged update (m, v on the server)"
     Params = AdamParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        if self.p.server_lr is not None and settings.global_lr != 1.0 and settings.global_lr != self.p.server_lr:
-            raise ConfigError(
-                f"the adam server takes eta_g from algo.server_lr ({self.p.server_lr}), but train.global_lr is "
-                f"{settings.global_lr}: set algo.server_lr={settings.global_lr}, or algo.server_lr=null to use "
-                "train.global_lr")
-        server[ADAM_M] = torch.zeros_like(w0)
-        server[ADAM_V] = torch.zeros_like(w0)
+    server_state = {ADAM_M: first_moment, ADAM_V: init.zeros}
+    global_direction = (ADAM_M, -1.0)  # the momentum of updates, in gradient sign
 
     def eta_g(self, ctx: RoundContext) -> float:
         return self.p.server_lr if self.p.server_lr is not None else ctx.settings.global_lr
@@ -47,9 +51,6 @@ class Adam(ServerUpdate):
         m = ctx.server[ADAM_M] = self.p.b1 * ctx.server[ADAM_M] + (1 - self.p.b1) * d
         v = ctx.server[ADAM_V] = self.p.b2 * ctx.server[ADAM_V] + (1 - self.p.b2) * d * d
         return ctx.w + self.eta_g(ctx) * m / (v.sqrt() + self.p.tau)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return -server[ADAM_M]  # the momentum of updates, in gradient sign
 
 
 class AvgMParams(PartParams):
@@ -62,16 +63,12 @@ class AvgM(ServerUpdate):
     name = "avgm"
     summary = "FedAvgM: heavy-ball momentum on the averaged update"
     Params = AvgMParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[AVGM_M] = torch.zeros_like(w0)
+    server_state = {AVGM_M: init.zeros}
+    global_direction = (AVGM_M, -1.0)  # the momentum of updates, in gradient sign
 
     def step(self, ctx: RoundContext) -> torch.Tensor:
         m = ctx.server[AVGM_M] = self.p.beta * ctx.server[AVGM_M] + ctx.aggregate(ctx.deltas)
         return ctx.w + ctx.settings.global_lr * m
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return -server[AVGM_M]  # the momentum of updates, in gradient sign
 
 
 register_recipe(Recipe(

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedflat.core import Aggregation, PartParams, Recipe, RoundContext, TrainSettings, register_recipe
+from fedflat.core import Aggregation, PartParams, Recipe, RoundContext, init, register_recipe
 
 SHIFT = "fedawa.shift"  # server state [N]: T_i - n_i / n, how far each client's logit has moved from its start
 DEFAULT_LR = {"adam": 1e-3, "sgd": 1e-2}  # the authors' code
@@ -63,9 +63,7 @@ class FedAWA(Aggregation):
     name = "fedawa"
     summary = "softmax of per-client logits optimized on the client vectors (FedAWA)"
     Params = AWAParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SHIFT] = torch.zeros(settings.num_clients, dtype=w0.dtype, device=w0.device)
+    server_state = {SHIFT: init.per_client}
 
     def _optimizer(self, T: torch.Tensor) -> torch.optim.Optimizer:
         lr = self.p.awa_lr or DEFAULT_LR[self.p.awa_optimizer]

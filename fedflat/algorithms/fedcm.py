@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 
 from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext,
-                          TrainSettings, register_recipe)
+                          init, register_recipe)
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
@@ -46,20 +46,15 @@ class Momentum(Correction):
     name = "momentum"
     summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"
     Params = MomentumParams
+    server_state = {MOMENTUM: init.zeros}
     sends = (MOMENTUM,)
-    provides = frozenset({MOMENTUM})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[MOMENTUM] = torch.zeros_like(w0)
+    global_direction = (MOMENTUM, 1.0)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return momentum_mix(self.p.a, grad, ctx.server[MOMENTUM], W, ctx.settings.weight_decay, self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         ctx.server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[MOMENTUM]
 
 
 register_recipe(Recipe(

@@ -10,13 +10,11 @@ is of the ``c_i``); the ``dyn`` server reads ``h`` from ``ctx.server`` and so re
 from __future__ import annotations
 
 import torch
-from pydantic import Field
-
-from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          TrainSettings, register_recipe)
+from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate, init,
+                          register_recipe, shared)
 
 SERVER_DUAL = "dyn.h"  # server state: h
-CLIENT_DUAL = "dyn.h_i"  # client state and cohort.extra: h_i of the chunk's clients
+CLIENT_DUAL = "dyn.h_i"  # client state: h_i
 
 
 def feddyn_client_dual(h_i: torch.Tensor, alpha: float, w_start: torch.Tensor, w_final: torch.Tensor) -> torch.Tensor:
@@ -30,7 +28,8 @@ def feddyn_server_dual(h: torch.Tensor, alpha: float, sum_delta: torch.Tensor, n
 
 
 class DynParams(PartParams):
-    alpha: float = Field(0.1, gt=0, description="FedDyn regularization coefficient alpha")
+    alpha: float = shared(0.1, gt=0, description="FedDyn regularization coefficient alpha (one value on the clients "
+                                                 "and the server)")
 
 
 class DynCorrection(Correction):
@@ -39,20 +38,14 @@ class DynCorrection(Correction):
     name = "dyn"
     summary = "FedDyn: grad - h_i + alpha (w - w^t), client dual h_i and server dual h"
     Params = DynParams
+    server_state = {SERVER_DUAL: init.zeros}
     keeps = (CLIENT_DUAL,)
-    provides = frozenset({SERVER_DUAL, CLIENT_DUAL})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SERVER_DUAL] = torch.zeros_like(w0)
-
-    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.extra[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
+        return grad - cohort.state[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
-        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.extra[CLIENT_DUAL], self.p.alpha, ctx.w_start, W)
+        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], self.p.alpha, ctx.w_start, W)
 
     def finish(self, ctx: RoundContext) -> None:
         # Before the server step, which uses the new h; from the uploaded models, nothing else.

@@ -89,12 +89,7 @@ class GradientLowFrequencyFilter(LowFrequencyFilter):
 
     name = "fft_grad"
     summary = "seed 004 E.6: FedFFT's low-frequency removal on the raw gradient instead of the perturbation"
-
-    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        return eps
-
-    def apply_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
-        return LowFrequencyFilter.apply(self, ctx, cohort, grad)
+    acts_on = "gradient"
 
 
 class HighFrequencyFilter(Filter):
@@ -137,10 +132,10 @@ class RandomFrequencyFilter(Filter):
                 keep[torch.randperm(F, generator=g)[:int(self.p.r * F)]] = False
                 rows.append(keep)
             masks.append(torch.cat(rows))
-        cohort.extra["fft_random_keep"] = torch.stack(masks).to(ctx.w_start.device)
+        cohort.own(self)["keep"] = torch.stack(masks).to(ctx.w_start.device)
 
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        keep_all = cohort.extra["fft_random_keep"]
+        keep_all = cohort.own(self)["keep"]
         bounds = [0]
         for n in ctx.settings.layout.numels:
             bounds.append(bounds[-1] + n // 2 + 1)

@@ -21,7 +21,7 @@ class CorrectedSAM(LocalSAM):
     requires = frozenset({SHIFT})
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad + cohort.extra[SHIFT]
+        return grad + cohort.shared[SHIFT]
 
 
 register_recipe(Recipe(

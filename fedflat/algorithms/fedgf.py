@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.core import NORM_EPS, ClientContext, Cohort, Recipe, RoundContext, TrainSettings, register_recipe
+from fedflat.core import NORM_EPS, ClientContext, Cohort, Recipe, RoundContext, init, register_recipe
 
 GLOBAL_PERTURBATION = "gf.global_perturbation"  # w~_g - w^t = rho_g (w^{t-1} - w^t)/||.||, sent to clients
 WEIGHT = "gf.c"  # c, sent to clients
@@ -49,13 +49,11 @@ class GlobalFlatness(LocalSAM):
     name = "gf"
     summary = "FedGF: interpolates the global perturbed model and the local SAM one with a drift-adaptive c"
     Params = GlobalFlatnessParams
+    server_state = {GLOBAL_PERTURBATION: init.zeros, WEIGHT: init.scalar(0.0),
+                    WINDOW: init.vector("window", dtype=torch.float64, device="cpu"),
+                    SEEN: init.scalar(0, dtype=torch.long, device="cpu")}
     sends = (GLOBAL_PERTURBATION, WEIGHT)
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[GLOBAL_PERTURBATION] = torch.zeros_like(w0)
-        server[WEIGHT] = torch.zeros((), dtype=w0.dtype, device=w0.device)
-        server[WINDOW] = torch.zeros(self.p.window, dtype=torch.float64)
-        server[SEEN] = torch.zeros((), dtype=torch.long)
+    global_direction = (GLOBAL_PERTURBATION, 1.0)
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         local = super().perturb(ctx, cohort, k, W, batch)
@@ -77,9 +75,6 @@ class GlobalFlatness(LocalSAM):
         step = ctx.w - w_new
         rho_g = self.p.rho if self.p.rho_g is None else self.p.rho_g
         ctx.server[GLOBAL_PERTURBATION] = rho_g * step / (step.norm() + NORM_EPS)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[GLOBAL_PERTURBATION]
 
 
 register_recipe(Recipe(

@@ -18,16 +18,17 @@ from pydantic import Field
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
 from fedflat.algorithms.fedsam import warmed_up
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          TrainSettings, normalize_rows, register_recipe)
+                          init, normalize_rows, register_recipe, shared)
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round
 HAS_PSEUDO_GRADIENT = "gloss.has_d"
-CLIENT_DUAL = "gloss.lambda_i"  # client state and cohort.extra
+CLIENT_DUAL = "gloss.lambda_i"  # client state
 
 
 class ADMMParams(PartParams):
-    beta: float = Field(10.0, gt=0, description="ADMM penalty: the proximal term is (w - w~)/beta")
+    beta: float = shared(10.0, gt=0, description="ADMM penalty: the proximal term is (w - w~)/beta (one value on the "
+                                                 "clients and the server)")
 
 
 class ADMMCorrection(Correction):
@@ -38,20 +39,17 @@ class ADMMCorrection(Correction):
     Params = ADMMParams
     keeps = (CLIENT_DUAL,)
 
-    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
-
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.extra[CLIENT_DUAL] + (W - ctx.w_start) / self.p.beta
+        return grad - cohort.state[CLIENT_DUAL] + (W - ctx.w_start) / self.p.beta
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
-        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.extra[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W)
+        cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W)
 
 
 class GlobalSAMParams(ADMMParams):
     rho_s: float = Field(0.1, ge=0, description="server-side SAM radius")
-    warmup_rounds: int = Field(0, ge=0, description="rounds over which rho_s (and the local rho) grow linearly from "
-                                                    "0.001 (0: off)")
+    warmup_rounds: int = shared(0, ge=0, description="rounds over which rho_s (and the local rho) grow linearly "
+                                                     "from 0.001 (0: off)")
 
 
 class GlobalSAMServer(ServerUpdate):
@@ -60,11 +58,8 @@ class GlobalSAMServer(ServerUpdate):
     name = "gloss"
     summary = "FedGloSS: send w~ = w + rho_s d/||d|| (d = last pseudo-gradient), ADMM server dual sigma"
     Params = GlobalSAMParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SIGMA] = torch.zeros_like(w0)
-        server[PSEUDO_GRADIENT] = torch.zeros_like(w0)
-        server[HAS_PSEUDO_GRADIENT] = torch.zeros((), dtype=torch.bool, device=w0.device)
+    server_state = {SIGMA: init.zeros, PSEUDO_GRADIENT: init.zeros, HAS_PSEUDO_GRADIENT: init.flag}
+    global_direction = (PSEUDO_GRADIENT, 1.0)  # d, the pseudo-gradient the server perturbs along (zero before round 1)
 
     def broadcast(self, ctx: RoundContext) -> torch.Tensor:
         if not bool(ctx.server[HAS_PSEUDO_GRADIENT]):
@@ -80,10 +75,6 @@ class GlobalSAMServer(ServerUpdate):
         ctx.server[PSEUDO_GRADIENT] = -mean_update
         ctx.server[HAS_PSEUDO_GRADIENT] = torch.ones_like(ctx.server[HAS_PSEUDO_GRADIENT])
         return ctx.w + ctx.settings.global_lr * mean_update - self.p.beta * ctx.server[SIGMA]
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """``d``, the pseudo-gradient the server perturbs along."""
-        return server[PSEUDO_GRADIENT] if bool(server[HAS_PSEUDO_GRADIENT]) else None
 
 
 register_recipe(Recipe(

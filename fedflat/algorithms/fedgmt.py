@@ -29,8 +29,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.feddyn import CLIENT_DUAL, DynCorrection
-from fedflat.core import (ClientContext, Cohort, Distillation, PartParams, Perturbation, Recipe, RoundContext,
-                          TrainSettings, register_recipe)
+from fedflat.core import (ClientContext, Cohort, Distillation, PartParams, Perturbation, Recipe, RoundContext, init,
+                          register_recipe)
 
 TRAJECTORY = "gmt.trajectory"  # server state, sent to clients: e^t, the EMA of the global models
 
@@ -52,10 +52,8 @@ class GlobalTrajectory(Perturbation):
     name = "gmt"
     summary = "FedGMT: gamma tau^2 KL(f(e)/tau || f(w)/tau) toward the EMA e of the global models"
     Params = TrajectoryParams
+    server_state = {TRAJECTORY: init.model}
     sends = (TRAJECTORY,)
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[TRAJECTORY] = w0.clone()
 
     def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
         return {TRAJECTORY: ctx.server[TRAJECTORY]} if self.p.gamma else {}
@@ -76,7 +74,7 @@ class ADMMDual(DynCorrection):
     summary = "FedDyn's duals without the proximal term: grad - h_i (FedGMT; alpha = 1/beta)"
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.extra[CLIENT_DUAL]
+        return grad - cohort.state[CLIENT_DUAL]
 
 
 register_recipe(Recipe(

@@ -27,10 +27,12 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, RoundContext,
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, RoundContext, init,
                           normalize_rows, register_recipe)
 
-OLD_MODEL = "lesam_w_old"  # client state: w_i^old, the model the client received last time
+OLD_MODEL = "lesam.w_old"  # client state: w_i^old, the model the client received last time
+GLOBAL = "lesam.global"  # server state: w^{t-1} - w^t of the last round (zero before it)
+HAS_PREVIOUS = "lesam.has_prev"  # server state: whether a round has happened (w^{t-1} exists)
 PREVIOUS_MODEL = "lesam.w_prev"  # broadcast (reference: previous_round): w^{t-1}
 
 
@@ -49,10 +51,9 @@ class LocallyEstimatedPerturbation(Perturbation):
     name = "lesam"
     summary = "FedLESAM: eps = rho (w_old - w^t)/||w_old - w^t||, w_old = model received last time (no extra backprop)"
     Params = LESAMParams
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings) -> None:
-        server["lesam_global"] = torch.zeros_like(w0)  # w^{t-1} - w^t of the last round
-        server["lesam_has_prev"] = torch.zeros((), dtype=torch.bool, device=w0.device)
+    server_state = {GLOBAL: init.zeros, HAS_PREVIOUS: init.flag}
+    # the estimated global perturbation w^{t-1} - w^t (what a client of the previous round perturbs along)
+    global_direction = (GLOBAL, 1.0)
 
     def kept(self) -> tuple[str, ...]:
         return (OLD_MODEL,) if self.p.reference == "own" else ()
@@ -61,13 +62,13 @@ class LocallyEstimatedPerturbation(Perturbation):
         """``reference: previous_round`` sends ``w^{t-1}`` with the model (the clients keep nothing)."""
         if self.p.reference != "previous_round":
             return {}
-        return {PREVIOUS_MODEL: ctx.server["lesam_global"] + ctx.w, "lesam_has_prev": ctx.server["lesam_has_prev"]}
+        return {PREVIOUS_MODEL: ctx.server[GLOBAL] + ctx.w, HAS_PREVIOUS: ctx.server[HAS_PREVIOUS]}
 
     def reference_models(self, ctx: ClientContext, cohort: Cohort) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w_old[C, P], known[C])``: the model each client perturbs away from, and whether it has one."""
         if self.p.reference == "previous_round":
             return (ctx.server[PREVIOUS_MODEL].expand(cohort.size, -1),
-                    ctx.server["lesam_has_prev"].expand(cohort.size))
+                    ctx.server[HAS_PREVIOUS].expand(cohort.size))
         return cohort.state[OLD_MODEL], cohort.known[OLD_MODEL]
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
@@ -76,25 +77,20 @@ class LocallyEstimatedPerturbation(Perturbation):
             w_old = torch.where(known[:, None], w_old, torch.zeros_like(w_old))
             known = torch.ones_like(known)
         direction = torch.where(known[:, None], w_old - ctx.w_start, torch.zeros_like(w_old))
-        cohort.extra["lesam_eps"] = normalize_rows(direction, self.p.rho)  # a zero direction gives eps = 0
+        cohort.own(self)["eps"] = normalize_rows(direction, self.p.rho)  # a zero direction gives eps = 0
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
-        return cohort.extra["lesam_eps"]
+        return cohort.own(self)["eps"]
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         if self.p.reference == "own":
             cohort.new_state[OLD_MODEL] = ctx.w_start.expand(cohort.size, -1)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        ctx.server["lesam_global"] = ctx.w - w_new
-        ctx.server["lesam_has_prev"] = torch.ones((), dtype=torch.bool, device=ctx.w.device)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The estimated global perturbation direction ``w^{t-1} - w^t`` (what a client that took part
-        in the previous round perturbs along), None before the first round."""
-        return server["lesam_global"] if bool(server["lesam_has_prev"]) else None
+        ctx.server[GLOBAL] = ctx.w - w_new
+        ctx.server[HAS_PREVIOUS] = torch.ones((), dtype=torch.bool, device=ctx.w.device)
 
 
 register_recipe(Recipe(

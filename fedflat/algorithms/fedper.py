@@ -23,7 +23,7 @@ from fedflat.algorithms.fedfft import FFT_GRID
 from fedflat.core import (MODEL, AlgorithmError, ClientContext, Cohort, PartParams, Personalization, Recipe,
                           TrainSettings, register_recipe)
 
-PERSONAL_MODEL = "personal_model"  # client state: the client's last local model (only its private entries are read)
+PERSONAL_MODEL = "fedper.w_i"  # client state: the client's last local model (only its private entries are read)
 
 
 class NoPersonalization(Personalization):

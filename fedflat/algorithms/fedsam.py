@@ -5,7 +5,7 @@ import torch
 from pydantic import Field
 
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
-                          register_recipe)
+                          register_recipe, shared)
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 
@@ -20,7 +20,8 @@ def warmed_up(rho, round: int, warmup_rounds: int):
 
 class SAMParams(PartParams):
     rho: float = Field(0.01, ge=0, description="SAM radius")
-    warmup_rounds: int = Field(0, ge=0, description="rounds over which the radius grows linearly from 0.001 (0: off)")
+    warmup_rounds: int = shared(0, ge=0, description="rounds over which the radius grows linearly from 0.001 (0: off; "
+                                                     "FedGloSS warms its server radius up over the same rounds)")
 
 
 class LocalSAM(Perturbation):

@@ -21,7 +21,7 @@ paper's implementation sets (§2.2); FedSCAM-WA, without SAM, takes the plain st
 takes ``-g(w^t)`` for every variant (fedflat's rule before the pilot radius, one backprop less);
 ``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
 The scores are computed on the client, once per round, by whichever FedSCAM part begins first and shared
-through ``cohort.extra``; the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
+through the channel (``scam.scores``); the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
 uploads ``rho_i`` (logged as the round's mean radius, seed 003 Fig. 1). The direction memory ``u``
 (``d`` numbers) lives on the server and goes down with the model.
 """
@@ -35,11 +35,12 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedsam import LocalSAM
-from fedflat.core import (RHO_GRID, SERVER, Aggregation, ClientContext, Cohort, PartParams, Recipe, RoundContext,
-                          TrainSettings, numpy_stream, register_recipe, row_norm, torch_stream)
+from fedflat.core import (RHO_GRID, SERVER, Aggregation, ClientContext, Cohort, PartParams, Recipe, RoundContext, Slot,
+                          init, numpy_stream, register_recipe, row_norm, shared, torch_stream)
 
 DIRECTION_MEMORY = "scam.u"  # server state, broadcast: u_{t-1}, the projected direction of the last global update
-_SCORES = "scam.scores"  # cohort.extra: {h, c, h_adj} of the chunk's clients
+MEMORY_INIT = init.vector("summary_dim")  # u_{-1} = 0; one init, so both FedSCAM parts declare the same entry
+SCORES = Slot("scam.scores", "{h, c, h_adj} of the chunk's clients, from the radius part's pilot when it runs")
 ALIGNMENT, ADJUSTED_HETEROGENEITY, RADIUS = "scam.c", "scam.h_adj", "scam.radius"  # uploads, [K]
 _COLUMNS = 4096  # the projection is generated in column blocks of this width, each from its own stream
 _CACHE_LIMIT = 1 << 24  # projections up to this many entries are kept in memory as one matrix
@@ -92,24 +93,23 @@ def cosine(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class ScoreParams(PartParams):
-    kappa: float = Field(1.0, ge=0, description="heterogeneity-alignment coupling: h_adj = h max(0, 1 - kappa c)")
-    pilot_batches: int = Field(3, ge=1, description="B: batches whose mean gradient norm is h_i")
-    summary_dim: int = Field(256, ge=1, description="d: dimension of the random-projection summaries")
-    pilot: Literal["sam", "update", "gradient"] = Field(
+    """The client scores' hyperparameters, one value for FedSCAM's radius and its weights (they share the scores)."""
+
+    kappa: float = shared(1.0, ge=0, description="heterogeneity-alignment coupling: h_adj = h max(0, 1 - kappa c)")
+    pilot_batches: int = shared(3, ge=1, description="B: batches whose mean gradient norm is h_i")
+    summary_dim: int = shared(256, ge=1, description="d: dimension of the random-projection summaries")
+    pilot: Literal["sam", "update", "gradient"] = shared(
         "sam", description="pilot direction: the one-step SAM update at the pilot radius 0.5 rho_max/(1 + alpha_rho "
                            "h_i) (sam; the plain update where no SAM radius exists), -g (update) or +g (gradient)")
 
 
 def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: float = 0.0,
                   alpha_rho: float = 0.0) -> dict[str, torch.Tensor]:
-    """``{h, c, h_adj}`` of the chunk's clients, computed once per round (kept in ``cohort.extra``) by the
-    first FedSCAM part to begin: the radius part (a perturbation, which begins before the aggregation) gives
-    its ``rho_max`` and ``alpha_rho`` for the pilot radius.
+    """``{h, c, h_adj}`` of the chunk's clients, at the received model; the radius part gives its ``rho_max`` and
+    ``alpha_rho`` for the pilot radius, the weights alone a plain pilot (no radius).
 
     Costs ``B`` backprops per client and round at the received model, and one more for the SAM pilot.
     """
-    if _SCORES in cohort.extra:
-        return cohort.extra[_SCORES]
     W0 = ctx.w_start.expand(cohort.size, -1)
     extra = [ctx.batches.extra(ctx.round, i, p.pilot_batches, "scam_heterogeneity") for i in cohort.ids.tolist()]
     norms = []
@@ -122,8 +122,7 @@ def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: f
     h = torch.stack(norms).mean(0)
     pilot = pilot_direction(ctx, p.pilot, W0, first, first_grad, h, rho_max, alpha_rho)
     c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
-    scores = cohort.extra[_SCORES] = {"h": h, "c": c, "h_adj": h * (1 - p.kappa * c).clamp(min=0)}
-    return scores
+    return {"h": h, "c": c, "h_adj": h * (1 - p.kappa * c).clamp(min=0)}
 
 
 def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad: torch.Tensor, h: torch.Tensor,
@@ -141,14 +140,9 @@ def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad
 
 
 def remember_direction(ctx: RoundContext, w_new: torch.Tensor, d: int) -> None:
-    """``u_t = P_d(normalize(w^{t+1} - w^t))`` (once per round)."""
-    if not ctx.info.get("scam_u_done"):
-        ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], d, ctx.settings.seed)[0]
-        ctx.info["scam_u_done"] = True
-
-
-def _setup_memory(server: dict[str, torch.Tensor], w0: torch.Tensor, d: int) -> None:
-    server.setdefault(DIRECTION_MEMORY, torch.zeros(d, dtype=w0.dtype, device=w0.device))
+    """``u_t = P_d(normalize(w^{t+1} - w^t))``. Both FedSCAM parts keep ``u`` (either runs alone); with both, the
+    second write is the same value (the summary is a deterministic function of the update)."""
+    ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], d, ctx.settings.seed)[0]
 
 
 class RadiusParams(ScoreParams):
@@ -162,19 +156,19 @@ class AdaptiveRadiusSAM(LocalSAM):
     name = "scam"
     summary = "FedSCAM: SAM with radius rho_max/(1 + alpha_rho h_adj), h_adj from pilot gradient norms and alignment"
     Params = RadiusParams
+    server_state = {DIRECTION_MEMORY: MEMORY_INIT}
     sends = (DIRECTION_MEMORY,)
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        _setup_memory(server, w0, self.p.summary_dim)
+    provides = frozenset({SCORES})
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         scores = client_scores(ctx, cohort, self.p, self.p.rho_max, self.p.alpha_rho)
+        cohort.shared.put(SCORES, scores)
         radius = self.p.rho_max / (1 + self.p.alpha_rho * scores["h_adj"])
-        cohort.extra[RADIUS] = radius[:, None]
+        cohort.own(self)[RADIUS] = radius[:, None]
         cohort.upload[RADIUS] = radius
 
     def radius(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor:
-        return cohort.extra[RADIUS]
+        return cohort.own(self)[RADIUS]
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho_max == 0:
@@ -237,13 +231,13 @@ class AlignmentWeights(Aggregation):
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
     Params = WeightParams
+    server_state = {DIRECTION_MEMORY: MEMORY_INIT}
     sends = (DIRECTION_MEMORY,)
 
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        _setup_memory(server, w0, self.p.summary_dim)
-
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        scores = client_scores(ctx, cohort, self.p)
+        """The scores of the radius part when the method has it (computed once, with its pilot radius), else
+        this part's own."""
+        scores = cohort.shared[SCORES] if SCORES in cohort.shared else client_scores(ctx, cohort, self.p)
         cohort.upload[ADJUSTED_HETEROGENEITY] = scores["h_adj"]
         cohort.upload[ALIGNMENT] = scores["c"]
 
@@ -257,7 +251,6 @@ class AlignmentWeights(Aggregation):
             S = S * conflict_dampening(Z, row_norm(deltas).squeeze(-1), labels, self.p.dampening)
         if S.sum() <= 0:  # every client anti-aligned beyond -1/beta: fall back to sample weights
             S = ctx.num_samples.to(ctx.w.dtype)
-        ctx.info["scam_weights"] = S / S.sum()
         return S / S.sum()
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:

@@ -20,12 +20,11 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Recipe, RoundContext, TrainSettings, normalize_rows,
-                          register_recipe)
+from fedflat.core import RHO_GRID, ClientContext, Cohort, Recipe, RoundContext, init, normalize_rows, register_recipe
 
 SERVER_CORRECTION = "smoo.s"  # server state, broadcast: s
-CLIENT_DUAL = "smoo.mu_i"  # client state, cohort.extra and upload
-LAST_PERTURBATION = "smoo.s_hat"  # s_update=full: the client's last perturbation s_hat_{i,K}, cohort.extra and upload
+CLIENT_DUAL = "smoo.mu_i"  # client state and upload (updated every step in the part's own values)
+LAST_PERTURBATION = "smoo.s_hat"  # s_update=full: the client's last perturbation s_hat_{i,K}, upload
 
 
 class SMOOParams(SAMParams):
@@ -39,43 +38,40 @@ class CorrectedPerturbation(LocalSAM):
     name = "smoo"
     summary = "FedSMOO: eps = rho u/||u||, u = g(w) - mu_i - s, mu_i <- mu_i + eps - s; s from the mean mu_i"
     Params = SMOOParams
+    server_state = {SERVER_CORRECTION: init.zeros}
     sends = (SERVER_CORRECTION,)  # s, used in every local step
     keeps = (CLIENT_DUAL,)  # mu_i, also uploaded
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SERVER_CORRECTION] = torch.zeros_like(w0)
+    global_direction = (SERVER_CORRECTION, 1.0)  # s, the server's estimate of the global perturbation
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        cohort.extra[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
+        own = cohort.own(self)
+        own[CLIENT_DUAL] = cohort.state[CLIENT_DUAL]
         if self.p.s_update == "full":
-            cohort.extra[LAST_PERTURBATION] = torch.zeros_like(cohort.state[CLIENT_DUAL])
+            own[LAST_PERTURBATION] = torch.zeros_like(cohort.state[CLIENT_DUAL])
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.extra[CLIENT_DUAL] - ctx.server[SERVER_CORRECTION]
+        return grad - cohort.own(self)[CLIENT_DUAL] - ctx.server[SERVER_CORRECTION]
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         eps = super().perturb(ctx, cohort, k, W, batch)
         step = -ctx.server[SERVER_CORRECTION] if eps is None else eps - ctx.server[SERVER_CORRECTION]
-        mu = cohort.extra[CLIENT_DUAL]
-        cohort.extra[CLIENT_DUAL] = torch.where(cohort.active[:, None], mu + step, mu)
+        own = cohort.own(self)
+        own[CLIENT_DUAL] = torch.where(cohort.active[:, None], own[CLIENT_DUAL] + step, own[CLIENT_DUAL])
         if self.p.s_update == "full" and eps is not None:
-            cohort.extra[LAST_PERTURBATION] = torch.where(cohort.active[:, None], eps, cohort.extra[LAST_PERTURBATION])
+            own[LAST_PERTURBATION] = torch.where(cohort.active[:, None], eps, own[LAST_PERTURBATION])
         return eps
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
-        cohort.new_state[CLIENT_DUAL] = cohort.upload[CLIENT_DUAL] = cohort.extra[CLIENT_DUAL]
+        own = cohort.own(self)
+        cohort.new_state[CLIENT_DUAL] = cohort.upload[CLIENT_DUAL] = own[CLIENT_DUAL]
         if self.p.s_update == "full":
-            cohort.upload[LAST_PERTURBATION] = cohort.extra[LAST_PERTURBATION]
+            cohort.upload[LAST_PERTURBATION] = own[LAST_PERTURBATION]
 
     def finish(self, ctx: RoundContext) -> None:
         duals = ctx.uploads[CLIENT_DUAL]
         if self.p.s_update == "full":
             duals = duals + ctx.uploads[LAST_PERTURBATION]
         ctx.server[SERVER_CORRECTION] = normalize_rows((duals.sum(0) / ctx.K)[None], self.p.rho)[0]
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """``s``, the server's estimate of the global perturbation."""
-        return server[SERVER_CORRECTION]
 
 
 register_recipe(Recipe(

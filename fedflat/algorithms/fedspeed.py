@@ -14,7 +14,6 @@ from pydantic import Field
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.core import RHO_GRID, ClientContext, Cohort, Recipe, register_recipe
 
-PLAIN_GRADIENT = "speed.plain_gradient"  # cohort.extra: g(w) of the current step, [C, P]
 MERGE_GRID = (0.5, 0.75, 0.875, 0.9375, 1.0)  # the merge coefficients of FedSpeed's ablation
 
 
@@ -34,11 +33,11 @@ class QuasiGradient(LocalSAM):
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if self.p.merge < 1:
-            cohort.extra[PLAIN_GRADIENT] = grad
+            cohort.own(self)["plain_gradient"] = grad  # g(w) of the current step, [C, P]
         return grad
 
     def descent_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
-        plain = cohort.extra.pop(PLAIN_GRADIENT, None)
+        plain = cohort.own(self).pop("plain_gradient", None)
         if plain is None:  # merge = 1, or rho = 0 (then g(w + eps) = g(w) and the merge is the plain gradient)
             return grad
         return self.p.merge * grad + (1 - self.p.merge) * plain

@@ -28,7 +28,7 @@ from pydantic import Field
 from fedflat.algorithms.fedcm import DecayPlacement, momentum_mix
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          TrainSettings, register_recipe)
+                          init, register_recipe)
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
@@ -48,9 +48,6 @@ class VarianceSuppressedSearch(LocalSAM):
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return self.p.alpha * grad + (1 - self.p.alpha) * ctx.server[DIRECTION]
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server.get(DIRECTION)
 
 
 class UpdateParams(PartParams):
@@ -87,11 +84,9 @@ class VarianceSuppressedServer(ServerUpdate):
     name = "vssam"
     summary = "FedVSSAM (16): v <- (1 - gamma) v + gamma Gbar, w <- w - eta_g eta_l Ebar v (reconstruction)"
     Params = GlobalParams
+    server_state = {DIRECTION: init.zeros}
     sends = (DIRECTION,)
-    provides = frozenset({DIRECTION})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[DIRECTION] = torch.zeros_like(w0)
+    global_direction = (DIRECTION, 1.0)
 
     def step(self, ctx: RoundContext) -> torch.Tensor:
         mean_steps = ctx.steps.to(ctx.w.dtype).mean()
@@ -102,9 +97,6 @@ class VarianceSuppressedServer(ServerUpdate):
         v = (1 - self.p.gamma) * ctx.server[DIRECTION] + self.p.gamma * g_bar
         ctx.server[DIRECTION] = v
         return ctx.w - ctx.settings.global_lr * ctx.lr * mean_steps * v
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server.get(DIRECTION)
 
 
 # Chosen from the sensitivity sweep of docs/fedvssam_sweep.md (the paper's values were lost): the local-update

@@ -36,10 +36,11 @@ from pydantic import Field, model_validator
 from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_mix
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
-                          TrainSettings, normalize_rows, register_recipe, row_norm)
+                          Slot, init, normalize_rows, register_recipe, row_norm)
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
-PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast (per client) and cohort.extra: m_i of the chunk's clients
+PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
+CLIENT_MOMENTUM = Slot("wmsam.m_i", "the momentum each client of the chunk mixes in, [C, P]: m_i (or m)")
 
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -90,13 +91,10 @@ class WeightedMomentum(Correction):
     name = "wmsam"
     summary = "FedWMSAM: a grad + (1 - a) m_i, m_i = m + (c - c_i) a/(1 - a) sent per client, cosine-adaptive a"
     Params = WMSAMParams
+    server_state = {SERVER_VARIATE: init.zeros, MOMENTUM: init.zeros, FACTOR: init.scalar("a")}
     holds = (CLIENT_VARIATE,)
-    provides = frozenset({MOMENTUM, PERSONAL_MOMENTUM, FACTOR, SERVER_VARIATE, CLIENT_VARIATE})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SERVER_VARIATE] = torch.zeros_like(w0)
-        server[MOMENTUM] = torch.zeros_like(w0)
-        server[FACTOR] = torch.tensor(self.p.a, dtype=w0.dtype, device=w0.device)
+    provides = frozenset({CLIENT_MOMENTUM})
+    global_direction = (MOMENTUM, 1.0)
 
     def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
         shared = {FACTOR: ctx.server[FACTOR]}
@@ -113,11 +111,11 @@ class WeightedMomentum(Correction):
                                                          ctx.server[FACTOR])}
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        cohort.extra[PERSONAL_MOMENTUM] = (cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
-                                           else ctx.server[MOMENTUM].expand(cohort.size, -1))
+        cohort.shared.put(CLIENT_MOMENTUM, cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
+                          else ctx.server[MOMENTUM].expand(cohort.size, -1))
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return momentum_mix(ctx.server[FACTOR], grad, cohort.extra[PERSONAL_MOMENTUM], W, ctx.settings.weight_decay,
+        return momentum_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], W, ctx.settings.weight_decay,
                             self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
@@ -132,14 +130,10 @@ class WeightedMomentum(Correction):
                 s = cosine_rows(ctx.deltas, server[MOMENTUM]) + 1
             else:
                 s = cosine_rows(ctx.pseudo_gradients, server[MOMENTUM])
-            ctx.info["wmsam_similarity"] = s
             ctx.log["wmsam_similarity"] = float(s.mean())
             server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
         ctx.log["wmsam_a"] = float(server[FACTOR])
         server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server[MOMENTUM]
 
 
 class GuidedParams(PartParams):
@@ -165,15 +159,10 @@ class MomentumGuidedPerturbation(Perturbation):
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
-        m_i = cohort.extra.get(PERSONAL_MOMENTUM)
-        if m_i is None:
-            m_i = ctx.server[MOMENTUM]
+        m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
         step = m_i if self.p.target == "momentum" else -ctx.lr * m_i
         d = (ctx.w_start + k * step) - W
         return normalize_rows(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
-
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        return server.get(MOMENTUM)
 
 
 register_recipe(Recipe(

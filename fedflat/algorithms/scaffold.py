@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from fedflat.core import ClientContext, Cohort, Correction, Recipe, RoundContext, TrainSettings, register_recipe
+from fedflat.core import ClientContext, Cohort, Correction, Recipe, RoundContext, Slot, init, register_recipe
 
 SERVER_VARIATE = "scaffold.c"  # server state, broadcast: c
-CLIENT_VARIATE = "scaffold.c_i"  # client state and cohort.extra: c_i of the chunk's clients
-SHIFT = "scaffold.shift"  # cohort.extra: c - c_i, the correction added to the gradient
+CLIENT_VARIATE = "scaffold.c_i"  # client state: c_i
+SHIFT = Slot("scaffold.shift", "c - c_i of the chunk's clients [C, P], the correction added to the gradient")
 VARIATE_CHANGE = "scaffold.dc"  # upload: c_i^+ - c_i
 
 
@@ -38,23 +38,19 @@ class Scaffold(Correction):
 
     name = "scaffold"
     summary = "SCAFFOLD control variates: grad + c - c_i (option II update)"
+    server_state = {SERVER_VARIATE: init.zeros}
     sends = (SERVER_VARIATE,)
     keeps = (CLIENT_VARIATE,)
-    provides = frozenset({SERVER_VARIATE, CLIENT_VARIATE, SHIFT})
-
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        server[SERVER_VARIATE] = torch.zeros_like(w0)
+    provides = frozenset({SHIFT})
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
-        c_i = cohort.state[CLIENT_VARIATE]
-        cohort.extra[CLIENT_VARIATE] = c_i
-        cohort.extra[SHIFT] = ctx.server[SERVER_VARIATE] - c_i
+        cohort.shared.put(SHIFT, ctx.server[SERVER_VARIATE] - cohort.state[CLIENT_VARIATE])
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad + cohort.extra[SHIFT]
+        return grad + cohort.shared[SHIFT]
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
-        c_i = cohort.extra[CLIENT_VARIATE]
+        c_i = cohort.state[CLIENT_VARIATE]
         c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)
         cohort.new_state[CLIENT_VARIATE] = c_plus
         cohort.upload[VARIATE_CHANGE] = c_plus - c_i

@@ -363,7 +363,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
             bp = algorithm.backprops_per_step
             if "bare" in engines and bp in (1, 2) and bp not in bare_done:
                 bare_done.add(bp)
-                rho = float(algorithm.hyperparameters.get("rho", 0.01))
+                rho = float(algorithm.value("rho", 0.01))
                 cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
                 contestants.append(Contestant(cfg, name, "bare", bp, rho))
         progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")

@@ -2,7 +2,8 @@
 
 Everything a part needs lives here and imports nothing else of fedflat: the part and role bases
 (:mod:`fedflat.core.part`), the data of a round (:mod:`fedflat.core.round`), the registries of parts and
-recipes (:mod:`fedflat.core.registry`), the errors (:mod:`fedflat.core.errors`), flat-vector helpers
+recipes (:mod:`fedflat.core.registry`), initial values of declared state (:mod:`fedflat.core.init`), the errors
+(:mod:`fedflat.core.errors`), flat-vector helpers
 (:mod:`fedflat.core.vectors`) and keyed random streams (:mod:`fedflat.core.rng`). A method written against
 these names runs on every engine and executor; docs/extending.md shows how.
 
@@ -19,9 +20,11 @@ _HOMES = {
     "vectors": ("NORM_EPS", "ParamLayout", "normalize_rows", "row_norm"),
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
     "round": ("MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Cohort",
-              "Distillation", "GradientOracle", "RoundContext", "TrainSettings", "merge_results", "payload_size"),
-    "part": ("Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
-             "ServerUpdate"),
+              "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "merge_results",
+              "payload_size"),
+    "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
+             "ServerUpdate", "shared"),
+    "init": ("Init",),
     "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "Recipe", "closest",
                  "composition_label", "register_part", "register_recipe"),
 }

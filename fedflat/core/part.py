@@ -1,72 +1,118 @@
-"""The parts a federated method is made of, and the client/server contract they run under.
+"""The parts a federated method is made of, and the contract they are written against.
 
-A method is a *recipe*: a perturbation (where the local gradient is evaluated), an optional filter
-on that perturbation, a correction (what is added to the local direction), an aggregation (client
-weights ``p_i``), a server update (what the server does with the aggregate) and a personalization (which
-parameters stay on the client, FedPer's head). Parts are stateless
-apart from their hyperparameters, and every part has a client side and a server side:
+A method is a *recipe*: a perturbation (where, and on what objective, the local gradient is taken), an optional
+filter (of the perturbation or of the gradient), a correction (what is added to the local direction), an
+aggregation (client weights ``p_i``), a server update (what the server does with the aggregate) and a
+personalization (which parameters stay on the client, FedPer's head). Every part has a client side and a server
+side:
 
 - **client side** (``begin``, ``perturb``, ``apply``, ``direction``, ``end``): a client's local work
   is a function of the :class:`Broadcast` (the model, the server-state entries the parts ``send``,
   and its personal rows, e.g. FedWMSAM's personalized momentum), the client's own state (the vectors
-  the parts ``keep``), its data and its random streams. It returns a :class:`ClientResult`: its upload, its new state, its measured work. It
-  sees no server state beyond the broadcast, shares nothing mutable, and so runs anywhere: one
-  client or a vectorized cohort in this process, in a Ray worker, in a Flower ``ClientApp``.
-- **server side** (``setup``, ``downlink``, ``personal``, ``weights``, ``finish``, ``step``,
-  ``after_step``): the server keeps its state in ``ctx.server`` (a dict of tensors) and per-client
-  vectors it ``holds`` itself in ``ctx.held`` (FedWMSAM's ``c_i``, computed from uploaded models), and
-  reads the round's uploads stacked in **ascending client-id order**, whatever order they arrived in,
-  so results never depend on where or when clients ran.
+  the parts ``keep``), its data and its random streams. It returns a :class:`ClientResult`: its upload, its new
+  state, its measured work. It sees no server state beyond the broadcast, shares nothing mutable, and so runs
+  anywhere: one client or a vectorized cohort in this process, in a Ray worker, in a Flower ``ClientApp``.
+- **server side** (``downlink``, ``personal``, ``weights``, ``finish``, ``step``, ``after_step``): the server
+  keeps the state the parts *declare* (:attr:`Part.server_state`, created by fedflat before round 0, shipped,
+  checkpointed and counted) in ``ctx.server``, and per-client vectors it ``holds`` itself in ``ctx.held``
+  (FedWMSAM's ``c_i``, computed from uploaded models); it reads the round's uploads stacked in **ascending
+  client-id order**, whatever order they arrived in, so results never depend on where or when clients ran.
 
-Every client-side tensor carries a leading client dimension ``C``: the sequential engine runs the
-parts on chunks of one client, the vectorized engine on the whole cohort.
+The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the test suite sets):
+
+1. A part never modifies in place a tensor it did not make in this call: the broadcast, ``ctx.server``,
+   ``ctx.held``, the uploads, ``cohort.state``, another part's values. It assigns new tensors instead
+   (``ctx.server[KEY] = ...``), so the round stays a transaction: a failed round leaves the server as it was.
+2. Parts share values within a chunk only through declared :class:`Slot` s (``provides`` / ``requires``, read and
+   written through ``cohort.shared``); a part's own working values for the chunk live in ``cohort.own(self)``.
+3. Names of state entries and slots read ``<part>.<symbol>`` (``scaffold.c``, ``lesam.w_old``), the symbol
+   the paper's.
+
+Hooks run in the order of the roles (perturbation, filter, correction, aggregation, server, personalization), so
+a slot a perturbation provides in ``begin`` is there for the aggregation's ``begin``. Every client-side tensor
+carries a leading client dimension ``C``: the sequential engine runs chunks of one client, the vectorized engine
+a whole cohort. docs/extending.md has the table of hooks, where each runs and what it may read and write.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from fedflat.core.round import Batch, ClientContext, Cohort, Distillation, RoundContext, TrainSettings
+from fedflat.core.init import Init
+from fedflat.core.round import Batch, ClientContext, Cohort, Distillation, RoundContext, Slot, TrainSettings
+
+SHARED = {"shared": True}  # json_schema_extra of a hyperparameter several parts of one method hold as one value
 
 
 class PartParams(BaseModel):
-    """Hyperparameters of a part; unknown keys are errors."""
+    """Hyperparameters of a part; unknown keys are errors.
+
+    A field declared ``Field(..., json_schema_extra=SHARED)`` (or with :func:`shared`) is one quantity wherever
+    it appears in a method: FedDyn's ``alpha`` on its client and its server, FedSCAM's ``kappa`` in its radius
+    and its weights. A flat ``algo.alpha`` then sets every part that shares it, and the parts must agree."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def shared_fields(cls) -> frozenset[str]:
+        return frozenset(k for k, f in cls.model_fields.items()
+                         if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("shared"))
+
+
+def shared(default: Any, **kwargs: Any) -> Any:
+    """``Field(default, ...)`` of a hyperparameter shared by the parts of a method that hold it (:data:`SHARED`)."""
+    return Field(default, json_schema_extra=SHARED, **kwargs)
 
 
 class Part:
     """Base of every part. Hooks default to doing nothing.
 
-    Class attributes declare what the part needs, so recipes can be assembled and checked:
-    ``sends`` server-state entries sent to every sampled client with the model (see :meth:`downlink`),
-    ``keeps`` per-client state vectors each client keeps across rounds (see :meth:`kept`), ``holds``
-    per-client vectors the server keeps about each client (never sent as such),
-    ``extra_backprops`` per local step beyond the one of the descent gradient, ``provides``/``requires``
-    names of shared quantities in ``cohort.extra`` or the broadcast. What is uploaded is whatever the
-    part's ``end`` puts in ``cohort.upload``; communication is measured from the payloads.
+    What a part declares (class attributes), so a method is assembled, checked, shipped and checkpointed
+    without the part building anything by hand:
+
+    - ``server_state``: the server entries it owns, each with its initial value (:data:`Init`), created before
+      round 0; two parts may declare the same entry only with the same initial value (they then share it).
+    - ``sends``: server entries sent to every sampled client with the model (:meth:`downlink`).
+    - ``keeps``: per-client vectors each client keeps across rounds (:meth:`kept` where options change them);
+      ``holds``: per-client vectors the server keeps about each client (never sent as such).
+    - ``provides`` / ``requires``: the :class:`Slot` s it writes / reads in ``cohort.shared``, and (``requires``)
+      the server entries of other parts it reads; an assembly without a provider is refused, naming one.
+    - ``extra_backprops``: backward passes per local step beyond the descent gradient's;
+      ``supports_vectorized``: False refuses the vectorized engine, naming the part;
+      ``global_direction``: the server entry that is the method's estimate of the global direction, with the
+      sign that turns it into gradient sign (FedVSSAM's ``v``, FedWMSAM's momentum), read by the tracking
+      diagnostic.
+
+    What is uploaded is whatever ``end`` (or ``begin``) puts in ``cohort.upload``; communication is measured from
+    the payloads.
     """
 
     role: ClassVar[str] = ""
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     Params: ClassVar[type[PartParams]] = PartParams
+    server_state: ClassVar[dict[str, Init]] = {}
     sends: ClassVar[tuple[str, ...]] = ()
     keeps: ClassVar[tuple[str, ...]] = ()
     holds: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[frozenset[Slot]] = frozenset()
+    requires: ClassVar[frozenset[Slot | str]] = frozenset()
     extra_backprops: ClassVar[int] = 0
-    supports_vectorized: ClassVar[bool] = True  # False: the vectorized engine refuses the method, naming this part
-    provides: ClassVar[frozenset[str]] = frozenset()
-    requires: ClassVar[frozenset[str]] = frozenset()
+    supports_vectorized: ClassVar[bool] = True
+    global_direction: ClassVar[tuple[str, float] | None] = None
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
 
+    def __repr__(self) -> str:
+        return f"{self.role} '{self.name}'"
+
     # -- server side ---------------------------------------------------------------------------
-    def setup(self, server: dict[str, torch.Tensor], w0: torch.Tensor, settings: TrainSettings) -> None:
-        """Creates this part's server state in ``server`` (called once, before round 0)."""
+    def initial_state(self, w0: torch.Tensor, settings: TrainSettings) -> dict[str, torch.Tensor]:
+        """The declared server entries at round 0 (:attr:`server_state`)."""
+        return {key: init(w0, settings, self.p) for key, init in self.server_state.items()}
 
     def downlink(self, ctx: RoundContext) -> dict[str, torch.Tensor]:
         """What this part sends every sampled client with the model (the ``sends`` entries by default)."""
@@ -86,14 +132,6 @@ class Part:
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         """After the server step produced ``w^{t+1}``."""
 
-    def global_direction(self, server: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The method's current estimate of the global direction it steers by (FedVSSAM's ``v``,
-        FedWMSAM's momentum, FedLESAM's estimated global perturbation), or None; for diagnostics.
-
-        Always in gradient sign (a descent step moves along its negative), so directions of different
-        methods compare with the same reference gradient."""
-        return None
-
     # -- client side ---------------------------------------------------------------------------
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         """Before a chunk's local training: per-chunk quantities from the broadcast and ``cohort.state``."""
@@ -104,8 +142,10 @@ class Part:
 
 
 class Perturbation(Part):
-    """Where the descent gradient is evaluated: ``g(w + eps)``, and what the local loss adds to find flat
-    regions without a perturbation (:meth:`distillation`, FedGMT)."""
+    """Where, and of what objective, the descent gradient is taken: ``g = grad [loss + term](w + eps)``.
+
+    ``eps`` is :meth:`perturb`'s (SAM's ascent, FedLESAM's estimate); ``term`` is :meth:`distillation`'s, a loss
+    term that seeks flat regions without a perturbation (FedGMT's distillation toward the global trajectory)."""
 
     role = "perturbation"
 
@@ -124,17 +164,15 @@ class Perturbation(Part):
 
 
 class Filter(Part):
-    """A transform of the perturbation (e.g. FedFFT's high-pass filter)."""
+    """A transform of the perturbation (FedFFT's high-pass filter), or with ``acts_on = "gradient"`` of the raw
+    minibatch gradient before weight decay and correction (seed 004 §E.6)."""
 
     role = "filter"
+    acts_on: ClassVar[Literal["perturbation", "gradient"]] = "perturbation"
 
-    def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        return eps
-
-    def apply_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
-        """A transform of the raw minibatch gradient, before weight decay and correction (identity: filters
-        act on perturbations; seed 004 §E.6 filters the gradient instead)."""
-        return grad
+    def apply(self, ctx: ClientContext, cohort: Cohort, X: torch.Tensor) -> torch.Tensor:
+        """The filtered ``X[C, P]`` (the perturbation, or the gradient)."""
+        return X
 
 
 class Correction(Part):

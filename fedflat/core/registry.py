@@ -6,10 +6,13 @@ and may swap any role (``algo.filter=fft`` on ``fedlesam``) or set a part's hype
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedflat.core.errors import AlgorithmError, PluginError
 from fedflat.core.part import Part
+from fedflat.core.round import Slot
 
 ROLES = ("perturbation", "filter", "correction", "aggregation", "server", "personalization")
 PARTS: dict[str, dict[str, type[Part]]] = {role: {} for role in ROLES}
@@ -29,8 +32,38 @@ def closest(word: str, options) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+def origin_of(value: Any) -> str:
+    """Where ``value`` is defined: ``module.qualname`` of a class or function."""
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+
+
+_ORIGINS: dict[tuple[int, str], str] = {}  # (id of the registry, name) -> where the registered thing came from
+
+
+def add(registry: dict[str, Any], kind: str, name: str, value: Any, origin: str | None = None) -> None:
+    """``registry[name] = value``, refusing a name another module registered already (a plugin clashing with a
+    built-in or with another plugin); registering the same thing again (a module imported twice) is allowed.
+    ``origin``: where ``value`` comes from (default: where it is defined)."""
+    origin = origin or origin_of(value)
+    before = _ORIGINS.get((id(registry), name))
+    if name in registry and before is not None and before != origin:
+        raise PluginError(f"{kind} '{name}' is registered twice: by {before} and by {origin}; rename one of them")
+    _ORIGINS[(id(registry), name)] = origin
+    registry[name] = value
+
+
 def register_part(cls: type[Part]) -> type[Part]:
-    PARTS[cls.role][cls.name] = cls
+    """Makes ``cls`` available by its role and name; its declared state entries and slots must be named
+    ``<part>.<symbol>`` (one naming convention: a checkpoint's keys say whose they are)."""
+    if cls.role not in PARTS:
+        raise AlgorithmError(f"part {cls.__qualname__}: role {cls.role!r} is not one of {', '.join(ROLES)}")
+    names = [*cls.server_state, *cls.sends, *cls.keeps, *cls.holds,
+             *(s.name for s in (*cls.provides, *cls.requires) if isinstance(s, Slot))]
+    unscoped = [n for n in names if "." not in n.strip(".")]
+    if unscoped:
+        raise AlgorithmError(f"{cls.role} '{cls.name}' ({cls.__module__}): state and slot names read "
+                             f"'<part>.<symbol>' (e.g. 'scaffold.c'); rename {unscoped}")
+    add(PARTS[cls.role], cls.role, cls.name, cls)
     return cls
 
 
@@ -38,7 +71,11 @@ def register_part(cls: type[Part]) -> type[Part]:
 class Recipe:
     """A named method: a part per role, default hyperparameters, its source, and ``tunable``: the grid of each
     hyperparameter a fair comparison tunes (dotted config keys, ``algo.rho``; the seeds' or the original paper's
-    grid), which `fedflat tune` searches."""
+    grid), which `fedflat tune` searches.
+
+    ``defaults`` are keyed like the config: ``rho`` when one of the recipe's parts owns it (or all its owners
+    share it), ``correction.beta`` to name the part; they apply only to the recipe's own parts, never to a part
+    a config swaps in."""
 
     name: str
     summary: str
@@ -58,16 +95,23 @@ class Recipe:
 
 def composition_label(section: dict[str, Any]) -> str:
     """A method's name, or — when its roles differ from its recipe's — the composition it is:
-    ``fedlesam[correction=scaffold,filter=fft]``. Never a name that labels other parts."""
+    ``fedlesam[correction=scaffold,filter=fft]``. Never a name that labels other parts. Roles may be given as a
+    part's name or as its scoped mapping (``{name: scaffold, ...}``)."""
     name = section.get("name", "fedavg")
     recipe = RECIPES.get(name)
     if recipe is None:
         return str(name)
-    changed = [f"{role}={section[role]}" for role in ROLES
-               if role in section and section[role] != recipe.part_names()[role]]
+
+    def part_of(role: str) -> str | None:
+        value = section.get(role)
+        return value.get("name") if isinstance(value, dict) else value
+
+    changed = [f"{role}={part_of(role)}" for role in ROLES
+               if part_of(role) is not None and part_of(role) != recipe.part_names()[role]]
     return f"{name}[{','.join(changed)}]" if changed else name
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
-    RECIPES[recipe.name] = recipe
+    """Makes ``recipe`` available by name (``algo=NAME``); a name another module registered is refused."""
+    add(RECIPES, "recipe", recipe.name, recipe, origin=f"module {sys._getframe(1).f_globals.get('__name__', '?')}")
     return recipe

@@ -176,16 +176,57 @@ class ClientContext:
                    settings=settings, oracle=oracle, batches=batches)
 
 
+@dataclass(frozen=True)
+class Slot:
+    """A named value parts share within a chunk's round, ``<part>.<symbol>``: written by the part that declares it
+    in ``provides``, read by parts that declare it in ``requires`` (or test ``slot in cohort.shared``)."""
+
+    name: str
+    doc: str = ""
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
+
+
+class Shared:
+    """The typed channel of a chunk: the :class:`Slot` s its parts provide, written by their provider (in ``begin``
+    or a step) and read by the parts after it in role order. An undeclared write, or a read of a slot
+    nobody provides, is an error naming the slot."""
+
+    def __init__(self, provided: dict[Slot, str] | None = None):
+        self._providers = dict(provided or {})  # slot -> "role 'name'" of its provider
+        self._values: dict[Slot, Any] = {}
+
+    def put(self, slot: Slot, value: Any) -> None:
+        if slot not in self._providers:
+            raise KeyError(f"{slot.name}: no part of this method declares it in `provides`")
+        self._values[slot] = value
+
+    def __getitem__(self, slot: Slot) -> Any:
+        if slot not in self._values:
+            who = self._providers.get(slot)
+            raise KeyError(f"{slot.name}: not written yet" + (f" (its provider is {who}; parts run in role order)"
+                                                              if who else ": no part of this method provides it"))
+        return self._values[slot]
+
+    def __contains__(self, slot: Slot) -> bool:
+        return slot in self._values
+
+    def get(self, slot: Slot, default: Any = None) -> Any:
+        return self._values.get(slot, default)
+
+
 @dataclass
 class Cohort:
     """A chunk of the round's sampled clients trained together (``C`` rows), with their own state.
 
     In: ``state[name][C, P]`` (zeros where a client has none yet) and ``known[name][C]`` for every
-    name the parts keep; ``personal[name]`` the clients' rows of the broadcast. ``active[C]`` is set before every local step: ``k < E_i``; a part that keeps
-    per-step state must leave inactive rows unchanged (the vectorized engine pads clients with
-    fewer steps). ``extra`` carries per-chunk quantities one part computes and another reads.
+    name the parts keep; ``personal[name]`` the clients' rows of the broadcast. ``active[C]`` is set before every
+    local step: ``k < E_i``; a part that keeps per-step state must leave inactive rows unchanged (the vectorized
+    engine pads clients with fewer steps). ``shared`` is the chunk's typed channel between parts (:class:`Shared`);
+    :meth:`own` a part's private working values for the chunk.
     Out: ``new_state`` (what each client keeps for its next participation) and ``upload`` (what it
-    sends the server, rows ``[C, ...]``), both written by the parts' ``end``.
+    sends the server, rows ``[C, ...]``), both written by the parts' ``end`` (or ``begin``).
     """
 
     ids: torch.Tensor
@@ -195,13 +236,18 @@ class Cohort:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     known: dict[str, torch.Tensor] = field(default_factory=dict)
     personal: dict[str, torch.Tensor] = field(default_factory=dict)
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared: Shared = field(default_factory=Shared)
     new_state: dict[str, torch.Tensor] = field(default_factory=dict)
     upload: dict[str, torch.Tensor] = field(default_factory=dict)
+    _own: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
         return int(self.ids.shape[0])
+
+    def own(self, part: object) -> dict[str, Any]:
+        """``part``'s private working values for this chunk (FedLESAM's ``eps``, FedSMOO's running dual)."""
+        return self._own.setdefault(id(part), {})
 
 
 @dataclass
@@ -252,8 +298,7 @@ class RoundContext:
     ``held_known = False`` before a client's first round; parts replace the rows they update).
     After training: ``w_start`` (what clients started from), ``uploads`` (every upload stacked over
     the sampled clients, ``[K, ...]``, rows in the order of ``sampled``) and ``weights[K]`` (the
-    aggregation). Parts may add per-round scalars to ``log`` (written to the round's metrics line)
-    and anything else to ``info``.
+    aggregation). Parts may add per-round scalars to ``log`` (written to the round's metrics line).
     """
 
     round: int
@@ -270,7 +315,6 @@ class RoundContext:
     uploads: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: torch.Tensor | None = None
     log: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def K(self) -> int:
@@ -302,7 +346,7 @@ class RoundContext:
     def answered(self, ids: torch.Tensor) -> "RoundContext":
         """The context of the round as if only the clients ``ids`` (a subset of ``sampled``, ascending) had
         been sampled: a federation aggregates the clients whose uploads came back. Called after
-        :meth:`Algorithm.configure`, before any upload is read; the server state, log and info carry over."""
+        :meth:`Algorithm.configure`, before any upload is read; the server state and log carry over."""
         position = {int(c): row for row, c in enumerate(self.sampled.tolist())}
         missing = [int(c) for c in ids.tolist() if int(c) not in position]
         if missing:

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from fedflat.core.registry import add, origin_of
+
 from .dataset import Dataset, to_tensors
 from .domains import load_domainnet, load_officehome
 from .images import load_tiny_imagenet
@@ -286,6 +288,14 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
                                   "num_classes, train_size, test_size, seed, noise, domains: styled domains, the "
                                   "test set an unseen one; tokens: int64 token sequences for text models)"),
 }
+
+
+def register_dataset(name: str, loader: Callable[..., Dataset], description: str) -> Callable[..., Dataset]:
+    """Makes ``loader(root=None, download=False, **options) -> Dataset`` available as ``data.name: NAME``, its
+    keyword options as ``data.options`` (a plugin's dataset, docs/extending.md); a name taken by another module is
+    an error naming both."""
+    add(DATASETS, "dataset", name, (loader, description), origin=origin_of(loader))
+    return loader
 
 
 def dataset_options(name: str) -> dict[str, object]:

@@ -90,8 +90,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     """Runs ``E_i`` local steps for every client of ``cohort`` and returns what the clients send and keep.
 
     One step, for every client row at once:
-    ``eps = filter(perturbation)``, ``g = filter_g(descent(g(w + eps))) + wd w`` (``g`` of the loss plus the
-    perturbation part's distillation term, if any; ``descent`` is the perturbation's, e.g. FedSpeed's merging),
+    ``eps = filter(perturbation)``, ``g = descent(g(w + eps)) + wd w`` (``g`` of the loss plus the
+    perturbation part's distillation term, if any; ``descent`` is the perturbation's, e.g. FedSpeed's merging;
+    a filter that ``acts_on`` the gradient filters ``descent(...)`` instead of ``eps``),
     ``d = correction(g)``, ``d = clip(d)``,
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
@@ -111,8 +112,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     if own is not None:  # each client starts from its own model: the broadcast with its private entries
         ctx = replace(ctx, w_start=own)
     W = ctx.w_start.expand(cohort.size, -1).clone()
-    for part in algorithm.ordered:
-        part.begin(ctx, cohort)
+    algorithm.begin(ctx, cohort)
     distill = perturbation.distillation(ctx)
     loss_sum = torch.zeros(cohort.size, device=W.device)
     longest = max(steps)
@@ -126,10 +126,12 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
         if not uniform:
             batch.clients = sum(e > k for e in steps)
         eps = perturbation.perturb(ctx, cohort, k, W, batch)
-        if eps is not None:
+        if eps is not None and filt.acts_on == "perturbation":
             eps = filt.apply(ctx, cohort, eps)
         loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch, distill)
-        grad = filt.apply_gradient(ctx, cohort, perturbation.descent_gradient(ctx, cohort, grad))
+        grad = perturbation.descent_gradient(ctx, cohort, grad)
+        if filt.acts_on == "gradient":
+            grad = filt.apply(ctx, cohort, grad)
         if wd:
             grad.add_(wd * W)  # grad is the oracle's fresh tensor; same bits as grad + wd * W
         direction = clip_rows(correction.direction(ctx, cohort, k, W, grad), clip)

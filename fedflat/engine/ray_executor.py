@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from fedflat import plugins
 from fedflat.algorithms import build_algorithm
 from fedflat.config import ExecutorConfig
 from fedflat.core import Broadcast, ClientResult, ConfigError, TrainSettings, merge_results
@@ -73,10 +74,12 @@ class WorkerSpec:
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
+    plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
 
 
 def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.ndarray]]) -> ClientRuntime:
     """A worker's runtime: its model, oracle and batches on its device, from the spec and the shared data."""
+    plugins.load(spec.plugins)  # a fresh process: the config's own parts, recipes and models first
     if spec.threads:
         torch.set_num_threads(spec.threads)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
@@ -167,7 +170,7 @@ class RayExecutor:
         self.owns_actors = actors is None
         self.actors = []
         start = time.perf_counter()
-        self.started_ray = connect(ray, cfg)
+        self.started_ray = connect(ray, cfg, spec.plugins)
         self.connect_seconds = time.perf_counter() - start  # ray.init of a local instance, or joining a cluster
         try:
             start = time.perf_counter()
@@ -289,10 +292,11 @@ class RayExecutor:
 _SESSION = {"executors": 0}  # executors using the Ray connection fedflat opened (0: fedflat opened none)
 
 
-def connect(ray, cfg: ExecutorConfig) -> bool:
+def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] = ()) -> bool:
     """Joins the Ray cluster of ``executor.address`` or starts a local one. True when fedflat opened the
     connection (now or for an executor still open): :func:`release` then closes it after the last user.
-    A connection the caller opened (``ray.init`` before fedflat) is used and left alone."""
+    A connection the caller opened (``ray.init`` before fedflat) is used and left alone. A cluster's workers on
+    other machines receive ``plugin_names``' code through Ray's ``py_modules`` (local ones inherit PYTHONPATH)."""
     if ray.is_initialized():
         if _SESSION["executors"]:
             _SESSION["executors"] += 1
@@ -306,6 +310,9 @@ def connect(ray, cfg: ExecutorConfig) -> bool:
             host = cfg.address.rsplit(":", 1)[0]
             if host.startswith("127."):  # a cluster on a loopback address is on this machine: join it there
                 options["_node_ip_address"] = host
+            shipped = plugins.package_folders(plugin_names)
+            if shipped:
+                options["runtime_env"] = {"py_modules": shipped}
             ray.init(address=cfg.address, **options)
         else:
             # Ray lowers its workers' priority (nice 15) by default, for a driver that schedules and waits;

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm
+from fedflat import plugins
+from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm, renamed_state
 from fedflat.config import Config
 from fedflat.core import (MODEL, SERVER, TRAIN_LOSS, Broadcast, ClientResult, ConfigError, Diverged, NoClients,
                           RoundContext, TrainSettings, numpy_stream, payload_size, stream_seed)
@@ -171,6 +172,7 @@ class Simulation:
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
                  clients: Sequence[Sequence[int]] | None = None):
         self.cfg = cfg
+        plugins.load(cfg.plugins)  # a config that crossed into another process (a Flower node) names its plugins
         self.device = resolve_device(cfg.device)
         set_tf32(self.device, cfg.tf32)
         if dataset is None:
@@ -213,9 +215,7 @@ class Simulation:
             raise ConfigError(str(err)) from None
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
         self.w = self.model.initial.clone()
-        self.server: dict[str, torch.Tensor] = {}
-        for part in self.algorithm.ordered:
-            part.setup(self.server, self.w, self.settings)
+        self.server: dict[str, torch.Tensor] = self.algorithm.initial_server_state(self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
                                  directory=cfg.store.dir)
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
@@ -243,7 +243,8 @@ class Simulation:
                           settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
                           augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
                           tf32=cfg.tf32, precision=cfg.precision, channels_last=cfg.channels_last,
-                          step_flops=self.step_flops, standardize=self.dataset.standardize)
+                          step_flops=self.step_flops, standardize=self.dataset.standardize,
+                          plugins=tuple(cfg.plugins))
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:
@@ -377,8 +378,8 @@ class Simulation:
     def load_state_dict(self, state: dict) -> None:
         self.w = state["w"].to(self.device)
         self.server.clear()
-        self.server.update({k: v.to(self.device) for k, v in state["server"].items()})
-        self.store.load_state_dict(state["store"])
+        self.server.update({k: v.to(self.device) for k, v in renamed_state(state["server"]).items()})
+        self.store.load_state_dict(renamed_state(state["store"]))
         if "aggregated_round" in state:  # (checkpoints before fedflat 0.x's Flower layer lack it)
             self.aggregated_round = state["aggregated_round"].clone()
 

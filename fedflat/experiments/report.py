@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from fedflat.algorithms.compose import scoped_section
 from fedflat.core import ROLES, composition_label
 from fedflat.files import read_jsonl
 
@@ -115,6 +116,8 @@ def read_run(path: Path) -> Run:
     config = yaml.safe_load((path / "config.yaml").read_text())
     if not isinstance(config, dict):
         raise ValueError("config.yaml is not a mapping of keys")
+    if isinstance(config.get("algo"), dict):  # a run written before hyperparameters were scoped reads as it ran
+        config["algo"] = scoped_section(config["algo"])
     try:
         summary = json.loads((path / "summary.json").read_text())
     except json.JSONDecodeError as err:
@@ -177,10 +180,13 @@ def _fmt_value(value: Any) -> str:
 
 
 def _label(items: list[tuple[str, Any]]) -> str:
+    """``value`` for names, ``key=value`` otherwise, the key by its last part (``algo.perturbation.rho``: ``rho``)
+    unless two of ``items`` share it (then ``perturbation.rho``)."""
+    leaves = [key.rsplit(".", 1)[-1] for key, _ in items]
     parts = []
-    for key, value in items:
-        leaf = key.rsplit(".", 1)[-1]
-        parts.append(_fmt_value(value) if leaf in ("name", "scheme") else f"{leaf}={_fmt_value(value)}")
+    for (key, value), leaf in zip(items, leaves):
+        shown = leaf if leaves.count(leaf) == 1 else ".".join(key.split(".")[-2:])
+        parts.append(_fmt_value(value) if leaf in ("name", "scheme") else f"{shown}={_fmt_value(value)}")
     return ", ".join(parts)
 
 
@@ -202,7 +208,10 @@ class Group:
 
 def _method_name(flat_algo: dict[str, Any]) -> str:
     """The method a run trained: its recipe name, or the composition when its roles were swapped."""
-    return composition_label({k[len("algo."):]: v for k, v in flat_algo.items()}) if flat_algo else "?"
+    if not flat_algo:
+        return "?"
+    section = {role: flat_algo[f"algo.{role}.name"] for role in ROLES if f"algo.{role}.name" in flat_algo}
+    return composition_label({"name": flat_algo.get("algo.name"), **section})
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
@@ -215,7 +224,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
     by_name: dict[str, list[dict[str, Any]]] = {}
     for m in method_part:
         by_name.setdefault(_method_name(m), []).append(m)
-    roles = {f"algo.{role}" for role in ROLES}
+    roles = {f"algo.{role}.name" for role in ROLES}
     method_keys = {name: [k for k in _varying(ms) if k != "algo.name" and k not in roles]
                    for name, ms in by_name.items()}
     groups: dict[tuple[str, str], Group] = {}

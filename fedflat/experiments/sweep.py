@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import Config, apply_override, load_config, parse_override, resolve, suggest
+from fedflat.config import Config, apply_override, load_config, located, parse_override, resolve, suggest
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
@@ -186,8 +186,9 @@ def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict
     _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
-        base = _read_yaml(_base_path(path, str(spec["base"])).read_text()) or {}
-    for key, value in (spec.get("config") or {}).items():
+        base_file = _base_path(path, str(spec["base"]))
+        base = located(_read_yaml(base_file.read_text()) or {}, base_file.parent)
+    for key, value in located(dict(spec.get("config") or {}), path.parent).items():
         apply_override(base, key, value)
     return spec, base
 
@@ -562,7 +563,8 @@ def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar, group
     from fedflat.engine.ray_executor import connect, release, require_ray
 
     ray = require_ray()
-    started = connect(ray, ExecutorConfig(name="ray", address=where.address))
+    started = connect(ray, ExecutorConfig(name="ray", address=where.address),
+                      sorted({p for c in todo for p in c.config.plugins}))
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fedflat.algorithms import renamed_state
 from fedflat.config import Config
 from fedflat.core import ConfigError
 from fedflat.engine.runtime import RoundTask, rows_loader
@@ -57,7 +58,7 @@ class ClientStates:
         if round not in files:
             raise StateLost(f"client {client}: its state of round {round + 1} is not in {self.folder} (the node's "
                             "state folder was removed or changed): the client cannot continue")
-        return torch.load(files[round], map_location="cpu", weights_only=True)
+        return renamed_state(torch.load(files[round], map_location="cpu", weights_only=True))
 
     def save(self, client: int, round: int, state: dict[str, torch.Tensor]) -> None:
         folder = self.folder / f"client-{client}"

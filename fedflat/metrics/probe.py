@@ -81,11 +81,10 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
         ctx, broadcast, task = probe_round(sim, round, clients)
         for row, objective in enumerate(objectives):
             cohort = make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
-            for part in sim.algorithm.ordered:
-                part.begin(ctx, cohort)
+            sim.algorithm.begin(ctx, cohort)
             batch = Batch(objective.x.unsqueeze(0), objective.y.unsqueeze(0))
             e = parts["perturbation"].perturb(ctx, cohort, 0, w[None].clone(), batch)
-            if e is not None:
+            if e is not None and parts["filter"].acts_on == "perturbation":
                 eps[row] = parts["filter"].apply(ctx, cohort, e)[0]
     names = f"perturbation '{parts['perturbation'].name}'" + (
         f" + filter '{parts['filter'].name}'" if parts["filter"].name != "none" else "")

@@ -27,14 +27,15 @@ def tracking_error(direction: torch.Tensor, reference: torch.Tensor) -> dict[str
 
 
 def global_direction(sim) -> tuple[torch.Tensor | None, str]:
-    """The first direction offered by one of the method's parts (``Part.global_direction(server)``)."""
+    """The first direction one of the method's parts declares (``Part.global_direction``: a server entry and the
+    sign that makes it gradient sign), or None when no part declares one or it is still zero (before a round)."""
     for part in sim.algorithm.ordered:
-        method = getattr(part, "global_direction", None)
-        if method is None:
+        if part.global_direction is None:
             continue
-        d = method(sim.server)
-        if d is not None:
-            return d, f"{part.role} '{part.name}'"
+        key, sign = part.global_direction
+        d = sim.server[key]
+        if bool(d.any()):
+            return sign * d, f"{part.role} '{part.name}'"
     return None, ""
 
 
@@ -53,7 +54,7 @@ def direction_tracking(sim, round: int, *, batches: int = 10, batch_size: int = 
     if direction is None:
         return {"available": False,
                 "reason": f"{sim.algorithm.name} keeps no global direction (none of its parts "
-                          f"{[p.name for p in sim.algorithm.ordered]} implements global_direction, "
+                          f"{[p.name for p in sim.algorithm.ordered]} declares a global_direction, "
                           "or it is not set yet)"}
     reference, n = reference_gradient(sim, sim.w, batches, batch_size, weight_decay)
     return {"available": True, "source": source, "reference_samples": n, "weight_decay_included": weight_decay,

@@ -14,6 +14,6 @@ over stacked per-client parameters. ``model.input_dtype`` is ``torch.long`` for
 from __future__ import annotations
 
 from .base import FedModel
-from .registry import MODELS, build_model, count_parameters, model_options
+from .registry import MODELS, build_model, count_parameters, model_options, register_model
 
-__all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel"]
+__all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel", "register_model"]

@@ -8,6 +8,8 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from fedflat.core.registry import add, origin_of
+
 from .cnn import cnn
 from .densenet import densenet121
 from .lstm import lstm
@@ -34,6 +36,14 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
 }
 
 _POSITIONAL = ("input_shape", "num_classes")
+
+
+def register_model(name: str, factory: Callable[..., nn.Module], description: str) -> Callable[..., nn.Module]:
+    """Makes ``factory(input_shape, num_classes, **options)`` available as ``model.name: NAME``, its keyword
+    options as ``model.<option>`` (a plugin's model, docs/extending.md); a name taken by another module is an
+    error naming both."""
+    add(MODELS, "model", str(name).strip().lower(), (factory, description), origin=origin_of(factory))
+    return factory
 
 
 def model_options(name: str) -> dict[str, Any]:

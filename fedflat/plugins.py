@@ -1,0 +1,131 @@
+"""Plugins: a researcher's own parts, recipes, models and datasets, used exactly like fedflat's own.
+
+A plugin is a Python module (or package) that registers things when it is imported — ``register_part`` and
+``register_recipe`` (:mod:`fedflat.core`), ``register_model`` (:mod:`fedflat.models`), ``register_dataset``
+(:mod:`fedflat.data`). It reaches fedflat in one of two ways:
+
+- named in a config, ``plugins: [mylab.methods, ./fedasam.py]``: an importable module name, or the path of a
+  ``.py`` file or a package folder (relative to the config file's folder, else the working directory);
+- installed with an entry point in the group ``fedflat.plugins`` (``[project.entry-points."fedflat.plugins"]
+  fedasam = "fedasam"`` in its pyproject.toml): loaded in every fedflat process, named nowhere.
+
+Every process that builds a method imports the plugins first: the driver when it reads the config, a sweep or tune
+worker (a fresh interpreter) when it reads its cell's config, a Ray worker from its :class:`WorkerSpec`, a Flower node
+from the app's config. A path plugin's folder is put on ``sys.path`` and on ``PYTHONPATH``, so the processes this one
+starts find it too; a Ray cluster on other machines receives it through Ray's ``py_modules``. A plugin that fails to
+import, or registers a name fedflat or another plugin registered, is a :class:`PluginError` that names it.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from fedflat.core.errors import PluginError
+
+ENTRY_POINT_GROUP = "fedflat.plugins"
+_loaded: dict[str, str] = {}  # plugin as named -> the module imported for it
+_installed_done = False
+
+
+def _source(plugin: str, base: Path | None) -> Path | None:
+    """The file or package folder a path plugin names, or None for a module name."""
+    if not (plugin.endswith(".py") or "/" in plugin or os.sep in plugin or plugin.startswith(".")):
+        return None
+    for root in (base, Path.cwd()) if base is not None else (Path.cwd(),):
+        path = (root / plugin).expanduser()
+        if path.exists():
+            return path.resolve()
+    raise PluginError(f"plugin {plugin!r}: no such file or folder (looked in "
+                      f"{', '.join(str(r) for r in ((base, Path.cwd()) if base else (Path.cwd(),)))})")
+
+
+def _make_importable(folder: Path) -> None:
+    """``folder`` on this process's ``sys.path`` and on ``PYTHONPATH`` for the processes it starts."""
+    entry = str(folder)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if entry not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([entry, *paths])
+
+
+def resolve(plugins: list[str] | tuple[str, ...], base: str | Path | None = None) -> list[str]:
+    """``plugins`` as a config records them: module names as given, paths made absolute (a run folder's
+    config.yaml then finds them from anywhere)."""
+    out = []
+    for plugin in plugins:
+        path = _source(plugin, Path(base) if base is not None else None)
+        out.append(plugin if path is None else str(path))
+    return out
+
+
+def module_of(plugin: str) -> str:
+    """The module name a plugin imports as (a path plugin: its file's stem or its folder's name)."""
+    path = _source(plugin, None)
+    if path is None:
+        return plugin
+    return path.stem if path.is_file() else path.name
+
+
+def load(plugins: list[str] | tuple[str, ...], base: str | Path | None = None) -> list[str]:
+    """Imports every plugin (once per process), and those installed through the entry-point group; returns the
+    modules imported for ``plugins``."""
+    load_installed()
+    modules = []
+    for plugin in plugins:
+        if plugin not in _loaded:
+            path = _source(plugin, Path(base) if base is not None else None)
+            name = plugin
+            if path is not None:
+                _make_importable(path.parent)
+                name = path.stem if path.is_file() else path.name
+            _import(plugin, name)
+            _loaded[plugin] = name
+        modules.append(_loaded[plugin])
+    return modules
+
+
+def _import(plugin: str, module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except PluginError as err:
+        raise PluginError(f"plugin {plugin!r}: {err}") from None
+    except Exception as err:  # whatever the user's module raised: name the plugin and the cause
+        raise PluginError(f"plugin {plugin!r} failed to import: {type(err).__name__}: {err} (is it installed, or on "
+                          "PYTHONPATH, in this process's environment?)") from err
+
+
+def load_installed() -> None:
+    """Imports every plugin installed with an entry point in :data:`ENTRY_POINT_GROUP` (once per process)."""
+    global _installed_done
+    if _installed_done:
+        return
+    _installed_done = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry.load()
+        except PluginError as err:
+            raise PluginError(f"installed plugin {entry.name!r} ({entry.value}): {err}") from None
+        except Exception as err:
+            raise PluginError(f"installed plugin {entry.name!r} ({entry.value}) failed to import: "
+                              f"{type(err).__name__}: {err}") from err
+
+
+def package_folders(plugins: list[str] | tuple[str, ...]) -> list[str]:
+    """The local folders or files of ``plugins`` (path plugins, and named modules found on this machine), for a
+    Ray cluster on other machines (``runtime_env={"py_modules": ...}``)."""
+    out = []
+    for plugin in plugins:
+        path = _source(plugin, None)
+        if path is None:
+            spec = importlib.util.find_spec(plugin.split(".")[0])
+            if spec is None or spec.origin is None:
+                continue
+            origin = Path(spec.origin)
+            path = origin.parent if origin.name == "__init__.py" else origin
+        out.append(str(path))
+    return out

@@ -1,0 +1,229 @@
+"""The contract a method is written against: scoped hyperparameters, declared state, the typed channel and the
+in-place rule (fedflat/core, fedflat/algorithms/compose.py)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import yaml
+
+import fedflat
+from fedflat.algorithms import PARTS, RECIPES, ROLES, AlgorithmError, build_algorithm, register_part, register_recipe
+from fedflat.config import load_config, resolve
+from fedflat.core import ConfigError, ContractError, Correction, PartParams, Perturbation, Recipe, Slot, init
+from fedflat.core.contract import CHECK_ENV
+from fedflat.engine.simulation import Simulation
+
+
+def _values(algorithm) -> dict[str, tuple[str, dict]]:
+    return {role: (part.name, part.p.model_dump()) for role, part in algorithm.parts.items()}
+
+
+# -- scoped hyperparameters ---------------------------------------------------------------------------------------
+
+def test_a_swapped_in_part_keeps_its_own_defaults_and_config_yaml_records_each_parts_values(tiny):
+    """The audit's two cases: FedSCAM's weighting swapped into FedACG keeps its beta 0.8 (not FedACG's 0.002), and
+    FedACG's pull swapped into FedSCAM keeps 0.002; config.yaml records both, and rerunning it gives the same run."""
+    acg_scam = build_algorithm({"name": "fedacg", "aggregation": "scam"})
+    assert (acg_scam.parts["correction"].p.beta, acg_scam.parts["aggregation"].p.beta) == (0.002, 0.8)
+    scam_acg = resolve(load_config(None, ["algo=fedscam", "algo.correction=acg"]))["algo"]
+    assert scam_acg["correction"] == {"name": "acg", "beta": 0.002}
+    assert scam_acg["aggregation"]["name"] == "scam" and scam_acg["aggregation"]["beta"] == 0.8
+
+
+def test_recipe_defaults_apply_only_to_the_recipes_own_parts():
+    """fedlesam-s runs its perturbation at rho 0.1; a SAM perturbation swapped in starts from SAM's own 0.01."""
+    assert build_algorithm({"name": "fedlesam-s"}).parts["perturbation"].p.rho == 0.1
+    assert build_algorithm({"name": "fedlesam-s", "perturbation": "sam"}).parts["perturbation"].p.rho == 0.01
+    assert build_algorithm({"name": "fedacg", "correction": "prox"}).parts["server"].p.lam == 0.85  # kept: acg's
+
+
+def test_a_flat_key_two_parts_own_separately_is_an_error_naming_both():
+    with pytest.raises(AlgorithmError, match=r"algo.beta: correction 'acg' and aggregation 'scam' each have a 'beta'; "
+                                             r"say whose: algo.correction.beta or algo.aggregation.beta"):
+        build_algorithm({"name": "fedacg", "aggregation": "scam", "beta": 0.5})
+    scoped = build_algorithm({"name": "fedacg", "aggregation": {"name": "scam", "beta": 0.5}})
+    assert (scoped.parts["correction"].p.beta, scoped.parts["aggregation"].p.beta) == (0.002, 0.5)
+    cli = load_config(None, ["algo=fedacg", "algo.aggregation=scam", "algo.aggregation.beta=0.5"])
+    assert _values(build_algorithm(cli.algo)) == _values(scoped)
+
+
+def test_a_shared_hyperparameter_is_one_value_for_every_part_that_holds_it():
+    """FedDyn's alpha lives on its client and its server; FedSCAM's score settings in its radius and its weights."""
+    dyn = build_algorithm({"name": "feddyn", "alpha": 0.05})
+    assert dyn.parts["correction"].p.alpha == dyn.parts["server"].p.alpha == 0.05
+    scam = build_algorithm({"name": "fedscam", "kappa": 2.0})
+    assert scam.parts["perturbation"].p.kappa == scam.parts["aggregation"].p.kappa == 2.0
+    with pytest.raises(AlgorithmError, match=r"algo.alpha: correction 'dyn' and server 'dyn' share it.*set algo.alpha"):
+        build_algorithm({"name": "feddyn", "correction": {"alpha": 0.05}})
+
+
+def test_a_hyperparameter_of_no_part_names_the_valid_ones():
+    with pytest.raises(AlgorithmError, match=r"algo.perturbation.rhoo: not a hyperparameter of perturbation 'sam' "
+                                             r"\(did you mean 'rho'\?\)"):
+        build_algorithm({"name": "fedsam", "perturbation": {"rhoo": 0.1}})
+    with pytest.raises(ConfigError, match=r"algo.rhoo: not a hyperparameter of 'fedsam' \(did you mean 'rho'\?\)"):
+        load_config(None, ["algo=fedsam", "algo.rhoo=0.1"])
+
+
+def _swaps() -> list[tuple[str, str, str]]:
+    """Every recipe, and every recipe with one role swapped for every other part of that role."""
+    cases = [(name, "", "") for name in sorted(RECIPES)]
+    for name, role in itertools.product(sorted(RECIPES), ROLES):
+        cases += [(name, role, part) for part in sorted(PARTS[role]) if part != RECIPES[name].part_names()[role]]
+    return cases
+
+
+def test_building_from_the_resolved_section_gives_the_same_parts_and_values_for_every_recipe_and_swap():
+    """The round-trip property over every recipe and every single-role swap (compositions the parts refuse, such as
+    a momentum-guided perturbation without a momentum, are skipped): resolved() read back builds the same method."""
+    built = 0
+    for name, role, part in _swaps():
+        section = {"name": name, **({role: part} if role else {})}
+        try:
+            algorithm = build_algorithm(section)
+        except AlgorithmError as err:
+            assert "needs" in str(err) or "share it" in str(err), (section, err)
+            continue
+        resolved = algorithm.resolved()
+        again = build_algorithm(yaml.safe_load(yaml.safe_dump(resolved)))  # as config.yaml stores it
+        assert _values(again) == _values(algorithm) and again.resolved() == resolved, section
+        built += 1
+    assert built > 1000
+
+
+@pytest.mark.parametrize("overrides", [["algo=fedscam", "algo.correction=acg"],
+                                       ["algo=fedacg", "algo.aggregation=scam"],
+                                       ["algo=fedlesam-s", "algo.perturbation=sam", "algo.filter=fft"],
+                                       ["algo=fedgloss", "algo.warmup_rounds=2"], ["algo=fedwmsam"], ["algo=feddyn"]])
+def test_a_run_from_its_config_yaml_equals_the_original_bit_for_bit(tiny, tmp_path, overrides):
+    first = fedflat.run(tiny(*overrides), run_dir=tmp_path / "first", progress=False)
+    again = fedflat.run(tmp_path / "first" / "config.yaml", run_dir=tmp_path / "again", progress=False)
+    assert torch.equal(first.final_parameters, again.final_parameters)
+    assert (tmp_path / "first" / "config.yaml").read_text() == (tmp_path / "again" / "config.yaml").read_text()
+
+
+def test_a_legacy_flat_section_reads_as_it_ran(tiny, tmp_path):
+    """A config.yaml written before scoping held one value per key, which set every part owning it: read back, the
+    old section builds exactly that (FedSCAM + FedACG's pull both at 0.8), and resuming or reporting it works."""
+    legacy = {"name": "fedscam", "perturbation": "scam", "filter": "none", "correction": "acg", "aggregation": "scam",
+              "server": "avg", "beta": 0.8, "rho_max": 0.05, "kappa": 1.0}
+    algorithm = build_algorithm(legacy)
+    assert algorithm.parts["correction"].p.beta == algorithm.parts["aggregation"].p.beta == 0.8
+    run = fedflat.run(tiny("algo=fedavgm", "rounds=2"), run_dir=tmp_path / "old", progress=False)
+    config = tmp_path / "old" / "config.yaml"
+    tree = yaml.safe_load(config.read_text())
+    tree["algo"] = {"name": "fedavgm", "perturbation": "none", "filter": "none", "correction": "none",
+                    "aggregation": "mean", "server": "avgm", "weighting": "uniform", "beta": 0.9}
+    config.write_text(yaml.safe_dump(tree))
+    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.report import find_runs, group_runs
+
+    resumed = resume(tmp_path / "old", overrides=["rounds=3"], progress=False)
+    fresh = fedflat.run(tiny("algo=fedavgm", "rounds=3"), save=False, progress=False)
+    assert resumed.summary["rounds"] == 3 and torch.equal(resumed.final_parameters, fresh.final_parameters)
+    assert [g.method for g in group_runs(find_runs([tmp_path]))] == ["fedavgm"]
+    assert run.summary["algorithm"] == "fedavgm"
+
+
+# -- declared state, the channel, the in-place rule -----------------------------------------------------------------
+
+SEEN = Slot("memo.seen", "test only: what the correction saw")
+
+
+class Memo(Correction):
+    """Test only: declares a server entry and a slot, keeps a client vector."""
+
+    name = "memo"
+    summary = "test only"
+    server_state = {"memo.count": init.scalar("start"), "memo.sum": init.zeros}
+    keeps = ("memo.last",)
+    provides = frozenset({SEEN})
+
+    class Params(PartParams):
+        start: float = 2.0
+
+    def begin(self, ctx, cohort):
+        cohort.shared.put(SEEN, ctx.w_start.expand(cohort.size, -1))
+
+    def end(self, ctx, cohort, W):
+        cohort.new_state["memo.last"] = W
+
+    def after_step(self, ctx, w_new):
+        ctx.server["memo.count"] = ctx.server["memo.count"] + 1
+
+
+class Reader(Perturbation):
+    """Test only: requires the slot, reads it (a perturbation begins before the correction that provides it)."""
+
+    name = "reader"
+    summary = "test only"
+    requires = frozenset({SEEN})
+
+    def perturb(self, ctx, cohort, k, W, batch):
+        return torch.zeros_like(W) + 0 * cohort.shared[SEEN]
+
+
+@pytest.fixture
+def test_parts():
+    register_part(Memo)
+    register_part(Reader)
+    register_recipe(Recipe(name="test_memo", summary="test only", source="test", correction="memo"))
+    yield
+    PARTS["correction"].pop("memo", None)
+    PARTS["perturbation"].pop("reader", None)
+    RECIPES.pop("test_memo", None)
+
+
+def test_declared_server_state_is_created_with_its_initial_values_and_checkpointed(tiny, test_parts, tmp_path):
+    sim = Simulation(tiny("algo=test_memo", "algo.start=5"))
+    assert float(sim.server["memo.count"]) == 5.0 and torch.equal(sim.server["memo.sum"], torch.zeros_like(sim.w))
+    history = fedflat.run(tiny("algo=test_memo", "algo.start=5", "rounds=2"), run_dir=tmp_path / "r", progress=False)
+    from fedflat.engine.checkpoint import read_checkpoint
+
+    assert float(read_checkpoint(tmp_path / "r")["state"]["server"]["memo.count"]) == 7.0
+    assert history.summary["client_state_vectors"] == 1
+
+
+def test_a_slot_read_before_its_provider_wrote_it_is_an_error_naming_it(tiny, test_parts):
+    """Hooks run in role order: a perturbation reading in its steps what a correction puts in begin works; a slot
+    no part provides is refused when the method is assembled."""
+    fedflat.run(tiny("algo=test_memo", "algo.perturbation=reader", "rounds=1"), save=False, progress=False)
+    with pytest.raises(AlgorithmError, match=r"perturbation 'reader' needs \['memo.seen'\], which no part of this "
+                                             r"combination provides; use correction 'memo'"):
+        build_algorithm({"name": "fedavg", "perturbation": "reader"})
+
+
+def test_two_parts_declaring_one_entry_with_different_initial_values_are_refused(test_parts):
+    class Other(Perturbation):
+        name = "other_memo"
+        server_state = {"memo.count": init.zeros}
+    register_part(Other)
+    try:
+        with pytest.raises(AlgorithmError, match="server state 'memo.count': .* declare it with different initial"):
+            build_algorithm({"name": "test_memo", "perturbation": "other_memo"})
+    finally:
+        PARTS["perturbation"].pop("other_memo")
+
+
+def test_state_names_follow_the_part_symbol_convention():
+    class Unscoped(Correction):
+        name = "unscoped"
+        keeps = ("c_i",)
+    with pytest.raises(AlgorithmError, match=r"state and slot names read '<part>.<symbol>'.*rename \['c_i'\]"):
+        register_part(Unscoped)
+    assert "unscoped" not in PARTS["correction"]
+
+
+def test_a_part_that_modifies_a_tensor_it_does_not_own_in_place_is_named(tiny, test_parts, monkeypatch):
+    """The debug mode (on in the tests) names the part, the hook and the tensor; off, nothing is watched."""
+    monkeypatch.setattr(Memo, "direction", lambda self, ctx, cohort, k, W, grad: grad.add_(1.0))
+    with pytest.raises(ContractError, match=r"correction 'memo'.direction modified grad in place"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+    monkeypatch.setattr(Memo, "direction", Correction.direction)
+    monkeypatch.setattr(Memo, "after_step", lambda self, ctx, w_new: ctx.server["memo.sum"].add_(w_new))
+    with pytest.raises(ContractError, match=r"correction 'memo'.after_step modified ctx.server\['memo.sum'\] in place"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+    monkeypatch.setenv(CHECK_ENV, "0")
+    fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)  # not watched: it runs

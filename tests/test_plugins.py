@@ -1,0 +1,194 @@
+"""A researcher's own method as a plugin: the worked example (examples/fedasam/, a folder of its own, not inside
+fedflat/) runs from the CLI, in a sweep's worker processes, on Ray workers and on Flower nodes with the same numbers;
+bad plugins are clear errors; installed plugins load through the entry-point group; check_part checks a part."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import fedflat
+from conftest import tiny_tree
+from fedflat.config import load_config
+from fedflat.core import Correction, PluginError
+from fedflat.experiments.sweep import load_sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "fedasam" / "fedasam.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def example_config(tmp_path: Path, **extra) -> Path:
+    """The tiny problem with FedASAM, the plugin named by its path relative to the config's folder."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "fedasam.py").write_text(EXAMPLE.read_text())  # "your own folder": a copy beside the config
+    tree = {**tiny_tree(rounds=2, threads=1), "plugins": ["fedasam.py"], "algo": {"name": "fedasam", "rho": 0.3},
+            **extra}
+    path = tmp_path / "fedasam.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedflat.cli", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=240)
+
+
+def final_model(run_dir: Path) -> torch.Tensor:
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    return torch.cat([v.reshape(-1) for v in state.values()])
+
+
+def test_the_example_runs_from_the_cli_and_a_sweep_with_workers_with_the_same_numbers(tmp_path):
+    """The config's plugins: reach the CLI's process and a sweep's two spawned workers; every run equals the one
+    in this process, bit for bit, and the run folder's config.yaml (the plugin's path made absolute) resumes."""
+    config = example_config(tmp_path / "mine")
+    ours = fedflat.run(config, save=False, progress=False)
+    assert ours.summary["algorithm"] == "fedasam" and ours.summary["backprops_per_step"] == 2
+    done = cli("run", str(config), "--out", str(tmp_path / "runs"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    assert torch.equal(final_model(run_dir), ours.final_parameters)
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert recorded["plugins"] == [str(tmp_path / "mine" / "fedasam.py")]
+    assert recorded["algo"]["perturbation"] == {"name": "asam", "rho": 0.3, "eta": 0.01}
+    longer = cli("resume", str(run_dir), "rounds=3", cwd=tmp_path)  # from another folder: the path is absolute
+    assert longer.returncode == 0, longer.stderr
+    assert torch.equal(final_model(run_dir), fedflat.run(config, overrides=["rounds=3"], save=False,
+                                                          progress=False).final_parameters)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": str(config), "out": str(tmp_path / "sweep"),
+                                     "grid": {"algo.rho": [0.3, 0.1]}}))
+    result = run_sweep(load_sweep(sweep), workers=2, progress=False)
+    assert [c["status"] for c in result.cells] == ["completed", "completed"]
+    for cell, rho in zip(result.cells, (0.3, 0.1)):
+        alone = fedflat.run(config, overrides=[f"algo.rho={rho}"], save=False, progress=False)
+        assert torch.equal(final_model(tmp_path / "sweep" / cell["name"]), alone.final_parameters)
+
+
+def test_the_example_on_ray_workers_and_flower_nodes_equals_the_local_run(tmp_path):
+    """executor=ray (two workers that start as fresh interpreters) and a Flower simulation of two SuperNodes build the
+    plugin's method from the config they receive: the same model, bit for bit."""
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    from fedflat.flower.apps import simulate
+
+    cfg = load_config(example_config(tmp_path), ["engine=sequential"])
+    local = fedflat.run(cfg, save=False, progress=False)
+    on_ray = fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2"], save=False, progress=False)
+    assert torch.equal(on_ray.final_parameters, local.final_parameters)
+    on_flower = simulate(cfg, supernodes=2, out=tmp_path / "flower", progress=False)
+    assert torch.equal(on_flower.final_parameters, local.final_parameters)
+
+
+def test_list_shows_a_plugins_parts_and_recipes(tmp_path):
+    done = cli("list", "--parts", "--plugin", str(EXAMPLE), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "fedasam" in done.stdout and "ASAM: eps = rho T^2 g/||T g||" in done.stdout
+
+
+def test_a_plugin_that_fails_to_import_or_is_missing_is_an_error_naming_it(tmp_path):
+    (tmp_path / "broken.py").write_text("from fedflat.core import Feild\n")
+    with pytest.raises(PluginError, match=r"plugin '.*broken.py' failed to import: ImportError: cannot import name "
+                                          r"'Feild'"):
+        load_config(None, [f"plugins=[{tmp_path / 'broken.py'}]"])
+    with pytest.raises(PluginError, match=r"plugin 'nowhere.py': no such file or folder"):
+        load_config(None, ["plugins=[nowhere.py]"])
+    with pytest.raises(PluginError, match=r"plugin 'no_such_module_here' failed to import: ModuleNotFoundError"):
+        load_config(None, ["plugins=[no_such_module_here]"])
+    done = cli("run", "--help", cwd=tmp_path)  # and a CLI error is one line, not a traceback
+    assert done.returncode == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**tiny_tree(), "plugins": ["broken.py"]}))
+    failed = cli("run", str(bad), cwd=tmp_path)
+    assert failed.returncode != 0 and "failed to import" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_a_plugin_that_registers_a_taken_name_is_an_error_naming_both(tmp_path):
+    (tmp_path / "clash.py").write_text("from fedflat.core import Recipe, register_recipe\n"
+                                       "register_recipe(Recipe(name='fedsam', summary='mine', source='me'))\n")
+    with pytest.raises(PluginError, match=r"recipe 'fedsam' is registered twice: by module fedflat.algorithms.fedsam "
+                                          r"and by module clash; rename one of them"):
+        load_config(None, [f"plugins=[{tmp_path / 'clash.py'}]"])
+    (tmp_path / "clash_part.py").write_text(
+        "from fedflat.core import Correction, register_part\n"
+        "class Mine(Correction):\n    name = 'scaffold'\nregister_part(Mine)\n")
+    with pytest.raises(PluginError, match=r"correction 'scaffold' is registered twice: by "
+                                          r"fedflat.algorithms.scaffold.Scaffold and by clash_part.Mine"):
+        load_config(None, [f"plugins=[{tmp_path / 'clash_part.py'}]"])
+
+
+def test_an_installed_plugin_loads_through_the_entry_point_group(tmp_path):
+    """A distribution on the path with an entry point in ``fedflat.plugins`` (what `pip install` of a package with
+    ``[project.entry-points."fedflat.plugins"]`` leaves) is loaded by every fedflat process, named nowhere."""
+    site = tmp_path / "site"
+    (site / "labmethods").mkdir(parents=True)
+    (site / "labmethods" / "__init__.py").write_text(EXAMPLE.read_text().replace('name="fedasam"', 'name="labasam"')
+                                                     .replace('name = "asam"', 'name = "labasam"'))
+    info = site / "labmethods-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labmethods\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fedflat.plugins]\nlabmethods = labmethods\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])}
+    listed = subprocess.run([sys.executable, "-m", "fedflat.cli", "list"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "labasam" in listed.stdout
+
+
+def test_check_part_passes_the_example_and_names_what_a_broken_part_breaks():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from fedasam import AdaptiveSAM
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    from fedflat.testing import check_part
+
+    report = check_part(AdaptiveSAM, recipe="fedasam")
+    assert report["contract"] == "kept" and report["engines"]["relative_difference"] < report["engines"]["allowed"]
+    assert report["composed"] == "scaffold[perturbation=asam]"
+    assert report["checkpoint"] == "resumed after round 2: bit for bit"
+
+    class Forgetful(Correction):
+        """Keeps a count on self, not in declared state: a resumed run does not know it."""
+
+        name = "forgetful"
+        summary = "test only"
+
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.rounds = 0
+
+        def after_step(self, ctx, w_new):
+            self.rounds += 1
+
+        def direction(self, ctx, cohort, k, W, grad):
+            return grad * (1 + 0.1 * self.rounds)
+
+    with pytest.raises(AssertionError, match="resumed after round 2, the run ends elsewhere"):
+        check_part(Forgetful)
+
+
+def test_the_example_is_tuned_and_reported_like_a_built_in_method(tmp_path):
+    """`fedflat tune` searches the plugin recipe's own grid (its `tunable`) with the same budget as fedflat's
+    methods, and `fedflat report` groups its runs under its name."""
+    from fedflat.experiments.report import find_runs, group_runs
+    from fedflat.experiments.tune import load_study, run_study
+
+    config = example_config(tmp_path / "mine")
+    study_file = tmp_path / "tune.yaml"
+    study_file.write_text(yaml.safe_dump({
+        "base": str(config), "out": str(tmp_path / "tune"),
+        "methods": {"fedasam": {"algo": "fedasam"}, "fedavg": {"algo": "fedavg"}},
+        "search": {"budget": 2, "validation": 0.2, "seeds": [0]}, "final": {"seeds": [0]}}))
+    study = load_study(study_file)
+    assert study.methods["fedasam"].space == {"algo.rho": [0.1, 0.5, 1.0]}
+    result = run_study(study, progress=False)
+    assert result.methods["fedasam"]["selected"]["algo.rho"] in (0.1, 0.5, 1.0)
+    methods = {g.method.split(" ")[0] for g in group_runs(find_runs([tmp_path / "tune" / "final"]))}
+    assert methods == {"fedasam", "fedavg"}
