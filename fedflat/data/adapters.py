@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import numbers
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import DatasetError
+from .npy import write_npy
 
 FILES = ("x_train", "y_train", "x_test", "y_test")
 META = "dataset.json"
@@ -91,37 +91,35 @@ def _image_mode(first: Any) -> str | None:
 
 def _fill(samples: Iterator[tuple[Any, Any]], count: int, where: str,
           file: Path | None) -> tuple[np.ndarray, np.ndarray]:
-    """The inputs and labels of ``count`` samples, the inputs written into ``file`` (a memory-mapped ``.npy``,
-    written through a temporary file renamed at the end) or kept in memory."""
+    """The inputs and labels of ``count`` samples, the inputs written into ``file`` (a memory-mapped ``.npy``:
+    :func:`~fedflat.data.npy.write_npy`) or kept in memory."""
     if count < 1:
         raise DatasetError(f"{where} is empty")
     first_input, first_label = next(samples)
     mode = _image_mode(first_input)
     first = _input(first_input, mode)
-    shape, dtype = first.shape, first.dtype
-    partial = file.with_name(file.name + ".partial.npy") if file is not None else None
-    x = (np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=(count, *shape)) if partial is not None
-         else np.empty((count, *shape), dtype=dtype))
     y = np.empty(count, dtype=np.int64)
-    x[0], y[0] = first, _label(first_label, f"{where}[0]")
-    done = 1
-    for i, (value, label) in enumerate(samples, start=1):
-        if i >= count:
-            break
-        array = _input(value, mode)
-        if array.shape != shape:
-            raise DatasetError(f"{where}[{i}] has shape {array.shape} but {where}[0] has {shape}: every input needs "
-                               "the same shape (resize images in the dataset's transform)")
-        x[i], y[i] = array, _label(label, f"{where}[{i}]")
-        done += 1
-    if done != count:
-        raise DatasetError(f"{where} gave {done} samples but says it has {count}")
-    if partial is None:
-        return x, y
-    x.flush()
-    del x
-    os.replace(partial, file)
-    return np.load(file, mmap_mode="r"), y
+
+    def fill(x: np.ndarray) -> None:
+        x[0], y[0] = first, _label(first_label, f"{where}[0]")
+        done = 1
+        for i, (value, label) in enumerate(samples, start=1):
+            if i >= count:
+                break
+            array = _input(value, mode)
+            if array.shape != first.shape:
+                raise DatasetError(f"{where}[{i}] has shape {array.shape} but {where}[0] has {first.shape}: every "
+                                   "input needs the same shape (resize images in the dataset's transform)")
+            x[i], y[i] = array, _label(label, f"{where}[{i}]")
+            done += 1
+        if done != count:
+            raise DatasetError(f"{where} gave {done} samples but says it has {count}")
+
+    if file is not None:
+        return write_npy(file, first.dtype, (count, *first.shape), fill), y
+    x = np.empty((count, *first.shape), dtype=first.dtype)
+    fill(x)
+    return x, y
 
 
 def _arrays(name: str, train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
