@@ -417,6 +417,28 @@ def test_a_killed_cell_continues_its_tracked_runs(tmp_path, store):
                    run)
 
 
+def test_a_cell_killed_while_its_loggers_started_keeps_their_runs(tmp_path, store):
+    """Killed after the trackers began (ids recorded, the MLflow run made) but before config.yaml: the cell
+    starts afresh, with the same W&B id and the same MLflow run (found by the uid the start recorded first)."""
+    from mlflow import MlflowClient
+
+    path = _sweep_file(tmp_path, store, {"fedavg": {"algo": "fedavg"}}, rounds=2, out="early")
+    folder = tmp_path / "early" / "fedavg"
+    client = MlflowClient(tracking_uri=store)
+    experiment = client.create_experiment("early")
+    made = client.create_run(experiment, run_name="fedavg", tags={"fedflat.uid": "u1"}).info.run_id
+    folder.mkdir(parents=True)
+    (folder / TRACKING_FILE).write_text(json.dumps({"wandb": {"id": "early123"},
+                                                    "mlflow": {"uid": "u1", "tracking_uri": store}}))
+    (folder / "metrics.jsonl").write_text("")  # what else a killed start may leave: removed
+    result = run_sweep(load_sweep(path), progress=False)
+    assert result.cells[0]["action"] == "ran" and result.cells[0]["status"] == "completed"
+    [run] = mlflow_runs(store, "early")
+    assert run.info.run_id == made and run.info.status == "FINISHED"
+    assert list(wandb_runs(folder / "wandb")) == ["early123"]
+    assert json.loads((folder / TRACKING_FILE).read_text())["mlflow"]["run_id"] == made
+
+
 def test_tune_tracks_trials_and_final_runs_by_study(tmp_path, store):
     from fedflat.experiments.tune import load_study, run_study
 

@@ -31,9 +31,8 @@ from typing import Any, ClassVar
 from fedflat.config import LOGGER_CONFIGS, LoggerConfig, MLflowLogger, WandbLogger, dump_yaml
 from fedflat.experiments.callbacks import Callback, CallbackError, CallbackWarning, RunInfo
 from fedflat.experiments.report import flatten
+from fedflat.experiments.rundir import TRACKING_FILE
 from fedflat.files import atomic_write_text
-
-TRACKING_FILE = "tracking.json"
 
 
 class LoggerUnavailable(CallbackError):
@@ -182,7 +181,7 @@ class CSVLogger(Logger):
             self._rewrite()
             return
         with open(self.path, "a", newline="") as fh:
-            csv.DictWriter(fh, self.columns).writerow(row)
+            csv.DictWriter(fh, self.columns, lineterminator="\n").writerow(row)
 
     @staticmethod
     def _row(line: dict[str, Any]) -> dict[str, Any]:
@@ -330,17 +329,19 @@ class MLflowTracker(_Tracker):
         record_tracked(run.run_dir, self.name, uid=uid, tracking_uri=uri)
         experiment = self._experiment(self.client, run.group)
         earlier = self.client.search_runs([experiment], f"tags.`fedflat.uid` = '{uid}'") if state.get("uid") else []
+        tags = {"fedflat.uid": uid, "fedflat.run_dir": str(run.run_dir.absolute()) if run.run_dir else "",
+                **({"fedflat.group": run.group} if run.group else {}),
+                **({"fedflat.job": run.job} if run.job else {}), **self.options.tags}
         if earlier:  # made by a process killed before it could record the id
             self.run_id = earlier[0].info.run_id
+            for key, value in tags.items():
+                self.client.set_tag(self.run_id, key, value)
         else:
-            tags = {"fedflat.uid": uid, "fedflat.run_dir": str(run.run_dir.absolute()) if run.run_dir else "",
-                    **({"fedflat.group": run.group} if run.group else {}),
-                    **({"fedflat.job": run.job} if run.job else {}), **self.options.tags}
             self.run_id = self.client.create_run(experiment, run_name=run.name, tags=tags).info.run_id
-            params = [Param(k, str(v)[:6000]) for k, v in hyperparameters(run.config).items()]
-            for lo in range(0, len(params), 100):
-                self.client.log_batch(self.run_id, params=params[lo:lo + 100])
         record_tracked(run.run_dir, self.name, run_id=self.run_id, tracking_uri=uri, experiment_id=experiment)
+        params = [Param(k, str(v)[:6000]) for k, v in hyperparameters(run.config).items()]
+        for lo in range(0, len(params), 100):  # (logging a param again with its value is allowed)
+            self.client.log_batch(self.run_id, params=params[lo:lo + 100])
         self.logged = 0
 
     def log(self, values: dict[str, float], step: int) -> None:

@@ -226,7 +226,7 @@ class Runner:
         if cfg.diagnostics.every:
             from fedflat.metrics.recorder import DiagnosticsRecorder
 
-            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # before loggers, which see its scalars
+            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # its scalars join the line callbacks see
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""

@@ -42,7 +42,7 @@ from fedflat.config import Config, apply_override, load_config, located, parse_o
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import LOCK, RunFolderBusy, hold
+from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -323,8 +323,8 @@ def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, grou
         if state == "stale":
             return {"status": "failed", "reason": reason, "action": "none"}
         if state == "new":  # killed before its config was written: start afresh (the lock stays ours)
-            for leftover in folder_path.iterdir():
-                if leftover.name != LOCK:
+            for leftover in folder_path.iterdir():  # (the tracked runs' ids stay: the start continues them)
+                if leftover.name not in (LOCK, TRACKING_FILE):
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             run_experiment(cfg, run_dir=folder_path, progress=progress, group=group, job=job)
         else:
