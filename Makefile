@@ -4,14 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-slow test-all setup clean
+.PHONY: demo test test-slow test-all docs setup clean
 
 # (setuptools' notice that an editable install follows this folder says what we want: it is not shown)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e '.[dev]'
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e '.[dev,docs]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -21,6 +21,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fedflat sweep configs/demo_sweep.yaml
 	$(BIN)/fedflat report runs/sweeps/demo --target-acc 0.85 0.9 --plot runs/sweeps/demo/plots
+
+# The site: README, docs/ and the API reference from the docstrings, into docs/_build/html (warnings are errors).
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	@echo "site: docs/_build/html/index.html"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -32,4 +37,4 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache *.egg-info
+	rm -rf $(VENV) runs .pytest_cache *.egg-info docs/_build docs/reference/generated

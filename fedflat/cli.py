@@ -8,6 +8,8 @@ from pathlib import Path
 
 from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluated_on, loggers_override,
                              split_config_and_overrides)
+from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
+                            suggest)
 from fedflat.core import ConfigError
 from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
 
@@ -53,6 +55,37 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.parts:
         for role, parts in PARTS.items():
             table(f"{role} parts", [(n, c.summary) for n, c in sorted(parts.items())])
+    if args.configs:
+        table("shipped configs (`fedflat run|sweep|tune NAME`; `fedflat copy NAME` writes one out to edit)",
+              [(name, shipped_summary(name)) for name in packaged_names()])
+    return 0
+
+
+def shipped_summary(name: str) -> str:
+    """``sweep, variants: small, ...`` of a shipped config, and its first comment line below."""
+    text = packaged_configs().joinpath(f"{name}.yaml").read_text()
+    spec = read_yaml(text) or {}
+    variants = list(spec.get("variants") or {})
+    first = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
+    return file_kind(spec) + (f", variants: {', '.join(variants)}" if variants else "") + f"\n      {first}"
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    from fedflat.files import atomic_write_text
+
+    source = packaged_config(args.name)
+    if source is None:
+        raise ConfigError(f"no shipped config '{args.name}'{suggest(args.name, packaged_names())}; "
+                          "`fedflat list --configs` lists them")
+    dest = Path(args.dest or source.name)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        raise FileExistsError(f"{dest} exists: name another destination, or add --force to replace it")
+    text = source.read_text()
+    atomic_write_text(dest, text)
+    command = file_kind(read_yaml(text))
+    print(f"{dest}: a copy of the shipped {packaged_name(source)}; edit it, then: fedflat {command} {dest}")
     return 0
 
 
@@ -102,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="fedflat", description="Federated sharpness-aware minimization, side by side.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    p = sub.add_parser("run", help="run one experiment (no config: the embedded quickstart)")
+    p = sub.add_parser("run", help="run one experiment: a config file or a shipped config's name (none: quickstart)")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     p.add_argument("--out", default=None, help="parent folder of the run folder (default: config 'out', runs/)")
     p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
@@ -113,9 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
     p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
     p.add_argument("--grids", action="store_true", help="also list each recipe's tuning grid (fedflat tune)")
+    p.add_argument("--configs", action="store_true",
+                   help="also list the shipped configs, sweeps and tune files, by the name that runs them")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also list what this plugin registers (a module, .py file or package folder; repeatable)")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("copy", help="write a shipped config out to edit (`fedflat list --configs` names them)")
+    p.add_argument("name", help="a shipped config's name, e.g. fmnist_mlp or papers/fedwmsam_table1_fmnist")
+    p.add_argument("dest", nargs="?", default=None, help="file or folder to write (default: NAME's file name here)")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_copy)
 
     p = sub.add_parser("partition", help="per-client sample and class counts of a split, and a heatmap PNG")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")

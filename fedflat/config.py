@@ -359,16 +359,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found")
+        file = config_file(path)
         try:
-            loaded = read_yaml(path.read_text()) or {}
+            loaded = read_yaml(file.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            raise ConfigError(f"{file}: not valid YAML: {err}") from None
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys")
-        tree = located(loaded, path.parent)
+            raise ConfigError(f"{file}: the top level must be a mapping of keys")
+        if file_kind(loaded) != "run":
+            raise wrong_kind(path, file_kind(loaded), "run")
+        tree = located(loaded, file.parent)
     parsed = [parse_override(item) for item in overrides]
     # Choosing a method (model, partition) comes first, whatever its place on the command line: it starts
     # that section from the chosen one's defaults, and the other overrides then apply to it.
@@ -492,9 +492,69 @@ def dump_yaml(tree: dict[str, Any]) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
 
 
+def file_kind(spec: Any) -> str:
+    """What a YAML file of fedflat's is, from its top-level keys: ``tune`` (it has ``methods``), ``sweep`` (a
+    ``base``, ``config``, ``grid``, ``overrides`` or ``variants``: none is a config key) or ``run`` (one run's
+    config)."""
+    keys = set(spec) if isinstance(spec, dict) else set()
+    if "methods" in keys:
+        return "tune"
+    return "sweep" if keys & {"base", "config", "grid", "overrides", "variants"} else "run"
+
+
+def wrong_kind(name: str | Path, kind: str, wanted: str) -> ConfigError:
+    """The error for a file given to the wrong command: it names the command that runs it."""
+    what = {"run": "one run's config", "sweep": "a sweep file", "tune": "a tune file"}
+    return ConfigError(f"{name} is {what[kind]}, not {what[wanted]}: `fedflat {kind} {name}` runs it")
+
+
+def packaged_configs() -> Path:
+    """The folder of the configs shipped inside the package (the repository's ``configs/`` is a link to it)."""
+    return Path(str(resources.files("fedflat") / "configs"))
+
+
+def packaged_names() -> list[str]:
+    """The names of the shipped configs, as ``fedflat run NAME`` takes them: ``fmnist_mlp``,
+    ``papers/fedwmsam_table1_fmnist``."""
+    return sorted(packaged_name(p) for p in packaged_configs().rglob("*.yaml"))
+
+
+def packaged_config(name: str | Path) -> Path | None:
+    """The shipped config called ``name`` (a ``.yaml`` suffix and a leading ``configs/`` may be given, so the
+    repository's paths name them too), or None."""
+    key = _shipped_key(name)
+    return packaged_configs() / f"{key}.yaml" if key in packaged_names() else None
+
+
+def _shipped_key(name: str | Path) -> str:
+    return Path(name).as_posix().removeprefix("configs/").removesuffix(".yaml")
+
+
+def packaged_name(path: Path) -> str:
+    """The name of a shipped config's file (``papers/fedwmsam_table1_fmnist``)."""
+    return path.relative_to(packaged_configs()).with_suffix("").as_posix()
+
+
+def config_file(path: str | Path, what: str = "config") -> Path:
+    """``path`` if it is a file (or ``path.yaml``: a copy made by ``fedflat copy NAME`` is found before the shipped
+    NAME), else the shipped config of that name: ``fedflat run fmnist_mlp`` and ``fedflat sweep
+    configs/demo_sweep.yaml`` work in any folder once fedflat is installed."""
+    path = Path(path)
+    with_suffix = [path.with_name(f"{path.name}.yaml")] if path.name and path.suffix != ".yaml" else []
+    for candidate in (path, *with_suffix):
+        if candidate.is_file():
+            return candidate
+    shipped = packaged_config(path)
+    if shipped is None:
+        raise ConfigError(f"{what} file '{path}' not found, and no shipped config has that name"
+                          f"{suggest(_shipped_key(path), packaged_names())}; "
+                          "`fedflat list --configs` lists the shipped ones")
+    return shipped
+
+
 def quickstart_path() -> Path:
     """The embedded quickstart config (digits, Dirichlet split, FedSAM)."""
-    return Path(str(resources.files("fedflat") / "configs" / "quickstart.yaml"))
+    return packaged_configs() / "quickstart.yaml"
 
 
 def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

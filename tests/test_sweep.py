@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fedflat.config import packaged_configs
 from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CHECKPOINT, read_checkpoint
 from fedflat.engine.threads import available_cores
@@ -188,13 +189,12 @@ def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
         assert summary["machine"]["torch_threads"] <= max(1, available_cores() // 2)
 
 
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+SHIPPED = sorted(packaged_configs().rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(packaged_configs())) for p in SHIPPED])
 def test_every_shipped_config_names_registered_things(path):
-    """Every sweep and tune file (and each variant) under configs/ expands to valid cells: algorithm, dataset,
+    """Every shipped config, sweep and tune file (and each variant) expands to valid cells: algorithm, dataset,
     model and partition names exist and every hyperparameter belongs to its method."""
     from fedflat.config import load_config
     from fedflat.experiments.sweep import SWEEP_KEYS

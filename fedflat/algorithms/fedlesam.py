@@ -10,6 +10,7 @@ backprop. FedLESAM-S (Algorithm 3) and FedLESAM-D (Algorithm 4) put the same per
 SCAFFOLD's and FedDyn's correction, state and server.
 
 Options (``algo.first``, ``algo.reference``):
+
 - ``first: none`` (default): a client's first participation has no perturbation (``eps = 0``), as the
   public code does at round 0; ``first: zero`` takes the pseudo-code's initialisation ``w_i^old = 0``
   literally (``eps = -rho w^t / ||w^t||``).

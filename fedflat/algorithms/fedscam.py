@@ -1,12 +1,14 @@
 """FedSCAM (seed 003, Algorithm 1): heterogeneity-adaptive SAM radius and alignment-aware aggregation.
 
 Per selected client, before local training (at the received model ``w^t``):
+
 - heterogeneity ``h_i`` = mean of ``||g(w^t)||`` over ``B = 3`` batches;
 - pilot direction = the one-step SAM update ``-g(w^t + rho_pilot g/||g||)`` on one batch (the first of those
   ``B``; one more backprop) at the pilot radius ``rho_pilot = 0.5 rho_max / (1 + alpha_rho h_i)`` (§2.2),
   summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
 - alignment ``c_i = cos(s_i, u_{t-1})`` (0 at t = 0, where ``u`` is still zero);
 - ``h_adj = h_i max(0, 1 - kappa c_i)``, radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``; local SAM with ``rho_i``.
+
 After training: ``z_i = P_d(normalize(Delta_i))``; optional clustered dampening (k-means with ``clusters``
 clusters on ``z``; inside a cluster, for every pair with negative cosine, the smaller-norm update's weight is
 multiplied by ``dampening`` = lambda); weights ``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)``;

@@ -6,6 +6,7 @@ from the surrounding text (convex combinations with mixing coefficients, an EMA 
 ``1/(E eta_l)`` scaling that makes the aggregate comparable with ``v``), as the project spec states them.
 
 Server state ``v`` (gradient scale, init 0), sent with the model (download 2x, upload 1x).
+
 - (14) local flatness search: ``d_k = alpha g(w_{i,k}) + (1 - alpha) v``, ``eps_k = rho d_k / ||d_k||``.
 - (15) local update: ``w_{i,k+1} = w_{i,k} - eta_l (beta g(w_{i,k} + eps_k) + (1 - beta) v)``.
 - (16) global update: ``v <- (1 - gamma) v + gamma Gbar``; ``w^{t+1} = w^t - eta_g eta_l^t Ebar v``, ``Ebar = mean E_i``,

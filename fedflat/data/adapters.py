@@ -203,12 +203,21 @@ def _hf_rows(data: Any, columns: list[str], label: str, batch: int = 256) -> Ite
 
 
 def flwr_partitions(partitioner: Any, train: Any) -> list[np.ndarray]:
-    """A Flower Datasets partitioner's split of the Hugging Face training set ``train`` as fedflat's ``clients=``:
-    partition ``i``'s rows of ``train`` (their indices, in the partition's order) are client ``i``'s samples.
+    """A Flower Datasets partitioner's split of the training set as fedflat's ``clients=``: partition ``i``'s
+    samples (their indices, in the partition's order) are client ``i``'s.
 
     ``partitioner`` is a fresh ``flwr_datasets.partitioner.Partitioner`` (Dirichlet, pathological, IID, shard,
-    ...); it is given ``train`` with an index column, so any partitioner's rows map back to their positions in
-    ``train`` (which ``Dataset.from_hf`` converts in its order)."""
+    ...). ``train`` is the Hugging Face training set (converted by ``Dataset.from_hf`` in its order), or a
+    fedflat ``Dataset`` or its training labels: the partitioner then splits a dataset of those labels, in the
+    column it partitions by. Either way it gets an index column, so any partitioner's rows map back to their
+    positions in ``train``."""
+    if not hasattr(train, "add_column"):
+        import datasets
+
+        labels = train.y_train if hasattr(train, "y_train") else train
+        labels = labels.cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+        column = getattr(partitioner, "_partition_by", None) or "label"
+        train = datasets.Dataset.from_dict({column: labels.astype(np.int64).tolist()})
     if INDEX in train.column_names:
         raise DatasetError(f"flwr_partitions: the dataset already has a column {INDEX!r}")
     partitioner.dataset = train.add_column(INDEX, np.arange(len(train), dtype=np.int64))

@@ -104,14 +104,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("sweep", help="run a grid of experiments (reruns skip finished cells, resume unfinished)")
-    p.add_argument("sweep", help="sweep YAML (see configs/ and docs/experiments.md)")
+    p.add_argument("sweep", help="sweep YAML, or a shipped sweep's name (fedflat list --configs; docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every cell")
     _cell_options(p)
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("tune", help="tune every method on a validation split with equal budgets, then test the "
                                     "selections over seeds (reruns resume)")
-    p.add_argument("tune", help="tune YAML (see configs/ and docs/experiments.md)")
+    p.add_argument("tune", help="tune YAML, or a shipped tune file's name (fedflat list --configs)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every trial and final run")
     p.add_argument("--methods", default=None, metavar="A,B,...",
                    help="only these of the file's methods: a group finishes its trials and final runs before the "

@@ -34,7 +34,12 @@ from fedflat.progress import progress_bar
 
 @dataclass
 class History:
-    """What a run produced: per-evaluation metrics, the summary, the final global model (flat)."""
+    """What a run produced: per-evaluation metrics, the summary, the final global model (flat).
+
+    ``metrics`` holds one dict per evaluated round (the lines of ``metrics.jsonl``), ``summary`` what
+    ``summary.json`` holds, ``config`` the resolved config, ``final_parameters`` the global model as one flat
+    vector and ``state_dict`` as the model's state dict; ``run_dir`` is the run folder (None with ``save=False``).
+    """
 
     metrics: list[dict[str, Any]]
     summary: dict[str, Any]
@@ -44,10 +49,12 @@ class History:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def column(self, key: str) -> list[Any]:
+        """One metric over the evaluated rounds (``history.column("test_acc")``; None where a round lacks it)."""
         return [m.get(key) for m in self.metrics]
 
     @property
     def final_test_acc(self) -> float | None:
+        """The test accuracy of the final model (None without a test evaluation, as in a validation run)."""
         return self.summary.get("final_test_acc")
 
 

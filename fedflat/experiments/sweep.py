@@ -2,7 +2,7 @@
 
 A sweep file (YAML)::
 
-    base: ../fmnist_mlp.yaml          # a config file, relative to this file ('quickstart': the embedded one)
+    base: ../fmnist_mlp.yaml          # a config file relative to this file, or a shipped one's name (quickstart)
     overrides: [rounds=500]           # applied to every cell
     grid:                             # axes, in order; a cell takes one option of each axis
       method:                         # a named axis: option name -> overrides
@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import Config, apply_override, load_config, located, parse_override, resolve, suggest
+from fedflat.config import (Config, apply_override, config_file, file_kind, load_config, located, packaged_config,
+                            parse_override, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
@@ -175,14 +176,15 @@ def _refuse_unknown(spec: dict[str, Any], allowed: set[str], what: str, hint: st
                           f"{', '.join(sorted(allowed))}{hint}")
 
 
-def read_experiment_file(path: Path, what: str, allowed: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_experiment_file(path: Path, what: str, allowed: set[str],
+                         name: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
-    tree: the ``base`` file read, the ``config`` keys applied."""
-    if not path.is_file():
-        raise ConfigError(f"{what} file '{path}' not found")
+    tree: the ``base`` file read, the ``config`` keys applied. ``name``: the file as the user gave it."""
     spec = _read_yaml(path.read_text()) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    if set(spec) - allowed and file_kind(spec) != what:
+        raise wrong_kind(name or path, file_kind(spec), what)
     _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
@@ -205,9 +207,10 @@ def pick_variant(spec: dict[str, Any], path: Path, variant: str, allowed: set[st
 
 def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
-    """Reads a sweep file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``)."""
-    path = Path(path)
-    spec, base = read_experiment_file(path, "sweep", SWEEP_KEYS)
+    """Reads a sweep file (a path, or a shipped sweep's name); ``variant`` picks an entry of its ``variants``
+    (e.g. ``small``)."""
+    given, path = path, config_file(path, "sweep")
+    spec, base = read_experiment_file(path, "sweep", SWEEP_KEYS, given)
     overrides = _parse_overrides(spec.get("overrides"), str(path))
     grid = spec.get("grid") or {}
     variants = spec.get("variants") or {}
@@ -224,14 +227,15 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
 
 
 def _base_path(sweep_path: Path, base: str) -> Path:
-    if base == "quickstart":
-        from fedflat.config import quickstart_path
-
-        return quickstart_path()
+    """A file relative to the sweep file, or else a shipped config by name (``quickstart``, ``fmnist_mlp``)."""
     candidate = (sweep_path.parent / base).resolve()
-    if not candidate.is_file():
-        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate})")
-    return candidate
+    if candidate.is_file():
+        return candidate
+    shipped = packaged_config(base)
+    if shipped is None:
+        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate}, and no shipped "
+                          "config has that name: `fedflat list --configs`)")
+    return shipped
 
 
 # --- the state of a cell folder --------------------------------------------------------------------

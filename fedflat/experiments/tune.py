@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from fedflat.config import parse_override
+from fedflat.config import config_file, parse_override
 from fedflat.core import ConfigError
 from fedflat.experiments.sweep import (Cell, RayCells, _option_name, _parse_axis, _parse_overrides, _refuse_unknown,
                                        config_from, pick_variant, read_experiment_file, run_cells)
@@ -182,12 +182,12 @@ def _int_list(value: Any, where: str) -> list[int]:
 
 def load_study(path: str | Path, variant: str | None = None, out: str | Path | None = None,
                extra_overrides: list[str] | tuple[str, ...] = (), only: list[str] | None = None) -> Study:
-    """Reads a tune file; ``variant`` picks an entry of its ``variants`` (e.g. ``small``); ``only`` keeps
-    these of its methods (in the file's order)."""
+    """Reads a tune file (a path, or a shipped tune file's name); ``variant`` picks an entry of its ``variants``
+    (e.g. ``small``); ``only`` keeps these of its methods (in the file's order)."""
     from fedflat.core import RECIPES
 
-    path = Path(path)
-    spec, base = read_experiment_file(path, "tune", TUNE_KEYS)
+    given, path = path, config_file(path, "tune")
+    spec, base = read_experiment_file(path, "tune", TUNE_KEYS, given)
     overrides = _parse_overrides(spec.get("overrides"), str(path))
     search, final = dict(spec.get("search") or {}), dict(spec.get("final") or {})
     out_dir = spec.get("out") or f"runs/tune/{path.stem}"

@@ -19,7 +19,7 @@ from .resnet import resnet18, resnet20, resnet34, resnet50, wrn28_4
 from .textcnn import textcnn
 from .vit import vit
 
-#: name -> (factory(input_shape, num_classes, **options), one-line description)
+#: name -> ``(factory(input_shape, num_classes, **options), one-line description)``
 MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "logreg": (logreg, "Logistic regression: flatten + one Linear layer"),
     "mlp": (mlp, "FedAvg 2NN MLP: flatten, ReLU hidden layers (200, 200), Linear"),

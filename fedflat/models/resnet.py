@@ -17,15 +17,15 @@ Stems:
 
 Parameter counts (3 input channels, 10 classes):
 
-====================  ============  ==============
-model                 stem="cifar"  stem="imagenet"
-====================  ============  ==============
-resnet18              11,173,962    11,181,642
-resnet34              21,282,122    21,289,802
-resnet50 (1000 cl.)   -             25,557,032 (torchvision's count)
-resnet20              272,474       -
-wrn28_4 (100 classes) 5,872,180     -
-====================  ============  ==============
+=====================  ============  ==============
+model                  stem="cifar"  stem="imagenet"
+=====================  ============  ==============
+resnet18               11,173,962    11,181,642
+resnet34               21,282,122    21,289,802
+resnet50 (1000 cl.)    -             25,557,032 (torchvision's count)
+resnet20               272,474       -
+wrn28_4 (100 classes)  5,872,180     -
+=====================  ============  ==============
 
 Initialisation follows torchvision: Kaiming-normal (fan_out, ReLU) convolutions,
 norm weight 1 / bias 0, default ``nn.Linear`` init for the classifier.

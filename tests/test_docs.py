@@ -1,0 +1,172 @@
+"""The documentation site (`make docs`): README, docs/ and the API reference from the docstrings build with warnings
+as errors, the reference covers every module, and a headless Chromium finds the pages' headings."""
+from __future__ import annotations
+
+import functools
+import http.server
+import pkgutil
+import shutil
+import subprocess
+import sys
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urljoin
+
+import pytest
+
+import fedflat
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site built (as `make docs` does, warnings as errors) from a copy of docs/, examples/ and README, so the
+    build's generated pages and caches stay out of the working tree."""
+    pytest.importorskip("sphinx", reason="Sphinx is not installed: `make setup` installs the docs extra")
+    pytest.importorskip("myst_parser", reason="myst-parser is not installed: `make setup` installs the docs extra")
+    source = tmp_path_factory.mktemp("docs-source")
+    shutil.copy(REPO / "README.md", source / "README.md")
+    shutil.copytree(REPO / "docs", source / "docs", ignore=shutil.ignore_patterns("_build", "generated"))
+    shutil.copytree(REPO / "examples", source / "examples", ignore=shutil.ignore_patterns("__pycache__", "runs"))
+    out = source / "html"
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
+                           str(source / "docs"), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and not done.stderr.strip(), f"the site has warnings:\n{done.stderr[-5000:]}"
+    return out
+
+
+def test_the_site_builds_without_warnings_and_holds_every_page(site):
+    pages = {p.stem for p in (REPO / "docs").glob("*.md")} - {"index"}
+    assert pages and all((site / f"{page}.html").is_file() for page in pages)
+    assert (site / "reference" / "api.html").is_file()
+
+
+def modules() -> list[str]:
+    """Every module of the package but ``fedflat`` itself (its names are the Python API page)."""
+    root = Path(fedflat.__file__).parent
+    names = {".".join(("fedflat", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+             for p in root.rglob("*.py") if p.name not in ("__main__.py", "_version.py")}
+    return sorted(names - {"fedflat"})
+
+
+def listed() -> list[str]:
+    """The modules and packages docs/reference/index.rst lists (a package brings its modules)."""
+    return [line.strip() for line in (REPO / "docs/reference/index.rst").read_text().splitlines()
+            if line.strip().startswith("fedflat.")]
+
+
+def test_the_reference_lists_every_module():
+    """A new module must fall under a listed package or be added to docs/reference/index.rst."""
+    packages = {m.name for m in pkgutil.walk_packages([str(Path(fedflat.__file__).parent)], "fedflat.") if m.ispkg}
+    uncovered = [m for m in modules() if not any(m == entry or (entry in packages and m.startswith(entry + "."))
+                                                 for entry in listed())]
+    assert not uncovered, f"modules missing from docs/reference/index.rst: {uncovered}"
+
+
+def test_every_module_has_its_page(site):
+    missing = [m for m in modules() if not (site / "reference" / "generated" / f"{m}.html").is_file()]
+    assert not missing and "fedflat.core.part" in modules()
+
+
+class Page(HTMLParser):
+    """The headings (h1-h3) of a page's main part (not its sidebar), its links and object descriptions (``dt``, by
+    id), as the browser left its DOM."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.headings: list[tuple[str, str]] = []
+        self.links: dict[str, str] = {}
+        self.ids: dict[str, str] = {}
+        self.terms: list[str] = []
+        self._open: list[tuple[str, str | None, list[str]]] = []
+        self._main = 0  # depth of <div> inside <div role="main">
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "div" and (self._main or attrs.get("role") == "main"):
+            self._main += 1
+        if tag in ("a", "dt") or (tag in ("h1", "h2", "h3") and self._main):
+            key = attrs.get("href") if tag == "a" else attrs.get("id")
+            self._open.append((tag, key, []))
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self._main:
+            self._main -= 1
+        if self._open and self._open[-1][0] == tag:
+            tag, key, parts = self._open.pop()
+            text = " ".join("".join(parts).split()).replace("¶", "").replace("#", "").strip()
+            if tag.startswith("h"):
+                self.headings.append((tag, text))
+            elif tag == "a" and key:
+                self.links.setdefault(text, key)
+            elif tag == "dt":
+                self.terms.append(text)
+                if key:
+                    self.ids[key] = text
+            if self._open:  # a link's text is part of its heading's
+                self._open[-1][2].append(" ".join(parts))
+
+    def handle_data(self, data):
+        if self._open:
+            self._open[-1][2].append(data)
+
+
+@pytest.fixture(scope="module")
+def browser(site, tmp_path_factory):
+    """``open(path) -> Page``: the page served by a local HTTP server on 127.0.0.1 and loaded by headless Chromium
+    (its DOM after the page's scripts ran)."""
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it as root)")
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    profile = tmp_path_factory.mktemp("chromium-profile")
+
+    def open_page(path: str) -> Page:
+        done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                               "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+                               "--dump-dom", urljoin(base, path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "<html" in done.stdout, done.stderr[-3000:]
+        return Page(done.stdout)
+
+    yield open_page
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_a_browser_finds_the_start_page_and_the_reference_of_fedflat_run(browser):
+    start = browser("index.html")
+    assert start.headings[0] == ("h1", "fedflat")
+    assert {"Two commands", "Running experiments", "Python API"} <= {text for tag, text in start.headings
+                                                                     if tag == "h2"}
+    # from the start page's navigation to the reference, and from there to the page of fedflat.run
+    reference = browser(start.links["API reference"])
+    assert reference.headings[0] == ("h1", "API reference")
+    api_href = urljoin(start.links["API reference"], reference.links["Python API: fedflat.run"])
+    api = browser(api_href)
+    assert api.headings[0] == ("h1", "Python API: fedflat.run")
+    assert api.ids["fedflat.run"].startswith("run(config=None, *, overrides=(), dataset=None")
+    assert any(term.startswith("class History") for term in api.terms)
+    core = browser(urljoin(api_href, "generated/fedflat.core.html"))
+    assert core.headings[0] == ("h1", "fedflat.core")
+    part = browser(urljoin(api_href, "generated/fedflat.core.part.html"))
+    assert "fedflat.core.part.Part" in part.ids and "fedflat.core.part.Perturbation" in part.ids
+
+
+def test_the_site_search_finds_a_function(browser):
+    results = browser("search.html?q=load_sweep")
+    assert any(text.startswith("fedflat.experiments.sweep.load_sweep") for text in results.links), \
+        sorted(results.links)[:20]
