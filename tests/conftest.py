@@ -60,6 +60,19 @@ def mapped_file(tensor: torch.Tensor) -> str | None:
     return None
 
 
+# The tiny problem's model for a method that keeps BatchNorm layers on the clients (FedBN): the CNN with BatchNorm
+# on 8x8 synthetic images.
+BATCH_NORM_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "data.options.shape=[1,8,8]")
+
+
+def model_for(recipe: str) -> tuple[str, ...]:
+    """Overrides that give ``recipe`` a model it runs on: none (the tiny MLP), or :data:`BATCH_NORM_CNN` for a
+    recipe whose personalization keeps BatchNorm layers (which the MLP has not)."""
+    from fedflat.algorithms import RECIPES
+
+    return BATCH_NORM_CNN if RECIPES[recipe].personalization == "fedbn" else ()
+
+
 @pytest.fixture
 def tiny():
     """``tiny(overrides...) -> Config`` of the tiny problem."""

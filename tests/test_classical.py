@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import model_for
 
 import fedflat
 from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
@@ -389,6 +390,7 @@ COMMUNICATION = {
     "fedper": (1, 1, 1), "fedper-sam": (1, 1, 1), "fedper-fft": (1, 1, 1),
     "fedgf": (1, 2, 0),  # the model and the global perturbation down (and c)
     "fedgmt": (1, 2, 1),  # the model and the trajectory down, the dual lambda_i kept by the client
+    "fedbn": (1, 1, 1),  # as FedPer, on the BatchNorm CNN: and the buffers both ways, counted at their own dtypes
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.
@@ -402,16 +404,20 @@ def test_measured_communication_and_client_state(tiny, name):
     metrics give the model-sized vectors and bytes per sampled client, up and down."""
     base = name.split("-")[0] if name.startswith("fedvssam-") else name
     up, down, state = COMMUNICATION[base]
-    hist = fedflat.run(tiny(f"algo={name}", "rounds=2"), save=False, progress=False)
-    P = hist.summary["parameters"]
+    hist = fedflat.run(tiny(f"algo={name}", "rounds=2", *model_for(name)), save=False, progress=False)
+    P, Q = hist.summary["parameters"], hist.summary["buffers"]
+    # the BatchNorm CNN's two BatchNorm2d(64): a float32 running mean and variance per channel, an int64 count each
+    assert Q in (0, 2 * (2 * 64 + 1))
+    buffer_bytes = 2 * (2 * 64 * 4 + 8) if Q else 0
+    kept = state + (1 if Q and RECIPES[name].personalization == "fedbn" else 0)  # FedBN: and its own buffers
     for record in hist.metrics:
         assert (record["up_vectors"], record["down_vectors"]) == (up, down), record
-        assert record["up_bytes"] == 4 * (up * P + EXTRA_UP.get(name, 1))
-        assert record["down_bytes"] == 4 * (down * P + EXTRA_DOWN.get(name, 0))
+        assert record["up_bytes"] == 4 * (up * P + EXTRA_UP.get(name, 1)) + buffer_bytes
+        assert record["down_bytes"] == 4 * (down * P + EXTRA_DOWN.get(name, 0)) + buffer_bytes
     assert (hist.summary["up_vectors"], hist.summary["down_vectors"]) == (up, down)
     assert hist.summary["up_bytes"] == sum(m["up_bytes"] * m["clients"] for m in hist.metrics)
     assert build_algorithm({"name": name}).client_state_vectors == state
-    assert hist.metrics[-1]["store"] <= state * 6 and (hist.metrics[-1]["store"] > 0) == (state > 0)
+    assert hist.metrics[-1]["store"] <= kept * 6 and (hist.metrics[-1]["store"] > 0) == (state > 0)
 
 
 def test_measured_accounting_in_metrics(tiny):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_tree
+from conftest import model_for, tiny_tree
 from torch import nn
 
 import fedflat
@@ -211,7 +211,7 @@ def test_direction_tracking_error_is_zero_for_the_reference_gradient_and_unavail
 def test_every_algorithm_gets_an_answer_or_a_reason(algo):
     """Each probe-based diagnostic runs on every method of the library, before and after a round,
     without changing the run's server or client state."""
-    sim = _sim(f"algo={algo}")
+    sim = _sim(f"algo={algo}", *model_for(algo))
     options = fedflat.config.DiagnosticsConfig(clients=3, client_samples=20, samples=60, bands=2,
                                                reference_batches=1, reference_batch_size=30)
     for rounds in (0, 1):

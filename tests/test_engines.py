@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import model_for
 
 import fedflat
 from fedflat.algorithms import RECIPES, build_algorithm
@@ -46,12 +47,13 @@ def _vectorizable(name: str) -> bool:
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_engines_agree_for_every_method(tiny, name):
-    sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, "engine=sequential"), save=False, progress=False)
+    model = model_for(name)
+    sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=sequential"), save=False, progress=False)
     if not _vectorizable(name):
         with pytest.raises(ConfigError, match="does not support the vectorized engine"):
-            Simulation(tiny(f"algo={name}", *UNEQUAL, "engine=vectorized"))
+            Simulation(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"))
         return
-    vectorized = fedflat.run(tiny(f"algo={name}", *UNEQUAL, "engine=vectorized"), save=False, progress=False)
+    vectorized = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"), save=False, progress=False)
     assert vectorized.summary["engine"] == "vectorized" and sequential.summary["engine"] == "sequential"
     _assert_runs_agree(sequential, vectorized)
 

@@ -172,6 +172,36 @@ def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
     assert [m["round"] for m in written] == [1, 2, 3] and all(m["wire_up_bytes"] > 0 for m in written)
 
 
+BN_DROPOUT_CNN = ("data.name=synthetic", "data.options.shape=[1,8,8]", "data.options.num_classes=3",
+                  "data.options.train_size=180", "data.options.test_size=60", "model=cnn", "model.padding=2",
+                  "model.norm=batch", "model.dropout=0.3")
+
+
+@pytest.mark.parametrize("algo", ["fedbn", *(pytest.param(a, marks=pytest.mark.slow)
+                                             for a in ("fedavg", "scaffold", "fedsam", "fedlesam", "feddyn"))])
+def test_a_flower_simulation_of_a_batch_norm_dropout_cnn_equals_fedflat_run(algo, tmp_path):
+    """The nodes receive the global buffers with the model, train with the clients' dropout streams and upload their
+    statistics; FedBN's BatchNorm stays on the nodes, which evaluate their clients with it: the run's numbers, its
+    final model and buffers (model.pt) are fedflat's in one process, bit for bit."""
+    cfg = small(algo, "rounds=2", *BN_DROPOUT_CNN)
+    ours = fedflat.run(cfg, save=False, progress=False)
+    theirs = simulate(cfg, supernodes=3, out=tmp_path, progress=False)
+    assert_same_metrics(ours.metrics, theirs.metrics)
+    assert [m["test_acc"] for m in ours.metrics] == [m["test_acc"] for m in theirs.metrics]
+    assert ours.state_dict.keys() == theirs.state_dict.keys()
+    for key, value in ours.state_dict.items():
+        assert torch.equal(value, theirs.state_dict[key]), key
+    from fedflat.models import build_model
+
+    module = build_model("cnn", (1, 8, 8), 3, padding=2, norm="batch", dropout=0.3)
+    module.load_state_dict(torch.load(theirs.run_dir / "model.pt", weights_only=True), strict=True)
+    if theirs.summary["evaluation"] == "global":  # the reported accuracy is model.pt's in eval mode
+        data = Simulation(cfg).dataset
+        with torch.no_grad():
+            correct = int((module.eval()(data.x_test).argmax(1) == data.y_test).sum())
+        assert theirs.summary["final_test_acc"] == correct / len(data.y_test)
+
+
 def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state_back(tmp_path):
     """Partition 1's node fails in round 2, partition 2's sends an upload without its losses in round 3 and
     partition 0's one with an entry the others lack in round 4: those rounds aggregate the other clients,

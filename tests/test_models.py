@@ -80,7 +80,7 @@ def test_unknown_option_names_option_and_valid_ones() -> None:
 
 def test_model_options_reports_defaults() -> None:
     assert model_options("mlp") == {"hidden": (200, 200)}
-    assert model_options("resnet18") == {"stem": "cifar", "groups": 2}
+    assert model_options("resnet18") == {"stem": "cifar", "groups": 2, "norm": "group"}
     assert model_options("textcnn")["vocab_size"] == 30000
 
 

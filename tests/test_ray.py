@@ -23,7 +23,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from conftest import tiny_tree  # noqa: E402
+from conftest import model_for, tiny_tree  # noqa: E402
 
 import fedflat  # noqa: E402
 from fedflat.algorithms import RECIPES  # noqa: E402
@@ -73,7 +73,7 @@ def _trajectory(sim: Simulation, rounds: int) -> list:
 
 
 def _assert_identical(local: Simulation, other: Simulation) -> None:
-    assert torch.equal(local.w, other.w)
+    assert torch.equal(local.w, other.w) and torch.equal(local.buffers, other.buffers)
     assert local.server.keys() == other.server.keys()
     for key in local.server:
         assert torch.equal(local.server[key], other.server[key]), key
@@ -84,7 +84,7 @@ def _assert_identical(local: Simulation, other: Simulation) -> None:
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name):
-    cfg = _tiny(f"algo={name}", *UNEQUAL)
+    cfg = _tiny(f"algo={name}", *UNEQUAL, *model_for(name))
     local = Simulation(cfg)
     expected = _trajectory(local, 2)
     for workers in (1, 2, 3):
@@ -94,6 +94,27 @@ def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name)
         assert _trajectory(sim, 2) == expected, f"{workers} workers"
         _assert_identical(local, sim)
         sim.close()
+
+
+BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
+                  "data.options.shape=[1,8,8]")
+
+
+@pytest.mark.parametrize("name", ["fedavg", *(pytest.param(a, marks=pytest.mark.slow)  # fedbn: also every recipe's
+                                             for a in ("fedbn", "scaffold", "fedsam", "fedlesam", "feddyn"))])
+def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, name):
+    """Workers rebuild the CNN, train each client from the broadcast buffers with its dropout stream, and return its
+    statistics (FedBN: its own BatchNorm, kept in the driver's store): the local numbers, bit for bit."""
+    cfg = _tiny(f"algo={name}", *UNEQUAL, *BN_DROPOUT_CNN)
+    local = Simulation(cfg)
+    expected = _trajectory(local, 2)
+    sim = Simulation(cfg)
+    sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
+                               actors=pool[:2])
+    assert _trajectory(sim, 2) == expected
+    _assert_identical(local, sim)
+    assert not torch.equal(sim.buffers, sim.model.initial_buffers) or name == "fedbn"
+    sim.close()
 
 
 def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):

@@ -182,15 +182,16 @@ from fedflat.core import ConfigError
 from fedflat.config import load_config
 sys.path.insert(0, {tests!r})
 from conftest import tiny_tree
-cfg = load_config(None, ["rounds=8", "checkpoint_every=1"], base=tiny_tree())
+cfg = load_config(None, ["rounds=8", "checkpoint_every=1", *{overrides!r}], base=tiny_tree())
 fedflat.run(cfg, run_dir={folder!r}, progress=False)
 """
 
 
-def _sigkill_child_when(folder, slow_write: str, ready, poll: float) -> None:
+def _sigkill_child_when(folder, slow_write: str, ready, poll: float, overrides: tuple[str, ...] = ()) -> None:
     """Runs the 8-round child with a slowed checkpoint writer, SIGKILLs it once ``ready()`` holds."""
     env = {**os.environ, SLOW_WRITE_ENV: slow_write, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder))],
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder),
+                                                                  overrides=list(overrides))],
                              env=env, cwd=folder.parent)
     try:
         deadline = time.monotonic() + 60
@@ -249,3 +250,51 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
     resume(folder, progress=False)
     full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
+                  "data.options.shape=[1,8,8]")
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    """Two checkpoints' simulation states, bit for bit: model, buffers, server state, client store."""
+    assert torch.equal(a["w"], b["w"]) and torch.equal(a["buffers"], b["buffers"])
+    assert a["server"].keys() == b["server"].keys() and a["store"].keys() == b["store"].keys()
+    for key in a["server"]:
+        assert torch.equal(a["server"][key], b["server"][key]), key
+    for slot in a["store"]:
+        assert a["store"][slot].keys() == b["store"][slot].keys()
+        for client in a["store"][slot]:
+            assert torch.equal(a["store"][slot][client], b["store"][slot][client]), (slot, client)
+
+
+def test_a_batch_norm_dropout_cnn_killed_after_round_3_resumes_to_the_uninterrupted_run(tiny, tmp_path):
+    """SCAFFOLD on the BatchNorm + dropout CNN in a child process, SIGKILLed once round 3's metrics line is written:
+    resumed, its metrics, model, BatchNorm statistics (checkpointed as the buffer vector), server state and client
+    store equal a run never interrupted, bit for bit."""
+    overrides = ("algo=scaffold", *BN_DROPOUT_CNN, "train.batch_size=7")
+    folder = tmp_path / "killed"
+    _sigkill_child_when(folder, "0", lambda: folder.exists() and len(read_jsonl(folder / "metrics.jsonl")) >= 3,
+                        poll=0.02, overrides=overrides)
+    assert read_checkpoint(folder)["round"] < 8
+    resumed = resume(folder, progress=False)
+    full = fedflat.run(tiny("rounds=8", "checkpoint_every=1", *overrides), run_dir=tmp_path / "full", progress=False)
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    _assert_same_state(read_checkpoint(folder)["state"], read_checkpoint(tmp_path / "full")["state"])
+    assert not torch.equal(read_checkpoint(folder)["state"]["buffers"][:64], torch.zeros(64, dtype=torch.float64))
+
+
+def test_fedbn_resumes_with_each_clients_batch_norm(tiny, tmp_path):
+    """FedBN's private statistics live in the client store, checkpointed with it: a run stopped after round 5
+    (its last checkpoint round 4's) resumes to the uninterrupted run, the clients' BatchNorm included."""
+    cfg = tiny("algo=fedbn", *BN_DROPOUT_CNN, "rounds=6", "checkpoint_every=2", "eval.every=1")
+    full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
+    folder = _interrupted(cfg, tmp_path, stop_after=5)
+    assert read_checkpoint(folder)["round"] == 4
+    resume(folder, progress=False)
+    assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    state = read_checkpoint(folder)["state"]
+    _assert_same_state(state, read_checkpoint(tmp_path / "full")["state"])
+    assert state["store"]["buffers"] and full.summary["evaluation"] == "personalized"
+

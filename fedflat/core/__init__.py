@@ -17,11 +17,11 @@ from typing import Any
 
 _HOMES = {
     "errors": ("AlgorithmError", "ConfigError", "ContractError", "Diverged", "NoClients", "PluginError"),
-    "vectors": ("NORM_EPS", "ParamLayout", "normalize_rows", "row_norm"),
+    "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "persistent_buffers", "row_norm"),
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
-    "round": ("MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Cohort",
-              "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "merge_results",
-              "payload_size"),
+    "round": ("BUFFERS", "MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult",
+              "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings",
+              "merge_results", "payload_size"),
     "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
              "ServerUpdate", "shared"),
     "init": ("Init",),

@@ -203,6 +203,13 @@ class Personalization(Part):
         start their local training from it, and a personalized evaluation tests it."""
         return None
 
+    def private_buffers(self, settings: TrainSettings) -> torch.Tensor | None:
+        """A boolean mask ``[Q]`` of the buffer entries (:attr:`TrainSettings.buffers`) that stay on each client, or
+        None. The engine keeps those entries per client as it keeps buffers at all: a client starts from the
+        broadcast buffers with its own private entries, keeps its final ones, and uploads the broadcast's there;
+        a personalized evaluation runs each client's model with its own (FedBN's BatchNorm statistics)."""
+        return None
+
 
 class Aggregation(Part):
     """The client weights ``p_i`` of the round (summing to one)."""

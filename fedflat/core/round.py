@@ -14,10 +14,11 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from fedflat.core.vectors import ParamLayout
+from fedflat.core.vectors import BufferLayout, ParamLayout
 
 MODEL = "model"  # upload: the client's final model w_{i,E}, [C, P]
 TRAIN_LOSS = "train_loss"  # upload: the client's mean local loss of the round, [C]
+BUFFERS = "buffers"  # upload: the client's final buffers b_{i,E}, [C, Q] float64 (models with buffers only)
 
 
 @dataclass
@@ -102,6 +103,8 @@ class TrainSettings:
     seed: int
     layout: ParamLayout | None = None  # where each parameter tensor lives in the flat vector (per-tensor filters)
     total_samples: int = 0  # training samples over all clients, n (FedAWA's initial logits n_i / n); 0: unknown
+    buffers: BufferLayout | None = None  # where each buffer lives in the flat buffer vector b (models with buffers)
+    batch_norms: tuple[str, ...] = ()  # names of the model's BatchNorm modules (FedBN keeps them on the clients)
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,
@@ -120,7 +123,8 @@ class Broadcast:
     ``w`` is the point clients start from (``w^t``, or what the server update broadcasts, e.g.
     FedACG's lookahead); ``server`` holds the server-state entries the parts send every client
     (:meth:`Part.downlink`), e.g. SCAFFOLD's ``c``; ``personal`` the rows the server computes for each
-    client (:meth:`Part.personal`), ``[K, ...]`` in the order of ``ids``. ``lr`` is ``eta_l^t``.
+    client (:meth:`Part.personal`), ``[K, ...]`` in the order of ``ids``. ``lr`` is ``eta_l^t``. ``buffers`` is
+    the global model's buffers ``b^t`` (``[Q]`` float64, :class:`BufferLayout`) for a model that has any.
     """
 
     round: int
@@ -129,6 +133,7 @@ class Broadcast:
     server: dict[str, torch.Tensor]
     ids: torch.Tensor | None = None
     personal: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: torch.Tensor | None = None
 
     def shared(self) -> dict[str, torch.Tensor]:
         """What every client receives alike: the model and the parts' shared entries."""
@@ -136,16 +141,17 @@ class Broadcast:
 
     def to(self, device: torch.device | str) -> "Broadcast":
         return Broadcast(self.round, self.lr, self.w.to(device), {k: v.to(device) for k, v in self.server.items()},
-                         self.ids, {k: v.to(device) for k, v in self.personal.items()})
+                         self.ids, {k: v.to(device) for k, v in self.personal.items()},
+                         None if self.buffers is None else self.buffers.to(device))
 
     def for_clients(self, ids: torch.Tensor) -> "Broadcast":
         """The broadcast as the clients ``ids`` (a subset of ``self.ids``) receive it: their personal rows only."""
         if not self.personal:
-            return Broadcast(self.round, self.lr, self.w, self.server, ids)
+            return Broadcast(self.round, self.lr, self.w, self.server, ids, buffers=self.buffers)
         position = {int(c): row for row, c in enumerate(self.ids.tolist())}
         index = torch.tensor([position[int(c)] for c in ids.tolist()], dtype=torch.long)
         return Broadcast(self.round, self.lr, self.w, self.server, ids,
-                         {k: v[index.to(v.device)] for k, v in self.personal.items()})
+                         {k: v[index.to(v.device)] for k, v in self.personal.items()}, self.buffers)
 
 
 @dataclass
@@ -154,7 +160,9 @@ class ClientContext:
     compute (the gradient ``oracle`` and the ``batches`` of its own data).
 
     ``w_start`` is where local training starts: the broadcast model ``w_broadcast`` ``[P]``, or with a
-    personalization part each client's own model ``[C, P]`` (the broadcast with its private entries)."""
+    personalization part each client's own model ``[C, P]`` (the broadcast with its private entries).
+    ``buffers`` is the broadcast's ``b^t`` (``[Q]``, None for a model without buffers): the engine runs each
+    client's forward passes with its own copy, which parts never need to touch."""
 
     round: int
     lr: float
@@ -164,6 +172,7 @@ class ClientContext:
     oracle: GradientOracle
     batches: ClientData
     w_broadcast: torch.Tensor | None = None
+    buffers: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.w_broadcast is None:
@@ -173,7 +182,7 @@ class ClientContext:
     def of(cls, broadcast: Broadcast, settings: TrainSettings, oracle: GradientOracle,
            batches: ClientData) -> "ClientContext":
         return cls(round=broadcast.round, lr=broadcast.lr, w_start=broadcast.w, server=broadcast.server,
-                   settings=settings, oracle=oracle, batches=batches)
+                   settings=settings, oracle=oracle, batches=batches, buffers=broadcast.buffers)
 
 
 @dataclass(frozen=True)

@@ -150,9 +150,10 @@ def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dat
     if not model_file.exists():
         raise CheckpointError(f"{run_dir}: neither {CHECKPOINT} nor model.pt; the run saved no state yet")
     state = torch.load(model_file, map_location="cpu", weights_only=True)
-    missing = [n for n in sim.model.layout.names if n not in state]
-    if missing:
-        raise CheckpointError(f"{model_file}: does not match the configured model (missing {missing[:3]})")
-    sim.w = torch.cat([state[n].reshape(-1) for n in sim.model.layout.names]).to(sim.device)
+    try:
+        w, b = sim.model.vectors(state)
+    except ValueError as err:
+        raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
+    sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
     sim.rounds_done = None
     return sim

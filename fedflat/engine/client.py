@@ -12,8 +12,9 @@ from typing import Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
-from fedflat.core import MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, torch_stream
+from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, torch_stream
 from fedflat.engine.batches import local_schedule, stack_batches
+from fedflat.engine.oracle import ClientSession
 
 
 def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -97,22 +98,56 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
+    A model with buffers trains each client from the broadcast buffers (with its own private entries, FedBN's)
+    within the oracle's :class:`~fedflat.engine.oracle.ClientSession` and uploads its final ones as ``buffers``
+    (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
+    personalization, settings = algorithm.parts["personalization"], ctx.settings
+    backprops_before = ctx.oracle.backprops
+    ids = cohort.ids.tolist()
+    own = personalization.models(ctx.w_start, cohort.state, cohort.known, settings)
+    if own is not None:  # each client starts from its own model: the broadcast with its private entries
+        ctx = replace(ctx, w_start=own)
+    private = personalization.private_buffers(settings) if ctx.buffers is not None else None
+    start = None if ctx.buffers is None else own_buffers(ctx.buffers, private, cohort.state, cohort.known, cohort.size)
+    with ctx.oracle.clients(ids, ctx.round, settings.seed, start) as session:
+        algorithm.begin(ctx, cohort)
+        W, loss_sum = _local_steps(algorithm, ctx, cohort, session)
+        cohort.upload[MODEL] = W
+        cohort.upload[TRAIN_LOSS] = loss_sum / cohort.steps.to(loss_sum.dtype)
+        if start is not None:  # the buffers: kept where private (FedBN), uploaded as broadcast there
+            if private is not None:
+                cohort.new_state[BUFFERS] = session.buffers
+            cohort.upload[BUFFERS] = (session.buffers if private is None else
+                                      torch.where(private.to(start.device), ctx.buffers, session.buffers))
+        for part in algorithm.ordered:
+            part.end(ctx, cohort, W)
+    return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
+
+
+def own_buffers(b: torch.Tensor, private: torch.Tensor | None, state: dict[str, torch.Tensor],
+                known: dict[str, torch.Tensor], clients: int) -> torch.Tensor:
+    """The buffers ``[C, Q]`` clients start from (and a personalized evaluation runs them with): the broadcast
+    ``b``, with each client's own values of the ``private`` entries where it has kept some (FedBN's)."""
+    rows = b.expand(clients, -1).clone()
+    if private is None:
+        return rows
+    return torch.where(private.to(b.device) & known[BUFFERS][:, None].to(b.device), state[BUFFERS].to(b), rows)
+
+
+def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
+                 session: ClientSession | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``E_i`` local steps of :func:`fit` from ``ctx.w_start``: the final models ``W[C, P]`` and each client's
+    summed step losses."""
     parts = algorithm.parts
     perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
     settings, batches = ctx.settings, ctx.batches
     wd, clip, lr = settings.weight_decay, settings.clip, ctx.lr
-    backprops_before = ctx.oracle.backprops
-    ids = cohort.ids.tolist()
-    steps = cohort.steps.tolist()
+    ids, steps = cohort.ids.tolist(), cohort.steps.tolist()
     schedules = batches.schedules(ctx.round, ids, steps)
     generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
                   if batches.augment is not None else None)
-    own = parts["personalization"].models(ctx.w_start, cohort.state, cohort.known, settings)
-    if own is not None:  # each client starts from its own model: the broadcast with its private entries
-        ctx = replace(ctx, w_start=own)
     W = ctx.w_start.expand(cohort.size, -1).clone()
-    algorithm.begin(ctx, cohort)
     distill = perturbation.distillation(ctx)
     loss_sum = torch.zeros(cohort.size, device=W.device)
     longest = max(steps)
@@ -121,6 +156,8 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     for k in range(longest):
         if not uniform:
             cohort.active = cohort.steps > k
+        if session is not None:
+            session.step(cohort.active)
         picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
         batch = batches.batch(picks, generators)
         if not uniform:
@@ -142,8 +179,4 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
             active = cohort.active
             W = torch.where(active[:, None], W - lr * direction, W)
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
-    cohort.upload[MODEL] = W
-    cohort.upload[TRAIN_LOSS] = loss_sum / cohort.steps.to(loss_sum.dtype)
-    for part in algorithm.ordered:
-        part.end(ctx, cohort, W)
-    return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
+    return W, loss_sum

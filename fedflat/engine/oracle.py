@@ -8,15 +8,25 @@ Gradients are taken with respect to the per-tensor views of ``w`` (not ``w`` its
 into one flat ``[C, P]`` tensor by a single ``torch.cat``: differentiating through the views of one
 flat leaf would make autograd materialise a zero-filled ``[P]`` gradient per tensor and add them up,
 which costs more than the backward pass itself for a small MLP. The values are the same.
+
+A module with buffers, dropout or batch statistics (:class:`fedflat.engine.modes.ModelTraits`) is run per client
+within a :class:`ClientSession` that :func:`fedflat.engine.client.fit` opens: training passes in ``train()`` mode,
+each client with its own buffers (``[C, Q]``) and its own dropout masks, a step's batch never padded (clients of
+the vectorized engine are grouped by their batch's length), and the buffers a local step leaves are those of its
+first training pass (:meth:`ClientSession.step`). Loss evaluations without a gradient (:meth:`Oracle.loss`) and a
+distillation teacher's logits run in ``eval()`` mode.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from fedflat.core import Batch, Distillation
+from fedflat.core import Batch, Distillation, stream_seed, torch_stream
+from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, drawing, recording
 from fedflat.params import FlatModel
 
 
@@ -37,21 +47,65 @@ def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: tor
     return ce + gamma * tau ** 2 * kl, ce
 
 
+class ClientSession:
+    """The cohort a stateful module's oracle calls compute (:func:`fedflat.engine.client.fit` opens one per chunk).
+
+    ``buffers[C, Q]``: each client's buffers, which the first training pass of every local step updates
+    (``step`` marks a step's start; ``active`` rows only: a client whose steps are exhausted keeps its own);
+    ``start``: the buffers the clients started from (eval-mode passes); ``dropout``: each client's generator of
+    dropout masks, ``torch_stream(seed, round, client, "dropout")``."""
+
+    def __init__(self, buffers: torch.Tensor, dropout: list[torch.Generator] | None):
+        self.start = buffers
+        self.buffers = buffers.clone()
+        self.dropout = dropout
+        self.active: torch.Tensor | None = None
+        self.fresh = False
+
+    @property
+    def size(self) -> int:
+        return int(self.buffers.shape[0])
+
+    def step(self, active: torch.Tensor | None) -> None:
+        """A local step begins: its first training pass updates the buffers of the ``active`` rows."""
+        self.active, self.fresh = active, True
+
+    def first_pass(self) -> bool:
+        """Whether this training pass is the step's first (it updates the buffers); later passes of the step
+        (SAM's descent at ``w + eps`` after its ascent at ``w``) leave them, as ``disable_running_stats`` does in
+        the SAM authors' code."""
+        first, self.fresh = self.fresh, False
+        return first
+
+    def commit(self, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """The buffers ``new[G, Q]`` of the clients at positions ``rows``, where active."""
+        if self.active is not None:
+            new = torch.where(self.active[rows][:, None], new, self.buffers[rows])
+        self.buffers[rows] = new
+
+
 class Oracle:
     """Stochastic loss and gradient ``g(w)`` for a cohort, counting backprops.
 
     ``backprops`` counts per-client backward passes, so a method's "backprops per local step"
     (seed 002, Table 7) can be measured rather than declared; rows of clients whose local steps are
-    exhausted (masked padding of the vectorized engine) are not counted.
+    exhausted (masked padding of the vectorized engine) are not counted. ``traits`` (found by
+    :func:`fedflat.engine.modes.inspect_module`) say whether the module needs the per-client passes of a
+    :class:`ClientSession`; by default, when it has buffers or normalizes with batch statistics.
     """
 
     def __init__(self, model: FlatModel, vectorized: bool = False, precision: str = "float32",
-                 channels_last: bool = False):
+                 channels_last: bool = False, traits: ModelTraits | None = None):
         self.model = model
         self.vectorized = vectorized
         self.autocast = {"float32": None, "bf16": torch.bfloat16}[precision]
         self.channels_last = channels_last
         self.backprops = 0
+        self.traits = traits if traits is not None else ModelTraits(
+            buffers=model.buffer_layout.size > 0,
+            mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()))
+        self.session: ClientSession | None = None
+        self._dropout_calls: dict[tuple, tuple[DropoutCall, ...]] = {}
         if vectorized:
             self._vgrad = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
             self._vgrad_weighted = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
@@ -91,8 +145,13 @@ class Oracle:
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
-        """``log softmax(f(teacher, x) / tau)`` of a cohort's batch ``x[C, B, ...]`` in one forward pass, ``[C, B, K]``."""
+        """``log softmax(f(teacher, x) / tau)`` of a cohort's batch ``x[C, B, ...]`` in one forward pass, ``[C, B, K]``
+        (in ``eval()`` mode; a module with buffers runs each client's rows with the buffers it started from)."""
         C, B = x.shape[:2]
+        if self.traits.stateful:
+            start = self._session(C).start
+            logits = torch.stack([self._eval_logits(distill.teacher, start[c], x[c]) for c in range(C)])
+            return F.log_softmax(logits / distill.temperature, dim=-1)
         logits = self.model(distill.teacher, x.reshape(C * B, *x.shape[2:]))
         return F.log_softmax(logits / distill.temperature, dim=-1).reshape(C, B, -1)
 
@@ -133,6 +192,8 @@ class Oracle:
         the gradient of the loss plus the distillation term (:func:`distilled_objective`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
+        if self.traits.stateful:
+            return self._stateful_loss_grad(W, batch, distill)
         if distill is not None:
             return self._loss_grad_distilled(W, batch, distill)
         if self.vectorized:
@@ -150,7 +211,13 @@ class Oracle:
 
     @torch.no_grad()
     def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """``loss[C]`` without a backward pass."""
+        """``loss[C]`` without a backward pass (an evaluation: ``eval()`` mode, each client's current buffers)."""
+        if self.traits.stateful:
+            buffers, losses = self._eval_buffers(W.shape[0]), []
+            for c in range(W.shape[0]):
+                x, y = batch.row(c)
+                losses.append(F.cross_entropy(self._eval_logits(W[c], buffers[c], self._arranged(x)), y))
+            return torch.stack(losses)
         if self.vectorized:
             views = tuple(self.model.layout.views(W))
             if batch.weight is None:
@@ -161,3 +228,164 @@ class Oracle:
             x, y = batch.row(c)
             losses.append(self._mean_loss(tuple(self.model.layout.views(W[c])), self._arranged(x), y))
         return torch.stack(losses)
+
+    # -- modules with buffers, dropout or batch statistics: per-client passes within a session ---------------
+    @contextmanager
+    def clients(self, ids: list[int], round: int, seed: int,
+                buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
+        """The :class:`ClientSession` of the clients ``ids`` of round ``round`` starting from ``buffers[C, Q]`` (None:
+        a model without buffers), for the oracle calls inside; None, and nothing to do, for a module that needs
+        none. A module drawing random numbers outside dropout draws them from the global generator seeded from its
+        client's stream ``"forward"`` (the sequential engine: one client at a time)."""
+        if not self.traits.stateful:
+            yield None
+            return
+        device = self.model.initial.device
+        if buffers is None:
+            buffers = torch.zeros(len(ids), 0, dtype=torch.float64, device=device)
+        dropout = [torch_stream(seed, round, i, "dropout", device) for i in ids] if self.traits.dropout else None
+        session = ClientSession(buffers.to(device, torch.float64), dropout)
+        previous, self.session = self.session, session
+        try:
+            with self._keyed_global_stream(ids, round, seed):
+                yield session
+        finally:
+            self.session = previous
+
+    @contextmanager
+    def _keyed_global_stream(self, ids: list[int], round: int, seed: int) -> Iterator[None]:
+        if self.traits.random is None:
+            yield
+            return
+        if len(ids) != 1:
+            raise RuntimeError(f"a module drawing {self.traits.random} in its forward trains one client at a time")
+        device = self.model.initial.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(stream_seed(seed, round, ids[0], "forward"))
+            yield
+
+    def _session(self, rows: int) -> ClientSession:
+        session = self.session
+        if session is None or session.size != rows:
+            raise RuntimeError(f"the oracle of a module with buffers, dropout or batch statistics computes the clients "
+                               f"of an open ClientSession (fit opens it); got {rows} rows for "
+                               f"{'no session' if session is None else f'a session of {session.size}'}")
+        return session
+
+    def _eval_buffers(self, rows: int) -> torch.Tensor:
+        """The buffers of an eval-mode loss of ``rows`` clients: the session's, or for one row (q-FedAvg's ``F_i``,
+        client by client) the cohort's when all its clients have the same."""
+        session = self.session
+        if session is not None and rows == 1 and bool((session.buffers == session.buffers[:1]).all()):
+            return session.buffers[:1]
+        return self._session(rows).buffers
+
+    def _eval_logits(self, w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Logits of one client's ``x`` at ``w`` with the buffers ``b``, in ``eval()`` mode."""
+        self.model.module.eval()
+        self.model.bind_buffers(self.model.buffer_layout.tensors(b))
+        return self._logits(tuple(self.model.layout.views(w)), x)
+
+    @staticmethod
+    def _objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor | None,
+                   distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(objective, reported loss)`` of one client's unpadded batch."""
+        if distill is None:
+            ce = F.cross_entropy(logits, y)
+            return ce, ce
+        return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature)
+
+    def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
+                            distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
+        session = self._session(W.shape[0])
+        teacher = None if distill is None else self.teacher_log_probs(distill, batch.x)
+        update = session.first_pass() and self.model.buffer_layout.size > 0
+        self.model.module.train()
+        if not self.vectorized:
+            pairs = [self._client_loss_grad(session, c, W[c], batch, teacher, distill, update)
+                     for c in range(W.shape[0])]
+            return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        losses = torch.empty(W.shape[0], dtype=W.dtype, device=W.device)
+        grads = torch.empty_like(W)
+        for rows, length in _equal_lengths(batch):
+            losses[rows], grads[rows] = self._group_loss_grad(session, rows, length, W, batch, teacher, distill, update)
+        return losses, grads
+
+    def _client_loss_grad(self, session: ClientSession, c: int, w: torch.Tensor, batch: Batch,
+                          teacher: torch.Tensor | None, distill: Distillation | None,
+                          update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One client's training pass on its real samples, with its buffers and dropout masks (sequential)."""
+        x, y = batch.row(c)
+        views = [v.detach().requires_grad_(True) for v in self.model.layout.views(w)]
+        tensors = self.model.buffer_layout.tensors(session.buffers[c])
+        self.model.bind_buffers(tensors)
+        with drawing(session.dropout[c]) if session.dropout else nullcontext():
+            logits = self._logits(views, self._arranged(x))
+        total, reported = self._objective(logits, y, None if teacher is None else teacher[c][batch.real(c)], distill)
+        grads = torch.autograd.grad(total, views)
+        if update:
+            session.commit(torch.tensor([c], device=session.buffers.device),
+                           self.model.buffer_layout.pack([t.detach() for t in tensors])[None])
+        return reported.detach(), self._flat(grads, ())
+
+    def _group_loss_grad(self, session: ClientSession, rows: torch.Tensor, length: int, W: torch.Tensor,
+                         batch: Batch, teacher: torch.Tensor | None, distill: Distillation | None,
+                         update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training passes of the clients ``rows``, whose batches have ``length`` real samples, under ``vmap``:
+        stacked buffers, and the dropout masks each client's stream gives, drawn before the call."""
+        x, y = batch.x[rows, :length], batch.y[rows, :length]
+        Wg = W[rows].detach()
+        buffers = tuple(self.model.buffer_layout.tensors(session.buffers[rows]))
+        calls = self._dropout_shapes(Wg[0], session.buffers[rows[0]], x[0]) if session.dropout else ()
+        keeps = self._keeps(session, rows.tolist(), calls)
+        extra = () if teacher is None else (teacher[rows, :length],)
+        client = partial(self._client_pass, calls=calls, distill=distill)
+        grads, (_, (reported, new)) = torch.func.vmap(torch.func.grad_and_value(client, has_aux=True))(
+            tuple(self.model.layout.views(Wg)), buffers, keeps, x, y, *extra)
+        if update:
+            session.commit(rows, self.model.buffer_layout.pack(list(new)))
+        return reported, self._flat(grads, (len(rows),))
+
+    def _client_pass(self, views: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...],
+                     keeps: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
+                     teacher_logp: torch.Tensor | None = None, *, calls: tuple[DropoutCall, ...],
+                     distill: Distillation | None):
+        """One client's training pass inside ``vmap``: ``(objective, (reported loss, its updated buffers))``."""
+        own = [b.clone() for b in buffers]
+        self.model.bind_buffers(own)
+        with Replay(keeps, calls) if calls else nullcontext():
+            logits = self._logits(views, x)
+        total, reported = self._objective(logits, y, teacher_logp, distill)
+        return total, (reported, tuple(own))
+
+    @torch.no_grad()
+    def _dropout_shapes(self, w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> tuple[DropoutCall, ...]:
+        """The dropout calls of a training pass on one client's batch ``x`` (found once per batch shape)."""
+        key = (tuple(x.shape), x.dtype)
+        if key not in self._dropout_calls:
+            self.model.bind_buffers(self.model.buffer_layout.tensors(b))
+            with recording() as record:
+                self._logits(tuple(self.model.layout.views(w)), x)
+            self._dropout_calls[key] = tuple(record.calls)
+        return self._dropout_calls[key]
+
+    @staticmethod
+    def _keeps(session: ClientSession, rows: list[int], calls: tuple[DropoutCall, ...]) -> tuple[torch.Tensor, ...]:
+        """``[G, *shape]`` keep-masks per call, each client's drawn from its own stream in call order (as the
+        sequential engine draws them); a client whose steps are exhausted draws none."""
+        if not calls:
+            return ()
+        active = session.active.tolist() if session.active is not None else [True] * session.size
+        device = session.dropout[0].device
+        per_client = [[draw_keep(call, session.dropout[r]) if active[r] else
+                       torch.ones(call.shape, dtype=torch.bool, device=device) for call in calls] for r in rows]
+        return tuple(torch.stack([masks[j] for masks in per_client]) for j in range(len(calls)))
+
+
+def _equal_lengths(batch: Batch) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a cohort's batch grouped by their number of real samples (longest first), so no group is padded."""
+    C, B = batch.y.shape[:2]
+    if batch.weight is None:
+        return [(torch.arange(C, device=batch.y.device), B)]
+    lengths = (batch.weight > 0).sum(1)
+    return [((lengths == n).nonzero().flatten(), int(n)) for n in lengths.unique().flip(0).tolist()]

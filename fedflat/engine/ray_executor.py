@@ -30,6 +30,7 @@ from fedflat.config import ExecutorConfig
 from fedflat.core import Broadcast, ClientResult, ConfigError, TrainSettings, merge_results
 from fedflat.data import Standardize, augmentation_fn
 from fedflat.engine.client import ClientBatches
+from fedflat.engine.modes import ModelTraits
 from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, rows_loader, set_tf32
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -73,6 +74,7 @@ class WorkerSpec:
     channels_last: bool = False
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
+    traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
     plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
 
@@ -97,7 +99,7 @@ def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(spec.engine, device, spec.step_flops)
     return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size,
-                         spec.precision, spec.channels_last)
+                         spec.precision, spec.channels_last, spec.traits)
 
 
 Data = tuple[np.ndarray, np.ndarray, list[np.ndarray]]

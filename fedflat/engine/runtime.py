@@ -11,14 +11,17 @@ client's rows are computed independently, and the server reduces them in ascendi
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from fedflat.algorithms import Algorithm
-from fedflat.core import Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings, merge_results
+from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
+                          merge_results)
 from fedflat.engine.client import ClientBatches, fit
+from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.oracle import Oracle
 from fedflat.params import FlatModel
 
@@ -67,6 +70,42 @@ def check_vectorizable(algorithm: Algorithm) -> None:
                              f"vectorized engine yet; use engine=sequential")
 
 
+def vmap_problem(model: FlatModel, traits: ModelTraits, x: torch.Tensor, y: torch.Tensor,
+                 precision: str = "float32") -> str | None:
+    """Why the vectorized engine cannot train ``model`` (one line), or None: one vectorized step of two clients on
+    two samples ``x[:2]`` is tried (data-dependent control flow, in-place writes into tensors vmap cannot batch and
+    other unsupported operations fail there), leaving the model, its buffers and every generator as they were."""
+    if traits.random is not None:
+        return (f"its forward draws random numbers ({traits.random}) outside PyTorch's dropout functions, which the "
+                "vectorized engine cannot draw per client")
+    oracle = Oracle(model, vectorized=True, precision=precision, traits=traits)
+    batch = Batch(torch.stack([x[:2], x[:2]]), torch.stack([y[:2], y[:2]]))
+    buffers = model.initial_buffers.expand(2, -1) if model.buffer_layout.size else None
+    try:
+        with torch.random.fork_rng(devices=[]), oracle.clients([0, 1], 0, 0, buffers) as session:
+            if session is not None:
+                session.step(None)
+            oracle.loss_grad(model.initial.expand(2, -1).clone(), batch)
+    except Exception as err:  # noqa: BLE001 - whatever vmap refuses is the reason, said in one line
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {text[:240]}"
+    return None
+
+
+def choose_engine(requested: str, resolved: str, problem: str | None, module: torch.nn.Module) -> str:
+    """The engine for a module the vectorized engine cannot train (``problem``, :func:`vmap_problem`): an explicit
+    ``engine=vectorized`` is a ``ConfigError`` naming the module and the reason; ``engine=auto`` trains it on the
+    sequential engine, with a warning that says why (once, when the run starts)."""
+    if problem is None:
+        return resolved
+    message = f"model {module_name(module)} cannot run under torch.func.vmap ({problem})"
+    if requested == "vectorized":
+        raise ConfigError(f"engine=vectorized: {message}; use engine=sequential or engine=auto")
+    if requested == "auto":
+        warnings.warn(f"engine=auto: {message}: its clients train on the sequential engine", stacklevel=3)
+    return "sequential"
+
+
 def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
     """Bytes of every module output of one forward pass on ``x`` (what a backward pass keeps alive)."""
     total = 0
@@ -79,7 +118,7 @@ def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
     handles = [m.register_forward_hook(count) for m in model.module.modules()]
     try:
         with torch.no_grad():
-            model(w, x)
+            model(w, x, model.initial_buffers)
     finally:
         for h in handles:
             h.remove()
@@ -88,13 +127,16 @@ def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
 
 def step_flops(model: FlatModel, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
     """FLOPs of one local step (forward and backward of a batch of ``batch_size``), counted on one sample
-    with ``FlopCounterMode`` and scaled (the work of every layer is linear in the batch)."""
+    with ``FlopCounterMode`` and scaled (the work of every layer is linear in the batch); in ``eval()`` mode, where
+    BatchNorm takes one sample."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    model.module.eval()
+    model.bind_buffers(model.buffer_layout.tensors(model.initial_buffers))
     views = [v.detach().requires_grad_(True) for v in model.layout.views(w)]
     with FlopCounterMode(display=False) as counter:
         loss = torch.nn.functional.cross_entropy(model.call_views(views, x[:1]), y[:1])
-        torch.autograd.grad(loss, views)
+        torch.autograd.grad(loss, views, allow_unused=True)  # eval mode may skip a train-only branch
     return counter.get_total_flops() * batch_size
 
 
@@ -160,7 +202,8 @@ class ClientRuntime:
     """
 
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
-                 engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False):
+                 engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False,
+                 traits: ModelTraits | None = None):
         if engine not in ("sequential", "vectorized"):
             raise ConfigError(f"engine must be sequential or vectorized here, got {engine!r}")
         if engine == "vectorized":
@@ -168,7 +211,11 @@ class ClientRuntime:
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
         self.engine = engine
         self.fixed_chunk = chunk_size
-        self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last)
+        self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
+                             traits=traits)
+        if engine == "vectorized" and self.oracle.traits.random is not None:
+            raise ConfigError(f"engine=vectorized: model {module_name(model.module)} draws random numbers "
+                              f"({self.oracle.traits.random}) outside dropout; use engine=sequential")
         self._client_bytes: int | None = None
         self.oom_retries = 0
         self.oom_cap: int | None = None  # the largest chunk known to fit, after an out-of-memory error

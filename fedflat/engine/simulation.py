@@ -24,13 +24,15 @@ from torch import nn
 from fedflat import plugins
 from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm, renamed_state
 from fedflat.config import Config
-from fedflat.core import (MODEL, SERVER, TRAIN_LOSS, Broadcast, ClientResult, ConfigError, Diverged, NoClients,
-                          RoundContext, TrainSettings, numpy_stream, payload_size, stream_seed)
+from fedflat.core import (BUFFERS, MODEL, SERVER, TRAIN_LOSS, Broadcast, ClientResult, ConfigError, Diverged,
+                          NoClients, RoundContext, TrainSettings, numpy_stream, payload_size, stream_seed)
 from fedflat.data import (Dataset, augmentation_fn, client_split, client_test_split, load_dataset, user_split,
                           validation_split)
 from fedflat.engine.batches import local_steps
-from fedflat.engine.client import ClientBatches
-from fedflat.engine.runtime import ClientRuntime, LocalExecutor, RoundTask, resolve_engine, set_tf32, step_flops
+from fedflat.engine.client import ClientBatches, own_buffers
+from fedflat.engine.modes import inspect_module, module_name
+from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, choose_engine, resolve_engine, set_tf32,
+                                    step_flops, vmap_problem)
 from fedflat.engine.store import ClientStore
 from fedflat.engine.threads import choose_threads
 from fedflat.models import build_model
@@ -43,6 +45,9 @@ def _user_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
         raise ConfigError(f"model_fn must return a torch.nn.Module, got {type(module).__name__}")
     if not any(True for _ in module.parameters()):
         raise ConfigError("model_fn returned a module without parameters: nothing to train")
+    if any(nn.parameter.is_lazy(p) for p in module.parameters()):
+        raise ConfigError(f"model_fn returned {type(module).__name__} with uninitialized (lazy) parameters: run one "
+                          "forward pass on a sample batch in model_fn before returning it")
     return module
 
 
@@ -203,26 +208,40 @@ class Simulation:
         self.threads = choose_threads(cfg.threads, self.step_flops)  # docs: fedflat/engine/threads.py
         if self.threads:
             torch.set_num_threads(self.threads)
+        self.traits = self._inspect()
         self.algorithm: Algorithm = build_algorithm(cfg.algo)
         self.engine = resolve_engine(cfg.engine, self.device, self.step_flops)
+        # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused
+        may_vectorize = self.engine == "vectorized" or (cfg.engine == "auto" and cfg.executor.gpus_per_worker > 0)
+        self.vmap_problem = vmap_problem(self.model, self.traits, self._probe_inputs(), self.dataset.y_train,
+                                         cfg.precision) if may_vectorize else None
+        self.engine = choose_engine(cfg.engine, self.engine, self.vmap_problem, module)
+        layout = self.model.buffer_layout
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
-                                      layout=self.model.layout, total_samples=int(self.num_samples.sum()))
+                                      layout=self.model.layout, total_samples=int(self.num_samples.sum()),
+                                      buffers=layout if layout.size else None,
+                                      batch_norms=tuple(n for n, m in module.named_modules()
+                                                        if isinstance(m, nn.modules.batchnorm._BatchNorm)))
+        personalization = self.algorithm.parts["personalization"]
         try:  # clients keep private parameters (FedPer): evaluation is then per client (evaluate_personalized)
-            self.personalized = self.algorithm.parts["personalization"].private(self.settings) is not None
+            self.personalized = personalization.private(self.settings) is not None
+            # ... and private buffer entries (FedBN's statistics), kept per client in the store
+            self.private_buffers = personalization.private_buffers(self.settings) if layout.size else None
         except AlgorithmError as err:  # e.g. more private layers than the model has
             raise ConfigError(str(err)) from None
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
         self.w = self.model.initial.clone()
+        self.buffers = self.model.initial_buffers.clone()  # b^t: the global model's buffers ([0] without any)
         self.server: dict[str, torch.Tensor] = self.algorithm.initial_server_state(self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
-                                 directory=cfg.store.dir)
+                                 directory=cfg.store.dir, widths={BUFFERS: (layout.size, torch.float64)})
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
                                      dataset.standardize)
         self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine,
-                                     cfg.chunk_size, cfg.precision, cfg.channels_last)
+                                     cfg.chunk_size, cfg.precision, cfg.channels_last, self.traits)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.model_fn = model_fn
         self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
@@ -230,6 +249,19 @@ class Simulation:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
+
+    def _probe_inputs(self, count: int = 4) -> torch.Tensor:
+        """The first ``count`` training inputs (features applied): what the up-front checks run the model on."""
+        return self.dataset.features(self.dataset.x_train[:count])
+
+    def _inspect(self):
+        """The model's :class:`~fedflat.engine.modes.ModelTraits`, checked before round 0 (a forward pass in each
+        mode on a few training samples): what fedflat cannot train correctly is a ConfigError saying why."""
+        try:
+            return inspect_module(self.model, self._probe_inputs())
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise ConfigError(f"model {module_name(self.model.module)}: its forward pass in train() mode on "
+                              f"{min(4, len(self.dataset.y_train))} training samples fails: {err}") from None
 
     def worker_spec(self, **options):
         """What a Ray worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
@@ -240,7 +272,9 @@ class Simulation:
         threads = choose_threads(cfg.threads, self.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
         spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
                           input_shape=self.dataset.input_shape, num_classes=self.dataset.num_classes,
-                          settings=self.settings, engine=cfg.engine, chunk_size=cfg.chunk_size, threads=threads,
+                          settings=self.settings, chunk_size=cfg.chunk_size, threads=threads,
+                          engine="sequential" if self.vmap_problem else cfg.engine,
+                          traits=self.traits,
                           augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
                           tf32=cfg.tf32, precision=cfg.precision, channels_last=cfg.channels_last,
                           step_flops=self.step_flops, standardize=self.dataset.standardize,
@@ -302,12 +336,16 @@ class Simulation:
                             num_samples=n, steps=steps, server=dict(self.server), settings=self.settings,
                             held=held, held_known=held_known)
 
+    def client_state_keys(self) -> list[str]:
+        """Names of the state each client keeps: its parts', and its own buffers where some are private (FedBN)."""
+        return self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
+
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The state rows of the clients ``ids`` (zeros and ``known = False`` before their first round):
         by default those the clients keep; ``names`` for others (the ones the server holds)."""
         state, known = {}, {}
-        for name in self.algorithm.state_keys() if names is None else names:
+        for name in self.client_state_keys() if names is None else names:
             state[name], known[name] = self.store.get(name, ids)
         return state, known
 
@@ -316,9 +354,15 @@ class Simulation:
         ``configure_train``). Nothing is committed: a round never finished leaves no trace."""
         start = time.perf_counter()
         ctx = self.new_context(round)
-        broadcast = self.algorithm.configure(ctx)
+        broadcast = self.configure(ctx)
         task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
         return OpenRound(ctx, broadcast, task, start)
+
+    def configure(self, ctx: RoundContext) -> Broadcast:
+        """The round's broadcast (:meth:`Algorithm.configure`) with the global model's buffers ``b^t``."""
+        broadcast = self.algorithm.configure(ctx)
+        broadcast.buffers = self.buffers if self.model.buffer_layout.size else None
+        return broadcast
 
     def run_round(self, round: int) -> RoundResult:
         """One communication round on the executor; updates ``self.w``, the server state and the store."""
@@ -346,9 +390,11 @@ class Simulation:
         w_new = self.algorithm.aggregate(ctx, result)
         if not torch.isfinite(w_new).all():
             raise Diverged(f"round {round + 1}: the global model became non-finite")
-        P = self.num_parameters
+        b_new = self.aggregate_buffers(ctx, result)
+        P, buffer_bytes = self.num_parameters, self.model.buffer_layout.nbytes  # buffers: at their own dtypes' size
         down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
-        up_vectors, up_bytes = payload_size({}, P, result.upload)
+        up_vectors, up_bytes = payload_size({}, P, {k: v for k, v in result.upload.items() if k != BUFFERS})
+        down_bytes, up_bytes = down_bytes + buffer_bytes, up_bytes + buffer_bytes
         drift = (ctx.w_final - ctx.w).norm(dim=1).mean().item()
         train_loss = ctx.train_loss.mean().item()
         if self.device.type == "cuda":
@@ -358,6 +404,7 @@ class Simulation:
                 self.store.put(name, result.ids, rows)
             self.server = ctx.server
             self.w = w_new
+            self.buffers = b_new
             self.aggregated_round[result.ids.cpu()] = round
             self.backprops += result.backprops
             self.last_round = RoundResult(
@@ -368,15 +415,34 @@ class Simulation:
                 dropped=dropped, log=dict(ctx.log))
         return self.last_round
 
+    def aggregate_buffers(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
+        """``b^{t+1}``: the clients' buffers averaged with the round's aggregation weights ``ctx.weights``
+        (:meth:`BufferLayout.average`; server optimizers act on the parameters only), or ``b^t`` for a model
+        without buffers."""
+        layout = self.model.buffer_layout
+        if not layout.size:
+            return self.buffers
+        b_new = layout.average(self.buffers, result.upload[BUFFERS], ctx.weights).to(self.device)
+        if not torch.isfinite(b_new).all():
+            raise Diverged(f"round {ctx.round + 1}: the model's buffers (e.g. BatchNorm statistics) became non-finite")
+        return b_new
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The global model as a state dict of the user's module (parameters and buffers): ``model.pt``, which a
+        fresh instance loads with ``load_state_dict(strict=True)``."""
+        return self.model.state_dict(self.w, self.buffers)
+
     def state_dict(self) -> dict:
-        """Everything that evolves across rounds: the global model, server state, client-state store.
-        (Random streams are keyed by round, so no generator state needs saving.)"""
-        return {"w": self.w.detach().cpu().clone(),
+        """Everything that evolves across rounds: the global model and its buffers, server state, client-state
+        store. (Random streams are keyed by round, so no generator state needs saving.)"""
+        return {"w": self.w.detach().cpu().clone(), "buffers": self.buffers.detach().cpu().clone(),
                 "server": {k: v.detach().cpu().clone() for k, v in self.server.items()},
                 "store": self.store.state_dict(), "aggregated_round": self.aggregated_round.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.w = state["w"].to(self.device)
+        if "buffers" in state:  # (checkpoints before buffers were federated lack it: their models had none)
+            self.buffers = state["buffers"].to(self.device)
         self.server.clear()
         self.server.update({k: v.to(self.device) for k, v in renamed_state(state["server"]).items()})
         self.store.load_state_dict(renamed_state(state["store"]))
@@ -399,7 +465,8 @@ class Simulation:
         personalized run evaluates its clients' own models instead (:meth:`evaluate_personalized`)."""
         if w is None and self.personalized:
             return self.evaluate_personalized()
-        correct, loss = self._scores(self.w if w is None else w, self.dataset.x_test, self.dataset.y_test)
+        correct, loss = self._scores(self.w if w is None else w, self.dataset.x_test, self.dataset.y_test,
+                                     self.buffers)
         count = self.dataset.x_test.shape[0]
         return correct.item() / count, loss.item() / count
 
@@ -417,20 +484,26 @@ class Simulation:
         return pooled_accuracy(scores)
 
     @torch.no_grad()
-    def personal_scores(self, w: torch.Tensor, clients: list[int], load_state: Callable[..., Any]) -> ClientScores:
+    def personal_scores(self, w: torch.Tensor, clients: list[int], load_state: Callable[..., Any],
+                        buffers: torch.Tensor | None = None) -> ClientScores:
         """Each of ``clients`` (those with a test share) scored with its own model — ``w`` with its private
-        entries, from ``load_state(ids, names)`` — on its own test share, a few client models at a time."""
+        entries, from ``load_state(ids, names)``, and the global buffers ``buffers`` (default ``b^t``) with its
+        private ones (FedBN) — on its own test share, a few client models at a time."""
         shares, personalization = self.client_tests, self.algorithm.parts["personalization"]
+        b = (self.buffers if buffers is None else buffers).to(self.device)
         tested = [c for c in clients if shares[c].numel()]
         correct, loss = [], []
         per_chunk = max(1, PERSONAL_EVAL_ENTRIES // self.num_parameters)  # client models held at once
+        names = list(personalization.kept()) + ([BUFFERS] if self.private_buffers is not None else [])
         for lo in range(0, len(tested), per_chunk):
             ids = torch.tensor(tested[lo:lo + per_chunk], dtype=torch.long)
-            state, known = load_state(ids, list(personalization.kept()))
-            models = personalization.models(w.to(self.device), {k: v.to(self.device) for k, v in state.items()},
-                                            known, self.settings)
+            state, known = load_state(ids, names)
+            state = {k: v.to(self.device) for k, v in state.items()}
+            models = personalization.models(w.to(self.device), state, known, self.settings)
+            own = own_buffers(b, self.private_buffers, state, known, len(ids))
             for row, client in enumerate(ids.tolist()):
-                c, l = self._scores(models[row], self.dataset.x_test[shares[client]], self.dataset.y_test[shares[client]])
+                share = shares[client]
+                c, l = self._scores(models[row], self.dataset.x_test[share], self.dataset.y_test[share], own[row])
                 correct.append(c)
                 loss.append(l)
         if not tested:
@@ -439,12 +512,14 @@ class Simulation:
         return ClientScores(tested, torch.stack(correct).tolist(), torch.stack(loss).tolist(),
                             [int(shares[c].numel()) for c in tested])
 
-    def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Correct predictions and summed cross-entropy of ``w`` on ``(x, y)``, on the device (no sync)."""
+    def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Correct predictions and summed cross-entropy of the model ``(w, buffers)`` on ``(x, y)`` in ``eval()``
+        mode, on the device (no sync)."""
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         for lo in range(0, x.shape[0], self.cfg.eval.batch_size):
-            logits = self.model(w, self.dataset.features(x[lo:lo + self.cfg.eval.batch_size]))
+            logits = self.model(w, self.dataset.features(x[lo:lo + self.cfg.eval.batch_size]), buffers)
             target = y[lo:lo + self.cfg.eval.batch_size]
             loss += F.cross_entropy(logits, target, reduction="sum").double()
             correct += (logits.argmax(1) == target).sum()

@@ -72,17 +72,22 @@ class ClientStore:
     ``memory_mb``: CPU-memory budget for all names together (``None``: unlimited); vectors beyond it
     go to memory-mapped files under ``directory`` (default: a temporary folder), removed when the
     store is closed, garbage-collected, or the interpreter exits. Vectors are returned on ``device``.
+    ``widths`` gives names whose vectors have their own length and dtype (a client's own buffers, FedBN's
+    statistics: ``Q`` entries in float64).
     """
 
     def __init__(self, size: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 memory_mb: float | None = None, directory: str | Path | None = None):
-        if dtype not in _NUMPY_DTYPES:
-            raise ValueError(f"ClientStore dtype must be one of {sorted(map(str, _NUMPY_DTYPES))}, got {dtype}")
+                 memory_mb: float | None = None, directory: str | Path | None = None,
+                 widths: dict[str, tuple[int, torch.dtype]] | None = None):
+        for d in [dtype, *(d for _, d in (widths or {}).values())]:
+            if d not in _NUMPY_DTYPES:
+                raise ValueError(f"ClientStore dtype must be one of {sorted(map(str, _NUMPY_DTYPES))}, got {d}")
         if memory_mb is not None and memory_mb < 0:
             raise ValueError(f"store memory budget must be >= 0 MB, got {memory_mb}")
         self.size = size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.widths = dict(widths or {})
         self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
         self.parent = Path(directory) if directory is not None else None
         self._memory: dict[str, dict[int, torch.Tensor]] = {}
@@ -92,19 +97,23 @@ class ClientStore:
         self._cleanup: weakref.finalize | None = None
 
     # -- accounting ----------------------------------------------------------------------------
-    @property
-    def vector_bytes(self) -> int:
-        return self.size * torch.empty(0, dtype=self.dtype).element_size()
+    def shape(self, name: str) -> tuple[int, torch.dtype]:
+        """``(length, dtype)`` of the vectors called ``name``."""
+        return self.widths.get(name, (self.size, self.dtype))
+
+    def vector_bytes(self, name: str) -> int:
+        size, dtype = self.shape(name)
+        return size * torch.empty(0, dtype=dtype).element_size()
 
     @property
     def memory_bytes(self) -> int:
         """Bytes of vectors held in CPU memory."""
-        return self.vector_bytes * sum(len(slot) for slot in self._memory.values())
+        return sum(self.vector_bytes(name) * len(slot) for name, slot in self._memory.items())
 
     @property
     def disk_bytes(self) -> int:
         """Bytes of vectors spilled to disk (live rows, not file capacity)."""
-        return self.vector_bytes * sum(len(f.rows) for f in self._disk.values())
+        return sum(self.vector_bytes(name) * len(f.rows) for name, f in self._disk.items())
 
     def names(self) -> list[str]:
         return sorted(set(self._memory) | set(self._disk))
@@ -126,7 +135,8 @@ class ClientStore:
         """``(values[C, P], present[C])`` for the clients ``ids``; zeros where absent."""
         memory, disk = self._memory.get(name, {}), self._disk.get(name)
         keys = ids.tolist()
-        values = torch.zeros(len(keys), self.size, dtype=self.dtype)
+        size, dtype = self.shape(name)
+        values = torch.zeros(len(keys), size, dtype=dtype)
         present = torch.zeros(len(keys), dtype=torch.bool)
         for row, key in enumerate(keys):
             if key in memory:
@@ -140,10 +150,11 @@ class ClientStore:
 
     def put(self, name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Stores ``values[C, P]`` for the clients ``ids``."""
-        if values.shape != (len(ids), self.size):
-            raise ValueError(f"store '{name}': expected values of shape ({len(ids)}, {self.size}), "
+        size, dtype = self.shape(name)
+        if values.shape != (len(ids), size):
+            raise ValueError(f"store '{name}': expected values of shape ({len(ids)}, {size}), "
                              f"got {tuple(values.shape)}")
-        rows = values.detach().to("cpu", self.dtype)
+        rows = values.detach().to("cpu", dtype)
         for row, key in enumerate(ids.tolist()):
             self._put_one(name, int(key), rows[row])
 
@@ -151,17 +162,18 @@ class ClientStore:
         memory = self._memory.setdefault(name, {})
         disk = self._disk.get(name)
         on_disk = disk is not None and key in disk.rows
-        if key in memory or (not on_disk and self._fits()):
+        if key in memory or (not on_disk and self._fits(name)):
             # A fresh tensor, never written in place: state_dict() can hand out references safely.
             memory[key] = vector.clone()
             return
         if disk is None:
-            disk = self._disk[name] = _SpillFile(self._spill_folder() / f"{_safe(name)}.bin", self.size,
-                                                 _NUMPY_DTYPES[self.dtype])
+            size, dtype = self.shape(name)
+            path = self._spill_folder() / f"{_safe(name)}.bin"
+            disk = self._disk[name] = _SpillFile(path, size, _NUMPY_DTYPES[dtype])
         disk.write(key, vector.numpy())
 
-    def _fits(self) -> bool:
-        return self.budget is None or self.memory_bytes + self.vector_bytes <= self.budget
+    def _fits(self, name: str) -> bool:
+        return self.budget is None or self.memory_bytes + self.vector_bytes(name) <= self.budget
 
     def _spill_folder(self) -> Path:
         if self._folder is None:
@@ -189,11 +201,12 @@ class ClientStore:
         """Replaces the store's content; vectors fill memory up to the budget and spill beyond it."""
         self.clear()
         for name, slot in state.items():
+            size, dtype = self.shape(name)
             for key, vector in slot.items():
-                if vector.shape != (self.size,):
+                if vector.shape != (size,):
                     raise ValueError(f"store state '{name}'[{key}] has shape {tuple(vector.shape)}, "
-                                     f"expected ({self.size},)")
-                self._put_one(name, int(key), vector.detach().to("cpu", self.dtype))
+                                     f"expected ({size},)")
+                self._put_one(name, int(key), vector.detach().to("cpu", dtype))
 
     def clear(self) -> None:
         """Forgets every vector (spill files are truncated away when rewritten)."""

@@ -92,7 +92,7 @@ def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: Config, datas
         return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),
                        final_parameters=sim.w.detach().cpu().clone(), run_dir=run_dir,
-                       state_dict=sim.model.state_dict(sim.w))
+                       state_dict=sim.model_state())
     finally:
         sim.close()
 

@@ -208,7 +208,8 @@ class Runner:
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
-            "seed": cfg.seed, "parameters": sim.num_parameters, "engine": sim.engine, "device": str(sim.device),
+            "seed": cfg.seed, "parameters": sim.num_parameters,
+            "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
@@ -402,14 +403,14 @@ class Runner:
     def _save(self) -> None:
         if self.run_dir is None:
             return
-        self.run_dir.save_model(self.sim.model.state_dict(self.sim.w))
+        self.run_dir.save_model(self.sim.model_state())
         self.run_dir.write_summary(self.summary)
 
     def history(self) -> History:
         return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
                        final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
-                       state_dict=self.sim.model.state_dict(self.sim.w))
+                       state_dict=self.sim.model_state())
 
 
 def _training_fields(result: RoundResult) -> dict[str, Any]:

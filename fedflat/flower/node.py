@@ -35,10 +35,16 @@ class StateLost(RuntimeError):
 
 
 class ClientStates:
-    """The state vectors a node's clients keep, on disk: ``client-<i>/round-<t>.pt``, written atomically."""
+    """The state vectors a node's clients keep, on disk: ``client-<i>/round-<t>.pt``, written atomically.
+    ``widths``: names whose vectors are not ``size`` float32 entries (a client's own buffers)."""
 
-    def __init__(self, folder: Path, size: int):
-        self.folder, self.size = Path(folder), size
+    def __init__(self, folder: Path, size: int, widths: dict[str, tuple[int, torch.dtype]] | None = None):
+        self.folder, self.size, self.widths = Path(folder), size, dict(widths or {})
+
+    def zeros(self, name: str) -> torch.Tensor:
+        """The vector ``name`` of a client that has none yet."""
+        size, dtype = self.widths.get(name, (self.size, torch.float32))
+        return torch.zeros(size, dtype=dtype)
 
     def _files(self, client: int) -> dict[int, Path]:
         folder = self.folder / f"client-{client}"
@@ -76,7 +82,7 @@ class ClientStates:
              ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Every client's current state, and the ``[C, P]`` rows and ``known[C]`` flags the runtime reads."""
         states = [self.current(c, r) for c, r in zip(ids, rounds)]
-        rows = {n: torch.stack([s.get(n, torch.zeros(self.size)) for s in states]) for n in names}
+        rows = {n: torch.stack([s[n] if n in s else self.zeros(n) for s in states]) for n in names}
         known = {n: torch.tensor([n in s for s in states]) for n in names}
         return states, rows, known
 
@@ -90,7 +96,7 @@ class Node:
         self.sim = Simulation(cfg)  # the configured data, split, model and client runtime; its server side idles
         self.partition, self.partitions = partition, partitions
         self.clients = [i for i in range(cfg.data.num_clients) if i % partitions == partition]
-        self.states = ClientStates(state_dir, self.sim.num_parameters)
+        self.states = ClientStates(state_dir, self.sim.num_parameters, self.sim.store.widths)
 
     def check_clients(self, ids: list[int]) -> None:
         foreign = sorted(set(ids) - set(self.clients))
@@ -112,7 +118,7 @@ class Node:
         job = read_task(content)
         self.check(job.task)
         ids = job.task.ids.tolist()
-        names = self.sim.algorithm.state_keys()
+        names = self.sim.client_state_keys()
         states, rows, known = self.states.rows(ids, job.state_rounds, names)
         result = self.sim.runtime.fit(job.broadcast, job.task, rows_loader(job.task.ids, rows, known)).to("cpu")
         for row, (client, before) in enumerate(zip(ids, states)):
@@ -123,7 +129,7 @@ class Node:
     def evaluate(self, content):
         """A personalized evaluation: scores the named clients' own models (the server's global model with their
         private entries, from their current state) on their test shares; the reply content."""
-        w, ids, rounds = read_evaluation(content)
+        w, buffers, ids, rounds = read_evaluation(content)
         self.check_clients(ids)
         round_of = dict(zip(ids, rounds))
 
@@ -132,4 +138,4 @@ class Node:
             _, rows, known = self.states.rows(chunk_ids, [round_of[c] for c in chunk_ids], names)
             return rows, known
 
-        return scores_content(self.sim.personal_scores(w, ids, load_state))
+        return scores_content(self.sim.personal_scores(w, ids, load_state, buffers))

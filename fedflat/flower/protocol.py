@@ -1,16 +1,17 @@
 """What travels between a fedflat server and its Flower nodes: the client contract as Flower records.
 
-Server to node (``train``): ``broadcast`` (an ArrayRecord of the model the clients start from and the
-server-state entries the parts send), ``personal`` (the node's clients' rows of the personal entries,
-when the method has any) and ``task`` (a ConfigRecord: round, ``eta_l^t``, the node's sampled clients in
-ascending id order, their sample and local step counts, and the last round whose aggregation used each
-client's upload, which tells the node which of its saved client states is the current one).
+Server to node (``train``): ``broadcast`` (an ArrayRecord of the model the clients start from, its buffers
+``b^t`` for a model that has any, and the server-state entries the parts send), ``personal`` (the node's
+clients' rows of the personal entries, when the method has any) and ``task`` (a ConfigRecord: round,
+``eta_l^t``, the node's sampled clients in ascending id order, their sample and local step counts, and the last
+round whose aggregation used each client's upload, which tells the node which of its saved client states is the
+current one).
 
 Node to server: ``upload`` (an ArrayRecord of the clients' upload rows, ``[C, ...]`` in the order of
 ``clients``) and ``result`` (a ConfigRecord: the clients and the backward passes they took).
 
 A personalized method's evaluation (``evaluate``, its clients' private entries never leave the nodes): the
-server sends ``model`` (the global model) and ``task`` (the node's clients and the round of each one's
+server sends ``model`` (the global model and its buffers) and ``task`` (the node's clients and the round of each one's
 current state); the node answers ``scores`` (per client with a test share: correct predictions, summed loss
 and test samples of its own model on its own share).
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedflat.core import MODEL, TRAIN_LOSS, Broadcast, ClientResult
+from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, Broadcast, ClientResult
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.simulation import ClientScores
 
@@ -55,7 +56,8 @@ class NodeTask:
 
 def task_content(broadcast: Broadcast, task: RoundTask, state_rounds: list[int]):
     """The ``train`` message content for one node (``broadcast`` already narrowed to its clients)."""
-    content = RecordDict({"broadcast": array_record(broadcast.shared()), "task": ConfigRecord({
+    content = RecordDict({"broadcast": array_record(with_buffers(broadcast.shared(), broadcast.buffers)),
+                          "task": ConfigRecord({
         "round": broadcast.round, "lr": float(broadcast.lr), "clients": task.ids.tolist(),
         "num-samples": task.num_samples.tolist(), "steps": task.steps.tolist(), "state-rounds": state_rounds})})
     if broadcast.personal:
@@ -68,7 +70,8 @@ def read_task(content) -> NodeTask:
     shared = tensors(content["broadcast"])
     ids = torch.tensor(task["clients"], dtype=torch.long)
     personal = tensors(content["personal"]) if "personal" in content.array_records else {}
-    broadcast = Broadcast(int(task["round"]), float(task["lr"]), shared.pop(MODEL), shared, ids, personal)
+    broadcast = Broadcast(int(task["round"]), float(task["lr"]), shared.pop(MODEL), shared, ids, personal,
+                          shared.pop(BUFFERS, None))
     return NodeTask(broadcast, RoundTask(ids, torch.tensor(task["num-samples"], dtype=torch.long),
                                          torch.tensor(task["steps"], dtype=torch.long)),
                     [int(r) for r in task["state-rounds"]])
@@ -114,15 +117,22 @@ def read_result(content, expected: list[int], size: int) -> ClientResult:
                         int(content["result"]["backprops"]))
 
 
-def evaluation_content(w: torch.Tensor, clients: list[int], state_rounds: list[int]):
-    """The ``evaluate`` message content for one node: the global model, its clients and their state rounds."""
-    return RecordDict({"model": array_record({MODEL: w}),
+def with_buffers(entries: dict[str, torch.Tensor], buffers: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """``entries`` and, for a model that has buffers, ``b`` under :data:`BUFFERS`."""
+    return entries if buffers is None else {**entries, BUFFERS: buffers}
+
+
+def evaluation_content(w: torch.Tensor, clients: list[int], state_rounds: list[int],
+                       buffers: torch.Tensor | None = None):
+    """The ``evaluate`` message content for one node: the global model (and buffers), its clients and their state
+    rounds."""
+    return RecordDict({"model": array_record(with_buffers({MODEL: w}, buffers)),
                        "task": ConfigRecord({"clients": clients, "state-rounds": state_rounds})})
 
 
-def read_evaluation(content) -> tuple[torch.Tensor, list[int], list[int]]:
-    task = content["task"]
-    return (tensors(content["model"])[MODEL], [int(c) for c in task["clients"]],
+def read_evaluation(content) -> tuple[torch.Tensor, torch.Tensor | None, list[int], list[int]]:
+    task, model = content["task"], tensors(content["model"])
+    return (model[MODEL], model.get(BUFFERS), [int(c) for c in task["clients"]],
             [int(r) for r in task["state-rounds"]])
 
 

@@ -28,7 +28,7 @@ from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, merge_results
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
 from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluation_content, read_result, read_scores,
-                                     reply_content, task_content, wire_bytes)
+                                     reply_content, task_content, wire_bytes, with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -169,7 +169,7 @@ class FedflatStrategy(Strategy):
         self.opened = None
         metrics = {"train_loss": round.train_loss, "drift": round.drift, "clients": round.clients,
                    "dropped": len(round.dropped), **round.log}
-        return array_record({MODEL: self.sim.w}), MetricRecord(metrics)
+        return self.global_arrays(), MetricRecord(metrics)
 
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
         """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
@@ -216,8 +216,8 @@ class FedflatStrategy(Strategy):
             if client not in hosted:
                 log.warning("evaluation: client %d has no node online: left out", client)
         self.evaluating = by_node
-        return [Message(evaluation_content(self.sim.w, ids, self.sim.aggregated_round[ids].tolist()), dst_node_id=node,
-                        message_type=EVALUATE) for node, ids in by_node.items()]
+        return [Message(evaluation_content(self.sim.w, ids, self.sim.aggregated_round[ids].tolist(), self.buffers()),
+                        dst_node_id=node, message_type=EVALUATE) for node, ids in by_node.items()]
 
     def collect_scores(self, replies: Iterable) -> ClientScores:
         """The clients' scores from every node whose reply is whole; the others are logged and left out."""
@@ -249,7 +249,14 @@ class FedflatStrategy(Strategy):
 
     def initial_arrays(self):
         """The global model fedflat starts from (seeded as ``fedflat run``'s), for Flower's ``start``."""
-        return array_record({MODEL: self.sim.w})
+        return self.global_arrays()
+
+    def global_arrays(self):
+        """The global model as Flower arrays: its parameters and, for a model that has any, its buffers."""
+        return array_record(with_buffers({MODEL: self.sim.w}, self.buffers()))
+
+    def buffers(self) -> torch.Tensor | None:
+        return self.sim.buffers if self.sim.model.buffer_layout.size else None
 
     def evaluate(self, server_round: int, arrays):
         """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``); None for a personalized method,

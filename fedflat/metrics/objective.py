@@ -43,14 +43,15 @@ class DataObjective:
     """Mean cross-entropy of ``model`` on ``(x, y)``, plus ``wd/2 ||w||^2`` when ``weight_decay`` is set.
 
     Sums over chunks of ``chunk`` samples weighted by their size, so the result equals the full-batch
-    value whatever the chunking.
+    value whatever the chunking. The model runs in ``eval()`` mode with the buffers ``buffers`` (the global
+    model's, for a model that has any), so every value is a function of ``w`` alone.
     """
 
     def __init__(self, model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 1000,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, buffers: torch.Tensor | None = None):
         if x.shape[0] == 0:
             raise ValueError("an objective needs at least one sample")
-        self.model, self.x, self.y = model, x, y
+        self.model, self.x, self.y, self.buffers = model, x, y, buffers
         self.chunk = chunk
         self.weight_decay = weight_decay
 
@@ -69,12 +70,12 @@ class DataObjective:
 
     @torch.no_grad()
     def loss(self, w: torch.Tensor) -> float:
-        total = sum(share * F.cross_entropy(self.model(w, x), y).item() for x, y, share in self._chunks())
+        total = sum(share * F.cross_entropy(self.model(w, x, self.buffers), y).item() for x, y, share in self._chunks())
         return total + self._regularizer(w).item()
 
     @torch.no_grad()
     def accuracy(self, w: torch.Tensor) -> float:
-        correct = sum((self.model(w, x).argmax(1) == y).sum().item() for x, y, _ in self._chunks())
+        correct = sum((self.model(w, x, self.buffers).argmax(1) == y).sum().item() for x, y, _ in self._chunks())
         return correct / self.size
 
     def grad(self, w: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class DataObjective:
         total = torch.zeros_like(w)
         for x, y, share in self._chunks():
             leaf = w.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x), y), leaf)
+            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x, self.buffers), y), leaf)
             total += share * g
         return total + self.weight_decay * w.detach()
 
@@ -91,7 +92,7 @@ class DataObjective:
         total = torch.zeros_like(w)
         for x, y, share in self._chunks():
             leaf = w.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x), y), leaf, create_graph=True)
+            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x, self.buffers), y), leaf, create_graph=True)
             (hv,) = torch.autograd.grad(g @ v, leaf)
             total += share * hv
         return total + self.weight_decay * v
@@ -102,7 +103,8 @@ def global_objective(sim, samples: int | None, weight_decay: float = 0.0, purpos
     (all clients' data together, i.e. ``F = sum_i (n_i/n) F_i``)."""
     data = sim.dataset
     idx = seeded_subset(data.y_train.shape[0], samples, sim.cfg.seed, -1, purpose).to(data.y_train.device)
-    return DataObjective(sim.model, data.features(data.x_train[idx]), data.y_train[idx], weight_decay=weight_decay)
+    return DataObjective(sim.model, data.features(data.x_train[idx]), data.y_train[idx], weight_decay=weight_decay,
+                         buffers=sim.buffers)
 
 
 def client_objective(sim, client: int, samples: int | None, purpose: str = "diagnostics/client") -> DataObjective:
@@ -110,7 +112,8 @@ def client_objective(sim, client: int, samples: int | None, purpose: str = "diag
     indices = sim.client_indices[client]
     pick = seeded_subset(indices.shape[0], samples, sim.cfg.seed, client, purpose).to(indices.device)
     idx = indices[pick]
-    return DataObjective(sim.model, sim.dataset.features(sim.dataset.x_train[idx]), sim.dataset.y_train[idx])
+    return DataObjective(sim.model, sim.dataset.features(sim.dataset.x_train[idx]), sim.dataset.y_train[idx],
+                         buffers=sim.buffers)
 
 
 def seeded_clients(sim, count: int | None, purpose: str = "diagnostics/clients") -> torch.Tensor:

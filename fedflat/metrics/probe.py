@@ -17,6 +17,7 @@ import torch
 
 from fedflat.core import Batch, Broadcast, ClientContext, RoundContext, normalize_rows
 from fedflat.engine.batches import local_steps
+from fedflat.engine.client import own_buffers
 from fedflat.engine.runtime import RoundTask, make_cohort
 from fedflat.metrics.objective import DataObjective
 
@@ -44,7 +45,7 @@ def probe_round(sim, round: int, clients: torch.Tensor) -> tuple[ClientContext, 
     ctx = RoundContext(round=round, lr=sim.lr_at(round), w=sim.w, sampled=clients, num_samples=n, steps=steps,
                        server={k: v.clone() for k, v in sim.server.items()}, settings=sim.settings,
                        held=held, held_known=held_known)
-    broadcast = sim.algorithm.configure(ctx)
+    broadcast = sim.configure(ctx)
     return (ClientContext.of(broadcast, sim.settings, sim.oracle, sim.batches), broadcast,
             RoundTask(clients.cpu(), n.cpu(), steps.cpu()))
 
@@ -81,9 +82,14 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
         ctx, broadcast, task = probe_round(sim, round, clients)
         for row, objective in enumerate(objectives):
             cohort = make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
-            sim.algorithm.begin(ctx, cohort)
-            batch = Batch(objective.x.unsqueeze(0), objective.y.unsqueeze(0))
-            e = parts["perturbation"].perturb(ctx, cohort, 0, w[None].clone(), batch)
+            start = None if ctx.buffers is None else own_buffers(ctx.buffers, sim.private_buffers, cohort.state,
+                                                                  cohort.known, 1)
+            with sim.oracle.clients(cohort.ids.tolist(), round, sim.cfg.seed, start) as session:
+                sim.algorithm.begin(ctx, cohort)
+                if session is not None:
+                    session.step(None)
+                batch = Batch(objective.x.unsqueeze(0), objective.y.unsqueeze(0))
+                e = parts["perturbation"].perturb(ctx, cohort, 0, w[None].clone(), batch)
             if e is not None and parts["filter"].acts_on == "perturbation":
                 eps[row] = parts["filter"].apply(ctx, cohort, e)[0]
     names = f"perturbation '{parts['perturbation'].name}'" + (

@@ -20,7 +20,8 @@ def penultimate_features(sim, w: torch.Tensor | None = None, samples: int | None
     data = sim.dataset
     idx = seeded_subset(data.y_test.shape[0], samples, sim.cfg.seed, -1, "diagnostics/test").to(data.y_test.device)
     x, y = data.features(data.x_test[idx]), data.y_test[idx]
-    feats = torch.cat([sim.model.features(w, x[lo:lo + chunk]).flatten(1) for lo in range(0, len(idx), chunk)])
+    feats = torch.cat([sim.model.features(w, x[lo:lo + chunk], sim.buffers).flatten(1)
+                       for lo in range(0, len(idx), chunk)])
     return feats.cpu().numpy(), y.cpu().numpy()
 
 

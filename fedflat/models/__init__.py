@@ -5,10 +5,12 @@ Use :func:`build_model` to construct a model by name::
     model = build_model("resnet18", (3, 32, 32), 10, stem="imagenet")
 
 Every model maps ``[B, *input_shape]`` to logits ``[B, num_classes]``, exposes
-``features(x) -> [B, D]`` with ``forward(x) == head(features(x))``, has no
-buffers, and works under ``torch.func.functional_call`` + ``torch.func.vmap``
-over stacked per-client parameters. ``model.input_dtype`` is ``torch.long`` for
-``textcnn`` (token ids) and ``torch.float32`` otherwise.
+``features(x) -> [B, D]`` with ``forward(x) == head(features(x))``, and by default
+has no buffers and no dropout (GroupNorm in the ResNet family and DenseNet); their
+``norm: group | batch | none`` option (and the CNN's ``norm`` and ``dropout``)
+builds the BatchNorm and dropout variants, whose statistics fedflat federates
+(docs/models.md). ``model.input_dtype`` is ``torch.long`` for ``textcnn`` (token
+ids) and ``torch.float32`` otherwise.
 """
 
 from __future__ import annotations

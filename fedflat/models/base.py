@@ -1,15 +1,13 @@
-"""Common base class for fedflat models.
+"""Common base class for fedflat models, and the normalization layers the built-in models choose from.
 
 Every model is split into a feature extractor and a linear ``head`` so that
 ``forward(x) == head(features(x))`` holds by construction; ``features`` gives the
 penultimate-layer representation used for t-SNE plots.
 
-Constraints shared by all models (so that clients can be simulated in parallel
-with ``torch.func.vmap`` over stacked parameters):
-
-* no buffers (GroupNorm instead of BatchNorm), hence no running statistics;
-* no dropout by default (random ops under ``vmap`` need ``randomness=...``);
-* no in-place operations on activations.
+The built-in models default to what the seed papers train: GroupNorm in the ResNet family and DenseNet (no
+running statistics), no normalization and no dropout in the CNN. ``norm: group | batch | none`` (and the CNN's
+``dropout``) give the common BatchNorm and dropout variants; fedflat federates BatchNorm's statistics as buffers
+and keys dropout to each client's stream. What any module must satisfy, a user's included, is in docs/models.md.
 """
 
 from __future__ import annotations
@@ -83,3 +81,23 @@ def check_image_shape(model: str, input_shape: Sequence[int]) -> tuple[int, int,
 def flat_size(input_shape: Sequence[int]) -> int:
     """Number of features after flattening an input of ``input_shape``."""
     return int(math.prod(input_shape))
+
+
+NORMS = ("group", "batch", "none")
+
+
+def check_norm(model: str, norm: str) -> str:
+    """Validate a ``norm`` option (:data:`NORMS`)."""
+    if norm not in NORMS:
+        raise ValueError(f"{model} norm must be one of {', '.join(NORMS)}, got {norm!r}")
+    return norm
+
+
+def norm_layer(norm: str, channels: int, groups: int = 2) -> nn.Module:
+    """The normalization of ``channels`` feature maps: ``GroupNorm(groups, channels)`` (the seeds', no buffers),
+    ``BatchNorm2d(channels)`` (running statistics, federated as buffers) or none (``nn.Identity``)."""
+    if norm == "group":
+        return nn.GroupNorm(groups, channels)
+    if norm == "batch":
+        return nn.BatchNorm2d(channels)
+    return nn.Identity()

@@ -19,6 +19,10 @@ reference. The flattened size is computed from ``input_shape``:
 
 With ``padding=0`` inputs need H, W >= 16; ``padding=2`` ("same" convolutions)
 accepts anything >= 4x4 (e.g. 12x12 -> 64*3*3).
+
+Variants (the reference has neither): ``norm="batch"`` (or ``"group"``: GroupNorm(2, 64)) normalizes each
+convolution's output before its ReLU, the common CIFAR BatchNorm CNN; ``dropout=p`` drops the outputs of both
+hidden fully-connected layers after their ReLU in training.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import FedModel, check_common, check_image_shape
+from .base import FedModel, check_common, check_image_shape, check_norm, norm_layer
 
 KERNEL = 5
 CHANNELS = 64
@@ -51,19 +55,21 @@ class CNN(FedModel):
     """FedAvg / FL-Simulator CNN: two 5x5 conv layers and three FC layers."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int,
-                 padding: int = 0) -> None:
+                 padding: int = 0, norm: str = "none", dropout: float = 0.0) -> None:
         super().__init__(input_shape, num_classes)
         c, h, w = self.input_shape
         for _ in range(2):
             h, w = _out_side(h, padding), _out_side(w, padding)
-        self.conv = nn.Sequential(
-            nn.Conv2d(c, CHANNELS, KERNEL, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(CHANNELS, CHANNELS, KERNEL, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
-        )
-        self.fc = nn.Sequential(
-            nn.Linear(CHANNELS * h * w, 384), nn.ReLU(),
-            nn.Linear(384, 192), nn.ReLU(),
-        )
+
+        def stage(in_ch: int) -> list[nn.Module]:
+            conv = [nn.Conv2d(in_ch, CHANNELS, KERNEL, padding=padding)]
+            return conv + ([norm_layer(norm, CHANNELS)] if norm != "none" else []) + [nn.ReLU(), nn.MaxPool2d(2)]
+
+        def hidden(in_features: int, out_features: int) -> list[nn.Module]:
+            return [nn.Linear(in_features, out_features), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
+
+        self.conv = nn.Sequential(*stage(c), *stage(CHANNELS))
+        self.fc = nn.Sequential(*hidden(CHANNELS * h * w, 384), *hidden(384, 192))
         self.feature_dim = 192
         self.head = nn.Linear(192, self.num_classes)
 
@@ -71,18 +77,24 @@ class CNN(FedModel):
         return self.fc(self.conv(x).flatten(1))
 
 
-def cnn(input_shape: Sequence[int], num_classes: int, padding: int = 0) -> CNN:
+def cnn(input_shape: Sequence[int], num_classes: int, padding: int = 0, norm: str = "none",
+        dropout: float = 0.0) -> CNN:
     """Build the FedAvg/FL-Simulator CNN for ``(C, H, W)`` inputs.
 
     ``padding`` is the zero padding of both 5x5 convolutions (0 as in the
-    reference; 2 keeps the spatial size, allowing inputs down to 4x4).
+    reference; 2 keeps the spatial size, allowing inputs down to 4x4); ``norm`` (none as in the reference, batch
+    or group) normalizes each convolution's output; ``dropout`` is the drop probability after both hidden
+    fully-connected layers (0: none, as in the reference).
     """
     shape = check_common(input_shape, num_classes)
     _, h, w = check_image_shape("cnn", shape)
     if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding <= 2:
         raise ValueError(f"cnn padding must be 0, 1 or 2, got {padding!r}")
+    check_norm("cnn", norm)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"cnn dropout must be a probability in [0, 1), got {dropout!r}")
     minimum = _min_side(padding)
     if min(h, w) < minimum:
         raise ValueError(f"cnn with padding={padding} needs H, W >= {minimum}, got {shape} "
                          "(use padding=2 for smaller images)")
-    return CNN(shape, num_classes, padding)
+    return CNN(shape, num_classes, padding, norm, float(dropout))

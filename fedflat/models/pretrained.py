@@ -3,7 +3,8 @@
 Reads a PyTorch state dict (``torch.save``; also nested under ``state_dict`` / ``model``, with DataParallel's
 ``module.`` prefix) or a ``.safetensors`` file. Keys are fedflat's own, or torchvision's ResNet names
 (``conv1``, ``bn1``, ``layerL.B.bnK``, ``downsample``, ``fc``), translated: BatchNorm's affine weights load into
-the GroupNorm that replaces it, and its running statistics are dropped (GroupNorm keeps none). The classifier
+the GroupNorm that replaces it, whose model drops the running statistics (GroupNorm keeps none); a BatchNorm model
+(``model.norm=batch``) loads them too. Buffers the checkpoint lacks keep their fresh values (reported). The classifier
 head is replaced when its shape differs (another number of classes). A ViT's position embedding learnt on another
 input size is resampled to the model's patch grid (bicubic, as timm's ``resample_abs_pos_embed``; the class
 token's row is kept). Every model parameter must be found
@@ -18,21 +19,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedflat.core import ConfigError
+from fedflat.core import ConfigError, persistent_buffers
 
 HEADS = ("head.weight", "head.bias")
+_NORM = "weight|bias|running_mean|running_var|num_batches_tracked"  # a BatchNorm's parameters and buffers
 _TORCHVISION_RESNET = [  # (torchvision's name, fedflat's)
     (re.compile(r"^conv1\.weight$"), "stem.0.weight"),
-    (re.compile(r"^bn1\.(weight|bias)$"), r"stem.1.\1"),
+    (re.compile(rf"^bn1\.({_NORM})$"), r"stem.1.\1"),
     (re.compile(r"^layer(\d)\.(\d+)\.conv(\d)\.weight$"), r"stages.<\1>.\2.conv\3.weight"),
-    (re.compile(r"^layer(\d)\.(\d+)\.bn(\d)\.(weight|bias)$"), r"stages.<\1>.\2.norm\3.\4"),
-    (re.compile(r"^layer(\d)\.(\d+)\.downsample\.(\d)\.(weight|bias)$"), r"stages.<\1>.\2.shortcut.\3.\4"),
+    (re.compile(rf"^layer(\d)\.(\d+)\.bn(\d)\.({_NORM})$"), r"stages.<\1>.\2.norm\3.\4"),
+    (re.compile(rf"^layer(\d)\.(\d+)\.downsample\.(\d)\.({_NORM})$"), r"stages.<\1>.\2.shortcut.\3.\4"),
     (re.compile(r"^fc\.(weight|bias)$"), r"head.\1"),
 ]
 
 
 def torchvision_key(key: str) -> str | None:
-    """fedflat's name for a torchvision ResNet parameter (None: nothing fedflat has, e.g. BN statistics);
+    """fedflat's name for a torchvision ResNet parameter or BatchNorm buffer (None: nothing fedflat has);
     torchvision's ``layer1`` is fedflat's stage 0."""
     for pattern, target in _TORCHVISION_RESNET:
         if pattern.match(key):
@@ -82,10 +84,12 @@ def resample_pos_embed(value: torch.Tensor, grid: tuple[int, int] | None,
 
 
 def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
-    """Loads ``path`` into ``model`` in place; returns ``{"loaded", "replaced", "unused"}`` key lists."""
+    """Loads ``path`` into ``model`` in place; returns ``{"loaded", "replaced", "resized", "fresh", "unused"}`` key
+    lists (``fresh``: buffers the checkpoint does not have, left as initialized)."""
     state = read_checkpoint(path)
     own = dict(model.named_parameters())
     untranslated: list[str] = []
+    origin: dict[str, str] = {}  # fedflat's name -> the checkpoint's (reports name the checkpoint's keys)
     if not set(state) & set(own):  # not fedflat's names: try torchvision's
         translated = {}
         for key, value in state.items():
@@ -93,9 +97,9 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
             if name is None:
                 untranslated.append(key)
             else:
-                translated[name] = value
+                translated[name], origin[name] = value, key
         state = translated
-    report: dict[str, list[str]] = {"loaded": [], "replaced": [], "resized": [], "unused": []}
+    report: dict[str, list[str]] = {"loaded": [], "replaced": [], "resized": [], "fresh": [], "unused": []}
     wrong = []
     with torch.no_grad():
         for name, param in own.items():
@@ -113,8 +117,16 @@ def load_pretrained(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
             else:
                 wrong.append(f"{name} {tuple(param.shape)}: "
                              + ("missing" if value is None else f"checkpoint has {tuple(value.shape)}"))
+        buffers = dict(persistent_buffers(model))
+        for name, buffer in buffers.items():
+            value = state.get(name)
+            if value is not None and value.shape == buffer.shape:
+                buffer.copy_(value)
+                report["loaded"].append(name)
+            else:
+                report["fresh"].append(name)
     if wrong:
         shown = "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
         raise ConfigError(f"model.pretrained: {path} does not fit this model: {shown}")
-    report["unused"] = sorted(untranslated + [k for k in state if k not in own])
+    report["unused"] = sorted(untranslated + [origin.get(k, k) for k in state if k not in own and k not in buffers])
     return report

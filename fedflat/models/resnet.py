@@ -1,12 +1,14 @@
-"""ResNet-18/34/50, CIFAR ResNet-20 and WRN-28-4 with GroupNorm, as used in federated-learning benchmarks.
+"""ResNet-18/34/50, CIFAR ResNet-20 and WRN-28-4 with GroupNorm (or BatchNorm), as used in federated-learning
+benchmarks.
 
 He et al., *Deep Residual Learning for Image Recognition* (CVPR 2016), with
 BasicBlocks ``[2, 2, 2, 2]`` (ResNet-18) or ``[3, 4, 6, 3]`` (ResNet-34) and
 widths 64-128-256-512. Following Hsieh et al. (*The Non-IID Data Quagmire*,
 ICML 2020), FL-Simulator (woodenchild95/FL-Simulator) and the FedSAM/FedSpeed/
 FedSMOO papers, every BatchNorm is replaced by ``GroupNorm(groups, C)`` with
-``groups=2`` so the model has no running statistics (no buffers) and works
-under ``torch.func.vmap``.
+``groups=2`` so the model has no running statistics (no buffers). ``norm="batch"``
+builds He et al.'s BatchNorm layout instead (its running statistics are federated
+as buffers; FedBN keeps them on each client), ``norm="none"`` no normalization.
 
 Stems:
 
@@ -39,7 +41,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import FedModel, check_common, check_image_shape, check_positive_int
+from .base import FedModel, check_common, check_image_shape, check_norm, check_positive_int, norm_layer
 
 WIDTHS = (64, 128, 256, 512)
 CIFAR_WIDTHS = (16, 32, 64)  # He et al.'s CIFAR ResNets (§4.2)
@@ -52,20 +54,20 @@ def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 conv-GN layers with an identity or 1x1-conv-GN projection shortcut."""
+    """Two 3x3 conv-norm layers with an identity or 1x1-conv-norm projection shortcut."""
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int, norm: str = "group") -> None:
         super().__init__()
         self.conv1 = conv3x3(in_ch, out_ch, stride)
-        self.norm1 = nn.GroupNorm(groups, out_ch)
+        self.norm1 = norm_layer(norm, out_ch, groups)
         self.conv2 = conv3x3(out_ch, out_ch)
-        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.norm2 = norm_layer(norm, out_ch, groups)
         self.relu = nn.ReLU()
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
             self.shortcut = nn.Sequential(
                 nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False),
-                nn.GroupNorm(groups, out_ch),
+                norm_layer(norm, out_ch, groups),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,13 +76,13 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-def make_stem(in_ch: int, width: int, stem: str, groups: int) -> nn.Sequential:
+def make_stem(in_ch: int, width: int, stem: str, groups: int, norm: str = "group") -> nn.Sequential:
     """The input stem: CIFAR-style 3x3/s1 conv, or ImageNet-style 7x7/s2 conv + max-pool."""
     if stem == "cifar":
-        return nn.Sequential(conv3x3(in_ch, width), nn.GroupNorm(groups, width), nn.ReLU())
+        return nn.Sequential(conv3x3(in_ch, width), norm_layer(norm, width, groups), nn.ReLU())
     return nn.Sequential(
         nn.Conv2d(in_ch, width, 7, stride=2, padding=3, bias=False),
-        nn.GroupNorm(groups, width), nn.ReLU(),
+        norm_layer(norm, width, groups), nn.ReLU(),
         nn.MaxPool2d(3, stride=2, padding=1),
     )
 
@@ -90,31 +92,31 @@ def init_weights(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, nn.GroupNorm):
+        elif isinstance(m, (nn.GroupNorm, nn.BatchNorm2d)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
 
 class Bottleneck(nn.Module):
-    """1x1 (width) - 3x3 (width, the stride here as torchvision's ResNet v1.5) - 1x1 (4 width) conv-GN
-    layers, with an identity or 1x1-conv-GN projection shortcut."""
+    """1x1 (width) - 3x3 (width, the stride here as torchvision's ResNet v1.5) - 1x1 (4 width) conv-norm
+    layers, with an identity or 1x1-conv-norm projection shortcut."""
 
     expansion = 4
 
-    def __init__(self, in_ch: int, width: int, stride: int, groups: int) -> None:
+    def __init__(self, in_ch: int, width: int, stride: int, groups: int, norm: str = "group") -> None:
         super().__init__()
         out_ch = width * self.expansion
         self.conv1 = nn.Conv2d(in_ch, width, 1, bias=False)
-        self.norm1 = nn.GroupNorm(groups, width)
+        self.norm1 = norm_layer(norm, width, groups)
         self.conv2 = conv3x3(width, width, stride)
-        self.norm2 = nn.GroupNorm(groups, width)
+        self.norm2 = norm_layer(norm, width, groups)
         self.conv3 = nn.Conv2d(width, out_ch, 1, bias=False)
-        self.norm3 = nn.GroupNorm(groups, out_ch)
+        self.norm3 = norm_layer(norm, out_ch, groups)
         self.relu = nn.ReLU()
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
             self.shortcut = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False),
-                                          nn.GroupNorm(groups, out_ch))
+                                          norm_layer(norm, out_ch, groups))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.norm1(self.conv1(x)))
@@ -123,20 +125,21 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(FedModel):
-    """ResNet with GroupNorm; ``blocks`` gives blocks per stage of ``widths`` channels (the first stage at
-    stride 1, every later one halving the resolution); ``block``: BasicBlock or Bottleneck."""
+    """ResNet with GroupNorm (``norm``: or BatchNorm, or none); ``blocks`` gives blocks per stage of ``widths``
+    channels (the first stage at stride 1, every later one halving the resolution); ``block``: BasicBlock or
+    Bottleneck."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, blocks: Sequence[int],
                  stem: str = "cifar", groups: int = 2, widths: Sequence[int] = WIDTHS,
-                 block: type[nn.Module] = BasicBlock) -> None:
+                 block: type[nn.Module] = BasicBlock, norm: str = "group") -> None:
         super().__init__(input_shape, num_classes)
-        self.stem = make_stem(self.input_shape[0], widths[0], stem, groups)
+        self.stem = make_stem(self.input_shape[0], widths[0], stem, groups, norm)
         expansion = getattr(block, "expansion", 1)
         stages: list[nn.Module] = []
         in_ch = widths[0]
         for i, (width, n) in enumerate(zip(widths, blocks)):
             layers = [block(in_ch if j == 0 else width * expansion, width,
-                            1 if (i == 0 or j > 0) else 2, groups) for j in range(n)]
+                            1 if (i == 0 or j > 0) else 2, groups, norm) for j in range(n)]
             stages.append(nn.Sequential(*layers))
             in_ch = width * expansion
         self.stages = nn.Sequential(*stages)
@@ -150,57 +153,60 @@ class ResNet(FedModel):
 
 
 def _check(name: str, input_shape: Sequence[int], num_classes: int, groups: int,
-           widths: Sequence[int]) -> tuple[tuple[int, ...], int]:
+           widths: Sequence[int], norm: str = "group") -> tuple[tuple[int, ...], int]:
     shape = check_common(input_shape, num_classes)
     check_image_shape(name, shape)
     groups = check_positive_int(f"{name} groups", groups)
-    if any(w % groups for w in widths):
+    if check_norm(name, norm) == "group" and any(w % groups for w in widths):
         raise ValueError(f"{name} groups={groups} must divide every width {tuple(widths)}")
     return shape, groups
 
 
 def _resnet(name: str, blocks: Sequence[int], input_shape: Sequence[int], num_classes: int,
-            stem: str, groups: int, widths: Sequence[int] = WIDTHS, block: type[nn.Module] = BasicBlock) -> ResNet:
-    """Validate options and build a GroupNorm ResNet."""
-    shape, groups = _check(name, input_shape, num_classes, groups, widths)
+            stem: str, groups: int, widths: Sequence[int] = WIDTHS, block: type[nn.Module] = BasicBlock,
+            norm: str = "group") -> ResNet:
+    """Validate options and build a ResNet."""
+    shape, groups = _check(name, input_shape, num_classes, groups, widths, norm)
     if stem not in STEMS:
         raise ValueError(f"{name} stem must be one of {STEMS}, got {stem!r}")
-    return ResNet(shape, num_classes, blocks, stem, groups, widths, block)
+    return ResNet(shape, num_classes, blocks, stem, groups, widths, block, norm)
 
 
 def resnet18(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
-             groups: int = 2) -> ResNet:
-    """ResNet-18 (BasicBlocks [2, 2, 2, 2]) with GroupNorm(groups)."""
-    return _resnet("resnet18", (2, 2, 2, 2), input_shape, num_classes, stem, groups)
+             groups: int = 2, norm: str = "group") -> ResNet:
+    """ResNet-18 (BasicBlocks [2, 2, 2, 2]) with GroupNorm(groups), or ``norm`` batch | none."""
+    return _resnet("resnet18", (2, 2, 2, 2), input_shape, num_classes, stem, groups, norm=norm)
 
 
 def resnet34(input_shape: Sequence[int], num_classes: int, stem: str = "cifar",
-             groups: int = 2) -> ResNet:
-    """ResNet-34 (BasicBlocks [3, 4, 6, 3]) with GroupNorm(groups)."""
-    return _resnet("resnet34", (3, 4, 6, 3), input_shape, num_classes, stem, groups)
+             groups: int = 2, norm: str = "group") -> ResNet:
+    """ResNet-34 (BasicBlocks [3, 4, 6, 3]) with GroupNorm(groups), or ``norm`` batch | none."""
+    return _resnet("resnet34", (3, 4, 6, 3), input_shape, num_classes, stem, groups, norm=norm)
 
 
-def resnet50(input_shape: Sequence[int], num_classes: int, stem: str = "imagenet", groups: int = 2) -> ResNet:
-    """ResNet-50 (Bottlenecks [3, 4, 6, 3], torchvision's v1.5 layout) with GroupNorm(groups); the ImageNet stem
-    by default (FedWMSAM's OfficeHome table: 224 x 224 inputs)."""
-    return _resnet("resnet50", (3, 4, 6, 3), input_shape, num_classes, stem, groups, WIDTHS, Bottleneck)
+def resnet50(input_shape: Sequence[int], num_classes: int, stem: str = "imagenet", groups: int = 2,
+             norm: str = "group") -> ResNet:
+    """ResNet-50 (Bottlenecks [3, 4, 6, 3], torchvision's v1.5 layout) with GroupNorm(groups), or ``norm``
+    batch | none; the ImageNet stem by default (FedWMSAM's OfficeHome table: 224 x 224 inputs)."""
+    return _resnet("resnet50", (3, 4, 6, 3), input_shape, num_classes, stem, groups, WIDTHS, Bottleneck, norm)
 
 
-def resnet20(input_shape: Sequence[int], num_classes: int, groups: int = 2) -> ResNet:
-    """He et al.'s CIFAR ResNet-20 (§4.2: 3 stages of 3 BasicBlocks, 16-32-64 channels) with GroupNorm(groups);
-    shortcuts that change shape are 1x1 convolutions (option B; option A's zero padding has no parameters)."""
-    return _resnet("resnet20", (3, 3, 3), input_shape, num_classes, "cifar", groups, CIFAR_WIDTHS)
+def resnet20(input_shape: Sequence[int], num_classes: int, groups: int = 2, norm: str = "group") -> ResNet:
+    """He et al.'s CIFAR ResNet-20 (§4.2: 3 stages of 3 BasicBlocks, 16-32-64 channels) with GroupNorm(groups), or
+    ``norm`` batch (He et al.'s) | none; shortcuts that change shape are 1x1 convolutions (option B; option A's
+    zero padding has no parameters)."""
+    return _resnet("resnet20", (3, 3, 3), input_shape, num_classes, "cifar", groups, CIFAR_WIDTHS, norm=norm)
 
 
 class WideBlock(nn.Module):
     """Zagoruyko & Komodakis' pre-activation wide block: norm-ReLU-conv3x3-norm-ReLU-conv3x3, plus the
     input (or a 1x1 convolution of the pre-activated input when the shape changes)."""
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, stride: int, groups: int, norm: str = "group") -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, in_ch)
+        self.norm1 = norm_layer(norm, in_ch, groups)
         self.conv1 = conv3x3(in_ch, out_ch, stride)
-        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.norm2 = norm_layer(norm, out_ch, groups)
         self.conv2 = conv3x3(out_ch, out_ch)
         self.relu = nn.ReLU()
         self.shortcut = (nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False)
@@ -214,9 +220,11 @@ class WideBlock(nn.Module):
 
 class WideResNet(FedModel):
     """WRN-depth-k (Zagoruyko & Komodakis, BMVC 2016): a 3x3 conv of 16, three stages of ``(depth - 4) / 6``
-    wide blocks of 16k, 32k, 64k channels, norm-ReLU, global pooling, linear; GroupNorm for BatchNorm."""
+    wide blocks of 16k, 32k, 64k channels, norm-ReLU, global pooling, linear; GroupNorm for BatchNorm (``norm``:
+    or BatchNorm as published, or none)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, depth: int, k: int, groups: int) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int, depth: int, k: int, groups: int,
+                 norm: str = "group") -> None:
         super().__init__(input_shape, num_classes)
         n = (depth - 4) // 6
         widths = (16 * k, 32 * k, 64 * k)
@@ -224,10 +232,10 @@ class WideResNet(FedModel):
         stages, in_ch = [], 16
         for i, width in enumerate(widths):
             stages.append(nn.Sequential(*[WideBlock(in_ch if j == 0 else width, width, 2 if (i > 0 and j == 0) else 1,
-                                                    groups) for j in range(n)]))
+                                                    groups, norm) for j in range(n)]))
             in_ch = width
         self.stages = nn.Sequential(*stages)
-        self.norm = nn.GroupNorm(groups, widths[-1])
+        self.norm = norm_layer(norm, widths[-1], groups)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = widths[-1]
         self.head = nn.Linear(self.feature_dim, self.num_classes)
@@ -237,7 +245,8 @@ class WideResNet(FedModel):
         return self.pool(torch.relu(self.norm(self.stages(self.stem(x))))).flatten(1)
 
 
-def wrn28_4(input_shape: Sequence[int], num_classes: int, groups: int = 2) -> WideResNet:
-    """WRN-28-4 (FedVSSAM's CIFAR-100 backbone, seed 000 Table 1) with GroupNorm(groups)."""
-    shape, groups = _check("wrn28_4", input_shape, num_classes, groups, (16, 64, 128, 256))
-    return WideResNet(shape, num_classes, 28, 4, groups)
+def wrn28_4(input_shape: Sequence[int], num_classes: int, groups: int = 2, norm: str = "group") -> WideResNet:
+    """WRN-28-4 (FedVSSAM's CIFAR-100 backbone, seed 000 Table 1) with GroupNorm(groups), or ``norm``
+    batch | none."""
+    shape, groups = _check("wrn28_4", input_shape, num_classes, groups, (16, 64, 128, 256), norm)
+    return WideResNet(shape, num_classes, 28, 4, groups, norm)

@@ -14,7 +14,8 @@ With ``vocab_size=30000`` and 14 classes this is 3,998,114 parameters
 Token id ``padding_idx`` (default 0) has an all-zero embedding that receives no
 gradient, as in ``nn.Embedding``; pass ``padding_idx=None`` to disable.
 Kim's model uses dropout 0.5 before the classifier; here ``dropout`` defaults
-to 0 (vmapped training with dropout needs ``vmap(..., randomness="different")``).
+to 0, as in fedflat's other models (with ``dropout > 0`` each client draws its masks
+from its own keyed stream, on both engines: docs/models.md).
 """
 
 from __future__ import annotations
