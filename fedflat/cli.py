@@ -6,7 +6,8 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, accuracy_text, evaluated_on, print_run_folder, split_config_and_overrides
+from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluated_on, loggers_override,
+                             print_run_folder, split_config_and_overrides)
 from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
                             suggest)
 from fedflat.core import ConfigError
@@ -19,6 +20,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
+    overrides = [*overrides, *loggers_override(args.loggers)]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
     print_run_folder(history.run_dir, announced=True)
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="parent folder of the run folder (default: config 'out', runs/)")
     p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_loggers_option(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")

@@ -46,6 +46,20 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def add_loggers_option(parser: argparse.ArgumentParser) -> None:
+    """``--loggers tensorboard,csv,wandb,mlflow``: the config key ``loggers`` set from the command line."""
+    parser.add_argument("--loggers", default=None, metavar="NAME,...",
+                        help="also record the config and metrics with these loggers: tensorboard, csv, wandb, mlflow "
+                             "(the config key loggers; options: docs/experiments.md, 'Tracking runs')")
+
+
+def loggers_override(names: str | None) -> list[str]:
+    """The ``loggers=[...]`` override of a ``--loggers`` value ([] when none was given)."""
+    if names is None:
+        return []
+    return [f"loggers=[{', '.join(n.strip() for n in names.split(',') if n.strip())}]"]
+
+
 def print_run_folder(run_dir, announced: bool) -> None:
     """The run folder at the end, on stdout for scripts; not again on a terminal that saw it announced on stderr
     at the start (it read "run folder:" twice there)."""

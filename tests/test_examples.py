@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import fedflat
-from fedflat.data import load_dataset
+from fedflat.data import flwr_partitions, load_dataset
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -50,17 +50,18 @@ def test_own_data_trains_a_users_dataset_and_model(tmp_path):
 
 
 def test_flwr_datasets_split_trains_on_the_partitioners_split(tmp_path):
-    """The script's bridge hands fedflat exactly flwr-datasets' partitions: every client's samples are those the
-    partitioner put in its partition (two classes each, disjoint), and the run equals one given that split."""
+    """The bridge (fedflat.data.flwr_partitions) hands fedflat exactly flwr-datasets' partitions: every client's
+    samples are those the partitioner put in its partition (two classes each, disjoint), and the script's run
+    equals one given that split."""
     pytest.importorskip("flwr_datasets", reason="flwr-datasets is not installed: `make setup` (the dev extra)")
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from flwr_datasets_split import PARTITIONERS, flwr_split
+        from flwr_datasets_split import PARTITIONERS
     finally:
         sys.path.remove(str(EXAMPLES))
     labels = load_dataset("digits").y_train.numpy()
     partitioner = PARTITIONERS["pathological"](20)
-    clients = flwr_split(partitioner, labels)
+    clients = flwr_partitions(partitioner, labels)
     assert len(clients) == 20
     for i, indices in enumerate(clients):
         assert partitioner.load_partition(i)["label"] == labels[indices].tolist()

@@ -423,20 +423,3 @@ def test_user_inputs_are_checked_before_a_run_folder_exists(tmp_path):
     assert "-mine-" in hist.run_dir.name  # the folder names the user's dataset
 
 
-def test_progress_off_a_terminal_is_plain_lines(tiny, tmp_path):
-    """A log or a pipe gets whole lines without carriage returns or escape codes (a terminal gets tqdm's bar)."""
-    import io
-
-    from fedflat.progress import progress_bar
-
-    log = io.StringIO()
-    for _ in progress_bar(range(3), stream=log, desc="fedavg", unit="round"):
-        pass
-    text = log.getvalue()
-    assert "\r" not in text and "\x1b" not in text
-    assert text.splitlines()[-1].startswith("fedavg: 100%") and "3/3" in text.splitlines()[-1]
-    code = f"import fedflat, sys; sys.path.insert(0, 'tests'); from conftest import tiny_tree; " \
-           f"fedflat.run(tiny_tree(), overrides=['rounds=3'], out={str(tmp_path)!r})"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "\r" not in out.stderr and "3/3" in out.stderr

@@ -29,6 +29,7 @@ from fedflat._version import __version__
 from fedflat.files import atomic_torch_save, atomic_write_text, json_safe, read_jsonl
 
 LOCK, RESERVE = ".lock", ".reserve"
+TRACKING_FILE = "tracking.json"  # the ids of the run's tracked runs (W&B, MLflow): fedflat.experiments.loggers
 RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the disk is full
 
 
@@ -160,13 +161,14 @@ class RunDir:
     @classmethod
     def at(cls, path: str | Path) -> "RunDir":
         """Creates exactly ``path`` (a sweep cell's folder); a folder with a run in it is an error, never
-        reused (an empty one, or one holding only the lock a sweep took first, is taken)."""
+        reused (an empty one, or one holding only the lock a sweep took first and the tracked runs' ids of a
+        start that was killed, is taken)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
         except FileExistsError:
-            if any(p.name not in (LOCK, RESERVE) for p in path.iterdir()):
+            if any(p.name not in (LOCK, RESERVE, TRACKING_FILE) for p in path.iterdir()):
                 raise FileExistsError(f"run folder {path} already exists; resume it (`fedflat resume {path}`) "
                                       "or choose another folder") from None
         return cls(path)

@@ -45,7 +45,7 @@ from fedflat.config import (Config, apply_override, config_file, file_kind, load
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import LOCK, RunFolderBusy, hold
+from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -246,7 +246,7 @@ def _comparable(tree: dict[str, Any]) -> dict[str, Any]:
     """The config keys that make a cell's results: all but where it runs, and its length (``rounds``, which a
     rerun may extend: the learning rate decays per round, so an extended run equals one planned that long)."""
     tree = copy.deepcopy(tree)
-    for key in ("out", "threads", "device", "rounds"):
+    for key in ("out", "threads", "device", "rounds", "loggers", "tensorboard"):
         tree.pop(key, None)
     return json.loads(json.dumps(json_safe(tree)))
 
@@ -297,9 +297,11 @@ def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
     return "resume", None
 
 
-def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None) -> dict[str, Any]:
+def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None,
+             group: str | None = None, job: str | None = None) -> dict[str, Any]:
     """Runs, resumes or skips one cell; never raises (errors are recorded in the result and
-    ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes)."""
+    ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes); ``group``
+    (the sweep's name) and ``job`` group its tracked runs."""
     if threads:
         from fedflat.engine.threads import set_core_share
 
@@ -308,12 +310,13 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     folder_path.mkdir(parents=True, exist_ok=True)
     try:
         with hold(folder_path):  # one writer per cell: a second sweep over the same cells is refused here
-            return _run_held_cell(tree, folder_path, progress)
+            return _run_held_cell(tree, folder_path, progress, group, job)
     except RunFolderBusy as err:
         return {"status": "busy", "reason": str(err), "action": "none"}
 
 
-def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> dict[str, Any]:
+def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, group: str | None,
+                   job: str | None) -> dict[str, Any]:
     from fedflat.experiments.checkpoint import resume
     from fedflat.experiments.runner import run_experiment
 
@@ -326,12 +329,12 @@ def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> d
         if state == "stale":
             return {"status": "failed", "reason": reason, "action": "none"}
         if state == "new":  # killed before its config was written: start afresh (the lock stays ours)
-            for leftover in folder_path.iterdir():
-                if leftover.name != LOCK:
+            for leftover in folder_path.iterdir():  # (the tracked runs' ids stay: the start continues them)
+                if leftover.name not in (LOCK, TRACKING_FILE):
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            run_experiment(cfg, run_dir=folder_path, progress=progress)
+            run_experiment(cfg, run_dir=folder_path, progress=progress, group=group, job=job)
         else:
-            resume(folder_path, config=cfg, progress=progress)
+            resume(folder_path, config=cfg, progress=progress, group=group, job=job)
         return _result(folder_path, "resumed" if state == "resume" else "ran", time.perf_counter() - start)
     except BaseException as err:  # noqa: BLE001 - a cell's failure must not stop the sweep
         if isinstance(err, KeyboardInterrupt):
@@ -388,27 +391,32 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCel
     """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
     cells = sweep.cells()
     results = run_cells(cells, sweep.out, workers, progress, ray,
-                        on_record=lambda done: _write_index(sweep, cells, done))
+                        on_record=lambda done: _write_index(sweep, cells, done), group=sweep.out.name)
     return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
 
 
 def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = True, ray: RayCells | None = None,
-              on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+              on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None, group: str | None = None,
+              job: str | None = None) -> dict[str, dict[str, Any]]:
     """Runs, resumes or skips each cell in ``out/<cell name>``, ``workers`` at a time or as Ray tasks; a cell
     with an invalid config is recorded as failed. Returns each cell's result by name; ``on_record`` sees the
-    results so far after every cell (and once before the first)."""
+    results so far after every cell (and once before the first). The cells' loggers are checked first (a
+    logger that cannot start stops the sweep before any cell runs, unless optional); their tracked runs are
+    grouped by ``group`` and ``job``."""
     if workers < 1:
         raise ConfigError(f"sweep workers must be at least 1, got {workers}")
     out.mkdir(parents=True, exist_ok=True)
     # one sweep per folder: two at once each found the other's live cells busy and wrote that in sweep.json
     with hold(out, "sweep folder"):
-        return _run_held_cells(cells, out, workers, progress, ray, on_record)
+        return _run_held_cells(cells, out, workers, progress, ray, on_record, group, job)
 
 
 def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, ray: RayCells | None,
-                    on_record: Callable[[dict[str, dict[str, Any]]], None] | None) -> dict[str, dict[str, Any]]:
+                    on_record: Callable[[dict[str, dict[str, Any]]], None] | None, group: str | None,
+                    job: str | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
+    _prepare_loggers([c for c in cells if c.config is not None], group)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
         if cell.error:
@@ -431,21 +439,35 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
 
     try:
         if ray is not None:
-            _run_on_ray(out, todo, ray, record, bar)
+            _run_on_ray(out, todo, ray, record, bar, group, job)
         elif workers <= 1:
             for cell in todo:
                 bar.set_postfix_str(cell.name)
                 try:
-                    result = run_cell(cell.config.model_dump(), str(out / cell.name), progress=progress)
+                    result = run_cell(cell.config.model_dump(), str(out / cell.name), progress=progress,
+                                      group=group, job=job)
                 except KeyboardInterrupt:
                     record(cell, interrupted_cell(out / cell.name))
                     raise
                 record(cell, result)
         else:
-            _run_in_processes(out, todo, workers, record, bar)
+            _run_in_processes(out, todo, workers, record, bar, group, job)
     finally:
         bar.close()
     return results
+
+
+def _prepare_loggers(cells: list[Cell], group: str | None) -> None:
+    """Each distinct ``loggers`` setting of the cells checked once, here, before any cell starts: a missing
+    library or an unusable store is one message instead of a failure per cell, and a store shared by the cells
+    (an SQLite file) is made before they write to it at once."""
+    from fedflat.experiments.loggers import build_loggers
+
+    seen = []
+    for cell in cells:
+        if cell.config.loggers and cell.config.loggers not in seen:
+            seen.append(cell.config.loggers)
+            build_loggers(cell.config.loggers, group)
 
 
 def interrupted_cell(folder: Path) -> dict[str, Any]:
@@ -470,18 +492,20 @@ def _stopped_by_the_sweep(_signum, _frame) -> None:
     raise KeyboardInterrupt("the sweep was stopped")
 
 
-def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results) -> None:
+def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results, group: str | None,
+                  job: str | None) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the sweep died before the line above took effect
         return
     signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
-        results.put((folder, run_cell(tree, folder, False, threads)))
+        results.put((folder, run_cell(tree, folder, False, threads, group, job)))
     except KeyboardInterrupt:
         results.put((folder, interrupted_cell(Path(folder))))
 
 
-def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) -> None:
+def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar, group: str | None = None,
+                      job: str | None = None) -> None:
     """At most ``workers`` cells at a time, each in its own process that dies with the sweep. Ctrl-C (or SIGTERM
     through the command line) stops the running cells, which record a checkpoint, and starts no new one."""
     context = get_context("spawn")
@@ -494,7 +518,8 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
-                                          args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
+                                          args=(cell.config.model_dump(), folder, threads, os.getpid(), queue,
+                                                group, job))
                 _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
             _collect(queue, running, record)
@@ -558,7 +583,8 @@ def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
         record(cell, interrupted_cell(Path(folder)))
 
 
-def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> None:
+def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar, group: str | None = None,
+                job: str | None = None) -> None:
     """Every cell a Ray task reserving ``where.cpus``/``where.gpus``; a task whose worker dies is recorded as
     failed (its folder keeps its checkpoint, so the next run of the sweep resumes it)."""
     from fedflat.config import ExecutorConfig
@@ -570,7 +596,7 @@ def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> No
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))
-        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share): c for c in todo}
+        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share, group, job): c for c in todo}
         while running:
             (done,), _ = ray.wait(list(running), num_returns=1)
             cell = running.pop(done)
