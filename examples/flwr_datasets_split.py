@@ -2,9 +2,10 @@
 
 fedflat takes a split as ``clients=``, one list of training-sample indices per client (it replaces
 ``data.partition`` and sets ``data.num_clients``). A flwr-datasets partitioner works on a Hugging Face
-``datasets.Dataset``: give it the training labels with each sample's index as a column, and every partition it
-makes names its samples by that index. Here the quickstart (FedSAM on scikit-learn's digits) runs on
-flwr-datasets' Dirichlet or pathological split instead of its own.
+``datasets.Dataset``: ``fedflat.data.flwr_partitions(partitioner, data)`` gives it the training labels with each
+sample's index as a column, so every partition it makes names its samples by that index (docs/data.md). Here the
+quickstart (FedSAM on scikit-learn's digits) runs on flwr-datasets' Dirichlet or pathological split instead of its
+own.
 
     pip install flwr-datasets                                      # (in `make setup` already)
     python examples/flwr_datasets_split.py                         # Dirichlet(0.3), 20 clients
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-import datasets
-from flwr_datasets.partitioner import DirichletPartitioner, Partitioner, PathologicalPartitioner
+from flwr_datasets.partitioner import DirichletPartitioner, PathologicalPartitioner
 
 import fedflat
-from fedflat.data import load_dataset
+from fedflat.data import flwr_partitions, load_dataset
 
 PARTITIONERS = {
     "dirichlet": lambda n: DirichletPartitioner(num_partitions=n, partition_by="label", alpha=0.3,
@@ -27,13 +27,6 @@ PARTITIONERS = {
                                                       num_classes_per_partition=2,
                                                       class_assignment_mode="first-deterministic", seed=42),
 }
-
-
-def flwr_split(partitioner: Partitioner, labels) -> list[list[int]]:
-    """The partitioner's split of the training samples as fedflat's ``clients=``: one index list per client."""
-    partitioner.dataset = datasets.Dataset.from_dict({"label": list(map(int, labels)),
-                                                      "index": list(range(len(labels)))})
-    return [partitioner.load_partition(i)["index"] for i in range(partitioner.num_partitions)]
 
 
 def main(argv: list[str] | None = None) -> fedflat.History:
@@ -45,7 +38,7 @@ def main(argv: list[str] | None = None) -> fedflat.History:
     args = parser.parse_args(argv)
 
     data = load_dataset("digits")
-    clients = flwr_split(PARTITIONERS[args.partitioner](args.clients), data.y_train.numpy())
+    clients = flwr_partitions(PARTITIONERS[args.partitioner](args.clients), data)
     print(f"{args.partitioner} split of {len(data.y_train)} samples: client sizes {[len(c) for c in clients]}")
     history = fedflat.run(None, overrides=args.overrides, clients=clients, out=args.out, progress=False)
     s = history.summary

@@ -6,16 +6,17 @@ folder; :func:`fedflat.experiments.checkpoint.resume` continues a run folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from fedflat.config import Config, as_config, quickstart_path
 from fedflat.data import Dataset
 from fedflat.engine.simulation import RoundResult, Simulation
+from fedflat.experiments.callbacks import Callback, RunInfo
 from fedflat.experiments.runner import History, run_experiment
 
-__all__ = ["History", "as_config", "quickstart_path", "run"]
+__all__ = ["Callback", "History", "RunInfo", "as_config", "quickstart_path", "run"]
 
 
 def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
@@ -24,7 +25,8 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         out: str | Path | None = None, save: bool = True, progress: bool = True,
         run_dir: str | Path | None = None, resume: str | Path | None = None,
         announce: bool | None = None,
-        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None) -> History:
+        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None,
+        callbacks: Sequence[Any] = ()) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -38,7 +40,10 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
     (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
     the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
+    ``callbacks``: objects told of the run's start, each round, evaluation and checkpoint, and its end
+    (:class:`Callback`, :mod:`fedflat.experiments.callbacks`), after the loggers of the config's ``loggers``
+    (tensorboard, csv, wandb, mlflow: docs/experiments.md, "Tracking runs").
     """
     return run_experiment(config, overrides=overrides, dataset=dataset, model_fn=model_fn, clients=clients, out=out,
                           save=save, progress=progress, run_dir=run_dir, resume=resume,
-                          announce=announce, driver=driver)
+                          announce=announce, driver=driver, callbacks=callbacks)

@@ -6,11 +6,12 @@ import signal
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import Parser, accuracy_text, evaluated_on, split_config_and_overrides
+from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluated_on, loggers_override,
+                             print_run_folder, split_config_and_overrides)
 from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
                             suggest)
 from fedflat.core import ConfigError
-from fedflat.experiments.rundir import RunFolderBusy, is_disk_full
+from fedflat.experiments.rundir import RunFolderBusy, interruption, is_disk_full
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -19,9 +20,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
         overrides = [f"data.root={args.data_dir}", *overrides]
+    overrides = [*overrides, *loggers_override(args.loggers)]
     history = run(config, overrides=overrides, out=args.out, progress=not args.no_progress, announce=True)
     s = history.summary
-    print(f"run folder: {history.run_dir}")  # also at the end, on stdout, for scripts
+    print_run_folder(history.run_dir, announced=True)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="parent folder of the run folder (default: config 'out', runs/)")
     p.add_argument("--data-dir", default=None, help="folder searched first for dataset files (data.root)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_loggers_option(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = getattr(err, "run_dir", None)
         where = (f"; {folder} records status 'failed' with its last checkpoint: `fedflat resume {folder}` "
                  "continues it") if folder else ""
-        print(f"fedflat: interrupted ({err or 'Ctrl-C'}){where}", file=sys.stderr)
+        print(f"fedflat: interrupted ({interruption(err)}){where}", file=sys.stderr)
         return 130
     except OSError as err:
         if is_disk_full(err):

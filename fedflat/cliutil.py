@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 
 def plain_text(doc: str | None) -> str | None:
@@ -45,11 +46,32 @@ def at_least_one(text: str) -> int:
     return value
 
 
-def print_outcome(history, label: str = "") -> int:
-    """Prints where a run's folder is, its status and final accuracy; returns the command's exit code
-    (0 when the run completed, 3 otherwise)."""
+def add_loggers_option(parser: argparse.ArgumentParser) -> None:
+    """``--loggers tensorboard,csv,wandb,mlflow``: the config key ``loggers`` set from the command line."""
+    parser.add_argument("--loggers", default=None, metavar="NAME,...",
+                        help="also record the config and metrics with these loggers: tensorboard, csv, wandb, mlflow "
+                             "(the config key loggers; options: docs/experiments.md, 'Tracking runs')")
+
+
+def loggers_override(names: str | None) -> list[str]:
+    """The ``loggers=[...]`` override of a ``--loggers`` value ([] when none was given)."""
+    if names is None:
+        return []
+    return [f"loggers=[{', '.join(n.strip() for n in names.split(',') if n.strip())}]"]
+
+
+def print_run_folder(run_dir, announced: bool) -> None:
+    """The run folder at the end, on stdout for scripts; not again on a terminal that saw it announced on stderr
+    at the start (it read "run folder:" twice there)."""
+    if not (announced and sys.stdout.isatty() and sys.stderr.isatty()):
+        print(f"run folder: {run_dir}")
+
+
+def print_outcome(history, label: str = "", announced: bool = False) -> int:
+    """Prints where a run's folder is (:func:`print_run_folder`), its status and final accuracy; returns the
+    command's exit code (0 when the run completed, 3 otherwise)."""
     s = history.summary
-    print(f"run folder: {history.run_dir}")
+    print_run_folder(history.run_dir, announced)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']}{label}: {s['rounds']} rounds, {accuracy_text(s)}")

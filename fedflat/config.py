@@ -14,7 +14,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +40,20 @@ _Loader.add_implicit_resolver(
 def read_yaml(text: str):
     """Parses YAML with numbers read as a researcher expects (``1e-3`` is a float)."""
     return yaml.load(text, Loader=_Loader)
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """A YAML file's content (:func:`config_file` finds the file). Invalid YAML is a one-line :class:`ConfigError`
+    that names the file, line and column (PyYAML's own message names ``<unicode string>``, over five lines)."""
+    path = Path(path)
+    try:
+        return read_yaml(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
 
 
 class Section(BaseModel):
@@ -134,6 +148,72 @@ class DiagnosticsConfig(Section):
     layer: str | None = Field(None, description="parameter tensor of the PCA scatters (default: the first)")
 
 
+class LoggerConfig(Section):
+    """A logger of the run's config and metrics lines (docs/experiments.md, "Tracking runs");
+    :mod:`fedflat.experiments.loggers` implements each ``name``."""
+
+    name: str
+    optional: bool = Field(False, description="a logger that cannot start (library missing, store unwritable) or "
+                                              "fails later is a warning and the run goes on without it; otherwise "
+                                              "one that cannot start stops the run before its first round")
+
+
+class TensorBoardLogger(LoggerConfig):
+    name: Literal["tensorboard"]
+
+
+class CSVLogger(LoggerConfig):
+    name: Literal["csv"]
+
+
+class WandbLogger(LoggerConfig):
+    name: Literal["wandb"]
+    project: str = Field("fedflat", description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user (default: yours)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B's mode (default: W&B's own setting, $WANDB_MODE); offline keeps the run on disk "
+                          "for `wandb sync`")
+    dir: str | None = Field(None, description="where W&B writes its files (default: the run folder)")
+    tags: list[str] = Field(default_factory=list)
+
+
+class MLflowLogger(LoggerConfig):
+    name: Literal["mlflow"]
+    tracking_uri: str | None = Field(None, description="the tracking store, e.g. sqlite:///runs/mlflow.db "
+                                                       "(default: $MLFLOW_TRACKING_URI, else MLflow's own)")
+    experiment: str | None = Field(None, description="the MLflow experiment (default: the sweep's or tune "
+                                                     "study's name, else 'fedflat')")
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+LOGGER_CONFIGS = {cls.model_fields["name"].annotation.__args__[0]: cls
+                  for cls in (TensorBoardLogger, CSVLogger, WandbLogger, MLflowLogger)}
+LoggerEntry = Annotated[Union[TensorBoardLogger, CSVLogger, WandbLogger, MLflowLogger], Field(discriminator="name")]
+
+
+def _logger_entries(tree: dict[str, Any]) -> dict[str, Any]:
+    """``loggers: [csv, {name: wandb, ...}]`` as mappings, each name known and given once; the old
+    ``tensorboard: true`` adds the TensorBoard logger (``tensorboard: false`` is dropped)."""
+    loggers = tree.get("loggers")
+    loggers = [] if loggers is None else loggers
+    if not isinstance(loggers, list):
+        loggers = [loggers]
+    entries = [{"name": e} if isinstance(e, str) else e for e in loggers]
+    names = [e.get("name") for e in entries if isinstance(e, dict)]
+    for name in names:
+        if name is None:
+            raise ValueError(f"loggers: an entry is a name or a mapping with a name ({', '.join(LOGGER_CONFIGS)})")
+        if name not in LOGGER_CONFIGS:
+            raise ValueError(f"loggers: unknown logger {name!r}{suggest(str(name), list(LOGGER_CONFIGS))}; "
+                             f"allowed: {', '.join(LOGGER_CONFIGS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"loggers: {sorted({n for n in names if names.count(n) > 1})[0]!r} is given twice")
+    if tree.get("tensorboard") and "tensorboard" not in names:
+        entries.append({"name": "tensorboard"})
+    tree = {k: v for k, v in tree.items() if k != "tensorboard"}
+    return {**tree, "loggers": entries} if entries or "loggers" in tree else tree
+
+
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
 
 
@@ -170,7 +250,15 @@ class Config(Section):
     out: str = "runs"
     checkpoint_every: int = Field(10, ge=0, description="write checkpoint.pt every this many rounds "
                                   "(0: only at the end); `fedflat resume RUN_DIR` continues from it")
-    tensorboard: bool = Field(False, description="also log metrics to RUN_DIR/tensorboard (pip install tensorboard)")
+    loggers: list[LoggerEntry] = Field(
+        default_factory=list, description="where the config and metrics lines also go: tensorboard, csv, wandb, "
+                                          "mlflow (names, or mappings with options); the old tensorboard: true "
+                                          "adds tensorboard")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loggers(cls, data: Any) -> Any:
+        return _logger_entries(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":
@@ -206,7 +294,11 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and e["loc"][0] == "loggers" and len(e["loc"]) == 4:
+            valid = list(LOGGER_CONFIGS[e["loc"][2]].model_fields)
+            lines.append(f"loggers: unknown {e['loc'][2]} option '{e['loc'][3]}'{suggest(str(e['loc'][3]), valid)}; "
+                         f"valid: {', '.join(valid)}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'{suggest(key, _all_keys(Config))}")
         else:
             got = e.get("input")
@@ -286,10 +378,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         file = config_file(path)
-        try:
-            loaded = read_yaml(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{file}: not valid YAML: {err}") from None
+        loaded = read_yaml_file(file) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: the top level must be a mapping of keys")
         if file_kind(loaded) != "run":
@@ -471,6 +560,8 @@ def config_file(path: str | Path, what: str = "config") -> Path:
         if candidate.is_file():
             return candidate
     shipped = packaged_config(path)
+    if shipped is None and path.is_dir():  # (it said "not found")
+        raise ConfigError(f"{what} file '{path}' is a folder, not a file: give the path of a YAML file")
     if shipped is None:
         raise ConfigError(f"{what} file '{path}' not found, and no shipped config has that name"
                           f"{suggest(_shipped_key(path), packaged_names())}; "

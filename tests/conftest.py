@@ -47,6 +47,19 @@ def tiny_tree(**extra) -> dict:
     return tree
 
 
+def mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose memory map holds ``tensor``'s data (Linux's /proc/self/maps), or None: data paged from
+    disk, not copied into memory."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split()
+            lo, hi = (int(a, 16) for a in span.split("-"))
+            if lo <= address < hi:
+                return rest[4] if len(rest) > 4 and rest[4].startswith("/") else None
+    return None
+
+
 # The tiny problem's model for a method that keeps BatchNorm layers on the clients (FedBN): the CNN with BatchNorm
 # on 8x8 synthetic images.
 BATCH_NORM_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "data.options.shape=[1,8,8]")

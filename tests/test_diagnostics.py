@@ -251,6 +251,20 @@ def test_analyze_commands_write_json_and_images_of_the_expected_size(tiny_run, k
     assert f"{kind} of fedsam at round 3" in capsys.readouterr().out
 
 
+def test_a_pca_plot_says_why_it_shows_fewer_clients_than_were_probed(tmp_path):
+    """FedLESAM's perturbation at step 0 is zero for a client that has not trained before (its memory is the
+    global model): after one round of 3 of 6 clients, 3 of the 6 probed have one, and the plot of 10 probed
+    clients showed 2 points without a word (issue 32)."""
+    cfg = load_config(None, ["algo=fedlesam", "rounds=1"], base=tiny_tree())
+    target = open_run(fedflat.run(cfg, out=tmp_path, progress=False).run_dir)
+    options = target.sim.cfg.diagnostics.model_copy(update={"clients": 6, "samples": 50})
+    result = analyze("pca", target, options)["result"]
+    shown = len(result["perturbations"]["runs"][0]["clients"])
+    assert 2 <= shown < 6 and result["perturbations"]["note"].startswith(f"{shown} of 6 probed clients shown: the "
+                                                                         "others' perturbation is zero")
+    assert result["parameters"]["note"] is None  # every probed client has parameters
+
+
 def test_landscape_is_seeded_and_centred_on_the_global_model(tiny_run):
     target = open_run(tiny_run)
     options = target.sim.cfg.diagnostics.model_copy(update={"resolution": 5, "samples": 50})

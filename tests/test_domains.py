@@ -3,6 +3,7 @@ leave-one-domain-out split, the ``domain`` partition, and uint8 storage standard
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from PIL import Image
 import fedflat
 from fedflat.data import Dataset, DatasetError, DatasetNotFoundError, load_dataset, partition
 from fedflat.data.domains import DOMAINNET_DOMAINS, OFFICEHOME_DOMAINS
+from tests.conftest import mapped_file
 
 CLASSES = ["Bike", "Calculator", "Mug"]
 
@@ -59,11 +61,18 @@ def test_officehome_leave_one_domain_out(tmp_path):
     assert sorted(set(abs(greys(data, "test") - 10 - 60 * data.y_test.numpy()))) == [0]
     domain_of = np.array([0, 2, 3])[data.owners]
     assert np.abs(greys(data, "train") - 10 * domain_of - 60 * data.y_train.numpy()).max() <= 1  # (JPEG)
-    # another target domain reuses the per-domain decode cache
+    # paged from the cache, not held in memory: the training domains joined into one cached file
+    joined = mapped_file(data.x_train)
+    assert Path(joined).name.startswith("train-art-product-real_world-16-") and mapped_file(data.x_test)
+    assert np.array_equal(np.load(joined), np.concatenate([np.load(f) for f in sorted(
+        (folder / ".fedflat-cache").glob("*-16-*.npy")) if f.name.split("-")[0] in ("art", "product", "real_world")
+        and "moments" not in f.name]))
+    # another target domain reuses the per-domain decode cache (and joins its training domains)
     cached = set((folder / ".fedflat-cache").iterdir())
     other = load_dataset("officehome", root=tmp_path, test_domain="art", size=16)
-    assert set((folder / ".fedflat-cache").iterdir()) == cached and other.owner_names == ["clipart", "product",
-                                                                                          "real_world"]
+    added = set((folder / ".fedflat-cache").iterdir()) - cached
+    assert [p.name.startswith("train-clipart-product-real_world-16-") for p in added] == [True]
+    assert other.owner_names == ["clipart", "product", "real_world"]
     with pytest.raises(DatasetError, match="test_domain must be one of art, clipart, product, real_world"):
         load_dataset("officehome", root=tmp_path, test_domain="sketch", size=16)
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import fedflat
-from fedflat.data import load_dataset
+from fedflat.data import flwr_partitions, load_dataset
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -50,17 +50,18 @@ def test_own_data_trains_a_users_dataset_and_model(tmp_path):
 
 
 def test_flwr_datasets_split_trains_on_the_partitioners_split(tmp_path):
-    """The script's bridge hands fedflat exactly flwr-datasets' partitions: every client's samples are those the
-    partitioner put in its partition (two classes each, disjoint), and the run equals one given that split."""
+    """The bridge (fedflat.data.flwr_partitions) hands fedflat exactly flwr-datasets' partitions: every client's
+    samples are those the partitioner put in its partition (two classes each, disjoint), and the script's run
+    equals one given that split."""
     pytest.importorskip("flwr_datasets", reason="flwr-datasets is not installed: `make setup` (the dev extra)")
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from flwr_datasets_split import PARTITIONERS, flwr_split
+        from flwr_datasets_split import PARTITIONERS
     finally:
         sys.path.remove(str(EXAMPLES))
     labels = load_dataset("digits").y_train.numpy()
     partitioner = PARTITIONERS["pathological"](20)
-    clients = flwr_split(partitioner, labels)
+    clients = flwr_partitions(partitioner, labels)
     assert len(clients) == 20
     for i, indices in enumerate(clients):
         assert partitioner.load_partition(i)["label"] == labels[indices].tolist()
@@ -79,3 +80,24 @@ def test_flwr_datasets_split_trains_on_the_partitioners_split(tmp_path):
     assert summary["final_test_acc"] == same.summary["final_test_acc"]
     assert json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])["test_loss"] == \
         same.metrics[-1]["test_loss"]
+
+
+@pytest.mark.slow  # two sweeps of six cells: about 45 s
+def test_wandb_sweep_tracks_one_offline_run_per_cell_grouped_by_the_sweep(tmp_path):
+    """Six cells on two worker processes, each one W&B run (offline files read back) named after its folder,
+    grouped under the sweep, holding its config and every metrics line; a rerun skips them and adds none."""
+    pytest.importorskip("wandb", reason="wandb is not installed: `make setup` (the dev extra)")
+    from test_loggers import wandb_runs
+
+    out = run_example("wandb_sweep.py", "rounds=2", "eval.every=1", "--workers", "2", cwd=tmp_path)
+    assert out.count(": completed") == 6
+    sweep = tmp_path / "runs" / "examples" / "wandb_sweep"
+    runs = wandb_runs(sweep)
+    assert len(runs) == 6 and {r["group"] for r in runs.values()} == {"wandb_sweep"}
+    for run in runs.values():
+        (folder,) = {p.parents[1] for p in run["folders"]}
+        lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(run["history"]) == [m["round"] for m in lines] == [1, 2]
+        assert run["config"]["algo"]["name"] == folder.name.split("__")[0]
+    again = run_example("wandb_sweep.py", "rounds=2", "eval.every=1", "--workers", "2", cwd=tmp_path)
+    assert again.count(": completed") == 6 and len(wandb_runs(sweep)) == 6

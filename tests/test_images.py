@@ -3,7 +3,6 @@ labels by wnids.txt, the validation split as test, the uint8 decode cache, bad f
 from __future__ import annotations
 
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from PIL import Image
 import fedflat
 from fedflat.data import DatasetError, DatasetNotFoundError, load_dataset
 from fedflat.data import images as images_module
+from tests.conftest import mapped_file
 
 WNIDS = ["n01443537", "n01629819", "n01641577"]
 
@@ -48,6 +48,8 @@ def test_layout_labels_and_the_uint8_cache(tmp_path, monkeypatch):
     assert raw.dtype == np.uint8 and abs(int(raw[2].mean()) - 40) <= 2  # class 1, image 0: grey level 40
     # kept uint8 (a quarter of float32's memory), standardized per batch with the training split's statistics
     assert data.x_train.dtype == torch.uint8 and data.standardize is not None
+    assert mapped_file(data.x_train).startswith(str(folder / ".fedflat-cache" / "train-"))  # paged, not loaded
+    assert mapped_file(data.x_test).startswith(str(folder / ".fedflat-cache" / "val-"))
     pixels = torch.from_numpy(np.asarray(raw, dtype=np.float32)) / 255
     inputs = data.features(data.x_train)
     assert torch.allclose(inputs, (pixels - pixels.mean((0, 2, 3), keepdim=True)) / pixels.std((0, 2, 3), keepdim=True),

@@ -58,7 +58,7 @@ def test_unknown_names_and_wrong_commands_say_what_to_do(tmp_path, monkeypatch):
         load_config("fmnist_mpl")
     with pytest.raises(ConfigError, match=r"sweep file 'papers/nope' not found"):
         load_sweep("papers/nope")
-    with pytest.raises(ConfigError, match=r"config file '\.' not found"):
+    with pytest.raises(ConfigError, match=r"config file '\.' is a folder, not a file"):  # (issue 32: not "not found")
         load_config(".")
     with pytest.raises(ConfigError, match=r"^demo_sweep is a sweep file, not one run's config: `fedflat sweep "
                                           r"demo_sweep` runs it$"):

@@ -78,6 +78,22 @@ def test_dirichlet_gives_up_with_a_clear_error(labels):
         partition(labels, 50, "dirichlet", seed=0, alpha=0.01, min_size=19)
 
 
+def test_dirichlet_says_within_seconds_when_min_size_is_out_of_reach():
+    """1,000 clients of Dirichlet(0.1) on 20,000 samples never all reach 10: the 1,000 redraws took 38 s before
+    the error (issue 32). A redraw now only counts its clients' sizes (the split is made once, for the draw kept:
+    the same split as before), and the redraws stop after MAX_DIRICHLET_SECONDS."""
+    import time
+
+    from fedflat.data.partition import MAX_DIRICHLET_SECONDS
+
+    labels = np.random.default_rng(0).integers(0, 10, 20_000)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"no draw in \d+ \(\d+ s\) gave every one of 1000 clients >= min_size=10 "
+                                         r"samples \(alpha=0.1; the best left \d+ short\)"):
+        partition(labels, 1000, "dirichlet", seed=0, alpha=0.1, min_size=10)
+    assert time.monotonic() - start < MAX_DIRICHLET_SECONDS + 3
+
+
 def test_dirichlet_min_size_larger_than_possible(labels):
     with pytest.raises(ValueError, match=r"min_size=101 x 10 clients exceeds the 1000 samples"):
         partition(labels, 10, "dirichlet", seed=0, alpha=1.0, min_size=101)

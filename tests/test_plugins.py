@@ -192,3 +192,29 @@ def test_the_example_is_tuned_and_reported_like_a_built_in_method(tmp_path):
     assert result.methods["fedasam"]["selected"]["algo.rho"] in (0.1, 0.5, 1.0)
     methods = {g.method.split(" ")[0] for g in group_runs(find_runs([tmp_path / "tune" / "final"]))}
     assert methods == {"fedasam", "fedavg"}
+
+
+def test_a_flower_app_carries_the_configs_path_plugins(tmp_path):
+    """`fedflat flower-app` copies a path plugin into the app's package and names it there, so a SuperLink or
+    SuperNode that has the app (and fedflat) but not the user's folder builds the method: here a fresh process
+    with only the app folder on its path reads the app's config and trains a round."""
+    pytest.importorskip("flwr")
+    import tomli
+
+    from fedflat.flower.apps import write_app
+
+    cfg = load_config(example_config(tmp_path / "mine"))
+    app = write_app(cfg, tmp_path / "app")
+    assert (app / "fedflat_app" / "plugins" / "fedasam.py").read_text() == EXAMPLE.read_text()
+    text = tomli.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]["fedflat-config"]
+    assert yaml.safe_load(text)["plugins"] == ["fedflat_app.plugins.fedasam"]
+    node = ("import sys, yaml, tomli, fedflat\n"
+            "from fedflat.config import as_config\n"
+            f"text = tomli.loads(open({str(app / 'pyproject.toml')!r}).read())['tool']['flwr']['app']['config']"
+            "['fedflat-config']\n"
+            "h = fedflat.run(as_config(yaml.safe_load(text), ['rounds=1']), save=False, progress=False)\n"
+            "print(h.summary['algorithm'])\n")
+    done = subprocess.run([sys.executable, "-c", node], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**ENV, "PYTHONPATH": str(app)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "fedasam"

@@ -238,6 +238,8 @@ def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(t
     """Two Ray nodes on this machine (`ray start --head`, `ray start --address`), each with one CPU; a driver
     process joins them by address, one worker lands on each node, and the numbers equal the local run's."""
     port = _free_port()
+    recorded = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    before = recorded.read_text() if recorded.exists() else None
     head = _ray_node("--head", f"--port={port}", "--include-dashboard=false")
     node = None
     try:
@@ -277,6 +279,12 @@ def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(t
         if node is not None:
             _stop(node)
         _stop(head)
+        # `ray start --head` records its address there and its end leaves it: every later `ray.init()` on this
+        # machine without an address would join the dead instance (Flower's simulation did; issue 32)
+        if before is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(before)
 
 
 def test_bench_races_local_and_ray_executors(ray_session):
@@ -313,6 +321,48 @@ def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_p
     # the workers of the Ray fedflat starts train at normal priority (Ray's default, nice 15, starves them
     # behind any other job on a shared machine)
     assert f"nice {[os.getpriority(os.PRIO_PROCESS, 0)] * 2}" in out.stdout
+
+
+def _session(sid: int) -> list[str]:
+    """The command lines of the live processes of session ``sid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(stat.with_name("cmdline").read_text().replace("\0", " ").strip())
+        except (OSError, IndexError):
+            pass  # gone meanwhile
+    return found
+
+
+@pytest.mark.slow  # a Ray instance of its own: ~20 s on 2 cores
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="the watchdog follows /proc (Linux)")
+def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
+    """A driver killed by SIGKILL mid-run: Ray kills the GCS and raylet it started with it, but the raylet's
+    agents (ray::DashboardAgent, ray::RuntimeEnvAgent) waited 60 s on the dead GCS before they exited (issue 32);
+    fedflat's watchdog (fedflat/engine/reaper.py) ends them: nothing of the driver's session is left in 10 s."""
+    code = ("import fedflat; fedflat.run(None, overrides=['rounds=100000', 'executor=ray', 'executor.workers=1', "
+            f"'threads=1'], out={str(tmp_path)!r}, progress=False)")
+    driver = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not any(f.stat().st_size for f in tmp_path.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+            assert driver.poll() is None, "the driver ended before its first round"
+            time.sleep(0.2)
+        assert any("ray::DashboardAgent" in cmd for cmd in _session(driver.pid))  # (what this test is about)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while _session(driver.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _session(driver.pid) == []
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)  # whatever is left of the driver's group
+        except ProcessLookupError:
+            pass
 
 
 def test_a_sweep_on_ray_equals_the_serial_sweep_and_keeps_skip_and_resume(ray_session, tmp_path):

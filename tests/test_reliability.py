@@ -69,6 +69,35 @@ def test_a_second_sweep_over_a_live_cell_does_not_touch_it(tiny, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no error.txt in the other's live cell
 
 
+def test_a_second_sweep_on_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Two sweeps on one folder both ran, each found the other's live cells busy, and the last sweep.json marked
+    completed cells 'busy' (issue 32). The second is refused in one line naming the first's process, and
+    writes nothing."""
+    import yaml
+
+    from conftest import tiny_tree
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree()))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", "out": str(tmp_path / "out"), "overrides": ["rounds=1"],
+                                    "grid": {"seed": [0, 1]}}))
+    (tmp_path / "out").mkdir()
+    holder = _holder(tmp_path / "out")  # as the first sweep holds it
+    try:
+        capsys.readouterr()
+        assert main(["sweep", str(path), "--no-progress"]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedflat: sweep folder {tmp_path / 'out'} is in use by process {holder.pid}")
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+    assert main(["sweep", str(path), "--no-progress"]) == 0  # the hold died with its holder
+    index = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [c["status"] for c in index["cells"]] == ["completed", "completed"]
+
+
 def test_files_follow_the_umask(tiny, tmp_path):
     folder = tmp_path / "run"
     old = os.umask(0o022)
@@ -122,10 +151,28 @@ def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
     (folder,) = [p for p in (tmp_path / "saved").iterdir() if p.is_dir()]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "failed" and "disk full" in summary["reason"]
+    checkpoint = read_checkpoint(folder)  # the summary's rounds are the checkpoint's, not those trained since
+    assert summary["rounds"] == (checkpoint["round"] if checkpoint is not None else 0)  # (issue 32)
     resumed = resume(folder, progress=False)  # on a disk with room
     full = fedflat.run(None, overrides=["rounds=6", "checkpoint_every=2"], save=False, progress=False)
     assert resumed.summary["status"] == "completed"
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), full.metrics)
+
+
+def test_a_disk_that_stays_full_leaves_the_summary_at_the_checkpoints_round(tmp_path):
+    """A 2 MiB tmpfs holds the round-2 checkpoint of a 300k-parameter MLP but not the round-4 one, even after the
+    run gives back its reserve: summary.json said rounds 4 while the checkpoint held round 2 (issue 32). It now
+    names the checkpoint's round, where a resume starts."""
+    overrides = ["rounds=6", "checkpoint_every=2", "model.hidden=[512,512]"]
+    out = _in_small_tmpfs("2m", f"{CLI_SHELL} run {' '.join(overrides)} --out $T --no-progress; echo EXIT=$?; "
+                                "cp -r $T/. " + str(tmp_path / "saved"), tmp_path)
+    assert "EXIT=3" in out.stdout and "disk full" in out.stderr, out.stderr[-2000:]
+    (folder,) = [p for p in (tmp_path / "saved").iterdir() if p.is_dir()]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds"] == read_checkpoint(folder)["round"] == 2
+    resumed = resume(folder, progress=False)
+    full = fedflat.run(None, overrides=overrides, save=False, progress=False)
+    assert resumed.summary["rounds"] == 6 and metrics_equal(resumed.metrics, full.metrics)
 
 
 def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):
@@ -213,6 +260,7 @@ def test_ctrl_c_stops_a_sweep_within_seconds_with_each_cells_true_state(tmp_path
         start = time.monotonic()
         assert proc.wait(timeout=60) == 130
         assert time.monotonic() - start < 20
+        assert proc.stderr.read() == "fedflat: interrupted (Ctrl-C)\n"  # (not `interrupted ()`)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -224,6 +272,36 @@ def test_ctrl_c_stops_a_sweep_within_seconds_with_each_cells_true_state(tmp_path
         assert summary["status"] == "failed" and summary["reason"].startswith("interrupted")
         assert read_checkpoint(folder)["round"] == summary["rounds"]  # resumable from where it stopped
     assert not (tmp_path / "out" / "seed2").exists()  # no new cell was started
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
+    """Ctrl-C reaches the whole process group: a worker still importing printed its 40-line traceback (issue 32),
+    and the message read `interrupted ()`. The workers ignore Ctrl-C; the sweep stops them and says so once."""
+    proc = _start_sweep(_endless_sweep(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while len(_spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_spawned_workers(proc.pid)) == 2  # both just started: importing fedflat and torch
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.stderr.read() == "fedflat: interrupted (Ctrl-C)\n"
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """The sweep's cell processes (multiprocessing's spawn), by their command line."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent and \
+                    "spawn_main" in stat.with_name("cmdline").read_text():
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def test_sweep_workers_die_with_a_killed_parent(tmp_path):
@@ -258,6 +336,7 @@ def test_sweep_workers_die_with_a_killed_parent(tmp_path):
     (["data.partition=shards", "data.partition.per_client=1000"], "shards exceed"),
     (["model.hidden=abc"], "hidden must be a sequence"),
     (["model.hidden=[-5]"], "must be a positive integer"),
+    (["model.hidden=[]"], "hidden=[] leaves the MLP no hidden layer: for a linear model use model=logreg"),
     (["model=cnn"], "model=cnn on digits"),
     (["model=textcnn"], "model=textcnn on digits"),
 ])
@@ -266,6 +345,25 @@ def test_bad_inputs_are_one_line_errors_that_leave_nothing_behind(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("fedflat: ") and message in err, err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_file_and_folder_mistakes_are_one_line_errors(tmp_path, capsys):
+    """Issue 32: a config path that is a folder was "not found", a YAML error named `<unicode string>` over five
+    lines (in a sweep file: a traceback), and `--out /proc/x` ended in a bare errno."""
+    (tmp_path / "folder").mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 3\ndata: {name: digits\n")
+    cases = [(["run", str(tmp_path / "folder")], f"config file '{tmp_path / 'folder'}' is a folder, not a file"),
+             (["sweep", str(tmp_path / "folder")], f"sweep file '{tmp_path / 'folder'}' is a folder, not a file"),
+             (["run", str(bad)], f"{bad}, line 3, column 1: not valid YAML: expected ',' or '}}', but got"),
+             (["sweep", str(bad)], f"{bad}, line 3, column 1: not valid YAML: expected ',' or '}}', but got")]
+    if Path("/proc").is_dir():
+        cases.append((["run", "rounds=1", "--out", "/proc/fedflat"],
+                      "output folder /proc/fedflat: cannot be made in /proc (No such file or directory)"))
+    for argv, message in cases:
+        assert main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"fedflat: {message}"), err
 
 
 def test_bench_on_a_missing_gpu_is_a_clear_error(capsys):
@@ -316,25 +414,12 @@ def test_user_inputs_are_checked_before_a_run_folder_exists(tmp_path):
         fedflat.run(cfg, dataset=ok, model_fn=lambda: "not a model", out=tmp_path, progress=False)
     with pytest.raises(fedflat.ConfigError, match="does not accept mine's inputs of shape"):
         fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(9, 3), out=tmp_path, progress=False)
+    for outputs in (2, 4):  # 3 classes: torch's raw IndexError deep in training, or a silent run (issue 32)
+        with pytest.raises(fedflat.ConfigError, match=f"the model gives {outputs} outputs for mine's 3 classes: its "
+                                                      "last layer needs 3 outputs"):
+            fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(5, outputs), out=tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []  # no run folder with an untrained model.pt
     hist = fedflat.run(cfg, dataset=ok, model_fn=lambda: torch.nn.Linear(5, 3), out=tmp_path, progress=False)
     assert "-mine-" in hist.run_dir.name  # the folder names the user's dataset
 
 
-def test_progress_off_a_terminal_is_plain_lines(tiny, tmp_path):
-    """A log or a pipe gets whole lines without carriage returns or escape codes (a terminal gets tqdm's bar)."""
-    import io
-
-    from fedflat.progress import progress_bar
-
-    log = io.StringIO()
-    for _ in progress_bar(range(3), stream=log, desc="fedavg", unit="round"):
-        pass
-    text = log.getvalue()
-    assert "\r" not in text and "\x1b" not in text
-    assert text.splitlines()[-1].startswith("fedavg: 100%") and "3/3" in text.splitlines()[-1]
-    code = f"import fedflat, sys; sys.path.insert(0, 'tests'); from conftest import tiny_tree; " \
-           f"fedflat.run(tiny_tree(), overrides=['rounds=3'], out={str(tmp_path)!r})"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "\r" not in out.stderr and "3/3" in out.stderr

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fedflat.config import load_config, resolve
-from fedflat.experiments.plots import _slug, curve, write_plots
+from fedflat.experiments.plots import _slug, curve, setting_title, write_plots
 from fedflat.experiments.report import ReportError, build_rows, find_runs, report, runs_at
 from tests.conftest import tiny_tree
 
@@ -132,6 +132,14 @@ def test_no_blank_plot_for_a_setting_that_never_evaluated_and_file_names_stay_sh
     assert "no convergence plot for 'alpha=1': no run has an evaluated round" in capsys.readouterr().out
     long = " ".join(f"train.option_number_{i}={i}" for i in range(12))
     assert len(_slug(long)) <= 69 and _slug(long) != _slug(long + " x=1") and "=" not in _slug(long)
+
+
+def test_a_figure_of_the_only_setting_says_what_the_setting_is():
+    """A report of one setting labels it "all", and its convergence figure was titled "digits: all" (issue 32)."""
+    config = {"data.name": "digits", "data.num_clients": 20, "data.partition.scheme": "dirichlet",
+              "data.partition.alpha": 0.3, "data.partition.min_size": 10, "sampling.clients_per_round": 10}
+    assert setting_title(config, "all") == "digits: 20 clients, dirichlet (alpha 0.3), 10 per round"
+    assert setting_title(config, "alpha=0.1") == "digits: alpha=0.1"  # several settings: what tells them apart
 
 
 def test_report_errors(tmp_path, runs_dir):

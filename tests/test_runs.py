@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,32 @@ def test_cli_run_list_and_partition(tiny, tmp_path, capsys):
     rows = [line.split() for line in table if line.strip() and line.split()[0].isdigit()]
     assert len(rows) == 6 and all(int(r[2]) == 2 for r in rows)  # 2 classes per client
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_terminal_sees_the_run_folder_once(tmp_path):
+    """On a terminal the run folder is announced at the start (stderr) and was printed again at the end (stdout):
+    twice (issue 32). A script reading stdout still gets it at the end (test_cli_run_list_and_partition)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "fedflat.cli", "run", "rounds=2", "--out", str(tmp_path),
+                             "--no-progress"], stdout=terminal, stderr=terminal, cwd=Path(__file__).parents[1])
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal's other end closed: the run ended
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert proc.wait(timeout=120) == 0
+    os.close(controller)
+    assert output.decode().count("run folder:") == 1 and "status: completed" in output.decode()
 
 
 def test_cli_takes_overrides_after_the_options_and_refuses_unknown_ones(tmp_path, capsys):

@@ -54,3 +54,15 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "PASSIVE"
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "ACTIVE"
+
+
+def test_a_runs_data_do_not_depend_on_the_thread_count(tiny):
+    """The data are standardized on one thread (issue 32): a long mean and std summed by two threads round
+    differently, and `fedflat run` on Fashion-MNIST (the process's default threads while the data load) trained
+    on other bits than its Flower simulation's nodes (one thread each)."""
+    cfg = tiny("data.options.shape=[1,28,28]", "data.options.train_size=2000")
+    data = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        data[threads] = Simulation(cfg).dataset
+    assert torch.equal(data[2].x_train, data[1].x_train) and torch.equal(data[2].x_test, data[1].x_test)

@@ -5,6 +5,7 @@
 >>> parts = partition(data.y_train.numpy(), num_clients=10, scheme="dirichlet", seed=0, alpha=0.5)
 """
 
+from .adapters import flwr_partitions
 from .augment import AUGMENTATIONS, apply_augmentation, augmentation_fn, cifar_augment, crop_flip
 from .dataset import Dataset, DatasetError, Standardize, validation_split
 from .datasets import DATASETS, dataset_options, load_dataset, register_dataset
@@ -17,7 +18,7 @@ __all__ = [
     "AUGMENTATIONS", "ChecksumError", "DATASETS", "Dataset", "DatasetError", "DatasetNotFoundError", "DownloadError",
     "PARTITIONS", "Standardize",
     "apply_augmentation", "augmentation_fn", "cache_dir", "cifar_augment", "client_split", "client_test_split",
-    "crop_flip", "dataset_options", "download_file", "file_checksum", "label_counts", "load_dataset", "partition",
-    "partition_params", "plot_partition", "register_dataset", "split_name", "user_split", "validation_split",
-    "verify_file",
+    "crop_flip", "dataset_options", "download_file", "file_checksum", "flwr_partitions", "label_counts",
+    "load_dataset", "partition", "partition_params", "plot_partition", "register_dataset", "split_name", "user_split",
+    "validation_split", "verify_file",
 ]

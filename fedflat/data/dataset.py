@@ -8,14 +8,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fedflat.core import ConfigError
+from .errors import DatasetError
 
 __all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "pixel_moments", "to_tensors",
            "uint8_dataset", "validation_split"]
-
-
-class DatasetError(ConfigError):
-    """A dataset that cannot be trained on as given (dtype, shape, labels, NaN): the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +76,8 @@ class Dataset:
     def __post_init__(self) -> None:
         for field in ("x_train", "y_train", "x_test", "y_test"):
             value = getattr(self, field)
-            if isinstance(value, np.ndarray):
-                setattr(self, field, torch.from_numpy(np.ascontiguousarray(value)))
+            if isinstance(value, np.ndarray):  # shared, not copied (a memory map stays one)
+                setattr(self, field, _tensor(np.ascontiguousarray(value)))
             elif not isinstance(value, torch.Tensor):
                 raise DatasetError(f"Dataset {self.name!r}: {field} must be a torch tensor or NumPy array, "
                                    f"got {type(value).__name__}")
@@ -120,7 +116,7 @@ class Dataset:
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8):
             raise DatasetError(f"{where} is {x.dtype}; expected float32 features (scaled and normalized), uint8 "
                                "pixels with standardize=, or int64 token ids")
-        if x.is_floating_point() and not torch.isfinite(x).all():
+        if x.is_floating_point() and not all(torch.isfinite(x[lo:lo + 4096]).all() for lo in range(0, len(x), 4096)):
             raise DatasetError(f"{where} holds NaN or infinite values; clean or impute them first")
         if y.dim() != 1 or y.shape[0] != x.shape[0]:
             raise DatasetError(f"Dataset {self.name!r}: y_{split} must be one label per sample ({x.shape[0]} for "
@@ -133,6 +129,43 @@ class Dataset:
                                f"but num_classes={self.num_classes}; labels must be 0 .. num_classes - 1")
         if y.dtype != torch.int64:
             setattr(self, f"y_{split}", y.long())
+
+    @classmethod
+    def from_torch(cls, train, test, *, name: str = "torch", num_classes: int | None = None,
+                   standardize: "Standardize | None" = None, augmentation: str | None = None,
+                   cache=None) -> "Dataset":
+        """Two map-style torch datasets of ``(input, label)`` items: a tensor, an array or a PIL image (an image
+        folder's), and an integer label (:func:`fedflat.data.adapters.torch_arrays`). Images become uint8
+        ``[N, C, H, W]`` standardized per batch (``standardize``: default the training split's statistics),
+        floats are used as they are. ``num_classes``: default the dataset's ``classes``, else the largest
+        label + 1. ``cache``: a folder the arrays are written to and memory-mapped from (data larger than
+        memory; :meth:`from_memmap` maps them again). docs/data.md."""
+        from .adapters import torch_arrays
+
+        return _from_arrays(torch_arrays(train, test, name=name, num_classes=num_classes, cache=cache), standardize,
+                            augmentation)
+
+    @classmethod
+    def from_hf(cls, train, test, *, features="image", label: str = "label", name: str | None = None,
+                num_classes: int | None = None, standardize: "Standardize | None" = None,
+                augmentation: str | None = None, cache=None) -> "Dataset":
+        """Two Hugging Face ``datasets.Dataset`` splits: ``features`` names the input column (images, arrays) or
+        a list of numeric columns, ``label`` the label column (a ``ClassLabel`` gives ``num_classes``); the rest
+        as for :meth:`from_torch` (:func:`fedflat.data.adapters.hf_arrays`). docs/data.md."""
+        from .adapters import hf_arrays
+
+        return _from_arrays(hf_arrays(train, test, features=features, label=label, name=name, num_classes=num_classes,
+                                      cache=cache), standardize, augmentation)
+
+    @classmethod
+    def from_memmap(cls, folder, *, name: str | None = None, num_classes: int | None = None,
+                    standardize: "Standardize | None" = None, augmentation: str | None = None) -> "Dataset":
+        """``folder``'s ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``, the inputs memory-mapped
+        and never read whole: data larger than memory trains with the numbers it has in memory
+        (:func:`fedflat.data.adapters.memmap_arrays`). docs/data.md."""
+        from .adapters import memmap_arrays
+
+        return _from_arrays(memmap_arrays(folder, name=name, num_classes=num_classes), standardize, augmentation)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The model's input for raw rows ``x`` of ``x_train``/``x_test``: standardized float32 for uint8
@@ -222,7 +255,7 @@ def pixel_moments(images: np.ndarray, chunk: int = 256) -> np.ndarray:
     """Per image and channel, the sum of ``x / 255`` and of its square: float64 ``[N, 2, C]``."""
     out = np.empty((len(images), 2, images.shape[1]))
     for lo in range(0, len(images), chunk):
-        block = np.asarray(images[lo:lo + chunk], dtype=np.float64) / 255.0
+        block = np.ascontiguousarray(images[lo:lo + chunk], dtype=np.float64) / 255.0  # sums: one order, any layout
         out[lo:lo + chunk, 0] = block.sum(axis=(2, 3))
         out[lo:lo + chunk, 1] = np.square(block).sum(axis=(2, 3))
     return out
@@ -244,6 +277,23 @@ def uint8_dataset(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: n
     return Dataset(name, _tensor(x_train), torch.from_numpy(np.asarray(y_train, dtype=np.int64)),
                    _tensor(x_test), torch.from_numpy(np.asarray(y_test, dtype=np.int64)), num_classes,
                    augmentation, source, standardize=Standardize(tuple(mean.tolist()), tuple(std.tolist())), **fields)
+
+
+def _from_arrays(arrays, standardize: Standardize | None, augmentation: str | None) -> Dataset:
+    """A :class:`Dataset` of an adapter's arrays (:class:`fedflat.data.adapters.Arrays`): uint8 images
+    ``[N, C, H, W]`` standardized per batch, other uint8 features as float32, the rest as they are; arrays are
+    shared, not copied (a memory map stays one)."""
+    a = arrays
+    if a.x_train.dtype == np.uint8 and a.x_train.ndim == 4:
+        if standardize is None:
+            return uint8_dataset(a.name, a.x_train, a.y_train, a.x_test, a.y_test, a.num_classes, augmentation,
+                                 a.source)
+        return Dataset(a.name, _tensor(a.x_train), torch.from_numpy(a.y_train), _tensor(a.x_test),
+                       torch.from_numpy(a.y_test), a.num_classes, augmentation, a.source, standardize=standardize)
+    x_train, x_test = a.x_train, a.x_test
+    if x_train.dtype == np.uint8:  # uint8 features that are not images: their values
+        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
+    return Dataset(a.name, x_train, a.y_train, x_test, a.y_test, a.num_classes, augmentation, a.source)
 
 
 def _tensor(x: np.ndarray) -> torch.Tensor:

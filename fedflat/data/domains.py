@@ -18,8 +18,10 @@ active) or 10 clients (20% active)"; FedWMSAM's OfficeHome setting is 1 client p
 domain into a uint8 cache (:func:`fedflat.data.images.cached_images`) and kept uint8, standardized per batch.
 Training batches are flipped horizontally at random (augmentation ``flip``).
 
-Memory at 224: OfficeHome 2.3 GB of uint8 pixels; DomainNet's training domains about 60 GB (host memory, or an
-H200's), so ``size=112`` (a quarter) suits smaller machines.
+Memory at 224: OfficeHome 2.3 GB of uint8 pixels; DomainNet's training domains about 60 GB. On the CPU they stay
+memory-mapped from the cache (the training domains joined into one more cached file: disk, not memory), so a
+machine with less memory pages them in as batches need them; on a GPU they are copied to its memory (an H200's
+holds DomainNet at 224; ``size=112``, a quarter, suits smaller ones).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import Dataset, DatasetError, uint8_dataset
-from .images import IMAGE_SUFFIXES, cached_images, extract_zip
+from .images import IMAGE_SUFFIXES, cached_images, concatenated_cache, extract_zip
 from .sources import DatasetNotFoundError, base_dirs, cache_home, not_found
 
 OFFICEHOME_DOMAINS = {"art": "Art", "clipart": "Clipart", "product": "Product", "real_world": "Real World"}
@@ -46,15 +48,16 @@ def _check_options(name: str, domains, test_domain: str, size: int) -> list[str]
 
 
 def _domain_dataset(name: str, parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], train: list[str],
-                    test_domain: str, num_classes: int, source: Path) -> Dataset:
+                    test_domain: str, num_classes: int, source: Path, home: Path, size: int) -> Dataset:
     """Leave-one-domain-out: ``parts[domain] = (images, moments, labels)``; the training domains' images in
-    their order, owners = the domain's position in ``train``."""
-    x_train = np.concatenate([parts[d][0] for d in train])
+    their order, owners = the domain's position in ``train``. The images stay memory-mapped: the training
+    domains' are joined into one cached file in ``home`` (paged from disk, never held whole in memory)."""
+    x_train = concatenated_cache([parts[d][0] for d in train], home, f"train-{'-'.join(train)}-{size}")
     moments = np.concatenate([parts[d][1] for d in train])
     y_train = np.concatenate([parts[d][2] for d in train])
     owners = np.concatenate([np.full(len(parts[d][2]), k, dtype=np.int64) for k, d in enumerate(train)])
     x_test, _, y_test = parts[test_domain]
-    return uint8_dataset(name, x_train, y_train, np.ascontiguousarray(x_test), y_test, num_classes,
+    return uint8_dataset(name, x_train, y_train, x_test, y_test, num_classes,
                          augmentation="flip", source=f"{source} (test domain {test_domain})", moments=moments,
                          owners=owners, owner_names=list(train))
 
@@ -107,7 +110,8 @@ def load_officehome(root: str | Path | None = None, download: bool = False, *, t
         labels = np.asarray([index[f.parent.name] for f in files], dtype=np.int64)
         images, moments = cached_images(files, cache_home(folder, "officehome"), f"{domain}-{size}", size)
         parts[domain] = (images, moments, labels)
-    return _domain_dataset("officehome", parts, train, test_domain, len(classes), folder)
+    return _domain_dataset("officehome", parts, train, test_domain, len(classes), folder,
+                           cache_home(folder, "officehome"), size)
 
 
 # ----------------------------------------------------------------------------- DomainNet
@@ -164,4 +168,5 @@ def load_domainnet(root: str | Path | None = None, download: bool = False, *, te
                                         size)
         parts[domain] = (images, moments, labels)
     num_classes = 1 + max(int(p[2].max()) for p in parts.values() if len(p[2]))
-    return _domain_dataset("domainnet", parts, train, test_domain, max(num_classes, 2), folder)
+    return _domain_dataset("domainnet", parts, train, test_domain, max(num_classes, 2), folder,
+                           cache_home(folder, "domainnet"), size)

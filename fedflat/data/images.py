@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import Dataset, DatasetError, pixel_moments, uint8_dataset
+from .npy import write_npy
 from .sources import DatasetNotFoundError, base_dirs, cache_dir, cache_home, not_found
 
 log = logging.getLogger(__name__)
@@ -133,22 +134,45 @@ def cached_images(files: list[Path], home: Path, stem: str, size: int) -> tuple[
     path, moments_path = home / f"{stem}-{key}.npy", home / f"{stem}-{key}.moments.npy"
     if not (path.is_file() and moments_path.is_file()):
         home.mkdir(parents=True, exist_ok=True)
-        partial = home / f"{stem}-{key}.partial.npy"
         started = time.perf_counter()
-        images = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8, shape=(len(files), 3, size, size))
-        try:
+
+        def fill(images: np.ndarray) -> None:
             decode(files, images)
-            images.flush()
             atomic_save(moments_path, pixel_moments(images))
-        except BaseException:
-            del images
-            partial.unlink(missing_ok=True)
-            raise
-        del images
-        os.replace(partial, path)
+
+        write_npy(path, np.uint8, (len(files), 3, size, size), fill)
         log.info("decoded %d images into %s in %.1f s (later loads map it)", len(files), path,
                  time.perf_counter() - started)
     return np.load(path, mmap_mode="r"), np.load(moments_path)
+
+
+def concatenated_cache(parts: list[np.ndarray], home: Path, stem: str, chunk: int = 1024) -> np.ndarray:
+    """``np.concatenate(parts)`` as a memory-mapped ``home/stem-KEY.npy`` instead of an array in memory: cached
+    uint8 images (memory maps of :func:`cached_images`) stay on disk, paged in as batches need them. Written a
+    chunk at a time through a temporary file renamed at the end; KEY digests the parts' files and shapes, so a
+    changed part writes anew. One part is returned as it is; parts that are not all memory maps are joined in
+    memory."""
+    if len(parts) == 1:
+        return parts[0]
+    files = [getattr(p, "filename", None) for p in parts]
+    if None in files:
+        return np.concatenate(parts)
+    key = hashlib.sha256(repr([(f, p.shape, *_size_and_time(Path(f))) for f, p in zip(files, parts)]).encode())
+    key = key.hexdigest()[:16]
+    path = home / f"{stem}-{key}.npy"
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+    home.mkdir(parents=True, exist_ok=True)
+
+    def fill(out: np.ndarray) -> None:
+        row = 0
+        for part in parts:
+            for lo in range(0, len(part), chunk):
+                block = part[lo:lo + chunk]
+                out[row:row + len(block)] = block
+                row += len(block)
+
+    return write_npy(path, parts[0].dtype, (sum(len(p) for p in parts), *parts[0].shape[1:]), fill)
 
 
 def _size_and_time(path: Path) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ __all__ = ["partition", "PARTITIONS", "label_counts", "plot_partition", "iid", "
            "dirichlet_balanced", "pathological", "shards", "natural", "domain", "user_split", "client_test_split"]
 
 MAX_DIRICHLET_TRIES = 1000
+MAX_DIRICHLET_SECONDS = 5.0  # redraws stop here too: a min_size out of reach is said in seconds, not minutes
 
 
 def _finish(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -42,8 +44,8 @@ def dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
               min_size: int = 10) -> list[np.ndarray]:
     """Per class, split its samples among clients in proportions ``~ Dir(alpha)``.
 
-    The whole draw is repeated until every client holds at least ``min_size`` samples
-    (at most :data:`MAX_DIRICHLET_TRIES` times). Every sample is assigned.
+    The whole draw is repeated until every client holds at least ``min_size`` samples (at most
+    :data:`MAX_DIRICHLET_TRIES` times and :data:`MAX_DIRICHLET_SECONDS`). Every sample is assigned.
     """
     _positive("dirichlet", "alpha", alpha)
     _int_at_least("dirichlet", "min_size", min_size, 0)
@@ -51,19 +53,25 @@ def dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
         raise ValueError(f"dirichlet: min_size={min_size} x {num_clients} clients exceeds the "
                          f"{len(labels)} samples; lower min_size or num_clients")
     classes = _class_indices(labels)
-    for _ in range(MAX_DIRICHLET_TRIES):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    start, fewest = time.monotonic(), len(labels)
+    for tries in range(1, MAX_DIRICHLET_TRIES + 1):
+        draw = []  # per class: its members shuffled, and where the clients' shares end
+        sizes = np.zeros(num_clients, dtype=np.int64)
         for members in classes.values():
             members = rng.permutation(members)
             shares = rng.dirichlet(np.full(num_clients, float(alpha)))
             cuts = (np.cumsum(shares)[:-1] * len(members)).astype(np.int64)
-            for client, chunk in enumerate(np.split(members, cuts)):
-                parts[client].append(chunk)
-        merged = [np.concatenate(p) for p in parts]
-        if min(len(p) for p in merged) >= min_size:
-            return _finish(merged)
-    raise ValueError(f"dirichlet: no draw in {MAX_DIRICHLET_TRIES} gave every one of {num_clients} clients "
-                     f">= min_size={min_size} samples (alpha={alpha}); lower min_size or raise alpha")
+            sizes += np.diff(cuts, prepend=0, append=len(members))
+            draw.append((members, cuts))
+        if sizes.min() >= min_size:  # the split itself only for the draw that is kept (the sizes decide)
+            parts = zip(*(np.split(members, cuts) for members, cuts in draw))
+            return _finish([np.concatenate(chunks) for chunks in parts])
+        fewest = min(fewest, int((sizes < min_size).sum()))
+        if time.monotonic() - start > MAX_DIRICHLET_SECONDS:
+            break
+    raise ValueError(f"dirichlet: no draw in {tries} ({time.monotonic() - start:.0f} s) gave every one of "
+                     f"{num_clients} clients >= min_size={min_size} samples (alpha={alpha}; the best left {fewest} "
+                     "short); lower min_size or raise alpha")
 
 
 def dirichlet_balanced(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,

@@ -291,7 +291,8 @@ class RayExecutor:
             self.started_ray = False
 
 
-_SESSION = {"executors": 0}  # executors using the Ray connection fedflat opened (0: fedflat opened none)
+# executors using the Ray connection fedflat opened (0: fedflat opened none), and the watchdog of the Ray it started
+_SESSION: dict[str, Any] = {"executors": 0}
 
 
 def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] = ()) -> bool:
@@ -306,6 +307,8 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
         return False
     # CPU workers train on device cpu explicitly; take Ray's future default quietly (its FutureWarning says so).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if not sys.stderr.isatty():  # the workers' lines in a log or a pipe: no colour codes around their prefixes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     options = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     try:
         if cfg.address:
@@ -321,6 +324,7 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
             # here the workers do the training, and at nice 15 any other job on a shared machine starves them.
             ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, _system_config={"worker_niceness": 0},
                      **options)
+            _SESSION["reaper"] = start_reaper(ray)
     except ConnectionError as err:
         raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
                           "`ray start --head` (docs/distributed.md) or leave executor.address unset") from None
@@ -328,8 +332,27 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
     return True
 
 
+def start_reaper(ray):
+    """A watchdog that ends the local Ray instance this process started when this process is gone, even killed by
+    SIGKILL (:mod:`fedflat.engine.reaper`); None where there is no ``/proc``. It watches a pipe only this process
+    holds: :func:`release` closes it after ``ray.shutdown()``."""
+    if not os.path.isdir("/proc"):
+        return None
+    import subprocess
+    from pathlib import Path
+
+    node = ray._private.worker._global_node  # the processes ray.init started: GCS, raylet, monitors
+    roots = [str(p.process.pid) for infos in node.all_processes.values() for p in infos if p.process is not None]
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), *roots],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def release(ray) -> None:
-    """One executor fewer on fedflat's own Ray connection; the last one shuts it down."""
+    """One executor fewer on fedflat's own Ray connection; the last one shuts it down (and its watchdog ends)."""
     _SESSION["executors"] = max(0, _SESSION["executors"] - 1)
-    if _SESSION["executors"] == 0 and ray.is_initialized():
-        ray.shutdown()
+    if _SESSION["executors"] == 0:
+        if ray.is_initialized():
+            ray.shutdown()
+        reaper = _SESSION.pop("reaper", None)
+        if reaper is not None:
+            reaper.stdin.close()  # it ends what is left and exits (subprocess reaps it later: no wait here)

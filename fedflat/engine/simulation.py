@@ -34,7 +34,7 @@ from fedflat.engine.modes import inspect_module, module_name
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, choose_engine, resolve_engine, set_tf32,
                                     step_flops, vmap_problem)
 from fedflat.engine.store import ClientStore
-from fedflat.engine.threads import choose_threads
+from fedflat.engine.threads import choose_threads, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -59,6 +59,21 @@ def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"model={cfg.model['name']} on {dataset.name} (inputs {tuple(dataset.input_shape)}): "
                           f"{err}") from None
+
+
+def _check_outputs(model: FlatModel, x: torch.Tensor, dataset: Dataset) -> None:
+    """One output per class, before round 0: cross-entropy takes a model with fewer outputs as an index error deep
+    in training, and trains one with more without a word (the extra outputs are never a target)."""
+    training = model.module.training
+    model.module.eval()  # (a normalization layer's running statistics stay as they are)
+    try:
+        with torch.no_grad():
+            width = model.call_views(model.layout.views(model.initial), x[:1]).shape[-1]
+    finally:
+        model.module.train(training)
+    if width != dataset.num_classes:
+        raise ConfigError(f"the model gives {width} outputs for {dataset.name}'s {dataset.num_classes} classes: its "
+                          f"last layer needs {dataset.num_classes} outputs, one per class")
 
 
 PERSONAL_EVAL_ENTRIES = 2 ** 26  # parameters of the client models a personalized evaluation holds at once (256 MB)
@@ -181,7 +196,11 @@ class Simulation:
         self.device = resolve_device(cfg.device)
         set_tf32(self.device, cfg.tf32)
         if dataset is None:
-            dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
+            # on one thread: torch splits a long reduction (the standardization's mean and std) across its threads,
+            # so the data's bits, and every number trained on them, would depend on the process's thread count
+            with torch_threads(1):
+                dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download,
+                                       **cfg.data.options)
         if cfg.data.validation:
             full = dataset.y_train.shape[0]
             dataset, kept = validation_split(dataset, cfg.data.validation)
@@ -199,8 +218,9 @@ class Simulation:
             module = _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
         self.model = FlatModel(module.to(self.device))
         try:  # one sample forward and backward: also the first check that the model takes these inputs
-            self.step_flops = step_flops(self.model, self.model.initial,
-                                         self.dataset.features(self.dataset.x_train[:1]), self.dataset.y_train,
+            sample = self.dataset.features(self.dataset.x_train[:1])
+            _check_outputs(self.model, sample, dataset)
+            self.step_flops = step_flops(self.model, self.model.initial, sample, self.dataset.y_train,
                                          cfg.train.batch_size)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
@@ -250,6 +270,13 @@ class Simulation:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
+
+    def thread_counts(self) -> dict[str, int | None]:
+        """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
+        ``clients`` (the local training, or each Ray worker's; None: the worker's own default)."""
+        server = torch.get_num_threads()
+        spec = getattr(self.executor, "spec", None)
+        return {"server": server, "clients": spec.threads if spec is not None else server}
 
     def _probe_inputs(self, count: int = 4) -> torch.Tensor:
         """The first ``count`` training inputs (features applied): what the up-front checks run the model on."""

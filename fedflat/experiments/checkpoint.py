@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from fedflat.config import Config, load_config, parse_override, read_yaml
 from fedflat.core import ConfigError
@@ -21,21 +21,27 @@ if TYPE_CHECKING:
 
     from fedflat.data import Dataset
 
-# What a resume may change: none of them changes a result (rounds= only extends the run: the learning rate
-# decays per round, so an extended run equals one planned that long).
-RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor")
+# What a resume may change. rounds= only extends the run (the learning rate decays per round, so an extended run
+# equals one planned that long); checkpoint_every and loggers change no result. threads= and executor.* can change
+# the torch thread counts, and with them the rounding of reductions split over threads: the resume says so and
+# records it (summary.json's threads_changed), and from there the numbers may differ in the last bits.
+RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor", "loggers")
 
 
 def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
            config: Config | None = None, dataset: "Dataset | None" = None,
-           model_fn: "Callable[[], nn.Module] | None" = None, clients=None, driver=None) -> History:
+           model_fn: "Callable[[], nn.Module] | None" = None, clients=None, driver=None,
+           callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None) -> History:
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
-    apart from wall-clock fields (same engine, same machine). ``overrides`` may change only
-    :data:`RESUMABLE` keys (``rounds=`` to extend a run). A completed run with no more rounds to run is
-    returned as it is on disk: nothing in its folder is written. A run whose rounds went through a
-    ``driver`` (a Flower federation, whose nodes keep their clients' state) continues only through one.
+    apart from wall-clock fields (same engine, machine and torch thread counts). ``overrides`` may change only
+    :data:`RESUMABLE` keys (``rounds=`` to extend a run; a change of thread counts is reported and recorded). A
+    completed run with no more rounds to run is returned as it is on disk: nothing in its folder is written. A run
+    whose rounds went through a ``driver`` (a Flower federation, whose nodes keep their clients' state) continues
+    only through one.
+    ``callbacks``, ``group`` and ``job`` as for :func:`~fedflat.experiments.runner.run_experiment`: the config's
+    loggers continue the run's tracked runs (the ids in ``tracking.json``).
     """
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
@@ -54,8 +60,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
             return _finished_history(run_dir, completed, cfg, dataset, model_fn, clients)
-        return run_experiment(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir, progress=progress,
-                   driver=driver)
+        return run_experiment(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir,
+                              progress=progress, driver=driver, callbacks=callbacks, group=group, job=job)
 
 
 def _resumed_config(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

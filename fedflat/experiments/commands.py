@@ -5,13 +5,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import at_least_one, print_outcome
+from fedflat.cliutil import add_loggers_option, at_least_one, loggers_override, print_outcome
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedflat.experiments.sweep import load_sweep, run_sweep
 
-    sweep = load_sweep(args.sweep, variant=args.variant, out=args.out, extra_overrides=args.overrides)
+    sweep = load_sweep(args.sweep, variant=args.variant, out=args.out,
+                       extra_overrides=[*args.overrides, *loggers_override(args.loggers)])
     cells = sweep.cells()
     if args.dry_run:
         for cell in cells:
@@ -45,7 +46,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from fedflat.experiments.tune import load_study, run_study, selection_table
 
     only = [name.strip() for name in args.methods.split(",") if name.strip()] if args.methods else None
-    study = load_study(args.tune, variant=args.variant, out=args.out, extra_overrides=args.overrides, only=only)
+    study = load_study(args.tune, variant=args.variant, out=args.out,
+                       extra_overrides=[*args.overrides, *loggers_override(args.loggers)], only=only)
     trials = study.trial_cells()
     if args.dry_run:
         for name, per in trials.items():
@@ -71,8 +73,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     from fedflat.experiments.checkpoint import resume
 
-    history = resume(args.run_dir, overrides=args.overrides, progress=not args.no_progress)  # errors: cli.main
-    return print_outcome(history)
+    history = resume(args.run_dir, overrides=[*args.overrides, *loggers_override(args.loggers)],
+                     progress=not args.no_progress)  # errors: cli.main
+    return print_outcome(history, announced=not args.no_progress)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -119,8 +122,10 @@ def register(sub) -> None:
     p = sub.add_parser("resume", help="continue a run folder from its latest checkpoint")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="only rounds= (to extend the run), threads=, checkpoint_every= and executor.*")
+                   help="only rounds= (to extend the run), threads=, checkpoint_every=, executor.* and loggers= (a "
+                        "change of thread counts may change the last bits: said and recorded)")
     p.add_argument("--no-progress", action="store_true")
+    add_loggers_option(p)
     p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("report", help="paper-style tables (and --plot figures) of run or sweep folders")
@@ -149,3 +154,4 @@ def _cell_options(p) -> None:
     p.add_argument("--out", default=None, help="the output folder (default: the file's 'out')")
     p.add_argument("--dry-run", action="store_true", help="list the cells and their folders, run nothing")
     p.add_argument("--no-progress", action="store_true")
+    add_loggers_option(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -93,6 +94,19 @@ def partition_heatmap(run: Run, path: str | Path) -> Path:
     return plot_partition(label_counts(labels, parts, data.num_classes), path, title=title)
 
 
+def setting_title(config: dict[str, Any], setting: str) -> str:
+    """A convergence figure's title: the dataset and its setting's label, or for the only setting of a report (its
+    label is "all": the title read "digits: all") the split and participation that make it."""
+    data = config.get("data.name", "")
+    if setting != "all":
+        return f"{data}: {setting}"
+    scheme = config.get("data.partition.scheme", "")
+    shape = ", ".join(f"{k.rsplit('.', 1)[1]} {v:g}" for k, v in config.items()
+                      if k in ("data.partition.alpha", "data.partition.classes") and isinstance(v, (int, float)))
+    return (f"{data}: {config.get('data.num_clients')} clients, {scheme}" + (f" ({shape})" if shape else "")
+            + f", {config.get('sampling.clients_per_round')} per round")
+
+
 def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc") -> list[Path]:
     """Per setting: ``convergence-<setting>.png`` and ``partition-<setting>.png`` (first seed's split)."""
     out_dir = Path(out_dir)
@@ -102,8 +116,7 @@ def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc") -> 
     for g in groups:
         settings.setdefault(g.setting, []).append(g)
     for setting, gs in settings.items():
-        first = gs[0].runs[0]
-        title = f"{first.config.get('data.name', '')}: {setting}"
+        title = setting_title(gs[0].runs[0].config, setting)
         if not any(len(curve(g.runs, key)[0]) for g in gs):
             print(f"fedflat report: no convergence plot for '{setting}': no run has an evaluated round")
         else:

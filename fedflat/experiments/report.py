@@ -37,7 +37,7 @@ DASH = "–"
 # Keys that never define a setting: bookkeeping and execution details that do not change results
 # (or change them only by floating-point order: engine and device are shown in the summary instead).
 IGNORED_KEYS = ("seed", "name", "out", "device", "engine", "threads", "chunk_size", "checkpoint_every",
-                "tensorboard", "eval.batch_size", "data.root", "data.download", "store.")
+                "tensorboard", "loggers", "eval.batch_size", "data.root", "data.download", "store.")
 
 
 class ReportError(ValueError):

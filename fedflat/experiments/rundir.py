@@ -29,6 +29,7 @@ from fedflat._version import __version__
 from fedflat.files import atomic_torch_save, atomic_write_text, json_safe, read_jsonl
 
 LOCK, RESERVE = ".lock", ".reserve"
+TRACKING_FILE = "tracking.json"  # the ids of the run's tracked runs (W&B, MLflow): fedflat.experiments.loggers
 RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the disk is full
 
 
@@ -60,8 +61,9 @@ _HELD: dict[Path, list] = {}  # run folders this process holds: path -> [lock fi
 
 
 @contextmanager
-def hold(folder: str | Path) -> Iterator[None]:
-    """This process's exclusive hold on a run folder (re-entrant within the process)."""
+def hold(folder: str | Path, what: str = "run folder") -> Iterator[None]:
+    """This process's exclusive hold on a run folder, or on a sweep's folder (``what`` names it in the message
+    that refuses a second holder; re-entrant within the process)."""
     folder = Path(folder).resolve()
     if folder in _HELD:
         _HELD[folder][1] += 1
@@ -77,7 +79,7 @@ def hold(folder: str | Path) -> Iterator[None]:
         fh.seek(0)
         holder = fh.read().strip() or "?"
         fh.close()
-        raise RunFolderBusy(f"run folder {folder} is in use by process {holder} (a fedflat run, resume or sweep); "
+        raise RunFolderBusy(f"{what} {folder} is in use by process {holder} (a fedflat run, resume, sweep or tune); "
                             "wait for it to finish or stop it, then try again") from None
     fh.seek(0)
     fh.truncate()
@@ -95,6 +97,12 @@ def hold(folder: str | Path) -> Iterator[None]:
 
 def is_disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def interruption(err: KeyboardInterrupt) -> str:
+    """What interrupted a run: the signal or stop request a ``KeyboardInterrupt`` names, else Ctrl-C (an exception
+    object is truthy even when its text is empty: ``err or 'Ctrl-C'`` printed ``interrupted ()``)."""
+    return str(err) or "Ctrl-C"
 
 
 class DiskFull(OSError):
@@ -119,6 +127,15 @@ def check_output_folder(path: str | Path) -> None:
         raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {path}: {probe} is not writable; choose another --out")
+    if probe != target:  # made as the run would make it (/proc is "writable" and takes no folder), then removed
+        try:
+            target.mkdir(parents=True)
+        except OSError as err:
+            raise ConfigError(f"output folder {path}: cannot be made in {probe} ({err.strerror or err}); choose "
+                              "another --out") from None
+        while target != probe:
+            target.rmdir()
+            target = target.parent
 
 
 class RunDir:
@@ -144,13 +161,14 @@ class RunDir:
     @classmethod
     def at(cls, path: str | Path) -> "RunDir":
         """Creates exactly ``path`` (a sweep cell's folder); a folder with a run in it is an error, never
-        reused (an empty one, or one holding only the lock a sweep took first, is taken)."""
+        reused (an empty one, or one holding only the lock a sweep took first and the tracked runs' ids of a
+        start that was killed, is taken)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
         except FileExistsError:
-            if any(p.name not in (LOCK, RESERVE) for p in path.iterdir()):
+            if any(p.name not in (LOCK, RESERVE, TRACKING_FILE) for p in path.iterdir()):
                 raise FileExistsError(f"run folder {path} already exists; resume it (`fedflat resume {path}`) "
                                       "or choose another folder") from None
         return cls(path)

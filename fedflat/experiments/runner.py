@@ -6,6 +6,7 @@ summary.json, checkpoint.pt, model.pt), so that an interruption at any moment le
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -25,7 +26,9 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, is_disk_full, machine_info, versions
+from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
+                                       machine_info, versions)
 from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
 
@@ -72,6 +75,8 @@ class Output:
     resume: str | Path | None = None
     progress: bool = True  # progress bar
     announce: bool = True  # print the run folder when it is made (stderr)
+    group: str | None = None  # the sweep or tune study the run is a cell of (trackers group by it)
+    job: str | None = None  # its part of a tune study: trials, final
 
 
 def run_experiment(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),
@@ -80,7 +85,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         out: str | Path | None = None, save: bool = True, progress: bool = True,
         run_dir: str | Path | None = None, resume: str | Path | None = None,
         announce: bool | None = None,
-        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None) -> History:
+        driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None,
+        callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -94,27 +100,42 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
     the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
+    ``callbacks`` (:mod:`fedflat.experiments.callbacks`) watch the run after the config's ``loggers``;
+    ``group`` and ``job`` name the sweep or tune study (and its part) a run is a cell of, for the trackers.
     """
     cfg = as_config(config, overrides)
     if clients is not None and cfg.data.num_clients != len(clients):
         cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
-    where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce)
+    where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce, group, job)
     with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
         if resume is not None:
             stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
         elif save:
             check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+        from fedflat.experiments.loggers import build_loggers
+
+        watchers = [*build_loggers(cfg.loggers, group), *callbacks]  # a logger's library: checked before a folder
         sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
         stack.callback(sim.close)
         resolved = _resolved(cfg, dataset, model_fn, clients)
         folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
-            runner = Runner(cfg, sim, resolved, folder, checkpoint)
+            runner = Runner(cfg, sim, resolved, folder, checkpoint, watchers, where)
             if driver is not None:
-                runner.train_round = driver(sim)
+                try:
+                    runner.train_round = driver(sim)
+                except BaseException as err:
+                    runner.callbacks.end({**runner.summary, "status": "failed", "reason": f"{type(err).__name__}: "
+                                                                                          f"{err}"})
+                    raise
                 runner.summary["driver"] = driver.__module__  # its clients' state is not in this folder
-        except OSError as err:
-            if is_disk_full(err) and resume is None:  # nothing of this run is worth keeping: no empty folder
+        except (OSError, CallbackError) as err:
+            new_folder = folder is not None and resume is None  # nothing of this run is worth keeping
+            if isinstance(err, CallbackError):
+                if new_folder:
+                    shutil.rmtree(folder.path, ignore_errors=True)
+                raise
+            if is_disk_full(err) and new_folder:
                 shutil.rmtree(folder.path, ignore_errors=True)
                 raise DiskFull(f"no space left on the device of {folder.path.parent}: free some space and run "
                                "again") from None
@@ -132,10 +153,6 @@ def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Mo
         resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
     if clients is not None:
         resolved["data"]["partition"] = {"scheme": f"user:{len(clients)} clients"}
-    if cfg.tensorboard:
-        from fedflat.experiments.tensorboard import require_tensorboard
-
-        require_tensorboard()  # before a run folder is made
     return resolved
 
 
@@ -176,7 +193,8 @@ class Runner:
     """Drives the rounds and keeps the run folder consistent whatever happens."""
 
     def __init__(self, cfg: Config, sim: Simulation, resolved: dict[str, Any], run_dir: RunDir | None,
-                 checkpoint: dict[str, Any] | None = None):
+                 checkpoint: dict[str, Any] | None = None, callbacks: Sequence[Any] = (),
+                 where: Output | None = None):
         self.cfg, self.sim, self.resolved, self.run_dir = cfg, sim, resolved, run_dir
         self.metrics: list[dict[str, Any]] = []
         self.start_round = 0
@@ -187,12 +205,14 @@ class Runner:
         # line of an evaluated round, which a hook may extend before it is written.
         self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
         self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
+        self.checkpointed = 0  # the round of the checkpoint on disk (a resume starts from it)
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
             "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
             "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
+            "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
             "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
@@ -204,39 +224,59 @@ class Runner:
         }
         if checkpoint is not None:
             self._restore(checkpoint)
+        where = where or Output()
+        info = RunInfo(config=copy.deepcopy(resolved), run_dir=run_dir.path if run_dir else None,
+                       name=run_dir.path.name if run_dir else _label(cfg), start_round=self.start_round,
+                       metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job)
+        self.callbacks = Callbacks(callbacks, info)
+        self.callbacks.start(self.summary)  # before anything is written: a logger that cannot start costs nothing
         if run_dir is not None:
             run_dir.reserve()
             run_dir.write_config(dump_yaml(resolved))
             run_dir.write_summary(self.summary)
-        if cfg.tensorboard and run_dir is not None:
-            from fedflat.experiments.tensorboard import tensorboard_hook
-
-            self.hooks.append(tensorboard_hook(run_dir.path / "tensorboard", purge_step=self.start_round + 1))
         if cfg.diagnostics.every:
             from fedflat.metrics.recorder import DiagnosticsRecorder
 
-            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # before loggers, which see its scalars
+            self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # its scalars join the line callbacks see
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
         self.sim.load_state_dict(checkpoint["state"])
         self.sim.backprops = checkpoint.get("backprops", 0)
-        self.start_round = checkpoint["round"]
+        self.start_round = self.checkpointed = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
-        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine")})
+        self.summary.update({k: v for k, v in saved.items() if k not in ("versions", "machine", "threads")})
         self.summary.update(status="running", reason=None, rounds_planned=self.cfg.rounds)  # rounds= may extend
+        self._note_thread_change(saved.get("threads"))
         self.summary["resumed"] = [*saved.get("resumed", []), {"round": self.start_round,
                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
         if checkpoint.get("owed") is not None:
             self._owed = RoundResult(**checkpoint["owed"])
 
+    def _note_thread_change(self, before: dict[str, Any] | None) -> None:
+        """A resume on other torch thread counts than the run so far (``threads=``, ``executor.*``, or ``auto`` with
+        another core share) continues it correctly, but a reduction split over other threads rounds differently:
+        the numbers from here on may differ in the last bits from an uninterrupted run's. Said, and recorded."""
+        now = self.summary["threads"]
+        if before is None or before == now:  # (a checkpoint of an older fedflat does not say)
+            return
+        self.summary["threads_changed"] = [*self.summary.get("threads_changed", []),
+                                           {"round": self.start_round + 1, "from": before, "to": now}]
+        text = lambda counts: ", ".join(f"{k} {v}" for k, v in counts.items())  # noqa: E731
+        print(f"fedflat: warning: the run trained on torch threads ({text(before)}), this resume on ({text(now)}): "
+              f"from round "
+              f"{self.start_round + 1} on its numbers may differ in the last bits from an uninterrupted run's "
+              "(recorded in summary.json as threads_changed)", file=sys.stderr)
+
     def _checkpoint(self) -> None:
         if self.run_dir is None:
             return
         owed = dataclasses.asdict(self._owed) if self._owed is not None else None
-        save_checkpoint(self.run_dir.path,
-                        make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+        path = save_checkpoint(self.run_dir.path,
+                               make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+        self.checkpointed = self.summary["rounds"]
+        self.callbacks.emit("on_checkpoint", self.summary["rounds"], path)
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
@@ -257,7 +297,7 @@ class Runner:
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
         except KeyboardInterrupt as err:
-            self.summary.update(status="failed", reason=f"interrupted ({err or 'KeyboardInterrupt'})")
+            self.summary.update(status="failed", reason=f"interrupted ({interruption(err)})")
             err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
             raise
         except Exception as err:
@@ -267,7 +307,10 @@ class Runner:
             raise
         finally:
             bar.close()
-            self._finish(wall_before + time.perf_counter() - start)
+            try:
+                self._finish(wall_before + time.perf_counter() - start)
+            finally:
+                self.callbacks.end(self.summary)  # after the results are on disk
         return self.history()
 
     def _finish(self, wall_seconds: float) -> None:
@@ -275,6 +318,9 @@ class Runner:
         is given back so that at least the summary says what happened."""
         self.summary["wall_seconds"] = wall_seconds
         self.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if self.callbacks.errors:
+            self.summary["callback_errors"] = [*self.summary.get("callback_errors", []), *self.callbacks.errors]
+            self.callbacks.errors = []
         try:
             if self.summary["status"] != "diverged":
                 self._checkpoint()  # the final state, or the last complete round of an interrupted run
@@ -294,8 +340,8 @@ class Runner:
         self.summary.update(status="failed", reason=message)
         if self.run_dir is not None:
             self.run_dir.release_reserve()
-            try:
-                self.run_dir.write_summary(self.summary)
+            try:  # the rounds a resume starts from, not those trained since (their checkpoint did not fit)
+                self.run_dir.write_summary({**self.summary, "rounds": self.checkpointed})
             except OSError:
                 pass  # still no room: the summary keeps its last state; the message says what happened
         return DiskFull(message)
@@ -303,10 +349,12 @@ class Runner:
     def _round(self, t: int, bar) -> None:
         result = self._train(t)
         if self._evaluated(t):
-            self._record(t, result, bar)
+            record = self._record(t, result, bar)
         else:
             for hook in self.hooks:
                 hook(self, t, None)
+            record = {"round": t + 1, **_training_fields(result)}
+        self.callbacks.emit("on_round_end", t + 1, record)
 
     def _evaluated(self, t: int) -> bool:
         """Round ``t`` gets a metrics line: every ``eval.every`` rounds, the last round, and every round that
@@ -342,19 +390,17 @@ class Runner:
             s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
         self._owed = result if self._evaluated(t) else None
 
-    def _record(self, t: int, result: RoundResult, bar) -> None:
+    def _record(self, t: int, result: RoundResult, bar) -> dict[str, Any]:
         """Evaluates round ``t`` and writes its metrics line (the line is written with signals held)."""
         sim, s = self.sim, self.summary
         eval_start = time.perf_counter()
         acc, loss = sim.evaluate()
         eval_seconds = time.perf_counter() - eval_start
         split = sim.heldout  # "test", or "val" for a run that selects on a validation split
-        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, "train_loss": result.train_loss,
-                  "lr": result.lr, "seconds": result.seconds, "eval_seconds": eval_seconds,
-                  "train_seconds": s["train_seconds"], "up_vectors": result.up_vectors,
-                  "down_vectors": result.down_vectors, "up_bytes": result.up_bytes, "down_bytes": result.down_bytes,
-                  "clients": result.clients, "dropped": len(result.dropped), "drift": result.drift,
-                  "backprops_per_step": result.backprops_per_step, "store": result.store, **result.log}
+        fields = _training_fields(result)
+        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, "train_loss": fields["train_loss"],
+                  "lr": fields["lr"], "seconds": fields["seconds"], "eval_seconds": eval_seconds,
+                  "train_seconds": s["train_seconds"], **fields}
         for hook in self.hooks:
             hook(self, t, record)
         with uninterrupted():
@@ -366,7 +412,9 @@ class Runner:
                 s[f"best_{split}_acc"], s["best_round"] = acc, t + 1
             s[f"final_{split}_acc"], s[f"final_{split}_loss"] = acc, loss
             self._owed = None
-        bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}")
+        bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}", refresh=False)  # shown with its count
+        self.callbacks.emit("on_evaluation", t + 1, record)
+        return record
 
     def _save_summary(self) -> None:
         if self.run_dir is not None:
@@ -383,3 +431,12 @@ class Runner:
                        final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
                        state_dict=self.sim.model_state())
+
+
+def _training_fields(result: RoundResult) -> dict[str, Any]:
+    """A round's training numbers as its metrics line holds them (evaluated or not)."""
+    return {"train_loss": result.train_loss, "lr": result.lr, "seconds": result.seconds,
+            "up_vectors": result.up_vectors, "down_vectors": result.down_vectors, "up_bytes": result.up_bytes,
+            "down_bytes": result.down_bytes, "clients": result.clients, "dropped": len(result.dropped),
+            "drift": result.drift, "backprops_per_step": result.backprops_per_step, "store": result.store,
+            **result.log}

@@ -28,7 +28,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,11 +41,11 @@ from typing import Any, Callable
 import yaml
 
 from fedflat.config import (Config, apply_override, config_file, file_kind, load_config, located, packaged_config,
-                            parse_override, resolve, suggest, wrong_kind)
+                            parse_override, read_yaml_file, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import LOCK, RunFolderBusy, hold
+from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
@@ -180,7 +182,7 @@ def read_experiment_file(path: Path, what: str, allowed: set[str],
                          name: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The top-level mapping of a sweep or tune file (its keys checked against ``allowed``) and its base config
     tree: the ``base`` file read, the ``config`` keys applied. ``name``: the file as the user gave it."""
-    spec = _read_yaml(path.read_text()) or {}
+    spec = read_yaml_file(path) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     if set(spec) - allowed and file_kind(spec) != what:
@@ -189,7 +191,7 @@ def read_experiment_file(path: Path, what: str, allowed: set[str],
     base: dict[str, Any] = {}
     if spec.get("base"):
         base_file = _base_path(path, str(spec["base"]))
-        base = located(_read_yaml(base_file.read_text()) or {}, base_file.parent)
+        base = located(read_yaml_file(base_file) or {}, base_file.parent)
     for key, value in located(dict(spec.get("config") or {}), path.parent).items():
         apply_override(base, key, value)
     return spec, base
@@ -244,7 +246,7 @@ def _comparable(tree: dict[str, Any]) -> dict[str, Any]:
     """The config keys that make a cell's results: all but where it runs, and its length (``rounds``, which a
     rerun may extend: the learning rate decays per round, so an extended run equals one planned that long)."""
     tree = copy.deepcopy(tree)
-    for key in ("out", "threads", "device", "rounds"):
+    for key in ("out", "threads", "device", "rounds", "loggers", "tensorboard"):
         tree.pop(key, None)
     return json.loads(json.dumps(json_safe(tree)))
 
@@ -295,9 +297,11 @@ def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
     return "resume", None
 
 
-def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None) -> dict[str, Any]:
+def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None,
+             group: str | None = None, job: str | None = None) -> dict[str, Any]:
     """Runs, resumes or skips one cell; never raises (errors are recorded in the result and
-    ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes)."""
+    ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes); ``group``
+    (the sweep's name) and ``job`` group its tracked runs."""
     if threads:
         from fedflat.engine.threads import set_core_share
 
@@ -306,12 +310,13 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     folder_path.mkdir(parents=True, exist_ok=True)
     try:
         with hold(folder_path):  # one writer per cell: a second sweep over the same cells is refused here
-            return _run_held_cell(tree, folder_path, progress)
+            return _run_held_cell(tree, folder_path, progress, group, job)
     except RunFolderBusy as err:
         return {"status": "busy", "reason": str(err), "action": "none"}
 
 
-def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> dict[str, Any]:
+def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, group: str | None,
+                   job: str | None) -> dict[str, Any]:
     from fedflat.experiments.checkpoint import resume
     from fedflat.experiments.runner import run_experiment
 
@@ -324,12 +329,12 @@ def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool) -> d
         if state == "stale":
             return {"status": "failed", "reason": reason, "action": "none"}
         if state == "new":  # killed before its config was written: start afresh (the lock stays ours)
-            for leftover in folder_path.iterdir():
-                if leftover.name != LOCK:
+            for leftover in folder_path.iterdir():  # (the tracked runs' ids stay: the start continues them)
+                if leftover.name not in (LOCK, TRACKING_FILE):
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            run_experiment(cfg, run_dir=folder_path, progress=progress)
+            run_experiment(cfg, run_dir=folder_path, progress=progress, group=group, job=job)
         else:
-            resume(folder_path, config=cfg, progress=progress)
+            resume(folder_path, config=cfg, progress=progress, group=group, job=job)
         return _result(folder_path, "resumed" if state == "resume" else "ran", time.perf_counter() - start)
     except BaseException as err:  # noqa: BLE001 - a cell's failure must not stop the sweep
         if isinstance(err, KeyboardInterrupt):
@@ -386,20 +391,32 @@ def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCel
     """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
     cells = sweep.cells()
     results = run_cells(cells, sweep.out, workers, progress, ray,
-                        on_record=lambda done: _write_index(sweep, cells, done))
+                        on_record=lambda done: _write_index(sweep, cells, done), group=sweep.out.name)
     return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
 
 
 def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = True, ray: RayCells | None = None,
-              on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+              on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None, group: str | None = None,
+              job: str | None = None) -> dict[str, dict[str, Any]]:
     """Runs, resumes or skips each cell in ``out/<cell name>``, ``workers`` at a time or as Ray tasks; a cell
     with an invalid config is recorded as failed. Returns each cell's result by name; ``on_record`` sees the
-    results so far after every cell (and once before the first)."""
+    results so far after every cell (and once before the first). The cells' loggers are checked first (a
+    logger that cannot start stops the sweep before any cell runs, unless optional); their tracked runs are
+    grouped by ``group`` and ``job``."""
     if workers < 1:
         raise ConfigError(f"sweep workers must be at least 1, got {workers}")
+    out.mkdir(parents=True, exist_ok=True)
+    # one sweep per folder: two at once each found the other's live cells busy and wrote that in sweep.json
+    with hold(out, "sweep folder"):
+        return _run_held_cells(cells, out, workers, progress, ray, on_record, group, job)
+
+
+def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, ray: RayCells | None,
+                    on_record: Callable[[dict[str, dict[str, Any]]], None] | None, group: str | None,
+                    job: str | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_loggers([c for c in cells if c.config is not None], group)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
         if cell.error:
@@ -422,21 +439,35 @@ def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = T
 
     try:
         if ray is not None:
-            _run_on_ray(out, todo, ray, record, bar)
+            _run_on_ray(out, todo, ray, record, bar, group, job)
         elif workers <= 1:
             for cell in todo:
                 bar.set_postfix_str(cell.name)
                 try:
-                    result = run_cell(cell.config.model_dump(), str(out / cell.name), progress=progress)
+                    result = run_cell(cell.config.model_dump(), str(out / cell.name), progress=progress,
+                                      group=group, job=job)
                 except KeyboardInterrupt:
                     record(cell, interrupted_cell(out / cell.name))
                     raise
                 record(cell, result)
         else:
-            _run_in_processes(out, todo, workers, record, bar)
+            _run_in_processes(out, todo, workers, record, bar, group, job)
     finally:
         bar.close()
     return results
+
+
+def _prepare_loggers(cells: list[Cell], group: str | None) -> None:
+    """Each distinct ``loggers`` setting of the cells checked once, here, before any cell starts: a missing
+    library or an unusable store is one message instead of a failure per cell, and a store shared by the cells
+    (an SQLite file) is made before they write to it at once."""
+    from fedflat.experiments.loggers import build_loggers
+
+    seen = []
+    for cell in cells:
+        if cell.config.loggers and cell.config.loggers not in seen:
+            seen.append(cell.config.loggers)
+            build_loggers(cell.config.loggers, group)
 
 
 def interrupted_cell(folder: Path) -> dict[str, Any]:
@@ -453,22 +484,28 @@ def _die_with_parent() -> None:
     """Linux: this process is killed when the sweep that started it dies, however it dies."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results) -> None:
+def _stopped_by_the_sweep(_signum, _frame) -> None:
+    raise KeyboardInterrupt("the sweep was stopped")
+
+
+def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results, group: str | None,
+                  job: str | None) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the sweep died before the line above took effect
         return
+    signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
-        results.put((folder, run_cell(tree, folder, False, threads)))
+        results.put((folder, run_cell(tree, folder, False, threads, group, job)))
     except KeyboardInterrupt:
         results.put((folder, interrupted_cell(Path(folder))))
 
 
-def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) -> None:
+def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar, group: str | None = None,
+                      job: str | None = None) -> None:
     """At most ``workers`` cells at a time, each in its own process that dies with the sweep. Ctrl-C (or SIGTERM
     through the command line) stops the running cells, which record a checkpoint, and starts no new one."""
     context = get_context("spawn")
@@ -481,8 +518,9 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
-                                          args=(cell.config.model_dump(), folder, threads, os.getpid(), queue))
-                process.start()
+                                          args=(cell.config.model_dump(), folder, threads, os.getpid(), queue,
+                                                group, job))
+                _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
             _collect(queue, running, record)
             live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
@@ -490,6 +528,20 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar) ->
     except KeyboardInterrupt:
         _stop(running, queue, record)
         raise
+
+
+def _start_deaf_to_ctrl_c(process) -> None:
+    """Starts a cell's process with SIGINT ignored, a disposition that survives its exec. Ctrl-C at a terminal
+    signals the whole process group, and a worker it reached while still importing printed a 40-line traceback
+    (issue 32); the sweep stops its cells itself (:func:`_stop`: SIGTERM, which a cell's run takes as Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():  # (signal dispositions: main thread only)
+        process.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
@@ -513,8 +565,6 @@ def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
 def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
     """Interrupts the running cells (their runs write status and checkpoint), waits ``grace`` seconds, then
     kills what is left; each cell is recorded as its folder says."""
-    import signal
-
     def settle(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while running and time.monotonic() < deadline:
@@ -524,17 +574,17 @@ def _stop(running: dict, queue, record, grace: float = 30.0) -> None:
                     running.pop(folder)
                     record(cell, interrupted_cell(Path(folder)))
 
-    settle(2.0)  # Ctrl-C at a terminal reached the cells too: let them finish on their own
     for _, process in running.values():
         if process.is_alive():
-            os.kill(process.pid, signal.SIGINT)  # only the sweep was signalled (kill -INT, SIGTERM)
+            os.kill(process.pid, signal.SIGTERM)  # (cells ignore Ctrl-C: _start_deaf_to_ctrl_c)
     settle(grace)
     for folder, (cell, process) in running.items():
         process.kill()
         record(cell, interrupted_cell(Path(folder)))
 
 
-def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> None:
+def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar, group: str | None = None,
+                job: str | None = None) -> None:
     """Every cell a Ray task reserving ``where.cpus``/``where.gpus``; a task whose worker dies is recorded as
     failed (its folder keeps its checkpoint, so the next run of the sweep resumes it)."""
     from fedflat.config import ExecutorConfig
@@ -546,7 +596,7 @@ def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar) -> No
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))
-        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share): c for c in todo}
+        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share, group, job): c for c in todo}
         while running:
             (done,), _ = ray.wait(list(running), num_returns=1)
             cell = running.pop(done)

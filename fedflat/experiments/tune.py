@@ -276,7 +276,7 @@ def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCel
     final seeds; a rerun skips what finished. Writes ``OUT/tune.json``."""
     trials = study.trial_cells()
     results = run_cells([c for per in trials.values() for _, cells in per for c in cells], study.out / "trials",
-                        workers, progress, ray)
+                        workers, progress, ray, group=study.out.name, job="trials")
     index: dict[str, dict[str, Any]] = {}
     finals: list[Cell] = []
     for name, per in trials.items():
@@ -295,7 +295,8 @@ def run_study(study: Study, workers: int = 1, progress: bool = True, ray: RayCel
             cells = study.final_cells(name, selected)
             index[name]["final"] = [c.name for c in cells]
             finals += cells
-    tested = run_cells(finals, study.out / "final", workers, progress, ray) if finals else {}
+    tested = run_cells(finals, study.out / "final", workers, progress, ray, group=study.out.name,
+                       job="final") if finals else {}
     for name, entry in index.items():
         tests = [tested[c].get("final_test_acc") for c in entry.get("final", [])]
         entry["test_acc"] = tests if tests and all(t is not None for t in tests) else None

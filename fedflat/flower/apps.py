@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedflat import __version__
 from fedflat.config import Config, dump_yaml, read_yaml, resolve
 from fedflat.core import ConfigError
+from fedflat.engine.simulation import Simulation
 from fedflat.flower.node import DEFAULT_STATE_DIR, Node
 from fedflat.flower.server import serve
 
@@ -92,21 +94,26 @@ def state_folder(root: str | Path, cfg: Config, partition: int) -> Path:
     return Path(root).expanduser() / f"config-{digest}" / f"partition-{partition}"
 
 
-_NODES: dict[tuple, Node] = {}  # per process: a simulation's virtual nodes share worker processes
+# Per process and Flower run: a simulation's virtual nodes take turns in a few worker processes, and every node of
+# a run loads the same data, split and model, so they share one Simulation (building it, Fashion-MNIST's load and
+# split, took most of a simulated round: docs/benchmarks.md); another run's are released.
+_RUN: dict[str, Any] = {"id": None, "sim": None, "nodes": {}}
 
 
 def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None) -> Node:
-    """This node's clients, data and runtime (built once per process, run and partition)."""
+    """This node's clients and kept state, on the run's data and runtime (built once per process and run)."""
     partition, partitions = node_partition(context)
     config = config_of(context, cfg)
     root = (context.node_config.get("state-dir") or state_dir or context.run_config.get("state-dir")
             or DEFAULT_STATE_DIR)
     folder = state_folder(root, config, partition)
-    key = (context.run_id, partition, partitions, str(folder))
-    if key not in _NODES:
-        _NODES.clear()  # one node per process at a time: another run's data and model are released
-        _NODES[key] = Node(config, partition, partitions, folder)
-    return _NODES[key]
+    if _RUN["id"] != context.run_id:
+        _RUN.update(id=None, sim=None, nodes={})
+        _RUN.update(id=context.run_id, sim=Simulation(config))
+    key = (partition, partitions, str(folder))
+    if key not in _RUN["nodes"]:
+        _RUN["nodes"][key] = Node(config, partition, partitions, folder, _RUN["sim"])
+    return _RUN["nodes"][key]
 
 
 def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None) -> ClientApp:
@@ -134,19 +141,56 @@ def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None
 
 
 def run_flower_simulation(server: ServerApp, client: ClientApp, supernodes: int, cpus_per_node: float = 1.0) -> None:
-    """``flwr.simulation.run_simulation`` of the two apps on a local Ray instance of its own (on Linux at a
-    loopback address of its own, as fedflat's Ray executor), ``supernodes`` virtual nodes."""
+    """``flwr.simulation.run_simulation`` of the two apps, ``supernodes`` virtual nodes, on the local Ray instance
+    fedflat starts as for its Ray executor (:func:`fedflat.engine.ray_executor.connect`: a loopback address of
+    its own, workers at normal priority, a watchdog that ends it if this process is killed); Flower's simulation
+    engine finds it running and uses it."""
     from flwr.simulation import run_simulation
 
-    from fedflat.engine.ray_executor import LOCAL_NODE_IP
+    from fedflat.config import ExecutorConfig
+    from fedflat.engine.ray_executor import connect, release, require_ray
 
+    ray = require_ray()
+    plain_flower_console()
+    started = connect(ray, ExecutorConfig(name="ray"))
+    try:
+        run_simulation(server, client, num_supernodes=supernodes,
+                       backend_config={"client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0}})
+    finally:
+        if started:
+            release(ray)  # (Flower's engine shuts Ray down when it ends; this ends the watchdog)
+
+
+class _KnownDeprecation(logging.Filter):
+    """Drops Flower's notice that ``run_simulation`` is deprecated: fedflat calls it on purpose (a simulation in
+    this process, with its own run folder; ``flwr run`` of a ``fedflat flower-app`` project is the other way)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
+def plain_flower_console() -> None:
+    """Flower's console log without colour codes when it goes to a file or a pipe (a log, CI; on a terminal they
+    stay) and without the notice :class:`_KnownDeprecation` drops."""
+    from flwr.common.logger import update_console_handler
+
+    update_console_handler(colored=sys.stderr.isatty())
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(f, _KnownDeprecation) for f in flower.filters):
+        flower.addFilter(_KnownDeprecation())
+
+
+def own_ray_for_simulation() -> None:
+    """Makes Flower's simulation engine start a Ray instance of its own in this process.
+
+    The engine starts Ray with ``ray.init()`` and no address, and Ray then joins the instance recorded in
+    ``/tmp/ray/ray_current_cluster`` by the last ``ray start`` on this machine — one long stopped, whose dead GCS
+    it waits on for ever (`flwr run APP` then never trained: no node answered; issue 32), or another user's.
+    ``RAY_ADDRESS`` set already (``auto``, or a cluster's address, for Flower's multi-node simulation) is kept.
+    The ClientApp module ``fedflat flower-app`` writes calls it; it changes nothing on a deployment's SuperNodes,
+    which run no Ray."""
+    os.environ.setdefault("RAY_ADDRESS", "local")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # (as fedflat's Ray executor: CPU nodes say cpu)
-    init_args: dict[str, Any] = {"address": "local", "include_dashboard": False, "logging_level": logging.WARNING}
-    if LOCAL_NODE_IP:
-        init_args["_node_ip_address"] = LOCAL_NODE_IP
-    run_simulation(server, client, num_supernodes=supernodes,
-                   backend_config={"client_resources": {"num_cpus": cpus_per_node, "num_gpus": 0.0},
-                                   "init_args": init_args})
 
 
 def simulate(cfg: Config, *, supernodes: int | None = None, out: str | Path | None = None,
@@ -179,21 +223,47 @@ from fedflat.flower import server_app
 app = server_app()
 '''
 CLIENT_MODULE = '''"""The ClientApp of this fedflat config (written by `fedflat flower-app`)."""
-from fedflat.flower import client_app
+from fedflat.flower.apps import client_app, own_ray_for_simulation
 
+own_ray_for_simulation()  # a Flower simulation's Ray is one of its own, never one a `ray start` left (docs/flower.md)
 app = client_app()
 '''
 
 
+def ship_plugins(resolved: dict[str, Any], package: Path) -> None:
+    """Copies the config's path plugins (a ``.py`` file, a package folder) into ``package/plugins/`` and names them
+    there (``fedflat_app.plugins.fedasam``), so the app carries them to the SuperLink and every SuperNode; a plugin
+    named as a module stays so (it must be installed beside fedflat where the app runs)."""
+    shipped = []
+    for plugin in resolved.get("plugins", []):
+        source = Path(plugin)
+        if not source.exists():
+            shipped.append(plugin)
+            continue
+        target = package / "plugins"
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "__init__.py").write_text('"""The config\'s plugins, carried by the app."""\n')
+        if source.is_dir():
+            shutil.copytree(source, target / source.name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target / source.name)
+        shipped.append(f"{package.name}.plugins.{source.stem if source.is_file() else source.name}")
+    if shipped:
+        resolved["plugins"] = shipped
+
+
 def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False) -> Path:
     """Writes a Flower app project for ``cfg`` to ``folder``: ``pyproject.toml`` (the config in its run
-    config) and a package with the ServerApp and ClientApp. ``flwr run FOLDER [CONNECTION]`` runs it."""
+    config) and a package with the ServerApp, the ClientApp and the config's path plugins
+    (:func:`ship_plugins`). ``flwr run FOLDER [CONNECTION]`` runs it."""
     import tomli_w
 
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise FileExistsError(f"{folder} exists and is not empty: choose another --out (or --force to rewrite it)")
     resolved = resolve(cfg)
+    ship_plugins(resolved, folder / APP_PACKAGE)
     name = re.sub(r"[^a-z0-9]+", "-", f"fedflat-{cfg.name or resolved['algo']['name']}-{resolved['data']['name']}"
                   .lower()).strip("-")
     project = {

@@ -20,7 +20,8 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
     cfg = _config(args.items)
     folder = write_app(cfg, args.out, overwrite=args.force)
     print(f"Flower app: {folder}")
-    print(f"  simulation:  flwr run {folder}                 (Flower's local SuperLink; docs/flower.md)")
+    print(f"  simulation:  flwr run {folder} --stream        (Flower's local SuperLink; `flwr ls`: the runs' "
+          "status; docs/flower.md)")
     print(f"  deployment:  flwr run {folder} CONNECTION      (SuperNodes started with --node-config "
           f"'partition-id=P num-partitions=M', M <= {cfg.data.num_clients})")
     return 0
@@ -33,7 +34,8 @@ def cmd_flower_sim(args: argparse.Namespace) -> int:
     cfg = _config(args.items)
     history = simulate(cfg, supernodes=args.supernodes, out=args.out, progress=not args.no_progress,
                        cpus_per_node=args.cpus_per_node)
-    return print_outcome(history, f" on {history.summary['dataset']} (Flower simulation)")
+    return print_outcome(history, f" on {history.summary['dataset']} (Flower simulation)",
+                         announced=not args.no_progress)
 
 
 def register(sub) -> None:

@@ -90,12 +90,20 @@ class ClientStates:
 class Node:
     """One SuperNode's share of a federation (see the module docstring)."""
 
-    def __init__(self, cfg: Config, partition: int, partitions: int, state_dir: Path):
+    def __init__(self, cfg: Config, partition: int, partitions: int, state_dir: Path, sim: Simulation | None = None):
+        """``sim``: the config's :class:`Simulation` (data, split, model and client runtime; its server side
+        idles), shared by the nodes a process hosts; built here when not given."""
         if not 0 <= partition < partitions:
             raise ConfigError(f"node config: partition-id={partition} is not in 0..num-partitions-1 ({partitions})")
-        self.sim = Simulation(cfg)  # the configured data, split, model and client runtime; its server side idles
+        self.sim = sim if sim is not None else Simulation(cfg)
         self.partition, self.partitions = partition, partitions
         self.clients = [i for i in range(cfg.data.num_clients) if i % partitions == partition]
+        try:  # a node that cannot keep its clients' state says so before it trains any of them
+            Path(state_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"this node cannot keep its clients' state in {err.filename or state_dir}: "
+                              f"{err.strerror or err} "
+                              "(set state-dir, in the node config or the run config, to a writable folder)") from None
         self.states = ClientStates(state_dir, self.sim.num_parameters, self.sim.store.widths)
 
     def check_clients(self, ids: list[int]) -> None:

@@ -19,6 +19,7 @@ Tensors go as NumPy arrays in Flower's own serialization, bit for bit.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,10 +87,18 @@ class BadReply(ValueError):
     """A node's reply that cannot be used as a whole: an error, missing clients or a partial upload."""
 
 
+def error_line(reason: str) -> str:
+    """A node's error as one line. Flower's error reply carries the whole remote traceback (in a simulation Ray's,
+    with colour codes) and ends with ``... occurred. Message: <the exception's text>'>``."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", reason).splitlines() if line.strip()]
+    last = lines[-1] if lines else reason.strip()
+    return last.split("Message: ", 1)[-1].removesuffix("'>")
+
+
 def reply_content(message):
     """The content of a node's reply; an error reply or one without content is a :class:`BadReply`."""
     if message.has_error():
-        raise BadReply(f"the node reported an error: {message.error.reason}")
+        raise BadReply(f"the node reported an error: {error_line(message.error.reason)}")
     if not message.has_content():
         raise BadReply("the reply has no content")
     return message.content

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
 from fedflat.config import Config
-from fedflat.core import MODEL, ClientResult, ConfigError, merge_results
+from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
 from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluation_content, read_result, read_scores,
                                      reply_content, task_content, wire_bytes, with_buffers)
@@ -33,6 +33,8 @@ from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluatio
 log = logging.getLogger("fedflat.flower")
 
 QUERY = "query"  # Flower message type of the discovery message: which partition a node holds
+LOG_HINT = ("in a Flower simulation (`flwr run APP` on the local SuperLink) its ClientApps did not start: the "
+            "run's log says why (`flwr log RUN_ID`)")
 
 
 def partition_of(client: int, partitions: int) -> int:
@@ -50,12 +52,24 @@ class Federation:
         self.query_timeout = query_timeout
         self.partition: dict[int, int] = {}  # node id -> partition
         self.partitions: int | None = None
-        self.silent: set[int] = set()
+        self.silent: dict[int, str] = {}  # node id -> why it was left out
+        self.online: set[int] = set()
 
-    def leave_out(self, node: int) -> None:
+    def leave_out(self, node: int, why: str) -> None:
         """Stops using ``node`` for the rest of the run (it failed to answer)."""
-        self.silent.add(node)
+        self.silent[node] = why
         self.partition.pop(node, None)
+
+    def absence(self, wait_s: float) -> str:
+        """Why no node hosts a client: the end of the error that stops the run."""
+        if not self.online:
+            return (f"no Flower node is connected (waited {wait_s:.0f} s): start SuperNodes with --node-config "
+                    f"'partition-id=P num-partitions=M', or {LOG_HINT}")
+        if not self.partition:
+            why = "; ".join(f"node {n}: {reason}" for n, reason in sorted(self.silent.items())) or "none answered"
+            return f"every node was left out ({why}): {LOG_HINT}"
+        return (f"no node online holds their partitions (nodes online hold {sorted(set(self.partition.values()))} "
+                f"of {self.partitions}; waited {wait_s:.0f} s for the others)")
 
     def host(self, client: int) -> int | None:
         """The node that hosts ``client`` now (the newest one of its partition), or None."""
@@ -80,10 +94,10 @@ class Federation:
         """Learns the partitions of new nodes until every client in ``clients`` has a host, or ``wait_s`` passed."""
         deadline = time.monotonic() + wait_s
         while True:
-            online = set(grid.get_node_ids())
+            online = self.online = set(grid.get_node_ids())
             for node in [n for n in self.partition if n not in online]:
                 del self.partition[node]
-            new = sorted(online - set(self.partition) - self.silent)
+            new = sorted(online - set(self.partition) - set(self.silent))
             if new:
                 self._ask(grid, new)
             if all(self.host(c) is not None for c in clients) or time.monotonic() >= deadline:
@@ -96,9 +110,10 @@ class Federation:
         for node in nodes:
             reply = replies.get(node)
             if reply is None or reply.has_error() or not reply.has_content():
-                why = reply.error.reason if reply is not None and reply.has_error() else "no answer"
-                log.warning("node %s left out: its query failed (%s)", node, why)
-                self.leave_out(node)
+                why = (f"its query failed: {reply.error.reason}" if reply is not None and reply.has_error() else
+                       f"no answer to fedflat's query in {self.query_timeout:.0f} s")
+                log.warning("node %s left out: %s", node, why)
+                self.leave_out(node, why)
                 continue
             info = reply.content["node"]
             partition, partitions = int(info["partition-id"]), int(info["num-partitions"])
@@ -149,6 +164,9 @@ class FedflatStrategy(Strategy):
         the authority."""
         opened = self.sim.begin_round(server_round - 1)
         by_node = self.federation.by_host(grid, opened.task.ids.tolist(), self.wait_s)
+        if not by_node:
+            raise NoClients(f"round {server_round}: no node hosts any of the {len(opened.task.ids)} sampled clients: "
+                            + self.federation.absence(self.wait_s))
         messages, self.sent = [], {}
         for node, rows in by_node.items():
             task = opened.task.rows(torch.tensor(rows, dtype=torch.long))
@@ -174,7 +192,7 @@ class FedflatStrategy(Strategy):
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
         """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
         clients left out. Also the bytes of the arrays that came back."""
-        results, wire = {}, {}
+        results, wire, problems = {}, {}, {}
         size = self.sim.num_parameters
         answered = first_replies(replies, self.sent)
         for node, reply in answered.items():
@@ -182,6 +200,7 @@ class FedflatStrategy(Strategy):
                 results[node] = read_result(reply_content(reply), self.sent[node], size)
                 wire[node] = wire_bytes(reply.content)
             except BadReply as err:
+                problems[node] = str(err)
                 self._left_out(node, err)
         # every node runs the same method: an upload whose entries differ from the others' is incomplete
         shapes = [frozenset(r.upload) for r in results.values()]
@@ -193,9 +212,14 @@ class FedflatStrategy(Strategy):
         for node in set(self.sent) - set(answered):
             log.warning("round %d: node %s did not answer in %.0f s: its clients %s left out", self.opened.ctx.round
                         + 1, node, self.round_timeout, self.sent[node])
-            self.federation.leave_out(node)
-        if not results:
-            return ClientResult(torch.zeros(0, dtype=torch.long), {}, {}), wire_up
+            problems[node] = f"no answer in {self.round_timeout:.0f} s"
+            self.federation.leave_out(node, problems[node])
+        if not results:  # the run stops: say why (nodes that failed alike, once)
+            nodes_by_why: dict[str, list[int]] = {}
+            for node, why in sorted(problems.items()):
+                nodes_by_why.setdefault(why, []).append(node)
+            raise NoClients(f"round {self.opened.ctx.round + 1}: no node's reply could be used: " + "; ".join(
+                f"node{'s' if len(n) > 1 else ''} {', '.join(map(str, n))}: {why}" for why, n in nodes_by_why.items()))
         return merge_results(list(results.values())), wire_up
 
     def _left_out(self, node: int, why) -> None:
@@ -295,7 +319,8 @@ def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Pa
     from fedflat.experiments.checkpoint import resume as resume_run
 
     def driver(sim: Simulation) -> Callable[[int], RoundResult]:
-        strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s)
+        # (a node learns its partition within wait_s too: a simulation whose ClientApps never start fails then)
+        strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s, query_timeout=min(60.0, wait_s))
         strategy.summary()
         return strategy.round_driver(grid)
 

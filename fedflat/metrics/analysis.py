@@ -133,7 +133,7 @@ def _drift(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
         if out is not None and rounds:
             files.append(plots.plot_series(rounds, {target.sim.algorithm.name: drift}, out / f"client_drift{suffix}.png",
                                            xlabel="round", ylabel="mean ||w_i - w^t||",
-                                           title="client drift (seed 003, Sec. 5.5)"))
+                                           title=f"client drift of {target.label} (FedSCAM's measure, Sec. 5.5)"))
         history = [d for d in read_jsonl(target.path / "diagnostics" / "drift.jsonl")
                    if d["result"].get("available") and d["round"] != target.round]
         if out is not None and result.get("available") and history:
@@ -141,11 +141,11 @@ def _drift(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
             pd = [d["result"]["perturbation_drift"] for d in history] + [result["perturbation_drift"]]
             cd = [d["result"]["cosine_distance"] for d in history] + [result["cosine_distance"]]
             order = np.argsort(xs, kind="stable")
-            files.append(plots.plot_series([xs[i] for i in order], {"PD (seed 002)": [pd[i] for i in order],
+            files.append(plots.plot_series([xs[i] for i in order], {"PD (FedLESAM, Sec. 4.1)": [pd[i] for i in order],
                                                                     "1 - cos": [cd[i] for i in order]},
                                             out / f"perturbation_drift{suffix}.png", xlabel="round",
                                             ylabel="distance to the global perturbation",
-                                            title="perturbation drift (seed 002, Fig. 2)"))
+                                            title=f"perturbation drift of {target.label} (FedLESAM, Fig. 2)"))
     return result, files
 
 
@@ -217,6 +217,18 @@ def _tsne(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
     return result, files
 
 
+def _left_out_note(meta: list[dict[str, Any]], what: str) -> str | None:
+    """Why a PCA plot shows fewer points than clients were probed (10 probed, 2 points, not a word: issue 32)."""
+    short = [m for m in meta if len(m["clients"]) < m["probed"]]
+    if not short:
+        return None
+    counts = ", ".join(f"{len(m['clients'])} of {m['probed']}" + (f" ({m['run']})" if len(meta) > 1 else "")
+                       for m in short)
+    why = ("the others' perturbation is zero at local step 0 (a method whose perturbation needs the client's "
+           "earlier rounds, before it has any)" if what == "perturbations" else "the others have none")
+    return f"{counts} probed clients shown: {why}"
+
+
 def _pca(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str, others: list[Target] = ()):
     """Seed 004 Fig. 4a/4c: clients' perturbations and locally trained parameters of one layer, PCA fitted
     jointly over the runs compared (one colour per run)."""
@@ -230,21 +242,23 @@ def _pca(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str, ot
                                        client_samples=o.client_samples, direction=o.direction, rho=o.rho)
             if len(got["clients"]) >= 2:
                 groups[label] = got["vectors"]
-            meta.append({"run": t.label, "clients": got["clients"], "direction": got.get("direction")})
+            meta.append({"run": t.label, "clients": got["clients"], "probed": got["probed"],
+                         "direction": got.get("direction")})
         if not groups:
             result[what] = {"available": False, "reason": "fewer than 2 clients have this quantity"}
             continue
         names = list(groups)
+        note = _left_out_note(meta, what)
         coords, ratio = pca_2d(np.concatenate([groups[n] for n in names]))
         split = np.cumsum([len(groups[n]) for n in names])[:-1]
         projected = dict(zip(names, np.split(coords, split)))
         spread = {n: float(np.sqrt(((groups[n] - groups[n].mean(0)) ** 2).sum(1).mean())) for n in names}
         result[what] = {"available": True, "layer": got["layer"], "explained_variance_ratio": ratio,
-                        "spread": spread, "runs": meta,
+                        "spread": spread, "runs": meta, "note": note,
                         "coordinates": {n: p.tolist() for n, p in projected.items()}}
         if out is not None:
-            files.append(plots.plot_groups(projected, out / f"pca_{what}{suffix}.png",
-                                           title=f"PCA of clients' {what} ({got['layer']}), round {target.round}",
+            title = f"PCA of clients' {what} ({got['layer']}), round {target.round}" + (f"\n{note}" if note else "")
+            files.append(plots.plot_groups(projected, out / f"pca_{what}{suffix}.png", title=title,
                                            axis_labels=(f"PC1 ({ratio[0]:.0%})", f"PC2 ({ratio[1]:.0%})"
                                                         if len(ratio) > 1 else "PC2")))
     return result, files

@@ -90,9 +90,9 @@ def client_layer_vectors(sim, round: int, *, what: str, layer: str | None = None
         objectives = [client_objective(sim, int(i), client_samples) for i in ids]
         pert = method_perturbations(sim, round, ids, objectives, direction, rho)
         rows = pert.available.nonzero().flatten().cpu()
-        return {"layer": name, "clients": ids[rows].tolist(), "direction": pert.direction,
+        return {"layer": name, "clients": ids[rows].tolist(), "probed": len(ids), "direction": pert.direction,
                 "vectors": pert.eps[rows][:, cut].cpu().numpy()}
     if what == "parameters":
         W = client_parameters(sim, round, ids)
-        return {"layer": name, "clients": ids.tolist(), "vectors": W[:, cut].cpu().numpy()}
+        return {"layer": name, "clients": ids.tolist(), "probed": len(ids), "vectors": W[:, cut].cpu().numpy()}
     raise ValueError(f"what must be 'perturbations' or 'parameters', got {what!r}")

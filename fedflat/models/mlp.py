@@ -55,6 +55,9 @@ def mlp(input_shape: Sequence[int], num_classes: int,
     if isinstance(hidden, (int, str)):
         raise ValueError(f"hidden must be a sequence of widths, got {hidden!r}")
     widths = tuple(check_positive_int("hidden widths", h) for h in hidden)
+    if not widths:  # (it built a linear model without a word)
+        raise ValueError("hidden=[] leaves the MLP no hidden layer: for a linear model use model=logreg "
+                         "(multinomial logistic regression)")
     return MLP(shape, num_classes, widths)
 
 
