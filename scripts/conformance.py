@@ -184,8 +184,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, y, model_fn = problem()
+    scale = float(model_fn()[0].weight.detach().abs().mean())
     print(f"clip {args.clip}, fedflat clip_scope {args.clip_scope}; the largest |difference| of the global model "
-          f"after rounds 1..{ROUNDS} (its entries are of order {float(model_fn()[0].weight.detach().abs().mean()):.2f}):")
+          f"after rounds 1..{ROUNDS} (its entries are of order {scale:.2f}):")
     for repo, methods in ((args.fl_simulator, FL_SIMULATOR), (args.fedlesam, FEDLESAM), (args.fedwmsam, FEDWMSAM)):
         if repo is None:
             continue

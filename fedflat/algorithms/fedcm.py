@@ -36,7 +36,8 @@ def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W
 def mixed_decay(a: float | torch.Tensor, weight_decay: float, decay: DecayPlacement) -> float | torch.Tensor:
     """The weight decay of :func:`momentum_mix`'s direction, ``wd`` (``outside``) or ``a wd`` (``inside``): what
     ``clip_scope=loss`` adds after the clip (:meth:`~fedflat.core.Correction.decoupled_decay`). FL-Simulator's
-    FedCM/MoFedSAM and the FedWMSAM code clip ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds ``wd w``."""
+    FedCM/MoFedSAM and the FedWMSAM code clip ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds
+    ``wd w``."""
     return weight_decay if decay == "outside" else a * weight_decay
 
 

@@ -1,7 +1,7 @@
 """FedWMSAM (Li et al., NeurIPS 2025; seed 001): personalized momentum, momentum-guided single-backprop
 SAM, and a cosine-adaptive momentum factor.
 
-Server state: momentum ``m`` (``Gbar`` of the previous round, 0 at round 0), SCAFFOLD variates ``c``,
+Server state: momentum ``m`` (``lr_decay Gbar`` of the previous round, 0 at round 0), SCAFFOLD variates ``c``,
 ``c_i`` and the momentum factor ``a`` (init 0.1).
 
 - Personalized momentum (seed 001 eq. 1-2): ``m_i = m + (c - c_i) a / (1 - a)``.
@@ -24,11 +24,11 @@ Ablations (seed 001 Table 5): ``personalized`` (off: ``m_i = m``), ``guided`` (o
 
 Options kept from earlier readings (where the paper's text is silent the authors' code is the default):
 ``similarity_at_zero: 1`` gives round 0 the similarity ``0 + 1`` (``a`` then moves to ``0.99 a + 0.01 a_max``
-after round 0); ``momentum_lr_decay: false`` keeps ``m = Gbar``; ``target: descent`` is the first reconstruction's trajectory
-``xhat_k = w^t - k eta_l m_i`` (the spec's; ``eps`` then has cos -0.40 with ``m_i`` where the authors' has +0.99);
-``sign: code`` perturbs along ``-d_k``, as the public code's ``e_w = -g_update * scale`` does against its own README;
-``similarity: gradient`` uses ``cos(G_i, m) = 1 - (cos(Delta_i, m) + 1)``, which falls over training. Not
-reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
+after round 0); ``momentum_lr_decay: false`` keeps ``m = Gbar``; ``target: descent`` is the first reconstruction's
+trajectory ``xhat_k = w^t - k eta_l m_i`` (the spec's; ``eps`` then has cos -0.40 with ``m_i`` where the authors'
+has +0.99); ``sign: code`` perturbs along ``-d_k``, as the public code's ``e_w = -g_update * scale`` does against its
+own README; ``similarity: gradient`` uses ``cos(G_i, m) = 1 - (cos(Delta_i, m) + 1)``, which falls over training.
+Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
 """
 from __future__ import annotations

@@ -17,7 +17,6 @@ Algorithm 3 and SCAFFOLD have coefficient 1, the default.
 from __future__ import annotations
 
 import torch
-
 from pydantic import Field
 
 from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, Slot, init,

@@ -18,7 +18,7 @@ from fedflat.engine.oracle import ClientSession
 
 
 def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / ||D_c||)`` per row of ``D[C, P]``, ``[C, 1]`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    """``min(1, max_norm / ||D_c||)`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule)."""
     return (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
 
 
@@ -37,7 +37,8 @@ def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     return D * scale
 
 
-def clip_loss_rows(D: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max_norm: float | None) -> torch.Tensor:
+def clip_loss_rows(D: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor,
+                   max_norm: float | None) -> torch.Tensor:
     """``train.clip_scope=loss``, as the methods' public codes step: ``clip(D - c W) + c W`` per row, ``c = decay``
     (:meth:`~fedflat.core.Correction.decoupled_decay`): ``clip_grad_norm_`` bounds the gradient of the loss they
     backpropagate, then ``torch.optim.SGD`` adds its weight decay ``c w``. A row whose loss gradient is within
