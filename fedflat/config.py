@@ -107,11 +107,13 @@ class StoreConfig(Section):
 
 
 class ExecutorConfig(Section):
-    """Where a round's clients train: in this process (``local``), or spread over Ray workers (``ray``)
-    with the same results (docs/distributed.md)."""
+    """Where a round's clients train: in this process (``local``), on threads of this process (``threads``: every
+    core of one machine on one run), or spread over Ray workers (``ray``), with the same results
+    (docs/distributed.md)."""
 
-    name: Literal["local", "ray"] = "local"
-    workers: int = Field(2, ge=1, description="Ray workers (long-lived actors, each with the data, model and engine)")
+    name: Literal["local", "threads", "ray"] = "local"
+    workers: int = Field(2, ge=1, description="threads or Ray workers (Ray: long-lived actors, each with the data, "
+                                              "model and engine)")
     address: str | None = Field(None, description="Ray cluster: null starts a local one; 'auto' joins the one "
                                                   "`ray start` made on this machine; or 'HOST:PORT'")
     cpus_per_worker: float | None = Field(None, gt=0, description="CPUs Ray reserves per worker (default: the "

@@ -23,6 +23,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from agreement import assert_identical, trajectory  # noqa: E402
 from conftest import model_for, tiny_tree  # noqa: E402
 
 import fedflat  # noqa: E402
@@ -62,37 +63,17 @@ def _tiny(*overrides: str):
     return load_config(None, list(overrides), base=tiny_tree())
 
 
-def _trajectory(sim: Simulation, rounds: int) -> list:
-    """Everything a round produces that must not depend on where clients ran."""
-    out = []
-    for t in range(rounds):
-        r = sim.run_round(t)
-        out.append((r.train_loss, r.drift, r.backprops_per_step, r.store, r.up_bytes, r.down_bytes, r.log,
-                    sim.evaluate()))
-    return out
-
-
-def _assert_identical(local: Simulation, other: Simulation) -> None:
-    assert torch.equal(local.w, other.w) and torch.equal(local.buffers, other.buffers)
-    assert local.server.keys() == other.server.keys()
-    for key in local.server:
-        assert torch.equal(local.server[key], other.server[key]), key
-    for name in local.store.names():
-        ids = torch.arange(local.cfg.data.num_clients)
-        assert torch.equal(local.store.get(name, ids)[0], other.store.get(name, ids)[0]), name
-
-
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name):
     cfg = _tiny(f"algo={name}", *UNEQUAL, *model_for(name))
     local = Simulation(cfg)
-    expected = _trajectory(local, 2)
+    expected = trajectory(local, 2)
     for workers in (1, 2, 3):
         sim = Simulation(cfg)
         sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=workers),
                                    actors=pool[:workers])
-        assert _trajectory(sim, 2) == expected, f"{workers} workers"
-        _assert_identical(local, sim)
+        assert trajectory(sim, 2) == expected, f"{workers} workers"
+        assert_identical(local, sim)
         sim.close()
 
 
@@ -107,12 +88,12 @@ def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, nam
     statistics (FedBN: its own BatchNorm, kept in the driver's store): the local numbers, bit for bit."""
     cfg = _tiny(f"algo={name}", *UNEQUAL, *BN_DROPOUT_CNN)
     local = Simulation(cfg)
-    expected = _trajectory(local, 2)
+    expected = trajectory(local, 2)
     sim = Simulation(cfg)
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
-    assert _trajectory(sim, 2) == expected
-    _assert_identical(local, sim)
+    assert trajectory(sim, 2) == expected
+    assert_identical(local, sim)
     assert not torch.equal(sim.buffers, sim.model.initial_buffers) or name == "fedbn"
     sim.close()
 
@@ -124,12 +105,12 @@ def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):
     data = uint8_dataset("pixels", x, y, x[:60], y[:60], 3, augmentation="flip")
     cfg = _tiny(*UNEQUAL)
     local = Simulation(cfg, dataset=data)
-    expected = _trajectory(local, 2)
+    expected = trajectory(local, 2)
     sim = Simulation(cfg, dataset=data)
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
-    assert _trajectory(sim, 2) == expected
-    _assert_identical(local, sim)
+    assert trajectory(sim, 2) == expected
+    assert_identical(local, sim)
     sim.close()
 
 
@@ -158,7 +139,7 @@ def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
 
 def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session):
     cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
-    expected = _trajectory(Simulation(cfg), 3)
+    expected = trajectory(Simulation(cfg), 3)
     sim = Simulation(cfg)
     executor = sim.executor = RayExecutor(sim.worker_spec(pause_s=1.5), sim.worker_data(),
                                           ExecutorConfig(name="ray", workers=2, max_restarts=1, cpus_per_worker=0.5))
@@ -166,7 +147,7 @@ def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session
     killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: workers pause 1.5 s
     killer.start()
     try:
-        got = _trajectory(sim, 3)
+        got = trajectory(sim, 3)
         pids = executor.pids()
     finally:
         killer.cancel()
@@ -291,12 +272,12 @@ def test_bench_races_local_and_ray_executors(ray_session):
     from fedflat.bench import bench, executor_overrides
 
     report = bench(["tiny"], ["fedavg"], ["sequential"], rounds=1, warmup=0, threads=1,
-                   progress=lambda msg: None, executors=("local", "ray:1"))
+                   progress=lambda msg: None, executors=("local", "threads:2", "ray:1"))
     rows = {r["engine"]: r for r in report["results"]}
-    assert set(rows) == {"sequential", "sequential@ray:1"}
+    assert set(rows) == {"sequential", "sequential@threads:2", "sequential@ray:1"}
     assert rows["sequential@ray:1"]["executor"] == "ray:1" and rows["sequential@ray:1"]["startup_seconds"] > 0
     assert rows["sequential@ray:1"]["vs_fedavg"] == 1.0  # compared with FedAvg on the same executor
-    with pytest.raises(ValueError, match="unknown executor 'dask': use local or ray:N"):
+    with pytest.raises(ValueError, match="unknown executor 'dask': use local, threads:N or ray:N"):
         executor_overrides("dask")
 
 

@@ -59,8 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--workload", default="W1", help=f"comma-separated: {', '.join(WORKLOADS)} (default W1)")
     p.add_argument("--algos", default="fedavg,fedsam", help="comma-separated recipes (default fedavg,fedsam)")
     p.add_argument("--engines", default="sequential,vectorized,bare", help="comma-separated: " + ", ".join(ENGINES))
-    p.add_argument("--executors", default="local", help="comma-separated: local, ray:N (N Ray workers), e.g. "
-                                                        "local,ray:1,ray:2 (default local)")
+    p.add_argument("--executors", default="local", help="comma-separated: local, threads:N (N threads of "
+                                                        "one process), ray:N (N Ray workers), e.g. "
+                                                        "local,threads:2,ray:2 (default local)")
     p.add_argument("--rounds", type=at_least_one, default=5, help="timed rounds per measurement (W3 on CPU: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (W3 on CPU: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")

@@ -303,16 +303,18 @@ def busy_warning(load_average: list[float] | None, cores: int) -> str | None:
 
 
 def executor_overrides(executor: str) -> list[str]:
-    """``local`` -> no override; ``ray:N`` -> a Ray executor with N workers of one torch thread each.
+    """``local`` -> no override; ``threads:N`` -> N threads of this process; ``ray:N`` -> a Ray executor with N
+    workers of one torch thread each.
 
     Contestants race one round at a time, so every contestant's workers stay up together: they reserve
     only a token share of a CPU from Ray (a reservation, not a limit), else the later ones could not start."""
     if executor == "local":
         return []
     name, _, workers = executor.partition(":")
-    if name != "ray" or not workers.isdigit() or int(workers) < 1:
-        raise ValueError(f"unknown executor {executor!r}: use local or ray:N (N workers)")
-    return ["executor=ray", f"executor.workers={workers}", "executor.cpus_per_worker=0.01"]
+    if name not in ("threads", "ray") or not workers.isdigit() or int(workers) < 1:
+        raise ValueError(f"unknown executor {executor!r}: use local, threads:N or ray:N (N workers)")
+    extra = ["executor.cpus_per_worker=0.01"] if name == "ray" else []
+    return [f"executor={name}", f"executor.workers={workers}", *extra]
 
 
 def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: int, warmup: int = 1,
@@ -321,7 +323,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
           profile: str | None = None) -> dict[str, Any]:
     """Runs the bench and returns ``{"machine": ..., "results": [...]}`` with fedflat/bare ratios.
 
-    ``executors``: ``local`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally).
+    ``executors``: ``local``, ``threads:N`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally).
     ``profile``: a folder; one more round of every contestant is profiled there (:func:`profile_round`)."""
     from fedflat.algorithms import build_algorithm
 

@@ -14,26 +14,24 @@ worker is left the run stops with its last checkpoint intact (``fedflat resume``
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from fedflat import plugins
-from fedflat.algorithms import build_algorithm
 from fedflat.config import ExecutorConfig
-from fedflat.core import Broadcast, ClientResult, ConfigError, TrainSettings, merge_results
-from fedflat.data import Standardize, augmentation_fn
+from fedflat.core import Broadcast, ClientResult, ConfigError, merge_results
+from fedflat.data import augmentation_fn
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.modes import ModelTraits
-from fedflat.engine.runtime import ClientRuntime, RoundTask, StateLoader, resolve_engine, rows_loader, set_tf32
-from fedflat.models import build_model
-from fedflat.params import FlatModel
+from fedflat.engine.runtime import (ClientRuntime, RoundTask, StateLoader, WorkerSpec, build_client_runtime,
+                                    longest_first, rows_loader)
 
 RAY_HINT = "executor=ray needs Ray: pip install 'fedflat[ray]' (Ray 2.55.1)"
 # A Ray instance this process starts for itself listens on a loopback address only: Ray replaces 127.0.0.1
@@ -54,52 +52,16 @@ def require_ray():
     return ray
 
 
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its runtime; the data travel separately, once, through the object store."""
-
-    algo: dict[str, Any]
-    model: dict[str, Any]
-    model_fn: Callable[[], torch.nn.Module] | None
-    input_shape: tuple[int, ...]
-    num_classes: int
-    settings: TrainSettings
-    engine: str
-    chunk_size: int | None
-    threads: int | None
-    augmentation: str | None
-    use_gpu: bool
-    tf32: bool = False
-    precision: str = "float32"  # the clients' passes (Config.precision)
-    channels_last: bool = False
-    step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
-    standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
-    traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
-    pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
-    plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
-
-
 def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.ndarray]]) -> ClientRuntime:
     """A worker's runtime: its model, oracle and batches on its device, from the spec and the shared data."""
     plugins.load(spec.plugins)  # a fresh process: the config's own parts, recipes and models first
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
-    set_tf32(device, spec.tf32)
-    # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
-    options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
-    module = spec.model_fn() if spec.model_fn is not None else build_model(
-        spec.model["name"], spec.input_shape, spec.num_classes, **options)
-    model = FlatModel(module.to(device))
     x, y, indices = data
     batches = ClientBatches(torch.tensor(x, device=device), torch.tensor(y, device=device),
                             [torch.tensor(ix, dtype=torch.long, device=device) for ix in indices],
                             spec.settings.batch_size, spec.settings.seed,
                             augmentation_fn(spec.augmentation), spec.standardize)
-    settings = replace(spec.settings, layout=model.layout)
-    engine = resolve_engine(spec.engine, device, spec.step_flops)
-    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size,
-                         spec.precision, spec.channels_last, spec.traits)
+    return build_client_runtime(spec, batches, device)
 
 
 Data = tuple[np.ndarray, np.ndarray, list[np.ndarray]]
@@ -132,24 +94,55 @@ class ClientWorker:
             raise RuntimeError("this Ray worker was not set up: call setup(spec, [data_ref]) first")
         if self.spec.pause_s:
             time.sleep(self.spec.pause_s)
+        shared, personal, task, state, known = from_wire((shared, personal, task, state, known), copy=True)
         broadcast = replace(shared, ids=task.ids, personal=personal)
-        return self.runtime.fit(broadcast, task, rows_loader(task.ids, state, known)).to("cpu")
+        return to_wire(self.runtime.fit(broadcast, task, rows_loader(task.ids, state, known)).to("cpu"))
+
+
+# Tensors cross the object store as NumPy arrays: Ray writes an array's memory into the store once and reads it
+# back without a copy, where a pickled torch tensor is copied into bytes on both sides (W1, five clients' uploads of
+# 0.8 MB each: 7.5 ms as arrays against 15 ms as tensors a round trip; docs/benchmarks.md, "Ray executor").
+_NO_NUMPY = (torch.bfloat16,)  # dtypes NumPy has not: these travel as tensors
+
+
+def to_wire(obj: Any) -> Any:
+    """``obj`` (a tensor, a dict, list or tuple of them, or a dataclass holding them) with every CPU tensor as a
+    NumPy array sharing its memory; :func:`from_wire` undoes it."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.dtype in _NO_NUMPY else obj.detach().cpu().numpy()
+    return _map(obj, to_wire)
+
+
+def from_wire(obj: Any, copy: bool) -> Any:
+    """The tensors of :func:`to_wire`'s ``obj``: copies (``copy``: a worker's inputs, which the parts may write to),
+    or views of the received arrays (the driver's results, which :func:`merge_results` copies anyway)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy()) if copy else _view(obj)
+    return _map(obj, lambda x: from_wire(x, copy))
+
+
+def _view(array: np.ndarray) -> torch.Tensor:
+    """A tensor over an array of the object store (read-only), without a copy: never written, only read and copied."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(array)
+
+
+def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(obj, dict):
+        return {k: fn(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(fn(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: fn(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                            if f.init})
+    return obj
 
 
 def worker_class(ray):
     return ray.remote(ClientWorker)
-
-
-def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:
-    """Longest-processing-time assignment: clients in decreasing ``E_i`` each go to the worker with the least
-    work so far (ties: the lower worker index); each worker's clients in ascending position."""
-    load = {w: 0 for w in workers}
-    assigned: dict[int, list[int]] = {w: [] for w in workers}
-    for row in sorted(range(len(steps)), key=lambda r: (-int(steps[r]), r)):
-        w = min(workers, key=lambda v: (load[v], v))
-        load[w] += int(steps[row])
-        assigned[w].append(row)
-    return {w: torch.tensor(sorted(rows), dtype=torch.long) for w, rows in assigned.items() if rows}
 
 
 def default_cpus(workers: int) -> float:
@@ -239,13 +232,13 @@ class RayExecutor:
 
     def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
         ray = self.ray
-        shared = ray.put(replace(broadcast.to("cpu"), ids=None, personal={}))  # once per round, for every worker
+        shared = ray.put(to_wire(replace(broadcast.to("cpu"), ids=None, personal={})))  # once, for every worker
 
         def submit(worker: int, rows: torch.Tensor):
             sub = task.rows(rows)
             state, known = load_state(sub.ids)
             personal = {k: v.cpu() for k, v in broadcast.for_clients(sub.ids).personal.items()}
-            return self.actors[worker].fit.remote(shared, personal, sub, state, known)
+            return self.actors[worker].fit.remote(shared, *to_wire((personal, sub, state, known)))
 
         pending = {submit(w, rows): (w, rows) for w, rows in longest_first(task.steps, self._alive()).items()}
         results = []
@@ -253,7 +246,7 @@ class RayExecutor:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             worker, rows = pending.pop(ref)
             try:
-                results.append(ray.get(ref))
+                results.append(from_wire(ray.get(ref), copy=False))
             except ray.exceptions.RayActorError:
                 self.failures[worker] += 1
                 self.redone_clients += len(rows)

@@ -1,28 +1,32 @@
-"""Where clients run: the client runtime of one process, and the local executor.
+"""Where clients run: the client runtime, the local executor and the thread executor.
 
-A :class:`ClientRuntime` is everything one process needs to run clients' local work under the client
+A :class:`ClientRuntime` is everything one worker needs to run clients' local work under the client
 contract (:func:`fedflat.engine.client.fit`): the algorithm's parts, the model's gradient oracle on the
-process's device, each client's batches, the shared settings, and the engine's chunking (one client at a
+worker's device, each client's batches, the shared settings, and the engine's chunking (one client at a
 time for the sequential engine; cohorts under ``vmap`` for the vectorized one). The driver's
-:class:`LocalExecutor` holds one; every Ray worker holds its own (:mod:`fedflat.engine.ray_executor`).
+:class:`LocalExecutor` holds one; :class:`ThreadExecutor` one per thread; every Ray worker its own
+(:mod:`fedflat.engine.ray_executor`).
 
 Results never depend on the chunking: every random draw is keyed by (seed, round, client, purpose), each
 client's rows are computed independently, and the server reduces them in ascending client-id order.
 """
 from __future__ import annotations
 
+import threading
 import warnings
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
-from fedflat.algorithms import Algorithm
+from fedflat.algorithms import Algorithm, build_algorithm
 from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
+from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.oracle import Oracle
+from fedflat.models import build_model
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -288,3 +292,101 @@ class LocalExecutor:
 
     def close(self) -> None:
         """Nothing to release: the runtime lives in the driver."""
+
+
+@dataclass
+class WorkerSpec:
+    """What a process or thread needs to build a run's :class:`ClientRuntime` (:func:`build_client_runtime`): a Ray
+    worker receives it with the data (once, through the object store); a thread worker shares the driver's data."""
+
+    algo: dict[str, Any]
+    model: dict[str, Any]
+    model_fn: Callable[[], torch.nn.Module] | None
+    input_shape: tuple[int, ...]
+    num_classes: int
+    settings: TrainSettings
+    engine: str
+    chunk_size: int | None
+    threads: int | None
+    augmentation: str | None
+    use_gpu: bool
+    tf32: bool = False
+    precision: str = "float32"  # the clients' passes (Config.precision)
+    channels_last: bool = False
+    step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
+    standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
+    traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
+    pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
+    plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
+
+
+def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device) -> ClientRuntime:
+    """A runtime of the run ``spec`` describes on ``device``: its own model (built again from the config or
+    ``model_fn``; the broadcast carries the weights), parts and oracle, over the given ``batches``."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    set_tf32(device, spec.tf32)
+    # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
+    options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
+    module = spec.model_fn() if spec.model_fn is not None else build_model(
+        spec.model["name"], spec.input_shape, spec.num_classes, **options)
+    model = FlatModel(module.to(device))
+    settings = replace(spec.settings, layout=model.layout)
+    engine = resolve_engine(spec.engine, device, spec.step_flops)
+    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size,
+                         spec.precision, spec.channels_last, spec.traits)
+
+
+def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:
+    """Longest-processing-time assignment: clients in decreasing ``E_i`` each go to the worker with the least
+    work so far (ties: the lower worker index); each worker's clients in ascending position."""
+    load = {w: 0 for w in workers}
+    assigned: dict[int, list[int]] = {w: [] for w in workers}
+    for row in sorted(range(len(steps)), key=lambda r: (-int(steps[r]), r)):
+        w = min(workers, key=lambda v: (load[v], v))
+        load[w] += int(steps[row])
+        assigned[w].append(row)
+    return {w: torch.tensor(sorted(rows), dtype=torch.long) for w, rows in assigned.items() if rows}
+
+
+class ThreadExecutor:
+    """``executor: threads``: a round's clients on ``len(runtimes)`` threads of this process, one runtime each (its
+    own model, parts and oracle over the driver's data), assigned longest-first as the Ray workers are.
+
+    PyTorch releases the GIL inside its operators, so on a CPU two threads of one intra-op thread each keep two
+    cores busy on small steps with no data copied and no process started (docs/benchmarks.md). Each client's work
+    is a pure function of what it is given and the results are reduced in ascending client-id order, so the
+    numbers are those of ``executor: local`` bit for bit. The threads are daemons, started per round: an interrupted
+    run exits without waiting for its abandoned clients."""
+
+    name = "threads"
+
+    def __init__(self, runtimes: list[ClientRuntime]):
+        self.runtimes = runtimes
+
+    def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
+        plan = longest_first(task.steps, list(range(len(self.runtimes))))
+        outcomes: dict[int, ClientResult | BaseException] = {}
+
+        def work(worker: int, sub: RoundTask, loader: StateLoader) -> None:
+            try:
+                outcomes[worker] = self.runtimes[worker].fit(broadcast, sub, loader)
+            except BaseException as err:  # noqa: BLE001 - raised again in the driver's thread below
+                outcomes[worker] = err
+
+        threads = []
+        for worker, rows in plan.items():
+            sub = task.rows(rows)
+            state, known = load_state(sub.ids)  # the store is read here, in the driver's thread only
+            threads.append(threading.Thread(target=work, args=(worker, sub, rows_loader(sub.ids, state, known)),
+                                            name=f"fedflat-client-{worker}", daemon=True))
+            threads[-1].start()
+        for thread in threads:
+            thread.join()
+        for worker in sorted(outcomes):
+            if isinstance(outcomes[worker], BaseException):
+                raise outcomes[worker]
+        return merge_results(list(outcomes.values()))
+
+    def close(self) -> None:
+        """Nothing to release: the threads end with each round."""

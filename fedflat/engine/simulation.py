@@ -31,10 +31,11 @@ from fedflat.data import (Dataset, augmentation_fn, client_split, client_test_sp
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.modes import inspect_module, module_name
-from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, choose_engine, resolve_engine, set_tf32,
-                                    step_flops, vmap_problem)
+from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, ThreadExecutor, WorkerSpec,
+                                    build_client_runtime, choose_engine, resolve_engine, set_tf32, step_flops,
+                                    vmap_problem)
 from fedflat.engine.store import ClientStore
-from fedflat.engine.threads import choose_threads, torch_threads
+from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -225,7 +226,9 @@ class Simulation:
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ConfigError(f"the model does not accept {dataset.name}'s inputs of shape "
                               f"{tuple(dataset.input_shape)} with {dataset.num_classes} classes: {err}") from None
-        self.threads = choose_threads(cfg.threads, self.step_flops)  # docs: fedflat/engine/threads.py
+        # docs: fedflat/engine/threads.py; thread workers share this process's intra-op threads, so each its share
+        share = core_share() / cfg.executor.workers if cfg.executor.name == "threads" else None
+        self.threads = choose_threads(cfg.threads, self.step_flops, cores=share)
         if self.threads:
             torch.set_num_threads(self.threads)
         self.traits = self._inspect()
@@ -265,7 +268,8 @@ class Simulation:
                                      cfg.chunk_size, cfg.precision, cfg.channels_last, self.traits)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.model_fn = model_fn
-        self.executor = LocalExecutor(self.runtime) if cfg.executor.name == "local" else self._ray_executor()
+        self.executor = {"local": lambda: LocalExecutor(self.runtime), "threads": self._thread_executor,
+                         "ray": self._ray_executor}[cfg.executor.name]()
         self.backprops = 0  # backward passes of every client's local training so far
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
@@ -292,9 +296,9 @@ class Simulation:
                               f"{min(4, len(self.dataset.y_train))} training samples fails: {err}") from None
 
     def worker_spec(self, **options):
-        """What a Ray worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
+        """What a Ray or thread worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
         override its fields)."""
-        from fedflat.engine.ray_executor import WorkerSpec, default_cpus
+        from fedflat.engine.ray_executor import default_cpus
 
         cfg, ex = self.cfg, self.cfg.executor
         threads = choose_threads(cfg.threads, self.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
@@ -312,6 +316,18 @@ class Simulation:
     def worker_data(self) -> tuple:
         """The training data every worker holds: ``(x_train, y_train, client indices)`` as NumPy arrays."""
         return self.dataset.x_train.cpu().numpy(), self.dataset.y_train.cpu().numpy(), self.client_indices_np
+
+    def _thread_executor(self) -> ThreadExecutor:
+        """``executor.workers`` threads: the driver's runtime and runtimes built again from the run's spec (their
+        models drawn on a forked generator: the driver's random streams are untouched), sharing its data."""
+        if self.traits.random is not None:
+            raise ConfigError(f"executor=threads: model {module_name(self.model.module)} draws random numbers "
+                              f"({self.traits.random}) from PyTorch's global generator, which threads would share; "
+                              "use executor=local or executor=ray")
+        spec = self.worker_spec(threads=self.threads, engine=self.engine)
+        with torch.random.fork_rng(devices=[]):
+            others = [build_client_runtime(spec, self.batches, self.device) for _ in range(self.cfg.executor.workers - 1)]
+        return ThreadExecutor([self.runtime, *others])
 
     def _ray_executor(self):
         """Ray workers that each hold the training data (sent once) and build the same model and engine."""

@@ -1,0 +1,107 @@
+"""executor=threads: a round's clients on threads of this process, with exactly the local executor's numbers.
+
+Each thread has its own runtime (model, parts, oracle) over the driver's data; clients are pure functions of what
+they are given and results are reduced in ascending client-id order, so every recipe, engine and model (buffers,
+dropout) must agree with ``executor=local`` bit for bit, whatever the number of threads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from agreement import assert_identical, trajectory
+from conftest import model_for, tiny_tree
+from test_buffers import StochasticDepth
+
+import fedflat
+from fedflat.algorithms import RECIPES
+from fedflat.config import load_config
+from fedflat.core import ConfigError
+from fedflat.engine.runtime import ThreadExecutor
+from fedflat.engine.simulation import Simulation
+
+UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "sampling.clients_per_round=4")
+BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
+                  "data.options.shape=[1,8,8]")
+
+
+def _tiny(*overrides: str):
+    return load_config(None, list(overrides), base=tiny_tree())
+
+
+def _agree(*overrides: str, workers: tuple[int, ...] = (2, 3), **kwargs) -> None:
+    local = Simulation(_tiny(*overrides), **kwargs)
+    expected = trajectory(local, 2)
+    for n in workers:
+        sim = Simulation(_tiny(*overrides, "executor=threads", f"executor.workers={n}"), **kwargs)
+        assert isinstance(sim.executor, ThreadExecutor) and len(sim.executor.runtimes) == n
+        assert trajectory(sim, 2) == expected, f"{n} threads"
+        assert_identical(local, sim)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_threads_give_exactly_the_local_numbers_for_every_recipe(name):
+    _agree(f"algo={name}", *UNEQUAL, *model_for(name))
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedsam", "fedbn"])
+def test_threads_train_a_batch_norm_dropout_cnn_exactly_as_locally(name):
+    """Each thread's model is built again and trains each client from the broadcast buffers with the client's own
+    dropout stream (no global generator): the local numbers, bit for bit."""
+    _agree(f"algo={name}", *UNEQUAL, *BN_DROPOUT_CNN, workers=(2,))
+
+
+def test_threads_on_the_vectorized_engine_give_its_local_numbers():
+    """A thread's chunk holds other clients than the local run's (padded or not): every row is computed alike."""
+    _agree("algo=fedsam", *UNEQUAL, "engine=vectorized", workers=(2,))
+
+
+def test_a_users_model_fn_is_built_once_per_thread_without_moving_the_drivers_streams():
+    calls = []
+
+    def model_fn():
+        calls.append(1)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    local = fedflat.run(tiny_tree(), overrides=list(UNEQUAL), model_fn=model_fn, save=False, progress=False)
+    calls.clear()
+    threaded = fedflat.run(tiny_tree(), overrides=[*UNEQUAL, "executor=threads", "executor.workers=3"],
+                           model_fn=model_fn, save=False, progress=False)
+    assert len(calls) == 3  # the driver's model and two more threads'
+    assert torch.equal(local.final_parameters, threaded.final_parameters)
+
+
+def test_a_model_drawing_from_the_global_generator_is_refused_with_what_to_use():
+    with pytest.raises(ConfigError, match=r"executor=threads: model StochasticDepth draws random numbers \(bernoulli\) "
+                                          r"from PyTorch's global generator.*use executor=local or executor=ray"):
+        Simulation(_tiny("executor=threads"), model_fn=StochasticDepth)
+
+
+def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
+    """A client that fails on its thread raises in the driver (its own exception, not a hang), and nothing of the
+    round is committed: the global model is the one before the round."""
+    sim = Simulation(_tiny(*UNEQUAL, "executor=threads"))
+    sim.run_round(0)
+    before = sim.w.clone()
+    runtime = sim.executor.runtimes[1]
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("client exploded")
+
+    runtime.fit = broken
+    with pytest.raises(FloatingPointError, match="client exploded"):
+        sim.run_round(1)
+    assert torch.equal(sim.w, before)
+
+
+def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
+    """``threads: auto`` on a large step: each of the two thread workers gets half of the (four) cores, as Ray
+    workers get theirs, not all four each."""
+    from fedflat.engine import threads
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 4)
+    monkeypatch.setattr(threads, "SMALL_STEP_FLOPS", 0.0)  # the tiny MLP's step counts as large
+    with threads.torch_threads(None):  # the run sets the process's threads: restore them after
+        sim = Simulation(_tiny("executor=threads", "executor.workers=2", "threads=auto"))
+        assert sim.threads == 2 and torch.get_num_threads() == 2
+        assert sim.thread_counts() == {"server": 2, "clients": 2}
+        assert Simulation(_tiny("threads=auto")).threads == 4  # the local executor: every core
