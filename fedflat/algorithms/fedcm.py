@@ -27,9 +27,12 @@ def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W
     """The momentum-mixed local direction from ``grad = g + wd w``: ``a grad + (1 - a) m``, plus
     ``(1 - a) wd w`` with ``decay = outside`` so that the decay is ``wd w`` whatever ``a``
     (FedCM/MoFedSAM/FedWMSAM/FedVSSAM as their public codes run them)."""
-    d = a * grad + (1 - a) * m
+    d = torch.lerp(m, grad, a)  # a grad + (1 - a) m in one pass
     if decay == "outside" and weight_decay:
-        d = d + (1 - a) * weight_decay * W
+        if torch.is_tensor(a):
+            d.addcmul_(W, (1 - a) * weight_decay)
+        else:
+            d.add_(W, alpha=(1 - a) * weight_decay)
     return d
 
 

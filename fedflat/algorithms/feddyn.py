@@ -42,7 +42,7 @@ class DynCorrection(Correction):
     keeps = (CLIENT_DUAL,)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.state[CLIENT_DUAL] + self.p.alpha * (W - ctx.w_start)
+        return torch.add(grad, W - ctx.w_start, alpha=self.p.alpha).sub_(cohort.state[CLIENT_DUAL])
 
     def decoupled_decay(self, ctx: ClientContext) -> float:
         """``wd + alpha``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put ``<w, -h_i - alpha w^t>`` in the loss and

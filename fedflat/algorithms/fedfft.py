@@ -11,6 +11,7 @@ Recipes: ``fedfft`` = FedSAM + filter, ``fedfft-s`` = FedGAMMA (SCAFFOLD) + filt
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -50,6 +51,14 @@ def masked_spectrum(seg: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.fft.irfft(V * mask.to(V.real.dtype), n=n, dim=-1)
 
 
+@lru_cache(maxsize=64)
+def band_mask(F: int, removed: int, band: str, device: str) -> torch.Tensor:
+    """The boolean mask over ``F`` rFFT coefficients that keeps all but the ``removed`` lowest (``band="low"``) or
+    highest (``"high"``) ones; made once per tensor size and device, not at every step (a cached tensor: read only)."""
+    index = torch.arange(F, device=device)
+    return index >= removed if band == "low" else index < F - removed
+
+
 def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
                     keep: Callable[[int, int], torch.Tensor | None]) -> torch.Tensor:
     """Applies a coefficient mask per tensor: ``iRFFT(mask * rFFT(v_l), n = len(v_l))``.
@@ -80,7 +89,7 @@ class LowFrequencyFilter(Filter):
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         def keep(_: int, F: int) -> torch.Tensor | None:
             removed = int(self.p.r * F)
-            return torch.arange(F, device=eps.device) >= removed if removed else None
+            return band_mask(F, removed, "low", str(eps.device)) if removed else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
 
 
@@ -102,7 +111,7 @@ class HighFrequencyFilter(Filter):
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
         def keep(_: int, F: int) -> torch.Tensor | None:
             removed = int(self.p.r * F)
-            return torch.arange(F, device=eps.device) < F - removed if removed else None
+            return band_mask(F, removed, "high", str(eps.device)) if removed else None
         return spectral_filter(eps, _layout_segments(ctx, eps), keep)
 
 

@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, mixed_decay, momentum_mix
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
-                          Slot, init, normalize_rows, register_recipe, row_norm)
+                          Slot, init, normalize_rows_, register_recipe, row_norm)
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
@@ -180,9 +180,8 @@ class MomentumGuidedPerturbation(Perturbation):
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
-        step = m_i if self.p.target == "momentum" else -ctx.lr * m_i
-        d = (ctx.w_start + k * step) - W
-        return normalize_rows(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
+        d = torch.add(ctx.w_start, m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr) - W
+        return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 
 register_recipe(Recipe(

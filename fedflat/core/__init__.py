@@ -17,7 +17,8 @@ from typing import Any
 
 _HOMES = {
     "errors": ("AlgorithmError", "ConfigError", "ContractError", "Diverged", "NoClients", "PluginError"),
-    "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "persistent_buffers", "row_norm"),
+    "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "normalize_rows_", "persistent_buffers",
+                "row_norm"),
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
     "round": ("BUFFERS", "MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult",
               "ClipScope", "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot",

@@ -330,6 +330,7 @@ class RoundContext:
     uploads: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: torch.Tensor | None = None
     log: dict[str, float] = field(default_factory=dict)
+    _deltas: tuple | None = field(default=None, repr=False, compare=False)  # (w_final, w, Delta) of the last call
 
     @property
     def K(self) -> int:
@@ -346,8 +347,12 @@ class RoundContext:
 
     @property
     def deltas(self) -> torch.Tensor:
-        """``Delta_i = w_{i,E} - w^t`` for every sampled client, ``[K, P]``."""
-        return self.w_final - self.w
+        """``Delta_i = w_{i,E} - w^t`` for every sampled client, ``[K, P]`` (computed once for the uploads and model
+        it is asked about: the aggregation, the parts and the round's drift share it; read only)."""
+        cached = self._deltas
+        if cached is None or cached[0] is not self.w_final or cached[1] is not self.w:
+            self._deltas = cached = (self.w_final, self.w, self.w_final - self.w)
+        return cached[2]
 
     @property
     def pseudo_gradients(self) -> torch.Tensor:

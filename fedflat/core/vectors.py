@@ -27,6 +27,12 @@ def normalize_rows(X: torch.Tensor, radius: float | torch.Tensor = 1.0) -> torch
     return radius * X / (row_norm(X) + NORM_EPS)
 
 
+def normalize_rows_(X: torch.Tensor, radius: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """:func:`normalize_rows` in place, for a part's own fresh tensor: ``X <- X (radius / (||X|| + 1e-12))``, one
+    pass over ``X`` after its norm (the value of :func:`normalize_rows` up to the last bit)."""
+    return X.mul_(radius / (row_norm(X) + NORM_EPS))
+
+
 class Packed:
     """Tensors packed one after another in a flat vector: ``names``, ``shapes`` and ``offsets`` (the parameters'
     :class:`ParamLayout`, the buffers' :class:`BufferLayout`)."""

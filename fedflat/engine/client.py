@@ -47,12 +47,12 @@ def clip_loss_rows(D: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor
         return D
     if not torch.is_tensor(decay) and decay == 0:
         return clip_rows(D, max_norm)
-    decayed = decay * W
-    loss = D - decayed
+    # D - c W in one pass (the same value as D - (c W) up to the last bit)
+    loss = torch.addcmul(D, W, decay, value=-1) if torch.is_tensor(decay) else torch.add(D, W, alpha=-decay)
     scale = clip_scale(loss, max_norm)
     if unclipped(scale):
         return D
-    return torch.where(scale < 1.0, loss * scale + decayed, D)
+    return torch.where(scale < 1.0, loss * scale + decay * W, D)
 
 
 class ClientBatches:
@@ -197,17 +197,17 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
         if wd:
-            grad.add_(wd * W)  # grad is the oracle's fresh tensor; same bits as grad + wd * W
+            grad.add_(W, alpha=wd)  # grad is the oracle's fresh tensor: + wd w in place, one pass
         direction = correction.direction(ctx, cohort, k, W, grad)
         if clip_scope == "loss":
             direction = clip_loss_rows(direction, W, correction.decoupled_decay(ctx), clip)
         else:
             direction = clip_rows(direction, clip)
         if uniform:
-            W -= lr * direction
+            W.add_(direction, alpha=-lr)  # w - eta d in one pass
             loss_sum += loss
         else:
             active = cohort.active
-            W = torch.where(active[:, None], W - lr * direction, W)
+            W = torch.where(active[:, None], torch.add(W, direction, alpha=-lr), W)  # the same arithmetic
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
     return W, loss_sum

@@ -40,6 +40,14 @@ from fedflat.models import build_model
 from fedflat.params import FlatModel
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, in one reading pass (``aminmax`` propagates NaN; no ``[K, P]`` mask)."""
+    if not x.numel() or not x.is_floating_point():
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _user_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
     module = model_fn()
     if not isinstance(module, nn.Module):
@@ -429,17 +437,17 @@ class Simulation:
                 raise NoClients(f"round {round + 1}: none of the {ctx.K} sampled clients answered")
             ctx = ctx.answered(result.ids.to(ctx.sampled.device))
         result = result.to(self.device)
-        if not torch.isfinite(result.upload[TRAIN_LOSS]).all() or not torch.isfinite(result.upload[MODEL]).all():
+        if not all_finite(result.upload[TRAIN_LOSS]) or not all_finite(result.upload[MODEL]):
             raise Diverged(f"round {round + 1}: non-finite local loss or model (try a smaller train.lr or algo radius)")
         w_new = self.algorithm.aggregate(ctx, result)
-        if not torch.isfinite(w_new).all():
+        if not all_finite(w_new):
             raise Diverged(f"round {round + 1}: the global model became non-finite")
         b_new = self.aggregate_buffers(ctx, result)
         P, buffer_bytes = self.num_parameters, self.model.buffer_layout.nbytes  # buffers: at their own dtypes' size
         down_vectors, down_bytes = payload_size(broadcast.shared(), P, broadcast.personal)
         up_vectors, up_bytes = payload_size({}, P, {k: v for k, v in result.upload.items() if k != BUFFERS})
         down_bytes, up_bytes = down_bytes + buffer_bytes, up_bytes + buffer_bytes
-        drift = (ctx.w_final - ctx.w).norm(dim=1).mean().item()
+        drift = ctx.deltas.norm(dim=1).mean().item()
         train_loss = ctx.train_loss.mean().item()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -467,7 +475,7 @@ class Simulation:
         if not layout.size:
             return self.buffers
         b_new = layout.average(self.buffers, result.upload[BUFFERS], ctx.weights).to(self.device)
-        if not torch.isfinite(b_new).all():
+        if not all_finite(b_new):
             raise Diverged(f"round {ctx.round + 1}: the model's buffers (e.g. BatchNorm statistics) became non-finite")
         return b_new
 
