@@ -93,6 +93,30 @@ def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     assert torch.equal(sim.w, before)
 
 
+def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
+    """An interrupt leaves the round's threads running (they are not killable); the next round must not start a
+    runtime they still use."""
+    import threading
+    import time
+
+    sim = Simulation(_tiny(*UNEQUAL, "executor=threads"))
+    finished = threading.Event()
+
+    def abandoned_client():
+        time.sleep(0.3)
+        finished.set()
+
+    leftover = threading.Thread(target=abandoned_client, daemon=True)
+    leftover.start()
+    sim.executor.threads = [leftover]  # as an interrupted round leaves them
+    started_while = []
+    runtime = sim.executor.runtimes[0]
+    plain = runtime.fit
+    runtime.fit = lambda *args: started_while.append(finished.is_set()) or plain(*args)
+    sim.run_round(0)
+    assert started_while == [True]
+
+
 def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
     """``threads: auto`` on a large step: each of the two thread workers gets half of the (four) cores, as Ray
     workers get theirs, not all four each."""

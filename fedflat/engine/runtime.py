@@ -357,14 +357,18 @@ class ThreadExecutor:
     cores busy on small steps with no data copied and no process started (docs/benchmarks.md). Each client's work
     is a pure function of what it is given and the results are reduced in ascending client-id order, so the
     numbers are those of ``executor: local`` bit for bit. The threads are daemons, started per round: an interrupted
-    run exits without waiting for its abandoned clients."""
+    run exits without waiting for its abandoned clients, and a round after an interrupted one (in a notebook) first
+    lets them finish, so no runtime ever trains two clients at once."""
 
     name = "threads"
 
     def __init__(self, runtimes: list[ClientRuntime]):
         self.runtimes = runtimes
+        self.threads: list[threading.Thread] = []  # the last round's
 
     def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult:
+        for thread in self.threads:  # a round abandoned by an interrupt: its clients finish before a runtime is reused
+            thread.join()
         plan = longest_first(task.steps, list(range(len(self.runtimes))))
         outcomes: dict[int, ClientResult | BaseException] = {}
 
@@ -374,7 +378,7 @@ class ThreadExecutor:
             except BaseException as err:  # noqa: BLE001 - raised again in the driver's thread below
                 outcomes[worker] = err
 
-        threads = []
+        self.threads = threads = []
         for worker, rows in plan.items():
             sub = task.rows(rows)
             state, known = load_state(sub.ids)  # the store is read here, in the driver's thread only
