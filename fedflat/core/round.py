@@ -294,9 +294,17 @@ def merge_results(results: list[ClientResult]) -> ClientResult:
     if len(set(ids.tolist())) != len(ids):
         raise ValueError(f"a client appears in more than one result: {sorted(ids.tolist())}")
 
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(ids))
+    positions = rank.split([len(r.ids) for r in results])  # where each result's rows go
+
     def stack(name: str, part: str) -> torch.Tensor:
-        rows = torch.cat([getattr(r, part)[name] for r in results])
-        return rows[order.to(rows.device)]
+        """The rows of every result in one new tensor, each row copied once (to its place)."""
+        first = getattr(results[0], part)[name]
+        out = first.new_empty((len(ids), *first.shape[1:]))
+        for r, where in zip(results, positions):
+            out.index_copy_(0, where.to(out.device), getattr(r, part)[name].to(out.device))
+        return out
     upload_names = results[0].upload.keys()
     state_names = results[0].state.keys()
     return ClientResult(ids[order], {k: stack(k, "upload") for k in upload_names},
