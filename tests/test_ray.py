@@ -124,6 +124,34 @@ def test_longest_first_balances_known_step_counts():
     assert plan[0].tolist() == [1, 2] and plan[1].tolist() == [0, 3, 4, 5]
 
 
+def test_tensors_cross_the_object_store_as_arrays_and_come_back_exactly():
+    """What a worker receives and returns travels as NumPy arrays (bfloat16, which NumPy has not, as a tensor):
+    every value, dtype and shape comes back, as copies on the worker and as read-only views on the driver."""
+    from fedflat.core import Broadcast, ClientResult
+    from fedflat.engine.ray_executor import from_wire, to_wire
+
+    broadcast = Broadcast(3, 0.1, torch.randn(7), {"a": torch.tensor(0.25), "c": torch.randn(7)}, None,
+                          {"m_i": torch.randn(2, 7)}, torch.randn(4, dtype=torch.float64))
+    result = ClientResult(torch.tensor([4, 1]), {"model": torch.randn(2, 7), "keep": torch.tensor([True, False]),
+                                                  "low": torch.randn(2, 3).bfloat16()}, {"n": torch.arange(2)}, 5)
+    wire = to_wire((broadcast, result))
+    assert isinstance(wire[0].w, np.ndarray) and isinstance(wire[1].upload["low"], torch.Tensor)
+    for copy in (True, False):
+        got_broadcast, got_result = from_wire(wire, copy=copy)
+        assert got_broadcast.round == 3 and got_broadcast.lr == 0.1 and got_broadcast.ids is None
+        for a, b in [(got_broadcast.w, broadcast.w), (got_broadcast.buffers, broadcast.buffers),
+                     *((got_broadcast.server[k], broadcast.server[k]) for k in broadcast.server),
+                     (got_broadcast.personal["m_i"], broadcast.personal["m_i"]), (got_result.ids, result.ids),
+                     *((got_result.upload[k], result.upload[k]) for k in result.upload),
+                     (got_result.state["n"], result.state["n"])]:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert got_result.backprops == 5
+    sent = broadcast.w.clone()
+    received = from_wire(wire, copy=True)[0].w
+    received += 1  # a worker's inputs are its own: writing them leaves what was sent intact
+    assert torch.equal(torch.from_numpy(wire[0].w), sent) and torch.equal(broadcast.w, sent)
+
+
 def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
     """The whole API path: `executor=ray` in the config, a run folder, metrics equal to the local run's."""
     cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
