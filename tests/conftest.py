@@ -63,6 +63,8 @@ def mapped_file(tensor: torch.Tensor) -> str | None:
 # The tiny problem's model for a method that keeps BatchNorm layers on the clients (FedBN): the CNN with BatchNorm
 # on 8x8 synthetic images.
 BATCH_NORM_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "data.options.shape=[1,8,8]")
+# ... with dropout too: the model of the tests that every engine and executor trains buffers and masks alike
+BN_DROPOUT_CNN = (*BATCH_NORM_CNN, "model.dropout=0.3")
 
 
 def model_for(recipe: str) -> tuple[str, ...]:
@@ -73,12 +75,15 @@ def model_for(recipe: str) -> tuple[str, ...]:
     return BATCH_NORM_CNN if RECIPES[recipe].personalization == "fedbn" else ()
 
 
+def tiny_config(*overrides: str):
+    """The :class:`Config` of the tiny problem with ``overrides``."""
+    return load_config(None, list(overrides), base=tiny_tree())
+
+
 @pytest.fixture
 def tiny():
     """``tiny(overrides...) -> Config`` of the tiny problem."""
-    def make(*overrides: str):
-        return load_config(None, list(overrides), base=tiny_tree())
-    return make
+    return tiny_config
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_tree
+from conftest import BN_DROPOUT_CNN, tiny_tree
 from numerics import U32, U64, assert_close_normwise
 from torch import nn
 
@@ -29,8 +29,6 @@ from fedflat.engine.simulation import Simulation
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
-BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
-                  "data.options.shape=[1,8,8]")
 # clients of 7 to 60 samples in batches of 7: unequal step counts and short last batches (the vectorized engine's
 # padding and masking), two rounds
 UNEQUAL = ("rounds=2", "train.batch_size=7", "threads=1")

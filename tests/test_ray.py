@@ -24,11 +24,11 @@ import torch
 ray = pytest.importorskip("ray")
 
 from agreement import assert_identical, trajectory  # noqa: E402
-from conftest import model_for, tiny_tree  # noqa: E402
+from conftest import BN_DROPOUT_CNN, model_for, tiny_config, tiny_tree  # noqa: E402
 
 import fedflat  # noqa: E402
 from fedflat.algorithms import RECIPES  # noqa: E402
-from fedflat.config import ExecutorConfig, dump_yaml, load_config
+from fedflat.config import ExecutorConfig, dump_yaml
 from fedflat.core import ConfigError
 from fedflat.data.dataset import uint8_dataset  # noqa: E402
 from fedflat.engine.checkpoint import read_checkpoint
@@ -59,13 +59,9 @@ def pool(ray_session):
         ray.kill(actor)
 
 
-def _tiny(*overrides: str):
-    return load_config(None, list(overrides), base=tiny_tree())
-
-
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name):
-    cfg = _tiny(f"algo={name}", *UNEQUAL, *model_for(name))
+    cfg = tiny_config(f"algo={name}", *UNEQUAL, *model_for(name))
     local = Simulation(cfg)
     expected = trajectory(local, 2)
     for workers in (1, 2, 3):
@@ -77,8 +73,6 @@ def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name)
         sim.close()
 
 
-BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
-                  "data.options.shape=[1,8,8]")
 
 
 @pytest.mark.parametrize("name", ["fedavg", *(pytest.param(a, marks=pytest.mark.slow)  # fedbn: also every recipe's
@@ -86,7 +80,7 @@ BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dro
 def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, name):
     """Workers rebuild the CNN, train each client from the broadcast buffers with its dropout stream, and return its
     statistics (FedBN: its own BatchNorm, kept in the driver's store): the local numbers, bit for bit."""
-    cfg = _tiny(f"algo={name}", *UNEQUAL, *BN_DROPOUT_CNN)
+    cfg = tiny_config(f"algo={name}", *UNEQUAL, *BN_DROPOUT_CNN)
     local = Simulation(cfg)
     expected = trajectory(local, 2)
     sim = Simulation(cfg)
@@ -103,7 +97,7 @@ def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 256, (180, 1, 4, 4), dtype=np.uint8), rng.integers(0, 3, 180)
     data = uint8_dataset("pixels", x, y, x[:60], y[:60], 3, augmentation="flip")
-    cfg = _tiny(*UNEQUAL)
+    cfg = tiny_config(*UNEQUAL)
     local = Simulation(cfg, dataset=data)
     expected = trajectory(local, 2)
     sim = Simulation(cfg, dataset=data)
@@ -154,7 +148,7 @@ def test_tensors_cross_the_object_store_as_arrays_and_come_back_exactly():
 
 def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
     """The whole API path: `executor=ray` in the config, a run folder, metrics equal to the local run's."""
-    cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
+    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3")
     local = fedflat.run(cfg, run_dir=tmp_path / "local", progress=False)
     remote = fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.cpus_per_worker=0.5"],
                          run_dir=tmp_path / "ray", progress=False)
@@ -166,7 +160,7 @@ def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
 
 
 def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session):
-    cfg = _tiny("algo=scaffold", *UNEQUAL, "rounds=3")
+    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3")
     expected = trajectory(Simulation(cfg), 3)
     sim = Simulation(cfg)
     executor = sim.executor = RayExecutor(sim.worker_spec(pause_s=1.5), sim.worker_data(),
@@ -186,7 +180,7 @@ def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session
 
 
 def test_no_worker_left_fails_the_run_with_its_checkpoint_and_resume_finishes_it(ray_session, tmp_path):
-    cfg = _tiny("algo=feddyn", *UNEQUAL, "rounds=4", "checkpoint_every=1")
+    cfg = tiny_config("algo=feddyn", *UNEQUAL, "rounds=4", "checkpoint_every=1")
     full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
     from fedflat.experiments import runner
 
@@ -217,7 +211,7 @@ def test_no_worker_left_fails_the_run_with_its_checkpoint_and_resume_finishes_it
 
 def test_more_workers_than_the_cluster_holds_is_a_clear_error(ray_session):
     with pytest.raises(ConfigError, match=r"executor.workers=5 need 5 CPUs .* the Ray cluster has 2 CPUs and 0 GPUs \("):
-        Simulation(_tiny("executor=ray", "executor.workers=5", "executor.cpus_per_worker=1"))
+        Simulation(tiny_config("executor=ray", "executor.workers=5", "executor.cpus_per_worker=1"))
 
 
 def _free_port() -> int:
@@ -260,7 +254,7 @@ def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(t
                     break
             time.sleep(0.5)
         node = _ray_node(f"--address={address}")
-        cfg = _tiny("algo=fedsam", *UNEQUAL, "rounds=2")
+        cfg = tiny_config("algo=fedsam", *UNEQUAL, "rounds=2")
         local = fedflat.run(cfg, save=False, progress=False)
         script = (  # waits until both nodes have joined, then lets fedflat join the cluster by its address
             "import sys, time, torch, ray, fedflat\n"

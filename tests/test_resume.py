@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import BN_DROPOUT_CNN
+
 import fedflat
 from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_recipe
 from fedflat.cli import main
@@ -270,8 +272,6 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
 
 
-BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
-                  "data.options.shape=[1,8,8]")
 
 
 def _assert_same_state(a: dict, b: dict) -> None:

@@ -9,30 +9,23 @@ from __future__ import annotations
 import pytest
 import torch
 from agreement import assert_identical, trajectory
-from conftest import model_for, tiny_tree
+from conftest import BN_DROPOUT_CNN, model_for, tiny_config, tiny_tree
 from test_buffers import StochasticDepth
 
 import fedflat
 from fedflat.algorithms import RECIPES
-from fedflat.config import load_config
 from fedflat.core import ConfigError
 from fedflat.engine.runtime import ThreadExecutor
 from fedflat.engine.simulation import Simulation
 
 UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "sampling.clients_per_round=4")
-BN_DROPOUT_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "model.dropout=0.3",
-                  "data.options.shape=[1,8,8]")
-
-
-def _tiny(*overrides: str):
-    return load_config(None, list(overrides), base=tiny_tree())
 
 
 def _agree(*overrides: str, workers: tuple[int, ...] = (2, 3), **kwargs) -> None:
-    local = Simulation(_tiny(*overrides), **kwargs)
+    local = Simulation(tiny_config(*overrides), **kwargs)
     expected = trajectory(local, 2)
     for n in workers:
-        sim = Simulation(_tiny(*overrides, "executor=threads", f"executor.workers={n}"), **kwargs)
+        sim = Simulation(tiny_config(*overrides, "executor=threads", f"executor.workers={n}"), **kwargs)
         assert isinstance(sim.executor, ThreadExecutor) and len(sim.executor.runtimes) == n
         assert trajectory(sim, 2) == expected, f"{n} threads"
         assert_identical(local, sim)
@@ -73,13 +66,13 @@ def test_a_users_model_fn_is_built_once_per_thread_without_moving_the_drivers_st
 def test_a_model_drawing_from_the_global_generator_is_refused_with_what_to_use():
     with pytest.raises(ConfigError, match=r"executor=threads: model StochasticDepth draws random numbers \(bernoulli\) "
                                           r"from PyTorch's global generator.*use executor=local or executor=ray"):
-        Simulation(_tiny("executor=threads"), model_fn=StochasticDepth)
+        Simulation(tiny_config("executor=threads"), model_fn=StochasticDepth)
 
 
 def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     """A client that fails on its thread raises in the driver (its own exception, not a hang), and nothing of the
     round is committed: the global model is the one before the round."""
-    sim = Simulation(_tiny(*UNEQUAL, "executor=threads"))
+    sim = Simulation(tiny_config(*UNEQUAL, "executor=threads"))
     sim.run_round(0)
     before = sim.w.clone()
     runtime = sim.executor.runtimes[1]
@@ -99,7 +92,7 @@ def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
     import threading
     import time
 
-    sim = Simulation(_tiny(*UNEQUAL, "executor=threads"))
+    sim = Simulation(tiny_config(*UNEQUAL, "executor=threads"))
     finished = threading.Event()
 
     def abandoned_client():
@@ -125,7 +118,7 @@ def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 4)
     monkeypatch.setattr(threads, "SMALL_STEP_FLOPS", 0.0)  # the tiny MLP's step counts as large
     with threads.torch_threads(None):  # the run sets the process's threads: restore them after
-        sim = Simulation(_tiny("executor=threads", "executor.workers=2", "threads=auto"))
+        sim = Simulation(tiny_config("executor=threads", "executor.workers=2", "threads=auto"))
         assert sim.threads == 2 and torch.get_num_threads() == 2
         assert sim.thread_counts() == {"server": 2, "clients": 2}
-        assert Simulation(_tiny("threads=auto")).threads == 4  # the local executor: every core
+        assert Simulation(tiny_config("threads=auto")).threads == 4  # the local executor: every core

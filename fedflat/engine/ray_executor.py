@@ -32,6 +32,7 @@ from fedflat.data import augmentation_fn
 from fedflat.engine.client import ClientBatches
 from fedflat.engine.runtime import (ClientRuntime, RoundTask, StateLoader, WorkerSpec, build_client_runtime,
                                     longest_first, rows_loader)
+from fedflat.engine.threads import available_cores
 
 RAY_HINT = "executor=ray needs Ray: pip install 'fedflat[ray]' (Ray 2.55.1)"
 # A Ray instance this process starts for itself listens on a loopback address only: Ray replaces 127.0.0.1
@@ -147,8 +148,7 @@ def worker_class(ray):
 
 def default_cpus(workers: int) -> float:
     """The cores of this machine shared evenly among the workers (Ray accepts fractions)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(cores / workers, 0.01)
+    return max(available_cores() / workers, 0.01)
 
 
 class RayExecutor:
