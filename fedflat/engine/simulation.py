@@ -30,6 +30,7 @@ from fedflat.data import (Dataset, augmentation_fn, client_split, client_test_sp
                           validation_split)
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches, own_buffers
+from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.modes import inspect_module, module_name
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, ThreadExecutor, WorkerSpec,
                                     build_client_runtime, choose_engine, resolve_engine, set_tf32, step_flops,
@@ -204,6 +205,7 @@ class Simulation:
         plugins.load(cfg.plugins)  # a config that crossed into another process (a Flower node) names its plugins
         self.device = resolve_device(cfg.device)
         set_tf32(self.device, cfg.tf32)
+        retain_freed_memory()
         if dataset is None:
             # on one thread: torch splits a long reduction (the standardization's mean and std) across its threads,
             # so the data's bits, and every number trained on them, would depend on the process's thread count

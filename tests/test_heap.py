@@ -1,0 +1,60 @@
+"""A run's process keeps the memory a step freed (glibc's thresholds, fedflat/engine/heap.py): the next step's large
+tensors reuse it instead of pages the kernel zero-fills, and FEDFLAT_MALLOC=default leaves glibc as it is."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+# A 64 MiB tensor (above glibc's largest dynamic mmap threshold, 32 MiB) allocated, filled and freed, then again:
+# the second time's page faults. glibc's own settings map it afresh (16,384 pages faulted in); kept, it reuses them.
+PROBE = """
+import resource, torch
+from fedflat.engine.heap import retain_freed_memory
+print(retain_freed_memory())
+x = torch.ones(1 << 24); del x
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(1 << 24); del x
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _probe(env: dict[str, str]) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_a_freed_large_tensor_is_reused_without_page_faults():
+    kept, faults = _probe({})
+    assert kept == "True" and faults < 1000  # 16,384 pages when freshly mapped
+    default, faults_default = _probe({"FEDFLAT_MALLOC": "default"})
+    assert default == "False" and faults_default >= (1 << 26) // os.sysconf("SC_PAGE_SIZE") // 2
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_a_run_sets_it_in_its_process_and_its_workers():
+    """The driver's Simulation and every worker's runtime (Ray's, Flower's, the threads') set it once."""
+    code = """
+from fedflat.engine import heap
+from fedflat.engine.simulation import Simulation
+from fedflat.engine.runtime import build_client_runtime
+from tests.conftest import tiny_config
+before = list(heap._DONE)
+sim = Simulation(tiny_config())
+after_driver = list(heap._DONE)
+heap._DONE.clear()
+build_client_runtime(sim.worker_spec(), sim.batches, sim.device)
+print(before, after_driver, heap._DONE)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), env={k: v for k, v in os.environ.items()
+                                                                             if k != "FEDFLAT_MALLOC"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[] [True] [True]"
