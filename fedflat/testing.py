@@ -11,7 +11,9 @@ the contract's debug mode on) and asserts what every built-in part satisfies:
    float32 rounding of the steps taken (unless the part declares ``supports_vectorized = False``);
 3. it composes: it runs in another method (a perturbation on SCAFFOLD, any other role on FedSAM);
 4. its state survives a checkpoint: stopped after round ``R - 1`` and resumed, the run ends bit for bit where an
-   uninterrupted run ends.
+   uninterrupted run ends;
+5. a correction's :meth:`~fedflat.core.Correction.loss_direction`, where it writes one, is its ``direction`` without
+   the decoupled decay: the run ends where the run through ``direction`` ends, to float32 rounding.
 """
 from __future__ import annotations
 
@@ -91,23 +93,52 @@ def check_part(part: type[Part], *, recipe: str | None = None, tree: dict[str, A
     with _contract_checked(), tempfile.TemporaryDirectory(prefix="fedflat-check-") as tmp:
         sequential = _run(tree, method, "engine=sequential", save=False)
         report["contract"] = "kept"
+        allowed = rounding_allowed(tree)
         if part.supports_vectorized:
             vectorized = _run(tree, method, "engine=vectorized", save=False)
-            train = tree["train"]  # a bound on the steps one client takes: every sample, every epoch, every round
-            per_epoch = -(-tree["data"]["options"]["train_size"] // train["batch_size"])
-            steps = tree["rounds"] * train["local_epochs"] * per_epoch
-            gap = float((vectorized.final_parameters - sequential.final_parameters).norm()
-                        / sequential.final_parameters.norm())
-            allowed = ROUNDINGS_PER_STEP * steps * U32
+            gap = relative_gap(vectorized.final_parameters, sequential.final_parameters)
             assert gap <= allowed, (f"{report['part']}: the engines disagree: relative difference {gap:.2e} of the "
                                     f"final models, more than float32 rounding allows ({allowed:.1e})")
             report["engines"] = {"relative_difference": gap, "allowed": allowed}
+        if part.role == "correction" and part.gives_loss_direction():
+            with without_loss_direction(part):
+                plain = _run(tree, method, "engine=sequential", save=False)
+            gap = relative_gap(sequential.final_parameters, plain.final_parameters)
+            assert gap <= allowed, (f"{report['part']}: loss_direction(g) + c w is not direction(g + wd w): the runs "
+                                    f"end {gap:.2e} apart, more than float32 rounding allows ({allowed:.1e})")
+            report["loss_direction"] = {"relative_difference": gap, "allowed": allowed}
         host = HOST_RECIPE[part.role]
         composed = _run(tree, {"name": host, part.role: part.name, **(algo or {})}, save=False)
         assert torch.isfinite(composed.final_parameters).all(), f"{report['part']} in {host}: a non-finite model"
         report["composed"] = composed.summary["algorithm"]
         report["checkpoint"] = _resume_is_exact(tree, method, Path(tmp))
     return report
+
+
+def rounding_allowed(tree: dict[str, Any]) -> float:
+    """The relative distance two float32 summation orders may put between the final models of the run ``tree``:
+    :data:`ROUNDINGS_PER_STEP` units of rounding per step of the most steps one client can take."""
+    train = tree["train"]  # every sample, every epoch, every round
+    per_epoch = -(-tree["data"]["options"]["train_size"] // train["batch_size"])
+    return ROUNDINGS_PER_STEP * tree["rounds"] * train["local_epochs"] * per_epoch * U32
+
+
+def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@contextmanager
+def without_loss_direction(part: type[Part]) -> Iterator[None]:
+    """The correction ``part`` stepping through its ``direction`` (its loss direction set aside) inside the block."""
+    own = part.__dict__.get("gives_loss_direction")
+    part.gives_loss_direction = classmethod(lambda cls: False)
+    try:
+        yield
+    finally:
+        if own is None:
+            del part.gives_loss_direction
+        else:
+            part.gives_loss_direction = own
 
 
 def _resume_is_exact(tree: dict[str, Any], method: dict[str, Any], tmp: Path) -> str:

@@ -227,3 +227,71 @@ def test_a_part_that_modifies_a_tensor_it_does_not_own_in_place_is_named(tiny, t
         fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
     monkeypatch.setenv(CHECK_ENV, "0")
     fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)  # not watched: it runs
+
+
+# -- a correction's loss direction (the step without its decoupled decay) -----------------------------------------
+
+# a recipe of each built-in correction that writes one (FedLESAM-S: SCAFFOLD's with lamb 0.1 on a perturbation)
+LOSS_DIRECTION_RECIPES = ("fedavg", "fedprox", "fedacg", "scaffold", "fedlesam-s", "feddyn", "fedgmt", "fedcm",
+                          "mofedsam", "fedwmsam")
+
+
+def test_the_builtin_corrections_that_write_a_loss_direction():
+    writing = {name for name, part in PARTS["correction"].items() if part.gives_loss_direction()}
+    assert writing >= {"none", "prox", "acg", "scaffold", "dyn", "admm", "momentum", "wmsam"}
+    assert writing >= {RECIPES[r].part_names()["correction"] for r in LOSS_DIRECTION_RECIPES}
+
+
+@pytest.mark.parametrize("recipe", LOSS_DIRECTION_RECIPES)
+@pytest.mark.parametrize("scope", ["loss", "step"])
+def test_a_loss_direction_plus_its_decay_is_the_direction(recipe, scope):
+    """``loss_direction(g) + c w = direction(g + wd w)``: a run of every recipe whose correction writes one ends where
+    the run through ``direction`` ends, to float32 rounding of its steps, under both clip scopes (the tiny problem's
+    clip of 0.5 binds in most steps, so the clipped branch is compared too)."""
+    from fedflat.testing import TINY, relative_gap, rounding_allowed, without_loss_direction
+
+    tree = {**TINY, "train": {**TINY["train"], "clip": 0.5, "clip_scope": scope, "weight_decay": 0.01}}
+    correction = PARTS["correction"][RECIPES[recipe].part_names()["correction"]]
+    fast = fedflat.run({**tree, "algo": {"name": recipe}}, save=False, progress=False)
+    with without_loss_direction(correction):
+        assert not correction.gives_loss_direction()
+        plain = fedflat.run({**tree, "algo": {"name": recipe}}, save=False, progress=False)
+    assert correction.gives_loss_direction()
+    gap = relative_gap(fast.final_parameters, plain.final_parameters)
+    assert gap <= rounding_allowed(tree), gap
+
+
+def test_a_subclass_that_changes_the_direction_falls_back_to_it():
+    """A loss direction applies only where the class that wrote it also has the direction and decay in force."""
+    from fedflat.algorithms.feddyn import DynCorrection
+
+    class OwnDirection(DynCorrection):
+        def direction(self, ctx, cohort, k, W, grad):
+            return grad
+
+    class OwnDecay(DynCorrection):
+        def decoupled_decay(self, ctx):
+            return 0.0
+
+    class Both(OwnDirection):
+        def loss_direction(self, ctx, cohort, k, W, grad):
+            return grad
+
+    assert DynCorrection.gives_loss_direction() and Both.gives_loss_direction()
+    assert not OwnDirection.gives_loss_direction() and not OwnDecay.gives_loss_direction()
+    assert not Correction.gives_loss_direction()
+
+
+def test_a_wrong_loss_direction_and_one_returning_state_are_named(tiny, test_parts, monkeypatch):
+    """check_part finds a loss direction that is not the direction (here: the momentum left out of FedCM's); the
+    debug mode refuses one that hands the engine a tensor it would overwrite."""
+    from fedflat.algorithms.fedcm import Momentum
+    from fedflat.testing import check_part
+
+    monkeypatch.setattr(Momentum, "loss_direction", lambda self, ctx, cohort, k, W, grad: grad.mul_(self.p.a))
+    with pytest.raises(AssertionError, match=r"loss_direction\(g\) \+ c w is not direction\(g \+ wd w\)"):
+        check_part(Momentum, recipe="fedcm")
+    monkeypatch.setattr(Memo, "loss_direction", lambda self, ctx, cohort, k, W, grad: cohort.state["memo.last"],
+                        raising=False)
+    with pytest.raises(ContractError, match=r"correction 'memo'.loss_direction returned cohort.state\['memo.last'\]"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)

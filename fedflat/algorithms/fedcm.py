@@ -36,6 +36,12 @@ def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W
     return d
 
 
+def loss_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """:func:`momentum_mix` without its decay (either placement): ``a g + (1 - a) m`` from the raw gradient, written
+    over ``grad`` in one pass (``g + (1 - a) (m - g)``)."""
+    return grad.lerp_(m, 1 - a)
+
+
 def mixed_decay(a: float | torch.Tensor, weight_decay: float, decay: DecayPlacement) -> float | torch.Tensor:
     """The weight decay of :func:`momentum_mix`'s direction, ``wd`` (``outside``) or ``a wd`` (``inside``): what
     ``clip_scope=loss`` adds after the clip (:meth:`~fedflat.core.Correction.decoupled_decay`). FL-Simulator's
@@ -63,6 +69,10 @@ class Momentum(Correction):
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return momentum_mix(self.p.a, grad, ctx.server[MOMENTUM], W, ctx.settings.weight_decay, self.p.decay)
+
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        return loss_mix(self.p.a, grad, ctx.server[MOMENTUM])
 
     def decoupled_decay(self, ctx: ClientContext) -> float:
         return mixed_decay(self.p.a, ctx.settings.weight_decay, self.p.decay)

@@ -44,6 +44,15 @@ class DynCorrection(Correction):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return torch.add(grad, W - ctx.w_start, alpha=self.p.alpha).sub_(cohort.state[CLIENT_DUAL])
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        """``g - (h_i + alpha w^t)``, the gradient of FL-Simulator's loss ``F_i(w) + <w, -h_i - alpha w^t>``
+        (``alpha`` then in SGD's decay); the pull is formed once per chunk."""
+        own = cohort.own(self)
+        if "pull" not in own:
+            own["pull"] = torch.add(cohort.state[CLIENT_DUAL], ctx.w_start, alpha=self.p.alpha)
+        return grad.sub_(own["pull"])
+
     def decoupled_decay(self, ctx: ClientContext) -> float:
         """``wd + alpha``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put ``<w, -h_i - alpha w^t>`` in the loss and
         ``alpha`` in SGD's weight decay (``client/feddyn.py:10``, ``fedsmoo.py:12``, ``fedspeed.py:12``)."""

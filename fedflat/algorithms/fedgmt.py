@@ -76,6 +76,10 @@ class ADMMDual(DynCorrection):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.state[CLIENT_DUAL]
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        return grad.sub_(cohort.state[CLIENT_DUAL])
+
     def decoupled_decay(self, ctx: ClientContext) -> float:
         return ctx.settings.weight_decay  # no proximal term to decouple
 

@@ -31,6 +31,11 @@ class Prox(Correction):
             return grad
         return grad + coefficient * (W - ctx.w_start)
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        """``g - mu w^t``, FL-Simulator's loss gradient (``mu`` in SGD's decay)."""
+        return grad.sub_(ctx.w_start, alpha=self.coefficient()) if self.coefficient() else grad
+
     def decoupled_decay(self, ctx: ClientContext) -> float:
         """``wd + mu``: FL-Simulator's FedProx puts ``-mu <w, w^t>`` in the loss and ``mu`` in SGD's weight decay
         (``client/fedprox.py:10, 26-28``), so ``mu w`` is added after the clip."""

@@ -38,7 +38,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, mixed_decay, momentum_mix
+from fedflat.algorithms.fedcm import (DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, loss_mix, mixed_decay,
+                                     momentum_mix)
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
                           Slot, init, normalize_rows_, register_recipe, row_norm)
@@ -136,6 +137,10 @@ class WeightedMomentum(Correction):
         return momentum_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], W, ctx.settings.weight_decay,
                             self.p.decay)
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        return loss_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM])
+
     def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
         return mixed_decay(ctx.server[FACTOR], ctx.settings.weight_decay, self.p.decay)
 
@@ -180,7 +185,7 @@ class MomentumGuidedPerturbation(Perturbation):
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
-        d = torch.add(ctx.w_start, m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr) - W
+        d = torch.sub(ctx.w_start, W).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
         return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 

@@ -63,6 +63,10 @@ class Scaffold(Correction):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad + cohort.shared[SHIFT]
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        return grad.add_(cohort.shared[SHIFT])
+
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         c_i = cohort.state[CLIENT_VARIATE]
         c_plus = scaffold_client_variate(c_i, ctx.server[SERVER_VARIATE], ctx.w_start, W, cohort.steps, ctx.lr)

@@ -25,7 +25,8 @@ from fedflat.core.round import ClientContext, Cohort, RoundContext
 CHECK_ENV = "FEDFLAT_CHECK_CONTRACT"
 HOOKS = frozenset({"downlink", "personal", "finish", "after_step", "weights", "broadcast", "step", "begin", "end",
                    "perturb", "descent_gradient", "distillation", "apply", "direction", "decoupled_decay", "models",
-                   "private"})
+                   "private", "loss_direction"})
+OWNED_ARGUMENTS = {"loss_direction": frozenset({"grad"})}  # handed over: the hook may overwrite them (part.py)
 
 
 def checking() -> bool:
@@ -56,13 +57,21 @@ def _reachable(value: Any, where: str, owner: int) -> Iterator[tuple[str, torch.
             yield from _reachable(v, f"{where}[{k!r}]", owner)
 
 
-def _versions(hook: Any, args: tuple, kwargs: dict, owner: int) -> dict[str, tuple[torch.Tensor, int]]:
+def _versions(hook: Any, args: tuple, kwargs: dict, owner: int,
+              owned: frozenset[str]) -> dict[str, tuple[torch.Tensor, int]]:
     seen: dict[str, tuple[torch.Tensor, int]] = {}
     for argument, value in inspect.signature(hook).bind(*args, **kwargs).arguments.items():
+        if argument in owned:
+            continue
         for name, tensor in _reachable(value, argument, owner):
             if isinstance(tensor, torch.Tensor) and name not in seen:
                 seen[name] = (tensor, tensor._version)
     return seen
+
+
+def _shares_memory(result: Any, tensor: torch.Tensor) -> bool:
+    return (isinstance(result, torch.Tensor) and result.device == tensor.device
+            and result.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr())
 
 
 class Checked:
@@ -79,12 +88,15 @@ class Checked:
 
         @functools.wraps(value)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            before = _versions(value, args, kwargs, owner)
+            before = _versions(value, args, kwargs, owner, OWNED_ARGUMENTS.get(name, frozenset()))
             result = value(*args, **kwargs)
             for what, (tensor, version) in before.items():
                 if tensor._version != version:
                     raise ContractError(f"{self._part!r}.{name} modified {what} in place; a part assigns new "
                                         "tensors instead (the contract's rule 1, fedflat/core/part.py)")
+                if name in OWNED_ARGUMENTS and _shares_memory(result, tensor):
+                    raise ContractError(f"{self._part!r}.{name} returned {what}, which the engine then overwrites; "
+                                        "it returns its grad argument or a new tensor (fedflat/core/part.py)")
             return result
         return watched
 

@@ -184,12 +184,38 @@ class Correction(Part):
         """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
         return grad
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        """Optional, for speed: :meth:`direction` without its term ``c w`` (``c`` = :meth:`decoupled_decay`), from
+        the raw ``grad = g(w + eps)`` (no weight decay), so that ``direction(g + wd w) = loss_direction(g) + c w`` up
+        to rounding (``fedflat.testing.check_part`` checks it). The engine then clips it (``train.clip_scope=loss``)
+        and adds ``c w`` itself: two full-size passes a step fewer than adding ``wd w`` for :meth:`direction` to mix
+        and the clip to take off again. ``grad`` is the engine's fresh tensor, read by nothing after: this hook may
+        overwrite it and return it (the one exception to rule 1). The engine calls it only where
+        :meth:`gives_loss_direction`; otherwise it calls :meth:`direction`."""
+        raise NotImplementedError
+
+    @classmethod
+    def gives_loss_direction(cls) -> bool:
+        """Whether :meth:`loss_direction` applies: overridden, and :meth:`direction` and :meth:`decoupled_decay` not
+        overridden again below the class that wrote it (a subclass that changes the direction, as FedGMT's ADMM dual
+        of FedDyn's, falls back to :meth:`direction` unless it writes its own loss direction too)."""
+        owner = _defined_in(cls, "loss_direction")
+        return owner is not Correction and all(
+            _defined_in(cls, name) is owner or not issubclass(_defined_in(cls, name), owner)
+            for name in ("direction", "decoupled_decay"))
+
     def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
         """The coefficient ``c`` of the term ``c w`` of :meth:`direction` that the method's public code gives its
         optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``: under
         ``train.clip_scope=loss`` the engine clips ``d - c w`` (the gradient of the loss that code backpropagates,
         with the method's linear terms) and adds ``c w`` back. Default ``wd``: the direction holds ``wd w`` once."""
         return ctx.settings.weight_decay
+
+
+def _defined_in(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose body defines ``name``."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
 class Personalization(Part):
