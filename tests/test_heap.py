@@ -11,15 +11,16 @@ import pytest
 
 GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
-# A 64 MiB tensor (above glibc's largest dynamic mmap threshold, 32 MiB) allocated, filled and freed, then again:
-# the second time's page faults. glibc's own settings map it afresh (16,384 pages faulted in); kept, it reuses them.
+# A 64 MiB tensor (above glibc's largest dynamic mmap threshold, 32 MiB) allocated, filled and freed, then a 60 MiB
+# one: its page faults. glibc's own settings map it afresh (15,360 pages faulted in); kept, the freed block serves
+# it. (Not 64 MiB again: PyTorch allocates with posix_memalign, which asks a little more than the block it freed.)
 PROBE = """
 import resource, torch
 from fedflat.engine.heap import retain_freed_memory
 print(retain_freed_memory())
 x = torch.ones(1 << 24); del x
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-x = torch.ones(1 << 24); del x
+x = torch.ones(15 << 20); del x
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -33,9 +34,9 @@ def _probe(env: dict[str, str]) -> tuple[str, int]:
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
 def test_a_freed_large_tensor_is_reused_without_page_faults():
     kept, faults = _probe({})
-    assert kept == "True" and faults < 1000  # 16,384 pages when freshly mapped
+    assert kept == "True" and faults < 1000  # 15,360 pages when freshly mapped
     default, faults_default = _probe({"FEDFLAT_MALLOC": "default"})
-    assert default == "False" and faults_default >= (1 << 26) // os.sysconf("SC_PAGE_SIZE") // 2
+    assert default == "False" and faults_default >= (15 << 22) // os.sysconf("SC_PAGE_SIZE") // 2
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
