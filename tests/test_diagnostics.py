@@ -15,7 +15,6 @@ from fedflat.algorithms import RECIPES
 from fedflat.cli import main as cli_main
 from fedflat.config import load_config
 from fedflat.core import ParamLayout
-from fedflat.data import Dataset
 from fedflat.engine.simulation import Simulation
 from fedflat.metrics import analyze, open_run
 from fedflat.metrics.analysis import Target

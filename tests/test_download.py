@@ -9,7 +9,6 @@ import io
 import pickle
 import tarfile
 import threading
-import urllib.error
 from dataclasses import replace
 from functools import partial
 from pathlib import Path

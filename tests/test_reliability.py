@@ -294,11 +294,11 @@ def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
 def _spawned_workers(parent: int) -> list[int]:
     """The sweep's cell processes (multiprocessing's spawn), by their command line."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent and \
-                    "spawn_main" in stat.with_name("cmdline").read_text():
-                found.append(int(stat.parent.name))
+            if int(proc_stat.read_text().rsplit(")", 1)[1].split()[1]) == parent and \
+                    "spawn_main" in proc_stat.with_name("cmdline").read_text():
+                found.append(int(proc_stat.parent.name))
         except (OSError, IndexError, ValueError):
             pass
     return found
@@ -374,7 +374,6 @@ def test_bench_on_a_missing_gpu_is_a_clear_error(capsys):
 
 
 def _user_data(**change):
-    import numpy as np
     import torch
 
     from fedflat.data import Dataset

@@ -267,8 +267,9 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
     ckpt = read_checkpoint(folder)
     assert ckpt is not None and ckpt["round"] >= 2
     assert len(read_jsonl(folder / "metrics.jsonl")) - ckpt["round"] <= 1  # at most checkpoint_every lost
-    resume(folder, progress=False)
+    resumed = resume(folder, progress=False)
     full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), read_jsonl(tmp_path / "full" / "metrics.jsonl"))
 
 

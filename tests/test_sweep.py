@@ -179,7 +179,7 @@ def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
     path = write_sweep(tmp_path, {"overrides": ["rounds=2"], "grid": {"seed": [0, 1]}})
     parallel = run_sweep(load_sweep(path, out=tmp_path / "par"), workers=2, progress=False)
     serial = run_sweep(load_sweep(path, out=tmp_path / "ser"), progress=False)
-    assert [c["status"] for c in parallel.cells] == ["completed", "completed"]
+    assert [c["status"] for c in parallel.cells] == [c["status"] for c in serial.cells] == ["completed", "completed"]
     for name in ("seed0", "seed1"):
         a = read_jsonl(tmp_path / "par" / name / "metrics.jsonl")
         b = read_jsonl(tmp_path / "ser" / name / "metrics.jsonl")
