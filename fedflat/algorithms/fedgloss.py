@@ -42,6 +42,14 @@ class ADMMCorrection(Correction):
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad - cohort.state[CLIENT_DUAL] + (W - ctx.w_start) / self.p.beta
 
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        """``g - (lambda_i + w~/beta) + w/beta``, the pull formed once per chunk (the whole term is the loss's)."""
+        own = cohort.own(self)
+        if "pull" not in own:
+            own["pull"] = torch.add(cohort.state[CLIENT_DUAL], ctx.w_start, alpha=1 / self.p.beta)
+        return grad.sub_(own["pull"]).add_(W, alpha=1 / self.p.beta)
+
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W)
 

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.fedcm import DecayPlacement, mixed_decay, momentum_mix
+from fedflat.algorithms.fedcm import DecayPlacement, loss_mix, mixed_decay, momentum_mix
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
                           init, register_recipe)
@@ -67,6 +67,10 @@ class VarianceSuppressedUpdate(Correction):
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return momentum_mix(self.p.beta, grad, ctx.server[DIRECTION], W, ctx.settings.weight_decay, self.p.decay)
+
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        return loss_mix(self.p.beta, grad, ctx.server[DIRECTION])
 
     def decoupled_decay(self, ctx: ClientContext) -> float:
         return mixed_decay(self.p.beta, ctx.settings.weight_decay, self.p.decay)
