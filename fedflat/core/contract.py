@@ -2,8 +2,10 @@
 
 Rule 1 of the contract (:mod:`fedflat.core.part`): a part never modifies in place a tensor it did not make in that
 call — the broadcast, the server state, the held rows, the uploads, a cohort's state and personal rows, another
-part's values, or the tensors handed to it (``W``, ``grad``, ``eps``, ``w_new``). It assigns new tensors instead,
-so a round stays a transaction and the same client code gives the same numbers on every engine and executor.
+part's values, or the tensors handed to it (``W``, ``grad``, ``eps``, ``w_new``), except the ``grad`` handed over to
+``loss_direction`` (:data:`OWNED_ARGUMENTS`), which it may overwrite and return (returning a tensor it does not own,
+which the engine would then overwrite, is an error too). It assigns new tensors instead, so a round stays a
+transaction and the same client code gives the same numbers on every engine and executor.
 
 A watched hook records the version counter of every tensor it can reach before it runs (PyTorch bumps it on every
 in-place operation, on the tensor or any view of it) and compares after: a change is a :class:`ContractError`

@@ -23,6 +23,7 @@ The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the tes
 1. A part never modifies in place a tensor it did not make in this call: the broadcast, ``ctx.server``,
    ``ctx.held``, the uploads, ``cohort.state``, another part's values. It assigns new tensors instead
    (``ctx.server[KEY] = ...``), so the round stays a transaction: a failed round leaves the server as it was.
+   (The one tensor handed over is :meth:`Correction.loss_direction`'s ``grad``, which it may overwrite.)
 2. Parts share values within a chunk only through declared :class:`Slot` s (``provides`` / ``requires``, read and
    written through ``cohort.shared``); a part's own working values for the chunk live in ``cohort.own(self)``.
 3. Names of state entries and slots read ``<part>.<symbol>`` (``scaffold.c``, ``lesam.w_old``), the symbol
