@@ -5,8 +5,9 @@ blocks are freed, to 32 MiB at most) with a fresh mapping and returns it to the 
 top of its heap back above its trim threshold; the next step's tensors then land on pages the kernel zero-fills on
 first touch. On W2 (a CNN, 50 clients a round, 800k parameters) that was 110,000 page faults a round in the driver
 and 120,000 in each Ray worker, about 0.2 s of a 2.2 s round (docs/benchmarks.md, "CPU speed, issue 37"). With the
-mmap threshold at 1 GiB and the trim threshold at 2 GiB the heap keeps what it had: five faults a round. The
-process holds on to its peak memory until it exits, as PyTorch's GPU caching allocator does.
+mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what it had: a few faults a round after
+the first two. A process then keeps up to 512 MiB of freed memory for its next step (blocks of 256 MiB and more are
+still mapped and returned one by one), as PyTorch's GPU caching allocator keeps its own.
 
 Every run's process sets it once (the driver, Ray workers, Flower nodes, sweep workers); ``FEDFLAT_MALLOC=default``
 keeps glibc's own settings. Elsewhere (macOS, Windows, musl) it does nothing.
@@ -17,8 +18,8 @@ import ctypes
 import os
 import sys
 
-MMAP_THRESHOLD = 1 << 30  # blocks below it come from the heap
-TRIM_THRESHOLD = (1 << 31) - 1  # free memory at the heap's top kept up to this (mallopt takes a C int)
+MMAP_THRESHOLD = 256 << 20  # blocks below it come from the heap (W2's [50, 800k] uploads: 160 MB)
+TRIM_THRESHOLD = 512 << 20  # free memory at the heap's top kept up to this
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 ENV = "FEDFLAT_MALLOC"
 _DONE: list[bool] = []
