@@ -54,17 +54,13 @@ def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a
     return m + (c - c_i) * (a / (1 - a))
 
 
-def cosine_rows(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``cos(X_i, y)`` per row (0 where a vector is zero)."""
-    return (X @ y) / (row_norm(X).squeeze(-1) * y.norm() + 1e-12)
-
-
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
     """``s_i = cos(X_i, m) (+ 1 when shifted)``, and ``at_zero`` where ``X_i`` or ``m`` is the zero vector (the
-    authors' ``cosine_similarity``, ``server/FedWMSAM.py:77-84``, returns 0 there, before its ``+ 1``)."""
-    s = cosine_rows(X, m) + (1 if shifted else 0)
-    defined = (row_norm(X).squeeze(-1) > 0) & (m.norm() > 0)
-    return torch.where(defined, s, torch.full_like(s, at_zero))
+    authors' ``cosine_similarity``, ``server/FedWMSAM.py:77-84``, returns 0 there, before its ``+ 1``); each norm
+    taken once (``X`` is the round's ``[K, P]``)."""
+    x_norms, m_norm = row_norm(X).squeeze(-1), m.norm()
+    s = (X @ m) / (x_norms * m_norm + 1e-12) + (1 if shifted else 0)
+    return torch.where((x_norms > 0) & (m_norm > 0), s, torch.full_like(s, at_zero))
 
 
 def adapt_factor(a: torch.Tensor, similarity: torch.Tensor, tau: float, a_min: float, a_max: float) -> torch.Tensor:
