@@ -41,17 +41,17 @@ def test_a_freed_large_tensor_is_reused_without_page_faults():
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
 def test_a_run_sets_it_in_its_process_and_its_workers():
-    """The driver's Simulation and every worker's runtime (Ray's, Flower's, the threads') set it once."""
+    """A Simulation (the driver's, a Flower node's, a sweep cell's) and a Ray worker's runtime set it once."""
     code = """
 from fedflat.engine import heap
 from fedflat.engine.simulation import Simulation
-from fedflat.engine.runtime import build_client_runtime
+from fedflat.engine.ray_executor import build_runtime
 from tests.conftest import tiny_config
 before = list(heap._DONE)
 sim = Simulation(tiny_config())
 after_driver = list(heap._DONE)
 heap._DONE.clear()
-build_client_runtime(sim.worker_spec(), sim.batches, sim.device)
+build_runtime(sim.worker_spec(), sim.worker_data())
 print(before, after_driver, heap._DONE)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -9,8 +9,9 @@ mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what 
 the first two. A process then keeps up to 512 MiB of freed memory for its next step (blocks of 256 MiB and more are
 still mapped and returned one by one), as PyTorch's GPU caching allocator keeps its own.
 
-Every run's process sets it once (the driver, Ray workers, Flower nodes, sweep workers); ``FEDFLAT_MALLOC=default``
-keeps glibc's own settings. Elsewhere (macOS, Windows, musl) it does nothing.
+Every run's process sets it once: a :class:`~fedflat.engine.simulation.Simulation` (the driver, a Flower node, a sweep
+cell, and so the threads executor's process) and a Ray worker's runtime; ``FEDFLAT_MALLOC=default`` keeps glibc's own
+settings. Elsewhere (macOS, Windows, musl) it does nothing.
 """
 from __future__ import annotations
 

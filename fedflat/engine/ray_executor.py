@@ -30,6 +30,7 @@ from fedflat.config import ExecutorConfig
 from fedflat.core import Broadcast, ClientResult, ConfigError, merge_results
 from fedflat.data import augmentation_fn
 from fedflat.engine.client import ClientBatches
+from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.runtime import (ClientRuntime, RoundTask, StateLoader, WorkerSpec, build_client_runtime,
                                     longest_first, rows_loader)
 from fedflat.engine.threads import available_cores
@@ -56,6 +57,7 @@ def require_ray():
 def build_runtime(spec: WorkerSpec, data: tuple[np.ndarray, np.ndarray, list[np.ndarray]]) -> ClientRuntime:
     """A worker's runtime: its model, oracle and batches on its device, from the spec and the shared data."""
     plugins.load(spec.plugins)  # a fresh process: the config's own parts, recipes and models first
+    retain_freed_memory()  # this worker's process, before the data's copy (the driver's: its Simulation)
     device = torch.device("cuda" if spec.use_gpu else "cpu")
     x, y, indices = data
     batches = ClientBatches(torch.tensor(x, device=device), torch.tensor(y, device=device),

@@ -24,7 +24,6 @@ from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort,
                           merge_results)
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
-from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.oracle import Oracle
 from fedflat.models import build_model
@@ -327,7 +326,6 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
     if spec.threads:
         torch.set_num_threads(spec.threads)
     set_tf32(device, spec.tf32)
-    retain_freed_memory()  # a worker's process (the driver's set it already)
     # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
     options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
     module = spec.model_fn() if spec.model_fn is not None else build_model(
