@@ -59,6 +59,11 @@ class Algorithm:
         """Model-sized vectors stored per client, on the client or on the server."""
         return len(self.state_keys()) + len(self.held_keys())
 
+    def individual_needs(self) -> list[str]:
+        """``"role 'name': reason"`` for every part that reads each client's own upload (:attr:`Part.individual`):
+        what central DP and secure aggregation, which release only the sum, cannot give it."""
+        return [f"{part!r}: {part.individual}" for part in self.ordered if part.individual]
+
     def value(self, key: str, default: Any = None) -> Any:
         """The hyperparameter ``key`` of the first part (in role order) that has it, or ``default``."""
         return next((getattr(p.p, key) for p in self.ordered if key in type(p.p).model_fields), default)

@@ -62,6 +62,7 @@ class FedAWA(Aggregation):
 
     name = "fedawa"
     summary = "softmax of per-client logits optimized on the client vectors (FedAWA)"
+    individual = "optimizes each client's weight on its own update"
     Params = AWAParams
     server_state = {SHIFT: init.per_client}
 

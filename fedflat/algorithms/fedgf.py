@@ -48,6 +48,7 @@ class GlobalFlatness(LocalSAM):
 
     name = "gf"
     summary = "FedGF: interpolates the global perturbed model and the local SAM one with a drift-adaptive c"
+    individual = "its weight c follows the mean norm of the clients' own updates"
     Params = GlobalFlatnessParams
     server_state = {GLOBAL_PERTURBATION: init.zeros, WEIGHT: init.scalar(0.0),
                     WINDOW: init.vector("window", dtype=torch.float64, device="cpu"),

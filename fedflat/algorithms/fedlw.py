@@ -30,6 +30,7 @@ def fednolowe_weights(losses: torch.Tensor) -> torch.Tensor:
 class FedLW(Aggregation):
     name = "fedlw"
     summary = "p_i ∝ n_i / (F_i + 1e-8), F_i the client's mean training loss (reconstruction)"
+    individual = "weighs each client by its own training loss"
 
     def weights(self, ctx: RoundContext) -> torch.Tensor:
         return fedlw_weights(ctx.num_samples, ctx.train_loss)
@@ -38,6 +39,7 @@ class FedLW(Aggregation):
 class FedNoLoWe(Aggregation):
     name = "fednolowe"
     summary = "p_i = (1 - F_i / sum F_j) / (K - 1), F_i the client's mean training loss (reconstruction)"
+    individual = "weighs each client by its own training loss"
 
     def weights(self, ctx: RoundContext) -> torch.Tensor:
         return fednolowe_weights(ctx.train_loss)

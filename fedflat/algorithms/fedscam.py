@@ -232,6 +232,7 @@ class AlignmentWeights(Aggregation):
 
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
+    individual = "weighs each client by its own heterogeneity and alignment scores"
     Params = WeightParams
     server_state = {DIRECTION_MEMORY: MEMORY_INIT}
     sends = (DIRECTION_MEMORY,)

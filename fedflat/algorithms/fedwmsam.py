@@ -108,6 +108,7 @@ class WeightedMomentum(Correction):
     Params = WMSAMParams
     server_state = {SERVER_VARIATE: init.zeros, MOMENTUM: init.zeros, FACTOR: init.scalar("a")}
     holds = (CLIENT_VARIATE,)
+    individual = "computes each client's variate c_i from its own update and holds it per client"
     provides = frozenset({CLIENT_MOMENTUM})
     global_direction = (MOMENTUM, 1.0)
 

@@ -84,7 +84,10 @@ class Part:
       ``supports_vectorized``: False refuses the vectorized engine, naming the part;
       ``global_direction``: the server entry that is the method's estimate of the global direction, with the
       sign that turns it into gradient sign (FedVSSAM's ``v``, FedWMSAM's momentum), read by the tracking
-      diagnostic.
+      diagnostic;
+      ``individual``: why the part reads each client's own upload rather than only the uploads' weighted mean
+      (FedAWA's weights, FedWMSAM's ``c_i``), empty when it does not. Central DP and secure aggregation release
+      only the (noised) sum, so a method with such a part is refused there, with this reason.
 
     What is uploaded is whatever ``end`` (or ``begin``) puts in ``cohort.upload``; communication is measured from
     the payloads.
@@ -103,6 +106,7 @@ class Part:
     extra_backprops: ClassVar[int] = 0
     supports_vectorized: ClassVar[bool] = True
     global_direction: ClassVar[tuple[str, float] | None] = None
+    individual: ClassVar[str] = ""
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
