@@ -216,6 +216,35 @@ def _logger_entries(tree: dict[str, Any]) -> dict[str, Any]:
     return {**tree, "loggers": entries} if entries or "loggers" in tree else tree
 
 
+class PrivacyConfig(Section):
+    """Client-level differential privacy (docs/privacy.md): each client's update clipped to ``clip``, Gaussian noise
+    of std ``noise_multiplier * clip`` on the sum (central) or on each update (local), accounted with dp-accounting."""
+
+    mode: Literal["central", "local"] = Field("central", description="central: the server noises the sum "
+                                                                      "(DP-FedAvg); local: each client its update")
+    clip: float = Field(1.0, gt=0, description="C, the L2 bound of a client's update (the first C when adaptive)")
+    noise_multiplier: float | None = Field(None, ge=0, description="z (noise std z C); with target_epsilon unset "
+                                                                   "it must be given")
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate z before round 0 so that `rounds` "
+                                                                 "rounds spend at most this epsilon; the budget")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta of (epsilon, delta) (default 1 / num_clients)")
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting's RDP (both samplings) or PLD "
+                                                                  "(Poisson sampling, tighter)")
+    adaptive: bool = Field(False, description="adapt the clip to a quantile of the update norms (Andrew et al. 2021)")
+    quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: the target fraction of unclipped updates")
+    clip_lr: float = Field(0.2, gt=0, description="adaptive: eta_C of C <- C exp(-eta_C (b - quantile))")
+    count_noise: float | None = Field(None, gt=0, description="adaptive: std of the noise on the unclipped count "
+                                                              "(default clients_per_round / 20)")
+    noise: Literal["keyed", "secure"] = Field("keyed", description="keyed: reproducible streams (simulation); "
+                                                                    "secure: the OS's CSPRNG (a deployment)")
+
+    @model_validator(mode="after")
+    def _noise_given(self) -> "PrivacyConfig":
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("privacy: set noise_multiplier (z) or target_epsilon (z is then calibrated)")
+        return self
+
+
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
 
 
@@ -252,6 +281,11 @@ class Config(Section):
     out: str = "runs"
     checkpoint_every: int = Field(10, ge=0, description="write checkpoint.pt every this many rounds "
                                   "(0: only at the end); `fedflat resume RUN_DIR` continues from it")
+    privacy: PrivacyConfig | None = Field(None, description="client-level differential privacy (docs/privacy.md)")
+    compression: dict[str, Any] | None = Field(None, description="compressed uploads: {name: topk, ratio, "
+                                                                 "error_feedback} or {name: qsgd, levels, ...}")
+    upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
+                                                                          "(a plugin's), each {name, ...}")
     loggers: list[LoggerEntry] = Field(
         default_factory=list, description="where the config and metrics lines also go: tensorboard, csv, wandb, "
                                           "mlflow (names, or mappings with options); the old tensorboard: true "
@@ -261,6 +295,45 @@ class Config(Section):
     @classmethod
     def _loggers(cls, data: Any) -> Any:
         return _logger_entries(data) if isinstance(data, dict) else data
+
+    def privacy_mechanism(self):
+        """The mechanism the accountant composes each round (:class:`fedflat.accounting.Mechanism`), or None."""
+        from fedflat.accounting import Mechanism
+
+        p = self.privacy
+        if p is None:
+            return None
+        sampling = "poisson" if self.sampling.participation == "bernoulli" else "fixed"
+        return Mechanism(sampling, self.data.num_clients, self.sampling.clients_per_round,
+                         p.noise_multiplier if p.noise_multiplier is not None else 1.0, p.mode, p.accountant)
+
+    @property
+    def privacy_delta(self) -> float:
+        return self.privacy.delta if self.privacy.delta is not None else 1.0 / self.data.num_clients
+
+    def noise_multiplier(self) -> float:
+        """``z``: the given one, or the one calibrated so that ``rounds`` rounds spend ``target_epsilon``."""
+        from dataclasses import replace
+
+        from fedflat.accounting import calibrate
+
+        p = self.privacy
+        if p.noise_multiplier is not None:
+            return p.noise_multiplier
+        return calibrate(replace(self.privacy_mechanism(), noise_multiplier=1.0), self.rounds, self.privacy_delta,
+                         p.target_epsilon)
+
+    def stage_specs(self) -> list[dict[str, Any]]:
+        """The upload stages this config asks for (``compression``, ``privacy``, then ``upload``), each
+        ``{name, **hyperparameters}``, the noise multiplier calibrated where ``privacy.target_epsilon`` asks."""
+        specs = [dict(self.compression)] if self.compression else []
+        p = self.privacy
+        if p is not None:
+            expected = self.sampling.clients_per_round  # K, or q N = K under Poisson sampling
+            specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": self.noise_multiplier(),
+                          "expected_clients": float(expected), "adaptive": p.adaptive, "quantile": p.quantile,
+                          "clip_lr": p.clip_lr, "count_noise": p.count_noise, "secure": p.noise == "secure"})
+        return specs + [dict(s) for s in self.upload]
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":
@@ -435,8 +508,19 @@ def validate(tree: dict[str, Any] | "Config") -> "Config":
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
     plugins.load(cfg.plugins)  # their parts, recipes, models and datasets, before anything is looked up by name
+    cfg = _with_recipe_privacy(cfg)
     _check_registered(cfg)
     return cfg
+
+
+def _with_recipe_privacy(cfg: Config) -> Config:
+    """A recipe that is a method under DP (DP-FedSAM) brings its privacy settings when the config has none."""
+    from fedflat.core import RECIPES
+
+    recipe = RECIPES.get(cfg.algo.get("name"))
+    if cfg.privacy is not None or recipe is None or not recipe.privacy:
+        return cfg
+    return cfg.model_copy(update={"privacy": PrivacyConfig(**recipe.privacy)})
 
 
 def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...]) -> None:
@@ -474,9 +558,29 @@ def _check_registered(cfg: Config) -> None:
         raise ConfigError(f"sampling.clients_per_round ({cfg.sampling.clients_per_round}) exceeds "
                           f"data.num_clients ({cfg.data.num_clients})")
     try:
-        build_algorithm(cfg.algo)
+        algorithm = build_algorithm(cfg.algo, cfg.stage_specs())
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
+    _check_upload_path(cfg, algorithm)
+
+
+def _check_upload_path(cfg: Config, algorithm) -> None:
+    """What the upload path cannot give a method: each client's own upload under central DP (which releases only
+    the noised sum), compression under local DP (whose noise is dense), a Poisson accountant for fixed sampling."""
+    p = cfg.privacy
+    if p is None:
+        return
+    needs = algorithm.individual_needs()
+    if p.mode == "central" and needs:
+        raise ConfigError(f"privacy.mode=central releases only the noised sum of the clients' updates, but "
+                          f"{'; '.join(needs)}: this method would read what central DP hides. Use privacy.mode=local "
+                          "(each client noises its own update) or another method")
+    if p.mode == "local" and algorithm.encoder is not None:
+        raise ConfigError(f"compression ({algorithm.encoder.name}) with privacy.mode=local: local noise makes the "
+                          "update dense; compress under privacy.mode=central")
+    if p.accountant == "pld" and p.mode == "central" and cfg.sampling.participation != "bernoulli":
+        raise ConfigError("privacy.accountant=pld accounts Poisson sampling: set sampling.participation=bernoulli, "
+                          "or use privacy.accountant=rdp (fixed-size sampling)")
 
 
 def _signature_defaults(fn: Callable, skip: tuple[str, ...]) -> dict[str, Any]:
@@ -497,6 +601,10 @@ def resolve(cfg: Config) -> dict[str, Any]:
     plugins.load(cfg.plugins)  # a Config that crossed into another process names what it needs
     tree = cfg.model_dump()
     tree["algo"] = build_algorithm(cfg.algo).resolved()
+    if cfg.privacy is not None:  # the calibrated z: the run's files say what ran, and a resume need not search again
+        tree["privacy"]["noise_multiplier"] = cfg.noise_multiplier()
+    if cfg.compression:
+        tree["compression"] = build_algorithm(cfg.algo, [cfg.compression]).resolved_stages()[0]
     model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))
     tree["model"] = {"name": cfg.model["name"], **model_defaults, **{k: v for k, v in cfg.model.items() if k != "name"}}
     scheme = cfg.data.partition["scheme"]

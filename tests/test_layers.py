@@ -16,7 +16,7 @@ ROOT = Path(fedflat.__file__).parent
 # against (fedflat.core) imports nothing else of fedflat.
 LAYERS: list[tuple[str, ...]] = [
     ("fedflat.core",),
-    ("fedflat._version", "fedflat.files", "fedflat.progress", "fedflat.params", "fedflat.cliutil"),
+    ("fedflat._version", "fedflat.files", "fedflat.progress", "fedflat.params", "fedflat.cliutil", "fedflat.accounting"),
     ("fedflat.data", "fedflat.models"),
     ("fedflat.algorithms",),
     ("fedflat.config", "fedflat.plugins"),

@@ -15,26 +15,35 @@ value flat) is read as it ran: each flat value set every part that owned it (:fu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from fedflat.core import (PARTS, RECIPES, ROLES, AlgorithmError, Broadcast, ClientContext, ClientResult, Cohort, Part,
-                          Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label, contract)
+from fedflat.core import (PARTS, RECIPES, ROLES, STAGES, AlgorithmError, Broadcast, ClientContext, ClientResult, Cohort,
+                          Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label, contract)
+from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
 
 
 @dataclass
 class Algorithm:
-    """An assembled method: its parts (one per role), each holding its own hyperparameters (``part.p``)."""
+    """An assembled method: its parts (one per role), each holding its own hyperparameters (``part.p``), and the
+    stages of its upload path (:mod:`fedflat.core.upload`: differential privacy, compression), in their order."""
 
     name: str
     parts: dict[str, Part]
+    stages: list[UploadStage] = field(default_factory=list)
 
     @property
     def ordered(self) -> list[Part]:
-        return [self.parts[role] for role in ROLES]
+        """The parts in role order, then the upload stages: every hook runs in this order."""
+        return [self.parts[role] for role in ROLES] + list(self.stages)
+
+    @property
+    def encoder(self) -> UploadStage | None:
+        """The stage that changes what travels (at most one: :func:`build_algorithm` checks)."""
+        return next((s for s in self.stages if s.encodes), None)
 
     @property
     def label(self) -> str:
@@ -94,6 +103,35 @@ class Algorithm:
             personal.update(part.personal(ctx))
         return Broadcast(ctx.round, ctx.lr, ctx.w_start, shared, ctx.sampled.cpu(), personal)
 
+    def release(self, ctx: ClientContext, cohort: Cohort) -> None:
+        """The upload path's client side, after the parts' ``end``: ``cohort.upload`` becomes what travels, the
+        release (``Delta_i`` and the parts' entries) through every stage's :meth:`~UploadStage.client`, then the
+        encoder's :meth:`~UploadStage.encode`, beside the entries the path leaves as they are and the stages' own."""
+        if not self.stages:
+            return
+        release = release_of(cohort.upload, ctx.w_broadcast)
+        cohort.upload = {k: v for k, v in cohort.upload.items() if k in NOT_RELEASED}
+        for stage in self.stages:
+            release = stage.client(ctx, cohort, release)
+        encoder = self.encoder
+        cohort.upload.update(encoder.encode(ctx, cohort, release) if encoder is not None else release)
+
+    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The upload path's server side: the received ``upload`` decoded into the release, every stage's
+        :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload as received), and the upload the parts read,
+        ``model`` at ``w_start + Delta_i`` again."""
+        if not self.stages:
+            return upload
+        side = {name for stage in self.stages for name in stage.side}
+        kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
+        payload = {k: v for k, v in upload.items() if k not in NOT_RELEASED and k not in side}
+        encoder = self.encoder
+        release = encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
+        ctx.uploads = upload
+        for stage in self.stages:
+            release = stage.server(ctx, release)
+        return upload_of(release, ctx.w_start, kept)
+
     def aggregate(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
         """``w^{t+1}`` from the sampled clients' uploads (``result`` holds every sampled client, rows in
         ascending id order, as :func:`merge_results` makes them): weights, then every part's
@@ -101,7 +139,7 @@ class Algorithm:
         if not torch.equal(result.ids.cpu(), ctx.sampled.cpu()):
             raise ValueError(f"round {ctx.round}: results for clients {result.ids.tolist()}, "
                              f"expected exactly {ctx.sampled.tolist()} in ascending order")
-        ctx.uploads = result.upload
+        ctx.uploads = self.receive(ctx, result.upload)
         ctx.weights = self.parts["aggregation"].weights(ctx)
         for part in self.ordered:
             part.finish(ctx)
@@ -114,6 +152,10 @@ class Algorithm:
         """The ``algo`` config section with every part and every hyperparameter, each under its role."""
         return {"name": self.name,
                 **{role: {"name": part.name, **part.p.model_dump()} for role, part in self.parts.items()}}
+
+    def resolved_stages(self) -> list[dict[str, Any]]:
+        """The upload stages with every hyperparameter, in their order (``[]`` without any)."""
+        return [{"name": stage.name, **stage.p.model_dump()} for stage in self.stages]
 
 
 # State entries renamed to the ``<part>.<symbol>`` convention: checkpoints and node state written before it still
@@ -207,8 +249,9 @@ def _recipe_defaults(recipe: Recipe, classes: dict[str, type[Part]]) -> dict[str
     return values
 
 
-def build_algorithm(section: dict[str, Any]) -> Algorithm:
-    """Assembles the algorithm of a config's ``algo`` section (``name``, roles, hyperparameters flat or scoped)."""
+def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tuple = ()) -> Algorithm:
+    """Assembles the algorithm of a config's ``algo`` section (``name``, roles, hyperparameters flat or scoped) with
+    the upload ``stages`` (``{name, **hyperparameters}`` each, e.g. :meth:`fedflat.config.Config.stage_specs`)."""
     section = scoped_section(section)
     name = section.pop("name", "fedavg")
     if name not in RECIPES:
@@ -230,16 +273,37 @@ def build_algorithm(section: dict[str, Any]) -> Algorithm:
     parts = {role: cls(_params(cls, role, values[role])) for role, cls in classes.items()}
     _check_shared(parts)
     _check_composition(parts)
+    built = build_stages(stages)
     if contract.checking():  # FEDFLAT_CHECK_CONTRACT=1: every hook watched for in-place changes (the tests)
         parts = {role: contract.Checked(part) for role, part in parts.items()}
-    return Algorithm(name=name, parts=parts)
+        built = [contract.Checked(stage) for stage in built]
+    return Algorithm(name=name, parts=parts, stages=built)
+
+
+def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
+    """The upload stages of ``specs``, sorted by their kind (:data:`fedflat.core.upload.STAGE_ORDER`); at most one
+    stage changes what travels."""
+    stages = []
+    for spec in specs:
+        spec = dict(spec)
+        name = spec.pop("name", None)
+        if name not in STAGES:
+            raise AlgorithmError(f"upload stage '{name}'{closest(str(name), STAGES)}; "
+                                 f"allowed: {', '.join(sorted(STAGES))}")
+        stages.append(STAGES[name](_params(STAGES[name], f"upload.{name}", spec)))
+    stages.sort(key=lambda s: STAGE_ORDER[s.kind])
+    encoders = [s.name for s in stages if s.encodes]
+    if len(encoders) > 1:
+        raise AlgorithmError(f"upload stages {encoders} each encode the upload: choose one compression")
+    return stages
 
 
 def _params(cls: type[Part], role: str, values: dict[str, Any]):
     try:
         return cls.Params(**values)
     except ValidationError as err:
-        problems = "; ".join(f"algo.{role}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        where = role if role.startswith("upload.") else f"algo.{role}"
+        problems = "; ".join(f"{where}{''.join('.' + str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
         raise AlgorithmError(problems) from None
 
 

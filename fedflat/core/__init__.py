@@ -16,7 +16,8 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "errors": ("AlgorithmError", "ConfigError", "ContractError", "Diverged", "NoClients", "PluginError"),
+    "errors": ("AlgorithmError", "BudgetSpent", "ConfigError", "ContractError", "Diverged", "NoClients",
+               "PluginError"),
     "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "normalize_rows_", "persistent_buffers",
                 "row_norm"),
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
@@ -26,7 +27,8 @@ _HOMES = {
     "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
              "ServerUpdate", "shared"),
     "init": ("Init",),
-    "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "Recipe", "closest",
+    "upload": ("STAGE_ORDER", "Release", "UploadStage", "release_norms", "release_of", "scale_release", "upload_of"),
+    "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "STAGES", "Recipe", "closest",
                  "composition_label", "register_part", "register_recipe"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}

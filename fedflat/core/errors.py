@@ -27,5 +27,10 @@ class Diverged(RuntimeError):
     """A non-finite loss or model: the run stops with ``status: diverged``."""
 
 
+class BudgetSpent(RuntimeError):
+    """The next round would spend more privacy than ``privacy.target_epsilon`` allows: the run stops with
+    ``status: budget spent``, a finished run."""
+
+
 class NoClients(RuntimeError):
     """No sampled client answered a round (every node of a federation failed): nothing to aggregate."""

@@ -13,9 +13,11 @@ from typing import Any
 from fedflat.core.errors import AlgorithmError, PluginError
 from fedflat.core.part import Part
 from fedflat.core.round import Slot
+from fedflat.core.upload import STAGE_ORDER, UploadStage
 
 ROLES = ("perturbation", "filter", "correction", "aggregation", "server", "personalization")
 PARTS: dict[str, dict[str, type[Part]]] = {role: {} for role in ROLES}
+STAGES: dict[str, type[UploadStage]] = {}  # the stages of the upload path (fedflat.core.upload), by name
 RECIPES: dict[str, "Recipe"] = {}
 
 # The SAM radius grid of the seeds: FedLESAM tunes rho in {0.05, 0.01, 0.005, 0.001, 0.0005} for every method
@@ -55,15 +57,19 @@ def add(registry: dict[str, Any], kind: str, name: str, value: Any, origin: str 
 def register_part(cls: type[Part]) -> type[Part]:
     """Makes ``cls`` available by its role and name; its declared state entries and slots must be named
     ``<part>.<symbol>`` (one naming convention: a checkpoint's keys say whose they are)."""
-    if cls.role not in PARTS:
-        raise AlgorithmError(f"part {cls.__qualname__}: role {cls.role!r} is not one of {', '.join(ROLES)}")
-    names = [*cls.server_state, *cls.sends, *cls.keeps, *cls.holds,
+    if cls.role not in PARTS and cls.role != UploadStage.role:
+        raise AlgorithmError(f"part {cls.__qualname__}: role {cls.role!r} is not one of {', '.join(ROLES)}, "
+                             f"{UploadStage.role}")
+    if cls.role == UploadStage.role and cls.kind not in STAGE_ORDER:
+        raise AlgorithmError(f"upload stage {cls.__qualname__}: kind {cls.kind!r} is not one of "
+                             f"{', '.join(STAGE_ORDER)}")
+    names = [*cls.server_state, *cls.sends, *cls.keeps, *cls.holds, *getattr(cls, "side", ()),
              *(s.name for s in (*cls.provides, *cls.requires) if isinstance(s, Slot))]
     unscoped = [n for n in names if "." not in n.strip(".")]
     if unscoped:
         raise AlgorithmError(f"{cls.role} '{cls.name}' ({cls.__module__}): state and slot names read "
                              f"'<part>.<symbol>' (e.g. 'scaffold.c'); rename {unscoped}")
-    add(PARTS[cls.role], cls.role, cls.name, cls)
+    add(STAGES if cls.role == UploadStage.role else PARTS[cls.role], cls.role, cls.name, cls)
     return cls
 
 
@@ -88,6 +94,7 @@ class Recipe:
     personalization: str = "none"
     defaults: dict[str, Any] = field(default_factory=dict)
     tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # a method under DP (DP-FedSAM): its `privacy` section
 
     def part_names(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}

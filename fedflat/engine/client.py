@@ -183,6 +183,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
                                       torch.where(private.to(start.device), ctx.buffers, session.buffers))
         for part in algorithm.ordered:
             part.end(ctx, cohort, W)
+        algorithm.release(ctx, cohort)  # the upload path: what leaves the client (fedflat.core.upload)
     return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
 
 

@@ -318,6 +318,7 @@ class WorkerSpec:
     traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
     pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
     plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
+    stages: tuple[dict[str, Any], ...] = ()  # the upload path's stages (Config.stage_specs, z calibrated)
 
 
 def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device) -> ClientRuntime:
@@ -333,7 +334,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(spec.engine, device, spec.step_flops)
-    return ClientRuntime(build_algorithm(spec.algo), model, batches, settings, engine, spec.chunk_size,
+    return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings, engine, spec.chunk_size,
                          spec.precision, spec.channels_last, spec.traits)
 
 

@@ -32,6 +32,7 @@ from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.modes import inspect_module, module_name
+from fedflat.engine.privacy import PrivacyLedger
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, ThreadExecutor, WorkerSpec,
                                     build_client_runtime, choose_engine, resolve_engine, set_tf32, step_flops,
                                     vmap_problem)
@@ -242,7 +243,8 @@ class Simulation:
         if self.threads:
             torch.set_num_threads(self.threads)
         self.traits = self._inspect()
-        self.algorithm: Algorithm = build_algorithm(cfg.algo)
+        self.stage_specs = cfg.stage_specs()  # the upload path (privacy, compression), z calibrated once here
+        self.algorithm: Algorithm = build_algorithm(cfg.algo, self.stage_specs)
         self.engine = resolve_engine(cfg.engine, self.device, self.step_flops)
         # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused
         may_vectorize = self.engine == "vectorized" or (cfg.engine == "auto" and cfg.executor.gpus_per_worker > 0)
@@ -250,6 +252,10 @@ class Simulation:
                                          cfg.precision) if may_vectorize else None
         self.engine = choose_engine(cfg.engine, self.engine, self.vmap_problem, module)
         layout = self.model.buffer_layout
+        if cfg.privacy is not None and layout.size:
+            raise ConfigError(f"privacy: model {module_name(module)} has buffers ({', '.join(layout.names[:3])}...), "
+                              "data statistics its clients would upload unprotected; use a model without them "
+                              "(e.g. model.norm=group)")
         self.settings = TrainSettings(weight_decay=cfg.train.weight_decay, clip=cfg.train.clip,
                                       batch_size=cfg.train.batch_size, global_lr=cfg.train.global_lr,
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
@@ -284,6 +290,7 @@ class Simulation:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
+        self.privacy = PrivacyLedger.of(cfg)
 
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
@@ -320,7 +327,7 @@ class Simulation:
                           augmentation=self.dataset.augmentation, use_gpu=ex.gpus_per_worker > 0,
                           tf32=cfg.tf32, precision=cfg.precision, channels_last=cfg.channels_last,
                           step_flops=self.step_flops, standardize=self.dataset.standardize,
-                          plugins=tuple(cfg.plugins))
+                          plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs))
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:
@@ -366,7 +373,7 @@ class Simulation:
         rng = numpy_stream(self.cfg.seed, round, SERVER, "sampling")
         if self.cfg.sampling.participation == "bernoulli":
             chosen = (rng.random(N) < K / N).nonzero()[0]
-            if len(chosen) == 0:
+            if len(chosen) == 0 and self.privacy is None:  # (under DP, Poisson sampling as the accountant assumes)
                 chosen = rng.choice(N, 1)
         else:
             chosen = rng.choice(N, K, replace=False)
@@ -408,6 +415,8 @@ class Simulation:
         ``configure_train``). Nothing is committed: a round never finished leaves no trace."""
         start = time.perf_counter()
         ctx = self.new_context(round)
+        if self.privacy is not None:
+            self.privacy.check_budget(round, ctx.sampled.cpu())
         broadcast = self.configure(ctx)
         task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
         return OpenRound(ctx, broadcast, task, start)
@@ -421,6 +430,8 @@ class Simulation:
     def run_round(self, round: int) -> RoundResult:
         """One communication round on the executor; updates ``self.w``, the server state and the store."""
         opened = self.begin_round(round)
+        if not len(opened.task):  # Poisson sampling under DP drew nobody: nothing is trained or released
+            return self.finish_round(opened, None)
         return self.finish_round(opened, self.executor.fit(opened.broadcast, opened.task, self.load_state))
 
     def finish_round(self, opened: OpenRound, result: ClientResult) -> RoundResult:
@@ -433,13 +444,15 @@ class Simulation:
         are committed together at the end; an exception or an interrupt before that leaves the simulation
         exactly at the previous round."""
         ctx, broadcast, round = opened.ctx, opened.broadcast, opened.ctx.round
+        if result is None:
+            return self._empty_round(opened)
         dropped = sorted(set(ctx.sampled.tolist()) - set(result.ids.tolist()))
         if dropped:
             if not len(result.ids):
                 raise NoClients(f"round {round + 1}: none of the {ctx.K} sampled clients answered")
             ctx = ctx.answered(result.ids.to(ctx.sampled.device))
         result = result.to(self.device)
-        if not all_finite(result.upload[TRAIN_LOSS]) or not all_finite(result.upload[MODEL]):
+        if not all(all_finite(rows) for rows in result.upload.values() if rows.is_floating_point()):
             raise Diverged(f"round {round + 1}: non-finite local loss or model (try a smaller train.lr or algo radius)")
         w_new = self.algorithm.aggregate(ctx, result)
         if not all_finite(w_new):
@@ -461,12 +474,25 @@ class Simulation:
             self.buffers = b_new
             self.aggregated_round[result.ids.cpu()] = round
             self.backprops += result.backprops
+            log = dict(ctx.log)
+            if self.privacy is not None:
+                log.update(self.privacy.spend(round, result.ids.cpu()))
             self.last_round = RoundResult(
                 round=round, lr=ctx.lr, train_loss=train_loss, drift=drift, clients=ctx.K,
                 seconds=time.perf_counter() - opened.start,
                 backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
                 up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
-                dropped=dropped, log=dict(ctx.log))
+                dropped=dropped, log=log)
+        return self.last_round
+
+    def _empty_round(self, opened: OpenRound) -> RoundResult:
+        """A round whose Poisson sample under DP was empty: the model stays, the accountant counts the round."""
+        round = opened.ctx.round
+        with uninterrupted():
+            log = self.privacy.spend(round, torch.zeros(0, dtype=torch.long))
+            self.last_round = RoundResult(round=round, lr=opened.ctx.lr, train_loss=float("nan"), drift=0.0, clients=0,
+                                          seconds=time.perf_counter() - opened.start, store=self.store.count(),
+                                          log=log)
         return self.last_round
 
     def aggregate_buffers(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
@@ -491,7 +517,8 @@ class Simulation:
         store. (Random streams are keyed by round, so no generator state needs saving.)"""
         return {"w": self.w.detach().cpu().clone(), "buffers": self.buffers.detach().cpu().clone(),
                 "server": {k: v.detach().cpu().clone() for k, v in self.server.items()},
-                "store": self.store.state_dict(), "aggregated_round": self.aggregated_round.clone()}
+                "store": self.store.state_dict(), "aggregated_round": self.aggregated_round.clone(),
+                **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.w = state["w"].to(self.device)
@@ -502,6 +529,8 @@ class Simulation:
         self.store.load_state_dict(renamed_state(state["store"]))
         if "aggregated_round" in state:  # (checkpoints before fedflat 0.x's Flower layer lack it)
             self.aggregated_round = state["aggregated_round"].clone()
+        if self.privacy is not None and "privacy" in state:
+            self.privacy.load_state_dict(state["privacy"])
 
     @functools.cached_property
     def client_tests(self) -> list[torch.Tensor]:

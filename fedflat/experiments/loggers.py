@@ -361,7 +361,7 @@ class MLflowTracker(_Tracker):
         self.client.set_tag(self.run_id, "fedflat.status", status)
         self.client.set_tag(self.run_id, "fedflat.reason", str(summary.get("reason") or "")[:5000])
         interrupted = str(summary.get("reason") or "").startswith("interrupted")
-        final = "FINISHED" if status in ("completed", "diverged") else "KILLED" if interrupted else "FAILED"
+        final = "FINISHED" if status in ("completed", "diverged", "budget spent") else "KILLED" if interrupted else "FAILED"
         self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(final)))
 
 

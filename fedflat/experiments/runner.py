@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fedflat.config import Config, as_config, dump_yaml, resolve
-from fedflat.core import Diverged
+from fedflat.core import BudgetSpent, Diverged
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
@@ -222,6 +222,8 @@ class Runner:
             "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
             "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if sim.privacy is not None:
+            self.summary.update(privacy=sim.privacy.describe(), epsilon=0.0)
         if checkpoint is not None:
             self._restore(checkpoint)
         where = where or Output()
@@ -296,6 +298,8 @@ class Runner:
             self.summary["status"] = "completed"
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
+        except BudgetSpent as err:
+            self.summary.update(status="budget spent", reason=str(err))
         except KeyboardInterrupt as err:
             self.summary.update(status="failed", reason=f"interrupted ({interruption(err)})")
             err.run_dir = self.run_dir.path if self.run_dir else None  # for the message that says how to resume
@@ -388,6 +392,8 @@ class Runner:
         s["down_bytes"] += result.down_bytes * result.clients
         if result.dropped:
             s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
+        if "epsilon" in result.log:
+            s["epsilon"] = result.log["epsilon"]
         self._owed = result if self._evaluated(t) else None
 
     def _record(self, t: int, result: RoundResult, bar) -> dict[str, Any]:

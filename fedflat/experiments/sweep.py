@@ -49,7 +49,7 @@ from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
-FINISHED = ("completed", "diverged")
+FINISHED = ("completed", "diverged", "budget spent")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 SHORTHAND_KEYS = ("algo", "model", "data", "data.partition", "data.partition.scheme", "algo.name", "model.name")
 

@@ -1,0 +1,151 @@
+"""Client-level differential privacy: the Gaussian mechanism on each client's release (DP-FedAvg, McMahan et al.,
+ICLR 2018), with a fixed or an adaptive clip (Andrew et al., NeurIPS 2021).
+
+Each client's release ``x_i = (Delta_i, extra_i)`` (:mod:`fedflat.core.upload`) is clipped to ``C``,
+``x_i <- x_i min(1, C / ||x_i||)``, and Gaussian noise of standard deviation ``z C`` is added:
+
+- ``mode: central`` (DP-FedAvg): to the sum, by the server, which releases ``(sum_i x_i + N(0, z^2 C^2 I)) / m``
+  with ``m`` the *expected* number of clients per round (``K`` for fixed-size sampling, ``q N`` for Poisson
+  sampling; never the realized count, which would leak). Every row the method's server side reads is this one
+  private mean, so whatever it computes from the uploads is post-processing of the mechanism's output. A method
+  that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused (fedflat.config).
+- ``mode: local``: by each client to its own clipped release, so that what leaves the client is private by itself.
+
+Adaptive clipping (Andrew et al. 2021, Algorithm 1 with the geometric update): each client also reports
+``b_i = 1[||x_i|| <= C]``; the server releases ``b~ = (sum_i b_i + N(0, sigma_b^2)) / m`` and sets
+``C <- C exp(-eta_C (b~ - gamma))``, so ``C`` tracks the ``gamma`` quantile of the update norms. The pair of
+mechanisms (update noise ``z_Delta``, count noise ``sigma_b``) is as private as one Gaussian mechanism of
+multiplier ``z`` when ``z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` (their Theorem 1): ``noise_multiplier`` is that
+``z``, the one the accountant composes.
+
+Noise comes from the keyed streams (a reproducible simulation), or with ``secure: true`` from the operating
+system's cryptographically secure source (:func:`secure_normal`), which a deployment must use.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+
+from fedflat.core import (SERVER, ClientContext, Cohort, PartParams, RoundContext, init, torch_stream)
+from fedflat.core.upload import Release, UploadStage, release_norms, scale_release
+
+CLIP = "dp.clip"  # server state, broadcast: the round's clip C (fixed, or adapted by the server)
+UNCLIPPED = "dp.unclipped"  # side entry of adaptive clipping: b_i = 1[||x_i|| <= C]
+
+
+class GaussianParams(PartParams):
+    mode: Literal["central", "local"] = Field("central", description="who adds the noise: the server to the sum "
+                                                                      "(central) or each client (local)")
+    clip: float = Field(1.0, gt=0, description="C, the L2 bound of a client's release (the first C when adaptive)")
+    noise_multiplier: float = Field(1.0, ge=0, description="z: noise std z C (central: on the sum)")
+    expected_clients: float = Field(1.0, gt=0, description="m, the expected number of clients per round: the "
+                                                            "central mean's denominator (K, or q N for Poisson)")
+    adaptive: bool = Field(False, description="adapt C to the `quantile` of the update norms (Andrew et al. 2021)")
+    quantile: float = Field(0.5, gt=0, lt=1, description="gamma, the target fraction of unclipped updates")
+    clip_lr: float = Field(0.2, gt=0, description="eta_C of the geometric update C <- C exp(-eta_C (b~ - gamma))")
+    count_noise: float | None = Field(None, gt=0, description="sigma_b, the std of the noise on the count of "
+                                                               "unclipped updates (default m / 20, the paper's)")
+    secure: bool = Field(False, description="draw noise from the OS's secure source, not the keyed streams")
+
+    @model_validator(mode="after")
+    def _adaptive_is_central(self) -> "GaussianParams":
+        if self.adaptive and self.mode != "central":
+            raise ValueError("adaptive clipping noises the count of unclipped updates at the server: use mode=central")
+        if self.adaptive and self.noise_multiplier > 0 and 2 * self.sigma_b <= self.noise_multiplier:
+            raise ValueError(f"adaptive clipping: the count's noise sigma_b={self.sigma_b:g} must exceed z/2="
+                             f"{self.noise_multiplier / 2:g} (Andrew et al. 2021, Theorem 1); raise count_noise")
+        return self
+
+    @property
+    def sigma_b(self) -> float:
+        return self.count_noise if self.count_noise is not None else self.expected_clients / 20
+
+    @property
+    def update_noise(self) -> float:
+        """``z_Delta``: the update's own noise multiplier (``z`` itself with a fixed clip)."""
+        z = self.noise_multiplier
+        if not self.adaptive or z == 0:
+            return z
+        return (z ** -2 - (2 * self.sigma_b) ** -2) ** -0.5
+
+
+def secure_normal(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Standard normal draws from the operating system's cryptographically secure source (``os.urandom``), by the
+    Box-Muller transform of two uniforms of 53 random bits each."""
+    n = math.prod(shape)
+    words = np.frombuffer(os.urandom(16 * ((n + 1) // 2)), dtype=np.uint64).reshape(2, -1)
+    u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0 ** 53  # (0, 1]: log(u1) is finite
+    u2 = (words[1] >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    radius = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])[:n]
+    return torch.from_numpy(z).reshape(shape).to(dtype=dtype, device=device)
+
+
+def gaussian_like(release: Release, std: float, generator: torch.Generator | None) -> Release:
+    """``N(0, std^2)`` draws shaped like each entry of ``release`` (one row), in the entries' sorted order; from
+    ``generator``, or from :func:`secure_normal` when it is None."""
+    noise = {}
+    for name in sorted(release):
+        rows = release[name]
+        shape = tuple(rows.shape[1:])
+        draw = (torch.randn(shape, generator=generator, dtype=rows.dtype, device=rows.device) if generator is not None
+                else secure_normal(shape, rows.dtype, rows.device))
+        noise[name] = draw * std
+    return noise
+
+
+class GaussianMechanism(UploadStage):
+    """Clip each client's release to ``C`` and add ``N(0, z^2 C^2)`` noise, centrally or locally (module docstring)."""
+
+    name = "dp"
+    kind = "clip"
+    summary = "client-level DP: clip each release to C, Gaussian noise z C on the sum (central) or per client (local)"
+    Params = GaussianParams
+    server_state = {CLIP: init.scalar("clip", dtype=torch.float64)}
+    sends = (CLIP,)
+    side = (UNCLIPPED,)
+
+    def _generator(self, seed: int, round: int, client: int, device: torch.device) -> torch.Generator | None:
+        return None if self.p.secure else torch_stream(seed, round, client, "privacy", device)
+
+    def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
+        C = ctx.server[CLIP].double()
+        norms = release_norms(release)
+        clipped = scale_release(release, torch.clamp(C / norms.clamp(min=1e-300), max=1.0))
+        if self.p.adaptive:
+            cohort.upload[UNCLIPPED] = (norms <= C).to(torch.float32)
+        if self.p.mode != "local" or self.p.update_noise == 0:
+            return clipped
+        std = self.p.update_noise * float(C)
+        rows = [gaussian_like({k: v[c:c + 1] for k, v in clipped.items()}, std,
+                              self._generator(ctx.settings.seed, ctx.round, int(i), next(iter(clipped.values())).device))
+                for c, i in enumerate(cohort.ids.tolist())]
+        return {name: clipped[name] + torch.stack([r[name] for r in rows]) for name in clipped}
+
+    def server(self, ctx: RoundContext, release: Release) -> Release:
+        C = float(ctx.server[CLIP])
+        ctx.log["dp_clip"] = C
+        if self.p.adaptive:
+            self._adapt(ctx, C)
+        if self.p.mode != "central":
+            return release
+        generator = self._generator(ctx.settings.seed, ctx.round, SERVER, ctx.w.device)
+        noise = gaussian_like(release, self.p.update_noise * C, generator)
+        m = self.p.expected_clients
+        return {name: ((rows.sum(0) + noise[name]) / m).expand_as(rows) for name, rows in release.items()}
+
+    def _adapt(self, ctx: RoundContext, C: float) -> None:
+        """``C <- C exp(-eta_C (b~ - gamma))`` from the noised fraction of unclipped releases ``b~``."""
+        generator = self._generator(ctx.settings.seed, ctx.round, SERVER, torch.device("cpu"))
+        count = ctx.uploads[UNCLIPPED].double().sum().cpu()
+        draw = (torch.randn((), generator=generator, dtype=torch.float64) if generator is not None
+                else secure_normal((), torch.float64, "cpu"))
+        fraction = float(count + self.p.sigma_b * draw) / self.p.expected_clients
+        ctx.server[CLIP] = torch.tensor(C * math.exp(-self.p.clip_lr * (fraction - self.p.quantile)),
+                                        dtype=torch.float64, device=ctx.server[CLIP].device)
+        ctx.log["dp_unclipped"] = fraction
