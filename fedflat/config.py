@@ -514,13 +514,19 @@ def validate(tree: dict[str, Any] | "Config") -> "Config":
 
 
 def _with_recipe_privacy(cfg: Config) -> Config:
-    """A recipe that is a method under DP (DP-FedSAM) brings its privacy settings when the config has none."""
+    """A recipe that is a method under DP (DP-FedSAM) brings its ``privacy`` and ``compression`` sections where the
+    config has none."""
     from fedflat.core import RECIPES
 
     recipe = RECIPES.get(cfg.algo.get("name"))
-    if cfg.privacy is not None or recipe is None or not recipe.privacy:
+    if recipe is None:
         return cfg
-    return cfg.model_copy(update={"privacy": PrivacyConfig(**recipe.privacy)})
+    update: dict[str, Any] = {}
+    if cfg.privacy is None and recipe.privacy:
+        update["privacy"] = PrivacyConfig(**recipe.privacy)
+    if cfg.compression is None and recipe.compression:
+        update["compression"] = dict(recipe.compression)
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...]) -> None:

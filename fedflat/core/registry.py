@@ -95,6 +95,7 @@ class Recipe:
     defaults: dict[str, Any] = field(default_factory=dict)
     tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     privacy: dict[str, Any] = field(default_factory=dict)  # a method under DP (DP-FedSAM): its `privacy` section
+    compression: dict[str, Any] = field(default_factory=dict)  # ... and its `compression` (DP-FedSAM-top_k)
 
     def part_names(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}
