@@ -515,16 +515,17 @@ def validate(tree: dict[str, Any] | "Config") -> "Config":
 
 def _with_recipe_privacy(cfg: Config) -> Config:
     """A recipe that is a method under DP (DP-FedSAM) brings its ``privacy`` and ``compression`` sections where the
-    config has none."""
-    from fedflat.core import RECIPES
+    config does not set them (``privacy: null`` sets it: the method without DP)."""
+    from fedflat.algorithms import RECIPES
 
     recipe = RECIPES.get(cfg.algo.get("name"))
     if recipe is None:
         return cfg
     update: dict[str, Any] = {}
-    if cfg.privacy is None and recipe.privacy:
+    given = cfg.model_fields_set
+    if "privacy" not in given and recipe.privacy:
         update["privacy"] = PrivacyConfig(**recipe.privacy)
-    if cfg.compression is None and recipe.compression:
+    if "compression" not in given and recipe.compression:
         update["compression"] = dict(recipe.compression)
     return cfg.model_copy(update=update) if update else cfg
 

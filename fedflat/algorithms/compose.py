@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from fedflat.core import (PARTS, RECIPES, ROLES, STAGES, AlgorithmError, Broadcast, ClientContext, ClientResult, Cohort,
-                          Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label, contract)
+from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, AlgorithmError, Broadcast, ClientContext, ClientResult,
+                          Cohort, Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label,
+                          contract)
 from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
 
 
@@ -102,6 +103,10 @@ class Algorithm:
             shared.update(part.downlink(ctx))
             personal.update(part.personal(ctx))
         return Broadcast(ctx.round, ctx.lr, ctx.w_start, shared, ctx.sampled.cpu(), personal)
+
+    def wire_entries(self) -> tuple[str, ...]:
+        """The upload entries that carry the model (its update, when encoded): what a reply must hold."""
+        return self.encoder.wire if self.encoder is not None else (MODEL,)
 
     def release(self, ctx: ClientContext, cohort: Cohort) -> None:
         """The upload path's client side, after the parts' ``end``: ``cohort.upload`` becomes what travels, the

@@ -59,6 +59,7 @@ class TopK(UploadStage):
     summary = "top-k sparsification of the model update (values + int32 indices), error feedback as an option"
     Params = TopKParams
     keeps = (TOPK_RESIDUAL,)
+    wire = (VALUES, INDEX)
 
     def kept(self) -> tuple[str, ...]:
         return self.keeps if self.p.error_feedback else ()
@@ -112,6 +113,7 @@ class QSGD(UploadStage):
     summary = "QSGD stochastic quantization of the model update (norm + int8 levels), error feedback as an option"
     Params = QSGDParams
     keeps = (QSGD_RESIDUAL,)
+    wire = (NORM, LEVELS)
 
     def kept(self) -> tuple[str, ...]:
         return self.keeps if self.p.error_feedback else ()

@@ -39,8 +39,8 @@ class AdaptiveSAM(LocalSAM):
     """ASAM's ascent with ``T_w = |w|``: ``eps = rho |w| (|w| g) / ||(|w| g)||`` (Kwon et al. 2021, Eq. (9) with
     ``eta = 0``; DP-FedSAM's ``sam.py`` with ``adaptive=True``)."""
 
-    name = "asam"
-    summary = "adaptive SAM (ASAM, T_w = |w|): eps = rho w^2 g / || |w| g || (one extra backprop)"
+    name = "dpfedsam"
+    summary = "DP-FedSAM's adaptive SAM (ASAM with T_w = |w|): eps = rho w^2 g / || |w| g || (one extra backprop)"
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
@@ -53,9 +53,9 @@ class AdaptiveSAM(LocalSAM):
 register_recipe(Recipe(
     name="dpfedsam", summary="DP-FedSAM: local ASAM steps under client-level DP (clip 0.2, noise 0.95 on the sum)",
     source="Shi et al., CVPR 2023 (arXiv 2303.11242); github.com/YMJS-Irfan/DP-FedSAM",
-    perturbation="asam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY))
+    perturbation="dpfedsam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY))
 register_recipe(Recipe(
     name="dpfedsam-topk", summary="DP-FedSAM-top_k: DP-FedSAM with each update sparsified to its top 50% before the clip",
     source="Shi et al., arXiv 2305.00873 (journal version; no public code for top_k)",
-    perturbation="asam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY,
+    perturbation="dpfedsam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY,
     compression={"name": "topk", "ratio": 0.5}))

@@ -48,6 +48,7 @@ class UploadStage(Part):
     kind: ClassVar[str] = "clip"  # its place in the path (:data:`STAGE_ORDER`)
     encodes: ClassVar[bool] = False  # it changes what travels (:meth:`encode` / :meth:`decode`)
     side: ClassVar[tuple[str, ...]] = ()  # entries it adds to the upload beside the release (adaptive clip's count)
+    wire: ClassVar[tuple[str, ...]] = ()  # an encoder's entries that carry the model's update in its place
 
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
         """The release as this stage leaves it (rows of the chunk's clients ``cohort.ids``)."""

@@ -264,6 +264,7 @@ class Row:
     backprops: float | None
     rounds: float | None
     status: str
+    epsilon: float | None = None  # privacy spent (mean over seeds), for runs under differential privacy
 
 
 def summarize(group: Group, targets: list[float]) -> Row:
@@ -292,7 +293,8 @@ def summarize(group: Group, targets: list[float]) -> Row:
     return Row(setting=group.setting, method=group.method + (" (personalized eval)" if personalized else ""),
                seeds=len(runs), final=mean_std(pct), best=mean_std(best),
                targets=hits, sec_per_round=mean_std(per_round)[0], comm=mean_std(comm)[0], backprops=mean_std(bp)[0],
-               rounds=mean_std([float(r.summary.get("rounds") or 0) for r in runs])[0], status=status)
+               rounds=mean_std([float(r.summary.get("rounds") or 0) for r in runs])[0], status=status,
+               epsilon=mean_std([r.summary["epsilon"] for r in runs if r.summary.get("epsilon") is not None])[0])
 
 
 def build_rows(runs: list[Run], targets: list[float]) -> list[Row]:
@@ -320,15 +322,22 @@ def _target_cells(row: Row, target: float) -> tuple[str, str]:
     return f"{shown}{partial}", f"{seconds:.1f}"
 
 
-def headers(targets: list[float]) -> list[str]:
-    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)"]
+def private(rows: list[Row]) -> bool:
+    """Whether any row ran under differential privacy: its tables then have an epsilon column."""
+    return any(r.epsilon is not None for r in rows)
+
+
+def headers(targets: list[float], epsilon: bool = False) -> list[str]:
+    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)"] + (["epsilon"] if epsilon else [])
     for t in targets:
         cols += [f"rounds to {100 * t:g}%", f"time to {100 * t:g}% (s)"]
     return cols + ["s/round", "comm (x FedAvg)", "backprops/step", "status"]
 
 
-def _cells(row: Row, targets: list[float], pm: str) -> list[str]:
+def _cells(row: Row, targets: list[float], pm: str, epsilon: bool = False) -> list[str]:
     cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm)]
+    if epsilon:
+        cells.append(DASH if row.epsilon is None else f"{row.epsilon:.3g}")
     for t in targets:
         cells += list(_target_cells(row, t))
     cells += [DASH if row.sec_per_round is None else f"{row.sec_per_round:.3f}",
@@ -338,9 +347,10 @@ def _cells(row: Row, targets: list[float], pm: str) -> list[str]:
 
 
 def to_markdown(rows: list[Row], targets: list[float]) -> str:
-    head = headers(targets)
+    head = headers(targets, private(rows))
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ")) + " |" for r in rows]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", private(rows))) + " |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -353,13 +363,13 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(rows: list[Row], targets: list[float]) -> str:
-    head = headers(targets)
+    head = headers(targets, private(rows))
     spec = "ll" + "r" * (len(head) - 3) + "l"
     out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
            " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in rows:
         cells = []
-        for c in _cells(r, targets, " PLUSMINUS "):
+        for c in _cells(r, targets, " PLUSMINUS ", private(rows)):
             text = _latex_escape(c)
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
@@ -370,6 +380,7 @@ def to_latex(rows: list[Row], targets: list[float]) -> str:
 def to_csv(rows: list[Row], targets: list[float]) -> str:
     buf = io.StringIO()
     cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std"]
+    cols += ["epsilon"] if private(rows) else []
     for t in targets:
         cols += [f"rounds_to_{t:g}", f"reached_{t:g}", f"seconds_to_{t:g}"]
     cols += ["sec_per_round", "comm_vs_fedavg", "backprops_per_step", "rounds", "status"]
@@ -378,6 +389,7 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
     for r in rows:
         line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1])]
+        line += [num(r.epsilon)] if private(rows) else []
         for t in targets:
             rounds, seconds, reached = r.targets[t]
             line += [num(rounds), reached, num(seconds)]

@@ -104,19 +104,21 @@ def reply_content(message):
     return message.content
 
 
-def read_result(content, expected: list[int], size: int) -> ClientResult:
+def read_result(content, expected: list[int], size: int, wire: tuple[str, ...] = (MODEL,)) -> ClientResult:
     """The clients' result in a node's reply, checked whole: exactly the ``expected`` clients, a model row of
-    ``size`` parameters and a training loss for each, every upload entry with one row per client."""
+    ``size`` parameters (or, for a compressed upload, the ``wire`` entries that carry it:
+    :meth:`fedflat.algorithms.Algorithm.wire_entries`) and a training loss for each, every upload entry with one row
+    per client."""
     if "upload" not in content.array_records or "result" not in content.config_records:
         raise BadReply("the reply has no upload")
     clients = [int(c) for c in content["result"]["clients"]]
     if clients != expected:
         raise BadReply(f"the reply is for clients {clients}, the node was sent {expected}")
     upload = tensors(content["upload"])
-    missing = {MODEL, TRAIN_LOSS} - set(upload)
+    missing = sorted({TRAIN_LOSS, *wire} - set(upload))
     if missing:
-        raise BadReply(f"the upload lacks {sorted(missing)}")
-    if tuple(upload[MODEL].shape) != (len(expected), size):
+        raise BadReply(f"the upload lacks {missing}")
+    if MODEL in wire and tuple(upload[MODEL].shape) != (len(expected), size):
         raise BadReply(f"the uploaded models have shape {tuple(upload[MODEL].shape)}, "
                        f"expected ({len(expected)}, {size})")
     short = [k for k, v in upload.items() if v.dim() == 0 or v.shape[0] != len(expected)]

@@ -197,7 +197,8 @@ class FedflatStrategy(Strategy):
         answered = first_replies(replies, self.sent)
         for node, reply in answered.items():
             try:
-                results[node] = read_result(reply_content(reply), self.sent[node], size)
+                results[node] = read_result(reply_content(reply), self.sent[node], size,
+                                            self.sim.algorithm.wire_entries())
                 wire[node] = wire_bytes(reply.content)
             except BadReply as err:
                 problems[node] = str(err)

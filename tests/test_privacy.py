@@ -1,0 +1,330 @@
+"""Client-level differential privacy and compressed uploads (the upload path, fedflat.core.upload).
+
+Every privacy claim is checked against dp-accounting's own computation or against a distribution, never against
+fedflat's own code: the accountant's epsilon against dp-accounting's API called here, the calibrated noise against
+its target, the noise's spread against the chi-square distribution, QSGD against its paper's unbiasedness and
+variance bound, DP-FedSAM's round against a hand computation.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+import torch
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+from scipy.stats import chi2
+
+import fedflat
+from fedflat.accounting import Mechanism, calibrate, epsilon
+from fedflat.algorithms import build_algorithm
+from fedflat.algorithms.compression import qsgd_levels, top_k
+from fedflat.algorithms.privacy import CLIP, GaussianMechanism, GaussianParams, secure_normal
+from fedflat.core import SERVER, ConfigError, RoundContext, TrainSettings, torch_stream
+from fedflat.core.upload import release_norms
+from fedflat.engine.simulation import Simulation
+from fedflat.experiments.checkpoint import resume
+
+from agreement import assert_identical, trajectory
+from conftest import tiny_tree
+from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled
+
+DP = ("privacy.clip=0.5", "privacy.noise_multiplier=1.0")
+
+
+# -- the accountant, against dp-accounting's own API -----------------------------------------------------------------
+@pytest.mark.parametrize("q_clients, z, rounds", [(10, 1.1, 30), (25, 0.8, 7)])
+def test_epsilon_equals_dp_accountings_rdp_for_poisson_sampling(q_clients, z, rounds):
+    delta = 1e-3
+    accountant = RdpAccountant()  # add/remove-one: one client's clipped update moves the sum by C
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q_clients / 100, dpa.GaussianDpEvent(z)),
+                                               rounds))
+    ours = epsilon(Mechanism("poisson", 100, q_clients, z), rounds, delta)
+    assert ours == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+
+
+def test_epsilon_equals_dp_accountings_rdp_for_fixed_size_sampling():
+    """K of N without replacement, replace-one adjacency: one client's update replaced moves the sum by up to 2C, so
+    the Gaussian's multiplier relative to that sensitivity is z / 2."""
+    delta, z, rounds = 1e-2, 1.5, 20
+    accountant = RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dpa.SelfComposedDpEvent(
+        dpa.SampledWithoutReplacementDpEvent(50, 5, dpa.GaussianDpEvent(z / 2)), rounds))
+    ours = epsilon(Mechanism("fixed", 50, 5, z), rounds, delta)
+    assert ours == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+
+
+def test_epsilon_equals_dp_accountings_pld_for_poisson_sampling():
+    delta, z, rounds = 1e-3, 1.0, 10
+    accountant = PLDAccountant()
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(z)), rounds))
+    ours = epsilon(Mechanism("poisson", 100, 10, z, accountant="pld"), rounds, delta)
+    assert ours == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+    assert ours < epsilon(Mechanism("poisson", 100, 10, z), rounds, delta)  # PLD is the tighter accountant
+
+
+def test_local_dp_spends_a_gaussian_mechanism_per_participation():
+    delta, z = 1e-3, 3.0
+    accountant = RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(z / 2), 4))
+    assert epsilon(Mechanism("fixed", 10, 2, z, mode="local"), 4, delta) == pytest.approx(
+        accountant.get_epsilon(delta), rel=1e-12)
+
+
+def test_the_calibrated_noise_spends_at_most_the_target_and_within_one_percent():
+    mechanism = Mechanism("poisson", 200, 20, 1.0)
+    for target in (2.0, 8.0):
+        z = calibrate(mechanism, 40, 1 / 200, target)
+        spent = epsilon(replace(mechanism, noise_multiplier=z), 40, 1 / 200)
+        assert target * 0.99 <= spent <= target
+
+
+def test_a_run_calibrates_to_its_target_and_records_epsilon_every_round(tiny):
+    cfg = tiny("sampling.participation=bernoulli", "privacy.clip=0.5", "privacy.target_epsilon=6", "rounds=4")
+    history = fedflat.run(cfg, save=False, progress=False)
+    z = history.config["privacy"]["noise_multiplier"]
+    mechanism = Mechanism("poisson", 6, 3, z)
+    assert [m["epsilon"] for m in history.metrics] == pytest.approx(
+        [epsilon(mechanism, t, 1 / 6) for t in (1, 2, 3, 4)], rel=1e-12)
+    assert 6 * 0.99 <= history.summary["epsilon"] <= 6
+    assert history.summary["privacy"]["sampling"].startswith("Poisson sampling")
+
+
+def test_a_run_that_reaches_its_budget_ends_with_budget_spent_and_is_a_finished_sweep_cell(tiny, tmp_path):
+    cfg = tiny("sampling.participation=bernoulli", "privacy.clip=0.5", "privacy.target_epsilon=6", "rounds=4")
+    history = fedflat.run(cfg, overrides=["rounds=8", "privacy.noise_multiplier=" + str(
+        fedflat.run(cfg, save=False, progress=False).config["privacy"]["noise_multiplier"])],
+        out=tmp_path, progress=False)
+    assert history.summary["status"] == "budget spent"
+    assert history.summary["rounds"] == 4 and history.summary["epsilon"] <= 6
+    assert "privacy.target_epsilon 6" in history.summary["reason"]
+    from fedflat.experiments.sweep import FINISHED
+    assert "budget spent" in FINISHED
+
+
+# -- the mechanism -----------------------------------------------------------------------------------------------------
+def _round_context(P: int, K: int, C: float, round: int = 0, seed: int = 0) -> RoundContext:
+    settings = TrainSettings(weight_decay=0.0, clip=None, batch_size=1, global_lr=1.0, num_clients=K, seed=seed)
+    return RoundContext(round=round, lr=0.1, w=torch.zeros(P), sampled=torch.arange(K),
+                        num_samples=torch.ones(K, dtype=torch.long), steps=torch.ones(K, dtype=torch.long),
+                        server={CLIP: torch.tensor(C, dtype=torch.float64)}, settings=settings)
+
+
+def test_every_clipped_release_has_norm_at_most_c():
+    """Random releases of every scale, two entries each (the model's and a method's own): after the clip, each
+    client's joint norm is at most C up to float32 rounding of the scaled entries (relative 2^-23)."""
+    stage = GaussianMechanism(GaussianParams(clip=0.7, noise_multiplier=0.0))
+    generator = torch.Generator().manual_seed(0)
+
+    class Rows:
+        ids = torch.arange(8)
+        upload: dict = {}
+    for trial in range(200):
+        scale = 10 ** torch.empty(8, 1).uniform_(-3, 3, generator=generator)
+        release = {"model": torch.randn(8, 50, generator=generator) * scale,
+                   "scaffold.dc": torch.randn(8, 50, generator=generator) * scale}
+        ctx = type("Ctx", (), {"server": {CLIP: torch.tensor(0.7, dtype=torch.float64)}})()
+        clipped = stage.client(ctx, Rows(), release)
+        norms, before = release_norms(clipped), release_norms(release)
+        assert (norms <= 0.7 * (1 + 2 ** -23)).all()
+        small = before <= 0.7
+        assert torch.equal(clipped["model"][small], release["model"][small])  # within the bound: untouched
+
+
+def test_central_noise_has_std_z_c_by_the_chi_square_distribution():
+    """The server's noise on a zero release of K clients: m * (released mean) is N(0, (z C)^2) per entry; the sum of
+    squares over n draws divided by (z C)^2 is chi-square with n degrees of freedom, checked between its 1e-6 and
+    1 - 1e-6 quantiles (a correct sampler fails with probability 2e-6)."""
+    z, C, K, P, m = 1.3, 0.4, 4, 5000, 4.0
+    stage = GaussianMechanism(GaussianParams(clip=C, noise_multiplier=z, expected_clients=m))
+    draws = []
+    for round in range(20):
+        released = stage.server(_round_context(P, K, C, round), {"model": torch.zeros(K, P)})
+        assert torch.equal(released["model"][0], released["model"][-1])  # every row is the one private mean
+        draws.append(released["model"][0].double() * m)
+    statistic = (torch.cat(draws).square().sum() / (z * C) ** 2).item()
+    n = 20 * P
+    assert chi2.ppf(1e-6, n) <= statistic <= chi2.isf(1e-6, n)
+
+
+def test_secure_noise_is_standard_normal_and_not_reproducible():
+    a, b = secure_normal((200_000,), torch.float64, "cpu"), secure_normal((200_000,), torch.float64, "cpu")
+    assert not torch.equal(a, b)
+    statistic = a.square().sum().item()
+    assert chi2.ppf(1e-6, a.numel()) <= statistic <= chi2.isf(1e-6, a.numel())
+    assert abs(a.mean().item()) <= 5.4 / math.sqrt(a.numel())  # |N(0, 1/n)| beyond 5.4 sigma: p < 1e-7
+
+
+def test_a_secure_run_differs_from_a_keyed_one_and_from_itself(tiny):
+    keyed = fedflat.run(tiny(*DP), save=False, progress=False).final_parameters
+    secure = [fedflat.run(tiny(*DP, "privacy.noise=secure"), save=False, progress=False).final_parameters
+              for _ in range(2)]
+    assert not torch.equal(keyed, secure[0]) and not torch.equal(secure[0], secure[1])
+
+
+def test_a_method_that_reads_each_upload_is_refused_under_central_dp_naming_what_it_reads(tiny):
+    with pytest.raises(ConfigError, match=r"correction 'wmsam': computes each client's variate c_i"):
+        tiny("algo=fedwmsam", *DP)
+    with pytest.raises(ConfigError, match=r"aggregation 'fedawa'"):
+        tiny("algo=fedawa", *DP)
+    assert tiny("algo=fedwmsam", *DP, "privacy.mode=local").privacy.mode == "local"
+
+
+def test_bad_privacy_settings_say_what_to_do(tiny):
+    with pytest.raises(ConfigError, match="set noise_multiplier"):
+        tiny("privacy.clip=1.0")
+    with pytest.raises(ConfigError, match="compress under privacy.mode=central"):
+        tiny(*DP, "privacy.mode=local", "compression.name=topk")
+    with pytest.raises(ConfigError, match="sampling.participation=bernoulli"):
+        tiny(*DP, "privacy.accountant=pld")
+    with pytest.raises(ConfigError, match="buffers"):
+        Simulation(tiny(*DP, "model=cnn", "model.norm=batch", "data.options.shape=[1,8,8]", "model.padding=2"))
+
+
+# -- DP-FedSAM by hand -------------------------------------------------------------------------------------------------
+def test_dpfedsam_round_by_hand(tiny):
+    """Local ASAM steps (eps = rho |w| (|w| g) / || |w| g ||), each update clipped to C, N(0, z^2 C^2) on the sum from
+    the server's keyed stream, the sum over m = K: the engine's two rounds against this computation."""
+    rho, C, z = 0.3, 0.05, 0.7
+    sim = Simulation(tiny(*FULL_BATCH, "algo=dpfedsam", f"algo.rho={rho}", f"privacy.clip={C}",
+                          f"privacy.noise_multiplier={z}"))
+    hand, K = Hand(sim), sim.cfg.sampling.clients_per_round
+    w = sim.w.clone()
+    for t in range(2):
+        lr = sim.lr_at(t)
+
+        def asam(k, wk, i):
+            scaled = wk.abs() * hand.grad(wk, i)
+            return rho * wk.abs() * scaled / (scaled.norm() + 1e-12)
+        deltas = torch.stack([hand.local(w, i, lr, perturb=lambda k, wk, i=i: asam(k, wk, i)) - w
+                              for i in _sampled(sim, t)])
+        clipped = deltas * torch.clamp(C / deltas.double().norm(dim=1), max=1.0).float()[:, None]
+        noise = torch.randn(w.numel(), generator=torch_stream(sim.cfg.seed, t, SERVER, "privacy")) * (z * C)
+        w = w + (clipped.sum(0) + noise) / K
+    for t in range(2):
+        sim.run_round(t)
+    torch.testing.assert_close(sim.w, w, rtol=2e-5, atol=2e-6)
+    assert STEPS == 3
+
+
+# -- compression ------------------------------------------------------------------------------------------------------
+def test_top_k_keeps_exactly_the_k_largest_entries():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 300, generator=generator)
+    index = top_k(x, 17)
+    for row in range(5):
+        expected = set(np.argsort(-np.abs(x[row].numpy()))[:17].tolist())
+        assert set(index[row].tolist()) == expected
+
+
+def test_topk_uploads_k_values_and_indices_and_the_server_rebuilds_the_sparse_update(tiny):
+    sim = Simulation(tiny("compression.name=topk", "compression.ratio=0.1"))
+    P = sim.num_parameters
+    k = math.ceil(0.1 * P)
+    result = sim.run_round(0)
+    assert result.up_bytes == 8 * k + 4  # float32 values, int32 indices, the training loss
+    dense = Simulation(tiny()).run_round(0)
+    assert dense.up_bytes == 4 * P + 4
+
+
+def test_error_feedback_keeps_what_was_not_sent(tiny):
+    """With a ratio of 1 nothing is left out: error feedback's residual is zero and the run is FedAvg's."""
+    plain = fedflat.run(tiny(), save=False, progress=False).final_parameters
+    full = fedflat.run(tiny("compression.name=topk", "compression.ratio=1.0", "compression.error_feedback=true"),
+                       save=False, progress=False).final_parameters
+    torch.testing.assert_close(full, plain, rtol=0, atol=1e-6)
+
+
+def test_qsgd_is_unbiased_with_the_variance_its_paper_bounds():
+    """Alistarh et al. 2017, Lemma 3.1: E[Q(x)] = x and E||Q(x) - x||^2 <= min(P/s^2, sqrt(P)/s) ||x||^2. Each entry of
+    Q(x) lies in an interval of width ||x|| / s, so over R draws its mean is within ||x|| / s * sqrt(ln(2P/1e-6) / 2R)
+    of E[Q(x)] for every entry with probability 1 - 1e-6 (Hoeffding, union bound); the exact variance of stochastic
+    rounding, sum_j (||x||/s)^2 p_j (1 - p_j), is within the bound."""
+    P, s, R = 400, 4, 4000
+    x = torch.randn(1, P, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    n = x.norm().item()
+    total = torch.zeros(P, dtype=torch.float64)
+    errors = []
+    for r in range(R):
+        norm, levels = qsgd_levels(x, s, [torch_stream(0, r, 0, "qsgd")])
+        q = norm[0] * levels[0].double() / s
+        total += q
+        errors.append((q - x[0]).square().sum().item())
+    assert (total / R - x[0]).abs().max().item() <= n / s * math.sqrt(math.log(2 * P / 1e-6) / (2 * R))
+    p = s * x[0].abs() / n - (s * x[0].abs() / n).floor()
+    exact = ((n / s) ** 2 * p * (1 - p)).sum().item()
+    assert exact <= min(P / s ** 2, math.sqrt(P) / s) * n ** 2
+    width = P * (n / s) ** 2  # one draw's squared error lies in [0, P (||x||/s)^2]
+    assert abs(np.mean(errors) - exact) <= width * math.sqrt(math.log(2 / 1e-6) / (2 * R))
+
+
+def test_qsgd_sends_a_norm_and_int8_levels(tiny):
+    sim = Simulation(tiny("compression.name=qsgd", "compression.levels=8"))
+    assert sim.run_round(0).up_bytes == sim.num_parameters + 4 + 4  # levels, the norm, the training loss
+
+
+# -- every engine and executor, resume -----------------------------------------------------------------------------
+STAGED = [(*DP,), (*DP, "privacy.mode=local"), (*DP, "privacy.adaptive=true", "privacy.count_noise=1.0"),
+          ("compression.name=topk", "compression.ratio=0.2", "compression.error_feedback=true"),
+          ("compression.name=qsgd",), ("algo=dpfedsam-topk",)]
+
+
+@pytest.mark.parametrize("options", STAGED, ids=lambda o: "-".join(x.split("=")[-1] for x in o))
+def test_threads_give_the_local_executors_numbers(tiny, options):
+    local = Simulation(tiny(*options, "algo=scaffold" if "algo=dpfedsam-topk" not in options else "rounds=3"))
+    threads = Simulation(tiny(*options, *(("algo=scaffold",) if "algo=dpfedsam-topk" not in options else ()),
+                              "executor=threads", "executor.workers=2"))
+    assert trajectory(local, 3) == trajectory(threads, 3)
+    assert_identical(local, threads)
+
+
+@pytest.mark.parametrize("options", [DP, ("compression.name=qsgd",)], ids=["dp", "qsgd"])
+def test_the_vectorized_engine_gives_the_sequential_engines_numbers(tiny, options):
+    """The clip's norms, the noise's streams and QSGD's draws are per client: the same on a chunk of one or six (the
+    local steps themselves agree to rounding, as for every method)."""
+    sequential = fedflat.run(tiny(*options, "engine=sequential"), save=False, progress=False)
+    vectorized = fedflat.run(tiny(*options, "engine=vectorized"), save=False, progress=False)
+    torch.testing.assert_close(vectorized.final_parameters, sequential.final_parameters, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # a local Ray: ~20 s
+def test_ray_gives_the_local_executors_numbers_under_dp(tiny):
+    cfg = tiny(*DP, "privacy.adaptive=true", "privacy.count_noise=1.0")
+    ours = fedflat.run(cfg, save=False, progress=False)
+    theirs = fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.cpus_per_worker=0.5"],
+                         save=False, progress=False)
+    assert torch.equal(ours.final_parameters, theirs.final_parameters)
+    assert [m["epsilon"] for m in ours.metrics] == [m["epsilon"] for m in theirs.metrics]
+
+
+@pytest.mark.slow  # a Flower simulation: ~30 s
+def test_a_flower_simulation_gives_the_same_numbers_under_dp_and_compression(tiny, tmp_path):
+    from fedflat.flower import simulate
+
+    cfg = tiny(*DP, "compression.name=topk", "compression.ratio=0.3")
+    ours = fedflat.run(cfg, save=False, progress=False)
+    theirs = simulate(cfg, supernodes=3, out=tmp_path, progress=False)
+    assert torch.equal(ours.final_parameters, theirs.final_parameters)
+    assert theirs.summary["epsilon"] == ours.summary["epsilon"]
+
+
+def test_a_resumed_dp_run_equals_an_uninterrupted_one_epsilon_included(tmp_path):
+    """Stopped after round 2 of 4 (checkpoints every round), then resumed: the same model, the same epsilons, the same
+    error-feedback residuals and adaptive clip, as a run never stopped."""
+    tree = tiny_tree(rounds=4, checkpoint_every=1, privacy={"mode": "central", "clip": 0.5, "noise_multiplier": 1.0,
+                                                           "adaptive": True, "count_noise": 1.0},
+                     compression={"name": "topk", "ratio": 0.3, "error_feedback": True})
+    whole = fedflat.run(copy.deepcopy(tree), out=tmp_path / "whole", progress=False)
+    half = fedflat.run(copy.deepcopy(tree), overrides=["rounds=2"], out=tmp_path / "half", progress=False)
+    resumed = resume(half.run_dir, overrides=["rounds=4"], progress=False)
+    assert torch.equal(resumed.final_parameters, whole.final_parameters)
+    assert [m["epsilon"] for m in resumed.metrics] == [m["epsilon"] for m in whole.metrics]
+    assert [m["dp_clip"] for m in resumed.metrics] == [m["dp_clip"] for m in whole.metrics]
+
+
+def test_without_the_path_every_method_builds_no_stage():
+    assert build_algorithm({"name": "fedsam"}).stages == []
