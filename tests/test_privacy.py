@@ -75,6 +75,7 @@ def test_local_dp_spends_a_gaussian_mechanism_per_participation():
         accountant.get_epsilon(delta), rel=1e-12)
 
 
+@pytest.mark.slow  # dp-accounting's calibration: a Brent search over z, ~20 RDP curves each
 def test_the_calibrated_noise_spends_at_most_the_target_and_within_one_percent():
     mechanism = Mechanism("poisson", 200, 20, 1.0)
     for target in (2.0, 8.0):
@@ -83,6 +84,7 @@ def test_the_calibrated_noise_spends_at_most_the_target_and_within_one_percent()
         assert target * 0.99 <= spent <= target
 
 
+@pytest.mark.slow  # a calibration, then the run
 def test_a_run_calibrates_to_its_target_and_records_epsilon_every_round(tiny):
     cfg = tiny("sampling.participation=bernoulli", "privacy.clip=0.5", "privacy.target_epsilon=6", "rounds=4")
     history = fedflat.run(cfg, save=False, progress=False)
@@ -95,13 +97,14 @@ def test_a_run_calibrates_to_its_target_and_records_epsilon_every_round(tiny):
 
 
 def test_a_run_that_reaches_its_budget_ends_with_budget_spent_and_is_a_finished_sweep_cell(tiny, tmp_path):
-    cfg = tiny("sampling.participation=bernoulli", "privacy.clip=0.5", "privacy.target_epsilon=6", "rounds=4")
-    history = fedflat.run(cfg, overrides=["rounds=8", "privacy.noise_multiplier=" + str(
-        fedflat.run(cfg, save=False, progress=False).config["privacy"]["noise_multiplier"])],
-        out=tmp_path, progress=False)
+    """z given, target_epsilon the budget: a run asked for 4 rounds stops before the third, whose epsilon would
+    exceed what two rounds spend."""
+    budget = epsilon(Mechanism("poisson", 6, 3, 1.0), 2, 1 / 6)
+    cfg = tiny("sampling.participation=bernoulli", *DP, f"privacy.target_epsilon={budget!r}", "rounds=4")
+    history = fedflat.run(cfg, out=tmp_path, progress=False)
     assert history.summary["status"] == "budget spent"
-    assert history.summary["rounds"] == 4 and history.summary["epsilon"] <= 6
-    assert "privacy.target_epsilon 6" in history.summary["reason"]
+    assert history.summary["rounds"] == 2 and history.summary["epsilon"] == budget
+    assert "round 3 would reach epsilon" in history.summary["reason"]
     from fedflat.experiments.sweep import FINISHED
     assert "budget spent" in FINISHED
 
@@ -328,3 +331,23 @@ def test_a_resumed_dp_run_equals_an_uninterrupted_one_epsilon_included(tmp_path)
 
 def test_without_the_path_every_method_builds_no_stage():
     assert build_algorithm({"name": "fedsam"}).stages == []
+
+
+def test_an_upload_that_cannot_be_decoded_leaves_its_client_out(tiny, caplog):
+    """A node that sends top-k indices beyond the model, or QSGD levels beyond s, does not crash the server: the
+    round goes on without that client, named in a warning. (A wrong dtype is a node's whole reply, refused when the
+    reply is read: fedflat.flower.protocol.)"""
+    from fedflat.algorithms.compression import INDEX, LEVELS
+
+    for options, entry, value in ((("compression.name=topk", "compression.ratio=0.2"), INDEX, 10 ** 6),
+                                  (("compression.name=qsgd", "compression.levels=16"), LEVELS, 127)):
+        sim = Simulation(tiny(*options))
+        opened = sim.begin_round(0)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+        first = int(result.ids[0])
+        rows = result.upload[entry].clone()
+        rows[0] = value
+        result.upload[entry] = rows
+        round = sim.finish_round(opened, result)
+        assert round.dropped == [first] and round.clients == len(result.ids) - 1
+        assert f"clients [{first}] left out" in caplog.text

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, AlgorithmError, Broadcast, ClientContext, ClientResult,
-                          Cohort, Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest, composition_label,
-                          contract)
+from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, AlgorithmError, Broadcast, ClientContext,
+                          ClientResult, Cohort, Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest,
+                          composition_label, contract)
 from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
 
 
@@ -107,6 +107,15 @@ class Algorithm:
     def wire_entries(self) -> tuple[str, ...]:
         """The upload entries that carry the model (its update, when encoded): what a reply must hold."""
         return self.encoder.wire if self.encoder is not None else (MODEL,)
+
+    def malformed(self, upload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+        """``[K]``: the rows of a received ``upload`` the encoder cannot decode (:meth:`UploadStage.malformed`)."""
+        encoder = self.encoder
+        payload = {k: upload[k] for k in self.wire_entries() if k in upload}
+        if encoder is None or len(payload) < len(encoder.wire):
+            rows = upload[TRAIN_LOSS].shape[0] if TRAIN_LOSS in upload else 0
+            return torch.full((rows,), encoder is not None, dtype=torch.bool)
+        return encoder.malformed(payload, size)
 
     def release(self, ctx: ClientContext, cohort: Cohort) -> None:
         """The upload path's client side, after the parts' ``end``: ``cohort.upload`` becomes what travels, the

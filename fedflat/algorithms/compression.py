@@ -81,6 +81,15 @@ class TopK(UploadStage):
         rest = {k: v for k, v in release.items() if k != MODEL}
         return {**rest, VALUES: release[MODEL].gather(1, index), INDEX: index.to(torch.int32)}
 
+    def malformed(self, payload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+        """Rows whose values are not ``k`` floats or whose indices are not ``k`` int32 in ``[0, P)``."""
+        values, index = payload[VALUES], payload[INDEX]
+        k = self.k(size)
+        if (values.dim() != 2 or index.dim() != 2 or values.shape[1] != k or index.shape[1] != k
+                or not values.is_floating_point() or index.dtype != torch.int32):
+            return torch.ones(values.shape[0], dtype=torch.bool)
+        return ((index < 0) | (index >= size)).any(1).cpu()
+
     def decode(self, ctx: RoundContext, payload: dict[str, torch.Tensor], size: int) -> Release:
         values, index = payload[VALUES], payload[INDEX].long()
         dense = torch.zeros(values.shape[0], size, dtype=values.dtype, device=values.device)
@@ -135,6 +144,13 @@ class QSGD(UploadStage):
         norm = self.p.levels * (y * l).sum(1) / (l * l).sum(1).clamp(min=1)
         rest = {k: v for k, v in release.items() if k != MODEL}
         return {**rest, NORM: norm.to(release[MODEL].dtype), LEVELS: levels}
+
+    def malformed(self, payload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+        """Rows whose norm is not one float or whose levels are not ``P`` int8 in ``[-s, s]``."""
+        norm, levels = payload[NORM], payload[LEVELS]
+        if norm.dim() != 1 or not norm.is_floating_point() or levels.dtype != torch.int8 or levels.shape[1:] != (size,):
+            return torch.ones(norm.shape[0], dtype=torch.bool)
+        return (levels.abs() > self.p.levels).any(1).cpu()
 
     def decode(self, ctx: RoundContext, payload: dict[str, torch.Tensor], size: int) -> Release:
         norm, levels = payload[NORM], payload[LEVELS]

@@ -62,6 +62,12 @@ class UploadStage(Part):
         """The release back from the received ``payload``; ``size`` is a model-sized entry's length ``P``."""
         return payload
 
+    def malformed(self, payload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+        """``[K]``: the rows of a received ``payload`` that :meth:`decode` cannot take (a wrong dtype or shape, an
+        index out of range), so that the server leaves those clients out instead of failing (none by default)."""
+        rows = next(iter(payload.values())).shape[0] if payload else 0
+        return torch.zeros(rows, dtype=torch.bool)
+
     def server(self, ctx: RoundContext, release: Release) -> Release:
         """The round's received release as the method's server side reads it (rows of ``ctx.sampled``)."""
         return release

@@ -9,6 +9,7 @@ measured from the payloads.
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 import threading
 import time
@@ -40,6 +41,8 @@ from fedflat.engine.store import ClientStore
 from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
+
+log = logging.getLogger("fedflat")
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -446,6 +449,7 @@ class Simulation:
         ctx, broadcast, round = opened.ctx, opened.broadcast, opened.ctx.round
         if result is None:
             return self._empty_round(opened)
+        result = self._decodable(round, result)
         dropped = sorted(set(ctx.sampled.tolist()) - set(result.ids.tolist()))
         if dropped:
             if not len(result.ids):
@@ -484,6 +488,17 @@ class Simulation:
                 up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
                 dropped=dropped, log=log)
         return self.last_round
+
+    def _decodable(self, round: int, result: ClientResult) -> ClientResult:
+        """``result`` without the clients whose encoded upload cannot be decoded (a compressed upload with indices
+        out of range, the wrong dtype or shape: :meth:`Algorithm.malformed`), each named in a warning; the round
+        goes on without them as without a failed node's."""
+        bad = self.algorithm.malformed(result.upload, self.num_parameters).cpu()
+        if not bad.any():
+            return result
+        log.warning("round %d: clients %s left out: their uploads cannot be decoded by %s", round + 1,
+                       result.ids[bad].tolist(), self.algorithm.encoder)
+        return result.rows(torch.nonzero(~bad).flatten())
 
     def _empty_round(self, opened: OpenRound) -> RoundResult:
         """A round whose Poisson sample under DP was empty: the model stays, the accountant counts the round."""
