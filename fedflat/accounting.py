@@ -44,6 +44,12 @@ class Mechanism:
     noise_multiplier: float
     mode: Literal["central", "local"] = "central"
     accountant: Literal["rdp", "pld"] = "rdp"
+    # instance level (DP-SGD on each client): a step samples `batch_size` of a client's `dataset_size` examples
+    # without replacement and releases `gradients` noised gradients of that batch (SAM's ascent and descent: 2)
+    level: Literal["client", "instance"] = "client"
+    dataset_size: int = 0
+    batch_size: int = 0
+    gradients: int = 1
 
     @property
     def q(self) -> float:
@@ -51,12 +57,15 @@ class Mechanism:
 
     @property
     def neighboring(self) -> dpa.NeighboringRelation:
-        central_poisson = self.mode == "central" and self.sampling == "poisson"
+        central_poisson = self.level == "client" and self.mode == "central" and self.sampling == "poisson"
         return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if central_poisson else dpa.NeighboringRelation.REPLACE_ONE
 
     def round_event(self) -> dpa.DpEvent:
         """One round's DP event (module docstring)."""
         z = self.noise_multiplier
+        if self.level == "instance":  # g Gaussians of multiplier z/2 on one batch: one of z/(2 sqrt(g)), exactly
+            return dpa.SampledWithoutReplacementDpEvent(self.dataset_size, min(self.batch_size, self.dataset_size),
+                                                        dpa.GaussianDpEvent(z / (2 * self.gradients ** 0.5)))
         if self.mode == "local":
             return dpa.GaussianDpEvent(z / 2)
         if self.sampling == "poisson":
@@ -65,6 +74,10 @@ class Mechanism:
 
     def describe(self) -> str:
         """The sampling and adjacency the accountant assumes, for the run's files."""
+        if self.level == "instance":
+            return (f"instance level (DP-SGD): each step samples {self.batch_size} of a client's examples without "
+                    f"replacement, bounded by the smallest client ({self.dataset_size} examples), {self.gradients} "
+                    "noised gradient(s) of the batch a step, replace-one adjacency (sensitivity 2C)")
         if self.mode == "local":
             return "local DP: each client's release is a Gaussian mechanism, replace-one adjacency (sensitivity 2C)"
         if self.sampling == "poisson":
@@ -74,7 +87,8 @@ class Mechanism:
 
     def fresh(self) -> dpa.PrivacyAccountant:
         if self.accountant == "pld":
-            if self.neighboring != dpa.NeighboringRelation.ADD_OR_REMOVE_ONE and self.mode != "local":
+            if self.neighboring != dpa.NeighboringRelation.ADD_OR_REMOVE_ONE and self.mode != "local" \
+                    and self.level == "client":
                 raise ValueError("privacy.accountant=pld accounts Poisson sampling (sampling.participation="
                                  "bernoulli); fixed-size sampling needs accountant=rdp")
             return PLDAccountant(neighboring_relation=self.neighboring)

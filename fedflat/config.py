@@ -220,9 +220,12 @@ class PrivacyConfig(Section):
     """Client-level differential privacy (docs/privacy.md): each client's update clipped to ``clip``, Gaussian noise
     of std ``noise_multiplier * clip`` on the sum (central) or on each update (local), accounted with dp-accounting."""
 
+    level: Literal["client", "instance"] = Field("client", description="client: a client's whole data (DP-FedAvg); "
+                                                                        "instance: each example, by DP-SGD on the client")
     mode: Literal["central", "local"] = Field("central", description="central: the server noises the sum "
                                                                       "(DP-FedAvg); local: each client its update")
-    clip: float = Field(1.0, gt=0, description="C, the L2 bound of a client's update (the first C when adaptive)")
+    clip: float = Field(1.0, gt=0, description="C, the L2 bound of a client's update (the first C when adaptive), or "
+                                                "of one example's gradient (level: instance)")
     noise_multiplier: float | None = Field(None, ge=0, description="z (noise std z C); with target_epsilon unset "
                                                                    "it must be given")
     target_epsilon: float | None = Field(None, gt=0, description="calibrate z before round 0 so that `rounds` "
@@ -242,6 +245,12 @@ class PrivacyConfig(Section):
     def _noise_given(self) -> "PrivacyConfig":
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("privacy: set noise_multiplier (z) or target_epsilon (z is then calibrated)")
+        if self.level == "instance" and (self.adaptive or self.mode != "central"):
+            raise ValueError("privacy.level=instance runs DP-SGD inside each client's local steps: mode and adaptive "
+                             "are client-level settings; leave them unset")
+        if self.level == "instance" and self.noise_multiplier is None:
+            raise ValueError("privacy.level=instance: give noise_multiplier (the per-client accounting depends on the "
+                             "split, known only when the run starts); target_epsilon is then the budget")
         return self
 
 
@@ -301,7 +310,7 @@ class Config(Section):
         from fedflat.accounting import Mechanism
 
         p = self.privacy
-        if p is None:
+        if p is None or p.level != "client":
             return None
         sampling = "poisson" if self.sampling.participation == "bernoulli" else "fixed"
         return Mechanism(sampling, self.data.num_clients, self.sampling.clients_per_round,
@@ -318,7 +327,7 @@ class Config(Section):
         from fedflat.accounting import calibrate
 
         p = self.privacy
-        if p.noise_multiplier is not None:
+        if p.noise_multiplier is not None or p.level != "client":
             return p.noise_multiplier
         return calibrate(replace(self.privacy_mechanism(), noise_multiplier=1.0), self.rounds, self.privacy_delta,
                          p.target_epsilon)
@@ -328,7 +337,7 @@ class Config(Section):
         ``{name, **hyperparameters}``, the noise multiplier calibrated where ``privacy.target_epsilon`` asks."""
         specs = [dict(self.compression)] if self.compression else []
         p = self.privacy
-        if p is not None:
+        if p is not None and p.level == "client":
             expected = self.sampling.clients_per_round  # K, or q N = K under Poisson sampling
             specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": self.noise_multiplier(),
                           "expected_clients": float(expected), "adaptive": p.adaptive, "quantile": p.quantile,
@@ -576,6 +585,12 @@ def _check_upload_path(cfg: Config, algorithm) -> None:
     the noised sum), compression under local DP (whose noise is dense), a Poisson accountant for fixed sampling."""
     p = cfg.privacy
     if p is None:
+        return
+    if p.level == "instance":
+        beyond = algorithm.beyond_batch_needs()
+        if beyond:
+            raise ConfigError(f"privacy.level=instance privatizes each local step's gradients of its batch, but "
+                              f"{'; '.join(beyond)}: DP-SGD cannot account that; use privacy.level=client")
         return
     needs = algorithm.individual_needs()
     if p.mode == "central" and needs:

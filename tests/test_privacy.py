@@ -351,3 +351,62 @@ def test_an_upload_that_cannot_be_decoded_leaves_its_client_out(tiny, caplog):
         round = sim.finish_round(opened, result)
         assert round.dropped == [first] and round.clients == len(result.ids) - 1
         assert f"clients [{first}] left out" in caplog.text
+
+
+# -- instance-level DP: DP-SGD on each client ---------------------------------------------------------------------------
+INSTANCE = ("privacy.level=instance", "privacy.clip=0.8", "privacy.noise_multiplier=1.2")
+
+
+def test_dp_sgd_rounds_by_hand(tiny):
+    """Two rounds of FedAvg whose clients take DP-SGD steps: each step's batch drawn on its own (B of n without
+    replacement), every example's gradient by autograd one at a time, clipped to C, summed, N(0, z^2 C^2) from the
+    client's stream added, divided by B; the engine against this computation."""
+    from fedflat.engine.batches import independent_schedule
+
+    B, C, z = 4, 0.8, 1.2
+    sim = Simulation(tiny(*INSTANCE, "rounds=2", f"train.batch_size={B}", "train.local_steps=3", "train.clip=null",
+                          "train.weight_decay=0.01"))
+    hand, w = Hand(sim), sim.w.clone()
+    for t in range(2):
+        lr, finals = sim.lr_at(t), []
+        for i in _sampled(sim, t):
+            picks = independent_schedule(sim.client_indices[i].cpu(), 3, B, torch_stream(0, t, i, "batches"))
+            noise, wi = torch_stream(0, t, i, "dpsgd"), w.clone()
+            for idx in picks:
+                x, y = sim.dataset.x_train[idx], sim.dataset.y_train[idx]
+                G = torch.stack([hand.grad_on(wi, x[j:j + 1], y[j:j + 1]) for j in range(len(idx))])
+                clipped = G * torch.clamp(C / G.double().norm(dim=1), max=1.0).float()[:, None]
+                g = (clipped.sum(0) + torch.randn(w.numel(), generator=noise) * (z * C)) / len(idx)
+                wi = wi - lr * (g + hand.wd * wi)
+            finals.append(wi)
+        w = torch.stack(finals).mean(0)
+    for t in range(2):
+        sim.run_round(t)
+    torch.testing.assert_close(sim.w, w, rtol=2e-5, atol=2e-6)
+
+
+def test_dp_sgd_epsilon_equals_dp_accountings_for_the_worst_client(tiny):
+    """The run's bound: the smallest client's sampling rate B / n_min, the most local steps any client took, one
+    Gaussian of multiplier z / (2 sqrt(g)) a step (g noised gradients of the batch: SAM's 2; replace-one)."""
+    for algo, g in (("fedavg", 1), ("fedsam", 2)):
+        history = fedflat.run(tiny(*INSTANCE, f"algo={algo}", "train.batch_size=3"), save=False, progress=False)
+        sim = Simulation(tiny(*INSTANCE, f"algo={algo}", "train.batch_size=3"))
+        steps = torch.zeros(6, dtype=torch.long)
+        for t in range(3):
+            ctx = sim.new_context(t)
+            steps[ctx.sampled] += ctx.steps
+        n_min, delta = int(sim.num_samples.min()), 1 / int(sim.num_samples.sum())
+        accountant = RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+        accountant.compose(dpa.SelfComposedDpEvent(dpa.SampledWithoutReplacementDpEvent(
+            n_min, 3, dpa.GaussianDpEvent(1.2 / (2 * math.sqrt(g)))), int(steps.max())))
+        assert history.summary["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+
+
+def test_dp_sgd_engines_agree_and_methods_it_cannot_account_are_refused(tiny):
+    sequential = fedflat.run(tiny(*INSTANCE, "algo=fedsam", "engine=sequential"), save=False, progress=False)
+    vectorized = fedflat.run(tiny(*INSTANCE, "algo=fedsam", "engine=vectorized"), save=False, progress=False)
+    torch.testing.assert_close(vectorized.final_parameters, sequential.final_parameters, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="perturbation 'scam': its scores take gradients of pilot batches"):
+        tiny(*INSTANCE, "algo=fedscam")
+    with pytest.raises(ConfigError, match="dropout"):
+        Simulation(tiny(*INSTANCE, "model=cnn", "model.dropout=0.3", "data.options.shape=[1,8,8]", "model.padding=2"))

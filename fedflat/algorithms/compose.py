@@ -74,6 +74,11 @@ class Algorithm:
         what central DP and secure aggregation, which release only the sum, cannot give it."""
         return [f"{part!r}: {part.individual}" for part in self.ordered if part.individual]
 
+    def beyond_batch_needs(self) -> list[str]:
+        """``"role 'name': reason"`` for every part that computes beyond the step's batch (:attr:`Part.beyond_batch`):
+        what DP-SGD cannot account."""
+        return [f"{part!r}: {part.beyond_batch}" for part in self.ordered if part.beyond_batch]
+
     def value(self, key: str, default: Any = None) -> Any:
         """The hyperparameter ``key`` of the first part (in role order) that has it, or ``default``."""
         return next((getattr(p.p, key) for p in self.ordered if key in type(p.p).model_fields), default)

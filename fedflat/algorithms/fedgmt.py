@@ -51,6 +51,7 @@ class GlobalTrajectory(Perturbation):
 
     name = "gmt"
     summary = "FedGMT: gamma tau^2 KL(f(e)/tau || f(w)/tau) toward the EMA e of the global models"
+    beyond_batch = "its distillation term's gradient is not taken example by example"
     Params = TrajectoryParams
     server_state = {TRAJECTORY: init.model}
     sends = (TRAJECTORY,)

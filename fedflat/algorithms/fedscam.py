@@ -157,6 +157,7 @@ class AdaptiveRadiusSAM(LocalSAM):
 
     name = "scam"
     summary = "FedSCAM: SAM with radius rho_max/(1 + alpha_rho h_adj), h_adj from pilot gradient norms and alignment"
+    beyond_batch = "its scores take gradients of pilot batches beside the local steps'"
     Params = RadiusParams
     server_state = {DIRECTION_MEMORY: MEMORY_INIT}
     sends = (DIRECTION_MEMORY,)
@@ -233,6 +234,7 @@ class AlignmentWeights(Aggregation):
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
     individual = "weighs each client by its own heterogeneity and alignment scores"
+    beyond_batch = "its scores take gradients of pilot batches beside the local steps'"
     Params = WeightParams
     server_state = {DIRECTION_MEMORY: MEMORY_INIT}
     sends = (DIRECTION_MEMORY,)

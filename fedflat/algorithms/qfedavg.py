@@ -49,6 +49,7 @@ class QFedAvg(ServerUpdate):
     name = "qfedavg"
     summary = "q-FedAvg: w <- w - sum F_i^q dw_i / sum (q F_i^(q-1) ||dw_i||^2 + L F_i^q)"
     individual = "its step uses each client's own loss and update norm"
+    beyond_batch = "each client computes its loss over all its data"
     Params = QParams
 
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:

@@ -87,7 +87,10 @@ class Part:
       diagnostic;
       ``individual``: why the part reads each client's own upload rather than only the uploads' weighted mean
       (FedAWA's weights, FedWMSAM's ``c_i``), empty when it does not. Central DP and secure aggregation release
-      only the (noised) sum, so a method with such a part is refused there, with this reason.
+      only the (noised) sum, so a method with such a part is refused there, with this reason;
+      ``beyond_batch``: why its local work computes on the client's data beyond the step's batch, or not example by
+      example (FedSCAM's pilot batches, q-FedAvg's loss over all data, FedGMT's distillation); DP-SGD
+      (``privacy.level: instance``) cannot account it and refuses the method with this reason.
 
     What is uploaded is whatever ``end`` (or ``begin``) puts in ``cohort.upload``; communication is measured from
     the payloads.
@@ -107,6 +110,7 @@ class Part:
     supports_vectorized: ClassVar[bool] = True
     global_direction: ClassVar[tuple[str, float] | None] = None
     individual: ClassVar[str] = ""
+    beyond_batch: ClassVar[str] = ""
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()

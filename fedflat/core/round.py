@@ -111,6 +111,7 @@ class TrainSettings:
     # optimizer as weight decay (:meth:`Correction.decoupled_decay`), added after the clip; "step": all of it
     clip_scope: ClipScope = "loss"
     lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
+    dp_sgd: tuple[float, float] | None = None  # (C, z): local steps take DP-SGD's private gradients (privacy.level)
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,

@@ -26,6 +26,16 @@ def local_schedule(indices: torch.Tensor, steps: int, batch_size: int, generator
     return batches[:steps]
 
 
+def independent_schedule(indices: torch.Tensor, steps: int, batch_size: int,
+                         generator: torch.Generator) -> list[torch.Tensor]:
+    """``steps`` batches of ``min(B, n)`` samples, each drawn without replacement independently of the others: the
+    sampling DP-SGD's accountant assumes at every step (``privacy.level: instance``), where an epoch's permutation
+    would tie the steps together."""
+    n = indices.shape[0]
+    return [indices[torch.randperm(n, generator=generator, device=generator.device)[:batch_size].to(indices.device)]
+            for _ in range(steps)]
+
+
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for an index tensor of any shape; ``index_select`` is several times faster on CPU
     than advanced indexing for small batches (13 vs 100 us for 50 Fashion-MNIST images)."""

@@ -14,7 +14,7 @@ import torch
 from fedflat.algorithms import Algorithm
 from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, Correction,
                           torch_stream)
-from fedflat.engine.batches import local_schedule, stack_batches
+from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.oracle import ClientSession
 
 
@@ -104,10 +104,13 @@ class ClientBatches:
         self.batch_size = batch_size
         self.seed = seed
         self.augment = augment
+        # DP-SGD (privacy.level: instance) samples every step's batch on its own (independent_schedule)
+        self.independent = False
 
     def schedules(self, round: int, ids: list[int], steps: list[int]) -> list[list[torch.Tensor]]:
-        return self._to_device([local_schedule(self.host_indices[i], e, self.batch_size,
-                                               torch_stream(self.seed, round, i, "batches"))
+        schedule = independent_schedule if self.independent else local_schedule
+        return self._to_device([schedule(self.host_indices[i], e, self.batch_size,
+                                         torch_stream(self.seed, round, i, "batches"))
                                 for i, e in zip(ids, steps)])
 
     def extra(self, round: int, client: int, count: int, purpose: str) -> list[torch.Tensor]:

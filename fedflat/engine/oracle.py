@@ -106,6 +106,8 @@ class Oracle:
             mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()))
         self.session: ClientSession | None = None
         self._dropout_calls: dict[tuple, tuple[DropoutCall, ...]] = {}
+        self.dp_sgd: tuple[float, float] | None = None  # (C, z) of per-example DP-SGD (privacy.level: instance)
+        self._dp_noise: list[torch.Generator] = []  # each row's noise stream in the open clients() block
         if vectorized:
             self._vgrad = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
             self._vgrad_weighted = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
@@ -192,6 +194,8 @@ class Oracle:
         the gradient of the loss plus the distillation term (:func:`distilled_objective`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
+        if self.dp_sgd is not None:
+            return self._private_loss_grad(W, batch)
         if self.traits.stateful:
             return self._stateful_loss_grad(W, batch, distill)
         if distill is not None:
@@ -229,14 +233,47 @@ class Oracle:
             losses.append(self._mean_loss(tuple(self.model.layout.views(W[c])), self._arranged(x), y))
         return torch.stack(losses)
 
-    # -- modules with buffers, dropout or batch statistics: per-client passes within a session ---------------
+    def _private_loss_grad(self, W: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """DP-SGD's gradient of each client row (Abadi et al., CCS 2016), as Opacus computes it: per-example
+        gradients (``torch.func``: ``vmap`` of ``grad`` over the batch's examples), each clipped to ``C``, summed,
+        ``N(0, z^2 C^2 I)`` from the client's own stream added, divided by the batch size ``B``:
+        ``g~ = (sum_j g_j min(1, C / ||g_j||) + N(0, z^2 C^2 I)) / B``. The loss is the batch's mean."""
+        clip, z = self.dp_sgd
+        if not hasattr(self, "_per_example"):
+            self._per_example = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
+        losses, grads = [], []
+        for c in range(W.shape[0]):
+            x, y = batch.row(c)
+            views = tuple(v.unsqueeze(0).expand(len(y), *v.shape) for v in self.model.layout.views(W[c].detach()))
+            g, loss = self._per_example(views, x.unsqueeze(1), y.unsqueeze(1))
+            G = self._flat(g, (len(y),))
+            scale = torch.clamp(clip / G.double().norm(dim=1).clamp(min=1e-300), max=1.0).to(G.dtype)
+            noise = torch.randn(G.shape[1], generator=self._dp_noise[c], dtype=G.dtype, device=G.device)
+            grads.append((scale @ G + noise * (z * clip)) / len(y))
+            losses.append(loss.mean())
+        return torch.stack(losses), torch.stack(grads)
+
     @contextmanager
     def clients(self, ids: list[int], round: int, seed: int,
                 buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
         """The :class:`ClientSession` of the clients ``ids`` of round ``round`` starting from ``buffers[C, Q]`` (None:
         a model without buffers), for the oracle calls inside; None, and nothing to do, for a module that needs
         none. A module drawing random numbers outside dropout draws them from the global generator seeded from its
-        client's stream ``"forward"`` (the sequential engine: one client at a time)."""
+        client's stream ``"forward"`` (the sequential engine: one client at a time). Under DP-SGD each client's
+        noise comes from its stream ``"dpsgd"`` of the round."""
+        device = self.model.initial.device
+        previous_noise = self._dp_noise
+        if self.dp_sgd is not None:
+            self._dp_noise = [torch_stream(seed, round, i, "dpsgd", device) for i in ids]
+        try:
+            with self._session_of(ids, round, seed, buffers) as session:
+                yield session
+        finally:
+            self._dp_noise = previous_noise
+
+    @contextmanager
+    def _session_of(self, ids: list[int], round: int, seed: int,
+                    buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
         if not self.traits.stateful:
             yield None
             return

@@ -2,8 +2,10 @@
 
 Central DP spends one round's mechanism per round, whoever took part (Poisson sampling hides who did): after round
 ``t`` the run has spent ``epsilon(t + 1)``. Local DP spends per client: a client that released ``n_i`` times has
-spent ``epsilon(n_i)``, and the run reports its largest client. The ledger's state (the clients' participations)
-is checkpointed with the run, so a resumed run continues the accountant exactly.
+spent ``epsilon(n_i)``, and the run reports its largest client. Instance-level DP (DP-SGD) spends per local step of
+each client: the run reports the bound over its clients, ``epsilon`` of the most steps any client took at the
+sampling rate of the smallest client. The ledger's state (each client's count) is checkpointed with the run, so a
+resumed run continues the accountant exactly.
 """
 from __future__ import annotations
 
@@ -21,44 +23,57 @@ class PrivacyLedger:
     mechanism: Mechanism
     delta: float
     budget: float | None  # privacy.target_epsilon: no round may take the run beyond it
-    participations: torch.Tensor  # [N]: rounds each client released in (local DP's accounting)
+    participations: torch.Tensor  # [N]: each client's releases (local DP) or local steps (instance level)
 
     @classmethod
-    def of(cls, cfg: Config) -> "PrivacyLedger | None":
-        if cfg.privacy is None:
+    def of(cls, cfg: Config, num_samples: torch.Tensor, gradients: int) -> "PrivacyLedger | None":
+        """The ledger of ``cfg``'s privacy; ``num_samples`` each client's examples and ``gradients`` the noised
+        gradients a local step takes of its batch (instance level)."""
+        p = cfg.privacy
+        if p is None:
             return None
-        mechanism = replace(cfg.privacy_mechanism(), noise_multiplier=cfg.noise_multiplier())
-        return cls(mechanism, cfg.privacy_delta, cfg.privacy.target_epsilon,
-                   torch.zeros(cfg.data.num_clients, dtype=torch.long))
+        if p.level == "instance":
+            mechanism = Mechanism("fixed", cfg.data.num_clients, cfg.sampling.clients_per_round, p.noise_multiplier,
+                                  accountant="rdp", level="instance", dataset_size=int(num_samples.min()),
+                                  batch_size=cfg.train.batch_size, gradients=gradients)
+            delta = p.delta if p.delta is not None else 1.0 / int(num_samples.sum())
+        else:
+            mechanism = replace(cfg.privacy_mechanism(), noise_multiplier=cfg.noise_multiplier())
+            delta = cfg.privacy_delta
+        return cls(mechanism, delta, p.target_epsilon, torch.zeros(cfg.data.num_clients, dtype=torch.long))
 
-    def epsilon_after(self, round: int, sampled: torch.Tensor) -> float:
-        """The run's epsilon once round ``round`` (0-based) has released, with ``sampled`` its clients."""
-        if self.mechanism.mode == "central":
-            return epsilon(self.mechanism, round + 1, self.delta)
+    def epsilon_after(self, round: int, sampled: torch.Tensor, steps: torch.Tensor | None = None) -> float:
+        """The run's epsilon once round ``round`` (0-based) has released, with ``sampled`` its clients (and
+        ``steps`` their local steps, at the instance level)."""
+        m = self.mechanism
+        if m.level == "client" and m.mode == "central":
+            return epsilon(m, round + 1, self.delta)
         counts = self.participations.clone()
-        counts[sampled] += 1
-        return epsilon(self.mechanism, int(counts.max()), self.delta)
+        counts[sampled] += 1 if m.level == "client" else steps.to(counts.dtype)
+        return epsilon(m, int(counts.max()), self.delta)
 
-    def check_budget(self, round: int, sampled: torch.Tensor) -> None:
+    def check_budget(self, round: int, sampled: torch.Tensor, steps: torch.Tensor) -> None:
         """Refuses a round that would take the run beyond its budget (:class:`BudgetSpent`)."""
         if self.budget is None:
             return
-        after = self.epsilon_after(round, sampled)
+        after = self.epsilon_after(round, sampled, steps)
         if after > self.budget * (1 + 1e-9):
-            spent = self.epsilon_after(round - 1, torch.zeros(0, dtype=torch.long)) if round else 0.0
+            none = torch.zeros(0, dtype=torch.long)
+            spent = self.epsilon_after(round - 1, none, none) if round else 0.0
             raise BudgetSpent(f"privacy budget spent: round {round + 1} would reach epsilon {after:.4g} > "
                               f"privacy.target_epsilon {self.budget:g} (spent {spent:.4g} at delta {self.delta:g})")
 
-    def spend(self, round: int, ids: torch.Tensor) -> dict[str, float]:
-        """Records round ``round`` with its releasing clients ``ids``; the round's privacy line."""
-        value = self.epsilon_after(round, ids)
-        self.participations[ids] += 1
+    def spend(self, round: int, ids: torch.Tensor, steps: torch.Tensor) -> dict[str, float]:
+        """Records round ``round`` with its releasing clients ``ids`` (and their local ``steps``); the round's
+        privacy line."""
+        value = self.epsilon_after(round, ids, steps)
+        self.participations[ids] += 1 if self.mechanism.level == "client" else steps.to(self.participations.dtype)
         return {"epsilon": value}
 
     def describe(self) -> dict[str, object]:
         """What summary.json says of the accounting."""
         m = self.mechanism
-        return {"mode": m.mode, "accountant": m.accountant, "sampling": m.describe(), "noise_multiplier": m.noise_multiplier,
+        return {"level": m.level, "mode": m.mode, "accountant": m.accountant, "sampling": m.describe(), "noise_multiplier": m.noise_multiplier,
                 "sampling_rate": m.q, "delta": self.delta, "target_epsilon": self.budget}
 
     def state_dict(self) -> dict[str, torch.Tensor]:

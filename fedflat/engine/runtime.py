@@ -214,9 +214,11 @@ class ClientRuntime:
             check_vectorizable(algorithm)
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
         self.engine = engine
+        batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
         self.fixed_chunk = chunk_size
         self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
                              traits=traits)
+        self.oracle.dp_sgd = settings.dp_sgd
         if engine == "vectorized" and self.oracle.traits.random is not None:
             raise ConfigError(f"engine=vectorized: model {module_name(model.module)} draws random numbers "
                               f"({self.oracle.traits.random}) outside dropout; use engine=sequential")

@@ -42,7 +42,7 @@ from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
-log = logging.getLogger("fedflat")
+logger = logging.getLogger("fedflat")
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -179,6 +179,19 @@ class RoundResult:
     log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
 
 
+def _dp_sgd(cfg: Config, traits, module: nn.Module) -> tuple[float, float] | None:
+    """``(C, z)`` of DP-SGD for ``privacy.level: instance`` (None otherwise); a model whose forward draws random
+    numbers (dropout) is refused: per-example gradients need the same forward for every example's copy."""
+    p = cfg.privacy
+    if p is None or p.level != "instance":
+        return None
+    if traits.random is not None or traits.dropout or traits.mixes:
+        raise ConfigError(f"privacy.level=instance: model {module_name(module)} draws random numbers in its forward "
+                          "(dropout) or mixes the samples of a batch (batch statistics); DP-SGD's per-example "
+                          "gradients need neither: set its dropout to 0, use GroupNorm")
+    return (p.clip, p.noise_multiplier)
+
+
 def _without_heldout(clients: Sequence[Sequence[int]], kept: np.ndarray, num_samples: int, num_clients: int,
                      fraction: float) -> list[np.ndarray]:
     """A user's split of the ``num_samples`` training samples, checked, then re-indexed into the ``kept`` ones:
@@ -264,6 +277,7 @@ class Simulation:
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
                                       layout=self.model.layout, total_samples=int(self.num_samples.sum()),
                                       clip_scope=cfg.train.clip_scope, lr_decay=cfg.train.lr_decay,
+                                      dp_sgd=_dp_sgd(cfg, self.traits, module),
                                       buffers=layout if layout.size else None,
                                       batch_norms=tuple(n for n, m in module.named_modules()
                                                         if isinstance(m, nn.modules.batchnorm._BatchNorm)))
@@ -293,7 +307,7 @@ class Simulation:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
-        self.privacy = PrivacyLedger.of(cfg)
+        self.privacy = PrivacyLedger.of(cfg, self.num_samples.cpu(), self.algorithm.backprops_per_step)
 
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
@@ -419,7 +433,7 @@ class Simulation:
         start = time.perf_counter()
         ctx = self.new_context(round)
         if self.privacy is not None:
-            self.privacy.check_budget(round, ctx.sampled.cpu())
+            self.privacy.check_budget(round, ctx.sampled.cpu(), ctx.steps.cpu())
         broadcast = self.configure(ctx)
         task = RoundTask(ctx.sampled.cpu(), ctx.num_samples.cpu(), ctx.steps.cpu())
         return OpenRound(ctx, broadcast, task, start)
@@ -480,7 +494,7 @@ class Simulation:
             self.backprops += result.backprops
             log = dict(ctx.log)
             if self.privacy is not None:
-                log.update(self.privacy.spend(round, result.ids.cpu()))
+                log.update(self.privacy.spend(round, result.ids.cpu(), ctx.steps.cpu()))
             self.last_round = RoundResult(
                 round=round, lr=ctx.lr, train_loss=train_loss, drift=drift, clients=ctx.K,
                 seconds=time.perf_counter() - opened.start,
@@ -496,7 +510,7 @@ class Simulation:
         bad = self.algorithm.malformed(result.upload, self.num_parameters).cpu()
         if not bad.any():
             return result
-        log.warning("round %d: clients %s left out: their uploads cannot be decoded by %s", round + 1,
+        logger.warning("round %d: clients %s left out: their uploads cannot be decoded by %s", round + 1,
                        result.ids[bad].tolist(), self.algorithm.encoder)
         return result.rows(torch.nonzero(~bad).flatten())
 
@@ -504,7 +518,8 @@ class Simulation:
         """A round whose Poisson sample under DP was empty: the model stays, the accountant counts the round."""
         round = opened.ctx.round
         with uninterrupted():
-            log = self.privacy.spend(round, torch.zeros(0, dtype=torch.long))
+            none = torch.zeros(0, dtype=torch.long)
+            log = self.privacy.spend(round, none, none)
             self.last_round = RoundResult(round=round, lr=opened.ctx.lr, train_loss=float("nan"), drift=0.0, clients=0,
                                           seconds=time.perf_counter() - opened.start, store=self.store.count(),
                                           log=log)
