@@ -20,17 +20,21 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Literal
-
-import dp_accounting as dpa
-from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant, rdp_privacy_accountant
+from typing import Any, Literal
 
 Sampling = Literal["poisson", "fixed"]
 
-# dp-accounting logs (through absl) every RDP order whose series does not converge, tens of lines a call: the
-# orders are left out of the minimum, which is what we want, so the lines say nothing to a user
-logging.getLogger("absl").setLevel(logging.ERROR)
+
+@functools.cache
+def _dpa() -> Any:
+    """dp-accounting, imported on first use (with SciPy's signal processing it takes seconds: a run without
+    privacy never pays it)."""
+    import dp_accounting
+
+    # dp-accounting logs (through absl) every RDP order whose series does not converge, tens of lines a call: the
+    # orders are left out of the minimum, which is what we want, so the lines say nothing to a user
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    return dp_accounting
 
 
 @dataclass(frozen=True)
@@ -56,13 +60,14 @@ class Mechanism:
         return self.clients_per_round / self.num_clients
 
     @property
-    def neighboring(self) -> dpa.NeighboringRelation:
+    def neighboring(self) -> Any:
+        dpa = _dpa()
         central_poisson = self.level == "client" and self.mode == "central" and self.sampling == "poisson"
         return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if central_poisson else dpa.NeighboringRelation.REPLACE_ONE
 
-    def round_event(self) -> dpa.DpEvent:
+    def round_event(self) -> Any:
         """One round's DP event (module docstring)."""
-        z = self.noise_multiplier
+        dpa, z = _dpa(), self.noise_multiplier
         if self.level == "instance":  # g Gaussians of multiplier z/2 on one batch: one of z/(2 sqrt(g)), exactly
             return dpa.SampledWithoutReplacementDpEvent(self.dataset_size, min(self.batch_size, self.dataset_size),
                                                         dpa.GaussianDpEvent(z / (2 * self.gradients ** 0.5)))
@@ -85,7 +90,11 @@ class Mechanism:
         return (f"fixed-size sampling without replacement ({self.clients_per_round} of {self.num_clients}), "
                 "replace-one adjacency (sensitivity 2C)")
 
-    def fresh(self) -> dpa.PrivacyAccountant:
+    def fresh(self) -> Any:
+        from dp_accounting.pld import PLDAccountant
+        from dp_accounting.rdp import RdpAccountant
+
+        dpa = _dpa()
         if self.accountant == "pld":
             if self.neighboring != dpa.NeighboringRelation.ADD_OR_REMOVE_ONE and self.mode != "local" \
                     and self.level == "client":
@@ -97,6 +106,8 @@ class Mechanism:
 
 @functools.lru_cache(maxsize=64)
 def _round_rdp(mechanism: Mechanism) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    from dp_accounting.rdp import RdpAccountant
+
     accountant = RdpAccountant(neighboring_relation=mechanism.neighboring)
     accountant.compose(mechanism.round_event())
     return tuple(accountant._orders), tuple(accountant._rdp)
@@ -112,6 +123,8 @@ def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
         accountant = mechanism.fresh()
         accountant.compose(mechanism.round_event(), rounds)
         return float(accountant.get_epsilon(delta))
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     orders, rdp = _round_rdp(mechanism)
     eps, _ = rdp_privacy_accountant.compute_epsilon(list(orders), [rounds * r for r in rdp], delta)
     return float(eps)
@@ -124,7 +137,9 @@ def calibrate(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: f
     private end: the returned ``z`` never spends more than the target)."""
     from dataclasses import replace
 
-    def event(z: float) -> dpa.DpEvent:
+    dpa = _dpa()
+
+    def event(z: float) -> Any:
         return dpa.SelfComposedDpEvent(replace(mechanism, noise_multiplier=z).round_event(), rounds)
 
     z = dpa.calibrate_dp_mechanism(mechanism.fresh, event, target_epsilon, delta,
