@@ -410,3 +410,45 @@ def test_dp_sgd_engines_agree_and_methods_it_cannot_account_are_refused(tiny):
         tiny(*INSTANCE, "algo=fedscam")
     with pytest.raises(ConfigError, match="dropout"):
         Simulation(tiny(*INSTANCE, "model=cnn", "model.dropout=0.3", "data.options.shape=[1,8,8]", "model.padding=2"))
+
+
+@pytest.mark.slow  # a child process killed mid-run, then two runs of 8 rounds
+def test_a_dp_run_killed_mid_run_resumes_to_the_uninterrupted_run_epsilon_included(tiny, tmp_path):
+    """SIGKILL while round 3's checkpoint is written (central DP with an adaptive clip, top-k with error feedback):
+    the resumed run's model, epsilons, clips and residuals equal a run never killed."""
+    from fedflat.files import read_jsonl
+    from test_resume import _sigkill_child_when, _tmp_checkpoint
+
+    options = ("privacy.clip=0.5", "privacy.noise_multiplier=1.0", "privacy.adaptive=true", "privacy.count_noise=1.0",
+               "compression.name=topk", "compression.ratio=0.3", "compression.error_feedback=true")
+    folder = tmp_path / "killed"
+
+    def third_write_started() -> bool:
+        lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
+        return len(lines) >= 3 and _tmp_checkpoint(folder)
+
+    _sigkill_child_when(folder, "0.4", third_write_started, poll=0.02, overrides=options)
+    resumed = resume(folder, progress=False)
+    full = fedflat.run(tiny("rounds=8", "checkpoint_every=1", *options), run_dir=tmp_path / "full", progress=False)
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    written = [read_jsonl(f / "metrics.jsonl") for f in (folder, tmp_path / "full")]
+    for key in ("epsilon", "dp_clip", "dp_unclipped", "up_bytes"):
+        assert [m[key] for m in written[0]] == [m[key] for m in written[1]], key
+
+
+@pytest.mark.slow  # one round of every recipe
+def test_every_recipe_runs_under_dp_or_is_refused_saying_what_it_reads(tiny):
+    """One `privacy:` section: a round of every built-in recipe under central DP, or its refusal naming what central
+    DP would hide from it; under local DP every recipe runs."""
+    from conftest import model_for
+    from fedflat.algorithms import RECIPES
+
+    for name in sorted(RECIPES):
+        if RECIPES[name].personalization == "fedbn":  # BatchNorm statistics: refused under DP, tested above
+            continue
+        try:
+            sim = Simulation(tiny(f"algo={name}", *model_for(name), *DP))
+        except ConfigError as err:
+            assert "privacy.mode=central releases only the noised sum" in str(err) and "individual" not in str(err)
+            sim = Simulation(tiny(f"algo={name}", *model_for(name), *DP, "privacy.mode=local"))
+        assert math.isfinite(sim.run_round(0).log["epsilon"]), name
