@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
               f"{s['train_seconds'] / max(s['rounds'], 1):.3f} s/round training, {s['wall_seconds']:.1f} s in all")
-    return 0 if s["status"] == "completed" else 3
+    return 0 if s["status"] in ("completed", "stopped") else 3
 
 
 def cmd_list(args: argparse.Namespace) -> int:

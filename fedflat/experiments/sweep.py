@@ -15,7 +15,7 @@ A sweep file (YAML)::
       small: {overrides: [rounds=20], grid: {seed: [0]}}   # (an axis set to null is dropped)
 
 Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
-them: a completed or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
+them: a completed, stopped (a callback ended it) or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
 one starts; rerun with more ``rounds`` (``fedflat sweep FILE rounds=500``), completed cells continue to the
 new length. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
 others go on. With ``workers > 1`` cells run in separate processes; with ``backend="ray"`` each cell is a
@@ -49,7 +49,7 @@ from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
-FINISHED = ("completed", "diverged")
+FINISHED = ("completed", "stopped", "diverged")  # stopped: a callback ended it (early stopping)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 SHORTHAND_KEYS = ("algo", "model", "data", "data.partition", "data.partition.scheme", "algo.name", "model.name")
 

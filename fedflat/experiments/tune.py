@@ -247,7 +247,7 @@ def _score(results: list[dict[str, Any]], select: str) -> tuple[float | None, st
     if any(r.get("status") == "diverged" for r in results):
         return -math.inf, "diverged"
     values = [r.get(f"{select}_val_acc") for r in results]
-    if any(r.get("status") != "completed" for r in results) or any(v is None for v in values):
+    if any(r.get("status") not in ("completed", "stopped") for r in results) or any(v is None for v in values):
         return None, "unfinished"
     return statistics.fmean(values), "scored"
 
