@@ -229,3 +229,12 @@ def test_the_cli_reports_a_stopped_run_and_exits_0(tmp_path, capsys):
     assert main(["run", str(config), "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "status: stopped (early stopping: train_loss did not improve" in out
+
+
+def test_the_docs_callbacks_section_is_a_valid_config():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "experiments.md").read_text()
+    section = text.split("### Stopping early and keeping the best model", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = load_config(None, (), base={**tiny_tree(), **yaml.safe_load(block)})
+    assert [c.name for c in cfg.callbacks] == ["early_stopping", "model_checkpoint"]
+    assert cfg.callbacks[0].patience == 5 and cfg.callbacks[1].metric == "val_loss"
