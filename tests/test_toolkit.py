@@ -45,3 +45,32 @@ def test_a_memory_maps_pixel_statistics_read_a_bounded_sample(tmp_path):
     assert sampled.mean == pytest.approx(tuple(pixels.mean(axis=1)), rel=1e-12)
     assert sampled.std == pytest.approx(tuple(pixels.std(axis=1, ddof=1)), rel=1e-12)
     assert sampled != exact
+
+
+@pytest.mark.slow  # MLflow makes a new SQLite store's tables: ~20 s
+def test_a_sweeps_default_mlflow_store_is_in_the_sweeps_folder(tmp_path, monkeypatch):
+    """An mlflow logger that names no store wrote a sweep's runs to mlflow.db in the working folder."""
+    pytest.importorskip("mlflow")
+    import yaml
+
+    from fedflat.experiments.sweep import load_sweep, run_sweep
+    from tests.conftest import tiny_tree
+    from tests.test_loggers import mlflow_runs
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_tree(rounds=1, threads=1)))
+    spec = {"base": str(tmp_path / "base.yaml"), "config": {"loggers": ["mlflow"]}, "out": str(tmp_path / "sweep"),
+            "grid": {"seed": [0]}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    result = run_sweep(load_sweep(tmp_path / "sweep.yaml"), progress=False)
+    assert [c["status"] for c in result.cells] == ["completed"]
+    store = f"sqlite:///{tmp_path / 'sweep' / 'mlflow.db'}"
+    assert [r.info.run_name for r in mlflow_runs(store, "sweep")] == ["seed0"]
+    assert list(work.iterdir()) == []  # nothing in the working folder
+    recorded = yaml.safe_load((tmp_path / "sweep" / "seed0" / "config.yaml").read_text())["loggers"]
+    assert recorded[0]["tracking_uri"] == store  # a later `fedflat resume` of the cell finds the same store
+    again = run_sweep(load_sweep(tmp_path / "sweep.yaml"), progress=False)  # the store is not part of the cell
+    assert [c["action"] for c in again.cells] == ["skipped"]

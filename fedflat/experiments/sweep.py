@@ -416,6 +416,7 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
                     job: str | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
+    _mlflow_store_in(cells, out.parent if job is not None else out)  # a tune study's: above trials/ and final/
     _prepare_loggers([c for c in cells if c.config is not None], group)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
@@ -455,6 +456,21 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
     finally:
         bar.close()
     return results
+
+
+def _mlflow_store_in(cells: list[Cell], folder: Path) -> None:
+    """An ``mlflow`` logger that names no store (no ``tracking_uri``, no ``$MLFLOW_TRACKING_URI``) writes the
+    sweep's runs to ``FOLDER/mlflow.db``, not MLflow's default ``mlflow.db`` in the working folder: the sweep's
+    results stay together (``loggers`` is not part of what makes a cell, so finished cells stay finished)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    uri = f"sqlite:///{(folder / 'mlflow.db').absolute()}"
+    for cell in cells:
+        if cell.config is None or not any(e.name == "mlflow" and e.tracking_uri is None for e in cell.config.loggers):
+            continue
+        loggers = [e.model_copy(update={"tracking_uri": uri}) if e.name == "mlflow" and e.tracking_uri is None else e
+                   for e in cell.config.loggers]
+        cell.config = cell.config.model_copy(update={"loggers": loggers})
 
 
 def _prepare_loggers(cells: list[Cell], group: str | None) -> None:
