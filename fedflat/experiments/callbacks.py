@@ -22,7 +22,8 @@ as one never interrupted; ``run.notes`` are entries a callback adds to ``summary
 is the global model's state dict (what ``model.pt`` holds) at that moment.
 
 ``round`` counts rounds completed (1 for the first, as in metrics.jsonl). Callbacks observe: they get copies,
-and nothing they do changes training (they may only stop it). Those of ``fedflat.run`` come after the config's ``loggers``, in order.
+and nothing they do changes training (they may only stop it). Those of ``fedflat.run`` come after the config's
+``loggers`` and ``callbacks``, in order.
 
 Failures never cost the run its results. A callback that raises in ``on_run_start`` stops the run before its
 first round with a :class:`CallbackError` (no run folder is left of a new run), unless it is ``optional``

@@ -114,7 +114,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
             check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
         from fedflat.experiments.loggers import build_loggers
 
-        watchers = [*build_loggers(cfg.loggers, group), *build_callbacks(cfg.callbacks), *callbacks]  # a logger's library: checked before a folder
+        # a logger's library and a callback's options are checked before a folder is made
+        watchers = [*build_loggers(cfg.loggers, group), *build_callbacks(cfg.callbacks), *callbacks]
         sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
         stack.callback(sim.close)
         resolved = _resolved(cfg, dataset, model_fn, clients)

@@ -15,9 +15,9 @@ A sweep file (YAML)::
       small: {overrides: [rounds=20], grid: {seed: [0]}}   # (an axis set to null is dropped)
 
 Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
-them: a completed, stopped (a callback ended it) or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
-one starts; rerun with more ``rounds`` (``fedflat sweep FILE rounds=500``), completed cells continue to the
-new length. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
+them: a completed, stopped (a callback ended it) or diverged cell is skipped, an unfinished one resumes from its
+checkpoint, a missing one starts; rerun with more ``rounds`` (``fedflat sweep FILE rounds=500``), completed cells
+continue to the new length. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
 others go on. With ``workers > 1`` cells run in separate processes; with ``backend="ray"`` each cell is a
 Ray task on a cluster (one GPU per cell, or a fraction), with the same skip/resume/failure rules.
 """
