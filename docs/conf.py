@@ -8,7 +8,11 @@ import inspect
 import re
 
 from docutils import nodes
+from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
+from sphinx import addnodes
+from sphinx.domains import ObjType
+from sphinx.domains.python import PyObject, PythonDomain
 from sphinx.util.docutils import SphinxDirective
 
 import fedflat
@@ -105,17 +109,38 @@ def _summary(obj) -> str:
 
 def reexported(package: str) -> list[tuple[str, object, str]]:
     """``(name, object, defining path)`` of each class and function a package's ``__all__`` re-exports from
-    another module (a module's own names are documented by its automodule)."""
+    another module (a module's own names are documented by its automodule; a name that is also a submodule's,
+    as ``fedflat.data.partition``, is the submodule's)."""
+    import pkgutil
+
     module = importlib.import_module(package)
     if not hasattr(module, "__path__"):
         return []
+    submodules = {m.name for m in pkgutil.iter_modules(module.__path__)}
     found = []
     for name in getattr(module, "__all__", ()):
+        if name in submodules:
+            continue
         obj = getattr(module, name, None)
         home, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if (inspect.isclass(obj) or inspect.isfunction(obj)) and home and qualname and home != package:
             found.append((name, obj, f"{home}.{qualname}"))
     return found
+
+
+class PyReexport(PyObject):
+    """``.. py:reexport:: Dataset`` (``:module: fedflat.data``, ``:kind: class``): a name a package re-exports. Its
+    own object type, which only ``:obj:`` finds, so a class reference (a type hint's ``Dataset``) still resolves,
+    unambiguously, to the class's description in its defining module."""
+
+    option_spec = {**PyObject.option_spec, "kind": directives.unchanged}
+
+    def get_signature_prefix(self, sig: str) -> list[nodes.Node]:
+        kind = self.options.get("kind")
+        return [addnodes.desc_sig_keyword("", kind), addnodes.desc_sig_space()] if kind else []
+
+    def get_index_text(self, modname: str, name_cls: tuple[str, str]) -> str:
+        return f"{name_cls[0]} (re-exported in {modname})"
 
 
 class ReExports(SphinxDirective):
@@ -135,8 +160,8 @@ class ReExports(SphinxDirective):
             kind = ("exception" if inspect.isclass(obj) and issubclass(obj, BaseException)
                     else "class" if inspect.isclass(obj) else "function")
             role = "exc" if kind == "exception" else "class" if kind == "class" else "func"
-            lines += [f".. py:{kind}:: {name}", f"   :module: {package}", "",
-                      f"   {_summary(obj)} Described at :py:{role}:`{home}`.".replace("  ", " "), ""]
+            text = " ".join(filter(None, (_summary(obj), f"Described at :py:{role}:`{home}`.")))
+            lines += [f".. py:reexport:: {name}", f"   :module: {package}", f"   :kind: {kind}", "", f"   {text}", ""]
         holder = nodes.container()
         self.state.nested_parse(StringList(lines, source=f"<reexports of {package}>"), self.content_offset, holder)
         return holder.children
@@ -165,5 +190,7 @@ def _viewcode_backlinks(app):
 def setup(app):
     app.connect("missing-reference", _follow_reexport)
     app.connect("include-read", _readme_links)
+    PythonDomain.object_types.setdefault("reexport", ObjType("re-exported name", "obj"))
+    app.add_directive_to_domain("py", "reexport", PyReexport)
     app.add_directive("reexports", ReExports)
     app.connect("html-collect-pages", _viewcode_backlinks, priority=400)
