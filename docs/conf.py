@@ -3,7 +3,17 @@
 ``make docs`` builds it into docs/_build/html; tests/test_docs.py builds it with warnings as errors."""
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
+
+from docutils import nodes
+from docutils.parsers.rst import directives
+from docutils.statemachine import StringList
+from sphinx import addnodes
+from sphinx.domains import ObjType
+from sphinx.domains.python import PyObject, PythonDomain
+from sphinx.util.docutils import SphinxDirective
 
 import fedflat
 
@@ -25,7 +35,8 @@ myst_heading_anchors = 4
 autosummary_generate = True
 autosummary_imported_members = False
 # A package's page documents what it defines and lists its modules; a name it re-exports is documented once, in the
-# module that defines it (no duplicate descriptions, no ambiguous links). Registries' values are not printed.
+# module that defines it (no duplicate descriptions), and listed on the package's page under the package's name
+# (`.. reexports::`, below: a search for fedflat.data.Dataset finds it). Registries' values are not printed.
 autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True, "ignore-module-all": True,
                            "no-value": True}
 autodoc_member_order = "bysource"
@@ -85,6 +96,101 @@ def _readme_links(app, relative_path, parent_docname, content):
         content[0] = REPOSITORY_LINK.sub(r"](../\1)", content[0])
 
 
+ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?(?:[^`<]*<)?([^`>]+)>?`")
+
+
+def _summary(obj) -> str:
+    """The first paragraph of ``obj``'s docstring as plain text (its roles as their targets' names), every mark
+    reST would read escaped."""
+    first = (inspect.getdoc(obj) or "").split("\n\n", 1)[0]
+    text = ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], " ".join(first.split())).replace("`", "")
+    return re.sub(r"([^A-Za-z0-9\s])", r"\\\1", text)
+
+
+def reexported(package: str) -> list[tuple[str, object, str]]:
+    """``(name, object, defining path)`` of each class and function a package's ``__all__`` re-exports from
+    another module (a module's own names are documented by its automodule; a name that is also a submodule's,
+    as ``fedflat.data.partition``, is the submodule's)."""
+    import pkgutil
+
+    module = importlib.import_module(package)
+    if not hasattr(module, "__path__"):
+        return []
+    submodules = {m.name for m in pkgutil.iter_modules(module.__path__)}
+    found = []
+    for name in getattr(module, "__all__", ()):
+        if name in submodules:
+            continue
+        obj = getattr(module, name, None)
+        home, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and home and qualname and home != package:
+            found.append((name, obj, f"{home}.{qualname}"))
+    return found
+
+
+class PyReexport(PyObject):
+    """``.. py:reexport:: Dataset`` (``:module: fedflat.data``, ``:kind: class``): a name a package re-exports. Its
+    own object type, which only ``:obj:`` finds, so a class reference (a type hint's ``Dataset``) still resolves,
+    unambiguously, to the class's description in its defining module."""
+
+    option_spec = {**PyObject.option_spec, "kind": directives.unchanged}
+
+    def get_signature_prefix(self, sig: str) -> list[nodes.Node]:
+        kind = self.options.get("kind")
+        return [addnodes.desc_sig_keyword("", kind), addnodes.desc_sig_space()] if kind else []
+
+    def get_index_text(self, modname: str, name_cls: tuple[str, str]) -> str:
+        return f"{name_cls[0]} (re-exported in {modname})"
+
+
+class ReExports(SphinxDirective):
+    """``.. reexports:: fedflat.data``: each public name the package re-exports, under the package's name, with
+    its summary and a link to its description in the module that defines it."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        package = self.arguments[0]
+        entries = reexported(package)
+        if not entries:
+            return []
+        lines = [".. rubric:: Re-exported names", "",
+                 f"Imported from ``{package}``; each is described in the module that defines it.", ""]
+        for name, obj, home in entries:
+            kind = ("exception" if inspect.isclass(obj) and issubclass(obj, BaseException)
+                    else "class" if inspect.isclass(obj) else "function")
+            role = "exc" if kind == "exception" else "class" if kind == "class" else "func"
+            text = " ".join(filter(None, (_summary(obj), f"Described at :py:{role}:`{home}`.")))
+            lines += [f".. py:reexport:: {name}", f"   :module: {package}", f"   :kind: {kind}", "", f"   {text}", ""]
+        holder = nodes.container()
+        self.state.nested_parse(StringList(lines, source=f"<reexports of {package}>"), self.content_offset, holder)
+        return holder.children
+
+
+def _viewcode_backlinks(app):
+    """A source page's "[docs]" links, made by sphinx.ext.viewcode as ``#<module where it first met the name>.<name>``
+    on the page that documented the name last: for a name also shown under a package or on the Python API page
+    (``fedflat.History``), an anchor that page does not have. Each link is pointed at the name's description in
+    its defining module (dropped, rather than broken, if it has none). Runs before viewcode writes the pages."""
+    env, domain = app.env, app.env.get_domain("py")
+    for modname, entry in getattr(env, "_viewcode_modules", {}).items():
+        if not entry:
+            continue
+        code, tags, used, _first = entry
+        for name in list(used):
+            found = domain.objects.get(f"{modname}.{name}")
+            if found is None or found.aliased or found.node_id != f"{modname}.{name}":
+                del used[name]
+            else:
+                used[name] = found.docname
+        env._viewcode_modules[modname] = (code, tags, used, modname)
+    return []
+
+
 def setup(app):
     app.connect("missing-reference", _follow_reexport)
     app.connect("include-read", _readme_links)
+    PythonDomain.object_types.setdefault("reexport", ObjType("re-exported name", "obj"))
+    app.add_directive_to_domain("py", "reexport", PyReexport)
+    app.add_directive("reexports", ReExports)
+    app.connect("html-collect-pages", _viewcode_backlinks, priority=400)

@@ -13,10 +13,10 @@ from torch import nn
 from fedflat.config import Config, as_config, quickstart_path
 from fedflat.data import Dataset
 from fedflat.engine.simulation import RoundResult, Simulation
-from fedflat.experiments.callbacks import Callback, RunInfo
+from fedflat.experiments.callbacks import Callback, EarlyStopping, ModelCheckpoint, RunInfo
 from fedflat.experiments.runner import History, run_experiment
 
-__all__ = ["Callback", "History", "RunInfo", "as_config", "quickstart_path", "run"]
+__all__ = ["Callback", "EarlyStopping", "History", "ModelCheckpoint", "RunInfo", "as_config", "quickstart_path", "run"]
 
 
 def run(config: Config | dict | str | Path | None = None, *, overrides: list[str] | tuple[str, ...] = (),

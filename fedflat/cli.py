@@ -10,8 +10,9 @@ from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluate
                              print_run_folder, split_config_and_overrides)
 from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
                             suggest)
+from fedflat._version import __version__
 from fedflat.core import ConfigError
-from fedflat.experiments.rundir import RunFolderBusy, interruption, is_disk_full
+from fedflat.experiments.rundir import SUCCEEDED, RunFolderBusy, interruption, is_disk_full
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -28,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
               f"{s['train_seconds'] / max(s['rounds'], 1):.3f} s/round training, {s['wall_seconds']:.1f} s in all")
-    return 0 if s["status"] == "completed" else 3
+    return 0 if s["status"] in SUCCEEDED else 3
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -45,10 +46,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         for name, text in rows:
             print(f"  {name:<{width}}  {text}")
 
-    table("algorithms", [(n, f"{r.summary} [{r.source}]") for n, r in sorted(RECIPES.items())])
-    table("datasets", [(n, d) for n, (_, d) in sorted(DATASETS.items())])
-    table("models", [(n, d) for n, (_, d) in sorted(MODELS.items())])
-    table("partitions", [(n, d) for n, (_, d) in sorted(PARTITIONS.items())])
+    if not args.configs:  # `list --configs` is asked for the configs: they are not printed after 76 other lines
+        table("algorithms", [(n, f"{r.summary} [{r.source}]") for n, r in sorted(RECIPES.items())])
+        table("datasets", [(n, d) for n, (_, d) in sorted(DATASETS.items())])
+        table("models", [(n, d) for n, (_, d) in sorted(MODELS.items())])
+        table("partitions", [(n, d) for n, (_, d) in sorted(PARTITIONS.items())])
     if args.grids:
         table("tuning grids (`fedflat tune`)", [(n, ", ".join(f"{k} {list(v)}" for k, v in r.tunable.items())
                                                 or "(nothing of its own)") for n, r in sorted(RECIPES.items())])
@@ -133,6 +135,7 @@ def _register_extensions(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="fedflat", description="Federated sharpness-aware minimization, side by side.")
+    parser.add_argument("--version", action="version", version=f"fedflat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     p = sub.add_parser("run", help="run one experiment: a config file or a shipped config's name (none: quickstart)")
@@ -147,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
     p.add_argument("--grids", action="store_true", help="also list each recipe's tuning grid (fedflat tune)")
     p.add_argument("--configs", action="store_true",
-                   help="also list the shipped configs, sweeps and tune files, by the name that runs them")
+                   help="list the shipped configs, sweeps and tune files, by the name that runs them (instead of "
+                        "the algorithms, datasets, models and partitions)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also list what this plugin registers (a module, .py file or package folder; repeatable)")
     p.set_defaults(func=cmd_list)

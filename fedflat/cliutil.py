@@ -75,7 +75,7 @@ def print_outcome(history, label: str = "", announced: bool = False) -> int:
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
         print(f"{s['algorithm']}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
-    return 0 if s["status"] == "completed" else 3
+    return 0 if s["status"] in ("completed", "stopped", "budget spent") else 3  # experiments.rundir.SUCCEEDED
 
 
 def evaluated_on(summary: dict) -> str:

@@ -254,6 +254,45 @@ class PrivacyConfig(Section):
         return self
 
 
+class CallbackConfig(Section):
+    """A built-in callback of :mod:`fedflat.experiments.callbacks` (docs/experiments.md, "Stopping early")."""
+
+    name: str
+    metric: str = Field(description="the metrics line's key it watches, e.g. test_acc, val_loss")
+    mode: Literal["min", "max"] | None = Field(None, description="max if the metric improves upward, min if "
+                                                                 "downward (default: max for *_acc, min for *loss)")
+
+
+class EarlyStoppingConfig(CallbackConfig):
+    name: Literal["early_stopping"]
+    patience: int = Field(3, ge=1, description="evaluations without improvement before the run stops")
+    min_delta: float = Field(0.0, ge=0, description="the least change that counts as an improvement")
+
+
+class ModelCheckpointConfig(CallbackConfig):
+    name: Literal["model_checkpoint"]
+    filename: str = Field("best_model.pt", description="the best model's file in the run folder")
+
+
+CALLBACK_CONFIGS = {"early_stopping": EarlyStoppingConfig, "model_checkpoint": ModelCheckpointConfig}
+CallbackEntry = Annotated[Union[EarlyStoppingConfig, ModelCheckpointConfig], Field(discriminator="name")]
+
+
+def _callback_entries(tree: dict[str, Any]) -> dict[str, Any]:
+    """``callbacks: [{name: early_stopping, metric: ...}, ...]``, each name known."""
+    entries = tree.get("callbacks")
+    if entries is None:
+        return tree
+    if not isinstance(entries, list):
+        entries = [entries]
+    for entry in entries:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if name not in CALLBACK_CONFIGS:
+            raise ValueError(f"callbacks: unknown callback {name!r}{suggest(str(name), list(CALLBACK_CONFIGS))}; "
+                             f"an entry is a mapping with a name: {', '.join(CALLBACK_CONFIGS)}")
+    return {**tree, "callbacks": entries}
+
+
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
 
 
@@ -299,11 +338,14 @@ class Config(Section):
         default_factory=list, description="where the config and metrics lines also go: tensorboard, csv, wandb, "
                                           "mlflow (names, or mappings with options); the old tensorboard: true "
                                           "adds tensorboard")
+    callbacks: list[CallbackEntry] = Field(
+        default_factory=list, description="built-in callbacks: early_stopping (metric, mode, patience, min_delta) "
+                                          "and model_checkpoint (metric, mode, filename)")
 
     @model_validator(mode="before")
     @classmethod
     def _loggers(cls, data: Any) -> Any:
-        return _logger_entries(data) if isinstance(data, dict) else data
+        return _callback_entries(_logger_entries(data)) if isinstance(data, dict) else data
 
     def privacy_mechanism(self):
         """The mechanism the accountant composes each round (:class:`fedflat.accounting.Mechanism`), or None."""
@@ -378,9 +420,10 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden" and e["loc"][0] == "loggers" and len(e["loc"]) == 4:
-            valid = list(LOGGER_CONFIGS[e["loc"][2]].model_fields)
-            lines.append(f"loggers: unknown {e['loc'][2]} option '{e['loc'][3]}'{suggest(str(e['loc'][3]), valid)}; "
+        if e["type"] == "extra_forbidden" and e["loc"][0] in ("loggers", "callbacks") and len(e["loc"]) == 4:
+            section, kind, option = e["loc"][0], e["loc"][2], str(e["loc"][3])
+            valid = list((LOGGER_CONFIGS if section == "loggers" else CALLBACK_CONFIGS)[kind].model_fields)
+            lines.append(f"{section}: unknown {kind} option '{option}'{suggest(option, valid)}; "
                          f"valid: {', '.join(valid)}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'{suggest(key, _all_keys(Config))}")

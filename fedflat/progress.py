@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 from tqdm.auto import tqdm
 
 INTERVAL_ENV = "FEDFLAT_PROGRESS_INTERVAL"
+FALLBACK_COLUMNS = 80  # the bar's width on a terminal that reports none (0 columns)
 LOG_INTERVAL = 30.0  # seconds between progress lines when the output is a file or a pipe (INTERVAL_ENV overrides)
 
 
@@ -113,9 +114,21 @@ class LogProgress:
 def progress_bar(iterable: Any = None, *, enabled: bool = True, stream: TextIO | None = None,
                  interval: float | None = None, **kwargs) -> tqdm | LogProgress:
     """``tqdm`` on a terminal; elsewhere (CI logs, ``nohup``, pipes) a :class:`LogProgress` that prints a plain
-    line every ``interval`` seconds (default :func:`log_interval`) and at the end. Disabled: a silent tqdm."""
+    line every ``interval`` seconds (default :func:`log_interval`) and at the end. Disabled: a silent tqdm.
+    A terminal that reports a width of 0 (a pseudo-terminal nobody sized: ``docker exec -t``, some CI runners and
+    editors' shells), where tqdm would draw a bar of no width, gets one :data:`FALLBACK_COLUMNS` wide."""
     stream = sys.stderr if stream is None else stream
     if enabled and not (hasattr(stream, "isatty") and stream.isatty()):
         return LogProgress(iterable, stream=stream, interval=log_interval() if interval is None else interval,
                            **kwargs)
+    if enabled and terminal_columns(stream) == 0:
+        kwargs = {**kwargs, "dynamic_ncols": False, "ncols": FALLBACK_COLUMNS}
     return tqdm(iterable, disable=not enabled, file=stream, **kwargs)
+
+
+def terminal_columns(stream: TextIO) -> int | None:
+    """The width the terminal of ``stream`` reports (0 when it reports none), or None when it cannot say."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None

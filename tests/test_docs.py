@@ -170,3 +170,37 @@ def test_the_site_search_finds_a_function(browser):
     results = browser("search.html?q=load_sweep")
     assert any(text.startswith("fedflat.experiments.sweep.load_sweep") for text in results.links), \
         sorted(results.links)[:20]
+
+
+def test_a_reexported_name_is_found_under_its_package(site):
+    """``fedflat.data.Dataset`` (defined in fedflat.data.dataset) is in the search index and on the package's page,
+    with a link to its description."""
+    import json
+    import re
+
+    text = (site / "searchindex.js").read_text()
+    index = json.loads(text[text.index("(") + 1:text.rindex(")")])
+    assert any(entry[-1] == "Dataset" for entry in index["objects"]["fedflat.data"])
+    page = (site / "reference" / "generated" / "fedflat.data.html").read_text()
+    assert 'id="fedflat.data.Dataset"' in page
+    assert re.search(r'href="fedflat\.data\.dataset\.html#fedflat\.data\.dataset\.Dataset"', page)
+
+
+def test_every_docs_back_link_of_a_source_page_points_at_an_anchor_that_exists(site):
+    """sphinx.ext.viewcode's "[docs]" links pointed at ``#fedflat.History`` on the runner's page, which has only
+    ``#fedflat.experiments.runner.History`` (docs/conf.py: _viewcode_backlinks)."""
+    import re
+    from urllib.parse import unquote
+
+    ids: dict[Path, set[str]] = {}
+    broken, count = [], 0
+    for page in (site / "_modules").rglob("*.html"):
+        for href in re.findall(r'<a class="viewcode-back" href="([^"]+)"', page.read_text()):
+            count += 1
+            target, _, anchor = href.partition("#")
+            path = (page.parent / target).resolve()
+            if path not in ids:
+                ids[path] = set(re.findall(r'id="([^"]+)"', path.read_text())) if path.is_file() else set()
+            if unquote(anchor) not in ids[path]:
+                broken.append(f"{page.relative_to(site)}: {href}")
+    assert count > 500 and not broken, broken[:10]

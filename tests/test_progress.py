@@ -102,3 +102,31 @@ def test_a_piped_run_prints_the_true_round_rate_eta_and_last_accuracy(tmp_path):
         if evaluated:
             assert m["acc"] == f"{acc[max(evaluated)]:.3f}"
     assert lines[-1]["eta"] == "0:00:00"
+
+
+def test_a_terminal_of_width_0_still_shows_the_bar():
+    """A pseudo-terminal nobody sized reports 0 columns (``docker exec -t``, some CI runners): tqdm drew a bar of
+    no width, so a run showed nothing. Its bar is now FALLBACK_COLUMNS wide."""
+    import select
+
+    from fedflat.progress import FALLBACK_COLUMNS, terminal_columns
+
+    master, slave = os.openpty()  # a new pseudo-terminal has 0 columns until someone sizes it
+    try:
+        with os.fdopen(slave, "w") as stream:
+            assert terminal_columns(stream) == 0
+            bar = progress_bar(range(3), stream=stream, desc="fedsam", unit="round", dynamic_ncols=True, total=3)
+            for _ in bar:
+                pass
+            bar.close()
+            stream.flush()
+            out = b""
+            while select.select([master], [], [], 0.5)[0]:
+                chunk = os.read(master, 4096)
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(master)
+    last = out.decode().replace("\r\n", "\n").split("\r")[-1].strip()
+    assert last.startswith("fedsam: 100%") and "3/3" in last and len(last) == FALLBACK_COLUMNS

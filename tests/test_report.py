@@ -114,11 +114,29 @@ def test_plots_are_written_and_curves_average_seeds(runs_dir, tmp_path):
     assert rounds.tolist() == [1, 2, 3]
     assert mean.tolist() == pytest.approx([0.55, 0.77, 0.82])
     assert std[0] == pytest.approx(math.sqrt(0.005))
-    written = write_plots(find_runs([runs_dir]), tmp_path / "plots")
+    written = write_plots(find_runs([runs_dir]), tmp_path / "plots", formats=["png"])
     names = sorted(p.name for p in written)
     assert names == ["convergence-alpha0.3.png", "convergence-alpha1.png", "partition-alpha0.3.png",
                      "partition-alpha1.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_figures_come_in_png_pdf_and_svg_one_column_wide_in_a_colour_blind_safe_palette(runs_dir, tmp_path):
+    from fedflat.experiments.plots import COLUMN_WIDTH, OKABE_ITO
+    from fedflat.metrics.plots import png_size
+
+    runs = [r for r in find_runs([runs_dir]) if r.config["data.partition.alpha"] == 0.3]
+    written = write_plots(runs, tmp_path / "plots", dpi=100)
+    assert sorted(p.name for p in written) == sorted(f"{stem}.{fmt}" for stem in ("convergence-all",
+                                                     "partition-all") for fmt in ("png", "pdf", "svg"))
+    folder = tmp_path / "plots"
+    assert (folder / "convergence-all.pdf").read_bytes()[:5] == b"%PDF-"
+    svg = (folder / "convergence-all.svg").read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    assert png_size(folder / "convergence-all.png")[0] == round(COLUMN_WIDTH * 100)  # 3.5 in at 100 dpi
+    # fedavg and fedsam in the palette's first two colours, each band edged in its method's colour and dashes
+    assert OKABE_ITO[0] in svg.upper() and OKABE_ITO[1] in svg.upper()
+    assert "test accuracy (%)" in svg and "fedsam (n=2)" in svg  # text stays text: editable in a paper
 
 
 def test_no_blank_plot_for_a_setting_that_never_evaluated_and_file_names_stay_short(tmp_path, capsys):
@@ -127,7 +145,7 @@ def test_no_blank_plot_for_a_setting_that_never_evaluated_and_file_names_stay_sh
     (dead / "metrics.jsonl").write_text("")  # diverged in round 1: nothing evaluated
     lonely = make_run(tmp_path / "runs", "fedavg", 1.0, 0, [0.5], [1.0])
     (lonely / "metrics.jsonl").write_text("")
-    written = write_plots(find_runs([tmp_path / "runs"]), tmp_path / "plots")
+    written = write_plots(find_runs([tmp_path / "runs"]), tmp_path / "plots", formats=["png"])
     assert sorted(p.name for p in written if p.name.startswith("convergence")) == ["convergence-alpha0.3.png"]
     assert "no convergence plot for 'alpha=1': no run has an evaluated round" in capsys.readouterr().out
     long = " ".join(f"train.option_number_{i}={i}" for i in range(12))
@@ -187,6 +205,19 @@ def test_cli_report_end_to_end(runs_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(list(csv.DictReader(io.StringIO(out)))) == 3
     assert main(["report", str(tmp_path / "nowhere")]) == 2
+    plots = tmp_path / "figs"
+    assert main(["report", str(runs_dir), "--plot", str(plots), "--dpi", "100", "--formats", "png,svg"]) == 0
+    assert sorted(p.name for p in plots.iterdir() if p.name.startswith("convergence-alpha1")) == [
+        "convergence-alpha1.png", "convergence-alpha1.svg"]
+    from fedflat.metrics.plots import png_size
+
+    assert png_size(plots / "convergence-alpha1.png")[0] == 350
+    capsys.readouterr()
+    assert main(["report", str(runs_dir), "--plot", str(tmp_path / "bad"), "--formats", "png,jpg"]) == 2
+    assert "figure formats: jpg; choose among png, pdf, svg" in capsys.readouterr().err
+    assert main(["report", str(runs_dir), "--plot", str(tmp_path / "bad"), "--dpi", "0"]) == 2
+    assert "--dpi must be a positive number" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_report_flags_repeated_rounds_and_skips_corrupt_folders(tmp_path, capsys):

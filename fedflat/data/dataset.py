@@ -10,8 +10,11 @@ import torch
 
 from .errors import DatasetError
 
+STATS_BYTES = 256 * 2 ** 20  # the most of a memory map's training images read for its pixel statistics
+STATS_SEED = 0
+
 __all__ = ["Dataset", "DatasetError", "Standardize", "channel_stats", "normalize", "pixel_moments", "to_tensors",
-           "uint8_dataset", "validation_split"]
+           "sampled_standardize", "uint8_dataset", "validation_split"]
 
 
 @dataclass(frozen=True)
@@ -159,13 +162,19 @@ class Dataset:
 
     @classmethod
     def from_memmap(cls, folder, *, name: str | None = None, num_classes: int | None = None,
-                    standardize: "Standardize | None" = None, augmentation: str | None = None) -> "Dataset":
+                    standardize: "Standardize | None" = None, augmentation: str | None = None,
+                    stats_bytes: int | None = STATS_BYTES) -> "Dataset":
         """``folder``'s ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``, the inputs memory-mapped
         and never read whole: data larger than memory trains with the numbers it has in memory
-        (:func:`fedflat.data.adapters.memmap_arrays`). docs/data.md."""
+        (:func:`fedflat.data.adapters.memmap_arrays`). The pixel statistics of uint8 images (unless
+        ``standardize`` is given) come from at most ``stats_bytes`` of training images (:func:`sampled_standardize`:
+        all of them, exactly, when they fit; None: every image, a chunk at a time). docs/data.md."""
         from .adapters import memmap_arrays
 
-        return _from_arrays(memmap_arrays(folder, name=name, num_classes=num_classes), standardize, augmentation)
+        arrays = memmap_arrays(folder, name=name, num_classes=num_classes)
+        if standardize is None and arrays.x_train.dtype == np.uint8 and arrays.x_train.ndim == 4:
+            standardize = sampled_standardize(arrays.x_train, stats_bytes)
+        return _from_arrays(arrays, standardize, augmentation)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The model's input for raw rows ``x`` of ``x_train``/``x_test``: standardized float32 for uint8
@@ -261,6 +270,45 @@ def pixel_moments(images: np.ndarray, chunk: int = 256) -> np.ndarray:
     return out
 
 
+class _Rows:
+    """Rows ``index`` of ``images``, read a slice at a time (what :func:`pixel_moments` reads)."""
+
+    def __init__(self, images: np.ndarray, index: np.ndarray):
+        self.images, self.index = images, index
+        self.shape = (len(index), *images.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.images[self.index[rows]]
+
+
+def sampled_standardize(images: np.ndarray, stats_bytes: int | None = STATS_BYTES) -> "Standardize":
+    """Per-channel mean and (unbiased) std of ``images / 255`` (uint8 ``[N, C, H, W]``, e.g. a memory map) from
+    at most ``stats_bytes`` of them: every image when they fit (then exactly :func:`uint8_dataset`'s numbers), else
+    a uniform sample without replacement of ``stats_bytes // image_bytes`` images (at least 1; seed
+    :data:`STATS_SEED`, read in file order), so the disk read and the pages the map keeps resident are bounded
+    (256 MiB by default, whatever the file's size). With ``stats_bytes=None`` every image is read, a chunk at a
+    time. A sample of n images estimates each channel's mean to about std / sqrt(n H W) (pixels of one image are
+    correlated: n is the honest count)."""
+    n = len(images)
+    per_image = int(np.prod(images.shape[1:])) * images.itemsize
+    take = n if stats_bytes is None else min(n, max(1, stats_bytes // max(per_image, 1)))
+    rows = images if take == n else _Rows(images, np.sort(
+        np.random.default_rng(STATS_SEED).choice(n, size=take, replace=False)))
+    return moments_standardize(pixel_moments(rows), take * images.shape[2] * images.shape[3])
+
+
+def moments_standardize(moments: np.ndarray, pixels: int) -> "Standardize":
+    """The :class:`Standardize` of per-image sums ``moments`` (:func:`pixel_moments`) over ``pixels`` values per
+    channel: mean = S1 / n and std = sqrt((S2 / n - mean^2) n / (n - 1))."""
+    total, count = moments.sum(axis=0), max(2, pixels)
+    mean = total[0] / count
+    std = np.sqrt(np.maximum(total[1] / count - mean ** 2, 0.0) * count / (count - 1)).clip(min=1e-8)
+    return Standardize(tuple(mean.tolist()), tuple(std.tolist()))
+
+
 def uint8_dataset(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
                   num_classes: int, augmentation: str | None = None, source: str = "",
                   moments: np.ndarray | None = None, **fields) -> Dataset:
@@ -271,12 +319,10 @@ def uint8_dataset(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: n
     :class:`Dataset` fields (``owners``...)."""
     if moments is None:
         moments = pixel_moments(x_train)
-    total, count = moments.sum(axis=0), max(2, x_train.shape[0] * x_train.shape[2] * x_train.shape[3])
-    mean = total[0] / count
-    std = np.sqrt(np.maximum(total[1] / count - mean ** 2, 0.0) * count / (count - 1)).clip(min=1e-8)
+    standardize = moments_standardize(moments, x_train.shape[0] * x_train.shape[2] * x_train.shape[3])
     return Dataset(name, _tensor(x_train), torch.from_numpy(np.asarray(y_train, dtype=np.int64)),
                    _tensor(x_test), torch.from_numpy(np.asarray(y_test, dtype=np.int64)), num_classes,
-                   augmentation, source, standardize=Standardize(tuple(mean.tolist()), tuple(std.tolist())), **fields)
+                   augmentation, source, standardize=standardize, **fields)
 
 
 def _from_arrays(arrays, standardize: Standardize | None, augmentation: str | None) -> Dataset:

@@ -37,7 +37,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
     apart from wall-clock fields (same engine, machine and torch thread counts). ``overrides`` may change only
     :data:`RESUMABLE` keys (``rounds=`` to extend a run; a change of thread counts is reported and recorded). A
-    completed run with no more rounds to run is returned as it is on disk: nothing in its folder is written. A run
+    completed run with no more rounds to run, and a stopped one (a callback ended it), is returned as it is on disk:
+    nothing in its folder is written. A run
     whose rounds went through a ``driver`` (a Flower federation, whose nodes keep their clients' state) continues
     only through one.
     ``callbacks``, ``group`` and ``job`` as for :func:`~fedflat.experiments.runner.run_experiment`: the config's
@@ -53,6 +54,9 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
             raise CheckpointError(f"{run_dir} trained its clients through {recorded}, whose nodes keep the clients' "
                                   "state: resume it there (a Flower run: the run config's resume=FOLDER, "
                                   "docs/flower.md)")
+        stopped = _summary(run_dir)
+        if stopped.get("status") == "stopped":  # a callback ended it (early stopping): finished, as completed
+            return _finished_history(run_dir, stopped, cfg, dataset, model_fn, clients)
         completed = _completed_summary(run_dir)
         done = completed["rounds"] if completed is not None else None
         if done is not None and cfg.rounds < done:

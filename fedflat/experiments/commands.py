@@ -79,9 +79,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from fedflat.experiments.plots import check_figure_options
     from fedflat.experiments.report import ReportError, find_runs, runs_at, table
 
+    formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     try:
+        if args.plot:
+            check_figure_options(formats, args.dpi)  # before the table is written
         runs = find_runs(args.paths)
         if args.at_round is not None:
             runs = runs_at(runs, args.at_round)
@@ -97,7 +101,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.plot:
         from fedflat.experiments.plots import write_plots
 
-        for path in write_plots(runs, args.plot):
+        for path in write_plots(runs, args.plot, formats=formats, dpi=args.dpi):
             print(f"figure: {path}")
     return 0
 
@@ -136,7 +140,10 @@ def register(sub) -> None:
     p.add_argument("--at-round", type=int, default=None, metavar="R",
                    help="the runs as they stood after round R (final accuracy there, best up to it); runs "
                         "that did not evaluate round R are left out")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG convergence curves and partition heatmaps")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write convergence curves and partition heatmaps (one column of a paper wide)")
+    p.add_argument("--formats", default="png,pdf,svg", metavar="F,...", help="figure formats (png,pdf,svg)")
+    p.add_argument("--dpi", type=float, default=300, help="the PNG figures' resolution (default 300)")
     p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
     p.set_defaults(func=cmd_report)
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from fedflat.config import LOGGER_CONFIGS, LoggerConfig, MLflowLogger, WandbLogger, dump_yaml
 from fedflat.experiments.callbacks import Callback, CallbackError, CallbackWarning, RunInfo
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import TRACKING_FILE
+from fedflat.experiments.rundir import FINISHED, TRACKING_FILE
 from fedflat.files import atomic_write_text
 
 
@@ -155,7 +155,7 @@ class TensorBoardLogger(Logger):
     def on_run_end(self, run: RunInfo, summary: dict[str, Any], status: str) -> None:
         self.writer.add_text("summary", "```json\n" + json.dumps(summary, indent=2, default=str) + "\n```",
                              summary.get("rounds", 0))
-        if status in ("completed", "diverged") and getattr(self, "session_end", None) is not None:
+        if status in FINISHED and getattr(self, "session_end", None) is not None:
             self.writer.file_writer.add_summary(self.session_end)  # the hparams session's end (success)
         self.writer.close()
 
@@ -261,7 +261,7 @@ class WandbTracker(_Tracker):
             return
         self.run.summary.update({**scalars(summary, "summary."), "status": status,
                                  "reason": summary.get("reason") or ""})
-        self.run.finish(exit_code=0 if status in ("completed", "diverged") else 1)
+        self.run.finish(exit_code=0 if status in FINISHED else 1)
 
 
 class MLflowTracker(_Tracker):
@@ -361,7 +361,7 @@ class MLflowTracker(_Tracker):
         self.client.set_tag(self.run_id, "fedflat.status", status)
         self.client.set_tag(self.run_id, "fedflat.reason", str(summary.get("reason") or "")[:5000])
         interrupted = str(summary.get("reason") or "").startswith("interrupted")
-        final = "FINISHED" if status in ("completed", "diverged", "budget spent") else "KILLED" if interrupted else "FAILED"
+        final = "FINISHED" if status in FINISHED else "KILLED" if interrupted else "FAILED"
         self.client.set_terminated(self.run_id, status=RunStatus.to_string(RunStatus.from_string(final)))
 
 

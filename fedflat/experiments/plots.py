@@ -1,18 +1,34 @@
-"""PNG figures of a report: convergence curves (mean ± std over seeds) per setting, partition heatmaps."""
+"""A report's figures: convergence curves (mean ± std over seeds) per setting, partition heatmaps.
+
+Made for a paper: each figure in PNG (at ``dpi``), PDF and SVG (vector), one column of a two-column paper wide
+(3.5 in, 8-point text), methods told apart by colour (Okabe and Ito's colour-blind-safe palette), line style
+and marker, and their ±std bands by a light fill edged in the method's own colour and line style.
+"""
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from fedflat.experiments.report import Group, Run, group_runs
+from fedflat.experiments.report import Group, Run, ReportError, group_runs
+from fedflat.files import atomic_write_bytes
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _STYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# Okabe & Ito (2008), "Color Universal Design": told apart with any colour vision deficiency; yellow last (it is
+# faint on white)
+OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
+FORMATS = ("png", "pdf", "svg")
+COLUMN_WIDTH = 3.5  # inches: one column of a two-column paper
+DPI = 300
+_RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
+       "ytick.labelsize": 7, "axes.linewidth": 0.6, "grid.linewidth": 0.4, "lines.linewidth": 1.2,
+       "svg.fonttype": "none", "pdf.fonttype": 42}  # text stays text in SVG, TrueType in PDF (editable)
 
 
 def _slug(text: str, limit: int = 60) -> str:
@@ -39,45 +55,77 @@ def curve(runs: list[Run], key: str = "test_acc") -> tuple[np.ndarray, np.ndarra
     return rounds, table.mean(axis=0), std
 
 
-def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str = "test_acc") -> Path:
-    """One PNG: ``key`` (test accuracy in %) against rounds, a line per method, a ±std band over seeds."""
+def check_figure_options(formats: Sequence[str], dpi: float) -> None:
+    """Refuses unknown formats and a resolution that is not positive, before any figure is drawn."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ReportError(f"figure formats: {', '.join(unknown) or 'none given'}; choose among {', '.join(FORMATS)}")
+    if not dpi > 0:
+        raise ReportError(f"--dpi must be a positive number of dots per inch (got {dpi:g}); 300 suits print")
+
+
+def method_style(i: int) -> dict[str, Any]:
+    """The ``i``-th method's colour, line style and marker: overlapping methods stay apart, also in grey print."""
+    return dict(color=OKABE_ITO[i % len(OKABE_ITO)], linestyle=_STYLES[i % len(_STYLES)],
+                marker=_MARKERS[i % len(_MARKERS)], markersize=3)
+
+
+def save_figure(fig, path: Path, formats: Sequence[str], dpi: float) -> list[Path]:
+    """``path`` with each format's suffix, each written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fmt in formats:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=fmt, dpi=dpi, metadata={"Date": None} if fmt == "svg" else None)
+        target = path.parent / f"{path.name}.{fmt}"  # (not with_suffix: "alpha0.3" has a dot)
+        atomic_write_bytes(target, buffer.getvalue())
+        written.append(target)
+    return written
+
+
+def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str = "test_acc",
+                     formats: Sequence[str] = FORMATS, dpi: float = DPI) -> list[Path]:
+    """``key`` (test accuracy in %) against rounds, a line per method with a ±std band over seeds, one column
+    wide: ``path`` in each of ``formats``."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    scale = 100.0 if key.endswith("acc") else 1.0
-    for i, g in enumerate(groups):
-        # line style and marker as well as colour: methods that overlap stay distinguishable (and in grey print)
-        style = dict(linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)], markersize=4,
-                     linewidth=1.5)
-        rounds, mean, std = curve(g.runs, key)
-        if len(rounds) == 0:  # diverged (or stopped) before its first evaluation: named, not silently dropped
-            ax.plot([], [], label=f"{g.method} (n={len(g.runs)}): no evaluated round", **style)
-            continue
-        (line,) = ax.plot(rounds, scale * mean, label=f"{g.method} (n={len(g.runs)})",
-                          markevery=max(1, len(rounds) // 12), **style)
-        if len(g.runs) > 1:
-            ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), color=line.get_color(), alpha=0.12,
-                            linewidth=0)
     from matplotlib.ticker import MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("test accuracy (%)" if key == "test_acc" else key)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    with matplotlib.rc_context(_RC):
+        fig = Figure(figsize=(COLUMN_WIDTH, 2.6), dpi=dpi)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        scale = 100.0 if key.endswith("acc") else 1.0
+        for i, g in enumerate(groups):
+            style = method_style(i)
+            rounds, mean, std = curve(g.runs, key)
+            if len(rounds) == 0:  # diverged (or stopped) before its first evaluation: named, not silently dropped
+                ax.plot([], [], label=f"{g.method} (n={len(g.runs)}): no evaluated round", **style)
+                continue
+            ax.plot(rounds, scale * mean, label=f"{g.method} (n={len(g.runs)})", markevery=max(1, len(rounds) // 10),
+                    zorder=3, **style)
+            if len(g.runs) > 1:  # a light fill, edged in the method's colour and style: overlapping bands stay apart
+                lo, hi = scale * (mean - std), scale * (mean + std)
+                ax.fill_between(rounds, lo, hi, color=style["color"], alpha=0.10, linewidth=0, zorder=1)
+                for edge in (lo, hi):
+                    ax.plot(rounds, edge, color=style["color"], linestyle=style["linestyle"], linewidth=0.5,
+                            alpha=0.6, zorder=2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("communication round")
+        ax.set_ylabel("test accuracy (%)" if key == "test_acc" else key)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", frameon=True, framealpha=0.85, handlelength=2.6)
+        fig.tight_layout(pad=0.3)
+        return save_figure(fig, Path(path), formats, dpi)
 
 
-def partition_heatmap(run: Run, path: str | Path) -> Path:
-    """The heatmap of the split ``run`` trained on (rebuilt from its config and seed)."""
+def partition_heatmap(run: Run, path: str | Path, formats: Sequence[str] = FORMATS, dpi: float = DPI) -> list[Path]:
+    """The heatmap of the split ``run`` trained on (rebuilt from its config and seed; viridis, which is
+    colour-blind safe), ``path`` in each of ``formats``."""
+    import matplotlib
+
     from fedflat.config import as_config
     from fedflat.data import client_split, label_counts, load_dataset, plot_partition
     from fedflat.engine.checkpoint import run_config
@@ -91,7 +139,9 @@ def partition_heatmap(run: Run, path: str | Path) -> Path:
     params_text = ", ".join(f"{k}={v}" for k, v in params.items())
     title = (f"{cfg.data.name}, {cfg.data.num_clients} clients, seed {cfg.seed}\n"
              f"{cfg.data.partition['scheme']}({params_text})")
-    return plot_partition(label_counts(labels, parts, data.num_classes), path, title=title)
+    counts, path = label_counts(labels, parts, data.num_classes), Path(path)
+    with matplotlib.rc_context({"savefig.dpi": dpi}):
+        return [plot_partition(counts, path.parent / f"{path.name}.{fmt}", title=title) for fmt in formats]
 
 
 def setting_title(config: dict[str, Any], setting: str) -> str:
@@ -107,8 +157,11 @@ def setting_title(config: dict[str, Any], setting: str) -> str:
             + f", {config.get('sampling.clients_per_round')} per round")
 
 
-def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc") -> list[Path]:
-    """Per setting: ``convergence-<setting>.png`` and ``partition-<setting>.png`` (first seed's split)."""
+def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc", formats: Sequence[str] = FORMATS,
+                dpi: float = DPI) -> list[Path]:
+    """Per setting: ``convergence-<setting>`` and ``partition-<setting>`` (first seed's split), each in every one
+    of ``formats`` (png, pdf, svg), PNG at ``dpi``."""
+    check_figure_options(formats, dpi)
     out_dir = Path(out_dir)
     groups = group_runs(runs)
     written: list[Path] = []
@@ -120,10 +173,10 @@ def write_plots(runs: list[Run], out_dir: str | Path, key: str = "test_acc") -> 
         if not any(len(curve(g.runs, key)[0]) for g in gs):
             print(f"fedflat report: no convergence plot for '{setting}': no run has an evaluated round")
         else:
-            written.append(plot_convergence(gs, out_dir / f"convergence-{_slug(setting)}.png", title, key))
+            written += plot_convergence(gs, out_dir / f"convergence-{_slug(setting)}", title, key, formats, dpi)
         try:
-            written.append(partition_heatmap(min((r for g in gs for r in g.runs), key=lambda r: r.seed or 0),
-                                             out_dir / f"partition-{_slug(setting)}.png"))
+            written += partition_heatmap(min((r for g in gs for r in g.runs), key=lambda r: r.seed or 0),
+                                         out_dir / f"partition-{_slug(setting)}", formats, dpi)
         except Exception as err:  # noqa: BLE001 - a missing dataset must not cost the other figures
             print(f"fedflat report: no partition heatmap for '{setting}': {type(err).__name__}: {err}")
     return written

@@ -30,6 +30,10 @@ from fedflat.files import atomic_torch_save, atomic_write_text, json_safe, read_
 
 LOCK, RESERVE = ".lock", ".reserve"
 TRACKING_FILE = "tracking.json"  # the ids of the run's tracked runs (W&B, MLflow): fedflat.experiments.loggers
+# A run's status when it ended as planned: its rounds done, stopped by a callback (early stopping), or stopped before a
+# round that would exceed its privacy budget; and every status with nothing left to do (a sweep rerun skips them).
+SUCCEEDED = ("completed", "stopped", "budget spent")
+FINISHED = (*SUCCEEDED, "diverged")
 RESERVE_BYTES = 256 * 1024  # room for the final summary, model-free, when the disk is full
 
 

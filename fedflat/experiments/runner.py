@@ -26,7 +26,7 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo
+from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
                                        machine_info, versions)
 from fedflat.files import atomic_write_bytes, json_safe
@@ -114,7 +114,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
             check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
         from fedflat.experiments.loggers import build_loggers
 
-        watchers = [*build_loggers(cfg.loggers, group), *callbacks]  # a logger's library: checked before a folder
+        # a logger's library and a callback's options are checked before a folder is made
+        watchers = [*build_loggers(cfg.loggers, group), *build_callbacks(cfg.callbacks), *callbacks]
         sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
         stack.callback(sim.close)
         resolved = _resolved(cfg, dataset, model_fn, clients)
@@ -229,8 +230,10 @@ class Runner:
         where = where or Output()
         info = RunInfo(config=copy.deepcopy(resolved), run_dir=run_dir.path if run_dir else None,
                        name=run_dir.path.name if run_dir else _label(cfg), start_round=self.start_round,
-                       metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job)
+                       metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job, state_fn=sim.model_state)
         self.callbacks = Callbacks(callbacks, info)
+        if checkpoint is not None:
+            self.callbacks.load_state_dict(checkpoint.get("callbacks") or {})
         self.callbacks.start(self.summary)  # before anything is written: a logger that cannot start costs nothing
         if run_dir is not None:
             run_dir.reserve()
@@ -275,8 +278,9 @@ class Runner:
         if self.run_dir is None:
             return
         owed = dataclasses.asdict(self._owed) if self._owed is not None else None
-        path = save_checkpoint(self.run_dir.path,
-                               make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed))
+        self.summary.update(self.callbacks.run.notes)
+        payload = make_payload(self.sim, self.summary["rounds"], self.metrics, self.summary, owed)
+        path = save_checkpoint(self.run_dir.path, {**payload, "callbacks": self.callbacks.state_dict()})
         self.checkpointed = self.summary["rounds"]
         self.callbacks.emit("on_checkpoint", self.summary["rounds"], path)
 
@@ -290,12 +294,14 @@ class Runner:
             if self._owed is not None:
                 self._record(self._owed.round, self._owed, bar)
             for t in bar:
+                if self.callbacks.run.should_stop:
+                    break
                 self._round(t, bar)
                 if every and (t + 1) % every == 0 and t + 1 != self.cfg.rounds:
                     self.summary["wall_seconds"] = wall_before + time.perf_counter() - start
                     self._checkpoint()
                     self._save_summary()
-            self.summary["status"] = "completed"
+            self._end_status()
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
         except BudgetSpent as err:
@@ -316,6 +322,14 @@ class Runner:
             finally:
                 self.callbacks.end(self.summary)  # after the results are on disk
         return self.history()
+
+    def _end_status(self) -> None:
+        """Completed, or stopped when a callback asked to (``should_stop``) before the last round."""
+        run = self.callbacks.run
+        if run.should_stop and self.summary["rounds"] < self.cfg.rounds:
+            self.summary.update(status="stopped", reason=run.stop_reason or "a callback set should_stop")
+        else:
+            self.summary["status"] = "completed"
 
     def _finish(self, wall_seconds: float) -> None:
         """The final checkpoint (of the last complete round), model and summary; on a full disk the reserve
@@ -427,6 +441,7 @@ class Runner:
             self.run_dir.write_summary(self.summary)
 
     def _save(self) -> None:
+        self.summary.update(self.callbacks.run.notes)
         if self.run_dir is None:
             return
         self.run_dir.save_model(self.sim.model_state())

@@ -15,9 +15,9 @@ A sweep file (YAML)::
       small: {overrides: [rounds=20], grid: {seed: [0]}}   # (an axis set to null is dropped)
 
 Cell folders are named from their options (``fedsam__alpha0.3__seed1``), so rerunning the sweep finds
-them: a completed or diverged cell is skipped, an unfinished one resumes from its checkpoint, a missing
-one starts; rerun with more ``rounds`` (``fedflat sweep FILE rounds=500``), completed cells continue to the
-new length. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
+them: a completed, stopped (a callback ended it) or diverged cell is skipped, an unfinished one resumes from its
+checkpoint, a missing one starts; rerun with more ``rounds`` (``fedflat sweep FILE rounds=500``), completed cells
+continue to the new length. A cell that fails (an exception) or diverges is recorded in ``sweep.json`` and the
 others go on. With ``workers > 1`` cells run in separate processes; with ``backend="ray"`` each cell is a
 Ray task on a cluster (one GPU per cell, or a fraction), with the same skip/resume/failure rules.
 """
@@ -45,11 +45,10 @@ from fedflat.config import (Config, apply_override, config_file, file_kind, load
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.report import flatten
-from fedflat.experiments.rundir import LOCK, TRACKING_FILE, RunFolderBusy, hold
+from fedflat.experiments.rundir import FINISHED, LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
 
 SWEEP_FILE = "sweep.json"
-FINISHED = ("completed", "diverged", "budget spent")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 SHORTHAND_KEYS = ("algo", "model", "data", "data.partition", "data.partition.scheme", "algo.name", "model.name")
 
@@ -416,6 +415,7 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
                     job: str | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
 
+    _mlflow_store_in(cells, out.parent if job is not None else out)  # a tune study's: above trials/ and final/
     _prepare_loggers([c for c in cells if c.config is not None], group)
     results: dict[str, dict[str, Any]] = {}
     for cell in cells:
@@ -455,6 +455,21 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
     finally:
         bar.close()
     return results
+
+
+def _mlflow_store_in(cells: list[Cell], folder: Path) -> None:
+    """An ``mlflow`` logger that names no store (no ``tracking_uri``, no ``$MLFLOW_TRACKING_URI``) writes the
+    sweep's runs to ``FOLDER/mlflow.db``, not MLflow's default ``mlflow.db`` in the working folder: the sweep's
+    results stay together (``loggers`` is not part of what makes a cell, so finished cells stay finished)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    uri = f"sqlite:///{(folder / 'mlflow.db').absolute()}"
+    for cell in cells:
+        if cell.config is None or not any(e.name == "mlflow" and e.tracking_uri is None for e in cell.config.loggers):
+            continue
+        loggers = [e.model_copy(update={"tracking_uri": uri}) if e.name == "mlflow" and e.tracking_uri is None else e
+                   for e in cell.config.loggers]
+        cell.config = cell.config.model_copy(update={"loggers": loggers})
 
 
 def _prepare_loggers(cells: list[Cell], group: str | None) -> None:

@@ -46,6 +46,7 @@ from fedflat.config import config_file, parse_override
 from fedflat.core import ConfigError
 from fedflat.experiments.sweep import (Cell, RayCells, _option_name, _parse_axis, _parse_overrides, _refuse_unknown,
                                        config_from, pick_variant, read_experiment_file, run_cells)
+from fedflat.experiments.rundir import SUCCEEDED
 from fedflat.files import atomic_write_text, json_safe
 
 TUNE_FILE = "tune.json"
@@ -247,7 +248,7 @@ def _score(results: list[dict[str, Any]], select: str) -> tuple[float | None, st
     if any(r.get("status") == "diverged" for r in results):
         return -math.inf, "diverged"
     values = [r.get(f"{select}_val_acc") for r in results]
-    if any(r.get("status") != "completed" for r in results) or any(v is None for v in values):
+    if any(r.get("status") not in SUCCEEDED for r in results) or any(v is None for v in values):
         return None, "unfinished"
     return statistics.fmean(values), "scored"
 
