@@ -138,3 +138,43 @@ def _gz(data: bytes) -> bytes:
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as fh:
         fh.write(data)
     return buffer.getvalue()
+
+
+def _fmnist(tmp_path):
+    from test_data import make_idx_dataset
+
+    folder = tmp_path / "data" / "fashion-mnist"
+    make_idx_dataset(folder, seed=0, gz=True)
+    return folder
+
+
+def _run_fmnist(tmp_path) -> int:
+    return main(["run", "rounds=1", "threads=1", "data.name=fmnist", f"data.root={tmp_path / 'data'}", "--out",
+                 str(tmp_path / "runs"), "--no-progress"])
+
+
+def test_a_truncated_fashion_mnist_gz_is_one_line_naming_it(tmp_path, capsys):
+    images = _fmnist(tmp_path) / "train-images-idx3-ubyte.gz"
+    images.write_bytes(images.read_bytes()[:-100])  # gzip then ends before its end-of-stream marker (EOFError)
+    assert _run_fmnist(tmp_path) == 2
+    err = _one_line_error(capsys, images)
+    assert "truncated or corrupt" in err and "download it again" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no run folder left
+
+
+def test_a_garbage_labels_file_is_one_line_naming_it(tmp_path, capsys):
+    labels = _fmnist(tmp_path) / "train-labels-idx1-ubyte.gz"
+    labels.write_bytes(_gz(bytes(range(256)) * 3))
+    assert _run_fmnist(tmp_path) == 2
+    assert "not an IDX file" in _one_line_error(capsys, labels)
+
+
+def test_a_truncated_cifar_batch_is_one_line_naming_it(tmp_path, capsys):
+    from test_data import make_cifar
+
+    make_cifar(tmp_path / "data" / "cifar10")
+    batch = tmp_path / "data" / "cifar10" / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:500])
+    assert main(["run", "rounds=1", "data.name=cifar10", f"data.root={tmp_path / 'data'}", "--out",
+                 str(tmp_path / "runs"), "--no-progress"]) == 2
+    assert "truncated or corrupt" in _one_line_error(capsys, batch)
