@@ -178,6 +178,8 @@ class WandbLogger(LoggerConfig):
                           "for `wandb sync`")
     dir: str | None = Field(None, description="where W&B writes its files (default: the run folder)")
     tags: list[str] = Field(default_factory=list)
+    timeout: float = Field(30, gt=0, description="seconds W&B's requests may wait for its server (its service "
+                                                 "process may take 3x this to start)")
 
 
 class MLflowLogger(LoggerConfig):
@@ -187,6 +189,9 @@ class MLflowLogger(LoggerConfig):
     experiment: str | None = Field(None, description="the MLflow experiment (default: the sweep's or tune "
                                                      "study's name, else 'fedflat')")
     tags: dict[str, str] = Field(default_factory=dict)
+    timeout: float = Field(30, gt=0, description="seconds each request to an HTTP tracking server may wait to "
+                                                 "connect and answer (tried 3 times: an unreachable one fails "
+                                                 "within about 3x this)")
 
 
 LOGGER_CONFIGS = {cls.model_fields["name"].annotation.__args__[0]: cls
