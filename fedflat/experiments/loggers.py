@@ -45,7 +45,7 @@ class LoggerUnavailable(CallbackError):
 
 
 # A call to a tracking service that takes longer than this says on stderr what it waits for.
-NOTICE_SECONDS = 2.0
+NOTICE_SECONDS = 5.0
 
 
 @contextmanager
@@ -273,7 +273,7 @@ class WandbTracker(_Tracker):
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             writable(folder)
-        settings = wandb.Settings(console="off", quiet=True, init_timeout=3 * o.timeout,
+        settings = wandb.Settings(console="off", quiet=True, silent=True, init_timeout=3 * o.timeout,
                                   x_graphql_timeout_seconds=o.timeout)
         with waiting("W&B to start its run", 3 * o.timeout):
             self.run = wandb.init(project=o.project, entity=o.entity, id=run_id, resume="allow", name=run.name,
