@@ -378,7 +378,20 @@ class Runner:
                 with uninterrupted():
                     self._account(last)
             raise
+        finally:
+            self._note_deaths(t)
         return result
+
+    def _note_deaths(self, t: int) -> None:
+        """Ray workers that died in round ``t`` (their clients were trained again): summary.json's
+        ``worker_deaths`` and a warning on stderr."""
+        take = getattr(getattr(self.sim, "executor", None), "take_deaths", None)
+        for death in take() if take is not None else []:
+            self.summary.setdefault("worker_deaths", []).append({"round": t + 1, **death})
+            again = (f"its {death['clients']} clients trained again on worker {death['redone_on']}"
+                     if "redone_on" in death else "no worker was left")
+            print(f"fedflat: warning: Ray worker {death['worker']} died in round {t + 1} ({death['error']}); "
+                  f"{again} (recorded in summary.json)", file=sys.stderr, flush=True)
 
     def _account(self, result: RoundResult) -> None:
         s, t = self.summary, result.round
