@@ -178,3 +178,25 @@ def test_a_truncated_cifar_batch_is_one_line_naming_it(tmp_path, capsys):
     assert main(["run", "rounds=1", "data.name=cifar10", f"data.root={tmp_path / 'data'}", "--out",
                  str(tmp_path / "runs"), "--no-progress"]) == 2
     assert "truncated or corrupt" in _one_line_error(capsys, batch)
+
+
+def test_every_load_in_the_package_is_safe():
+    """No ``torch.load`` without ``weights_only=True``, no ``allow_pickle=True``, no pickle or YAML loader that
+    builds arbitrary objects (the crafted-file tests above check the behaviour; this keeps new code to it)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from fedflat.config import _Loader
+
+    assert issubclass(_Loader, yaml.SafeLoader)
+    for path in Path(fedflat.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        for call in re.findall(r"torch\.load\(([^)]*)\)", text):
+            assert "weights_only=True" in call, f"{path}: torch.load({call})"
+        assert "allow_pickle=True" not in text, path
+        for loader in re.findall(r"yaml\.(?:load|unsafe_load|full_load)\(([^)]*)\)", text):
+            assert "Loader=_Loader" in loader, f"{path}: yaml load with {loader}"
+        if "pickle" in text and path.name != "readers.py":  # CIFAR's unpickler rebuilds arrays only
+            assert not re.search(r"pickle\.(load|loads|Unpickler)\b", text), path
