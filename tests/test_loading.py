@@ -53,6 +53,13 @@ def test_a_crafted_checkpoint_is_refused_by_resume_and_analyze_and_runs_nothing(
     _one_line_error(capsys, run_folder / CHECKPOINT)
     with pytest.raises(UnsafeFile):
         read_checkpoint(run_folder)
+    from conftest import tiny_tree
+
+    from fedflat.experiments.sweep import run_cell
+
+    cell = run_cell(tiny_tree(rounds=3), str(run_folder))  # a sweep rerun over the cell, extended: a resume
+    assert cell["status"] == "failed" and "refused" in cell["reason"]
+    (run_folder / "error.txt").unlink()
     assert not marker.exists()  # nothing of the file ran
     after = {p.name: p.read_bytes() for p in run_folder.iterdir() if p.is_file() and p.name != ".lock"}
     assert after == before  # and nothing in the folder was written
