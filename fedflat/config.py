@@ -102,8 +102,9 @@ class StoreConfig(Section):
     """The client-state store (SCAFFOLD's c_i, FedDyn's h_i, ...): CPU memory up to a budget, then disk."""
 
     # int | float: a whole number stays one (config.yaml's 4096 read back and written again by a resume)
-    memory_mb: int | float | None = Field(4096, ge=0, description="CPU-memory budget for client state (null: no limit); "
-                                                            "vectors beyond it spill to memory-mapped files")
+    memory_mb: int | float | None = Field(4096, ge=0, description="CPU-memory budget for client state (null: no "
+                                                                  "limit); vectors beyond it spill to memory-mapped "
+                                                                  "files")
     dir: str | None = Field(None, description="folder for spilled client state (default: a temp folder removed at exit)")
 
 

@@ -62,7 +62,8 @@ def unwritable(monkeypatch, tmp_path):
     folder = tmp_path / "readonly"
     folder.mkdir()
     real = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == folder else real(path, mode, **kw))
+    monkeypatch.setattr(os, "access",
+                        lambda path, mode, **kw: False if Path(path) == folder else real(path, mode, **kw))
     return folder
 
 

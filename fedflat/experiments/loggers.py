@@ -334,8 +334,9 @@ class MLflowTracker(_Tracker):
         a doubling backoff, over 4 minutes of silence for an unreachable server); a call taking over
         :data:`NOTICE_SECONDS` says what it waits for."""
         timeout = self.options.timeout
-        limits = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout))), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+        limits = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout))),
+                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
         before = {key: os.environ.get(key) for key in limits}
         os.environ.update(limits)
         try:
