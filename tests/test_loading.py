@@ -121,6 +121,10 @@ def test_a_truncated_checkpoint_is_one_line(run_folder, capsys):
     (run_folder / CHECKPOINT).write_bytes(data[: len(data) // 2])
     assert main(["resume", str(run_folder), "rounds=3", "--no-progress"]) == 2
     assert "unreadable checkpoint" in _one_line_error(capsys, run_folder / CHECKPOINT)
+    (run_folder / CHECKPOINT).write_bytes(b"not a checkpoint")  # no pickle of torch's: never advise an unsafe load
+    assert main(["resume", str(run_folder), "rounds=3", "--no-progress"]) == 2
+    err = _one_line_error(capsys, run_folder / CHECKPOINT)
+    assert "unreadable checkpoint (not tensors and plain values" in err and "weights_only" not in err
 
 
 def test_a_truncated_model_file_is_one_line_in_analyze(run_folder, capsys):

@@ -95,14 +95,18 @@ def safe_load(path: str | Path, what: str, remedy: str) -> Any:
     try:
         with torch.serialization.safe_globals(_old_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        name = found.group(1) if found else "an object that is not a tensor or a plain value"
-        raise UnsafeFile(f"{path}: refused: this {what} would rebuild the Python object {name} on load, which can "
-                         f"run code (fedflat's own files hold only tensors and plain values): nothing of it was run; "
-                         f"use only files you trust, or {remedy}") from None
     except Exception as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        text = str(err)
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if isinstance(err, pickle.UnpicklingError) and found:
+            raise UnsafeFile(f"{path}: refused: this {what} would rebuild the Python object {found.group(1)} on "
+                             f"load, which can run code (fedflat's own files hold only tensors and plain values): "
+                             f"nothing of it was run; use only files you trust, or {remedy}") from None
+        cause = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)  # (torch's advice around it: load unsafely)
+        if cause or isinstance(err, pickle.UnpicklingError):
+            detail = f"not tensors and plain values: {cause.group(1) if cause else type(err).__name__}"
+        else:
+            detail = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         raise CheckpointError(f"{path}: unreadable {what} ({detail}); {remedy}") from None
 
 
