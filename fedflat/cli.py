@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         where = (f"; {folder} records status 'failed' with its last checkpoint: `fedflat resume {folder}` "
                  "continues it") if folder else ""
         print(f"fedflat: interrupted ({interruption(err)}){where}", file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if interruption(err) == "SIGTERM" else signal.SIGINT)  # a shell's 143 / 130
     except OSError as err:
         if is_disk_full(err):
             print(f"fedflat: {err}", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -60,10 +61,19 @@ def loggers_override(names: str | None) -> list[str]:
     return [f"loggers=[{', '.join(n.strip() for n in names.split(',') if n.strip())}]"]
 
 
+def _one_stream() -> bool:
+    """Whether stdout and stderr are the same file, terminal or pipe (a terminal, ``2>&1``, ``|&``)."""
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # replaced streams (pytest's capture, io.StringIO)
+        return sys.stdout is sys.stderr
+    return (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino) or (sys.stdout.isatty() and sys.stderr.isatty())
+
+
 def print_run_folder(run_dir, announced: bool) -> None:
-    """The run folder at the end, on stdout for scripts; not again on a terminal that saw it announced on stderr
-    at the start (it read "run folder:" twice there)."""
-    if not (announced and sys.stdout.isatty() and sys.stderr.isatty()):
+    """The run folder at the end, on stdout for scripts; not again where stdout and stderr are one stream that
+    showed it announced on stderr at the start (a terminal, ``2>&1``: it read "run folder:" twice there)."""
+    if not (announced and _one_stream()):
         print(f"run folder: {run_dir}")
 
 

@@ -101,8 +101,10 @@ class EvalConfig(Section):
 class StoreConfig(Section):
     """The client-state store (SCAFFOLD's c_i, FedDyn's h_i, ...): CPU memory up to a budget, then disk."""
 
-    memory_mb: float | None = Field(4096, ge=0, description="CPU-memory budget for client state (null: no limit); "
-                                                            "vectors beyond it spill to memory-mapped files")
+    # int | float: a whole number stays one (config.yaml's 4096 read back and written again by a resume)
+    memory_mb: int | float | None = Field(4096, ge=0, description="CPU-memory budget for client state (null: no "
+                                                                  "limit); vectors beyond it spill to memory-mapped "
+                                                                  "files")
     dir: str | None = Field(None, description="folder for spilled client state (default: a temp folder removed at exit)")
 
 
@@ -177,6 +179,8 @@ class WandbLogger(LoggerConfig):
                           "for `wandb sync`")
     dir: str | None = Field(None, description="where W&B writes its files (default: the run folder)")
     tags: list[str] = Field(default_factory=list)
+    timeout: float = Field(30, gt=0, description="seconds W&B's requests may wait for its server (its service "
+                                                 "process may take 3x this to start)")
 
 
 class MLflowLogger(LoggerConfig):
@@ -186,6 +190,9 @@ class MLflowLogger(LoggerConfig):
     experiment: str | None = Field(None, description="the MLflow experiment (default: the sweep's or tune "
                                                      "study's name, else 'fedflat')")
     tags: dict[str, str] = Field(default_factory=dict)
+    timeout: float = Field(30, gt=0, description="seconds each request to an HTTP tracking server may wait to "
+                                                 "connect and answer (tried 3 times: an unreachable one fails "
+                                                 "within about 3x this)")
 
 
 LOGGER_CONFIGS = {cls.model_fields["name"].annotation.__args__[0]: cls

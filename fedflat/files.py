@@ -44,15 +44,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_torch_save(path: Path, obj: Any) -> None:
+    """``torch.save(obj)`` to ``path`` atomically, the same bytes for the same ``obj``: torch names the archive's
+    records after the file it is given a path of (here a random temporary name), so it is given the open file
+    instead (records under ``archive/``; its zip entries carry a fixed date)."""
     import torch
 
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.fchmod(fd, FILE_MODE)
-    os.close(fd)
     try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as fh:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -20,6 +20,7 @@ from fedflat.core.registry import add, origin_of
 
 from .dataset import Dataset, to_tensors
 from .domains import load_domainnet, load_officehome
+from .errors import DatasetError
 from .images import load_tiny_imagenet
 from .leaf import load_femnist, load_shakespeare
 from .text import load_dbpedia
@@ -114,8 +115,9 @@ def _load_idx_dataset(name: str, root: str | Path | None, download: bool) -> Dat
     x_train, y_train, x_test, y_test = (read_idx(f) for f in files)
     for images, labels, split in ((x_train, y_train, "train"), (x_test, y_test, "test")):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(f"{name} {split} files in {files[0].parent}: images {images.shape} "
-                             f"do not match labels {labels.shape}")
+            raise DatasetError(f"{name} {split} files in {files[0].parent}: images {images.shape} do not match "
+                               f"labels {labels.shape}: delete them and download them again (data.download=true), "
+                               "or copy the official files there")
     return to_tensors(name, x_train[:, None], y_train, x_test[:, None], y_test, 10, scale=255.0,
                       source=str(files[0].parent))
 

@@ -7,10 +7,14 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Iterator
 
 import numpy as np
+
+from .errors import DatasetError
 
 __all__ = ["read_idx", "read_cifar_batch", "read_cifar_split", "extract_tar_safely", "CIFAR_LAYOUT"]
 
@@ -25,22 +29,30 @@ CIFAR_LAYOUT: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], bytes]] = {
 }
 
 
+# What to do about a dataset file that cannot be read (the end of each such error's one line).
+REPLACE = "delete it and download it again (data.download=true), or copy the official file there"
+
+
 def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (gzipped or raw, detected from its first bytes) into a writable array."""
+    """Read an IDX file (gzipped or raw, detected from its first bytes) into a writable array. A truncated or
+    corrupt file is a :class:`DatasetError` naming it."""
     with open(path, "rb") as stream:
         gzipped = stream.read(2) == b"\x1f\x8b"
     opener = gzip.open if gzipped else open
-    with opener(path, "rb") as stream:
-        data = stream.read()
+    try:
+        with opener(path, "rb") as stream:
+            data = stream.read()
+    except (EOFError, OSError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        raise DatasetError(f"{path}: truncated or corrupt gzip file ({err}): {REPLACE}") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path}: not an IDX file (bad magic number {data[:4].hex()})")
+        raise DatasetError(f"{path}: not an IDX file (bad magic number {data[:4].hex()}): {REPLACE}")
     dtype, ndim = np.dtype(_IDX_DTYPES[data[2]]), data[3]
     header = 4 + 4 * ndim
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(data) - header != expected:
-        raise ValueError(f"{path}: IDX header says shape {shape} ({expected} bytes) "
-                         f"but the file holds {len(data) - header} bytes of data")
+        raise DatasetError(f"{path}: IDX header says shape {shape} ({expected} bytes) "
+                           f"but the file holds {len(data) - header} bytes of data: {REPLACE}")
     array = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
     return array.astype(dtype.newbyteorder("="))  # native byte order, and a writable copy
 
@@ -80,16 +92,29 @@ def read_cifar_split(location: Path, name: str, train: bool) -> tuple[np.ndarray
     members = train_members if train else test_members
     if location.is_dir():
         def read(member: str) -> tuple[np.ndarray, np.ndarray]:
-            with open(location / member, "rb") as stream:
+            with open(location / member, "rb") as stream, _corrupt(location / member):
                 return read_cifar_batch(stream, label_key)
         return _concat(read(m) for m in members)
-    with tarfile.open(location, "r:*") as archive:
+    with _corrupt(location), tarfile.open(location, "r:*") as archive:
         def read_member(member: str) -> tuple[np.ndarray, np.ndarray]:
             stream = archive.extractfile(f"{folder}/{member}")
             if stream is None:
                 raise ValueError(f"{location}: {folder}/{member} is not a regular file")
             return read_cifar_batch(io.BytesIO(stream.read()), label_key)
         return _concat(read_member(m) for m in members)
+
+
+@contextmanager
+def _corrupt(path: Path) -> Iterator[None]:
+    """A dataset file that fails to parse (truncated, garbage, a refused pickle) as one :class:`DatasetError`
+    line naming it."""
+    try:
+        yield
+    except DatasetError:
+        raise
+    except (EOFError, ValueError, pickle.UnpicklingError, tarfile.TarError, zlib.error, gzip.BadGzipFile) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DatasetError(f"{path}: truncated or corrupt ({detail}): {REPLACE}") from None
 
 
 def extract_tar_safely(archive: Path, dest: Path, members: Iterable[str] | None = None) -> None:

@@ -11,11 +11,18 @@ and then renamed over ``checkpoint.pt``. A process killed at any moment (SIGKILL
 previous checkpoint or the new one, never a torn one; a stray temporary file is removed on resume.
 Resuming (:mod:`fedflat.experiments.checkpoint`) and the diagnostics of a finished run
 (:mod:`fedflat.metrics`) both read a run back through :func:`load_run`.
+
+Loading is safe: a checkpoint holds only tensors and plain values (dicts, lists, numbers, strings, None), written
+so by :func:`plain`, and is read with ``torch.load(weights_only=True)``, whose unpickler rebuilds nothing else. A
+file that names any other Python object (a crafted pickle whose ``__reduce__`` would run code) is refused before
+anything in it runs (:class:`UnsafeFile`).
 """
 from __future__ import annotations
 
 import io
 import os
+import pickle
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,8 +46,68 @@ FORMAT = 1
 SLOW_WRITE_ENV = "FEDFLAT_TEST_CHECKPOINT_SLEEP"
 
 
+# What a checkpoint must hold to be resumed, at its top level and in its ``state``.
+REQUIRED = ("round", "state", "metrics", "summary")
+REQUIRED_STATE = ("w", "server", "store")
+
+
 class CheckpointError(ConfigError):
     """A run folder that cannot be resumed or loaded (missing files, unreadable checkpoint)."""
+
+
+class UnsafeFile(CheckpointError):
+    """A file that would rebuild Python objects beyond tensors and plain values on load (could run code)."""
+
+
+def _old_globals() -> list[Any]:
+    """The one non-plain type that checkpoints written before :func:`plain` hold: ``torch.__version__``'s
+    :class:`~torch.torch_version.TorchVersion` (a ``str`` subclass) in the summary's versions."""
+    from torch.torch_version import TorchVersion
+
+    return [TorchVersion]
+
+
+def plain(value: Any) -> Any:
+    """``value`` as tensors and plain Python values only (what ``torch.load(weights_only=True)`` rebuilds): numpy
+    scalars become Python numbers, ``str`` subclasses (``torch.__version__``) ``str``, tuples lists."""
+    import numpy as np
+
+    if isinstance(value, torch.Tensor) or value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    for kind in (bool, int, float, str):  # subclasses (TorchVersion, IntEnum, ...) as their base type
+        if isinstance(value, kind):
+            return kind(value)
+    raise TypeError(f"a checkpoint holds tensors and plain values only, not {type(value).__name__}")
+
+
+def safe_load(path: str | Path, what: str, remedy: str) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain values, never code. A file that names another
+    Python object is refused (:class:`UnsafeFile`), an unreadable one (truncated, not a torch file) is a
+    :class:`CheckpointError`; both one line naming the file, ``what`` it is and the ``remedy``."""
+    try:
+        with torch.serialization.safe_globals(_old_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        text = str(err)
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if isinstance(err, pickle.UnpicklingError) and found:
+            raise UnsafeFile(f"{path}: refused: this {what} would rebuild the Python object {found.group(1)} on "
+                             f"load, which can run code (fedflat's own files hold only tensors and plain values): "
+                             f"nothing of it was run; use only files you trust, or {remedy}") from None
+        cause = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)  # (torch's advice around it: load unsafely)
+        if cause or isinstance(err, pickle.UnpicklingError):
+            detail = f"not tensors and plain values: {cause.group(1) if cause else type(err).__name__}"
+        else:
+            detail = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        raise CheckpointError(f"{path}: unreadable {what} ({detail}); {remedy}") from None
 
 
 def checkpoint_path(run_dir: str | Path) -> Path:
@@ -51,7 +118,7 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
     """Atomically writes ``payload`` (see :func:`make_payload`) as ``RUN_DIR/checkpoint.pt``."""
     path = checkpoint_path(run_dir)
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **payload}, buffer)
+    torch.save(plain({"format": FORMAT, **payload}), buffer)
     data = buffer.getvalue()
     delay = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
     if delay <= 0:
@@ -81,17 +148,20 @@ def read_checkpoint(run_dir: str | Path) -> dict[str, Any] | None:
     path = checkpoint_path(run_dir)
     if not path.exists():
         return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # only reachable if the file was changed by something else: writes are atomic
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(err).__name__}: {err}); fedflat writes "
-                              f"checkpoints atomically, so something else changed it: restore it from a copy, or "
-                              f"move it away and `fedflat resume {run_dir}` runs the experiment again from round "
-                              f"0") from None
+    payload = safe_load(path, "checkpoint", f"fedflat writes checkpoints atomically, so something else changed it: "
+                        f"restore it from a copy, or move it away and `fedflat resume {run_dir}` runs the experiment "
+                        f"again from round 0")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(f"{path}: checkpoint format {found!r}, expected {FORMAT}: resume it with the fedflat "
                               f"version that wrote it, or move it away to run the experiment again from round 0")
+    missing = [k for k in REQUIRED if k not in payload]
+    state = payload.get("state")
+    missing += [f"state.{k}" for k in REQUIRED_STATE if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: not a complete checkpoint (it lacks {', '.join(missing)}): restore it from a "
+                              f"copy, or move it away and `fedflat resume {run_dir}` runs the experiment again from "
+                              f"round 0")
     return payload
 
 
@@ -149,7 +219,7 @@ def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dat
     model_file = run_dir / "model.pt"
     if not model_file.exists():
         raise CheckpointError(f"{run_dir}: neither {CHECKPOINT} nor model.pt; the run saved no state yet")
-    state = torch.load(model_file, map_location="cpu", weights_only=True)
+    state = safe_load(model_file, "model file", "restore it from a copy, or run the experiment again")
     try:
         w, b = sim.model.vectors(state)
     except ValueError as err:

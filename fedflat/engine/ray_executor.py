@@ -108,6 +108,12 @@ class ClientWorker:
 _NO_NUMPY = (torch.bfloat16,)  # dtypes NumPy has not: these travel as tensors
 
 
+def _first_line(err: BaseException) -> str:
+    """The first line of Ray's error (its message goes on with the actor's whole history)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def to_wire(obj: Any) -> Any:
     """``obj`` (a tensor, a dict, list or tuple of them, or a dataclass holding them) with every CPU tensor as a
     NumPy array sharing its memory; :func:`from_wire` undoes it."""
@@ -185,6 +191,7 @@ class RayExecutor:
             raise
         self.failures = [0] * len(self.actors)  # worker deaths seen by this executor
         self.redone_clients = 0
+        self.deaths: list[dict[str, Any]] = []  # each death not yet taken by the run (take_deaths)
 
     def _new_actor(self):
         cls = worker_class(self.ray).options(num_cpus=self.cpus, num_gpus=self.cfg.gpus_per_worker,
@@ -249,15 +256,26 @@ class RayExecutor:
             worker, rows = pending.pop(ref)
             try:
                 results.append(from_wire(ray.get(ref), copy=False))
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as err:
                 self.failures[worker] += 1
                 self.redone_clients += len(rows)
                 self._replace(worker)
+                death = {"worker": worker, "clients": len(rows), "error": _first_line(err),
+                         "restarted": self.failures[worker] <= self.cfg.max_restarts and self.owns_actors}
+                self.deaths.append(death)
                 target = self._redo_on(worker, pending)
+                death["redone_on"] = target
                 pending[submit(target, rows)] = (target, rows)
             except ray.exceptions.RayTaskError as err:
                 raise err.as_instanceof_cause() from None
         return merge_results(results)
+
+    def take_deaths(self) -> list[dict[str, Any]]:
+        """The worker deaths since the last call: worker index, its clients (trained again on ``redone_on``),
+        Ray's error, whether a fresh worker took its place; the run records them (summary.json's
+        ``worker_deaths``)."""
+        deaths, self.deaths = self.deaths, []
+        return deaths
 
     def _redo_on(self, failed: int, pending: dict) -> int:
         """A worker for the clients of ``failed``: the live one with the least pending work (the replacement

@@ -21,12 +21,17 @@ import io
 import json
 import math
 import numbers
+import os
 import secrets
 import string
+import sys
+import threading
 import time
 import uuid
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from fedflat.config import LOGGER_CONFIGS, LoggerConfig, MLflowLogger, WandbLogger, dump_yaml
 from fedflat.experiments.callbacks import Callback, CallbackError, CallbackWarning, RunInfo
@@ -37,6 +42,25 @@ from fedflat.files import atomic_write_text
 
 class LoggerUnavailable(CallbackError):
     """A logger's library is not installed."""
+
+
+# A call to a tracking service that takes longer than this says on stderr what it waits for.
+NOTICE_SECONDS = 5.0
+
+
+@contextmanager
+def waiting(what: str, bound: float) -> Iterator[None]:
+    """Runs the block; if it takes over :data:`NOTICE_SECONDS`, stderr says what it waits for and how long at
+    most (``bound`` seconds, from the logger's ``timeout``)."""
+    notice = threading.Timer(NOTICE_SECONDS, lambda: print(
+        f"fedflat: waiting for {what} (at most about {bound:.0f} s: the logger's timeout option)", file=sys.stderr,
+        flush=True))
+    notice.daemon = True
+    notice.start()
+    try:
+        yield
+    finally:
+        notice.cancel()
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -248,10 +272,19 @@ class WandbTracker(_Tracker):
         folder = Path(o.dir) if o.dir else run.run_dir
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=o.project, entity=o.entity, id=run_id, resume="allow", name=run.name,
-                              group=run.group, job_type=run.job, tags=o.tags or None, config=run.config,
-                              dir=str(folder) if folder is not None else None, mode=o.mode, reinit="create_new",
-                              settings=wandb.Settings(console="off", quiet=True))
+            writable(folder)
+        settings = wandb.Settings(console="off", quiet=True, silent=True, init_timeout=3 * o.timeout,
+                                  x_graphql_timeout_seconds=o.timeout)
+        with waiting("W&B to start its run", 3 * o.timeout):
+            self.run = wandb.init(project=o.project, entity=o.entity, id=run_id, resume="allow", name=run.name,
+                                  group=run.group, job_type=run.job, tags=o.tags or None, config=run.config,
+                                  dir=str(folder) if folder is not None else None, mode=o.mode, reinit="create_new",
+                                  settings=settings)
+        wrote = Path(self.run.settings.root_dir)
+        record_tracked(run.run_dir, self.name, id=run_id, dir=str(wrote.absolute()))
+        if folder is not None and wrote.absolute() != folder.absolute():  # W&B's own fallback (a temp folder)
+            warnings.warn(f"wandb writes into {wrote}, not {folder} (recorded in tracking.json)", CallbackWarning,
+                          stacklevel=2)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -261,7 +294,15 @@ class WandbTracker(_Tracker):
             return
         self.run.summary.update({**scalars(summary, "summary."), "status": status,
                                  "reason": summary.get("reason") or ""})
-        self.run.finish(exit_code=0 if status in FINISHED else 1)
+        with waiting("W&B to finish its run", 3 * self.options.timeout):
+            self.run.finish(exit_code=0 if status in FINISHED else 1)
+
+
+def writable(folder: Path) -> None:
+    """A :class:`CallbackError` unless ``folder`` can be read and written (W&B's own test of its ``dir``)."""
+    if not os.access(folder, os.W_OK | os.R_OK | os.X_OK):
+        raise CallbackError(f"wandb: its dir {folder} is not writable: give the logger a writable dir, or none (the "
+                            "run folder)")
 
 
 class MLflowTracker(_Tracker):
@@ -279,10 +320,42 @@ class MLflowTracker(_Tracker):
         makes the experiment."""
         self.require()
         try:
-            self._experiment(self._client(), group)
+            with self.bounded():
+                self._experiment(self._client(), group)
         except Exception as err:  # noqa: BLE001 - any store failure is the one-line message
+            detail = str(err).splitlines()[0] if str(err) else ""
             raise CallbackError(f"mlflow: the tracking store {self._uri()} cannot be used: {type(err).__name__}: "
-                                f"{err}") from None
+                                f"{detail}") from None
+
+    @contextmanager
+    def bounded(self) -> Iterator[None]:
+        """MLflow's HTTP requests within the logger's ``timeout``: each attempt waits at most ``timeout`` seconds
+        to connect and to be answered, 3 attempts, 0 then 2 s apart (MLflow's own defaults: 120 s, 7 retries with
+        a doubling backoff, over 4 minutes of silence for an unreachable server); a call taking over
+        :data:`NOTICE_SECONDS` says what it waits for."""
+        timeout = self.options.timeout
+        limits = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout))),
+                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+        before = {key: os.environ.get(key) for key in limits}
+        os.environ.update(limits)
+        try:
+            with waiting(f"the MLflow tracking store {self._uri()}", 3 * math.ceil(timeout) + 2):
+                yield
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def on_run_start(self, run: RunInfo) -> None:
+        with self.bounded():
+            super().on_run_start(run)
+
+    def on_evaluation(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
+        with self.bounded():
+            super().on_evaluation(run, round, metrics)
 
     def _uri(self) -> str:
         """The store's URI; a relative SQLite or file path made absolute (a resume elsewhere finds it)."""
@@ -353,6 +426,10 @@ class MLflowTracker(_Tracker):
     def on_run_end(self, run: RunInfo, summary: dict[str, Any], status: str) -> None:
         if getattr(self, "run_id", None) is None:
             return
+        with self.bounded():
+            self._end(summary, status)
+
+    def _end(self, summary: dict[str, Any], status: str) -> None:
         from mlflow.entities import Metric, RunStatus
 
         now, step = int(time.time() * 1000), int(summary.get("rounds") or 0)
@@ -374,8 +451,6 @@ def build_loggers(entries: list[LoggerConfig], group: str | None = None) -> list
     """The loggers of the config key ``loggers``, each checked (:meth:`Logger.prepare`) before a run folder is
     made: a failure is a :class:`CallbackError` saying what to do, or, for an optional logger, a warning and
     the logger left out."""
-    import warnings
-
     loggers = []
     for entry in entries:
         logger = LOGGERS[entry.name](entry)

@@ -71,6 +71,12 @@ class Cell:
     config: Config | None = None
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        name = self.name  # its folder is OUT/name: nothing may lead elsewhere, or onto the sweep's .lock
+        if not name or name.startswith(".") or any(c in name for c in ("/", "\\", "\0")):
+            raise ConfigError(f"cell name {name!r} is not a folder name inside the sweep folder: name options and "
+                              f"methods with letters, digits and . _ = - (not starting with .)")
+
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "options": self.options,
                 "overrides": [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in self.overrides]}
@@ -129,7 +135,14 @@ def _option_name(key: str, value: Any) -> str:
         text = str(value)
     else:
         text = f"{key.rsplit('.', 1)[-1]}{value}"
-    return _UNSAFE.sub("-", text).strip("-") or "x"
+    return folder_name(text) or "x"
+
+
+def folder_name(text: str) -> str:
+    """``text`` as one folder name inside the sweep folder: runs of characters other than letters, digits and
+    ``. _ = -`` become ``-``, and leading dots go (no ``..``, ``.``, hidden folder or fedflat's ``.lock``); ``""``
+    when nothing is left."""
+    return _UNSAFE.sub("-", text).lstrip(".-").rstrip("-")
 
 
 def _parse_axis(axis: str, spec: Any, where: str) -> dict[str, list[tuple[str, Any]]]:
@@ -142,7 +155,7 @@ def _parse_axis(axis: str, spec: Any, where: str) -> dict[str, list[tuple[str, A
             raise ConfigError(f"{where}: grid axis '{axis}' has no options")
         options = {}
         for name, ovr in spec.items():
-            safe = _UNSAFE.sub("-", str(name)).strip("-")
+            safe = folder_name(str(name))
             if not safe:
                 raise ConfigError(f"{where}: grid axis '{axis}': option name {name!r} is empty after cleaning")
             if isinstance(ovr, dict):

@@ -1,0 +1,213 @@
+"""Loading files is safe and says what is wrong (issues 43.7 and 44.5): checkpoints and models are read with
+``torch.load(weights_only=True)``, a crafted pickle is refused without running anything, a checkpoint of the format
+written before is still resumed, and a corrupt file is one line naming it and what to do."""
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+
+import pytest
+import torch
+
+import fedflat
+from fedflat.cli import main
+from fedflat.engine.checkpoint import CHECKPOINT, CheckpointError, UnsafeFile, plain, read_checkpoint
+from fedflat.experiments.checkpoint import metrics_equal, resume
+
+
+class _Payload:
+    """Pickled as ``exec(code)``: what a crafted checkpoint would run on an unsafe ``torch.load``."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def _one_line_error(capsys, *paths) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for path in paths:
+        assert str(path) in err, err
+    return err
+
+
+@pytest.fixture
+def run_folder(tiny, tmp_path):
+    folder = tmp_path / "run"
+    fedflat.run(tiny("rounds=2"), run_dir=folder, progress=False)
+    return folder
+
+
+def test_a_crafted_checkpoint_is_refused_by_resume_and_analyze_and_runs_nothing(run_folder, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    crafted = {"format": 1, "round": 1, "state": _Payload(f"open({str(marker)!r}, 'w').close()")}
+    torch.save(crafted, run_folder / CHECKPOINT)
+    before = {p.name: p.read_bytes() for p in run_folder.iterdir() if p.is_file() and p.name != ".lock"}
+    assert main(["resume", str(run_folder), "--no-progress"]) == 2
+    err = _one_line_error(capsys, run_folder / CHECKPOINT)
+    assert "refused" in err and "object exec " in err
+    assert main(["analyze", "sharpness", str(run_folder)]) == 2
+    _one_line_error(capsys, run_folder / CHECKPOINT)
+    with pytest.raises(UnsafeFile):
+        read_checkpoint(run_folder)
+    from conftest import tiny_tree
+
+    from fedflat.experiments.sweep import run_cell
+
+    cell = run_cell(tiny_tree(rounds=3), str(run_folder))  # a sweep rerun over the cell, extended: a resume
+    assert cell["status"] == "failed" and "refused" in cell["reason"]
+    (run_folder / "error.txt").unlink()
+    assert not marker.exists()  # nothing of the file ran
+    after = {p.name: p.read_bytes() for p in run_folder.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before  # and nothing in the folder was written
+    torch.load(run_folder / CHECKPOINT, weights_only=False)  # the file is truly malicious: an unsafe load runs it
+    assert marker.exists()
+
+
+def test_a_crafted_model_file_is_refused(run_folder, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    (run_folder / CHECKPOINT).unlink()  # analyze then reads model.pt
+    torch.save({"w": _Payload(f"open({str(marker)!r}, 'w').close()")}, run_folder / "model.pt")
+    assert main(["analyze", "sharpness", str(run_folder)]) == 2
+    assert "refused" in _one_line_error(capsys, run_folder / "model.pt")
+    assert not marker.exists()
+
+
+def test_a_checkpoint_in_the_previous_format_still_resumes_exactly(tiny, tmp_path):
+    """Checkpoints written before :func:`plain` hold ``torch.__version__`` (a TorchVersion, not a plain str): a run
+    resumed from one equals the uninterrupted run."""
+    whole = fedflat.run(tiny("rounds=4"), run_dir=tmp_path / "whole", progress=False)
+    folder = tmp_path / "old"
+    fedflat.run(tiny("rounds=2"), run_dir=folder, progress=False)
+    payload = read_checkpoint(folder)
+    payload["summary"]["versions"]["torch"] = torch.__version__  # as the previous writer left it
+    assert type(payload["summary"]["versions"]["torch"]) is not str
+    torch.save(payload, folder / CHECKPOINT)
+    with pytest.raises(pickle.UnpicklingError):  # not loadable by weights_only=True alone: the format differs
+        torch.load(folder / CHECKPOINT, weights_only=True)
+    resumed = resume(folder, overrides=["rounds=4"], progress=False)
+    assert metrics_equal(resumed.metrics, whole.metrics)
+    assert torch.equal(resumed.final_parameters, whole.final_parameters)
+    new = torch.load(folder / CHECKPOINT, weights_only=True)  # and what it writes now is plain
+    assert type(new["summary"]["versions"]["torch"]) is str
+
+
+def test_plain_keeps_values_and_drops_types():
+    import numpy as np
+
+    value = plain({"a": np.float32(0.5), 3: (1, np.int64(2)), "t": torch.ones(2), "v": torch.__version__})
+    assert value == {"a": 0.5, 3: [1, 2], "t": value["t"], "v": str(torch.__version__)}
+    assert type(value["a"]) is float and type(value[3][1]) is int and type(value["v"]) is str
+    with pytest.raises(TypeError, match="plain values only, not object"):
+        plain({"x": object()})
+
+
+def test_a_checkpoint_with_missing_keys_is_one_line(run_folder, capsys):
+    payload = read_checkpoint(run_folder)
+    del payload["metrics"], payload["state"]["store"]
+    torch.save(payload, run_folder / CHECKPOINT)
+    assert main(["resume", str(run_folder), "rounds=3", "--no-progress"]) == 2
+    err = _one_line_error(capsys, run_folder / CHECKPOINT)
+    assert "lacks metrics, state.store" in err and "fedflat resume" in err
+    with pytest.raises(CheckpointError, match="lacks metrics"):
+        read_checkpoint(run_folder)
+
+
+def test_a_truncated_checkpoint_is_one_line(run_folder, capsys):
+    data = (run_folder / CHECKPOINT).read_bytes()
+    (run_folder / CHECKPOINT).write_bytes(data[: len(data) // 2])
+    assert main(["resume", str(run_folder), "rounds=3", "--no-progress"]) == 2
+    assert "unreadable checkpoint" in _one_line_error(capsys, run_folder / CHECKPOINT)
+    (run_folder / CHECKPOINT).write_bytes(b"not a checkpoint")  # no pickle of torch's: never advise an unsafe load
+    assert main(["resume", str(run_folder), "rounds=3", "--no-progress"]) == 2
+    err = _one_line_error(capsys, run_folder / CHECKPOINT)
+    assert "unreadable checkpoint (not tensors and plain values" in err and "weights_only" not in err
+
+
+def test_a_truncated_model_file_is_one_line_in_analyze(run_folder, capsys):
+    (run_folder / CHECKPOINT).unlink()
+    model = run_folder / "model.pt"
+    model.write_bytes(model.read_bytes()[:200])
+    assert main(["analyze", "sharpness", str(run_folder)]) == 2
+    err = _one_line_error(capsys, model)
+    assert "unreadable model file" in err and "restore it from a copy" in err
+
+
+def test_model_file_bytes_are_identical_between_identical_runs(tiny, tmp_path):
+    """torch names a zip archive's records after the file it writes; model.pt went through a randomly named
+    temporary file, so two identical runs gave equal tensors in different bytes."""
+    for name in ("a", "b"):
+        fedflat.run(tiny("rounds=1"), run_dir=tmp_path / name, progress=False)
+    assert (tmp_path / "a" / "model.pt").read_bytes() == (tmp_path / "b" / "model.pt").read_bytes()
+
+
+def _gz(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as fh:
+        fh.write(data)
+    return buffer.getvalue()
+
+
+def _fmnist(tmp_path):
+    from test_data import make_idx_dataset
+
+    folder = tmp_path / "data" / "fashion-mnist"
+    make_idx_dataset(folder, seed=0, gz=True)
+    return folder
+
+
+def _run_fmnist(tmp_path) -> int:
+    return main(["run", "rounds=1", "threads=1", "data.name=fmnist", f"data.root={tmp_path / 'data'}", "--out",
+                 str(tmp_path / "runs"), "--no-progress"])
+
+
+def test_a_truncated_fashion_mnist_gz_is_one_line_naming_it(tmp_path, capsys):
+    images = _fmnist(tmp_path) / "train-images-idx3-ubyte.gz"
+    images.write_bytes(images.read_bytes()[:-100])  # gzip then ends before its end-of-stream marker (EOFError)
+    assert _run_fmnist(tmp_path) == 2
+    err = _one_line_error(capsys, images)
+    assert "truncated or corrupt" in err and "download it again" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no run folder left
+
+
+def test_a_garbage_labels_file_is_one_line_naming_it(tmp_path, capsys):
+    labels = _fmnist(tmp_path) / "train-labels-idx1-ubyte.gz"
+    labels.write_bytes(_gz(bytes(range(256)) * 3))
+    assert _run_fmnist(tmp_path) == 2
+    assert "not an IDX file" in _one_line_error(capsys, labels)
+
+
+def test_a_truncated_cifar_batch_is_one_line_naming_it(tmp_path, capsys):
+    from test_data import make_cifar
+
+    make_cifar(tmp_path / "data" / "cifar10")
+    batch = tmp_path / "data" / "cifar10" / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:500])
+    assert main(["run", "rounds=1", "data.name=cifar10", f"data.root={tmp_path / 'data'}", "--out",
+                 str(tmp_path / "runs"), "--no-progress"]) == 2
+    assert "truncated or corrupt" in _one_line_error(capsys, batch)
+
+
+def test_every_load_in_the_package_is_safe():
+    """No ``torch.load`` without ``weights_only=True``, no ``allow_pickle=True``, no pickle or YAML loader that
+    builds arbitrary objects (the crafted-file tests above check the behaviour; this keeps new code to it)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from fedflat.config import _Loader
+
+    assert issubclass(_Loader, yaml.SafeLoader)
+    for path in Path(fedflat.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        for call in re.findall(r"torch\.load\(([^)]*)\)", text):
+            assert "weights_only=True" in call, f"{path}: torch.load({call})"
+        assert "allow_pickle=True" not in text, path
+        for loader in re.findall(r"yaml\.(?:load|unsafe_load|full_load)\(([^)]*)\)", text):
+            assert "Loader=_Loader" in loader, f"{path}: yaml load with {loader}"
+        if "pickle" in text and path.name != "readers.py":  # CIFAR's unpickler rebuilds arrays only
+            assert not re.search(r"pickle\.(load|loads|Unpickler)\b", text), path
