@@ -1,0 +1,205 @@
+"""Ditto, FedRep and APFL against hand computations of their equations (two rounds, full-batch local steps, so each
+step's gradient is the client's full loss gradient, computed with autograd on the model: the engine's oracle,
+parts and batching are not used by the reference), their reductions, and the personalized evaluation by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled, close, rounds
+
+import fedflat
+from fedflat.algorithms import AlgorithmError, build_algorithm
+from fedflat.algorithms.apfl import ALPHA, LOCAL
+from fedflat.algorithms.ditto import PERSONAL
+from fedflat.algorithms.fedper import PERSONAL_MODEL, private_layers
+from fedflat.engine.simulation import Simulation
+
+# Full-batch steps of the hand computations (3 steps, batch larger than any client, no clip, weight decay 0.01);
+# float32 through a few dozen operations on O(1) values: close()'s 2e-5 relative, 2e-6 absolute.
+HAND = (*FULL_BATCH, "rounds=2", "sampling.clients_per_round=4")
+
+
+def _row(sim: Simulation, name: str, client: int) -> tuple[torch.Tensor, bool]:
+    state, known = sim.store.get(name, torch.tensor([client]))
+    return state[0], bool(known[0])
+
+
+def _pooled(sim: Simulation, model_of) -> tuple[float, float]:
+    """Accuracy and mean loss of each client's model ``model_of(c)`` on its own test share, pooled."""
+    correct = nll = total = 0
+    for c, share in enumerate(sim.client_tests):
+        logits = sim.model(model_of(c), sim.dataset.x_test[share])
+        correct += int((logits.argmax(1) == sim.dataset.y_test[share]).sum())
+        nll += float(F.cross_entropy(logits, sim.dataset.y_test[share], reduction="sum"))
+        total += len(share)
+    return correct / total, nll / total
+
+
+# ---------------------------------------------------------------- Ditto
+@pytest.mark.parametrize("lam", [0.5, 0.0])
+def test_ditto_two_rounds_by_hand(tiny, lam):
+    """The global model is FedAvg's; each sampled client's v_k takes E proximal steps toward the broadcast on the
+    same full batches, v <- v - eta (g(v) + wd v + lam (v - w^t)), from w^t at its first round; the personalized
+    evaluation tests every v_k (w where the client never trained) on its own share."""
+    sim = Simulation(tiny(*HAND, "algo=ditto", f"algo.lam={lam}"))
+    hand = Hand(sim)
+    w, v = sim.w.clone(), {}
+    for t in range(2):
+        lr, finals = sim.lr_at(t), []
+        for i in _sampled(sim, t):
+            finals.append(hand.local(w, i, lr))
+            p = v.get(i, w)
+            for _ in range(STEPS):
+                p = p - lr * (hand.grad(p, i) + hand.wd * p + lam * (p - w))
+            v[i] = p
+        w = torch.stack(finals).mean(0)
+    assert set(_sampled(sim, 0)) & set(_sampled(sim, 1)), "the test needs a returning client"
+    rounds(sim)
+    close(sim.w, w)
+    for i, p in v.items():
+        kept, known = _row(sim, PERSONAL, i)
+        assert known
+        close(kept, p)
+    assert len(v) < 6  # a client that never trained is tested with the global model
+    acc, loss = sim.evaluate()
+    hand_acc, hand_loss = _pooled(sim, lambda c: _row(sim, PERSONAL, c)[0] if c in v else sim.w)
+    assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
+
+
+def test_dittos_global_model_is_fedavgs_and_ditto_sams_is_fedsams(tiny):
+    """The personal steps touch neither the global update's batches nor its numbers: bit for bit."""
+    for ditto, plain in [("ditto", "fedavg"), ("ditto-sam", "fedsam")]:
+        ours = fedflat.run(tiny(f"algo={ditto}", "algo.rho=0.05" if "sam" in ditto else "algo.lam=2"), save=False,
+                           progress=False)
+        theirs = fedflat.run(tiny(f"algo={plain}", *(["algo.rho=0.05"] if "sam" in ditto else [])), save=False,
+                             progress=False)
+        assert torch.equal(ours.final_parameters, theirs.final_parameters)
+        assert ours.summary["evaluation"] == "personalized" and ours.summary["backprops_per_step"] == \
+            theirs.summary["backprops_per_step"] + 1
+
+
+def test_a_large_lambda_holds_dittos_personal_model_near_the_global_one(tiny):
+    """lam -> infinity: h_k's minimizer is w^t (Ditto §3): v_k ends far closer to the broadcast than at lam = 0."""
+    gaps = []
+    for lam in (0.0, 5.0):
+        sim = Simulation(tiny(*HAND, "rounds=1", "algo=ditto", f"algo.lam={lam}", "train.lr=0.05"))
+        w0 = sim.w.clone()
+        sim.run_round(0)
+        i = _sampled(sim, 0)[0]
+        gaps.append(float((_row(sim, PERSONAL, i)[0] - w0).norm()))
+    assert gaps[1] < 0.9 * gaps[0]
+
+
+# ---------------------------------------------------------------- APFL
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_apfl_two_rounds_by_hand(tiny, adaptive):
+    """At each local step k from w_k (FedAvg's iterate): vbar = a v + (1 - a) w_k, g = grad f(vbar);
+    a <- clamp(a - eta <v - w_k, g>, 0, 1) (adaptive), v <- v - eta (a g + wd v) with the old a; the global model is
+    FedAvg's; the personalized model is a v + (1 - a) w^{t+1}."""
+    alpha0 = 0.4
+    sim = Simulation(tiny(*HAND, "algo=apfl", f"algo.alpha={alpha0}", f"algo.adaptive={adaptive}"))
+    hand = Hand(sim)
+    w, v, a = sim.w.clone(), {}, {}
+    for t in range(2):
+        lr, finals = sim.lr_at(t), []
+        for i in _sampled(sim, t):
+            wk, p, al = w.clone(), v.get(i, w), a.get(i, torch.tensor(alpha0))
+            for _ in range(STEPS):
+                g = hand.grad(al * p + (1 - al) * wk, i)
+                new_al = (al - lr * torch.dot(p - wk, g)).clamp(0, 1) if adaptive else al
+                p = p - lr * (al * g + hand.wd * p)
+                wk = wk - lr * (hand.grad(wk, i) + hand.wd * wk)
+                al = new_al
+            v[i], a[i] = p, al
+            finals.append(wk)
+        w = torch.stack(finals).mean(0)
+    rounds(sim)
+    close(sim.w, w)
+    for i in v:
+        close(_row(sim, LOCAL, i)[0], v[i])
+        if adaptive:
+            kept = _row(sim, ALPHA, i)[0]
+            close(kept, a[i].expand_as(kept))
+    if adaptive:
+        assert any(abs(float(a[i]) - alpha0) > 1e-4 for i in a)  # alpha moved
+    else:
+        assert ALPHA not in sim.algorithm.state_keys()
+    acc, loss = sim.evaluate()
+    hand_acc, hand_loss = _pooled(sim, lambda c: a[c] * v[c] + (1 - a[c]) * sim.w if c in v else sim.w)
+    assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
+
+
+def test_apfl_with_alpha_zero_fixed_is_fedavg_evaluated_on_the_clients_shares(tiny):
+    """alpha = 0, fixed: vbar = w, so the personalized evaluation is FedAvg's global model on every share."""
+    sim = Simulation(tiny("algo=apfl", "algo.alpha=0", "algo.adaptive=false"))
+    avg = Simulation(tiny("algo=fedavg"))
+    rounds(sim, 3)
+    rounds(avg, 3)
+    assert torch.equal(sim.w, avg.w)
+    acc, loss = sim.evaluate()
+    hand_acc, hand_loss = _pooled(avg, lambda c: avg.w)
+    assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
+
+
+# ---------------------------------------------------------------- FedRep
+def test_fedrep_two_rounds_by_hand(tiny):
+    """Each client starts from the global body and its own head (w^0's before its first round), takes
+    E - rep_epochs ceil(n/B) head steps (the body frozen), then the body steps (the head frozen); it keeps its head
+    and uploads the broadcast's there; the server averages the bodies and its head stays w^0's."""
+    sim = Simulation(tiny(*HAND, "algo=fedrep"))
+    hand = Hand(sim)
+    head = private_layers(sim.model.layout, 1)
+    w0 = sim.w.clone()
+    w, heads = sim.w.clone(), {}
+    body_steps = 1  # full batch: one step per epoch, rep_epochs = 1
+    for t in range(2):
+        lr, uploads = sim.lr_at(t), []
+        for i in _sampled(sim, t):
+            wk = torch.where(head, heads[i], w) if i in heads else w.clone()
+            for k in range(STEPS):
+                g = hand.grad(wk, i) + hand.wd * wk
+                trained = head if k < STEPS - body_steps else ~head
+                wk = wk - lr * torch.where(trained, g, torch.zeros(()))
+            heads[i] = wk
+            uploads.append(torch.where(head, w, wk))
+        w = torch.stack(uploads).mean(0)
+    rounds(sim)
+    close(sim.w, w)
+    assert torch.equal(sim.w[head], w0[head])
+    for i, mine in heads.items():
+        close(_row(sim, PERSONAL_MODEL, i)[0][head], mine[head])
+    acc, loss = sim.evaluate()
+    hand_acc, hand_loss = _pooled(sim, lambda c: torch.where(head, heads[c], sim.w) if c in heads else sim.w)
+    assert acc == pytest.approx(hand_acc, abs=1e-12) and loss == pytest.approx(hand_loss, rel=1e-5)
+
+
+def test_fedreps_phases_follow_each_clients_epochs():
+    """Unequal E_i and n_i (batch 7): client i's direction is the gradient on the head only in its first
+    E_i - min(E_i, rep_epochs ceil(n_i/7)) steps, on the body only after."""
+    from types import SimpleNamespace
+
+    from fedflat.algorithms.fedrep import HEAD, Alternating, AlternatingParams
+    from fedflat.core import Cohort, Shared
+
+    head = torch.tensor([False, False, False, True, True])
+    n, steps = torch.tensor([20, 7, 3]), torch.tensor([9, 2, 1])  # ceil(n/7) = 3, 1, 1 steps per epoch
+    part = Alternating(AlternatingParams(rep_epochs=2))
+    cohort = Cohort(ids=torch.arange(3), num_samples=n, steps=steps, active=torch.ones(3, dtype=torch.bool))
+    cohort.shared = Shared({HEAD: "personalization 'fedrep'"})
+    cohort.shared.put(HEAD, head)
+    ctx = SimpleNamespace(settings=SimpleNamespace(batch_size=7), w_start=torch.zeros(5))
+    part.begin(ctx, cohort)
+    grad = torch.arange(1.0, 16.0).reshape(3, 5)
+    head_steps = [9 - 6, 2 - 2, 1 - 1]  # E_i - min(E_i, 2 ceil(n_i/7))
+    for k in range(9):
+        d = part.direction(ctx, cohort, k, torch.zeros(3, 5), grad)
+        for i in range(3):
+            trained = head if k < head_steps[i] else ~head
+            assert torch.equal(d[i], torch.where(trained, grad[i], torch.zeros(()))), (i, k)
+
+
+def test_fedrep_needs_a_head_to_alternate(tiny):
+    with pytest.raises(AlgorithmError, match="needs.*fedrep.head.*personalization 'fedrep'"):
+        build_algorithm({"name": "fedavg", "correction": "fedrep"})
+    assert build_algorithm({"name": "fedrep", "perturbation": "sam"}).label == "fedrep[perturbation=sam]"
