@@ -188,7 +188,7 @@ def test_fedreps_phases_follow_each_clients_epochs():
     cohort = Cohort(ids=torch.arange(3), num_samples=n, steps=steps, active=torch.ones(3, dtype=torch.bool))
     cohort.shared = Shared({HEAD: "personalization 'fedrep'"})
     cohort.shared.put(HEAD, head)
-    ctx = SimpleNamespace(settings=SimpleNamespace(batch_size=7), w_start=torch.zeros(5))
+    ctx = SimpleNamespace(settings=SimpleNamespace(batch_size=7, weight_decay=0.0), w_start=torch.zeros(5))
     part.begin(ctx, cohort)
     grad = torch.arange(1.0, 16.0).reshape(3, 5)
     head_steps = [9 - 6, 2 - 2, 1 - 1]  # E_i - min(E_i, 2 ceil(n_i/7))
@@ -197,6 +197,7 @@ def test_fedreps_phases_follow_each_clients_epochs():
         for i in range(3):
             trained = head if k < head_steps[i] else ~head
             assert torch.equal(d[i], torch.where(trained, grad[i], torch.zeros(()))), (i, k)
+        assert torch.equal(part.loss_direction(ctx, cohort, k, torch.zeros(3, 5), grad.clone()), d)
 
 
 def test_fedrep_needs_a_head_to_alternate(tiny):

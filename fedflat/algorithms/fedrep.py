@@ -56,10 +56,20 @@ class Alternating(Correction):
         body_steps = torch.minimum(cohort.steps, self.p.rep_epochs * per_epoch)
         cohort.own(self)["head_steps"] = (cohort.steps - body_steps).to(ctx.w_start.device)
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        head = cohort.shared[HEAD]
+    def trained(self, cohort: Cohort, k: int) -> torch.Tensor:
+        """The entries step ``k`` moves, ``[C, P]``: the head in a client's head steps, the body after."""
         on_head = (k < cohort.own(self)["head_steps"])[:, None]
-        return torch.where(on_head == head[None, :], grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        return on_head == cohort.shared[HEAD][None, :]
+
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.trained(cohort, k), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                       grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`direction` of ``grad + wd w`` (its decoupled decay is 0)."""
+        if ctx.settings.weight_decay:
+            grad.add_(W, alpha=ctx.settings.weight_decay)
+        return grad.masked_fill_(~self.trained(cohort, k), 0.0)
 
     def decoupled_decay(self, ctx: ClientContext) -> float:
         """0: the whole masked direction is clipped (a frozen entry gets no decay to add back after the clip)."""
