@@ -67,16 +67,19 @@ def test_ditto_two_rounds_by_hand(tiny, lam):
     assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
 
 
-def test_dittos_global_model_is_fedavgs_and_ditto_sams_is_fedsams(tiny):
-    """The personal steps touch neither the global update's batches nor its numbers: bit for bit."""
-    for ditto, plain in [("ditto", "fedavg"), ("ditto-sam", "fedsam")]:
-        ours = fedflat.run(tiny(f"algo={ditto}", "algo.rho=0.05" if "sam" in ditto else "algo.lam=2"), save=False,
-                           progress=False)
-        theirs = fedflat.run(tiny(f"algo={plain}", *(["algo.rho=0.05"] if "sam" in ditto else [])), save=False,
-                             progress=False)
-        assert torch.equal(ours.final_parameters, theirs.final_parameters)
-        assert ours.summary["evaluation"] == "personalized" and ours.summary["backprops_per_step"] == \
-            theirs.summary["backprops_per_step"] + 1
+@pytest.mark.parametrize("ours, theirs", [(("algo=ditto", "algo.lam=2"), ("algo=fedavg",)),
+                                          (("algo=ditto", "algo.perturbation=sam", "algo.rho=0.05"),
+                                           ("algo=fedsam", "algo.rho=0.05")),
+                                          (("algo=apfl", "algo.perturbation=sam", "algo.rho=0.05"),
+                                           ("algo=fedsam", "algo.rho=0.05"))])
+def test_ditto_and_apfl_leave_the_global_update_as_the_method_it_is_composed_with(tiny, ours, theirs):
+    """The personal steps touch neither the global update's batches nor its numbers: Ditto's (APFL's) global model
+    is FedAvg's, and with SAM's perturbation swapped in, FedSAM's, bit for bit."""
+    mine = fedflat.run(tiny(*ours), save=False, progress=False)
+    plain = fedflat.run(tiny(*theirs), save=False, progress=False)
+    assert torch.equal(mine.final_parameters, plain.final_parameters)
+    assert mine.summary["evaluation"] == "personalized"
+    assert mine.summary["backprops_per_step"] == plain.summary["backprops_per_step"] + 1
 
 
 def test_a_large_lambda_holds_dittos_personal_model_near_the_global_one(tiny):
@@ -204,3 +207,5 @@ def test_fedrep_needs_a_head_to_alternate(tiny):
     with pytest.raises(AlgorithmError, match="needs.*fedrep.head.*personalization 'fedrep'"):
         build_algorithm({"name": "fedavg", "correction": "fedrep"})
     assert build_algorithm({"name": "fedrep", "perturbation": "sam"}).label == "fedrep[perturbation=sam]"
+    with pytest.raises(AlgorithmError, match="needs.*fedrep.head"):  # the alternation needs FedRep's head
+        build_algorithm({"name": "fedrep", "personalization": "fedper"})

@@ -10,8 +10,9 @@ with ``g = grad f_i(vbar_i)``::
     alpha_i <- clamp(alpha_i - eta_l <v_i - w, g>, 0, 1)              (eq. 10, with algo.adaptive; old v_i and w)
 
 Evaluation is personalized: each client's ``vbar_i`` with the current global model ``w`` (``w`` before its first
-round). Recipes ``apfl`` (APFL as published: the federated model by local SGD) and ``apfl-sam`` (SAM on the federated
-model's steps); any method takes ``algo.personalization=apfl``.
+round). Recipe ``apfl`` (APFL as published: the federated model by local SGD); any method takes
+``algo.personalization=apfl``, and a part swapped into ``apfl`` (``algo.perturbation=sam``) acts on the federated model's
+steps only: the local model's steps stay APFL's SGD.
 """
 from __future__ import annotations
 
@@ -96,7 +97,3 @@ APFL_SOURCE = "Deng, Kamani and Mahdavi, arXiv:2003.13461, 2020"
 register_recipe(Recipe(
     name="apfl", summary="APFL: FedAvg's global model mixed with a local model per client, adaptive alpha_i",
     source=APFL_SOURCE, personalization="apfl", tunable={"algo.alpha": (0.25, 0.5, 0.75)}))
-register_recipe(Recipe(
-    name="apfl-sam", summary="APFL with SAM on the global model's local steps (the local model's steps are SGD)",
-    source=f"{APFL_SOURCE}; Qu et al., ICML 2022 (FedSAM)", perturbation="sam", personalization="apfl",
-    defaults={"rho": 0.01}, tunable={"algo.alpha": (0.25, 0.5, 0.75), "algo.rho": (0.01, 0.05, 0.1)}))

@@ -9,9 +9,10 @@ model on its own regularized objective (Ditto's eq. 2 and Algorithm 1)::
     h_k(v; w^t) = F_k(v) + lambda/2 ||v - w^t||^2
     v <- v - eta_l clip(g_k(v) + wd v + lambda (v - w^t))
 
-Evaluation is personalized: each client's ``v_k`` (``w`` before its first round) on its own test share. Recipes
-``ditto`` (FedAvg's global update, as published) and ``ditto-sam`` (SAM on the global update); any method takes
-``algo.personalization=ditto`` (its perturbation, correction, aggregation and server act on the global model only).
+Evaluation is personalized: each client's ``v_k`` (``w`` before its first round) on its own test share. Recipe
+``ditto`` (FedAvg's global update, as published); any method takes ``algo.personalization=ditto``, and any part
+swapped into ``ditto`` (``algo=ditto algo.perturbation=sam``: SAM on the global update) acts on the global update only:
+the personal update stays Ditto's SGD.
 """
 from __future__ import annotations
 
@@ -84,7 +85,3 @@ DITTO = "Li, Hu, Beirami and Smith, ICML 2021"
 register_recipe(Recipe(
     name="ditto", summary="Ditto: FedAvg's global model, and a personal model per client regularized toward it",
     source=DITTO, personalization="ditto", tunable={"algo.lam": (0.1, 1.0, 2.0)}))
-register_recipe(Recipe(
-    name="ditto-sam", summary="Ditto with SAM on the global update (the personal update is Ditto's SGD)",
-    source=f"{DITTO}; Qu et al., ICML 2022 (FedSAM)", perturbation="sam", personalization="ditto",
-    defaults={"rho": 0.01}, tunable={"algo.lam": (0.1, 1.0, 2.0), "algo.rho": (0.01, 0.05, 0.1)}))

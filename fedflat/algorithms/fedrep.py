@@ -12,8 +12,8 @@ the body). With ``E_i`` steps of ``ceil(n_i / B)`` per epoch, step ``k`` of clie
 The server aggregates the bodies; each client keeps its head; evaluation is personalized, as FedPer's.
 
 Parts: personalization ``fedrep`` (FedPer's private head, providing its mask to the chunk) and correction ``fedrep``
-(the alternation, which needs it). Recipes ``fedrep`` (as published: SGD) and ``fedrep-sam`` (SAM's perturbation on
-both phases). The correction takes the role SCAFFOLD's or FedDyn's would, so FedRep composes with perturbations,
+(the alternation, which needs it). Recipe ``fedrep`` (as published: SGD); ``algo=fedrep algo.perturbation=sam``
+takes SAM's perturbation in both phases. The correction takes the role SCAFFOLD's or FedDyn's would, so FedRep composes with perturbations,
 filters, aggregations and server updates, not with another correction.
 """
 from __future__ import annotations
@@ -80,7 +80,3 @@ FEDREP = "Collins, Hassani, Mokhtari and Shakkottai, ICML 2021"
 register_recipe(Recipe(
     name="fedrep", summary="FedRep: a shared body and a private head per client, trained in turn (head, then body)",
     source=FEDREP, correction="fedrep", personalization="fedrep"))
-register_recipe(Recipe(
-    name="fedrep-sam", summary="FedRep with SAM as the local optimizer of both phases",
-    source=f"{FEDREP}; Qu et al., ICML 2022 (FedSAM)", perturbation="sam", correction="fedrep",
-    personalization="fedrep", defaults={"rho": 0.01}))
