@@ -119,7 +119,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands through ``register(subparsers)`` (benchmarks, experiments,
 # diagnostics); each owns its command next to the code it drives.
-EXTENSIONS = ("fedflat.bench", "fedflat.experiments.commands", "fedflat.metrics.commands", "fedflat.flower.commands")
+EXTENSIONS = ("fedflat.bench", "fedflat.experiments.commands", "fedflat.metrics.commands", "fedflat.flower.commands",
+              "fedflat.experiments.personal")
 
 
 def _register_extensions(sub) -> None:

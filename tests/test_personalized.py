@@ -209,3 +209,52 @@ def test_fedrep_needs_a_head_to_alternate(tiny):
     assert build_algorithm({"name": "fedrep", "perturbation": "sam"}).label == "fedrep[perturbation=sam]"
     with pytest.raises(AlgorithmError, match="needs.*fedrep.head"):  # the alternation needs FedRep's head
         build_algorithm({"name": "fedrep", "personalization": "fedper"})
+
+
+# ---------------------------------------------------------------- the personalized number, from the run folder
+@pytest.mark.parametrize("algo", ["fedper", pytest.param("fedbn", marks=pytest.mark.slow),  # the BN CNN: 10 s
+                                  "fedrep", "ditto", "apfl"])
+def test_fedflat_evaluate_reproduces_the_reported_personalized_accuracy_from_the_run_folder(tiny, tmp_path, algo,
+                                                                                           capsys):
+    """personal.pt (each trained client's kept rows, loadable with weights_only) and model.pt give the summary's
+    final personalized accuracy exactly (counts over the same samples) and its loss to float64 summation rounding;
+    model.pt alone is the global model, which scores differently (FedBN's issue 47 case: 0.2228 against 0.100)."""
+    from fedflat.algorithms import RECIPES
+    from fedflat.cli import main
+    from fedflat.experiments.personal import PERSONAL_FILE, evaluate_run
+    from conftest import BATCH_NORM_CNN
+
+    model = BATCH_NORM_CNN if RECIPES[algo].personalization == "fedbn" else ()
+    history = fedflat.run(tiny(f"algo={algo}", "rounds=2", *model), run_dir=tmp_path / "run", progress=False)
+    parts = torch.load(tmp_path / "run" / PERSONAL_FILE, weights_only=True)
+    sim = Simulation(tiny(f"algo={algo}", "rounds=2", *model))
+    trained = sorted({c for t in range(2) for c in _sampled(sim, t)})
+    assert parts["round"] == 2 and set(parts["state"]) == set(sim.algorithm.state_keys()) | ({"buffers"} if model
+                                                                                               else set())
+    for saved in parts["state"].values():  # the rows of exactly the clients that trained
+        assert saved["clients"].tolist() == trained and saved["rows"].shape[0] == len(trained)
+    result = evaluate_run(tmp_path / "run")
+    assert result["evaluation"] == "personalized" and result["round"] == 2
+    assert result["accuracy"] == history.summary["final_test_acc"]
+    assert result["loss"] == pytest.approx(history.summary["final_test_loss"], rel=1e-9)
+    assert main(["evaluate", str(tmp_path / "run")]) == 0
+    assert "(reproduced)" in capsys.readouterr().out
+    plain = evaluate_run(tmp_path / "run", personalized=False)
+    sim.w = history.final_parameters
+    sim.buffers = sim.model.vectors(history.state_dict)[1]
+    assert (plain["accuracy"], plain["loss"]) == sim.evaluate(sim.w) and plain["reported_accuracy"] is None
+    assert plain["loss"] != result["loss"]
+
+
+def test_a_run_without_personal_parts_saves_none_and_says_so(tiny, tmp_path):
+    from fedflat.core import ConfigError
+    from fedflat.experiments.personal import PERSONAL_FILE, evaluate_run
+
+    fedflat.run(tiny("algo=fedavg", "rounds=1"), run_dir=tmp_path / "avg", progress=False)
+    assert not (tmp_path / "avg" / PERSONAL_FILE).exists()
+    with pytest.raises(ConfigError, match="keeps nothing on its clients; evaluate it without --personalized"):
+        evaluate_run(tmp_path / "avg", personalized=True)
+    fedflat.run(tiny("algo=fedper", "rounds=1"), run_dir=tmp_path / "per", progress=False)
+    (tmp_path / "per" / PERSONAL_FILE).unlink()
+    with pytest.raises(ConfigError, match="no personal.pt"):
+        evaluate_run(tmp_path / "per")
