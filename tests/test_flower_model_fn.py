@@ -48,3 +48,42 @@ def test_a_flower_simulation_of_a_model_fn_equals_fedflat_run(tiny, tmp_path, al
         for key in set(a) - NOT_COMPARED:
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
     assert theirs.config["model"]["name"] == "user:bilinear"
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and trains: 10-30 s on 2 busy cores
+def test_a_deployment_builds_a_plugins_model_on_every_node(tmp_path):
+    """The deployment route (docs/flower.md): examples/flower_model/bilinear.py registers the model, the config names
+    it, and `fedflat flower-app` carries the module in the app's package; a fresh process with only the app folder
+    on its path (a SuperNode with fedflat installed) reads the app's config and trains a round of that model."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from conftest import tiny_tree
+
+    from fedflat.config import load_config
+    from fedflat.flower.apps import write_app
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "flower_model"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "bilinear.py").write_text((example / "bilinear.py").read_text())
+    tree = {**tiny_tree(rounds=1, threads=1), "plugins": ["bilinear.py"], "model": {"name": "bilinear", "width": 4}}
+    (mine / "bilinear.yaml").write_text(yaml.safe_dump(tree))
+    app = write_app(load_config(mine / "bilinear.yaml"), tmp_path / "app")
+    assert (app / "fedflat_app" / "plugins" / "bilinear.py").is_file()
+    node = ("import yaml, tomli, fedflat\n"
+            "from fedflat.config import as_config\n"
+            f"text = tomli.loads(open({str(app / 'pyproject.toml')!r}).read())['tool']['flwr']['app']['config']"
+            "['fedflat-config']\n"
+            "h = fedflat.run(as_config(yaml.safe_load(text)), save=False, progress=False)\n"
+            "print(h.config['model']['name'], h.summary['parameters'])\n")
+    done = subprocess.run([sys.executable, "-c", node], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(app)})
+    assert done.returncode == 0, done.stderr
+    here = fedflat.run(mine / "bilinear.yaml", save=False, progress=False)
+    width = 4  # a, b: 16 -> 4; mix: 4 x 4 -> 4; head: 4 -> 3
+    assert here.summary["parameters"] == 2 * (16 * width + width) + (width * width * width + width) + (width * 3 + 3)
+    assert done.stdout.split() == ["bilinear", str(here.summary["parameters"])]
