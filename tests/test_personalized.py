@@ -231,8 +231,12 @@ def test_fedflat_evaluate_reproduces_the_reported_personalized_accuracy_from_the
     trained = sorted({c for t in range(2) for c in _sampled(sim, t)})
     assert parts["round"] == 2 and set(parts["state"]) == set(sim.algorithm.state_keys()) | ({"buffers"} if model
                                                                                                else set())
-    for saved in parts["state"].values():  # the rows of exactly the clients that trained
+    private = sim.algorithm.parts["personalization"].private(sim.settings)
+    for name, saved in parts["state"].items():  # the rows of exactly the clients that trained
         assert saved["clients"].tolist() == trained and saved["rows"].shape[0] == len(trained)
+        if name != "buffers":  # FedPer's, FedBN's, FedRep's private entries only; Ditto's and APFL's whole models
+            width = int(private.sum()) if private.any() else sim.num_parameters
+            assert saved["rows"].shape[1] == width and ("entries" in saved) == bool(private.any())
     result = evaluate_run(tmp_path / "run")
     assert result["evaluation"] == "personalized" and result["round"] == 2
     assert result["accuracy"] == history.summary["final_test_acc"]

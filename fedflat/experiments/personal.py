@@ -10,6 +10,9 @@ the rows of the clients that have one. It is a plain dict of tensors (``torch.lo
     {"format": 1, "round": R, "algorithm": "fedbn", "num_clients": N,
      "state": {name: {"clients": int64 [M], "rows": [M, width]}}}
 
+where a method keeps only some entries of the model private (FedPer's head, FedBN's BatchNorm), a model row holds just
+those (``"entries"``: their indices in the model's flat vector, ``"size"``: its length ``P``).
+
 ``fedflat evaluate RUN`` rebuilds the run's data, split and model from ``config.yaml``, loads ``model.pt`` (and
 ``personal.pt``) and evaluates them as the run's last evaluation did: the same numbers as ``summary.json``'s final
 accuracy and loss for a run whose last round was evaluated (every completed run).
@@ -25,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from fedflat.core import BUFFERS, ConfigError
+from fedflat.engine.simulation import PERSONAL_EVAL_ENTRIES
 from fedflat.files import atomic_torch_save
 
 PERSONAL_FILE = "personal.pt"
@@ -39,15 +43,32 @@ def evaluated_state(sim) -> list[str]:
 
 def personal_parts(sim, rounds: int) -> dict[str, Any] | None:
     """``personal.pt``'s content for ``sim`` after ``rounds`` rounds, or None: not personalized, or a federation
-    (whose personal parts stay on its nodes)."""
+    (whose personal parts stay on its nodes). Where the method keeps some entries of the model private (FedPer's
+    head, FedBN's BatchNorm), a kept model row holds only those entries (``entries``: their indices; ``size``: the
+    row's length), which is all its personalized model reads of it; otherwise (Ditto, APFL) whole rows."""
     if not sim.personalized or sim.personal_evaluation is not None:
         return None
-    ids = torch.arange(sim.cfg.data.num_clients)
-    names = evaluated_state(sim)
-    state, known = sim.load_state(ids, names)
-    return {"format": FORMAT, "round": rounds, "algorithm": sim.algorithm.label, "num_clients": len(ids),
-            "state": {name: {"clients": ids[known[name]].clone(), "rows": state[name][known[name]].cpu().clone()}
-                      for name in names}}
+    personalization = sim.algorithm.parts["personalization"]
+    mask = personalization.private(sim.settings)
+    entries = mask.nonzero().squeeze(1).cpu() if mask is not None and bool(mask.any()) else None
+    names, model_rows = evaluated_state(sim), set(personalization.kept())
+    clients: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    per_chunk = max(1, PERSONAL_EVAL_ENTRIES // max(1, sim.num_parameters))  # client rows held at once
+    for lo in range(0, sim.cfg.data.num_clients, per_chunk):
+        ids = torch.arange(lo, min(lo + per_chunk, sim.cfg.data.num_clients))
+        state, known = sim.load_state(ids, names)
+        for name in names:
+            kept = state[name][known[name]].cpu()
+            rows[name].append(kept[:, entries] if entries is not None and name in model_rows else kept.clone())
+            clients[name].append(ids[known[name]])
+    state = {}
+    for name in names:
+        state[name] = {"clients": torch.cat(clients[name]), "rows": torch.cat(rows[name])}
+        if entries is not None and name in model_rows:
+            state[name].update(entries=entries, size=sim.num_parameters)
+    return {"format": FORMAT, "round": rounds, "algorithm": sim.algorithm.label,
+            "num_clients": sim.cfg.data.num_clients, "state": state}
 
 
 def save_personal_parts(run_dir: Path, sim, rounds: int) -> None:
@@ -67,11 +88,16 @@ def state_loader(parts: dict[str, Any]) -> Callable[[torch.Tensor, list[str]], t
                                   "written for another method than this config's")
             saved = parts["state"][name]
             where = {int(c): r for r, c in enumerate(saved["clients"].tolist())}
-            rows = torch.zeros((len(ids), saved["rows"].shape[1]), dtype=saved["rows"].dtype)
+            entries = saved.get("entries")
+            width = saved["rows"].shape[1] if entries is None else int(saved["size"])
+            rows = torch.zeros((len(ids), width), dtype=saved["rows"].dtype)
             known[name] = torch.tensor([int(c) in where for c in ids.tolist()], dtype=torch.bool)
             for r, c in enumerate(ids.tolist()):
                 if c in where:
-                    rows[r] = saved["rows"][where[c]]
+                    if entries is None:
+                        rows[r] = saved["rows"][where[c]]
+                    else:
+                        rows[r, entries] = saved["rows"][where[c]]
             state[name] = rows
         return state, known
     return load_state
