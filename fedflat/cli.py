@@ -119,8 +119,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands through ``register(subparsers)`` (benchmarks, experiments,
 # diagnostics); each owns its command next to the code it drives.
-EXTENSIONS = ("fedflat.bench", "fedflat.experiments.commands", "fedflat.metrics.commands", "fedflat.flower.commands",
-              "fedflat.experiments.personal")
+EXTENSIONS = ("fedflat.bench", "fedflat.experiments.commands", "fedflat.metrics.commands", "fedflat.flower.commands")
 
 
 def _register_extensions(sub) -> None:

@@ -13,15 +13,13 @@ the rows of the clients that have one. It is a plain dict of tensors (``torch.lo
 where a method keeps only some entries of the model private (FedPer's head, FedBN's BatchNorm), a model row holds just
 those (``"entries"``: their indices in the model's flat vector, ``"size"``: its length ``P``).
 
-``fedflat evaluate RUN`` rebuilds the run's data, split and model from ``config.yaml``, loads ``model.pt`` (and
+``fedflat evaluate RUN`` (:mod:`fedflat.experiments.commands`) rebuilds the run's data, split and model from ``config.yaml``, loads ``model.pt`` (and
 ``personal.pt``) and evaluates them as the run's last evaluation did: the same numbers as ``summary.json``'s final
 accuracy and loss for a run whose last round was evaluated (every completed run).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -153,28 +151,3 @@ def _personal_file(path: Path) -> dict[str, Any]:
     if parts.get("format") != FORMAT:
         raise ConfigError(f"{file}: format {parts.get('format')!r}, this fedflat reads {FORMAT}")
     return parts
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    mode = {"personalized": True, "global": False}.get(args.mode)
-    result = evaluate_run(args.run_dir, mode)
-    split, acc, loss = result["split"], result["accuracy"], result["loss"]
-    print(f"round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, loss {loss:.4f}")
-    reported = result["reported_accuracy"]
-    if reported is not None:
-        same = reported == acc and math.isclose(result["reported_loss"] or 0.0, loss, rel_tol=1e-6)
-        print(f"summary.json: final_{split}_acc {reported:.4f}, final_{split}_loss {result['reported_loss']:.4f} "
-              f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("evaluate", help="evaluate a run folder's saved models as the run did (a personalized run: "
-                                        "model.pt with each client's personal part, personal.pt)")
-    p.add_argument("run_dir")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--personalized", dest="mode", action="store_const", const="personalized",
-                       help="each client's own model on its own test share (the default for a personalized run)")
-    group.add_argument("--global", dest="mode", action="store_const", const="global",
-                       help="model.pt alone on the whole held-out set")
-    p.set_defaults(func=cmd_evaluate, mode=None)
