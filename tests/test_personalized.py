@@ -262,3 +262,19 @@ def test_a_run_without_personal_parts_saves_none_and_says_so(tiny, tmp_path):
     (tmp_path / "per" / PERSONAL_FILE).unlink()
     with pytest.raises(ConfigError, match="no personal.pt"):
         evaluate_run(tmp_path / "per")
+
+
+@pytest.mark.slow  # check_part: six tiny runs each, 5-18 s on 2 busy cores
+@pytest.mark.parametrize("part, recipe", [("Ditto", "ditto"), ("APFL", "apfl"), ("FedRepHead", "fedrep")])
+def test_the_personalizations_keep_the_contract_and_resume_bit_for_bit(part, recipe):
+    """fedflat.testing.check_part: no hook changes a tensor it does not own, the engines agree to float32 rounding,
+    the part runs in FedSAM, and a run stopped after round R - 1 and resumed ends bit for bit where an
+    uninterrupted one ends (the clients' personal models, and APFL's alpha_i, kept across the checkpoint)."""
+    import fedflat.algorithms.apfl as apfl
+    import fedflat.algorithms.ditto as ditto
+    import fedflat.algorithms.fedrep as fedrep
+    from fedflat.testing import check_part
+
+    cls = {"Ditto": ditto.Ditto, "APFL": apfl.APFL, "FedRepHead": fedrep.FedRepHead}[part]
+    report = check_part(cls, recipe=recipe)
+    assert report["checkpoint"] == "resumed after round 2: bit for bit" and report["composed"].startswith("fedsam")
