@@ -82,6 +82,19 @@ def test_ditto_and_apfl_leave_the_global_update_as_the_method_it_is_composed_wit
     assert mine.summary["backprops_per_step"] == plain.summary["backprops_per_step"] + 1
 
 
+@pytest.mark.slow  # the BatchNorm CNN: 10 s
+def test_dittos_personal_passes_leave_the_batch_norm_statistics_to_the_global_steps(tiny):
+    """On a BatchNorm CNN (no dropout) the personal passes come after each step's first pass, which alone updates
+    the running statistics: the global parameters and buffers are FedAvg's bit for bit."""
+    from conftest import BATCH_NORM_CNN
+
+    ditto = fedflat.run(tiny("algo=ditto", "rounds=2", *BATCH_NORM_CNN), save=False, progress=False)
+    avg = fedflat.run(tiny("algo=fedavg", "rounds=2", *BATCH_NORM_CNN), save=False, progress=False)
+    assert torch.equal(ditto.final_parameters, avg.final_parameters)
+    assert all(torch.equal(ditto.state_dict[k], avg.state_dict[k]) for k in avg.state_dict)
+    assert any("running_mean" in k for k in avg.state_dict)
+
+
 def test_a_large_lambda_holds_dittos_personal_model_near_the_global_one(tiny):
     """lam -> infinity: h_k's minimizer is w^t (Ditto §3): v_k ends far closer to the broadcast than at lam = 0."""
     gaps = []
