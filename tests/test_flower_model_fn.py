@@ -9,7 +9,6 @@ from torch import nn
 pytest.importorskip("flwr")
 
 import fedflat  # noqa: E402
-from fedflat.api import as_config  # noqa: E402
 from fedflat.flower import simulate  # noqa: E402
 
 NOT_COMPARED = {"seconds", "eval_seconds", "train_seconds", "store", "wire_up_bytes", "wire_down_bytes"}

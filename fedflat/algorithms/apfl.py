@@ -11,8 +11,8 @@ with ``g = grad f_i(vbar_i)``::
 
 Evaluation is personalized: each client's ``vbar_i`` with the current global model ``w`` (``w`` before its first
 round). Recipe ``apfl`` (APFL as published: the federated model by local SGD); any method takes
-``algo.personalization=apfl``, and a part swapped into ``apfl`` (``algo.perturbation=sam``) acts on the federated model's
-steps only: the local model's steps stay APFL's SGD.
+``algo.personalization=apfl``, and a part swapped into ``apfl`` (``algo.perturbation=sam``) acts on the federated
+model's steps only: the local model's steps stay APFL's SGD.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ The server aggregates the bodies; each client keeps its head; evaluation is pers
 
 Parts: personalization ``fedrep`` (FedPer's private head, providing its mask to the chunk) and correction ``fedrep``
 (the alternation, which needs it). Recipe ``fedrep`` (as published: SGD); ``algo=fedrep algo.perturbation=sam``
-takes SAM's perturbation in both phases. The correction takes the role SCAFFOLD's or FedDyn's would, so FedRep composes with perturbations,
-filters, aggregations and server updates, not with another correction.
+takes SAM's perturbation in both phases. The correction takes the role SCAFFOLD's or FedDyn's would, so FedRep
+composes with perturbations, filters, aggregations and server updates, not with another correction.
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class Alternating(Correction):
         on_head = (k < cohort.own(self)["head_steps"])[:, None]
         return on_head == cohort.shared[HEAD][None, :]
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                  grad: torch.Tensor) -> torch.Tensor:
         return torch.where(self.trained(cohort, k), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
     def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
