@@ -14,8 +14,9 @@ where a method keeps only some entries of the model private (FedPer's head, FedB
 those (``"entries"``: their indices in the model's flat vector, ``"size"``: its length ``P``).
 
 ``fedflat evaluate RUN`` (:mod:`fedflat.experiments.commands`) rebuilds the run's data, split and model from
-``config.yaml``, loads ``model.pt`` (and ``personal.pt``) and evaluates them as the run's last evaluation did: the same numbers as ``summary.json``'s final
-accuracy and loss for a run whose last round was evaluated (every completed run).
+``config.yaml``, loads ``model.pt`` (and ``personal.pt``) and evaluates them as the run's last evaluation did: the
+same numbers as ``summary.json``'s final accuracy and loss for a run whose last round was evaluated (every completed
+run).
 """
 from __future__ import annotations
 
