@@ -422,6 +422,8 @@ COMMUNICATION = {
     "fedgf": (1, 2, 0),  # the model and the global perturbation down (and c)
     "fedgmt": (1, 2, 1),  # the model and the trajectory down, the dual lambda_i kept by the client
     "fedbn": (1, 1, 1),  # as FedPer, on the BatchNorm CNN: and the buffers both ways, counted at their own dtypes
+    # Ditto and FedRep keep one model-sized vector per client (v_k; FedPer's last model), APFL its v_i and alpha_i
+    "ditto": (1, 1, 1), "fedrep": (1, 1, 1), "apfl": (1, 1, 2),
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

@@ -233,7 +233,7 @@ def test_a_part_that_modifies_a_tensor_it_does_not_own_in_place_is_named(tiny, t
 
 # a recipe of each built-in correction (all write one; FedLESAM-S: SCAFFOLD's with lamb 0.1 on a perturbation)
 LOSS_DIRECTION_RECIPES = ("fedavg", "fedprox", "fedacg", "scaffold", "fedlesam-s", "feddyn", "fedgmt", "fedcm",
-                          "mofedsam", "fedwmsam", "fedvssam", "fedgloss")
+                          "mofedsam", "fedwmsam", "fedvssam", "fedgloss", "fedrep")
 
 
 def test_the_builtin_corrections_that_write_a_loss_direction():

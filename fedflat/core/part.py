@@ -233,6 +233,7 @@ class Personalization(Part):
     changes them. ``none`` keeps nothing private."""
 
     role = "personalization"
+    steps_locally: ClassVar[bool] = False  # whether the engine calls local_step at every local step
 
     def private(self, settings: TrainSettings) -> torch.Tensor | None:
         """A boolean mask ``[P]`` of the private entries, or None when every entry is shared."""
@@ -244,6 +245,19 @@ class Personalization(Part):
         entries from its ``state`` rows (``w``'s where it has none yet), or None when nothing is private. Clients
         start their local training from it, and a personalized evaluation tests it."""
         return None
+
+    def start(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
+              settings: TrainSettings) -> torch.Tensor | None:
+        """The models ``[C, P]`` clients start their local training of the federated model from, or None for the
+        broadcast itself: :meth:`models` by default (FedPer's clients train from their own head); a method whose
+        personal model is trained beside the federated one (Ditto, APFL) starts from the broadcast."""
+        return self.models(w, state, known, settings)
+
+    def local_step(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch) -> None:
+        """Called at every local step ``k`` where :attr:`steps_locally`, with the federated rows ``W[C, P]`` before
+        the step moves them and the step's ``batch``: a personal model trained beside the federated one (APFL's
+        ``v_i``, Ditto's) steps here, in ``cohort.own(self)``, leaving inactive rows (``cohort.active``) as
+        they are."""
 
     def private_buffers(self, settings: TrainSettings) -> torch.Tensor | None:
         """A boolean mask ``[Q]`` of the buffer entries (:attr:`TrainSettings.buffers`) that stay on each client, or

@@ -169,7 +169,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     personalization, settings = algorithm.parts["personalization"], ctx.settings
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
-    own = personalization.models(ctx.w_start, cohort.state, cohort.known, settings)
+    own = personalization.start(ctx.w_start, cohort.state, cohort.known, settings)
     if own is not None:  # each client starts from its own model: the broadcast with its private entries
         ctx = replace(ctx, w_start=own)
     private = personalization.private_buffers(settings) if ctx.buffers is not None else None
@@ -206,6 +206,7 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     summed step losses."""
     parts = algorithm.parts
     perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
+    personal = parts["personalization"] if parts["personalization"].steps_locally else None  # (Ditto, APFL)
     settings, batches = ctx.settings, ctx.batches
     clip, clip_scope, lr = settings.clip, settings.clip_scope, ctx.lr
     loss_direction = correction.gives_loss_direction()
@@ -236,6 +237,8 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
         direction = local_direction(correction, ctx, cohort, k, W, grad, clip, clip_scope, loss_direction)
+        if personal is not None:
+            personal.local_step(ctx, cohort, k, W, batch)
         if uniform:
             W.add_(direction, alpha=-lr)  # w - eta d in one pass
             loss_sum += loss

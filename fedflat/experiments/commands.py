@@ -1,4 +1,4 @@
-"""``fedflat sweep``, ``fedflat tune``, ``fedflat resume`` and ``fedflat report``."""
+"""``fedflat sweep``, ``fedflat tune``, ``fedflat resume``, ``fedflat report`` and ``fedflat evaluate``."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +106,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import math
+
+    from fedflat.experiments.personal import evaluate_run
+
+    result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode))
+    split, acc, loss = result["split"], result["accuracy"], result["loss"]
+    print(f"round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, loss {loss:.4f}")
+    reported = result["reported_accuracy"]
+    if reported is not None:
+        same = reported == acc and math.isclose(result["reported_loss"] or 0.0, loss, rel_tol=1e-6)
+        print(f"summary.json: final_{split}_acc {reported:.4f}, final_{split}_loss {result['reported_loss']:.4f} "
+              f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("sweep", help="run a grid of experiments (reruns skip finished cells, resume unfinished)")
     p.add_argument("sweep", help="sweep YAML, or a shipped sweep's name (fedflat list --configs; docs/experiments.md)")
@@ -146,6 +162,16 @@ def register(sub) -> None:
     p.add_argument("--dpi", type=float, default=300, help="the PNG figures' resolution (default 300)")
     p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("evaluate", help="evaluate a run folder's saved models as the run did (a personalized run: "
+                                        "model.pt with each client's personal part, personal.pt)")
+    p.add_argument("run_dir")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--personalized", dest="mode", action="store_const", const="personalized",
+                      help="each client's own model on its own test share (the default for a personalized run)")
+    mode.add_argument("--global", dest="mode", action="store_const", const="global",
+                      help="model.pt alone on the whole held-out set")
+    p.set_defaults(func=cmd_evaluate, mode=None)
 
 
 def _cell_options(p) -> None:

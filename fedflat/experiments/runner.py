@@ -28,6 +28,7 @@ from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temp
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
 from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
+from fedflat.experiments.personal import save_personal_parts
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
                                        machine_info, versions)
 from fedflat.files import atomic_write_bytes, json_safe
@@ -475,6 +476,7 @@ class Runner:
         if self.run_dir is None:
             return
         self.run_dir.save_model(self.sim.model_state())
+        save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 
     def history(self) -> History:

@@ -19,11 +19,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from torch import nn
 
 from fedflat import __version__
 from fedflat.config import Config, dump_yaml, read_yaml, resolve
@@ -57,9 +58,12 @@ def setting(context: Context, key: str, given: Any = None) -> Any:
 
 def server_app(cfg: Config | None = None, *, out: str | Path | None = None, run_dir: str | Path | None = None,
                resume: str | Path | None = None, progress: bool = False, round_timeout: float | None = None,
-               wait_s: float | None = None, results: dict | None = None) -> ServerApp:
+               wait_s: float | None = None, results: dict | None = None,
+               model_fn: Callable[[], nn.Module] | None = None) -> ServerApp:
     """A ``ServerApp`` that runs ``cfg`` (default: the run config's) with :func:`fedflat.flower.serve`; the
-    :class:`~fedflat.api.History` lands in ``results["history"]`` when a dict is given."""
+    :class:`~fedflat.api.History` lands in ``results["history"]`` when a dict is given. ``model_fn`` (a
+    zero-argument ``nn.Module`` factory, as :func:`fedflat.run` takes) replaces the configured model; the
+    ClientApp needs the same one."""
     app = ServerApp()
 
     @app.main()
@@ -67,7 +71,7 @@ def server_app(cfg: Config | None = None, *, out: str | Path | None = None, run_
         history = serve(grid, config_of(context, cfg), out=setting(context, "out", out), run_dir=run_dir,
                         resume=setting(context, "resume", resume) or None,
                         progress=progress, round_timeout=float(setting(context, "round-timeout", round_timeout)),
-                        wait_s=float(setting(context, "wait-nodes", wait_s)))
+                        wait_s=float(setting(context, "wait-nodes", wait_s)), model_fn=model_fn)
         if results is not None:
             results["history"] = history
 
@@ -100,7 +104,8 @@ def state_folder(root: str | Path, cfg: Config, partition: int) -> Path:
 _RUN: dict[str, Any] = {"id": None, "sim": None, "nodes": {}}
 
 
-def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None) -> Node:
+def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None,
+            model_fn: Callable[[], nn.Module] | None = None) -> Node:
     """This node's clients and kept state, on the run's data and runtime (built once per process and run)."""
     partition, partitions = node_partition(context)
     config = config_of(context, cfg)
@@ -109,18 +114,20 @@ def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None) 
     folder = state_folder(root, config, partition)
     if _RUN["id"] != context.run_id:
         _RUN.update(id=None, sim=None, nodes={})
-        _RUN.update(id=context.run_id, sim=Simulation(config))
+        _RUN.update(id=context.run_id, sim=Simulation(config, model_fn=model_fn))
     key = (partition, partitions, str(folder))
     if key not in _RUN["nodes"]:
         _RUN["nodes"][key] = Node(config, partition, partitions, folder, _RUN["sim"])
     return _RUN["nodes"][key]
 
 
-def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None) -> ClientApp:
+def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None,
+               model_fn: Callable[[], nn.Module] | None = None) -> ClientApp:
     """A ``ClientApp`` that trains its node's sampled clients of ``cfg`` (default: the run config's), evaluates
     a personalized method's clients on their own models (the server cannot: their private entries stay here), and keeps
     their state under ``state_dir`` (default: the node config's or run config's ``state-dir``, else
-    ``~/.cache/fedflat/flower``), one folder per Flower run and partition."""
+    ``~/.cache/fedflat/flower``), one folder per Flower run and partition. ``model_fn`` replaces the configured
+    model, as in :func:`server_app`."""
     app = ClientApp()
 
     @app.query()
@@ -131,11 +138,11 @@ def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        return Message(node_of(context, cfg, state_dir).train(message.content), reply_to=message)
+        return Message(node_of(context, cfg, state_dir, model_fn).train(message.content), reply_to=message)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        return Message(node_of(context, cfg, state_dir).evaluate(message.content), reply_to=message)
+        return Message(node_of(context, cfg, state_dir, model_fn).evaluate(message.content), reply_to=message)
 
     return app
 
@@ -196,17 +203,20 @@ def own_ray_for_simulation() -> None:
 def simulate(cfg: Config, *, supernodes: int | None = None, out: str | Path | None = None,
              run_dir: str | Path | None = None, resume: str | Path | None = None, state_dir: str | Path | None = None,
              progress: bool = True, round_timeout: float | None = None, cpus_per_node: float = 1.0,
-             client: ClientApp | None = None):
+             client: ClientApp | None = None, model_fn: Callable[[], nn.Module] | None = None):
     """Runs ``cfg`` as a Flower simulation in this process (:func:`run_flower_simulation`): ``supernodes``
     virtual nodes (default: one per client), each holding the clients of its partition, their state under
     ``state_dir`` (default: a temporary folder, removed afterwards; a run to ``resume`` later needs a lasting
-    one). Returns the server's :class:`~fedflat.api.History`. ``client`` replaces the ClientApp."""
+    one). Returns the server's :class:`~fedflat.api.History`. ``client`` replaces the ClientApp. ``model_fn`` (a
+    zero-argument ``nn.Module`` factory, as :func:`fedflat.run` takes) replaces the configured model on the server
+    and every node; it travels to the simulation's Ray workers pickled (by value: :func:`ship_by_value`)."""
     results: dict = {}
     states = state_dir if state_dir is not None else tempfile.mkdtemp(prefix="fedflat-flower-nodes-")
     try:
         server = server_app(cfg, out=out if out is not None else cfg.out, run_dir=run_dir, resume=resume,
-                            progress=progress, round_timeout=round_timeout, results=results)
-        run_flower_simulation(server, client or client_app(cfg, state_dir=states),
+                            progress=progress, round_timeout=round_timeout, results=results, model_fn=model_fn)
+        ship_by_value(model_fn)
+        run_flower_simulation(server, client or client_app(cfg, state_dir=states, model_fn=model_fn),
                               supernodes or cfg.data.num_clients, cpus_per_node)
     finally:
         if state_dir is None:
@@ -228,6 +238,19 @@ from fedflat.flower.apps import client_app, own_ray_for_simulation
 own_ray_for_simulation()  # a Flower simulation's Ray is one of its own, never one a `ray start` left (docs/flower.md)
 app = client_app()
 '''
+
+
+def ship_by_value(model_fn: Callable[[], nn.Module] | None) -> None:
+    """Makes Ray's pickler carry ``model_fn``'s module by value, so a factory defined in a script or a notebook (a
+    module the simulation's workers cannot import) reaches them; fedflat's own and installed packages' modules
+    still travel by reference."""
+    module = sys.modules.get(getattr(model_fn, "__module__", None) or "")
+    if model_fn is None or module is None or module.__name__ == "__main__" or module.__name__.startswith("fedflat"):
+        return  # (__main__ travels by value already)
+    if getattr(module, "__file__", None) and "site-packages" not in str(module.__file__):
+        import ray.cloudpickle
+
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 def ship_plugins(resolved: dict[str, Any], package: Path) -> None:

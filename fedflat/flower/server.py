@@ -311,11 +311,12 @@ class FedflatStrategy(Strategy):
 
 def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Path | None = None,
           resume: str | Path | None = None, progress: bool = False, round_timeout: float = 600.0,
-          wait_s: float = 120.0):
+          wait_s: float = 120.0, model_fn: Callable[[], Any] | None = None):
     """Runs ``cfg`` on the federation behind ``grid`` as ``fedflat run`` runs it in one process, and returns
     its :class:`~fedflat.api.History` (run folder, metrics, checkpoints, summary). ``resume`` continues
     the run folder it names from its last checkpoint on the same nodes, whose saved client states the
-    checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it)."""
+    checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it). ``model_fn`` replaces the
+    configured model, as in :func:`fedflat.run` (the nodes' ClientApp needs the same one)."""
     from fedflat.api import run
     from fedflat.experiments.checkpoint import resume as resume_run
 
@@ -326,5 +327,5 @@ def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Pa
         return strategy.round_driver(grid)
 
     if resume:
-        return resume_run(resume, config=cfg, progress=progress, driver=driver)
-    return run(cfg, out=out, run_dir=run_dir, progress=progress, announce=progress, driver=driver)
+        return resume_run(resume, config=cfg, progress=progress, driver=driver, model_fn=model_fn)
+    return run(cfg, out=out, run_dir=run_dir, progress=progress, announce=progress, driver=driver, model_fn=model_fn)

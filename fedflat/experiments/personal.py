@@ -1,0 +1,154 @@
+"""A personalized run's personal parts on disk (``personal.pt``), and ``fedflat evaluate``, which reproduces a run's
+reported accuracy from its folder.
+
+A personalized method (FedPer, FedBN, FedRep, Ditto, APFL) reports its clients' own models on their own test shares;
+``model.pt`` alone is the global model, which scores something else (FedBN's global BatchNorm is the initial one).
+So a personalized run also writes ``personal.pt`` beside ``model.pt``: for each client state vector the personalized
+evaluation reads (``Personalization.kept()``, and the clients' buffers where they keep some: FedBN's statistics),
+the rows of the clients that have one. It is a plain dict of tensors (``torch.load(path, weights_only=True)``)::
+
+    {"format": 1, "round": R, "algorithm": "fedbn", "num_clients": N,
+     "state": {name: {"clients": int64 [M], "rows": [M, width]}}}
+
+where a method keeps only some entries of the model private (FedPer's head, FedBN's BatchNorm), a model row holds just
+those (``"entries"``: their indices in the model's flat vector, ``"size"``: its length ``P``).
+
+``fedflat evaluate RUN`` (:mod:`fedflat.experiments.commands`) rebuilds the run's data, split and model from
+``config.yaml``, loads ``model.pt`` (and ``personal.pt``) and evaluates them as the run's last evaluation did: the
+same numbers as ``summary.json``'s final accuracy and loss for a run whose last round was evaluated (every completed
+run).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fedflat.core import BUFFERS, ConfigError
+from fedflat.engine.simulation import PERSONAL_EVAL_ENTRIES
+from fedflat.files import atomic_torch_save
+
+PERSONAL_FILE = "personal.pt"
+FORMAT = 1
+
+
+def evaluated_state(sim) -> list[str]:
+    """The client state vectors a personalized evaluation of ``sim`` reads."""
+    names = list(sim.algorithm.parts["personalization"].kept())
+    return names + ([BUFFERS] if sim.private_buffers is not None else [])
+
+
+def personal_parts(sim, rounds: int) -> dict[str, Any] | None:
+    """``personal.pt``'s content for ``sim`` after ``rounds`` rounds, or None: not personalized, or a federation
+    (whose personal parts stay on its nodes). Where the method keeps some entries of the model private (FedPer's
+    head, FedBN's BatchNorm), a kept model row holds only those entries (``entries``: their indices; ``size``: the
+    row's length), which is all its personalized model reads of it; otherwise (Ditto, APFL) whole rows."""
+    if not sim.personalized or sim.personal_evaluation is not None:
+        return None
+    personalization = sim.algorithm.parts["personalization"]
+    mask = personalization.private(sim.settings)
+    entries = mask.nonzero().squeeze(1).cpu() if mask is not None and bool(mask.any()) else None
+    names, model_rows = evaluated_state(sim), set(personalization.kept())
+    clients: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    per_chunk = max(1, PERSONAL_EVAL_ENTRIES // max(1, sim.num_parameters))  # client rows held at once
+    for lo in range(0, sim.cfg.data.num_clients, per_chunk):
+        ids = torch.arange(lo, min(lo + per_chunk, sim.cfg.data.num_clients))
+        state, known = sim.load_state(ids, names)
+        for name in names:
+            kept = state[name][known[name]].cpu()
+            rows[name].append(kept[:, entries] if entries is not None and name in model_rows else kept.clone())
+            clients[name].append(ids[known[name]])
+    state = {}
+    for name in names:
+        state[name] = {"clients": torch.cat(clients[name]), "rows": torch.cat(rows[name])}
+        if entries is not None and name in model_rows:
+            state[name].update(entries=entries, size=sim.num_parameters)
+    return {"format": FORMAT, "round": rounds, "algorithm": sim.algorithm.label,
+            "num_clients": sim.cfg.data.num_clients, "state": state}
+
+
+def save_personal_parts(run_dir: Path, sim, rounds: int) -> None:
+    """Writes ``personal.pt`` (atomically) where the run is personalized; nothing otherwise."""
+    parts = personal_parts(sim, rounds)
+    if parts is not None:
+        atomic_torch_save(Path(run_dir) / PERSONAL_FILE, parts)
+
+
+def state_loader(parts: dict[str, Any]) -> Callable[[torch.Tensor, list[str]], tuple[dict, dict]]:
+    """``load_state(ids, names)`` over ``personal.pt``'s rows (zeros and ``known = False`` for a client without)."""
+    def load_state(ids: torch.Tensor, names: list[str]) -> tuple[dict, dict]:
+        state, known = {}, {}
+        for name in names:
+            if name not in parts["state"]:
+                raise ConfigError(f"{PERSONAL_FILE} holds no '{name}' (it has {sorted(parts['state'])}): it was "
+                                  "written for another method than this config's")
+            saved = parts["state"][name]
+            where = {int(c): r for r, c in enumerate(saved["clients"].tolist())}
+            entries = saved.get("entries")
+            width = saved["rows"].shape[1] if entries is None else int(saved["size"])
+            rows = torch.zeros((len(ids), width), dtype=saved["rows"].dtype)
+            known[name] = torch.tensor([int(c) in where for c in ids.tolist()], dtype=torch.bool)
+            for r, c in enumerate(ids.tolist()):
+                if c in where:
+                    if entries is None:
+                        rows[r] = saved["rows"][where[c]]
+                    else:
+                        rows[r, entries] = saved["rows"][where[c]]
+            state[name] = rows
+        return state, known
+    return load_state
+
+
+def evaluate_run(run_dir: str | Path, personalized: bool | None = None, **user: Any) -> dict[str, Any]:
+    """Evaluates a run folder's saved models as its run did: the clients' own models (``personal.pt`` with
+    ``model.pt``) where ``personalized`` (default: where the run's evaluation was personalized), else ``model.pt``
+    on the whole held-out set. ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user data.
+    Returns ``{"round", "evaluation", "split", "accuracy", "loss", "reported_accuracy", "reported_loss"}``."""
+    from fedflat.engine.checkpoint import CheckpointError, run_config
+    from fedflat.engine.simulation import Simulation, pooled_accuracy
+
+    path = Path(run_dir)
+    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
+    if personalized is None:
+        personalized = summary.get("evaluation") == "personalized"
+    model_file = path / "model.pt"
+    if not model_file.is_file():
+        raise ConfigError(f"{path}: no model.pt (the run saved no model yet)")
+    sim = Simulation(run_config(path), **user)
+    try:
+        w, b = sim.model.vectors(torch.load(model_file, map_location="cpu", weights_only=True))
+    except ValueError as err:
+        raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
+    sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
+    rounds = summary.get("rounds")
+    if personalized:
+        if not sim.personalized:
+            raise ConfigError(f"{path}: {sim.algorithm.label} keeps nothing on its clients; evaluate it without "
+                              "--personalized")
+        parts = _personal_file(path)
+        rounds = parts["round"]
+        scores = sim.personal_scores(sim.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
+        accuracy, loss = pooled_accuracy(scores)
+    else:
+        accuracy, loss = sim.evaluate(sim.w)
+    split = sim.heldout
+    reported = personalized == (summary.get("evaluation") == "personalized")
+    return {"round": rounds, "evaluation": "personalized" if personalized else "global", "split": split,
+            "accuracy": accuracy, "loss": loss,
+            "reported_accuracy": summary.get(f"final_{split}_acc") if reported else None,
+            "reported_loss": summary.get(f"final_{split}_loss") if reported else None}
+
+
+def _personal_file(path: Path) -> dict[str, Any]:
+    file = path / PERSONAL_FILE
+    if not file.is_file():
+        raise ConfigError(f"{path}: no {PERSONAL_FILE}: the run's personal parts were not saved (a Flower run keeps "
+                          "them on its nodes; runs before fedflat wrote the file lack it: `fedflat resume` with "
+                          "rounds= one more writes it)")
+    parts = torch.load(file, map_location="cpu", weights_only=True)
+    if parts.get("format") != FORMAT:
+        raise ConfigError(f"{file}: format {parts.get('format')!r}, this fedflat reads {FORMAT}")
+    return parts
