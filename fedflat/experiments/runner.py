@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fedflat.algorithms.attacks import backdoor_of
 from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, Diverged
 from fedflat.data import Dataset
@@ -240,6 +241,8 @@ class Runner:
             from fedflat.metrics.recorder import DiagnosticsRecorder
 
             self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # its scalars join the line callbacks see
+        if backdoor_of(sim.algorithm.stages) is not None:  # under attack=backdoor: its success beside the accuracy
+            self.hooks.append(_backdoor_metric)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
@@ -392,6 +395,8 @@ class Runner:
         s["down_bytes"] += result.down_bytes * result.clients
         if result.dropped:
             s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
+        if result.rejected:
+            s.setdefault("rejected_clients", {})[str(t + 1)] = result.rejected
         if "epsilon" in result.log:
             s["epsilon"] = result.log["epsilon"]
         self._owed = result if self._evaluated(t) else None
@@ -437,6 +442,12 @@ class Runner:
                        final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
                        state_dict=self.sim.model_state())
+
+
+def _backdoor_metric(runner: Runner, t: int, record: dict[str, Any] | None) -> None:
+    """``backdoor_acc`` in an evaluated round's line (:meth:`Simulation.backdoor_accuracy`)."""
+    if record is not None:
+        record["backdoor_acc"] = runner.sim.backdoor_accuracy()
 
 
 def _training_fields(result: RoundResult) -> dict[str, Any]:
