@@ -600,6 +600,8 @@ def _check_section_kinds(cfg: Config) -> None:
             continue
         allowed = sorted(n for n, cls in STAGES.items() if cls.kind == kind)
         name = spec.get("name")
+        if name is None:
+            raise ConfigError(f"{section}.name is missing: name one of {', '.join(allowed)}")
         if name not in allowed:
             raise ConfigError(f"{section}.name: {name!r} is not {'a robust rule' if kind == 'robust' else 'an attack'}"
                               f"{suggest(str(name), allowed)}; allowed: {', '.join(allowed)}")
