@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from agreement import assert_identical, trajectory
-from conftest import tiny_config
+from conftest import tiny_config, tiny_tree
 
 import fedflat
 from fedflat.algorithms.attacks import Attack, attackers, rows_where
@@ -19,6 +19,7 @@ from fedflat.core import (MODEL, SERVER, Batch, ClientContext, Cohort, ConfigErr
 from fedflat.engine.simulation import Simulation
 from fedflat.engine.validation import UploadRejected
 from fedflat.models import build_model
+from fedflat.testing import relative_gap, rounding_allowed
 
 N, SEED = 10, 3
 SETTINGS = TrainSettings(weight_decay=0.0, clip=None, batch_size=4, global_lr=1.0, num_clients=N, seed=SEED)
@@ -126,6 +127,18 @@ def test_an_attacked_run_is_reproducible_and_threads_give_the_local_numbers_exac
     threads = Simulation(tiny_config(*ATTACKED, *attack, "executor=threads", "executor.workers=2"))
     assert trajectory(threads, 2) == expected
     assert_identical(local, threads)
+
+
+@pytest.mark.parametrize("attack", [("attack.name=label_flip",), ("attack.name=backdoor", "attack.trigger_size=2")],
+                         ids=["label_flip", "backdoor"])
+def test_data_attacks_give_the_same_run_on_both_engines(attack):
+    """The poison hook changes only the malicious rows of a vectorized cohort's batch: the engines agree within
+    float32 rounding."""
+    runs = [fedflat.run(tiny_config(*ATTACKED, *attack, "attack.fraction=0.34", f"engine={engine}"), save=False,
+                        progress=False).final_parameters for engine in ("sequential", "vectorized")]
+    tree = tiny_tree()
+    tree["rounds"], tree["train"]["batch_size"] = 2, 7
+    assert relative_gap(runs[1], runs[0]) <= rounding_allowed(tree)
 
 
 @pytest.mark.slow
