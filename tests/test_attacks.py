@@ -154,7 +154,7 @@ def test_ray_workers_choose_the_same_attackers_and_give_the_local_numbers():
         ray.close()
 
 
-BACKDOOR = ("threads=1", "rounds=6", "data.options.shape=[1,8,8]", "sampling.clients_per_round=6",
+BACKDOOR = ("threads=1", "rounds=4", "data.options.shape=[1,8,8]", "sampling.clients_per_round=6",
             "attack.name=backdoor", "attack.trigger_size=2", "attack.target=0", "attack.boost=3")
 
 
