@@ -239,6 +239,15 @@ def test_an_update_beyond_validation_max_norm_is_rejected():
     assert "rejected_clients" not in unattacked.summary  # honest updates are well within the bound
 
 
+def test_a_compressed_upload_is_checked_on_its_decoded_update():
+    """Top-k travels as values and indices: the norm bound applies to the update they decode to."""
+    cfg = tiny_config(*CHECKED, "compression.name=topk", "compression.ratio=0.5", "attack.name=sign_flip",
+                      "attack.scale=1e5", "validation.max_norm=1000")
+    history = fedflat.run(cfg, save=False, progress=False)
+    rejected = history.summary["rejected_clients"]
+    assert {t: sorted(int(c) for c in r) for t, r in rejected.items()} == _rejections_expected(cfg, 4)
+
+
 def test_validation_invalid_fail_stops_the_run_naming_the_client(tmp_path):
     cfg = tiny_config(*CHECKED, "attack.name=test_nan", "validation.invalid=fail")
     t, clients = next(iter(_rejections_expected(cfg, 4).items()))

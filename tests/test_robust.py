@@ -120,7 +120,8 @@ def _plain(method: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method,rule", [("fedsam", rule) for rule in RULES] + [("fedlesam", RULES[0]),
-                                                                                ("fedlesam", RULES[4])],
+                                                                                ("fedlesam", RULES[4]),
+                                                                                ("scaffold", RULES[2])],
                          ids=lambda x: x if isinstance(x, str) else x[0].split("=")[1])
 def test_every_rule_composes_with_a_seed_method_on_both_engines(method, rule):
     """The rule changes the run (it is not a no-op on this problem), and the engines agree within float32
