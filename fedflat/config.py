@@ -298,7 +298,8 @@ class Config(Section):
     upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
                                                                           "(a plugin's), each {name, ...}")
     robust: dict[str, Any] | None = Field(None, description="robust aggregation: {name: median, trimmed_mean, "
-                                                            "krum, norm_bound or centered_clip, ...} (docs/security.md)")
+                                                            "krum, norm_bound or centered_clip, ...} "
+                                                            "(docs/security.md)")
     attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
                                                             "sign_flip, gaussian or backdoor, fraction, ...} "
                                                             "(docs/security.md)")

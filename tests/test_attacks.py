@@ -44,7 +44,8 @@ def test_attackers_are_round_fraction_n_clients_drawn_from_the_keyed_stream():
     chosen = attackers(SEED, N, 0.25)
     by_hand = np.sort(numpy_stream(SEED, -1, SERVER, "attackers").choice(N, 3, replace=False))  # round(2.5) = 3
     assert np.array_equal(chosen, by_hand) and len(set(chosen.tolist())) == 3
-    assert len(attackers(SEED, N, 0.01)) == 1 and len(attackers(SEED, N, 0.0)) == 0 and len(attackers(SEED, N, 1.0)) == N
+    assert len(attackers(SEED, N, 0.01)) == 1 and len(attackers(SEED, N, 0.0)) == 0
+    assert len(attackers(SEED, N, 1.0)) == N
     assert not np.array_equal(attackers(SEED + 1, 100, 0.1), attackers(SEED, 100, 0.1))
 
 
@@ -146,7 +147,8 @@ def test_ray_workers_choose_the_same_attackers_and_give_the_local_numbers():
     attack = ("attack.name=label_flip", "attack.fraction=0.34")
     local = Simulation(tiny_config(*ATTACKED, *attack))
     expected = trajectory(local, 2)
-    ray = Simulation(tiny_config(*ATTACKED, *attack, "executor=ray", "executor.workers=2", "executor.cpus_per_worker=1"))
+    ray = Simulation(tiny_config(*ATTACKED, *attack, "executor=ray", "executor.workers=2",
+                                 "executor.cpus_per_worker=1"))
     try:
         assert trajectory(ray, 2) == expected
         assert_identical(local, ray)

@@ -106,8 +106,9 @@ class GaussianUpdate(Attack):
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
         delta = release[MODEL]
         bad = self.malicious(ctx.settings, cohort.ids)
-        noise = torch.stack([torch.randn(delta.shape[1:], dtype=delta.dtype, device=delta.device,
-                                         generator=torch_stream(ctx.settings.seed, ctx.round, i, "attack", delta.device))
+        seed, device = ctx.settings.seed, delta.device
+        noise = torch.stack([torch.randn(delta.shape[1:], dtype=delta.dtype, device=device,
+                                         generator=torch_stream(seed, ctx.round, i, "attack", device))
                              if flag else torch.zeros_like(delta[0])
                              for i, flag in zip(cohort.ids.tolist(), bad.tolist())])
         return {**release, MODEL: rows_where(bad, noise * self.p.std, delta)}
