@@ -300,6 +300,17 @@ def _callback_entries(tree: dict[str, Any]) -> dict[str, Any]:
     return {**tree, "callbacks": entries}
 
 
+class ValidationConfig(Section):
+    """What the server checks in every upload before the upload path's stages (docs/security.md)."""
+
+    max_norm: float | None = Field(None, gt=0, description="reject an upload whose release (Delta_i and the other "
+                                                           "entries, as one vector) has an L2 norm above this")
+    invalid: Literal["reject", "fail"] = Field("reject", description="an upload with NaN/Inf or beyond max_norm: "
+                                                                     "reject (the round goes on without it, a "
+                                                                     "warning names the client) or fail (the run "
+                                                                     "stops)")
+
+
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
 
 
@@ -341,6 +352,14 @@ class Config(Section):
                                                                  "error_feedback} or {name: qsgd, levels, ...}")
     upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
                                                                           "(a plugin's), each {name, ...}")
+    robust: dict[str, Any] | None = Field(None, description="robust aggregation: {name: median, trimmed_mean, "
+                                                            "krum, norm_bound or centered_clip, ...} "
+                                                            "(docs/security.md)")
+    attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
+                                                            "sign_flip, gaussian or backdoor, fraction, ...} "
+                                                            "(docs/security.md)")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig,
+                                         description="the server's checks of every upload (docs/security.md)")
     loggers: list[LoggerEntry] = Field(
         default_factory=list, description="where the config and metrics lines also go: tensorboard, csv, wandb, "
                                           "mlflow (names, or mappings with options); the old tensorboard: true "
@@ -391,7 +410,7 @@ class Config(Section):
             specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": self.noise_multiplier(),
                           "expected_clients": float(expected), "adaptive": p.adaptive, "quantile": p.quantile,
                           "clip_lr": p.clip_lr, "count_noise": p.count_noise, "secure": p.noise == "secure"})
-        return specs + [dict(s) for s in self.upload]
+        return specs + [dict(s) for s in self.upload] + [dict(s) for s in (self.attack, self.robust) if s]
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":
@@ -623,11 +642,44 @@ def _check_registered(cfg: Config) -> None:
     if cfg.sampling.clients_per_round > cfg.data.num_clients:
         raise ConfigError(f"sampling.clients_per_round ({cfg.sampling.clients_per_round}) exceeds "
                           f"data.num_clients ({cfg.data.num_clients})")
+    _check_section_kinds(cfg)
     try:
         algorithm = build_algorithm(cfg.algo, cfg.stage_specs())
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
+    _check_robust(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
+
+
+def _check_section_kinds(cfg: Config) -> None:
+    """``robust`` names a robust rule and ``attack`` an attack (stages of those kinds, docs/security.md)."""
+    from fedflat.core import STAGES
+
+    for section, kind in (("robust", "robust"), ("attack", "attack")):
+        spec = getattr(cfg, section)
+        if spec is None:
+            continue
+        allowed = sorted(n for n, cls in STAGES.items() if cls.kind == kind)
+        name = spec.get("name")
+        if name is None:
+            raise ConfigError(f"{section}.name is missing: name one of {', '.join(allowed)}")
+        if name not in allowed:
+            raise ConfigError(f"{section}.name: {name!r} is not {'a robust rule' if kind == 'robust' else 'an attack'}"
+                              f"{suggest(str(name), allowed)}; allowed: {', '.join(allowed)}")
+
+
+def _check_robust(cfg: Config, algorithm) -> None:
+    """A robust rule reads each client's own update: refused with central DP, whose noise is calibrated to the sum's
+    sensitivity; a rule defined only for enough clients (Krum: 2 f + 2 < K) needs them sampled."""
+    rules = [s for s in algorithm.stages if s.kind == "robust"]
+    if rules and cfg.privacy is not None and cfg.privacy.mode == "central":
+        raise ConfigError(f"robust={rules[0].name} with privacy.mode=central: the server's noise is calibrated to the "
+                          "sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
+                          "update; use privacy.mode=local, or drop one of them")
+    for rule in rules:
+        if cfg.sampling.clients_per_round < rule.min_clients():
+            raise ConfigError(f"robust={rule.name} needs at least {rule.min_clients()} clients per round, "
+                              f"sampling.clients_per_round is {cfg.sampling.clients_per_round}")
 
 
 def _check_upload_path(cfg: Config, algorithm) -> None:
@@ -677,6 +729,9 @@ def resolve(cfg: Config) -> dict[str, Any]:
         tree["privacy"]["noise_multiplier"] = cfg.noise_multiplier()
     if cfg.compression:
         tree["compression"] = build_algorithm(cfg.algo, [cfg.compression]).resolved_stages()[0]
+    for section in ("robust", "attack"):  # every hyperparameter, as for compression
+        if getattr(cfg, section):
+            tree[section] = build_algorithm(cfg.algo, [getattr(cfg, section)]).resolved_stages()[0]
     model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))
     tree["model"] = {"name": cfg.model["name"], **model_defaults, **{k: v for k, v in cfg.model.items() if k != "name"}}
     scheme = cfg.data.partition["scheme"]

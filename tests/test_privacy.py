@@ -349,8 +349,8 @@ def test_an_upload_that_cannot_be_decoded_leaves_its_client_out(tiny, caplog):
         rows[0] = value
         result.upload[entry] = rows
         round = sim.finish_round(opened, result)
-        assert round.dropped == [first] and round.clients == len(result.ids) - 1
-        assert f"clients [{first}] left out" in caplog.text
+        assert list(round.rejected) == [str(first)] and round.clients == len(result.ids) - 1
+        assert f"the upload of client {first} is rejected: its upload cannot be decoded" in caplog.text
 
 
 # -- instance-level DP: DP-SGD on each client ---------------------------------------------------------------------------

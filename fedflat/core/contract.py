@@ -27,7 +27,8 @@ from fedflat.core.round import ClientContext, Cohort, RoundContext
 CHECK_ENV = "FEDFLAT_CHECK_CONTRACT"
 HOOKS = frozenset({"downlink", "personal", "finish", "after_step", "weights", "broadcast", "step", "begin", "end",
                    "perturb", "descent_gradient", "distillation", "apply", "direction", "decoupled_decay", "models",
-                   "private", "loss_direction", "start", "local_step", "client", "encode", "decode", "server"})
+                   "private", "loss_direction", "start", "local_step", "client", "encode", "decode", "server",
+                   "poison"})
 OWNED_ARGUMENTS = {"loss_direction": frozenset({"grad"})}  # handed over: the hook may overwrite them (part.py)
 
 

@@ -210,6 +210,7 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     settings, batches = ctx.settings, ctx.batches
     clip, clip_scope, lr = settings.clip, settings.clip_scope, ctx.lr
     loss_direction = correction.gives_loss_direction()
+    poisoners = [s for s in algorithm.stages if hasattr(s, "poison")]  # data attacks (fedflat.algorithms.attacks)
     ids, steps = cohort.ids.tolist(), cohort.steps.tolist()
     schedules = batches.schedules(ctx.round, ids, steps)
     generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
@@ -227,6 +228,8 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
             session.step(cohort.active)
         picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
         batch = batches.batch(picks, generators)
+        for stage in poisoners:  # a malicious client's batches (label flips, a backdoor's trigger)
+            batch = stage.poison(ctx, cohort, batch)
         if not uniform:
             batch.clients = sum(e > k for e in steps)
         eps = perturbation.perturb(ctx, cohort, k, W, batch)

@@ -9,7 +9,6 @@ measured from the payloads.
 from __future__ import annotations
 
 import functools
-import logging
 import signal
 import threading
 import time
@@ -24,6 +23,7 @@ from torch import nn
 
 from fedflat import plugins
 from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm, renamed_state
+from fedflat.algorithms.attacks import backdoor_of, for_dataset
 from fedflat.config import Config
 from fedflat.core import (BUFFERS, MODEL, SERVER, TRAIN_LOSS, Broadcast, ClientResult, ConfigError, Diverged,
                           NoClients, RoundContext, TrainSettings, numpy_stream, payload_size, stream_seed)
@@ -39,10 +39,9 @@ from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, Thr
                                     vmap_problem)
 from fedflat.engine.store import ClientStore
 from fedflat.engine.threads import choose_threads, core_share, torch_threads
+from fedflat.engine.validation import checked
 from fedflat.models import build_model
 from fedflat.params import FlatModel
-
-logger = logging.getLogger("fedflat")
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -177,6 +176,7 @@ class RoundResult:
     down_bytes: int = 0
     dropped: list[int] = field(default_factory=list)  # sampled clients whose upload never came (failed nodes)
     log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
+    rejected: dict[str, str] = field(default_factory=dict)  # client -> why its upload was rejected (validation)
 
 
 def _dp_sgd(cfg: Config, traits, module: nn.Module) -> tuple[float, float] | None:
@@ -259,7 +259,8 @@ class Simulation:
         if self.threads:
             torch.set_num_threads(self.threads)
         self.traits = self._inspect()
-        self.stage_specs = cfg.stage_specs()  # the upload path (privacy, compression), z calibrated once here
+        # the upload path (privacy, compression, attacks, robust rules), z calibrated once here
+        self.stage_specs = for_dataset(cfg.stage_specs(), dataset.num_classes, tuple(dataset.input_shape))
         self.algorithm: Algorithm = build_algorithm(cfg.algo, self.stage_specs)
         self.engine = resolve_engine(cfg.engine, self.device, self.step_flops)
         # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused
@@ -463,15 +464,16 @@ class Simulation:
         ctx, broadcast, round = opened.ctx, opened.broadcast, opened.ctx.round
         if result is None:
             return self._empty_round(opened)
-        result = self._decodable(round, result)
         dropped = sorted(set(ctx.sampled.tolist()) - set(result.ids.tolist()))
         if dropped:
             if not len(result.ids):
                 raise NoClients(f"round {round + 1}: none of the {ctx.K} sampled clients answered")
             ctx = ctx.answered(result.ids.to(ctx.sampled.device))
         result = result.to(self.device)
-        if not all(all_finite(rows) for rows in result.upload.values() if rows.is_floating_point()):
-            raise Diverged(f"round {round + 1}: non-finite local loss or model (try a smaller train.lr or algo radius)")
+        # NaN/Inf or (validation.max_norm) too large: rejected with a warning naming the client, or the run fails
+        ctx, result, rejected = checked(self.algorithm, ctx, result, self.cfg.validation)
+        if rejected:
+            ctx.log["rejected"] = float(len(rejected))
         w_new = self.algorithm.aggregate(ctx, result)
         if not all_finite(w_new):
             raise Diverged(f"round {round + 1}: the global model became non-finite")
@@ -500,19 +502,8 @@ class Simulation:
                 seconds=time.perf_counter() - opened.start,
                 backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
                 up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes, down_bytes=down_bytes,
-                dropped=dropped, log=log)
+                dropped=dropped, log=log, rejected={str(c): why for c, why in rejected.items()})
         return self.last_round
-
-    def _decodable(self, round: int, result: ClientResult) -> ClientResult:
-        """``result`` without the clients whose encoded upload cannot be decoded (a compressed upload with indices
-        out of range, the wrong dtype or shape: :meth:`Algorithm.malformed`), each named in a warning; the round
-        goes on without them as without a failed node's."""
-        bad = self.algorithm.malformed(result.upload, self.num_parameters).cpu()
-        if not bad.any():
-            return result
-        logger.warning("round %d: clients %s left out: their uploads cannot be decoded by %s", round + 1,
-                       result.ids[bad].tolist(), self.algorithm.encoder)
-        return result.rows(torch.nonzero(~bad).flatten())
 
     def _empty_round(self, opened: OpenRound) -> RoundResult:
         """A round whose Poisson sample under DP was empty: the model stays, the accountant counts the round."""
@@ -624,6 +615,22 @@ class Simulation:
         # one host copy for all clients (each score is a device scalar: no synchronisation per client)
         return ClientScores(tested, torch.stack(correct).tolist(), torch.stack(loss).tolist(),
                             [int(shares[c].numel()) for c in tested])
+
+    @torch.no_grad()
+    def backdoor_accuracy(self) -> float | None:
+        """Under ``attack: backdoor``: the fraction of held-out samples not of the target class that the global model
+        classifies as the target once the trigger is stamped on them (:mod:`fedflat.algorithms.attacks`); else None."""
+        attack = backdoor_of(self.algorithm.stages)
+        if attack is None:
+            return None
+        keep = self.dataset.y_test != attack.p.target
+        x, size = self.dataset.x_test[keep], int(keep.sum())
+        hits = torch.zeros((), dtype=torch.long, device=x.device)
+        for lo in range(0, size, self.cfg.eval.batch_size):
+            logits = self.model(self.w, attack.trigger(self.dataset.features(x[lo:lo + self.cfg.eval.batch_size])),
+                                self.buffers)
+            hits += (logits.argmax(1) == attack.p.target).sum()
+        return hits.item() / max(size, 1)
 
     def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                 buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from fedflat.algorithms.attacks import backdoor_of
 from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, Diverged
 from fedflat.data import Dataset
@@ -245,6 +246,8 @@ class Runner:
             from fedflat.metrics.recorder import DiagnosticsRecorder
 
             self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # its scalars join the line callbacks see
+        if backdoor_of(sim.algorithm.stages) is not None:  # under attack=backdoor: its success beside the accuracy
+            self.hooks.append(_backdoor_metric)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
@@ -422,6 +425,8 @@ class Runner:
         s["down_bytes"] += result.down_bytes * result.clients
         if result.dropped:
             s.setdefault("dropped_clients", {})[str(t + 1)] = result.dropped
+        if result.rejected:
+            s.setdefault("rejected_clients", {})[str(t + 1)] = result.rejected
         if "epsilon" in result.log:
             s["epsilon"] = result.log["epsilon"]
         self._owed = result if self._evaluated(t) else None
@@ -493,6 +498,12 @@ def at_chance(acc: float, num_classes: int, count: int) -> bool:
     beyond it is more than 3 standard errors away (0.009 on Fashion-MNIST's 10,000 test images)."""
     p = 1.0 / num_classes
     return count > 0 and abs(acc - p) <= 3.0 * math.sqrt(p * (1.0 - p) / count)
+
+
+def _backdoor_metric(runner: Runner, t: int, record: dict[str, Any] | None) -> None:
+    """``backdoor_acc`` in an evaluated round's line (:meth:`Simulation.backdoor_accuracy`)."""
+    if record is not None:
+        record["backdoor_acc"] = runner.sim.backdoor_accuracy()
 
 
 def _training_fields(result: RoundResult) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""The server's checks of what it receives, before the upload path's stages (docs/security.md).
+
+Every answering client's upload is checked on every executor (in process, threads, Ray, Flower nodes): an entry
+with a NaN or an infinity, or (``validation.max_norm``) a release ``x_i = (Delta_i, extra_i)`` whose L2 norm is
+beyond the bound, is invalid. With ``validation.invalid: reject`` (the default) the client's upload and new state
+are dropped and the round aggregates the others, as if it had not been sampled; a warning names the client and
+the reason, and the run's summary keeps them (``rejected_clients``). With ``invalid: fail`` the run stops.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fedflat.algorithms import Algorithm
+from fedflat.config import ValidationConfig
+from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, release_norms, release_of
+from fedflat.core.upload import NOT_RELEASED
+
+logger = logging.getLogger(__name__)
+
+
+class UploadRejected(ConfigError):
+    """An invalid upload under ``validation.invalid: fail``, or a round whose every upload was invalid."""
+
+
+def non_finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[C]``: whether each row of a float entry holds a NaN or an infinity (one pass when all are finite)."""
+    flat = rows.reshape(rows.shape[0], -1)
+    if not flat.numel() or not flat.is_floating_point():
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    low, high = torch.aminmax(flat)
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    return ~torch.isfinite(flat).all(1)
+
+
+def release_of_upload(algorithm: Algorithm, ctx: RoundContext, upload: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """The release a received ``upload`` carries: decoded where a stage encodes it, the stages' side entries left
+    out, the model as ``Delta_i`` from the broadcast."""
+    side = {name for stage in algorithm.stages for name in stage.side}
+    payload = {k: v for k, v in upload.items() if k not in side and k not in NOT_RELEASED}
+    encoder = algorithm.encoder
+    if encoder is not None:
+        payload = encoder.decode(ctx, payload, ctx.w.numel())
+    return release_of(payload, ctx.w_start)
+
+
+def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
+                    check: ValidationConfig) -> dict[int, str]:
+    """``{client: reason}`` for every invalid upload of ``result`` (module docstring)."""
+    problems: dict[int, str] = {}
+    ids = result.ids.tolist()
+    malformed = algorithm.malformed(result.upload, ctx.w.numel()).cpu()
+    for row in malformed.nonzero().flatten().tolist():
+        problems[ids[row]] = f"its upload cannot be decoded by {algorithm.encoder!r} (indices or levels out of range)"
+    for name in sorted(result.upload):
+        for row in non_finite_rows(result.upload[name]).nonzero().flatten().tolist():
+            problems.setdefault(ids[row], f"NaN or Inf in its '{name}'")
+    if check.max_norm is not None:
+        decodable = (~malformed).nonzero().flatten()
+        upload = {k: v[decodable.to(v.device)] for k, v in result.upload.items()}
+        norms = release_norms(release_of_upload(algorithm, ctx, upload)).tolist()
+        for client, norm in zip(result.ids[decodable].tolist(), norms):
+            if norm > check.max_norm and client not in problems:
+                problems[client] = f"its update's norm {norm:.4g} exceeds validation.max_norm={check.max_norm:g}"
+    return problems
+
+
+def checked(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
+            check: ValidationConfig) -> tuple[RoundContext, ClientResult, dict[int, str]]:
+    """The round's context and result without the invalid uploads, and ``{client: reason}`` of those rejected
+    (``invalid: fail`` raises :class:`UploadRejected` instead)."""
+    problems = upload_problems(algorithm, ctx, result, check)
+    if not problems:
+        return ctx, result, {}
+    said = "; ".join(f"client {c}: {why}" for c, why in sorted(problems.items()))
+    where = f"round {ctx.round + 1}"
+    if check.invalid == "fail":
+        raise UploadRejected(f"{where}: {said} (validation.invalid=fail stops the run; invalid=reject would "
+                             "aggregate the round without it)")
+    if len(problems) == len(result.ids) and all(why.startswith("NaN") for why in problems.values()):
+        raise Diverged(f"{where}: non-finite local loss or model from every client (try a smaller train.lr or algo "
+                       "radius)")
+    if len(problems) == len(result.ids):
+        raise UploadRejected(f"{where}: every upload was rejected ({said}); if the clients are honest, lower train.lr "
+                             "(or the method's radius) or raise validation.max_norm")
+    for client, why in sorted(problems.items()):
+        logger.warning("%s: the upload of client %d is rejected: %s", where, client, why)
+    keep = torch.tensor([row for row, c in enumerate(result.ids.tolist()) if c not in problems], dtype=torch.long)
+    result = result.rows(keep)
+    return ctx.answered(result.ids.to(ctx.sampled.device)), result, problems
