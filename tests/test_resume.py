@@ -214,7 +214,9 @@ def _sigkill_child_when(folder, slow_write: str, ready, poll: float, overrides: 
                                                                   overrides=list(overrides))],
                              env=env, cwd=folder.parent)
     try:
-        deadline = time.monotonic() + 60
+        # The wait ends when ready() holds (or the child exits, a failure at once): on a loaded machine the child's
+        # imports and rounds take minutes, so the bound only catches a child that hangs, never a slow one.
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if ready():
                 break
