@@ -93,6 +93,28 @@ class ClientData(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LocalOptimizer:
+    """The clients' local optimizer (``train.optimizer``), as ``torch.optim`` defines it, acting on the local
+    direction ``d`` the parts compute (the gradient ``p.grad`` would hold): ``sgd`` with ``momentum`` (heavy ball,
+    ``dampening``, ``nesterov``), ``adam`` (L2 ``weight_decay`` coupled into ``d``) or ``adamw`` (decoupled:
+    ``w <- w (1 - eta wd)``). ``keep``: the state's lifetime, ``round`` (fresh every round, as the papers' codes
+    build their optimizer) or ``client`` (each client's state kept in the client-state store)."""
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    keep: Literal["round", "client"] = "round"
+
+    @property
+    def plain(self) -> bool:
+        """Plain SGD, ``w <- w - eta d``: the step every method's equations are written for."""
+        return self.name == "sgd" and self.momentum == 0
+
+
 @dataclass
 class TrainSettings:
     """The local-training settings every part may read (the same on the server and on every client)."""
@@ -111,6 +133,7 @@ class TrainSettings:
     # optimizer as weight decay (:meth:`Correction.decoupled_decay`), added after the clip; "step": all of it
     clip_scope: ClipScope = "loss"
     lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
+    optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the local step (plain SGD by default)
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,

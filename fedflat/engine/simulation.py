@@ -32,6 +32,7 @@ from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.modes import inspect_module, module_name
+from fedflat.engine.optim import check_recipe, optimizer_of, round_lr, state_keys, state_widths
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, ThreadExecutor, WorkerSpec,
                                     build_client_runtime, choose_engine, resolve_engine, set_tf32, step_flops,
                                     vmap_problem)
@@ -255,9 +256,11 @@ class Simulation:
                                       num_clients=cfg.data.num_clients, seed=cfg.seed,
                                       layout=self.model.layout, total_samples=int(self.num_samples.sum()),
                                       clip_scope=cfg.train.clip_scope, lr_decay=cfg.train.lr_decay,
+                                      optimizer=optimizer_of(cfg.train),
                                       buffers=layout if layout.size else None,
                                       batch_norms=tuple(n for n, m in module.named_modules()
                                                         if isinstance(m, nn.modules.batchnorm._BatchNorm)))
+        check_recipe(self.algorithm.parts, cfg.algo["name"], self.settings.optimizer, cfg.train.schedule)
         personalization = self.algorithm.parts["personalization"]
         try:  # clients keep private parameters (FedPer): evaluation is then per client (evaluate_personalized)
             self.personalized = personalization.private(self.settings) is not None
@@ -270,7 +273,8 @@ class Simulation:
         self.buffers = self.model.initial_buffers.clone()  # b^t: the global model's buffers ([0] without any)
         self.server: dict[str, torch.Tensor] = self.algorithm.initial_server_state(self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
-                                 directory=cfg.store.dir, widths={BUFFERS: (layout.size, torch.float64)})
+                                 directory=cfg.store.dir, widths={BUFFERS: (layout.size, torch.float64),
+                                         **state_widths(self.settings.optimizer)})
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
                                      dataset.standardize)
@@ -373,7 +377,8 @@ class Simulation:
         return torch.as_tensor(sorted(chosen.tolist()), dtype=torch.long)
 
     def lr_at(self, round: int) -> float:
-        return self.cfg.train.lr * self.cfg.train.lr_decay ** round
+        """``eta_l^t`` (:func:`fedflat.engine.optim.round_lr`: ``train.schedule`` after ``train.warmup_rounds``)."""
+        return round_lr(self.cfg.train, round, self.cfg.rounds)
 
     def chunk_size(self, K: int) -> int:
         """Clients trained together by the local executor (see :meth:`ClientRuntime.chunk_size`)."""
@@ -392,7 +397,8 @@ class Simulation:
 
     def client_state_keys(self) -> list[str]:
         """Names of the state each client keeps: its parts', and its own buffers where some are private (FedBN)."""
-        return self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
+        return (self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
+                + state_keys(self.settings.optimizer))
 
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
