@@ -104,6 +104,11 @@ class TrainConfig(Section):
     step_rounds: int = Field(30, ge=1, description="schedule=step: rounds between decays")
     step_gamma: float = Field(0.1, gt=0, le=1, description="schedule=step: the decay factor")
     min_lr: float = Field(0.0, ge=0, description="schedule=cosine: eta_l at the last round")
+    loss: Literal["cross_entropy", "focal"] = Field(
+        "cross_entropy", description="the clients' loss (fedflat/engine/losses.py; the Python API's loss_fn takes "
+                                     "any function (logits, y) -> per-sample losses)")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="loss=cross_entropy: label smoothing")
+    focal_gamma: float = Field(2.0, ge=0, description="loss=focal: the focusing parameter gamma")
 
     @model_validator(mode="after")
     def _optimizer_options(self) -> "TrainConfig":
@@ -113,6 +118,8 @@ class TrainConfig(Section):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0 (torch.optim.SGD's rule)")
         if self.optimizer_state == "client" and self.optimizer == "sgd" and self.momentum == 0:
             raise ValueError("optimizer_state=client: plain SGD keeps no state; set momentum or optimizer=adam/adamw")
+        if self.label_smoothing and self.loss != "cross_entropy":
+            raise ValueError(f"label_smoothing is cross_entropy's; loss={self.loss} takes its own options")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
         return self
@@ -126,6 +133,9 @@ class SamplingConfig(Section):
 class EvalConfig(Section):
     every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
     batch_size: int = Field(2000, ge=1)
+    metrics: list[Literal["f1", "balanced_accuracy", "per_class_accuracy", "auroc"]] = Field(
+        default_factory=list, description="torchmetrics beyond accuracy and loss on the held-out set, logged as "
+                                          "test_<name> (fedflat/engine/scores.py)")
 
 
 class StoreConfig(Section):

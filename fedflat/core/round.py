@@ -134,6 +134,8 @@ class TrainSettings:
     clip_scope: ClipScope = "loss"
     lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
     optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the local step (plain SGD by default)
+    # the loss, (logits[B, K], y[B]) -> per-sample losses [B]; None: cross-entropy (fedflat/engine/losses.py)
+    loss: Any = None
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,
