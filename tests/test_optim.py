@@ -158,11 +158,24 @@ def test_client_optimizer_state_is_client_state(tiny):
 @pytest.mark.parametrize("algo, options, match", [
     ("scaffold", ("train.optimizer=adam",), "plain local SGD"),
     ("qfedavg", ("train.momentum=0.9",), "plain local SGD"),
+    ("mofedsam", ("train.optimizer=adamw",), "plain local SGD"),
     ("fedwmsam", ("train.schedule=cosine",), "schedule=exponential"),
 ])
 def test_methods_assuming_plain_sgd_refuse_other_optimizers(tiny, algo, options, match):
     with pytest.raises(ConfigError, match=match):
         Simulation(tiny(f"algo={algo}", *options))
+
+
+def test_a_plugin_part_reading_pseudo_gradients_is_refused_under_another_optimizer(tiny):
+    """``RoundContext.pseudo_gradients`` (``-Delta_i / (E_i eta_l)``) refuses to be read under momentum or Adam, so a
+    user's part that divides by eta_l cannot silently compute a wrong quantity."""
+    from fedflat.core import AlgorithmError
+
+    sim = Simulation(tiny("train.momentum=0.5"))
+    ctx = sim.new_context(0)
+    ctx.uploads = {"model": ctx.w.expand(ctx.K, -1).clone()}
+    with pytest.raises(AlgorithmError, match="only under plain SGD"):
+        ctx.pseudo_gradients
 
 
 @pytest.mark.parametrize("options, match", [

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Literal, Protocol
 
 import torch
 
+from fedflat.core.errors import AlgorithmError
 from fedflat.core.vectors import BufferLayout, ParamLayout
 
 ClipScope = Literal["loss", "step"]
@@ -389,7 +390,12 @@ class RoundContext:
 
     @property
     def pseudo_gradients(self) -> torch.Tensor:
-        """``G_i = -Delta_i / (E_i eta_l^t)``, the gradient-scale conversion of the spec, ``[K, P]``."""
+        """``G_i = -Delta_i / (E_i eta_l^t)``, the gradient-scale conversion of the spec, ``[K, P]``: the mean local
+        direction only under plain SGD steps, so a part reading it under another ``train.optimizer`` is refused."""
+        if not self.settings.optimizer.plain:
+            raise AlgorithmError(f"-Delta_i / (E_i eta_l) is the mean local direction only under plain SGD steps, not "
+                                 f"train.optimizer={self.settings.optimizer.name} (momentum "
+                                 f"{self.settings.optimizer.momentum}): use train.optimizer=sgd train.momentum=0")
         return -self.deltas / (self.steps.to(self.w.dtype)[:, None] * self.lr)
 
     def aggregate(self, X: torch.Tensor) -> torch.Tensor:

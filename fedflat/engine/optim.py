@@ -37,6 +37,10 @@ PLAIN_SGD_PARTS = {
                                 "only when every local step is w - eta_l d",
     ("correction", "wmsam"): "SCAFFOLD's control variate c_i+ = c_i - c + (w - y_i) / (E eta_l) is the mean gradient "
                              "only when every local step is w - eta_l d",
+    ("correction", "momentum"): "its momentum m is the round's average update -Delta_i / (E eta_l), a gradient only "
+                                "when every local step is w - eta_l d",
+    ("correction", "vssam"): "it mixes the server's gradient-scale direction -Delta / (E eta_l) into every step, a "
+                             "gradient only under plain SGD steps",
     ("perturbation", "wmsam"): "its momentum-guided point moves by eta_l times the momentum, a plain SGD step",
     ("server", "vssam"): "its global direction (w - y) / (E eta_l) is the mean gradient only under plain SGD steps",
     ("server", "qfedavg"): "its Lipschitz estimate L = 1/eta_l is that of plain SGD steps",
