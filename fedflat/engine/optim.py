@@ -61,6 +61,12 @@ def state_widths(optimizer: LocalOptimizer) -> dict[str, tuple[int, torch.dtype]
     return {STEP: (1, torch.float64)} if optimizer.name != "sgd" else {}
 
 
+def state_vectors(optimizer: LocalOptimizer) -> int:
+    """Model-sized vectors per client a cohort's optimizer holds during a step (its state, and the state's previous
+    values where rows are masked): the vectorized engine's memory estimate."""
+    return 0 if optimizer.plain else 2 * (1 if optimizer.name == "sgd" else 2)
+
+
 def state_keys(optimizer: LocalOptimizer) -> list[str]:
     """The client-state names the optimizer keeps per client (none unless ``keep == "client"``)."""
     if optimizer.keep != "client" or optimizer.plain:

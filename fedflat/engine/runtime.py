@@ -25,6 +25,7 @@ from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort,
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
 from fedflat.engine.modes import ModelTraits, module_name
+from fedflat.engine.optim import state_vectors
 from fedflat.engine.oracle import Oracle
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -241,7 +242,7 @@ class ClientRuntime:
         parts' per-client state, and three times a batch's activations (kept, their gradients, scratch)."""
         if self._client_bytes is None:
             w = self.model.initial
-            vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors
+            vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors + state_vectors(self.settings.optimizer)
             x = self.batches.x[: self.settings.batch_size]
             self._client_bytes = vectors * w.numel() * w.element_size() + 3 * activation_bytes(self.model, w, x)
         return self._client_bytes
