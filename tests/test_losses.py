@@ -158,3 +158,20 @@ def test_personalized_metrics_pool_every_clients_own_predictions(tiny):
 def test_no_metrics_asked_logs_none(tiny):
     run = fedflat.run(tiny("rounds=1"), save=False, progress=False)
     assert not any(k.startswith("test_") and k not in ("test_acc", "test_loss") for k in run.metrics[-1])
+
+
+def test_reports_show_the_metrics_mean_and_std_over_seeds(tiny, tmp_path):
+    """``fedflat report``: a column per logged metric (not the per-class ones), mean and std over seeds in %."""
+    from fedflat.experiments.report import report
+
+    runs = [fedflat.run(tiny("rounds=1", f"seed={s}", "eval.metrics=[f1,per_class_accuracy]"),
+                        run_dir=tmp_path / f"s{s}", progress=False) for s in (0, 1)]
+    f1 = [100 * r.summary["final_test_f1"] for r in runs]
+    mean = sum(f1) / 2
+    std = abs(f1[0] - f1[1]) / 2 ** 0.5
+    table = report([tmp_path])
+    assert "final f1 (%)" in table and f"{mean:.2f} ± {std:.2f}" in table and "acc_class" not in table
+    csv = report([tmp_path], fmt="csv")
+    header, row = csv.splitlines()[:2]
+    values = dict(zip(header.split(","), row.split(",")))
+    assert float(values["final_f1_mean"]) == pytest.approx(mean, rel=1e-5)
