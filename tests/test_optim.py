@@ -61,8 +61,9 @@ def test_local_optimizer_matches_torch_optim(tiny, name, keep):
     # the flat views' backward and the module's differ at most in summation order: a few roundings per step
     tol = 16 * U32 * steps * expected.abs().max().item()
     torch.testing.assert_close(run.final_parameters, expected, rtol=0, atol=tol)
-    plain = fedflat.run(tiny(*ONE_CLIENT), save=False, progress=False)
-    assert (plain.final_parameters - expected).abs().max() > 100 * tol  # the optimizer does change the run
+    if name == "adam" and keep == "round":  # (once) the optimizer does change the run
+        plain = fedflat.run(tiny(*ONE_CLIENT), save=False, progress=False)
+        assert (plain.final_parameters - expected).abs().max() > 100 * tol
 
 
 def test_optimizer_step_rows_match_torch_optim():
