@@ -175,3 +175,19 @@ def test_reports_show_the_metrics_mean_and_std_over_seeds(tiny, tmp_path):
     header, row = csv.splitlines()[:2]
     values = dict(zip(header.split(","), row.split(",")))
     assert float(values["final_f1_mean"]) == pytest.approx(mean, rel=1e-5)
+
+
+def test_a_run_with_its_own_loss_resumes_from_python_with_it(tiny, tmp_path):
+    """``config.yaml`` records ``train.loss: user:brier``; ``resume(..., config=, loss_fn=)`` continues the run on
+    the same loss, ending bit for bit where an uninterrupted run ends; without them it says what to pass."""
+    from fedflat.engine.checkpoint import CheckpointError
+    from fedflat.experiments.checkpoint import resume
+
+    longer = fedflat.run(tiny("rounds=3", "threads=1"), save=False, progress=False, loss_fn=brier)
+    cfg = tiny("rounds=2", "threads=1")
+    fedflat.run(cfg, run_dir=tmp_path / "run", progress=False, loss_fn=brier)
+    assert "loss: user:brier" in (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(CheckpointError, match="loss_fn="):
+        resume(tmp_path / "run", progress=False)
+    extended = resume(tmp_path / "run", config=cfg, overrides=["rounds=3"], loss_fn=brier, progress=False)
+    assert torch.equal(extended.final_parameters, longer.final_parameters)

@@ -201,3 +201,12 @@ def test_kept_optimizer_state_is_checkpointed_and_resumed(tiny, tmp_path):
     assert torch.equal(extended.final_parameters, longer.final_parameters)
     fresh = fedflat.run(tiny("rounds=5", *options[:1], *options[2:]), save=False, progress=False)
     assert not torch.equal(fresh.final_parameters, longer.final_parameters)  # the kept state matters
+
+
+def test_a_cosine_run_is_not_extended_by_a_resume(tiny, tmp_path):
+    """The cosine schedule spans the planned rounds: extending the run would change the rates of the rounds left."""
+    from fedflat.experiments.checkpoint import resume
+
+    fedflat.run(tiny("rounds=2", "train.schedule=cosine"), run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="schedule=cosine anneals eta_l over the planned 2 rounds"):
+        resume(tmp_path / "run", overrides=["rounds=4"], progress=False)
