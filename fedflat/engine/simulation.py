@@ -281,8 +281,8 @@ class Simulation:
         self.buffers = self.model.initial_buffers.clone()  # b^t: the global model's buffers ([0] without any)
         self.server: dict[str, torch.Tensor] = self.algorithm.initial_server_state(self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
-                                 directory=cfg.store.dir, widths={BUFFERS: (layout.size, torch.float64),
-                                         **state_widths(self.settings.optimizer)})
+                                 directory=cfg.store.dir,
+                                 widths={BUFFERS: (layout.size, torch.float64), **state_widths(self.settings.optimizer)})
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
                                      dataset.standardize)
@@ -540,7 +540,8 @@ class Simulation:
     @torch.no_grad()
     def evaluate(self, w: torch.Tensor | None = None) -> tuple[float, float]:
         """``(accuracy, mean loss)`` of ``w`` (default: the global model) on the held-out set; without ``w`` a
-        personalized run evaluates its clients' own models instead (:meth:`evaluate_personalized`)."""
+        personalized run evaluates its clients' own models instead (:meth:`evaluate_personalized`). The
+        ``eval.metrics`` of the same predictions are left in :attr:`eval_metrics` (``{}`` without any)."""
         personalized = w is None and self.personalized
         collect = self.metric_set
         if collect is not None:
