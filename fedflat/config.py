@@ -99,11 +99,11 @@ class TrainConfig(Section):
         "round", description="round: fresh every round (the papers' codes); client: kept per client as client state")
     schedule: Literal["exponential", "step", "cosine"] = Field(
         "exponential", description="eta_l^t per round after the warm-up: exponential (lr_decay^t), step "
-                                   "(step_gamma every step_rounds), cosine (to min_lr at the last round)")
+                                   "(step_gamma every step_rounds), cosine (CosineAnnealingLR towards min_lr over the rounds)")
     warmup_rounds: int = Field(0, ge=0, description="linear warm-up eta_l (t + 1) / warmup_rounds first")
     step_rounds: int = Field(30, ge=1, description="schedule=step: rounds between decays")
     step_gamma: float = Field(0.1, gt=0, le=1, description="schedule=step: the decay factor")
-    min_lr: float = Field(0.0, ge=0, description="schedule=cosine: eta_l at the last round")
+    min_lr: float = Field(0.0, ge=0, description="schedule=cosine: eta_min, reached the round after the last")
     loss: Literal["cross_entropy", "focal"] = Field(
         "cross_entropy", description="the clients' loss (fedflat/engine/losses.py; the Python API's loss_fn takes "
                                      "any function (logits, y) -> per-sample losses)")
