@@ -142,7 +142,6 @@ class OptimizerState:
         keep = active[:, None]
         for k, v in self.tensors.items():
             self.tensors[k] = torch.where(keep, v, old[k])
-        self.fresh = self.fresh & ~active
         return torch.where(keep, new, W)
 
     def _sgd(self, W: torch.Tensor, d: torch.Tensor, lr: float) -> torch.Tensor:
