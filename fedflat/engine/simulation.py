@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedflat import plugins
