@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from fedflat.config import Config, as_config, quickstart_path
@@ -26,7 +27,8 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
         run_dir: str | Path | None = None, resume: str | Path | None = None,
         announce: bool | None = None,
         driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None,
-        callbacks: Sequence[Any] = ()) -> History:
+        callbacks: Sequence[Any] = (),
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -42,8 +44,11 @@ def run(config: Config | dict | str | Path | None = None, *, overrides: list[str
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
     ``callbacks``: objects told of the run's start, each round, evaluation and checkpoint, and its end
     (:class:`Callback`, :mod:`fedflat.experiments.callbacks`), after the loggers of the config's ``loggers``
-    (tensorboard, csv, wandb, mlflow: docs/experiments.md, "Tracking runs").
+    (tensorboard, csv, wandb, mlflow: docs/experiments.md, "Tracking runs"). ``loss_fn(logits, y)``, returning one
+    loss per sample (``reduction="none"``), replaces ``train.loss`` in every engine, executor and diagnostic
+    (docs/experiments.md, "Loss and metrics").
     """
     return run_experiment(config, overrides=overrides, dataset=dataset, model_fn=model_fn, clients=clients, out=out,
                           save=save, progress=progress, run_dir=run_dir, resume=resume,
-                          announce=announce, driver=driver, callbacks=callbacks)
+                          announce=announce, driver=driver, callbacks=callbacks,
+                          loss_fn=loss_fn)

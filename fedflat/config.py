@@ -86,6 +86,43 @@ class TrainConfig(Section):
                             "decay (and a proximal mu w) as the methods' public codes do (clip_grad_norm_ before "
                             "torch.optim.SGD's weight_decay); step: clip the whole local direction, decay included")
     global_lr: float = Field(1.0, gt=0, description="eta_g")
+    # the local optimizer and schedule (fedflat/engine/optim.py, docs/experiments.md "Local optimizers")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="the local step on the direction d: sgd (torch.optim.SGD), adam (L2 weight decay in d), "
+                           "adamw (decoupled weight decay)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD's momentum mu (0: plain SGD)")
+    dampening: float = Field(0.0, ge=0, lt=1, description="SGD's dampening tau")
+    nesterov: bool = Field(False, description="SGD's Nesterov momentum")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2)")
+    eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    optimizer_state: Literal["round", "client"] = Field(
+        "round", description="round: fresh every round (the papers' codes); client: kept per client as client state")
+    schedule: Literal["exponential", "step", "cosine"] = Field(
+        "exponential", description="eta_l^t per round after the warm-up: exponential (lr_decay^t), step "
+                                   "(step_gamma every step_rounds), cosine (CosineAnnealingLR towards min_lr over the rounds)")
+    warmup_rounds: int = Field(0, ge=0, description="linear warm-up eta_l (t + 1) / warmup_rounds first")
+    step_rounds: int = Field(30, ge=1, description="schedule=step: rounds between decays")
+    step_gamma: float = Field(0.1, gt=0, le=1, description="schedule=step: the decay factor")
+    min_lr: float = Field(0.0, ge=0, description="schedule=cosine: eta_min, reached the round after the last")
+    loss: Literal["cross_entropy", "focal"] = Field(
+        "cross_entropy", description="the clients' loss (fedflat/engine/losses.py; the Python API's loss_fn takes "
+                                     "any function (logits, y) -> per-sample losses)")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="loss=cross_entropy: label smoothing")
+    focal_gamma: float = Field(2.0, ge=0, description="loss=focal: the focusing parameter gamma")
+
+    @model_validator(mode="after")
+    def _optimizer_options(self) -> "TrainConfig":
+        if self.optimizer != "sgd" and (self.momentum or self.nesterov or self.dampening):
+            raise ValueError(f"momentum/nesterov/dampening are SGD's; optimizer={self.optimizer} takes betas and eps")
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0 (torch.optim.SGD's rule)")
+        if self.optimizer_state == "client" and self.optimizer == "sgd" and self.momentum == 0:
+            raise ValueError("optimizer_state=client: plain SGD keeps no state; set momentum or optimizer=adam/adamw")
+        if self.label_smoothing and self.loss != "cross_entropy":
+            raise ValueError(f"label_smoothing is cross_entropy's; loss={self.loss} takes its own options")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
+        return self
 
 
 class SamplingConfig(Section):
@@ -96,6 +133,9 @@ class SamplingConfig(Section):
 class EvalConfig(Section):
     every: int = Field(1, ge=1, description="evaluate every this many rounds (and the last)")
     batch_size: int = Field(2000, ge=1)
+    metrics: list[Literal["f1", "balanced_accuracy", "per_class_accuracy", "auroc"]] = Field(
+        default_factory=list, description="torchmetrics beyond accuracy and loss on the held-out set, logged as "
+                                          "test_<name> (fedflat/engine/scores.py)")
 
 
 class StoreConfig(Section):

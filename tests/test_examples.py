@@ -101,3 +101,23 @@ def test_wandb_sweep_tracks_one_offline_run_per_cell_grouped_by_the_sweep(tmp_pa
         assert run["config"]["algo"]["name"] == folder.name.split("__")[0]
     again = run_example("wandb_sweep.py", "rounds=2", "eval.every=1", "--workers", "2", cwd=tmp_path)
     assert again.count(": completed") == 6 and len(wandb_runs(sweep)) == 6
+
+
+@pytest.mark.slow  # three runs in a fresh process: ~15 s on 2 cores
+def test_loss_and_optimizer_trains_three_ways_and_reports_the_metrics(tmp_path):
+    """Plain SGD, AdamW with kept moments and a warm-up into cosine annealing, and AdamW on a user's focal loss: each
+    run's folder records what it trained with, its lr follows the schedule, and the report has the metrics' columns."""
+    out = run_example("loss_and_optimizer.py", "rounds=5", "threads=1", "--out", "runs", cwd=tmp_path)
+    folders = run_folders(out, tmp_path)
+    assert sorted(folders) == ["adamw", "adamw-focal", "sgd"]
+    for name, folder in folders.items():
+        summary = json.loads((folder / "summary.json").read_text())
+        train = yaml.safe_load((folder / "config.yaml").read_text())["train"]
+        assert summary["status"] == "completed" and 0 < summary["final_test_f1"] <= 1
+        assert 0.5 < summary["final_test_auroc"] <= 1  # better than chance after 5 rounds
+        assert train["optimizer"] == ("sgd" if name == "sgd" else "adamw")
+        assert train["loss"] == ("user:focal" if name == "adamw-focal" else "cross_entropy")
+    lines = [json.loads(x) for x in (folders["adamw"] / "metrics.jsonl").read_text().splitlines()]
+    # eval.every=5: round 5 only, t = 4, t' = t - 1 warm-up round = 3 of T' = 5 - 1
+    assert [m["lr"] for m in lines] == pytest.approx([0.003 * (1 + np.cos(np.pi * 3 / 4)) / 2], rel=1e-12)
+    assert "final f1 (%)" in out and "final auroc (%)" in out

@@ -228,6 +228,19 @@ def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
     assert [m["round"] for m in written] == [1, 2, 3] and all(m["wire_up_bytes"] > 0 for m in written)
 
 
+@pytest.mark.slow  # a Flower simulation: ~30 s on 2 cores
+def test_a_flower_simulation_keeps_optimizer_state_on_its_nodes_and_trains_the_configured_loss(tmp_path):
+    """``train.optimizer_state=client``: each client's momentum buffer lives on its node (client state, as SCAFFOLD's
+    c_i); ``train.loss=focal`` and ``eval.metrics`` come with the config: the numbers of fedflat.run."""
+    cfg = small("fedavg", "train.momentum=0.9", "train.optimizer_state=client", "train.loss=focal",
+                "eval.metrics=[f1]")
+    ours = fedflat.run(cfg, save=False, progress=False)
+    theirs = simulate(cfg, supernodes=3, out=tmp_path, progress=False)
+    assert_same_metrics(ours.metrics, theirs.metrics)
+    assert "test_f1" in theirs.metrics[-1]
+    assert torch.equal(ours.final_parameters, theirs.final_parameters)
+
+
 @pytest.mark.slow  # Fashion-MNIST loaded four times, a simulation: 40 s on 2 cores
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(),
                     reason="Debian's dataset-fashion-mnist is not installed")

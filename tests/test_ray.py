@@ -396,3 +396,28 @@ def test_a_worker_builds_its_model_without_the_pretrained_file(tiny):
     sim = Simulation(tiny())
     spec = sim.worker_spec(model={**sim.cfg.model, "pretrained": "/nowhere/weights.pt"})
     assert build_runtime(spec, sim.worker_data()).model.layout.size == sim.num_parameters
+
+
+@pytest.mark.slow  # Ray: a few seconds once its workers are up
+def test_ray_workers_train_with_a_custom_loss_metrics_and_kept_optimizer_state(pool):
+    """A ``loss_fn`` (a lambda: pickled by value into the workers), ``eval.metrics`` and Adam state kept per client
+    (client state in the driver's store, sent with each task): the local numbers, bit for bit."""
+    cfg = tiny_config(*UNEQUAL, "train.optimizer=adam", "train.optimizer_state=client", "train.lr=0.01",
+                      "eval.metrics=[f1,auroc]")
+
+    def brier(logits, y):
+        one_hot = (y[:, None] == torch.arange(logits.shape[-1])).to(logits)
+        return (logits.softmax(-1) - one_hot).pow(2).sum(-1)
+
+    local = Simulation(cfg, loss_fn=brier)
+    expected = trajectory(local, 2)
+    sim = Simulation(cfg, loss_fn=brier)
+    sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
+                               actors=pool[:2])
+    assert trajectory(sim, 2) == expected
+    assert sim.eval_metrics == local.eval_metrics and set(sim.eval_metrics) == {"f1", "auroc"}
+    assert_identical(local, sim)
+    assert "optim.exp_avg" in sim.store.names()
+    plain = Simulation(tiny_config(*UNEQUAL, "train.optimizer=adam", "train.optimizer_state=client", "train.lr=0.01"))
+    assert trajectory(plain, 2) != expected  # the loss is Brier's, not cross-entropy
+    sim.close()

@@ -23,7 +23,7 @@ _HOMES = {
     "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
     "round": ("BUFFERS", "MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult",
               "ClipScope", "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot",
-              "TrainSettings", "merge_results", "payload_size"),
+              "TrainSettings", "LocalOptimizer", "merge_results", "payload_size"),
     "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
              "ServerUpdate", "shared"),
     "init": ("Init",),

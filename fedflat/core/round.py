@@ -14,6 +14,7 @@ from typing import Any, Iterator, Literal, Protocol
 
 import torch
 
+from fedflat.core.errors import AlgorithmError
 from fedflat.core.vectors import BufferLayout, ParamLayout
 
 ClipScope = Literal["loss", "step"]
@@ -93,6 +94,28 @@ class ClientData(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LocalOptimizer:
+    """The clients' local optimizer (``train.optimizer``), as ``torch.optim`` defines it, acting on the local
+    direction ``d`` the parts compute (the gradient ``p.grad`` would hold): ``sgd`` with ``momentum`` (heavy ball,
+    ``dampening``, ``nesterov``), ``adam`` (L2 ``weight_decay`` coupled into ``d``) or ``adamw`` (decoupled:
+    ``w <- w (1 - eta wd)``). ``keep``: the state's lifetime, ``round`` (fresh every round, as the papers' codes
+    build their optimizer) or ``client`` (each client's state kept in the client-state store)."""
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    keep: Literal["round", "client"] = "round"
+
+    @property
+    def plain(self) -> bool:
+        """Plain SGD, ``w <- w - eta d``: the step every method's equations are written for."""
+        return self.name == "sgd" and self.momentum == 0
+
+
 @dataclass
 class TrainSettings:
     """The local-training settings every part may read (the same on the server and on every client)."""
@@ -112,6 +135,9 @@ class TrainSettings:
     clip_scope: ClipScope = "loss"
     lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
     dp_sgd: tuple[float, float] | None = None  # (C, z): local steps take DP-SGD's private gradients (privacy.level)
+    optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the local step (plain SGD by default)
+    # the loss, (logits[B, K], y[B]) -> per-sample losses [B]; None: cross-entropy (fedflat/engine/losses.py)
+    loss: Any = None
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,
@@ -365,7 +391,12 @@ class RoundContext:
 
     @property
     def pseudo_gradients(self) -> torch.Tensor:
-        """``G_i = -Delta_i / (E_i eta_l^t)``, the gradient-scale conversion of the spec, ``[K, P]``."""
+        """``G_i = -Delta_i / (E_i eta_l^t)``, the gradient-scale conversion of the spec, ``[K, P]``: the mean local
+        direction only under plain SGD steps, so a part reading it under another ``train.optimizer`` is refused."""
+        if not self.settings.optimizer.plain:
+            raise AlgorithmError(f"-Delta_i / (E_i eta_l) is the mean local direction only under plain SGD steps, not "
+                                 f"train.optimizer={self.settings.optimizer.name} (momentum "
+                                 f"{self.settings.optimizer.momentum}): use train.optimizer=sgd train.momentum=0")
         return -self.deltas / (self.steps.to(self.w.dtype)[:, None] * self.lr)
 
     def aggregate(self, X: torch.Tensor) -> torch.Tensor:

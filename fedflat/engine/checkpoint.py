@@ -192,13 +192,14 @@ def run_config(run_dir: str | Path) -> "Config":
         return load_config(path)
     except ConfigError:
         if "user:" in path.read_text():
-            raise CheckpointError(f"{run_dir} was run on a user-supplied dataset, model or split; pass config=, "
-                                  "dataset=, model_fn= and clients= as the run had them to load or resume it") from None
+            raise CheckpointError(f"{run_dir} was run on a user-supplied dataset, model, split or loss; pass config=, "
+                                  "dataset=, model_fn=, clients= and loss_fn= as the run had them to load or resume "
+                                  "it") from None
         raise
 
 
 def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dataset | None" = None,
-             model_fn: "Callable[[], nn.Module] | None" = None, clients=None) -> "Simulation":
+             model_fn: "Callable[[], nn.Module] | None" = None, clients=None, loss_fn=None) -> "Simulation":
     """A :class:`Simulation` of a run folder, restored to the latest state on disk.
 
     State comes from ``checkpoint.pt`` (global model, server state, client store) when present,
@@ -209,7 +210,7 @@ def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dat
 
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
-    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
+    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
     payload = read_checkpoint(run_dir)
     if payload is not None:
         sim.load_state_dict(payload["state"])

@@ -15,6 +15,7 @@ from fedflat.algorithms import Algorithm
 from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, Correction,
                           torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
+from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession
 
 
@@ -159,7 +160,8 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     a filter that ``acts_on`` the gradient filters ``descent(...)`` instead of ``eps``),
     ``d = correction(g)``, ``d = clip(d)`` (``train.clip_scope``: the whole ``d``, or, as the methods' public codes,
     ``d`` without the weight decay their optimizer adds after the clip: :func:`clip_loss_rows`),
-    ``w <- w - eta_l^t d``; rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
+    ``w <- w - eta_l^t d`` (or, with ``train.optimizer``, the local optimizer's step along ``d``:
+    :mod:`fedflat.engine.optim`); rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
     A model with buffers trains each client from the broadcast buffers (with its own private entries, FedBN's)
@@ -216,6 +218,11 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
                   if batches.augment is not None else None)
     W = ctx.w_start.expand(cohort.size, -1).clone()
+    optimizer = None if settings.optimizer.plain else OptimizerState.start(settings.optimizer, W, cohort.state,
+                                                                            cohort.known)
+    # AdamW's weight decay is decoupled: d is computed without it, and the optimizer shrinks w by 1 - eta wd
+    decay = settings.weight_decay if settings.optimizer.name == "adamw" else 0.0
+    direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
     distill = perturbation.distillation(ctx)
     loss_sum = torch.zeros(cohort.size, device=W.device)
     longest = max(steps)
@@ -239,14 +246,20 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
         grad = perturbation.descent_gradient(ctx, cohort, grad)
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
-        direction = local_direction(correction, ctx, cohort, k, W, grad, clip, clip_scope, loss_direction)
+        direction = local_direction(correction, direction_ctx, cohort, k, W, grad, clip, clip_scope, loss_direction)
         if personal is not None:
             personal.local_step(ctx, cohort, k, W, batch)
-        if uniform:
+        if optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
+            W = optimizer.step(W, direction, lr, decay, None if uniform else cohort.active)
+            loss_sum += loss if uniform else torch.where(cohort.active, loss, torch.zeros_like(loss))
+        elif uniform:
             W.add_(direction, alpha=-lr)  # w - eta d in one pass
             loss_sum += loss
         else:
             active = cohort.active
             W = torch.where(active[:, None], torch.add(W, direction, alpha=-lr), W)  # the same arithmetic
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+    if optimizer is not None:
+        optimizer.save(cohort.new_state)
     return W, loss_sum
+

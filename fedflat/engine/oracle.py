@@ -26,23 +26,26 @@ import torch
 import torch.nn.functional as F
 
 from fedflat.core import Batch, Distillation, stream_seed, torch_stream
+from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, drawing, recording
 from fedflat.params import FlatModel
 
 
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
-                        weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor | None = None,
+                        loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
     (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
     ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
-    ``weight[B]`` (0 for padding) weighted means over the real ones."""
+    ``weight[B]`` (0 for padding) weighted means over the real ones. With a ``loss`` of one's own
+    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``."""
     log_p = F.log_softmax(logits / tau, dim=-1)
     if weight is None:
-        ce = F.cross_entropy(logits, y)
+        ce = mean_loss(loss, logits, y)
         kl = F.kl_div(log_p, teacher_logp, reduction="batchmean", log_target=True)
     else:
         mean = (lambda per_sample: (per_sample * weight).sum() / weight.sum())
-        ce = mean(F.cross_entropy(logits, y, reduction="none"))
+        ce = mean(per_sample(loss, logits, y))
         kl = mean(F.kl_div(log_p, teacher_logp, reduction="none", log_target=True).sum(-1))
     return ce + gamma * tau ** 2 * kl, ce
 
@@ -95,8 +98,9 @@ class Oracle:
     """
 
     def __init__(self, model: FlatModel, vectorized: bool = False, precision: str = "float32",
-                 channels_last: bool = False, traits: ModelTraits | None = None):
+                 channels_last: bool = False, traits: ModelTraits | None = None, loss: LossFn | None = None):
         self.model = model
+        self.loss_fn = loss  # per-sample losses (None: cross-entropy), fedflat/engine/losses.py
         self.vectorized = vectorized
         self.autocast = {"float32": None, "bf16": torch.bfloat16}[precision]
         self.channels_last = channels_last
@@ -132,18 +136,18 @@ class Oracle:
 
     # Per-client losses of the tensors ``views`` (one client's parameters, per tensor).
     def _mean_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self._logits(views, x), y)
+        return mean_loss(self.loss_fn, self._logits(views, x), y)
 
     def _weighted_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                        weight: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(self._logits(views, x), y, reduction="none")
+        losses = per_sample(self.loss_fn, self._logits(views, x), y)
         return (losses * weight).sum() / weight.sum()
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
                         tau: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
-        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight)
+        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +224,7 @@ class Oracle:
             buffers, losses = self._eval_buffers(W.shape[0]), []
             for c in range(W.shape[0]):
                 x, y = batch.row(c)
-                losses.append(F.cross_entropy(self._eval_logits(W[c], buffers[c], self._arranged(x)), y))
+                losses.append(mean_loss(self.loss_fn, self._eval_logits(W[c], buffers[c], self._arranged(x)), y))
             return torch.stack(losses)
         if self.vectorized:
             views = tuple(self.model.layout.views(W))
@@ -323,14 +327,14 @@ class Oracle:
         self.model.bind_buffers(self.model.buffer_layout.tensors(b))
         return self._logits(tuple(self.model.layout.views(w)), x)
 
-    @staticmethod
-    def _objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor | None,
+    def _objective(self, logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor | None,
                    distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, reported loss)`` of one client's unpadded batch."""
         if distill is None:
-            ce = F.cross_entropy(logits, y)
+            ce = mean_loss(self.loss_fn, logits, y)
             return ce, ce
-        return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature)
+        return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature,
+                                   loss=self.loss_fn)
 
     def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
                             distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:

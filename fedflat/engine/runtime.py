@@ -25,6 +25,7 @@ from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort,
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
 from fedflat.engine.modes import ModelTraits, module_name
+from fedflat.engine.optim import state_vectors
 from fedflat.engine.oracle import Oracle
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -75,14 +76,22 @@ def check_vectorizable(algorithm: Algorithm) -> None:
 
 
 def vmap_problem(model: FlatModel, traits: ModelTraits, x: torch.Tensor, y: torch.Tensor,
-                 precision: str = "float32") -> str | None:
+                 precision: str = "float32", loss=None) -> str | None:
     """Why the vectorized engine cannot train ``model`` (one line), or None: one vectorized step of two clients on
     two samples ``x[:2]`` is tried (data-dependent control flow, in-place writes into tensors vmap cannot batch and
     other unsupported operations fail there), leaving the model, its buffers and every generator as they were."""
     if traits.random is not None:
         return (f"its forward draws random numbers ({traits.random}) outside PyTorch's dropout functions, which the "
                 "vectorized engine cannot draw per client")
-    oracle = Oracle(model, vectorized=True, precision=precision, traits=traits)
+    problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits), model, x, y)
+    if problem is None and loss is not None:  # the model runs: then the user's loss_fn is what vmap refuses
+        problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits, loss=loss), model, x, y)
+        return None if problem is None else f"with its loss_fn: {problem}"
+    return problem
+
+
+def _vmap_step(oracle: Oracle, model: FlatModel, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """The error of one vectorized step of ``oracle`` on two clients (one line), or None."""
     batch = Batch(torch.stack([x[:2], x[:2]]), torch.stack([y[:2], y[:2]]))
     buffers = model.initial_buffers.expand(2, -1) if model.buffer_layout.size else None
     try:
@@ -217,7 +226,7 @@ class ClientRuntime:
         batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
         self.fixed_chunk = chunk_size
         self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
-                             traits=traits)
+                             traits=traits, loss=settings.loss)
         self.oracle.dp_sgd = settings.dp_sgd
         if engine == "vectorized" and self.oracle.traits.random is not None:
             raise ConfigError(f"engine=vectorized: model {module_name(model.module)} draws random numbers "
@@ -235,7 +244,7 @@ class ClientRuntime:
         parts' per-client state, and three times a batch's activations (kept, their gradients, scratch)."""
         if self._client_bytes is None:
             w = self.model.initial
-            vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors
+            vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors + state_vectors(self.settings.optimizer)
             x = self.batches.x[: self.settings.batch_size]
             self._client_bytes = vectors * w.numel() * w.element_size() + 3 * activation_bytes(self.model, w, x)
         return self._client_bytes

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedflat import plugins
@@ -32,11 +31,14 @@ from fedflat.data import (Dataset, augmentation_fn, client_split, client_test_sp
 from fedflat.engine.batches import local_steps
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.heap import retain_freed_memory
+from fedflat.engine.losses import LossFn, check_loss, configured_loss, summed_loss
 from fedflat.engine.modes import inspect_module, module_name
 from fedflat.engine.privacy import PrivacyLedger
+from fedflat.engine.optim import check_recipe, optimizer_of, round_lr, state_keys, state_widths
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, ThreadExecutor, WorkerSpec,
                                     build_client_runtime, choose_engine, resolve_engine, set_tf32, step_flops,
                                     vmap_problem)
+from fedflat.engine.scores import MetricSet
 from fedflat.engine.store import ClientStore
 from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.engine.validation import checked
@@ -217,7 +219,7 @@ class Simulation:
     """
 
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
-                 clients: Sequence[Sequence[int]] | None = None):
+                 clients: Sequence[Sequence[int]] | None = None, loss_fn: LossFn | None = None):
         self.cfg = cfg
         plugins.load(cfg.plugins)  # a config that crossed into another process (a Flower node) names its plugins
         self.device = resolve_device(cfg.device)
@@ -265,8 +267,10 @@ class Simulation:
         self.engine = resolve_engine(cfg.engine, self.device, self.step_flops)
         # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused
         may_vectorize = self.engine == "vectorized" or (cfg.engine == "auto" and cfg.executor.gpus_per_worker > 0)
+        loss = loss_fn if loss_fn is not None else configured_loss(cfg.train)
+        self._check_loss(loss)
         self.vmap_problem = vmap_problem(self.model, self.traits, self._probe_inputs(), self.dataset.y_train,
-                                         cfg.precision) if may_vectorize else None
+                                         cfg.precision, loss) if may_vectorize else None
         self.engine = choose_engine(cfg.engine, self.engine, self.vmap_problem, module)
         layout = self.model.buffer_layout
         if cfg.privacy is not None and layout.size:
@@ -279,9 +283,12 @@ class Simulation:
                                       layout=self.model.layout, total_samples=int(self.num_samples.sum()),
                                       clip_scope=cfg.train.clip_scope, lr_decay=cfg.train.lr_decay,
                                       dp_sgd=_dp_sgd(cfg, self.traits, module),
+                                      optimizer=optimizer_of(cfg.train),
+                                      loss=loss,
                                       buffers=layout if layout.size else None,
                                       batch_norms=tuple(n for n, m in module.named_modules()
                                                         if isinstance(m, nn.modules.batchnorm._BatchNorm)))
+        check_recipe(self.algorithm.parts, cfg.algo["name"], self.settings.optimizer, cfg.train.schedule)
         personalization = self.algorithm.parts["personalization"]
         try:  # clients keep private parameters (FedPer): evaluation is then per client (evaluate_personalized)
             self.personalized = personalization.private(self.settings) is not None
@@ -290,11 +297,15 @@ class Simulation:
         except AlgorithmError as err:  # e.g. more private layers than the model has
             raise ConfigError(str(err)) from None
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
+        # eval.metrics (torchmetrics), and their values at the last evaluate() ({} without any)
+        self.metric_set = MetricSet(cfg.eval.metrics, dataset.num_classes, self.device) if cfg.eval.metrics else None
+        self.eval_metrics: dict[str, float] = {}
         self.w = self.model.initial.clone()
         self.buffers = self.model.initial_buffers.clone()  # b^t: the global model's buffers ([0] without any)
         self.server: dict[str, torch.Tensor] = self.algorithm.initial_server_state(self.w, self.settings)
         self.store = ClientStore(self.model.layout.size, self.device, memory_mb=cfg.store.memory_mb,
-                                 directory=cfg.store.dir, widths={BUFFERS: (layout.size, torch.float64)})
+                                 directory=cfg.store.dir,
+                                 widths={BUFFERS: (layout.size, torch.float64), **state_widths(self.settings.optimizer)})
         self.batches = ClientBatches(self.dataset.x_train, self.dataset.y_train, self.client_indices,
                                      cfg.train.batch_size, cfg.seed, augmentation_fn(dataset.augmentation),
                                      dataset.standardize)
@@ -309,6 +320,16 @@ class Simulation:
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
         self.privacy = PrivacyLedger.of(cfg, self.num_samples.cpu(), self.algorithm.backprops_per_step)
+
+    def _check_loss(self, loss: LossFn | None) -> None:
+        """The run's loss (``loss_fn`` or ``train.loss``) on the model's logits of a few training samples, before
+        round 0: one loss per sample, or a one-line error (:func:`fedflat.engine.losses.check_loss`)."""
+        if loss is None:
+            return
+        x = self._probe_inputs()
+        with torch.no_grad():
+            logits = self.model(self.model.initial, x, self.model.initial_buffers)
+        check_loss(loss, logits, self.dataset.y_train[:x.shape[0]])
 
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
@@ -398,7 +419,8 @@ class Simulation:
         return torch.as_tensor(sorted(chosen.tolist()), dtype=torch.long)
 
     def lr_at(self, round: int) -> float:
-        return self.cfg.train.lr * self.cfg.train.lr_decay ** round
+        """``eta_l^t`` (:func:`fedflat.engine.optim.round_lr`: ``train.schedule`` after ``train.warmup_rounds``)."""
+        return round_lr(self.cfg.train, round, self.cfg.rounds)
 
     def chunk_size(self, K: int) -> int:
         """Clients trained together by the local executor (see :meth:`ClientRuntime.chunk_size`)."""
@@ -417,7 +439,8 @@ class Simulation:
 
     def client_state_keys(self) -> list[str]:
         """Names of the state each client keeps: its parts', and its own buffers where some are private (FedBN)."""
-        return self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
+        return (self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
+                + state_keys(self.settings.optimizer))
 
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -566,30 +589,42 @@ class Simulation:
     @torch.no_grad()
     def evaluate(self, w: torch.Tensor | None = None) -> tuple[float, float]:
         """``(accuracy, mean loss)`` of ``w`` (default: the global model) on the held-out set; without ``w`` a
-        personalized run evaluates its clients' own models instead (:meth:`evaluate_personalized`)."""
-        if w is None and self.personalized:
-            return self.evaluate_personalized()
-        correct, loss = self._scores(self.w if w is None else w, self.dataset.x_test, self.dataset.y_test,
-                                     self.buffers)
-        count = self.dataset.x_test.shape[0]
-        return correct.item() / count, loss.item() / count
+        personalized run evaluates its clients' own models instead (:meth:`evaluate_personalized`). The
+        ``eval.metrics`` of the same predictions are left in :attr:`eval_metrics` (``{}`` without any)."""
+        personalized = w is None and self.personalized
+        collect = self.metric_set
+        if collect is not None:
+            collect.reset()
+        if personalized:
+            acc, loss = self.evaluate_personalized(collect)
+        else:
+            correct, total = self._scores(self.w if w is None else w, self.dataset.x_test, self.dataset.y_test,
+                                          self.buffers, collect)
+            count = self.dataset.x_test.shape[0]
+            acc, loss = correct.item() / count, total.item() / count
+        # a federation's personal scores come from its nodes, without the predictions torchmetrics needs
+        pooled = collect is not None and not (personalized and self.personal_evaluation is not None)
+        self.eval_metrics = collect.compute() if pooled else {}
+        return acc, loss
 
     @torch.no_grad()
-    def evaluate_personalized(self) -> tuple[float, float]:
+    def evaluate_personalized(self, collect: MetricSet | None = None) -> tuple[float, float]:
         """FedPer's evaluation: every client's model (the global model with its private entries; the global
         model's where it has not trained yet) on its own test share, pooled: ``(accuracy, mean loss)`` over all
         the test samples some client holds, i.e. the clients' accuracies weighted by their test shares. A
         federation sets :attr:`personal_evaluation`: the private entries never leave its nodes, which score
-        their clients (:meth:`personal_scores`) for it."""
+        their clients (:meth:`personal_scores`) for it. ``collect`` gathers the pooled predictions' ``eval.metrics``
+        (in this process only)."""
         if self.personal_evaluation is not None:
             scores = self.personal_evaluation(self.w)
         else:
-            scores = self.personal_scores(self.w, list(range(self.cfg.data.num_clients)), self.load_state)
+            scores = self.personal_scores(self.w, list(range(self.cfg.data.num_clients)), self.load_state,
+                                          collect=collect)
         return pooled_accuracy(scores)
 
     @torch.no_grad()
     def personal_scores(self, w: torch.Tensor, clients: list[int], load_state: Callable[..., Any],
-                        buffers: torch.Tensor | None = None) -> ClientScores:
+                        buffers: torch.Tensor | None = None, collect: MetricSet | None = None) -> ClientScores:
         """Each of ``clients`` (those with a test share) scored with its own model — ``w`` with its private
         entries, from ``load_state(ids, names)``, and the global buffers ``buffers`` (default ``b^t``) with its
         private ones (FedBN) — on its own test share, a few client models at a time."""
@@ -607,7 +642,8 @@ class Simulation:
             own = own_buffers(b, self.private_buffers, state, known, len(ids))
             for row, client in enumerate(ids.tolist()):
                 share = shares[client]
-                c, l = self._scores(models[row], self.dataset.x_test[share], self.dataset.y_test[share], own[row])
+                c, l = self._scores(models[row], self.dataset.x_test[share], self.dataset.y_test[share], own[row],
+                                    collect)
                 correct.append(c)
                 loss.append(l)
         if not tested:
@@ -632,15 +668,17 @@ class Simulation:
             hits += (logits.argmax(1) == attack.p.target).sum()
         return hits.item() / max(size, 1)
 
-    def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Correct predictions and summed cross-entropy of the model ``(w, buffers)`` on ``(x, y)`` in ``eval()``
-        mode, on the device (no sync)."""
+    def _scores(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, buffers: torch.Tensor,
+                collect: MetricSet | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Correct predictions and summed loss (``train.loss``; cross-entropy by default) of the model ``(w, buffers)`` on ``(x, y)`` in ``eval()``
+        mode, on the device (no sync); ``collect`` (the ``eval.metrics``) is updated with every batch."""
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         for lo in range(0, x.shape[0], self.cfg.eval.batch_size):
             logits = self.model(w, self.dataset.features(x[lo:lo + self.cfg.eval.batch_size]), buffers)
             target = y[lo:lo + self.cfg.eval.batch_size]
-            loss += F.cross_entropy(logits, target, reduction="sum").double()
+            loss += summed_loss(self.settings.loss, logits, target).double()
             correct += (logits.argmax(1) == target).sum()
+            if collect is not None:
+                collect.update(logits, target)
         return correct, loss

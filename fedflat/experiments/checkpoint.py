@@ -31,7 +31,8 @@ RESUMABLE = ("rounds", "threads", "checkpoint_every", "executor", "loggers")
 def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
            config: Config | None = None, dataset: "Dataset | None" = None,
            model_fn: "Callable[[], nn.Module] | None" = None, clients=None, driver=None,
-           callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None) -> History:
+           callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None,
+           loss_fn: "Callable | None" = None) -> History:
     """Continues the run in ``run_dir`` from its latest checkpoint (from round 0 if it has none).
 
     The resumed run's ``metrics.jsonl`` equals that of a run never interrupted, number for number
@@ -42,7 +43,8 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     whose rounds went through a ``driver`` (a Flower federation, whose nodes keep their clients' state) continues
     only through one.
     ``callbacks``, ``group`` and ``job`` as for :func:`~fedflat.experiments.runner.run_experiment`: the config's
-    loggers continue the run's tracked runs (the ids in ``tracking.json``).
+    loggers continue the run's tracked runs (the ids in ``tracking.json``). ``loss_fn``: the run's own loss, as it
+    had it (``train.loss: user:<name>`` in its ``config.yaml``; pass ``config=`` too).
     """
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
@@ -63,9 +65,10 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
             raise CheckpointError(f"{run_dir} has completed {done} rounds: rounds={cfg.rounds} cannot shorten it "
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
-            return _finished_history(run_dir, completed, cfg, dataset, model_fn, clients)
+            return _finished_history(run_dir, completed, cfg, dataset, model_fn, clients, loss_fn)
         return run_experiment(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir,
-                              progress=progress, driver=driver, callbacks=callbacks, group=group, job=job)
+                              progress=progress, driver=driver, callbacks=callbacks, group=group, job=job,
+                              loss_fn=loss_fn)
 
 
 def _resumed_config(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -74,7 +77,11 @@ def _resumed_config(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
         if key.split(".")[0] not in RESUMABLE:
             raise ConfigError(f"{key}: a resume continues the run as it was configured; it can change only "
                               f"{', '.join(RESUMABLE)} (start a new run to change {key})")
-    return load_config(None, overrides, base=cfg.model_dump())
+    resumed = load_config(None, overrides, base=cfg.model_dump())
+    if cfg.train.schedule == "cosine" and resumed.rounds != cfg.rounds:
+        raise ConfigError(f"train.schedule=cosine anneals eta_l over the planned {cfg.rounds} rounds: rounds="
+                          f"{resumed.rounds} would change the rates of the rounds left; start a new run")
+    return resumed
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
@@ -92,9 +99,9 @@ def _completed_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: Config, dataset: "Dataset | None",
-                      model_fn: "Callable[[], nn.Module] | None", clients=None) -> History:
+                      model_fn: "Callable[[], nn.Module] | None", clients=None, loss_fn=None) -> History:
     """The :class:`History` of a completed run, read from its folder without writing to it."""
-    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn, clients=clients)
+    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
     try:
         return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),

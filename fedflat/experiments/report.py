@@ -143,7 +143,8 @@ def at_round(run: Run, round: int) -> Run | None:
         return None
     accuracies = [m["test_acc"] for m in kept if m.get("test_acc") is not None]
     status = run.summary.get("status") if run.summary.get("status") == "corrupt" else "completed"
-    summary = {**run.summary, "status": status, "rounds": round, "final_test_acc": kept[-1]["test_acc"],
+    extra = {f"final_{k}": v for k, v in kept[-1].items() if k.startswith("test_") and k not in ("test_acc", "test_loss")}
+    summary = {**run.summary, **extra, "status": status, "rounds": round, "final_test_acc": kept[-1]["test_acc"],
                "final_test_loss": kept[-1].get("test_loss"), "best_test_acc": max(accuracies),
                "train_seconds": kept[-1].get("train_seconds")}
     return Run(path=run.path, config={**run.config, "rounds": round}, summary=summary, metrics=kept)
@@ -265,6 +266,7 @@ class Row:
     rounds: float | None
     status: str
     epsilon: float | None = None  # privacy spent (mean over seeds), for runs under differential privacy
+    metrics: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # eval.metrics, in %
 
 
 def summarize(group: Group, targets: list[float]) -> Row:
@@ -294,7 +296,15 @@ def summarize(group: Group, targets: list[float]) -> Row:
                seeds=len(runs), final=mean_std(pct), best=mean_std(best),
                targets=hits, sec_per_round=mean_std(per_round)[0], comm=mean_std(comm)[0], backprops=mean_std(bp)[0],
                rounds=mean_std([float(r.summary.get("rounds") or 0) for r in runs])[0], status=status,
-               epsilon=mean_std([r.summary["epsilon"] for r in runs if r.summary.get("epsilon") is not None])[0])
+               metrics={name: mean_std([100 * r.summary[f"final_test_{name}"] for r in runs
+                                        if r.summary.get(f"final_test_{name}") is not None])
+                        for name in _metric_names(runs)})
+
+
+def _metric_names(runs: list[Run]) -> list[str]:
+    """The ``eval.metrics`` the runs logged (``final_test_<name>``; not the per-class accuracies), in order."""
+    names = [k[len("final_test_"):] for r in runs for k in r.summary if k.startswith("final_test_")]
+    return [n for n in dict.fromkeys(names) if n not in ("acc", "loss") and not n.startswith("acc_class_")]
 
 
 def build_rows(runs: list[Run], targets: list[float]) -> list[Row]:
@@ -327,15 +337,17 @@ def private(rows: list[Row]) -> bool:
     return any(r.epsilon is not None for r in rows)
 
 
-def headers(targets: list[float], epsilon: bool = False) -> list[str]:
-    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)"] + (["epsilon"] if epsilon else [])
+def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False) -> list[str]:
+    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)", *(f"final {m} (%)" for m in metrics),
+            *(["epsilon"] if epsilon else [])]
     for t in targets:
         cols += [f"rounds to {100 * t:g}%", f"time to {100 * t:g}% (s)"]
     return cols + ["s/round", "comm (x FedAvg)", "backprops/step", "status"]
 
 
-def _cells(row: Row, targets: list[float], pm: str, epsilon: bool = False) -> list[str]:
-    cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm)]
+def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), epsilon: bool = False) -> list[str]:
+    cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
+             *(_pm(row.metrics.get(m, (None, None)), pm) for m in metrics)]
     if epsilon:
         cells.append(DASH if row.epsilon is None else f"{row.epsilon:.3g}")
     for t in targets:
@@ -346,10 +358,15 @@ def _cells(row: Row, targets: list[float], pm: str, epsilon: bool = False) -> li
     return cells
 
 
+def _row_metrics(rows: list[Row]) -> list[str]:
+    return list(dict.fromkeys(m for r in rows for m in r.metrics))
+
+
 def to_markdown(rows: list[Row], targets: list[float]) -> str:
-    head = headers(targets, private(rows))
+    metrics, epsilon = _row_metrics(rows), private(rows)
+    head = headers(targets, metrics, epsilon)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", private(rows))) + " |"
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon)) + " |"
               for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -363,13 +380,14 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(rows: list[Row], targets: list[float]) -> str:
-    head = headers(targets, private(rows))
+    metrics, epsilon = _row_metrics(rows), private(rows)
+    head = headers(targets, metrics, epsilon)
     spec = "ll" + "r" * (len(head) - 3) + "l"
     out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
            " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in rows:
         cells = []
-        for c in _cells(r, targets, " PLUSMINUS ", private(rows)):
+        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon):
             text = _latex_escape(c)
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
@@ -379,7 +397,9 @@ def to_latex(rows: list[Row], targets: list[float]) -> str:
 
 def to_csv(rows: list[Row], targets: list[float]) -> str:
     buf = io.StringIO()
-    cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std"]
+    metrics = _row_metrics(rows)
+    cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
+            *(f"final_{m}_{stat}" for m in metrics for stat in ("mean", "std"))]
     cols += ["epsilon"] if private(rows) else []
     for t in targets:
         cols += [f"rounds_to_{t:g}", f"reached_{t:g}", f"seconds_to_{t:g}"]
@@ -388,7 +408,8 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     writer.writerow(cols)
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
     for r in rows:
-        line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1])]
+        line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1]),
+                *(num(v) for m in metrics for v in r.metrics.get(m, (None, None)))]
         line += [num(r.epsilon)] if private(rows) else []
         for t in targets:
             rounds, seconds, reached = r.targets[t]

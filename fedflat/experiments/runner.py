@@ -89,7 +89,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         run_dir: str | Path | None = None, resume: str | Path | None = None,
         announce: bool | None = None,
         driver: Callable[[Simulation], Callable[[int], RoundResult]] | None = None,
-        callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None) -> History:
+        callbacks: Sequence[Any] = (), group: str | None = None, job: str | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> History:
     """Runs one federated experiment and returns its :class:`History`.
 
     ``config`` is a :class:`Config`, a dict, a YAML path, or None for the embedded quickstart;
@@ -105,6 +106,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
     ``callbacks`` (:mod:`fedflat.experiments.callbacks`) watch the run after the config's ``loggers``;
     ``group`` and ``job`` name the sweep or tune study (and its part) a run is a cell of, for the trackers.
+    ``loss_fn(logits, y)`` (one loss per sample) replaces ``train.loss`` (:mod:`fedflat.engine.losses`).
     """
     cfg = as_config(config, overrides)
     if clients is not None and cfg.data.num_clients != len(clients):
@@ -119,9 +121,9 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
 
         # a logger's library and a callback's options are checked before a folder is made
         watchers = [*build_loggers(cfg.loggers, group), *build_callbacks(cfg.callbacks), *callbacks]
-        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients)
+        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
         stack.callback(sim.close)
-        resolved = _resolved(cfg, dataset, model_fn, clients)
+        resolved = _resolved(cfg, dataset, model_fn, clients, loss_fn)
         folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
             runner = Runner(cfg, sim, resolved, folder, checkpoint, watchers, where)
@@ -148,7 +150,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
 
 
 def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None,
-              clients: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+              clients: Sequence[Sequence[int]] | None = None, loss_fn: Callable | None = None) -> dict[str, Any]:
     """The config as ``config.yaml`` records it (a user's dataset, model or split by name)."""
     resolved = resolve(cfg)
     if dataset is not None:
@@ -157,6 +159,8 @@ def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Mo
         resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
     if clients is not None:
         resolved["data"]["partition"] = {"scheme": f"user:{len(clients)} clients"}
+    if loss_fn is not None:
+        resolved["train"]["loss"] = f"user:{getattr(loss_fn, '__name__', 'loss_fn')}"
     return resolved
 
 
@@ -439,7 +443,8 @@ class Runner:
         eval_seconds = time.perf_counter() - eval_start
         split = sim.heldout  # "test", or "val" for a run that selects on a validation split
         fields = _training_fields(result)
-        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, "train_loss": fields["train_loss"],
+        extra = {f"{split}_{k}": v for k, v in sim.eval_metrics.items()}  # eval.metrics (F1, AUROC, ...)
+        record = {"round": t + 1, f"{split}_acc": acc, f"{split}_loss": loss, **extra, "train_loss": fields["train_loss"],
                   "lr": fields["lr"], "seconds": fields["seconds"], "eval_seconds": eval_seconds,
                   "train_seconds": s["train_seconds"], **fields}
         for hook in self.hooks:
@@ -452,6 +457,7 @@ class Runner:
             if s[f"best_{split}_acc"] is None or acc > s[f"best_{split}_acc"]:
                 s[f"best_{split}_acc"], s["best_round"] = acc, t + 1
             s[f"final_{split}_acc"], s[f"final_{split}_loss"] = acc, loss
+            s.update({f"final_{k}": v for k, v in extra.items()})
             self._owed = None
         bar.set_postfix(acc=f"{acc:.3f}", loss=f"{result.train_loss:.3f}", refresh=False)  # shown with its count
         self.callbacks.emit("on_evaluation", t + 1, record)

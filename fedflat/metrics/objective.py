@@ -12,9 +12,9 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fedflat.core import SERVER, numpy_stream
+from fedflat.engine.losses import LossFn, mean_loss
 from fedflat.params import FlatModel
 
 FIXED = -1  # the round coordinate of draws that stay the same at every round (subsets, directions)
@@ -40,7 +40,8 @@ def seeded_subset(n: int, size: int | None, seed: int, client: int, purpose: str
 
 
 class DataObjective:
-    """Mean cross-entropy of ``model`` on ``(x, y)``, plus ``wd/2 ||w||^2`` when ``weight_decay`` is set.
+    """Mean loss (``loss``, per-sample losses as :mod:`fedflat.engine.losses` takes them; None: cross-entropy, the
+    default) of ``model`` on ``(x, y)``, plus ``wd/2 ||w||^2`` when ``weight_decay`` is set.
 
     Sums over chunks of ``chunk`` samples weighted by their size, so the result equals the full-batch
     value whatever the chunking. The model runs in ``eval()`` mode with the buffers ``buffers`` (the global
@@ -48,11 +49,12 @@ class DataObjective:
     """
 
     def __init__(self, model: FlatModel, x: torch.Tensor, y: torch.Tensor, chunk: int = 1000,
-                 weight_decay: float = 0.0, buffers: torch.Tensor | None = None):
+                 weight_decay: float = 0.0, buffers: torch.Tensor | None = None, loss: LossFn | None = None):
         if x.shape[0] == 0:
             raise ValueError("an objective needs at least one sample")
         self.model, self.x, self.y, self.buffers = model, x, y, buffers
         self.chunk = chunk
+        self.loss_fn = loss
         self.weight_decay = weight_decay
 
     @property
@@ -70,7 +72,8 @@ class DataObjective:
 
     @torch.no_grad()
     def loss(self, w: torch.Tensor) -> float:
-        total = sum(share * F.cross_entropy(self.model(w, x, self.buffers), y).item() for x, y, share in self._chunks())
+        total = sum(share * mean_loss(self.loss_fn, self.model(w, x, self.buffers), y).item()
+                    for x, y, share in self._chunks())
         return total + self._regularizer(w).item()
 
     @torch.no_grad()
@@ -83,7 +86,7 @@ class DataObjective:
         total = torch.zeros_like(w)
         for x, y, share in self._chunks():
             leaf = w.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x, self.buffers), y), leaf)
+            (g,) = torch.autograd.grad(mean_loss(self.loss_fn, self.model(leaf, x, self.buffers), y), leaf)
             total += share * g
         return total + self.weight_decay * w.detach()
 
@@ -92,7 +95,8 @@ class DataObjective:
         total = torch.zeros_like(w)
         for x, y, share in self._chunks():
             leaf = w.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(F.cross_entropy(self.model(leaf, x, self.buffers), y), leaf, create_graph=True)
+            (g,) = torch.autograd.grad(mean_loss(self.loss_fn, self.model(leaf, x, self.buffers), y), leaf,
+                                       create_graph=True)
             (hv,) = torch.autograd.grad(g @ v, leaf)
             total += share * hv
         return total + self.weight_decay * v
@@ -104,7 +108,7 @@ def global_objective(sim, samples: int | None, weight_decay: float = 0.0, purpos
     data = sim.dataset
     idx = seeded_subset(data.y_train.shape[0], samples, sim.cfg.seed, -1, purpose).to(data.y_train.device)
     return DataObjective(sim.model, data.features(data.x_train[idx]), data.y_train[idx], weight_decay=weight_decay,
-                         buffers=sim.buffers)
+                         buffers=sim.buffers, loss=sim.settings.loss)
 
 
 def client_objective(sim, client: int, samples: int | None, purpose: str = "diagnostics/client") -> DataObjective:
@@ -113,7 +117,7 @@ def client_objective(sim, client: int, samples: int | None, purpose: str = "diag
     pick = seeded_subset(indices.shape[0], samples, sim.cfg.seed, client, purpose).to(indices.device)
     idx = indices[pick]
     return DataObjective(sim.model, sim.dataset.features(sim.dataset.x_train[idx]), sim.dataset.y_train[idx],
-                         buffers=sim.buffers)
+                         buffers=sim.buffers, loss=sim.settings.loss)
 
 
 def seeded_clients(sim, count: int | None, purpose: str = "diagnostics/clients") -> torch.Tensor:
