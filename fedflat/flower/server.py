@@ -200,9 +200,10 @@ def exchange(grid, messages: list, timeout: float, federation: Federation, poll_
     """``grid.send_and_receive`` that stops waiting for a node as soon as it cannot answer: it went offline
     (Flower's heartbeat: an error reply), or it restarted (it connected again since the message went out: the
     message died with the old process). Otherwise it waits up to ``timeout`` seconds."""
+    online = federation.look(grid)  # (before the push: a node that restarts later cannot have them)
     nodes = [m.metadata.dst_node_id for m in messages]
+    before = {node: online[node][1] if node in online else None for node in nodes}
     pending = dict(zip(grid.push_messages(messages), nodes))
-    before = {node: federation.started.get(node) for node in pending.values()}
     deadline, replies, last_look = time.monotonic() + timeout, [], time.monotonic()
     while pending and time.monotonic() < deadline:
         for reply in grid.pull_messages(list(pending)):
