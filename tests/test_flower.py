@@ -321,6 +321,105 @@ def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state
     assert checkpoint["round"] == 4 and torch.equal(checkpoint["state"]["w"], w)
 
 
+@pytest.mark.slow  # a Flower simulation of four rounds with three nodes: ~10 s on 2 busy cores
+def test_garbage_from_a_node_leaves_its_clients_out_with_the_reason_and_never_stops_the_server(tmp_path, caplog):
+    """Issue 43: a NaN upload from one node ended the whole run (`diverged`, "lower train.lr"), and a node's
+    non-model entries were not checked. Each kind of garbage here (NaN in the model, a float64 model, an infinite
+    training loss, an integer entry the others lack, an unreadable client list) leaves that node's clients out of
+    its round with a logged reason naming the node; the run completes, says it left clients out, and equals
+    fedflat's own loop with them left out."""
+    import logging
+
+    from fedflat.core import TRAIN_LOSS
+
+    cfg = small("scaffold", "rounds=4", "sampling.clients_per_round=6")
+    inner = client_app(cfg, state_dir=tmp_path / "nodes")
+    client = ClientApp()
+
+    @client.query()
+    def query(message: Message, context):
+        return inner(message, context)
+
+    def damaged(upload, key, change):
+        array = upload[key].numpy().copy()
+        upload[key] = Array(change(array))
+
+    def nan(a):
+        a[0, 0] = np.nan
+        return a
+
+    @client.train()
+    def train(message: Message, context):
+        round, partition = message.content["task"]["round"], context.node_config["partition-id"]
+        reply = inner(message, context)
+        upload = reply.content["upload"]
+        if (round, partition) == (0, 0):
+            damaged(upload, MODEL, nan)
+        if (round, partition) == (1, 1):
+            damaged(upload, MODEL, lambda a: a.astype(np.float64))
+        if (round, partition) == (1, 2):
+            upload["junk"] = Array(np.ones((2, 3), dtype=np.int64))
+        if (round, partition) == (2, 2):
+            damaged(upload, TRAIN_LOSS, lambda a: np.full_like(a, np.inf))
+        if (round, partition) == (3, 0):
+            reply.content["result"]["clients"] = ["zero", "three"]
+        return reply
+
+    with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
+        history = simulate(cfg, supernodes=3, out=tmp_path / "runs", progress=False, client=client)
+    summary = history.summary
+    assert summary["status"] == "completed"
+    assert summary["dropped_clients"] == {"1": [0, 3], "2": [1, 2, 4, 5], "3": [2, 5], "4": [0, 3]}
+    assert summary["reason"].startswith("10 sampled clients left out of 4 rounds (1, 2, 3, 4)")
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    for reason in ("round 1: node ", "upload entries ['model'] hold NaN or infinite values",
+                   "round 2: node ", "the uploaded models are torch.float64, expected torch.float32",
+                   "upload entries ['junk'] are not floating-point tensors",
+                   "upload entries ['train_loss'] hold NaN or infinite values",
+                   "round 4: node ", "the reply cannot be read (ValueError"):
+        assert reason in said, reason
+    accuracy, w = reference(cfg, summary["dropped_clients"])
+    assert [m["test_acc"] for m in history.metrics] == pytest.approx(accuracy, abs=0)
+    assert torch.equal(history.final_parameters, w)
+
+
+@pytest.mark.slow  # two Flower simulations: ~30 s on 2 busy cores
+def test_a_late_node_is_asked_again_next_round(tmp_path):
+    """Issue 44: one late reply excluded a healthy node for the rest of the run (each later round then waited
+    wait-nodes seconds for it), and the run still said `completed` with no word. Here partition 1's node answers
+    round 1 only once the server has closed that round (its metrics line is written); it trains round 2 on.
+
+    Timeouts: round-timeout is 5x the slowest round of the same run without the late node, measured just before on
+    this machine (+5 s), so the healthy nodes answer in time however loaded the machine is; the late node waits for
+    the server's own progress (round 1's metrics line), not for a clock."""
+    cfg = small("scaffold", "rounds=3", "sampling.clients_per_round=6")
+    plain = simulate(cfg, supernodes=3, out=tmp_path / "plain", progress=False)
+    round_timeout = 5 * max(m["seconds"] for m in plain.metrics) + 5
+    runs = tmp_path / "runs"
+    inner = client_app(cfg, state_dir=tmp_path / "nodes")
+    client = ClientApp()
+
+    @client.query()
+    def query(message: Message, context):
+        return inner(message, context)
+
+    @client.train()
+    def train(message: Message, context):
+        if (message.content["task"]["round"], context.node_config["partition-id"]) == (0, 1):
+            deadline = time.monotonic() + 600
+            while not any(f.stat().st_size for f in runs.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return inner(message, context)
+
+    late = simulate(cfg, supernodes=3, out=runs, progress=False, client=client, round_timeout=round_timeout)
+    assert late.summary["status"] == "completed"
+    assert late.summary["dropped_clients"] == {"1": [1, 4]}  # round 1 only: asked again, and answering, from round 2
+    assert late.summary["reason"].startswith("2 sampled clients left out of 1 rounds (1)")
+    accuracy, w = reference(cfg, late.summary["dropped_clients"])
+    assert [m["test_acc"] for m in late.metrics] == pytest.approx(accuracy, abs=0)
+    assert [m["dropped"] for m in late.metrics] == [2, 0, 0]
+
+
 def test_a_node_that_cannot_keep_its_clients_state_says_so(tmp_path):
     with pytest.raises(ConfigError, match="this node cannot keep its clients' state in /proc/fedflat: .*state-dir"):
         Node(small("scaffold"), 0, 2, Path("/proc/fedflat/config-0/partition-0"))
