@@ -217,3 +217,19 @@ def test_a_round_waits_for_a_slow_node_and_stops_waiting_for_one_that_restarted(
     grid.add(10, KEY["A"], (0, 1))
     replies = exchange(grid, [message(10)], timeout=600.0, federation=Federation(60.0), poll_s=0.01)
     assert [r.metadata.src_node_id for r in replies] == [10]
+
+
+def test_a_deployment_without_node_keys_refuses_to_start_unless_written_insecure(caplog):
+    """An app without a roster would give any node that reaches the SuperLink a partition and the model: in a
+    deployment (not Flower's simulation, which has no network) it needs `--keys`, or an explicit `--insecure`."""
+    from fedflat.api import as_config
+    from fedflat.engine.simulation import Simulation
+    from fedflat.flower import FedflatStrategy
+
+    sim = Simulation(as_config(None, ["rounds=1", "data.num_clients=2", "sampling.clients_per_round=2", "threads=1"]))
+    with pytest.raises(ConfigError, match="this app has no node-keys.*--keys DIR.*--insecure"):
+        FedflatStrategy(sim).check_deployment(Grid())
+    with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
+        FedflatStrategy(sim, insecure=True).check_deployment(Grid())
+    assert "INSECURE: this app has no node-keys" in caplog.text
+    FedflatStrategy(sim, roster={0: KEY["A"]}).check_deployment(Grid())  # keys: no word
