@@ -169,6 +169,12 @@ def test_a_node_that_restarts_is_asked_for_its_partition_again():
     grid.add(10, KEY["A"], (1, 2), started="t1")  # restarted, now (say) configured for partition 1
     federation.refresh(grid, [0], wait_s=0)
     assert federation.partition == {10: 1}
+    grid.add(11, KEY["B"], {"garbage": 1})
+    federation.refresh(grid, [0], wait_s=0)
+    assert 11 in federation.silent  # left out ...
+    grid.add(11, KEY["B"], (0, 2), started="t1")
+    federation.refresh(grid, [0], wait_s=0)
+    assert federation.partition == {10: 1, 11: 0} and not federation.silent  # ... until it restarts
 
 
 class Exchange(Grid):

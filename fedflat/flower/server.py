@@ -107,6 +107,8 @@ class Federation:
         self.online = set(nodes)
         for node in [n for n in self.partition if n not in nodes or nodes[n][1] != self.started.get(n)]:
             del self.partition[node]  # gone, or restarted (then asked again)
+        for node in [n for n in self.silent if n in nodes and nodes[n][1] != self.started.get(n)]:
+            del self.silent[node]  # restarted (with authentication, under its node id): a fresh start
         for node, (key, started) in nodes.items():
             self.keys[node], self.started[node] = key, started
         return nodes
