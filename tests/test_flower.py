@@ -528,13 +528,19 @@ class Deployment:
         until the SuperLink marks its old connection offline (2 missed heartbeats of 30 s), as a supervisor
         restarting it would see."""
         log = self.root / f"{name}.log"
+        since = {"offset": 0}  # where this start's lines begin in the log
 
         def connected():
             process = self.processes.get(name)
             if process is not None and process.poll() is None:
-                return "SuperNode ID" in log.read_text(errors="replace").rsplit("Starting Flower SuperNode", 1)[-1]
-            if process is not None:
-                time.sleep(5)  # it exited (refused): start it again
+                return b"SuperNode ID" in log.read_bytes()[since["offset"]:]
+            if process is not None:  # it exited (refused): end what it started, then start it again
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                time.sleep(5)
+            since["offset"] = log.stat().st_size if log.exists() else 0
             self.supernode(partition, partitions, name=name, **how)
             return False
         wait_for_progress(connected, [log, self.root / "superlink.log"], f"{name} to connect", stall_s=600)
