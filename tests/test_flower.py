@@ -334,6 +334,105 @@ def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state
     assert checkpoint["round"] == 4 and torch.equal(checkpoint["state"]["w"], w)
 
 
+@pytest.mark.slow  # a Flower simulation of four rounds with three nodes: ~10 s on 2 busy cores
+def test_garbage_from_a_node_leaves_its_clients_out_with_the_reason_and_never_stops_the_server(tmp_path, caplog):
+    """Issue 43: a NaN upload from one node ended the whole run (`diverged`, "lower train.lr"), and a node's
+    non-model entries were not checked. Each kind of garbage here (NaN in the model, a float64 model, an infinite
+    training loss, an integer entry the others lack, an unreadable client list) leaves that node's clients out of
+    its round with a logged reason naming the node; the run completes, says it left clients out, and equals
+    fedflat's own loop with them left out."""
+    import logging
+
+    from fedflat.core import TRAIN_LOSS
+
+    cfg = small("scaffold", "rounds=4", "sampling.clients_per_round=6")
+    inner = client_app(cfg, state_dir=tmp_path / "nodes")
+    client = ClientApp()
+
+    @client.query()
+    def query(message: Message, context):
+        return inner(message, context)
+
+    def damaged(upload, key, change):
+        array = upload[key].numpy().copy()
+        upload[key] = Array(change(array))
+
+    def nan(a):
+        a[0, 0] = np.nan
+        return a
+
+    @client.train()
+    def train(message: Message, context):
+        round, partition = message.content["task"]["round"], context.node_config["partition-id"]
+        reply = inner(message, context)
+        upload = reply.content["upload"]
+        if (round, partition) == (0, 0):
+            damaged(upload, MODEL, nan)
+        if (round, partition) == (1, 1):
+            damaged(upload, MODEL, lambda a: a.astype(np.float64))
+        if (round, partition) == (1, 2):
+            upload["junk"] = Array(np.ones((2, 3), dtype=np.int64))
+        if (round, partition) == (2, 2):
+            damaged(upload, TRAIN_LOSS, lambda a: np.full_like(a, np.inf))
+        if (round, partition) == (3, 0):
+            reply.content["result"]["clients"] = ["zero", "three"]
+        return reply
+
+    with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
+        history = simulate(cfg, supernodes=3, out=tmp_path / "runs", progress=False, client=client)
+    summary = history.summary
+    assert summary["status"] == "completed"
+    assert summary["dropped_clients"] == {"1": [0, 3], "2": [1, 2, 4, 5], "3": [2, 5], "4": [0, 3]}
+    assert summary["reason"].startswith("10 sampled clients left out of 4 rounds (1, 2, 3, 4)")
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    for reason in ("round 1: node ", "upload entries ['model'] hold NaN or infinite values",
+                   "round 2: node ", "the uploaded models are torch.float64, expected torch.float32",
+                   "upload entries ['junk'] are not floating-point tensors",
+                   "upload entries ['train_loss'] hold NaN or infinite values",
+                   "round 4: node ", "the reply cannot be read (ValueError"):
+        assert reason in said, reason
+    accuracy, w = reference(cfg, summary["dropped_clients"])
+    assert [m["test_acc"] for m in history.metrics] == pytest.approx(accuracy, abs=0)
+    assert torch.equal(history.final_parameters, w)
+
+
+@pytest.mark.slow  # two Flower simulations: ~30 s on 2 busy cores
+def test_a_late_node_is_asked_again_next_round(tmp_path):
+    """Issue 44: one late reply excluded a healthy node for the rest of the run (each later round then waited
+    wait-nodes seconds for it), and the run still said `completed` with no word. Here partition 1's node answers
+    round 1 only once the server has closed that round (its metrics line is written); it trains round 2 on.
+
+    Timeouts: round-timeout is 5x the slowest round of the same run without the late node, measured just before on
+    this machine (+5 s), so the healthy nodes answer in time however loaded the machine is; the late node waits for
+    the server's own progress (round 1's metrics line), not for a clock."""
+    cfg = small("scaffold", "rounds=3", "sampling.clients_per_round=6")
+    plain = simulate(cfg, supernodes=3, out=tmp_path / "plain", progress=False)
+    round_timeout = 5 * max(m["seconds"] for m in plain.metrics) + 5
+    runs = tmp_path / "runs"
+    inner = client_app(cfg, state_dir=tmp_path / "nodes")
+    client = ClientApp()
+
+    @client.query()
+    def query(message: Message, context):
+        return inner(message, context)
+
+    @client.train()
+    def train(message: Message, context):
+        if (message.content["task"]["round"], context.node_config["partition-id"]) == (0, 1):
+            deadline = time.monotonic() + 600
+            while not any(f.stat().st_size for f in runs.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return inner(message, context)
+
+    late = simulate(cfg, supernodes=3, out=runs, progress=False, client=client, round_timeout=round_timeout)
+    assert late.summary["status"] == "completed"
+    assert late.summary["dropped_clients"] == {"1": [1, 4]}  # round 1 only: asked again, and answering, from round 2
+    assert late.summary["reason"].startswith("2 sampled clients left out of 1 rounds (1)")
+    accuracy, w = reference(cfg, late.summary["dropped_clients"])
+    assert [m["test_acc"] for m in late.metrics] == pytest.approx(accuracy, abs=0)
+    assert [m["dropped"] for m in late.metrics] == [2, 0, 0]
+
+
 def test_a_node_that_cannot_keep_its_clients_state_says_so(tmp_path):
     with pytest.raises(ConfigError, match="this node cannot keep its clients' state in /proc/fedflat: .*state-dir"):
         Node(small("scaffold"), 0, 2, Path("/proc/fedflat/config-0/partition-0"))
@@ -386,31 +485,78 @@ def free_port() -> int:
 
 
 class Deployment:
-    """A SuperLink and SuperNodes in insecure mode on 127.0.0.1, each in its own process group."""
+    """A SuperLink and SuperNodes on 127.0.0.1, each in its own process group: with the keys of `fedflat
+    flower-keys` (TLS between every party, SuperNode authentication), or ``keys=None``: insecure."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, keys: Path | None = None):
+        self.root, self.keys = root, keys
         self.env = {**os.environ, "FLWR_HOME": str(root / "flwr-home"),
                     "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
         self.port = free_port()
         self.processes: dict[str, subprocess.Popen] = {}
         (root / "flwr-home").mkdir()
+        security = f'root-certificates = "{keys / "ca.crt"}"' if keys else "insecure = true"
         (root / "flwr-home" / "config.toml").write_text(
-            f'[superlink]\ndefault = "here"\n\n[superlink.here]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+            f'[superlink]\ndefault = "here"\n\n[superlink.here]\naddress = "127.0.0.1:{self.port}"\n{security}\n')
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str) -> subprocess.Popen:
         with open(self.root / f"{name}.log", "ab") as log:  # the process keeps its own copy of the handle
             self.processes[name] = subprocess.Popen(args, cwd=self.root, env=self.env, stdout=log, stderr=log,
                                                     start_new_session=True)
+        return self.processes[name]
 
     def superlink(self) -> None:
-        self.start("superlink", "flower-superlink", "--insecure", "--port", str(self.port),
+        k = self.keys
+        security = (["--ssl-ca-certfile", str(k / "ca.crt"), "--ssl-certfile", str(k / "server.crt"),
+                     "--ssl-keyfile", str(k / "server.key"), "--enable-supernode-auth"] if k else ["--insecure"])
+        self.start("superlink", "flower-superlink", *security, "--port", str(self.port),
                    "--database", str(self.root / "superlink.db"))
 
-    def supernode(self, partition: int, partitions: int) -> None:
+    def flwr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], env=self.env, cwd=self.root, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def register(self, public_key: Path) -> None:
+        """`flwr supernode register`, retried while the SuperLink is still starting."""
+        def registered():
+            done = self.flwr("supernode", "register", str(public_key), "here")
+            return done.returncode == 0 or None
+        wait_for_progress(registered, [self.root / "superlink.log"], "the SuperLink to register a node")
+
+    def supernode(self, partition: int, partitions: int, key: str | None = None, name: str | None = None,
+                  ca: Path | None = None, plain: bool = False, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Partition ``partition``'s SuperNode, authenticated with ``key`` (a file of the keys folder, default
+        ``node-P``) and trusting ``ca`` (default the deployment's), or ``plain`` (no TLS)."""
         config = f"partition-id={partition} num-partitions={partitions} state-dir=\"{self.root / 'state'}\""
-        self.start(f"node{partition}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                   "--port", str(free_port()), "--node-config", config)
+        if self.keys and not plain:
+            security = ["--root-certificates", str(ca or self.keys / "ca.crt"),
+                        "--auth-supernode-private-key", str(self.keys / (key or f"node-{partition}"))]
+        else:
+            security = ["--insecure"]
+        return self.start(name or f"node{partition}", "flower-supernode", *security, "--superlink",
+                          f"127.0.0.1:{self.port}", "--port", str(free_port()), "--node-config", config, *extra)
+
+    def up(self, name: str, partition: int, partitions: int, **how) -> None:
+        """Starts a SuperNode until it connected: with authentication a node restarted after a kill is refused
+        until the SuperLink marks its old connection offline (2 missed heartbeats of 30 s), as a supervisor
+        restarting it would see."""
+        log = self.root / f"{name}.log"
+        since = {"offset": 0}  # where this start's lines begin in the log
+
+        def connected():
+            process = self.processes.get(name)
+            if process is not None and process.poll() is None:
+                return b"SuperNode ID" in log.read_bytes()[since["offset"]:]
+            if process is not None:  # it exited (refused): end what it started, then start it again
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                time.sleep(5)
+            since["offset"] = log.stat().st_size if log.exists() else 0
+            self.supernode(partition, partitions, name=name, **how)
+            return False
+        wait_for_progress(connected, [log, self.root / "superlink.log"], f"{name} to connect", stall_s=600)
 
     def kill(self, name: str) -> None:
         process = self.processes.pop(name)
@@ -423,6 +569,29 @@ class Deployment:
     def close(self) -> None:
         for name in list(self.processes):
             self.kill(name)
+
+
+def wait_for_progress(check, watched: list[Path], what: str, stall_s: float = 300, cap_s: float = 1800):
+    """Polls ``check`` until it returns a value, for as long as the deployment makes progress: it fails when none of
+    the ``watched`` files (logs, metrics) changed for ``stall_s`` seconds, or after ``cap_s`` in all. A busy machine
+    slows the deployment down but does not stop its logs growing; a hang stops them."""
+    def mark():
+        return tuple((p.stat().st_size, p.stat().st_mtime) if p.exists() else None
+                     for f in watched for p in ([f] if "*" not in str(f) else sorted(f.parent.glob(f.name))))
+
+    start = last_change = time.monotonic()
+    seen = mark()
+    while True:
+        value = check()
+        if value:
+            return value
+        now = time.monotonic()
+        if mark() != seen:
+            seen, last_change = mark(), now
+        if now - last_change > stall_s or now - start > cap_s:
+            raise AssertionError(f"waiting for {what}: no progress for {now - last_change:.0f} s "
+                                 f"({now - start:.0f} s in all)")
+        time.sleep(0.5)
 
 
 def wait_for(check, timeout: float, what: str):
@@ -545,30 +714,42 @@ def test_flwr_run_of_a_fedflat_app_trains_on_flowers_local_simulation(tmp_path):
         here.close()
 
 
+@pytest.mark.slow  # a real deployment: ~1-2 min on 2 cores (Flower's heartbeat marks the killed node offline: 60 s)
 def test_a_deployed_federation_finishes_when_a_supernode_is_killed_and_restarted(tmp_path):
-    """`flwr run` of the app `fedflat flower-app` writes, on a SuperLink and two SuperNodes; after round 1
-    partition 0's SuperNode is killed (SIGKILL) and started again. The run completes; the round it missed
-    (if any) left its clients out; the restarted node continues its clients' SCAFFOLD state from its disk:
-    the run equals fedflat's own loop with the same clients left out."""
+    """docs/flower.md's secure deployment: `fedflat flower-keys`, a SuperLink with TLS and SuperNode authentication,
+    two registered SuperNodes and `flwr run` of the app `fedflat flower-app --keys` writes. After round 1
+    partition 0's SuperNode is killed (SIGKILL) and started again (its key keeps its node id). The run completes;
+    the round it missed (if any) left its clients out; the restarted node continues its clients' SCAFFOLD state
+    from its disk: the run equals fedflat's own loop with the same clients left out.
+
+    Timeouts: none measures this machine's speed. The server waits for a reply up to round-timeout=3600 s, and
+    stops waiting for a node as soon as Flower says it is gone (its heartbeat missed: an error reply) or it
+    connected again (a restart); the test waits for as long as the deployment's logs and metrics keep changing
+    (:func:`wait_for_progress`: a 5-minute stall, or 30 minutes in all, is a failure)."""
+    from fedflat.flower.keys import make_keys, roster_of
+
     cfg = small("scaffold", "rounds=4", "data.num_clients=4", "sampling.clients_per_round=4")
-    app = write_app(cfg, tmp_path / "app")
+    keys = tmp_path / "keys"
+    make_keys(keys, 2)
+    app = write_app(cfg, tmp_path / "app", node_keys=roster_of(keys))
     runs = tmp_path / "runs"
-    here = Deployment(tmp_path)
+    here = Deployment(tmp_path, keys)
+    watched = [tmp_path / "superlink.log", tmp_path / "node0.log", tmp_path / "node1.log", runs / "*" / "metrics.jsonl"]
     try:
         here.superlink()
-        time.sleep(3)
-        here.supernode(0, 2)
-        here.supernode(1, 2)
-        overrides = f"out=\"{runs}\" round-timeout=20.0 wait-nodes=60.0"
-        submitted = subprocess.run(["flwr", "run", str(app), "here", "--run-config", overrides], env=here.env,
-                                   cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        for p in range(2):
+            here.register(keys / f"node-{p}.pub")
+            here.up(f"node{p}", p, 2)
+        overrides = f"out=\"{runs}\" round-timeout=3600.0 wait-nodes=3600.0"
+        submitted = here.flwr("run", str(app), "here", "--run-config", overrides)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         metrics = lambda: [json.loads(x) for f in runs.glob("*/metrics.jsonl") for x in f.read_text().splitlines()]
-        wait_for(lambda: len(metrics()) >= 1, 180, "round 1")
+        wait_for_progress(lambda: len(metrics()) >= 1, watched, "round 1")
         here.kill("node0")
-        here.supernode(0, 2)
-        summary = wait_for(lambda: [json.loads(f.read_text()) for f in runs.glob("*/summary.json")
-                                    if json.loads(f.read_text())["status"] != "running"], 300, "the run's end")[0]
+        here.up("node0", 0, 2)
+        summary = wait_for_progress(lambda: [json.loads(f.read_text()) for f in runs.glob("*/summary.json")
+                                             if json.loads(f.read_text())["status"] != "running"], watched,
+                                    "the run's end")[0]
     finally:
         here.close()
     assert summary["status"] == "completed", summary.get("reason")
@@ -579,3 +760,66 @@ def test_a_deployed_federation_finishes_when_a_supernode_is_killed_and_restarted
     accuracy, _ = reference(cfg, dropped)
     assert [m["test_acc"] for m in metrics()] == pytest.approx(accuracy, abs=0)
     assert sorted(p.name for p in (tmp_path / "state").glob("config-*/partition-*")) == ["partition-0", "partition-1"]
+
+
+@pytest.mark.slow  # two real deployments: ~2-3 min on 2 cores
+def test_a_secure_deployment_refuses_strangers_and_computes_what_the_insecure_one_does(tmp_path):
+    """With the keys of `fedflat flower-keys`: a registered node trains; a node whose key is not registered, a node
+    that trusts another CA, a plain-text node and a plain-text `flwr` CLI are refused by Flower; a registered node
+    claiming another node's partition is refused by fedflat's roster (issue 43: it displaced the real node). The
+    run's numbers equal those of the same app deployed --insecure. Timeouts: as in the restart test above."""
+    from fedflat.flower.keys import make_keys, roster_of
+
+    cfg = small("scaffold", "rounds=2", "data.num_clients=4", "sampling.clients_per_round=4")
+    keys, strangers = tmp_path / "keys", tmp_path / "strangers"
+    make_keys(keys, 4)  # node-2 plays an impostor, node-3 a node that trusts another CA
+    make_keys(strangers, 1)
+    results = {}
+    for mode in ("secure", "insecure"):
+        root = tmp_path / mode
+        root.mkdir()
+        app = write_app(cfg, root / "app", node_keys=roster_of(keys) if mode == "secure" else "",
+                        insecure=mode == "insecure")
+        here = Deployment(root, keys if mode == "secure" else None)
+        runs = root / "runs"
+        watched = [root / "superlink.log", *(root / f"node{p}.log" for p in range(2)), runs / "*" / "metrics.jsonl"]
+        try:
+            here.superlink()
+            if mode == "secure":
+                for p in range(4):
+                    here.register(keys / f"node-{p}.pub")
+            for p in range(2):
+                here.up(f"node{p}", p, 2)
+            if mode == "secure":
+                here.up("impostor", 0, 2, key="node-2")  # registered, but partition 0 is node-0's
+                refused = {"unregistered": (dict(key=str(strangers / "node-0")), "Failed to activate SuperNode"),
+                           "wrong-ca": (dict(key="node-3", ca=strangers / "ca.crt"), "CERTIFICATE_VERIFY_FAILED"),
+                           "plain": (dict(plain=True), "Failed to initialize the connection")}
+                for name, (how, says) in refused.items():
+                    node = here.supernode(0, 2, name=name, extra=("--max-retries", "3", "--max-wait-time", "60"),
+                                          **how)
+                    wait_for_progress(lambda: node.poll() is not None, [root / f"{name}.log"], f"{name} to exit")
+                    log = (root / f"{name}.log").read_text(errors="replace")
+                    assert node.returncode != 0 and says in log and "SuperNode ID" not in log, (name, log[-2000:])
+                plain_cli = Deployment.__new__(Deployment)
+                plain_cli.root, plain_cli.env = root, {**here.env, "FLWR_HOME": str(root / "plain-cli")}
+                (root / "plain-cli").mkdir()
+                (root / "plain-cli" / "config.toml").write_text(
+                    f'[superlink]\ndefault = "here"\n\n[superlink.here]\naddress = "127.0.0.1:{here.port}"\n'
+                    "insecure = true\n")
+                assert plain_cli.flwr("ls", timeout=120).returncode != 0
+            submitted = here.flwr("run", str(app), "here", "--run-config",
+                                  f"out=\"{runs}\" round-timeout=3600.0 wait-nodes=3600.0")
+            assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+            summary = wait_for_progress(lambda: [json.loads(f.read_text()) for f in runs.glob("*/summary.json")
+                                                 if json.loads(f.read_text())["status"] != "running"], watched,
+                                        f"the {mode} run's end")[0]
+            said = here.flwr("log", run_id_of(submitted), "here", "--show").stdout  # the server's log
+        finally:
+            here.close()
+        assert summary["status"] == "completed" and "dropped_clients" not in summary, summary.get("reason")
+        results[mode] = [json.loads(x) for f in runs.glob("*/metrics.jsonl") for x in f.read_text().splitlines()]
+        if mode == "secure":
+            assert "claims partition 0, but its public key is not the one node-keys names for it" in said, said
+    assert_same_metrics(results["insecure"], results["secure"])
+    assert_same_metrics(fedflat.run(cfg, save=False, progress=False).metrics, results["secure"])

@@ -36,6 +36,14 @@ from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
 
 
+def dropped_note(dropped: dict[str, list[int]]) -> str:
+    """What a completed run that left sampled clients out says in its status line and summary's ``reason``."""
+    rounds = sorted(dropped, key=int)
+    shown = ", ".join(rounds[:10]) + (", ..." if len(rounds) > 10 else "")
+    return (f"{sum(map(len, dropped.values()))} sampled clients left out of {len(rounds)} rounds ({shown}): their "
+            "nodes failed or did not answer in time; summary.json's dropped_clients names them")
+
+
 @dataclass
 class History:
     """What a run produced: per-evaluation metrics, the summary, the final global model (flat).
@@ -312,6 +320,8 @@ class Runner:
                     self._save_summary()
             self._end_status()
             self._warn_at_chance()
+            if self.summary["status"] == "completed" and self.summary.get("dropped_clients"):
+                self.summary["reason"] = dropped_note(self.summary["dropped_clients"])
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
         except BudgetSpent as err:

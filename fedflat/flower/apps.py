@@ -35,7 +35,7 @@ from fedflat.flower.server import serve
 
 CONFIG_KEY = "fedflat-config"
 RUN_DEFAULTS: dict[str, Any] = {"out": "runs", "round-timeout": 600.0, "wait-nodes": 120.0, "state-dir": "",
-                                "resume": ""}
+                                "resume": "", "node-keys": "", "insecure": False}
 
 
 def config_of(context: Context, cfg: Config | None) -> Config:
@@ -58,12 +58,15 @@ def setting(context: Context, key: str, given: Any = None) -> Any:
 
 def server_app(cfg: Config | None = None, *, out: str | Path | None = None, run_dir: str | Path | None = None,
                resume: str | Path | None = None, progress: bool = False, round_timeout: float | None = None,
-               wait_s: float | None = None, results: dict | None = None,
-               model_fn: Callable[[], nn.Module] | None = None) -> ServerApp:
+               wait_s: float | None = None, results: dict | None = None, node_keys: str | None = None,
+               insecure: bool | None = None, model_fn: Callable[[], nn.Module] | None = None) -> ServerApp:
     """A ``ServerApp`` that runs ``cfg`` (default: the run config's) with :func:`fedflat.flower.serve`; the
-    :class:`~fedflat.api.History` lands in ``results["history"]`` when a dict is given. ``model_fn`` (a
-    zero-argument ``nn.Module`` factory, as :func:`fedflat.run` takes) replaces the configured model; the
-    ClientApp needs the same one."""
+    :class:`~fedflat.api.History` lands in ``results["history"]`` when a dict is given. ``node_keys`` (default: the
+    run config's ``node-keys``): the roster of the nodes' public keys (:mod:`fedflat.flower.keys`). ``model_fn`` (a
+    zero-argument ``nn.Module`` factory, as :func:`fedflat.run` takes) replaces the configured model; the ClientApp
+    needs the same one."""
+    from fedflat.flower.keys import read_roster
+
     app = ServerApp()
 
     @app.main()
@@ -71,7 +74,9 @@ def server_app(cfg: Config | None = None, *, out: str | Path | None = None, run_
         history = serve(grid, config_of(context, cfg), out=setting(context, "out", out), run_dir=run_dir,
                         resume=setting(context, "resume", resume) or None,
                         progress=progress, round_timeout=float(setting(context, "round-timeout", round_timeout)),
-                        wait_s=float(setting(context, "wait-nodes", wait_s)), model_fn=model_fn)
+                        wait_s=float(setting(context, "wait-nodes", wait_s)),
+                        roster=read_roster(str(setting(context, "node-keys", node_keys) or "")),
+                        insecure=bool(setting(context, "insecure", insecure)), model_fn=model_fn)
         if results is not None:
             results["history"] = history
 
@@ -276,10 +281,12 @@ def ship_plugins(resolved: dict[str, Any], package: Path) -> None:
         resolved["plugins"] = shipped
 
 
-def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False) -> Path:
+def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False, node_keys: str = "",
+              insecure: bool = False) -> Path:
     """Writes a Flower app project for ``cfg`` to ``folder``: ``pyproject.toml`` (the config in its run
     config) and a package with the ServerApp, the ClientApp and the config's path plugins
-    (:func:`ship_plugins`). ``flwr run FOLDER [CONNECTION]`` runs it."""
+    (:func:`ship_plugins`). ``flwr run FOLDER [CONNECTION]`` runs it. ``node_keys``: the roster of the deployment's
+    node keys (``node-keys.txt`` of ``fedflat flower-keys``); a deployment without one needs ``insecure``."""
     import tomli_w
 
     folder = Path(folder)
@@ -299,7 +306,8 @@ def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False) -> Pa
                  "flwr": {"app": {"publisher": "fedflat",
                                   "components": {"serverapp": f"{APP_PACKAGE}.server_app:app",
                                                  "clientapp": f"{APP_PACKAGE}.client_app:app"},
-                                  "config": {**RUN_DEFAULTS, CONFIG_KEY: dump_yaml(resolved)}}}},
+                                  "config": {**RUN_DEFAULTS, "node-keys": node_keys, "insecure": insecure,
+                                             CONFIG_KEY: dump_yaml(resolved)}}}},
     }
     package = folder / APP_PACKAGE
     package.mkdir(parents=True, exist_ok=True)

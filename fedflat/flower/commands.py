@@ -1,9 +1,13 @@
-"""``fedflat flower-app`` (a Flower app project for a config) and ``fedflat flower-sim`` (a Flower simulation)."""
+"""``fedflat flower-app`` (a Flower app project for a config), ``fedflat flower-sim`` (a Flower simulation) and
+``fedflat flower-keys`` (the keys of a secure deployment)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from fedflat.cliutil import print_outcome, split_config_and_overrides
+from fedflat.core import ConfigError
 from fedflat.flower import require_flower
 
 
@@ -16,15 +20,67 @@ def _config(items: list[str]):
 def cmd_flower_app(args: argparse.Namespace) -> int:
     require_flower()
     from fedflat.flower.apps import write_app
+    from fedflat.flower.keys import roster_of
 
     cfg = _config(args.items)
-    folder = write_app(cfg, args.out, overwrite=args.force)
+    if args.keys and args.insecure:
+        raise ConfigError("--keys and --insecure exclude each other: a deployment with node keys is not insecure")
+    roster = roster_of(args.keys) if args.keys else ""
+    folder = write_app(cfg, args.out, overwrite=args.force, node_keys=roster, insecure=args.insecure)
     print(f"Flower app: {folder}")
     print(f"  simulation:  flwr run {folder} --stream        (Flower's local SuperLink; `flwr ls`: the runs' "
           "status; docs/flower.md)")
-    print(f"  deployment:  flwr run {folder} CONNECTION      (SuperNodes started with --node-config "
-          f"'partition-id=P num-partitions=M', M <= {cfg.data.num_clients})")
+    if args.keys:
+        print(f"  deployment:  flwr run {folder} CONNECTION      (TLS and SuperNode authentication with the keys "
+              f"of {args.keys}: `fedflat flower-keys` printed the commands; partition P's clients go only to the "
+              "node holding node-P)")
+    elif args.insecure:
+        print("WARNING: --insecure: in a deployment any SuperNode that reaches the SuperLink may claim a partition "
+              "and be sent the model; use it only on a trusted test network (docs/flower.md)", file=sys.stderr)
+        print(f"  deployment:  flwr run {folder} CONNECTION      (SuperNodes started with --node-config "
+              f"'partition-id=P num-partitions=M', M <= {cfg.data.num_clients})")
+    else:
+        print("  deployment:  needs the nodes' keys: `fedflat flower-keys KEYS --nodes M`, then this command with "
+              "--keys KEYS (a deployment of this app refuses to start: docs/flower.md)")
     return 0
+
+
+def cmd_flower_keys(args: argparse.Namespace) -> int:
+    from fedflat.flower.keys import make_keys
+
+    hosts = tuple(dict.fromkeys(["127.0.0.1", "localhost", *args.host]))
+    files = make_keys(args.folder, args.nodes, hosts=hosts, days=args.days, overwrite=args.force)
+    print(deployment_guide(Path(args.folder), args.nodes, hosts))
+    return 0 if files else 1
+
+
+def deployment_guide(keys: Path, nodes: int, hosts: tuple[str, ...]) -> str:
+    """Where each file of ``fedflat flower-keys`` goes: the commands of a secure deployment on ``hosts[0]``."""
+    from fedflat.flower.keys import ROSTER
+
+    k = keys.resolve()
+    node_lines = "\n".join(
+        f"  flwr supernode register {k}/node-{p}.pub here        # once, from the CLI's machine\n"
+        f"  flower-supernode --root-certificates {k}/ca.crt --auth-supernode-private-key {k}/node-{p} \\\n"
+        f"      --superlink {hosts[0]}:9093 --port {9101 + p} --node-config 'partition-id={p} num-partitions={nodes}'"
+        for p in range(nodes))
+    return f"""Keys of a secure Flower deployment in {k} (development CA; the server certificate names {', '.join(hosts)}):
+  ca.crt              the CA: to the SuperLink (--ssl-ca-certfile), every SuperNode (--root-certificates) and
+                      the flwr CLI (root-certificates); ca.key signs, keep it off the machines of the federation
+  server.crt/.key     the SuperLink's TLS certificate and key (--ssl-certfile, --ssl-keyfile)
+  node-P / node-P.pub partition P's SuperNode key pair: node-P stays on that node (--auth-supernode-private-key),
+                      node-P.pub is registered with the SuperLink (flwr supernode register)
+  {ROSTER:<20}the roster (partition, public key): `fedflat flower-app CONFIG -o APP --keys {k}`
+SuperLink:
+  flower-superlink --ssl-ca-certfile {k}/ca.crt --ssl-certfile {k}/server.crt --ssl-keyfile {k}/server.key \\
+      --enable-supernode-auth --port 9093 --database superlink.db
+flwr CLI connection ($FLWR_HOME/config.toml, default ~/.flwr):
+  [superlink.here]
+  address = "{hosts[0]}:9093"
+  root-certificates = "{k}/ca.crt"
+SuperNodes:
+{node_lines}
+Then: flwr run APP here"""
 
 
 def cmd_flower_sim(args: argparse.Namespace) -> int:
@@ -43,7 +99,20 @@ def register(sub) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
     p.add_argument("-o", "--out", required=True, help="folder of the app project")
     p.add_argument("--force", action="store_true", help="rewrite a folder that is not empty")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="the deployment's keys (`fedflat flower-keys DIR`): each partition only to its node's key")
+    p.add_argument("--insecure", action="store_true",
+                   help="a deployment without node keys: any node may claim a partition (trusted test networks)")
     p.set_defaults(func=cmd_flower_app)
+
+    p = sub.add_parser("flower-keys", help="make a development CA, TLS certificate and SuperNode keys for a deployment")
+    p.add_argument("folder", metavar="DIR", help="folder for the keys (new or empty)")
+    p.add_argument("--nodes", type=int, required=True, help="SuperNodes (one key pair per partition 0..N-1)")
+    p.add_argument("--host", action="append", default=[],
+                   help="another name or address of the SuperLink for its certificate (127.0.0.1, localhost always)")
+    p.add_argument("--days", type=int, default=365, help="days the certificates are valid")
+    p.add_argument("--force", action="store_true", help="replace the keys in a folder that is not empty")
+    p.set_defaults(func=cmd_flower_keys)
 
     p = sub.add_parser("flower-sim", help="run a config as a Flower simulation in this process")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")

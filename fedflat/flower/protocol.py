@@ -105,10 +105,20 @@ def reply_content(message):
 
 
 def read_result(content, expected: list[int], size: int, wire: tuple[str, ...] = (MODEL,)) -> ClientResult:
-    """The clients' result in a node's reply, checked whole: exactly the ``expected`` clients, a model row of
-    ``size`` parameters (or, for a compressed upload, the ``wire`` entries that carry it:
-    :meth:`fedflat.algorithms.Algorithm.wire_entries`) and a training loss for each, every upload entry with one row
-    per client."""
+    """The clients' result in a node's reply, checked whole: exactly the ``expected`` clients, a float32 model row
+    of ``size`` parameters (or, for a compressed upload, the ``wire`` entries that carry it:
+    :meth:`fedflat.algorithms.Algorithm.wire_entries`) and a training loss for each, every other upload entry a finite
+    floating-point tensor with one row per client. Whatever else a node sends is a :class:`BadReply`, never the
+    server's crash."""
+    try:
+        return _read_result(content, expected, size, wire)
+    except BadReply:
+        raise
+    except Exception as err:  # a reply of any other form: the node's fault, said as such
+        raise BadReply(f"the reply cannot be read ({type(err).__name__}: {err})") from None
+
+
+def _read_result(content, expected: list[int], size: int, wire: tuple[str, ...]) -> ClientResult:
     if "upload" not in content.array_records or "result" not in content.config_records:
         raise BadReply("the reply has no upload")
     clients = [int(c) for c in content["result"]["clients"]]
@@ -121,9 +131,18 @@ def read_result(content, expected: list[int], size: int, wire: tuple[str, ...] =
     if MODEL in wire and tuple(upload[MODEL].shape) != (len(expected), size):
         raise BadReply(f"the uploaded models have shape {tuple(upload[MODEL].shape)}, "
                        f"expected ({len(expected)}, {size})")
+    if MODEL in wire and upload[MODEL].dtype != torch.float32:
+        raise BadReply(f"the uploaded models are {upload[MODEL].dtype}, expected torch.float32")
     short = [k for k, v in upload.items() if v.dim() == 0 or v.shape[0] != len(expected)]
     if short:
         raise BadReply(f"upload entries {short} do not have one row per client")
+    # (an encoder's integer entries, top-k's indices and QSGD's levels, the server's decoder checks: Algorithm.malformed)
+    unusable = [k for k, v in upload.items() if not v.is_floating_point() and k not in wire]
+    if unusable:
+        raise BadReply(f"upload entries {unusable} are not floating-point tensors")
+    broken = [k for k, v in upload.items() if not bool(torch.isfinite(v).all())]
+    if broken:
+        raise BadReply(f"upload entries {broken} hold NaN or infinite values")
     return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {},
                         int(content["result"]["backprops"]))
 
@@ -154,6 +173,15 @@ def scores_content(scores: ClientScores):
 
 def read_scores(content, sent: list[int]) -> ClientScores:
     """A node's scores, checked whole: clients it was sent, one value of each kind per client."""
+    try:
+        return _read_scores(content, sent)
+    except BadReply:
+        raise
+    except Exception as err:  # a reply of any other form: the node's fault, said as such
+        raise BadReply(f"the scores cannot be read ({type(err).__name__}: {err})") from None
+
+
+def _read_scores(content, sent: list[int]) -> ClientScores:
     if "scores" not in content.config_records:
         raise BadReply("the reply has no scores")
     record = content["scores"]

@@ -14,6 +14,7 @@ summary and final model, progress bar, diagnostics. Flower's own ``Strategy.star
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable
@@ -27,8 +28,8 @@ from flwr.serverapp.strategy import Strategy
 from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
-from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, evaluation_content, read_result, read_scores,
-                                     reply_content, task_content, wire_bytes, with_buffers)
+from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, error_line, evaluation_content, read_result,
+                                     read_scores, reply_content, task_content, wire_bytes, with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -43,20 +44,29 @@ def partition_of(client: int, partitions: int) -> int:
 
 
 class Federation:
-    """Which Flower node hosts which fedflat client, learned by asking each node once (a ``query`` message).
+    """Which Flower node hosts which fedflat client, learned by asking each node once (a ``query`` message),
+    and bound to the node's public key (the one it authenticates with; a key of its own per start without
+    SuperNode authentication).
 
-    A node that does not answer (a query or a round's task) is left out for the rest of the run; a node
-    restarted after a failure comes back under a new node id and is asked again."""
+    A partition belongs to the first online node that claims it, and with a roster (``node-keys``, written by
+    ``fedflat flower-app --keys``) only to the node whose key the roster names: another node claiming it is
+    refused with a logged reason. A node whose query failed (it raised, or claimed a partition it may not) is
+    left out for the run; a node that is merely slow, to a query or a task, is asked again in the next round.
+    A restarted node comes back (under a new node id without authentication, after its old one went offline) and
+    takes over its partition."""
 
-    def __init__(self, query_timeout: float):
+    def __init__(self, query_timeout: float, roster: dict[int, bytes] | None = None):
         self.query_timeout = query_timeout
+        self.roster = dict(roster or {})  # partition -> the public key of the node that may hold it
         self.partition: dict[int, int] = {}  # node id -> partition
         self.partitions: int | None = None
         self.silent: dict[int, str] = {}  # node id -> why it was left out
         self.online: set[int] = set()
+        self.keys: dict[int, bytes] = {}  # node id -> its public key
+        self.started: dict[int, str] = {}  # node id -> when it last connected (a restart changes it)
 
     def leave_out(self, node: int, why: str) -> None:
-        """Stops using ``node`` for the rest of the run (it failed to answer)."""
+        """Stops using ``node`` for the rest of the run (its query failed or it claimed another's partition)."""
         self.silent[node] = why
         self.partition.pop(node, None)
 
@@ -72,7 +82,7 @@ class Federation:
                 f"of {self.partitions}; waited {wait_s:.0f} s for the others)")
 
     def host(self, client: int) -> int | None:
-        """The node that hosts ``client`` now (the newest one of its partition), or None."""
+        """The node that hosts ``client`` now, or None."""
         if self.partitions is None:
             return None
         wanted = partition_of(client, self.partitions)
@@ -90,39 +100,142 @@ class Federation:
                 shares.setdefault(node, []).append(row)
         return shares
 
+    def look(self, grid) -> dict[int, tuple[bytes, str]]:
+        """The online nodes: their public key and when they last connected (a node id where Flower has no key)."""
+        nodes = {int(info.node_id): (bytes(info.public_key) or f"node-{info.node_id}".encode(),
+                                     str(info.last_activated_at)) for info in grid.get_nodes()}
+        self.online = set(nodes)
+        for node in [n for n in self.partition if n not in nodes or nodes[n][1] != self.started.get(n)]:
+            del self.partition[node]  # gone, or restarted (then asked again)
+        for node in [n for n in self.silent if n in nodes and nodes[n][1] != self.started.get(n)]:
+            del self.silent[node]  # restarted (with authentication, under its node id): a fresh start
+        for node, (key, started) in nodes.items():
+            self.keys[node], self.started[node] = key, started
+        return nodes
+
     def refresh(self, grid, clients: list[int], wait_s: float) -> None:
-        """Learns the partitions of new nodes until every client in ``clients`` has a host, or ``wait_s`` passed."""
+        """Learns the partitions of new nodes until every client in ``clients`` has a host, or ``wait_s`` passed.
+        A node that does not answer its query in time is asked again on the next call."""
         deadline = time.monotonic() + wait_s
+        slow: set[int] = set()
         while True:
-            online = self.online = set(grid.get_node_ids())
-            for node in [n for n in self.partition if n not in online]:
-                del self.partition[node]
-            new = sorted(online - set(self.partition) - set(self.silent))
+            self.look(grid)
+            new = sorted(self.online - set(self.partition) - set(self.silent) - slow)
             if new:
-                self._ask(grid, new)
+                slow |= self._ask(grid, new)
             if all(self.host(c) is not None for c in clients) or time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
 
-    def _ask(self, grid, nodes: list[int]) -> None:
+    def _ask(self, grid, nodes: list[int]) -> set[int]:
+        """Asks ``nodes`` for their partition; returns those that did not answer in time."""
         replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(
             [Message(RecordDict(), dst_node_id=n, message_type=QUERY) for n in nodes], timeout=self.query_timeout)}
+        slow = set()
         for node in nodes:
             reply = replies.get(node)
-            if reply is None or reply.has_error() or not reply.has_content():
-                why = (f"its query failed: {reply.error.reason}" if reply is not None and reply.has_error() else
-                       f"no answer to fedflat's query in {self.query_timeout:.0f} s")
-                log.warning("node %s left out: %s", node, why)
-                self.leave_out(node, why)
+            if reply is None:
+                log.warning("node %s did not answer fedflat's query in %.0f s: asked again later", node,
+                            self.query_timeout)
+                slow.add(node)
                 continue
-            info = reply.content["node"]
-            partition, partitions = int(info["partition-id"]), int(info["num-partitions"])
+            try:
+                partition, partitions = claimed_partition(reply)
+            except BadReply as err:
+                log.warning("node %s left out: %s", node, err)
+                self.leave_out(node, str(err))
+                continue
             if self.partitions is not None and partitions != self.partitions:
                 raise ConfigError(f"node {node} has num-partitions={partitions}, other nodes {self.partitions}: "
                                   "every node of a federation needs the same num-partitions")
+            refused = self.refusal(node, partition)
+            if refused and self.roster:
+                log.warning("node %s left out: %s", node, refused)
+                self.leave_out(node, refused)
+                continue
+            if refused:  # (its holder may be a node that died: it goes offline within Flower's heartbeat)
+                log.warning("node %s not used for now: %s", node, refused)
+                slow.add(node)
+                continue
             self.partitions = partitions
             self.partition.pop(node, None)
-            self.partition[node] = partition  # last in: the newest node of its partition
+            self.partition[node] = partition
+        return slow
+
+    def refusal(self, node: int, partition: int) -> str:
+        """Why ``node`` may not hold ``partition`` ('' when it may): the roster names another key, or another
+        online node holds it."""
+        if self.roster:
+            if partition not in self.roster:
+                return f"it claims partition {partition}, which node-keys does not list"
+            if self.roster[partition] != self.keys.get(node):
+                return (f"it claims partition {partition}, but its public key is not the one node-keys names for it "
+                        f"({fingerprint(self.keys.get(node, b''))} is not {fingerprint(self.roster[partition])})")
+            return ""
+        holders = [n for n, p in self.partition.items() if p == partition and n != node and n in self.online]
+        if holders:
+            return (f"it claims partition {partition}, which node {holders[0]} (key "
+                    f"{fingerprint(self.keys.get(holders[0], b''))}) holds: a partition has one node")
+        return ""
+
+
+def fingerprint(key: bytes) -> str:
+    """A public key's short name in messages: ``SHA256:`` and the first 16 hex digits of its digest."""
+    return "SHA256:" + hashlib.sha256(key).hexdigest()[:16]
+
+
+def claimed_partition(reply) -> tuple[int, int]:
+    """The partition a node's query reply claims, or a :class:`BadReply` (an error, or a malformed claim)."""
+    if reply.has_error():
+        raise BadReply(f"its query failed: {error_line(reply.error.reason)}")
+    try:
+        info = reply.content["node"]
+        partition, partitions = int(info["partition-id"]), int(info["num-partitions"])
+    except Exception as err:  # whatever a node sends: never the server's crash
+        raise BadReply(f"its answer to fedflat's query is not a partition ({type(err).__name__}: {err})") from None
+    if not 0 <= partition < partitions:
+        raise BadReply(f"it claims partition {partition} of {partitions}")
+    return partition, partitions
+
+
+def exchange(grid, messages: list, timeout: float, federation: Federation, poll_s: float = 0.5) -> list:
+    """``grid.send_and_receive`` that stops waiting for a node as soon as it cannot answer: it went offline
+    (Flower's heartbeat: an error reply), or it restarted (it connected again since the message went out: the
+    message died with the old process). Otherwise it waits up to ``timeout`` seconds."""
+    online = federation.look(grid)  # (before the push: a node that restarts later cannot have them)
+    nodes = [m.metadata.dst_node_id for m in messages]
+    before = {node: online[node][1] if node in online else None for node in nodes}
+    pending = dict(zip(grid.push_messages(messages), nodes))
+    deadline, replies, last_look = time.monotonic() + timeout, [], time.monotonic()
+    while pending and time.monotonic() < deadline:
+        for reply in grid.pull_messages(list(pending)):
+            pending.pop(reply.metadata.reply_to_message_id, None)
+            replies.append(reply)
+        if pending and time.monotonic() - last_look >= 5 * poll_s:
+            last_look, nodes = time.monotonic(), federation.look(grid)
+            for mid, node in list(pending.items()):
+                if node in nodes and nodes[node][1] != before[node]:
+                    log.warning("node %s connected again since its message was sent: it will not answer it", node)
+                    del pending[mid]
+        if pending:
+            time.sleep(poll_s)
+    return replies
+
+
+def simulated(grid) -> bool:
+    """Whether ``grid`` is Flower's simulation (virtual nodes in this process), not a deployment."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
+def upload_kind(upload: dict[str, torch.Tensor]) -> frozenset:
+    """What an upload holds, rows aside: each entry's name, shape of a row and dtype."""
+    return frozenset((k, tuple(v.shape[1:]), str(v.dtype).removeprefix("torch.")) for k, v in upload.items())
+
+
+def describe(kind: frozenset | None) -> str:
+    return "[" + ", ".join(f"{k} {list(shape)} {dtype}" for k, shape, dtype in sorted(kind or ())) + "]"
 
 
 def first_replies(replies: Iterable, expected: dict[int, list[int]]) -> dict[int, Any]:
@@ -145,12 +258,13 @@ class FedflatStrategy(Strategy):
     """
 
     def __init__(self, sim: Simulation, round_timeout: float = 600.0, wait_s: float = 120.0,
-                 query_timeout: float = 60.0):
+                 query_timeout: float = 60.0, roster: dict[int, bytes] | None = None, insecure: bool = False):
         if sim.cfg.executor.name != "local":
             raise ConfigError("a Flower federation trains its clients on the SuperNodes: remove executor.name="
                               f"{sim.cfg.executor.name} from the config")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
-        self.federation = Federation(query_timeout)
+        self.federation = Federation(query_timeout, roster)
+        self.insecure, self.checked = insecure, False
         self.opened: OpenRound | None = None
         self.sent: dict[int, list[int]] = {}  # node -> the clients of its message this round
         self.evaluating: dict[int, list[int]] = {}  # node -> the clients of its evaluate message
@@ -162,6 +276,7 @@ class FedflatStrategy(Strategy):
         and sends each node hosting sampled clients their share (the model, the shared server entries, the
         clients' personal rows and task). ``arrays`` and ``config`` are Flower's; fedflat's server state is
         the authority."""
+        self.check_deployment(grid)
         opened = self.sim.begin_round(server_round - 1)
         by_node = self.federation.by_host(grid, opened.task.ids.tolist(), self.wait_s)
         if not by_node:
@@ -203,18 +318,20 @@ class FedflatStrategy(Strategy):
             except BadReply as err:
                 problems[node] = str(err)
                 self._left_out(node, err)
-        # every node runs the same method: an upload whose entries differ from the others' is incomplete
-        shapes = [frozenset(r.upload) for r in results.values()]
-        usual = max(set(shapes), key=lambda k: (shapes.count(k), len(k)), default=None)
-        for node in [n for n, r in results.items() if frozenset(r.upload) != usual]:
-            self._left_out(node, f"its upload has entries {sorted(results.pop(node).upload)}, the other nodes' "
-                                 f"{sorted(usual)}")
+        # every node runs the same method: an upload whose entries (names, row shapes, dtypes) differ from the
+        # others' is incomplete or forged
+        kinds = {n: upload_kind(r.upload) for n, r in results.items()}
+        usual = max(set(kinds.values()), key=lambda k: (list(kinds.values()).count(k), len(k)), default=None)
+        for node in [n for n, kind in kinds.items() if kind != usual]:
+            del results[node]
+            problems[node] = f"its upload has entries {describe(kinds[node])}, the other nodes' {describe(usual)}"
+            self._left_out(node, problems[node])
         wire_up = sum(wire[n] for n in results)
         for node in set(self.sent) - set(answered):
-            log.warning("round %d: node %s did not answer in %.0f s: its clients %s left out", self.opened.ctx.round
-                        + 1, node, self.round_timeout, self.sent[node])
-            problems[node] = f"no answer in {self.round_timeout:.0f} s"
-            self.federation.leave_out(node, problems[node])
+            log.warning("round %d: node %s did not answer (within %.0f s, or it went offline or restarted): its "
+                        "clients %s left out; it is asked again next round", self.opened.ctx.round + 1, node,
+                        self.round_timeout, self.sent[node])
+            problems[node] = "no answer"
         if not results:  # the run stops: say why (nodes that failed alike, once)
             nodes_by_why: dict[str, list[int]] = {}
             for node, why in sorted(problems.items()):
@@ -226,6 +343,23 @@ class FedflatStrategy(Strategy):
     def _left_out(self, node: int, why) -> None:
         log.warning("round %d: node %s's clients %s left out: %s", self.opened.ctx.round + 1, node, self.sent[node],
                     why)
+
+    def check_deployment(self, grid) -> None:
+        """A deployment (real SuperNodes, not Flower's simulation) needs the roster of its nodes' keys
+        (``node-keys``), unless the app was written ``--insecure``: otherwise any node that reaches the SuperLink
+        could claim a partition and be sent the model."""
+        if self.checked:
+            return
+        self.checked = True
+        if simulated(grid):
+            return
+        if self.insecure:
+            log.warning("INSECURE: this app has no node-keys: any SuperNode that reaches the SuperLink may claim a "
+                        "partition (write the app with `fedflat flower-app ... --keys DIR`: docs/flower.md)")
+        elif not self.federation.roster:
+            raise ConfigError("this app has no node-keys, so any SuperNode could claim a partition: write it with "
+                              "`fedflat flower-app CONFIG -o APP --keys DIR` (keys from `fedflat flower-keys DIR "
+                              "--nodes N`; docs/flower.md), or with --insecure for a trusted test network")
 
     def configure_evaluate(self, server_round: int, arrays, config, grid) -> list:
         """A personalized method: one ``evaluate`` message per node, for all its clients (the global model and the
@@ -296,13 +430,14 @@ class FedflatStrategy(Strategy):
         """Round ``t`` through the grid, for fedflat's run loop (:func:`fedflat.run`'s ``driver``)."""
         def train_round(t: int) -> RoundResult:
             messages = self.configure_train(t + 1, None, ConfigRecord(), grid)
-            replies = grid.send_and_receive(messages, timeout=self.round_timeout) if messages else []
+            replies = exchange(grid, messages, self.round_timeout, self.federation) if messages else []
             self.aggregate_train(t + 1, replies)
             return self.sim.last_round
 
         def evaluate_on_nodes(w: torch.Tensor) -> ClientScores:
             messages = self.configure_evaluate(0, None, ConfigRecord(), grid)
-            return self.collect_scores(grid.send_and_receive(messages, timeout=self.round_timeout) if messages else [])
+            return self.collect_scores(exchange(grid, messages, self.round_timeout, self.federation)
+                                       if messages else [])
 
         if self.sim.personalized:  # the run loop's evaluations go to the nodes
             self.sim.personal_evaluation = evaluate_on_nodes
@@ -311,21 +446,30 @@ class FedflatStrategy(Strategy):
 
 def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Path | None = None,
           resume: str | Path | None = None, progress: bool = False, round_timeout: float = 600.0,
-          wait_s: float = 120.0, model_fn: Callable[[], Any] | None = None):
+          wait_s: float = 120.0, roster: dict[int, bytes] | None = None, insecure: bool = False,
+          model_fn: Callable[[], Any] | None = None):
     """Runs ``cfg`` on the federation behind ``grid`` as ``fedflat run`` runs it in one process, and returns
     its :class:`~fedflat.api.History` (run folder, metrics, checkpoints, summary). ``resume`` continues
     the run folder it names from its last checkpoint on the same nodes, whose saved client states the
-    checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it). ``model_fn`` replaces the
-    configured model, as in :func:`fedflat.run` (the nodes' ClientApp needs the same one)."""
+    checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it). ``roster``: partition -> the
+    public key of the node that may hold it (:func:`fedflat.flower.keys.read_roster`); a deployment without one
+    needs ``insecure``. ``model_fn`` replaces the configured model, as in :func:`fedflat.run` (the nodes' ClientApp
+    needs the same one)."""
     from fedflat.api import run
     from fedflat.experiments.checkpoint import resume as resume_run
 
     def driver(sim: Simulation) -> Callable[[int], RoundResult]:
         # (a node learns its partition within wait_s too: a simulation whose ClientApps never start fails then)
-        strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s, query_timeout=min(60.0, wait_s))
+        strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s, query_timeout=min(60.0, wait_s),
+                                   roster=roster, insecure=insecure)
         strategy.summary()
         return strategy.round_driver(grid)
 
     if resume:
-        return resume_run(resume, config=cfg, progress=progress, driver=driver, model_fn=model_fn)
-    return run(cfg, out=out, run_dir=run_dir, progress=progress, announce=progress, driver=driver, model_fn=model_fn)
+        history = resume_run(resume, config=cfg, progress=progress, driver=driver, model_fn=model_fn)
+    else:
+        history = run(cfg, out=out, run_dir=run_dir, progress=progress, announce=progress, driver=driver,
+                      model_fn=model_fn)
+    if history.summary.get("dropped_clients"):
+        log.warning("run %s: %s", history.summary["status"], history.summary.get("reason"))
+    return history
