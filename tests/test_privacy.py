@@ -452,3 +452,17 @@ def test_every_recipe_runs_under_dp_or_is_refused_saying_what_it_reads(tiny):
             assert "privacy.mode=central releases only the noised sum" in str(err) and "individual" not in str(err)
             sim = Simulation(tiny(f"algo={name}", *model_for(name), *DP, "privacy.mode=local"))
         assert math.isfinite(sim.run_round(0).log["epsilon"]), name
+
+
+def test_a_flower_app_under_dp_draws_its_noise_from_the_secure_source(tiny, tmp_path):
+    """`fedflat flower-app` of a DP config: the app's config says privacy.noise=secure, and its nodes then draw every
+    noise from the OS's CSPRNG (two clients' runs of the same round differ; tested above for the mechanism)."""
+    import tomllib
+
+    from fedflat.config import read_yaml
+    from fedflat.flower import write_app
+    from fedflat.flower.apps import CONFIG_KEY
+
+    folder = write_app(tiny(*DP), tmp_path / "app", insecure=True)
+    config = tomllib.loads((folder / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert read_yaml(config[CONFIG_KEY])["privacy"]["noise"] == "secure"

@@ -286,13 +286,17 @@ def write_app(cfg: Config, folder: str | Path, *, overwrite: bool = False, node_
     """Writes a Flower app project for ``cfg`` to ``folder``: ``pyproject.toml`` (the config in its run
     config) and a package with the ServerApp, the ClientApp and the config's path plugins
     (:func:`ship_plugins`). ``flwr run FOLDER [CONNECTION]`` runs it. ``node_keys``: the roster of the deployment's
-    node keys (``node-keys.txt`` of ``fedflat flower-keys``); a deployment without one needs ``insecure``."""
+    node keys (``node-keys.txt`` of ``fedflat flower-keys``); a deployment without one needs ``insecure``. A config
+    under differential privacy draws its noise from the operating system's secure source there (``privacy.noise:
+    secure``): a deployment's noise must not be reproducible from the seed (docs/privacy.md)."""
     import tomli_w
 
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise FileExistsError(f"{folder} exists and is not empty: choose another --out (or --force to rewrite it)")
     resolved = resolve(cfg)
+    if resolved.get("privacy"):
+        resolved["privacy"]["noise"] = "secure"
     ship_plugins(resolved, folder / APP_PACKAGE)
     name = re.sub(r"[^a-z0-9]+", "-", f"fedflat-{cfg.name or resolved['algo']['name']}-{resolved['data']['name']}"
                   .lower()).strip("-")
