@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-slow test-all docs setup clean
+.PHONY: demo test test-slow test-deploy test-all docs setup clean
 
 # (setuptools' notice that an editable install follows this folder says what we want: it is not shown)
 $(STAMP): pyproject.toml
@@ -32,6 +32,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The secure deployment (TLS, SuperNode authentication, strangers refused) on 127.0.0.1: slow tests CI runs too.
+test-deploy: $(STAMP)
+	$(BIN)/python -m pytest -q -m deploy
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''

@@ -715,6 +715,7 @@ def test_flwr_run_of_a_fedflat_app_trains_on_flowers_local_simulation(tmp_path):
 
 
 @pytest.mark.slow  # a real deployment: ~1-2 min on 2 cores (Flower's heartbeat marks the killed node offline: 60 s)
+@pytest.mark.deploy
 def test_a_deployed_federation_finishes_when_a_supernode_is_killed_and_restarted(tmp_path):
     """docs/flower.md's secure deployment: `fedflat flower-keys`, a SuperLink with TLS and SuperNode authentication,
     two registered SuperNodes and `flwr run` of the app `fedflat flower-app --keys` writes. After round 1
@@ -763,6 +764,7 @@ def test_a_deployed_federation_finishes_when_a_supernode_is_killed_and_restarted
 
 
 @pytest.mark.slow  # two real deployments: ~2-3 min on 2 cores
+@pytest.mark.deploy
 def test_a_secure_deployment_refuses_strangers_and_computes_what_the_insecure_one_does(tmp_path):
     """With the keys of `fedflat flower-keys`: a registered node trains; a node whose key is not registered, a node
     that trusts another CA, a plain-text node and a plain-text `flwr` CLI are refused by Flower; a registered node
