@@ -93,7 +93,8 @@ class TrainConfig(Section):
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD's momentum mu (0: plain SGD)")
     dampening: float = Field(0.0, ge=0, lt=1, description="SGD's dampening tau")
     nesterov: bool = Field(False, description="SGD's Nesterov momentum")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2)")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2,
+                               description="Adam's (beta1, beta2)")
     eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
     optimizer_state: Literal["round", "client"] = Field(
         "round", description="round: fresh every round (the papers' codes); client: kept per client as client state")

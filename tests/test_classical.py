@@ -417,6 +417,9 @@ COMMUNICATION = {
     "fedlesam-d": (1, 1, 2), "fedwmsam": (1, 2, 1), "fedvssam": (1, 2, 0), "fedscam": (1, 1, 0),
     "fedscam-wa": (1, 1, 0), "fedscam-sam": (1, 1, 0), "fedlwsam": (1, 1, 0), "fedfft": (1, 1, 0),
     "fedfft-s": (2, 2, 1), "fedfft-d": (1, 1, 1), "feddyn-gradfilter": (1, 1, 1),
+    # DP-FedSAM: the clipped update up; DP-FedSAM-top_k: no model-sized vector up, its top half's values and indices
+    # (counted in bytes: tests/test_privacy.py)
+    "dpfedsam": (1, 1, 0), "dpfedsam-topk": (0, 1, 0),
     # FedPer: the model up (the head entries are the broadcast's) and down; the client keeps its last model
     "fedper": (1, 1, 1), "fedper-sam": (1, 1, 1), "fedper-fft": (1, 1, 1),
     "fedgf": (1, 2, 0),  # the model and the global perturbation down (and c)

@@ -46,8 +46,11 @@ def test_a_non_finite_evaluation_ends_the_run_diverged_at_its_round(tiny, tmp_pa
 
 
 def test_a_huge_learning_rate_without_clipping_is_diverged_not_completed(tiny):
+    """The clients whose uploads are already non-finite are rejected (validation.invalid: reject), the others' huge
+    model then evaluates to NaN: diverged, naming the round, within the three rounds."""
     history = fedflat.run(tiny("rounds=3", "train.lr=1e6", "train.clip=null"), save=False, progress=False)
-    assert history.summary["status"] == "diverged" and history.summary["reason"].startswith("round 1:")
+    reason = history.summary["reason"]
+    assert history.summary["status"] == "diverged" and reason.split(":")[0] in ("round 1", "round 2", "round 3")
 
 
 def test_chance_level_is_three_binomial_standard_errors():
