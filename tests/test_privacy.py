@@ -466,3 +466,16 @@ def test_a_flower_app_under_dp_draws_its_noise_from_the_secure_source(tiny, tmp_
     folder = write_app(tiny(*DP), tmp_path / "app", insecure=True)
     config = tomllib.loads((folder / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert read_yaml(config[CONFIG_KEY])["privacy"]["noise"] == "secure"
+
+
+def test_reports_have_an_epsilon_column_for_private_runs(tiny, tmp_path):
+    from fedflat.experiments.report import report
+
+    fedflat.run(tiny(*DP, "rounds=2"), out=tmp_path / "private", progress=False)
+    fedflat.run(tiny("rounds=2"), out=tmp_path / "plain", progress=False)
+    private = report([tmp_path / "private"])
+    assert "| epsilon |" in private.splitlines()[0]
+    spent = epsilon(Mechanism("fixed", 6, 3, 1.0), 2, 1 / 6)
+    assert f"| {spent:.3g} |" in private
+    assert "epsilon" not in report([tmp_path / "plain"])
+    assert "epsilon" in report([tmp_path / "private"], fmt="csv").splitlines()[0]

@@ -296,6 +296,7 @@ def summarize(group: Group, targets: list[float]) -> Row:
                seeds=len(runs), final=mean_std(pct), best=mean_std(best),
                targets=hits, sec_per_round=mean_std(per_round)[0], comm=mean_std(comm)[0], backprops=mean_std(bp)[0],
                rounds=mean_std([float(r.summary.get("rounds") or 0) for r in runs])[0], status=status,
+               epsilon=mean_std([r.summary["epsilon"] for r in runs if r.summary.get("epsilon") is not None])[0],
                metrics={name: mean_std([100 * r.summary[f"final_test_{name}"] for r in runs
                                         if r.summary.get(f"final_test_{name}") is not None])
                         for name in _metric_names(runs)})
