@@ -214,7 +214,8 @@ def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path,
 
 
 # -- Flower simulation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algo", ["fedavg", "scaffold", "fedlesam", "fedgmt", "fedper-sam"])
+@pytest.mark.parametrize("algo", ["fedavg", *(pytest.param(a, marks=pytest.mark.slow)  # ~27 s each
+                                             for a in ("scaffold", "fedlesam", "fedgmt", "fedper-sam"))])
 def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
     """Three virtual SuperNodes host two clients each; SCAFFOLD's c_i and FedPer's heads live on the nodes, not the
     server, so FedPer's personalized accuracy is computed there (per client, pooled by the server)."""
@@ -262,8 +263,8 @@ BN_DROPOUT_CNN = ("data.name=synthetic", "data.options.shape=[1,8,8]", "data.opt
                   "model.norm=batch", "model.dropout=0.3")
 
 
-@pytest.mark.parametrize("algo", ["fedbn", *(pytest.param(a, marks=pytest.mark.slow)
-                                             for a in ("fedavg", "scaffold", "fedsam", "fedlesam", "feddyn"))])
+@pytest.mark.slow  # a Flower simulation of a CNN: ~26 s each
+@pytest.mark.parametrize("algo", ["fedbn", "fedavg", "scaffold", "fedsam", "fedlesam", "feddyn"])
 def test_a_flower_simulation_of_a_batch_norm_dropout_cnn_equals_fedflat_run(algo, tmp_path):
     """The nodes receive the global buffers with the model, train with the clients' dropout streams and upload their
     statistics; FedBN's BatchNorm stays on the nodes, which evaluate their clients with it: the run's numbers, its
@@ -287,6 +288,7 @@ def test_a_flower_simulation_of_a_batch_norm_dropout_cnn_equals_fedflat_run(algo
         assert theirs.summary["final_test_acc"] == correct / len(data.y_test)
 
 
+@pytest.mark.slow  # Flower simulations: ~31 s (moved from make test: its 10 minutes)
 def test_failed_and_partial_replies_leave_their_clients_out_and_roll_their_state_back(tmp_path):
     """Partition 1's node fails in round 2, partition 2's sends an upload without its losses in round 3 and
     partition 0's one with an entry the others lack in round 4: those rounds aggregate the other clients,
@@ -438,6 +440,7 @@ def test_a_node_that_cannot_keep_its_clients_state_says_so(tmp_path):
         Node(small("scaffold"), 0, 2, Path("/proc/fedflat/config-0/partition-0"))
 
 
+@pytest.mark.slow  # two Flower simulations: ~52 s (moved from make test: its 10 minutes)
 def test_a_flower_run_resumes_through_flower_with_the_nodes_saved_state(tmp_path):
     """Two rounds, then a new Flower run (a new run id) resuming the folder to four: equal to four rounds in
     one go. A plain `fedflat resume`, which has no nodes and so no SCAFFOLD c_i, is refused."""
@@ -454,6 +457,7 @@ def test_a_flower_run_resumes_through_flower_with_the_nodes_saved_state(tmp_path
     assert_same_metrics(fedflat.run(longer, save=False, progress=False).metrics, resumed.metrics)
 
 
+@pytest.mark.slow  # Flower's own loop: ~27 s each (moved from make test: its 10 minutes)
 @pytest.mark.parametrize("algo", ["scaffold", "fedper"])
 def test_flowers_own_strategy_loop_runs_a_fedflat_recipe(algo, tmp_path):
     """FedflatStrategy in Flower's Strategy.start loop (no fedflat run folder): the same model and accuracy,

@@ -71,6 +71,7 @@ def test_the_example_runs_from_the_cli_and_a_sweep_with_workers_with_the_same_nu
         assert torch.equal(final_model(tmp_path / "sweep" / cell["name"]), alone.final_parameters)
 
 
+@pytest.mark.slow  # Ray and a Flower simulation: ~28 s (moved from make test: its 10 minutes)
 def test_the_example_on_ray_workers_and_flower_nodes_equals_the_local_run(tmp_path):
     """executor=ray (two workers that start as fresh interpreters) and a Flower simulation of two SuperNodes build the
     plugin's method from the config they receive: the same model, bit for bit."""

@@ -236,6 +236,7 @@ def _stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # a `ray start` cluster: ~31 s (moved from make test: its 10 minutes)
 @pytest.mark.skipif(LOCAL_NODE_IP is None, reason="a second loopback address is needed (Linux)")
 def test_a_cluster_started_by_ray_start_runs_a_driver_that_connects_by_address(tmp_path):
     """Two Ray nodes on this machine (`ray start --head`, `ray start --address`), each with one CPU; a driver
@@ -303,6 +304,7 @@ def test_bench_races_local_and_ray_executors(ray_session):
         executor_overrides("dask")
 
 
+@pytest.mark.slow  # two Ray executors: ~31 s (moved from make test: its 10 minutes)
 def test_executors_sharing_the_ray_fedflat_started_close_it_after_the_last(tmp_path):
     """Two executors on the Ray instance fedflat started itself (as a bench racing ray:1 and ray:2 does):
     closing the first must not pull Ray from under the second, and the last one shuts Ray down."""

@@ -649,6 +649,7 @@ def test_fedvssam_ablations_switch_on_one_mixing_each():
         assert all(hyper[name][m] == 1.0 for m in mixings if m != on)
 
 
+@pytest.mark.slow  # a 45 s run (moved from make test: its 10 minutes)
 def test_fedwmsam_similarity_rises_as_seed_001_appendix_b_describes():
     """Seed 001 App. B: the similarity behind the adaptive factor rises early and settles. On the digits
     quickstart (60 rounds, weight decay inside the mixing) the authors' cos(Delta_i, m) + 1 rises (measured
