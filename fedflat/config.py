@@ -441,14 +441,16 @@ class Config(Section):
         return calibrate(replace(self.privacy_mechanism(), noise_multiplier=1.0), self.rounds, self.privacy_delta,
                          p.target_epsilon)
 
-    def stage_specs(self) -> list[dict[str, Any]]:
+    def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for (``compression``, ``privacy``, then ``upload``), each
-        ``{name, **hyperparameters}``, the noise multiplier calibrated where ``privacy.target_epsilon`` asks."""
+        ``{name, **hyperparameters}``, the noise multiplier calibrated where ``privacy.target_epsilon`` asks (seconds
+        of dp-accounting: with ``calibrate=False``, for checking the stages' shape only, ``z = 1`` stands in)."""
         specs = [dict(self.compression)] if self.compression else []
         p = self.privacy
         if p is not None and p.level == "client":
             expected = self.sampling.clients_per_round  # K, or q N = K under Poisson sampling
-            specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": self.noise_multiplier(),
+            z = self.noise_multiplier() if calibrate or p.noise_multiplier is not None else 1.0
+            specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": z,
                           "expected_clients": float(expected), "adaptive": p.adaptive, "quantile": p.quantile,
                           "clip_lr": p.clip_lr, "count_noise": p.count_noise, "secure": p.noise == "secure"})
         return specs + [dict(s) for s in self.upload] + [dict(s) for s in (self.attack, self.robust) if s]
@@ -685,7 +687,7 @@ def _check_registered(cfg: Config) -> None:
                           f"data.num_clients ({cfg.data.num_clients})")
     _check_section_kinds(cfg)
     try:
-        algorithm = build_algorithm(cfg.algo, cfg.stage_specs())
+        algorithm = build_algorithm(cfg.algo, cfg.stage_specs(calibrate=False))
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)

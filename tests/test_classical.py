@@ -430,8 +430,10 @@ COMMUNICATION = {
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.
-EXTRA_UP = {"qfedavg": 2, "fedscam": 4, "fedscam-wa": 3, "fedscam-sam": 2}
-EXTRA_DOWN = {"fedwmsam": 1, "fedgf": 1, "fedscam": 256, "fedscam-wa": 256, "fedscam-sam": 256}
+EXTRA_UP = {"qfedavg": 2, "fedscam": 4, "fedscam-wa": 3, "fedscam-sam": 2,
+            "dpfedsam-topk": 2 * 82 + 1}  # (top-k of the 163 parameters at ratio 0.5: 82 float32 values, 82 int32 indices)
+EXTRA_DOWN = {"fedwmsam": 1, "fedgf": 1, "fedscam": 256, "fedscam-wa": 256, "fedscam-sam": 256,
+              "dpfedsam": 2, "dpfedsam-topk": 2}  # (DP-FedSAM's: the round's clip C, a float64)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -38,6 +38,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # the site's Sphinx build: ~75 s, shared by the site's tests (moved from make test: its 10 minutes)
 def test_the_site_builds_without_warnings_and_holds_every_page(site):
     pages = {p.stem for p in (REPO / "docs").glob("*.md")} - {"index"}
     assert pages and all((site / f"{page}.html").is_file() for page in pages)
@@ -66,6 +67,7 @@ def test_the_reference_lists_every_module():
     assert not uncovered, f"modules missing from docs/reference/index.rst: {uncovered}"
 
 
+@pytest.mark.slow  # the site's build (moved from make test: its 10 minutes)
 def test_every_module_has_its_page(site):
     missing = [m for m in modules() if not (site / "reference" / "generated" / f"{m}.html").is_file()]
     assert not missing and "fedflat.core.part" in modules()
@@ -147,6 +149,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # the site's build and a browser (moved from make test: its 10 minutes)
 def test_a_browser_finds_the_start_page_and_the_reference_of_fedflat_run(browser):
     start = browser("index.html")
     assert start.headings[0] == ("h1", "fedflat")
@@ -166,12 +169,14 @@ def test_a_browser_finds_the_start_page_and_the_reference_of_fedflat_run(browser
     assert "fedflat.core.part.Part" in part.ids and "fedflat.core.part.Perturbation" in part.ids
 
 
+@pytest.mark.slow  # the site's build and a browser (moved from make test: its 10 minutes)
 def test_the_site_search_finds_a_function(browser):
     results = browser("search.html?q=load_sweep")
     assert any(text.startswith("fedflat.experiments.sweep.load_sweep") for text in results.links), \
         sorted(results.links)[:20]
 
 
+@pytest.mark.slow  # the site's build (moved from make test: its 10 minutes)
 def test_a_reexported_name_is_found_under_its_package(site):
     """``fedflat.data.Dataset`` (defined in fedflat.data.dataset) is in the search index and on the package's page,
     with a link to its description."""
@@ -186,6 +191,7 @@ def test_a_reexported_name_is_found_under_its_package(site):
     assert re.search(r'href="fedflat\.data\.dataset\.html#fedflat\.data\.dataset\.Dataset"', page)
 
 
+@pytest.mark.slow  # the site's build (moved from make test: its 10 minutes)
 def test_every_docs_back_link_of_a_source_page_points_at_an_anchor_that_exists(site):
     """sphinx.ext.viewcode's "[docs]" links pointed at ``#fedflat.History`` on the runner's page, which has only
     ``#fedflat.experiments.runner.History`` (docs/conf.py: _viewcode_backlinks)."""

@@ -49,6 +49,7 @@ def test_own_data_trains_a_users_dataset_and_model(tmp_path):
         assert config["algo"]["name"] == algo and config["data"]["num_clients"] == 10
 
 
+@pytest.mark.slow  # ~15 s (moved from make test: its 10 minutes)
 def test_flwr_datasets_split_trains_on_the_partitioners_split(tmp_path):
     """The bridge (fedflat.data.flwr_partitions) hands fedflat exactly flwr-datasets' partitions: every client's
     samples are those the partitioner put in its partition (two classes each, disjoint), and the script's run

@@ -381,6 +381,7 @@ def test_a_sweep_tracks_one_run_per_cell_grouped_by_the_sweep(tmp_path, store):
         _same_as_lines(_csv_rows(folder / "metrics.csv"), read_jsonl(folder / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # ~14 s (moved from make test: its 10 minutes)
 def test_a_killed_cell_continues_its_tracked_runs(tmp_path, store):
     """``kill -9`` of a sweep mid-cell, then the sweep again: the cell resumes, and its W&B and MLflow runs go on
     (same ids), each round logged once, equal to the metrics lines."""

@@ -44,6 +44,7 @@ def final_model(run_dir: Path) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in state.values()])
 
 
+@pytest.mark.slow  # ~24 s (moved from make test: its 10 minutes)
 def test_the_example_runs_from_the_cli_and_a_sweep_with_workers_with_the_same_numbers(tmp_path):
     """The config's plugins: reach the CLI's process and a sweep's two spawned workers; every run equals the one
     in this process, bit for bit, and the run folder's config.yaml (the plugin's path made absolute) resumes."""

@@ -139,6 +139,7 @@ def _in_small_tmpfs(size: str, script: str, tmp_path: Path) -> subprocess.Comple
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # ~17 s (moved from make test: its 10 minutes)
 def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
     """A 512 KiB tmpfs holds the run's first files but not its checkpoint of the quickstart MLP: the run
     ends with one line, summary.json says failed (never 'running') with what to do; after space is freed
@@ -159,6 +160,7 @@ def test_disk_full_mid_run_records_the_failure_and_resume_is_exact(tmp_path):
     assert metrics_equal(read_jsonl(folder / "metrics.jsonl"), full.metrics)
 
 
+@pytest.mark.slow  # ~27 s (moved from make test: its 10 minutes)
 def test_a_disk_that_stays_full_leaves_the_summary_at_the_checkpoints_round(tmp_path):
     """A 2 MiB tmpfs holds the round-2 checkpoint of a 300k-parameter MLP but not the round-4 one, even after the
     run gives back its reserve: summary.json said rounds 4 while the checkpoint held round 2 (issue 32). It now
@@ -175,6 +177,7 @@ def test_a_disk_that_stays_full_leaves_the_summary_at_the_checkpoints_round(tmp_
     assert resumed.summary["rounds"] == 6 and metrics_equal(resumed.metrics, full.metrics)
 
 
+@pytest.mark.slow  # ~9 s (moved from make test: its 10 minutes)
 def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):
     out = _in_small_tmpfs("64k", f"{CLI_SHELL} run rounds=2 --out $T --no-progress; echo EXIT=$?; ls -A $T",
                           tmp_path)
@@ -182,6 +185,7 @@ def test_a_completely_full_disk_leaves_no_empty_run_folder(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "EXIT=3"  # and `ls` printed nothing: no folder left behind
 
 
+@pytest.mark.slow  # ~25 s (moved from make test: its 10 minutes)
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     proc = subprocess.Popen([*CLI, "run", "rounds=100000",
                              "checkpoint_every=5", "--out", str(tmp_path), "--no-progress"],
@@ -304,6 +308,7 @@ def _spawned_workers(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # ~12 s (moved from make test: its 10 minutes)
 def test_sweep_workers_die_with_a_killed_parent(tmp_path):
     path = _endless_sweep(tmp_path)
     proc = _start_sweep(path)

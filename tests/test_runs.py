@@ -156,6 +156,7 @@ def test_cli_run_list_and_partition(tiny, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # ~11 s (moved from make test: its 10 minutes)
 def test_a_terminal_sees_the_run_folder_once(tmp_path):
     """On a terminal the run folder is announced at the start (stderr) and was printed again at the end (stdout):
     twice (issue 32). A script reading stdout still gets it at the end (test_cli_run_list_and_partition)."""
