@@ -479,3 +479,11 @@ def test_reports_have_an_epsilon_column_for_private_runs(tiny, tmp_path):
     assert f"| {spent:.3g} |" in private
     assert "epsilon" not in report([tmp_path / "plain"])
     assert "epsilon" in report([tmp_path / "private"], fmt="csv").splitlines()[0]
+
+
+def test_the_servers_norm_check_reads_the_clipped_update_that_travelled(tiny):
+    """With an upload path the model entry on the wire is Delta_i already: the server's `validation.max_norm` bounds
+    it as sent (clipped to C = 0.5 here), so a bound just above C rejects nobody."""
+    history = fedflat.run(tiny("privacy.clip=0.5", "privacy.mode=local",
+                               "validation.max_norm=0.5001", "privacy.noise_multiplier=0.0"), save=False, progress=False)
+    assert history.summary["status"] == "completed" and "rejected_clients" not in history.summary

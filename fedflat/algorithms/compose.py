@@ -135,17 +135,24 @@ class Algorithm:
         encoder = self.encoder
         cohort.upload.update(encoder.encode(ctx, cohort, release) if encoder is not None else release)
 
+    def received_release(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The release a received ``upload`` carries: with an upload path, what travelled (``Delta_i`` already)
+        decoded, the stages' side entries left out; without one, the model rows as ``Delta_i`` from ``w_start``."""
+        if not self.stages:
+            return release_of(upload, ctx.w_start)
+        side = {name for stage in self.stages for name in stage.side}
+        payload = {k: v for k, v in upload.items() if k not in NOT_RELEASED and k not in side}
+        encoder = self.encoder
+        return encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
+
     def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The upload path's server side: the received ``upload`` decoded into the release, every stage's
         :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload as received), and the upload the parts read,
         ``model`` at ``w_start + Delta_i`` again."""
         if not self.stages:
             return upload
-        side = {name for stage in self.stages for name in stage.side}
         kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
-        payload = {k: v for k, v in upload.items() if k not in NOT_RELEASED and k not in side}
-        encoder = self.encoder
-        release = encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
+        release = self.received_release(ctx, upload)
         ctx.uploads = upload
         for stage in self.stages:
             release = stage.server(ctx, release)

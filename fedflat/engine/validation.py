@@ -14,8 +14,7 @@ import torch
 
 from fedflat.algorithms import Algorithm
 from fedflat.config import ValidationConfig
-from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, release_norms, release_of
-from fedflat.core.upload import NOT_RELEASED
+from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, release_norms
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +34,6 @@ def non_finite_rows(rows: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(flat).all(1)
 
 
-def release_of_upload(algorithm: Algorithm, ctx: RoundContext, upload: dict[str, torch.Tensor]
-                      ) -> dict[str, torch.Tensor]:
-    """The release a received ``upload`` carries: decoded where a stage encodes it, the stages' side entries left
-    out, the model as ``Delta_i`` from the broadcast."""
-    side = {name for stage in algorithm.stages for name in stage.side}
-    payload = {k: v for k, v in upload.items() if k not in side and k not in NOT_RELEASED}
-    encoder = algorithm.encoder
-    if encoder is not None:
-        payload = encoder.decode(ctx, payload, ctx.w.numel())
-    return release_of(payload, ctx.w_start)
-
-
 def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
                     check: ValidationConfig) -> dict[int, str]:
     """``{client: reason}`` for every invalid upload of ``result`` (module docstring)."""
@@ -61,7 +48,7 @@ def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResul
     if check.max_norm is not None:
         decodable = (~malformed).nonzero().flatten()
         upload = {k: v[decodable.to(v.device)] for k, v in result.upload.items()}
-        norms = release_norms(release_of_upload(algorithm, ctx, upload)).tolist()
+        norms = release_norms(algorithm.received_release(ctx, upload)).tolist()
         for client, norm in zip(result.ids[decodable].tolist(), norms):
             if norm > check.max_norm and client not in problems:
                 problems[client] = f"its update's norm {norm:.4g} exceeds validation.max_norm={check.max_norm:g}"
