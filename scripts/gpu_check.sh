@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# fedflat's GPU checks and benchmarks (issue 14), one stage per call, results under OUT (default: gpu-results).
+# fedflat's GPU checks and benchmarks (issues 14, 48), results under OUT (default: gpu-results).
 # Run from the repository root on a CUDA machine:  scripts/gpu_check.sh STAGE...
-#   tests     the test suite with --device cuda (tests/test_cuda.py included), 8 processes
+#   tests     the test suite with --device cuda (tests/test_cuda.py included), $PYTEST_N processes (default 8)
 #   bench     fedflat bench on W1 and W2: sequential, vectorized, bare loop
 #   bench3    W3 (ResNet-18-GN, FL-Simulator's setting) in TF32 with torch.profiler tables, FedAvg in float32
-#   fast3     W3 with the options meant to close its targets: channels-last, then bf16 autocast (both in TF32)
-#   memory    automatic chunk sizes with ResNet-34 at 10 and 100 clients per round (peak memory, OOM retries)
-#   converge  FedAvg, FedSAM, FedLESAM with ResNet-18-GN on Fashion-MNIST, all three at once on the GPU
-#             (data.root: $FMNIST, default .gpu/fmnist; extra overrides: $CONVERGE_OVERRIDES)
+#   fast3     W3 in TF32, then with channels-last, bf16 autocast, and both, beside the bare loop doing the same
+#   profile3  one profiled W3 round of FedAvg with channels-last and bf16 (what bounds the fast round)
+#   vec3      the vectorized engine on W3 with bf16 (FedAvg), beside the sequential engine
+#   models    DenseNet-121 (W3's images) and ViT-B/32 (224x224 images) local-step times, bf16
+#   memory    automatic chunk sizes with ResNet-34 at $MEMORY_CLIENTS clients per round (default "10 100")
+#   converge  FedAvg, FedSAM, FedLESAM (bf16, channels-last) and FedAvg (TF32) with ResNet-18-GN on Fashion-MNIST,
+#             all four at once on the GPU, for at most $CONVERGE_SECONDS (default 540); the runs' metrics come
+#             back in converge_runs.tgz (data.root: $FMNIST, default .gpu/fmnist; extra overrides: $CONVERGE_OVERRIDES)
+#   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
+#             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -20,45 +26,77 @@ python3 -c "import fedflat" 2>/dev/null || python3 -m pip install -q --no-index 
   || export PYTHONPATH="$PWD"
 export PYTHONUNBUFFERED=1
 FEDFLAT="python3 -m fedflat.cli"
-BENCH="$FEDFLAT bench --device cuda --algos fedavg,fedsam"
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu with GPU_CHECK_OVERRIDES shrinking the work tries this script on a CPU
+BENCH="$FEDFLAT bench --device $DEVICE --algos fedavg,fedsam"
 
 for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     tests)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      timeout 330 python3 -m pytest -q -p no:cacheprovider --device cuda -n 8 --tb=short -rfE tests/ \
+      timeout "${PYTEST_SECONDS:-330}" python3 -m pytest -q -p no:cacheprovider --device $DEVICE -n "${PYTEST_N:-8}" \
+        --tb=short -rfE tests/ \
         > "$OUT/pytest_cuda.txt" 2>&1
       echo "pytest rc $?"; tail -n 25 "$OUT/pytest_cuda.txt" ;;
     bench)
-      timeout 240 $BENCH --workload W1,W2 --rounds 5 --json "$OUT/bench_w1_w2.json" --quiet ;;
+      timeout 240 $BENCH --workload W1,W2 --rounds 5 --json "$OUT/bench_w1_w2.json" --quiet ${GPU_CHECK_OVERRIDES:-} ;;
     bench3)
       timeout 150 $BENCH --workload W3 --rounds 2 --json "$OUT/bench_w3_tf32.json" --quiet \
-        --profile /tmp/profiles tf32=true
+        --profile /tmp/profiles tf32=true ${GPU_CHECK_OVERRIDES:-}
       tar czf "$OUT/profiles.tgz" -C /tmp profiles
-      timeout 60 $FEDFLAT bench --device cuda --algos fedavg --workload W3 --rounds 1 \
-        --json "$OUT/bench_w3_fp32.json" --quiet ;;
-    profile3)
-      timeout 100 $FEDFLAT bench --device cuda --algos fedavg --engines sequential,bare --workload W3 --rounds 1 \
-        --json "$OUT/bench_w3_tf32_fedavg.json" --quiet --profile /tmp/profiles tf32=true
-      tar czf "$OUT/profiles.tgz" -C /tmp profiles ;;
+      timeout 60 $FEDFLAT bench --device $DEVICE --algos fedavg --workload W3 --rounds 1 \
+        --json "$OUT/bench_w3_fp32.json" --quiet ${GPU_CHECK_OVERRIDES:-} ;;
     fast3)
-      for opts in "channels_last=true" "channels_last=true precision=bf16"; do
-        timeout 150 $BENCH --workload W3 --engines sequential,bare --rounds 2 --quiet \
-          --json "$OUT/bench_w3_$(echo "$opts" | tr ' =' '_-').json" tf32=true $opts
+      # FedAvg beside its bare loop, FedSAM alone (its bare loop took 13.5 s a round in TF32), each option set
+      for opts in "" "channels_last=true precision=bf16" "channels_last=true" "precision=bf16"; do
+        name=$(echo tf32 $opts | tr ' =' '_-')
+        engines=sequential; [ -z "$opts" ] || [ "$opts" = "channels_last=true precision=bf16" ] && engines=sequential,bare
+        timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --workload W3 --engines $engines --rounds 1 --quiet \
+          --json "$OUT/bench_w3_fedavg_$name.json" tf32=true $opts ${GPU_CHECK_OVERRIDES:-}
+        case $opts in *channels_last=true\ precision=bf16|"")
+          timeout 100 $FEDFLAT bench --device $DEVICE --algos fedsam --workload W3 --engines sequential --rounds 1 \
+            --quiet --json "$OUT/bench_w3_fedsam_$name.json" tf32=true $opts ${GPU_CHECK_OVERRIDES:-} ;;
+        esac
       done ;;
+    profile3)
+      timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --engines sequential --workload W3 --rounds 1 \
+        --quiet --json "$OUT/bench_w3_profile.json" --profile /tmp/profiles_fast tf32=true channels_last=true \
+        precision=bf16 train.local_steps=5 ${GPU_CHECK_OVERRIDES:-}
+      tar czf "$OUT/profiles_fast.tgz" -C /tmp profiles_fast ;;
+    vec3)
+      timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg --engines sequential,vectorized --workload W3 \
+        --rounds 1 --quiet --json "$OUT/bench_w3_vectorized_bf16.json" tf32=true precision=bf16 ${GPU_CHECK_OVERRIDES:-} ;;
+    models)
+      timeout 120 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --engines sequential,bare --workload W3 \
+        --rounds 1 --quiet --json "$OUT/bench_densenet121.json" tf32=true channels_last=true precision=bf16 \
+        model=densenet121 train.local_steps=5 ${GPU_CHECK_OVERRIDES:-}
+      timeout 120 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --engines sequential,bare --workload W3 \
+        --rounds 1 --quiet --json "$OUT/bench_vit_b32.json" tf32=true precision=bf16 model=vit model.variant=base32 \
+        data.options.shape=[3,224,224] data.options.train_size=1000 train.local_steps=5 ${GPU_CHECK_OVERRIDES:-} ;;
     memory)
-      for k in 10 100; do
-        timeout 200 $FEDFLAT bench --device cuda --workload W3 --algos fedsam,fedsmoo --engines vectorized \
+      for k in ${MEMORY_CLIENTS:-10 100}; do
+        timeout 200 $FEDFLAT bench --device $DEVICE --workload W3 --algos "${MEMORY_ALGOS:-fedsam,fedsmoo}" --engines vectorized \
           --rounds 1 --warmup 0 --json "$OUT/memory_resnet34_$k.json" --quiet model=resnet34 \
-          data.num_clients=100 data.options.train_size=50000 sampling.clients_per_round=$k train.local_steps=2
+          data.num_clients=100 data.options.train_size=50000 sampling.clients_per_round=$k train.local_steps=2 ${GPU_CHECK_OVERRIDES:-}
       done ;;
     converge)
       timeout "${CONVERGE_SECONDS:-540}" $FEDFLAT sweep configs/gpu_converge.yaml data.root="${FMNIST:-.gpu/fmnist}" \
-        ${CONVERGE_OVERRIDES:-} --no-progress --workers 3 --out /tmp/gpu_converge > "$OUT/converge.txt" 2>&1
+        ${CONVERGE_OVERRIDES:-} ${GPU_CHECK_OVERRIDES:-} --no-progress --workers 4 --out /tmp/gpu_converge > "$OUT/converge.txt" 2>&1
       echo "sweep rc $?"; tail -n 5 "$OUT/converge.txt"
-      $FEDFLAT report /tmp/gpu_converge --target-acc 0.8 0.85 | tee "$OUT/converge_report.txt"
-      tar czf "$OUT/converge_runs.tgz" -C /tmp gpu_converge ;;
+      # the runs' records without their weights (model.pt of ResNet-18 is 45 MB a run)
+      (cd /tmp && find gpu_converge -type f ! -name '*.pt' -print0 | tar czf "$OUT/converge_runs.tgz" --null -T -) ;;
+    session)
+      # Everything lands in /tmp/gpu-session and is packed into $OUT/session.tgz after each stage and every
+      # minute (a lease brings back at most 8 files, and a run cut off at its limit keeps what it had)
+      results=/tmp/gpu-session; mkdir -p $results; pack() { tar czf "$OUT/session.tgz.tmp" -C /tmp gpu-session \
+        && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }
+      for s in fast3 profile3 vec3 models; do OUT=$results "$0" $s; pack; done
+      (while sleep 60; do pack; done) & packer=$!
+      OUT=$results CONVERGE_SECONDS=${CONVERGE_SECONDS:-300} "$0" converge > "$results/stage_converge.txt" 2>&1 &
+      converging=$!
+      OUT=$results PYTEST_N=${PYTEST_N:-6} PYTEST_SECONDS=${PYTEST_SECONDS:-200} "$0" tests; pack
+      OUT=$results MEMORY_CLIENTS=${MEMORY_CLIENTS:-100} MEMORY_ALGOS=${MEMORY_ALGOS:-fedsam} timeout 120 "$0" memory
+      wait $converging; kill $packer; pack; cat "$results/stage_converge.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -158,7 +158,7 @@ def register(sub) -> None:
                         "that did not evaluate round R are left out")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help="write convergence curves and partition heatmaps (one column of a paper wide)")
-    p.add_argument("--formats", default="png,pdf,svg", metavar="F,...", help="figure formats (png,pdf,svg)")
+    p.add_argument("--formats", default="png,pdf,svg", metavar="F,...", help="figure formats (png,pdf,svg; csv: each convergence figure's numbers)")
     p.add_argument("--dpi", type=float, default=300, help="the PNG figures' resolution (default 300)")
     p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
     p.set_defaults(func=cmd_report)

@@ -24,6 +24,7 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 # faint on white)
 OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
 FORMATS = ("png", "pdf", "svg")
+DATA_FORMATS = ("csv",)  # a convergence figure's numbers (round, mean, std per method), beside or instead of it
 COLUMN_WIDTH = 3.5  # inches: one column of a two-column paper
 DPI = 300
 _RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
@@ -57,9 +58,10 @@ def curve(runs: list[Run], key: str = "test_acc") -> tuple[np.ndarray, np.ndarra
 
 def check_figure_options(formats: Sequence[str], dpi: float) -> None:
     """Refuses unknown formats and a resolution that is not positive, before any figure is drawn."""
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if f not in FORMATS + DATA_FORMATS]
     if unknown or not formats:
-        raise ReportError(f"figure formats: {', '.join(unknown) or 'none given'}; choose among {', '.join(FORMATS)}")
+        raise ReportError(f"figure formats: {', '.join(unknown) or 'none given'}; choose among "
+                          f"{', '.join(FORMATS + DATA_FORMATS)}")
     if not dpi > 0:
         raise ReportError(f"--dpi must be a positive number of dots per inch (got {dpi:g}); 300 suits print")
 
@@ -83,10 +85,27 @@ def save_figure(fig, path: Path, formats: Sequence[str], dpi: float) -> list[Pat
     return written
 
 
+def write_curves(groups: list[Group], path: Path, key: str = "test_acc") -> Path:
+    """The numbers of a convergence figure, ``path`` + ``.csv``: a row per method and evaluated round with the
+    mean and std (ddof=1) of ``key`` over the method's runs, as :func:`curve` computes them for the figure."""
+    rows = [f"method,runs,round,{key}_mean,{key}_std"]
+    for g in groups:
+        rounds, mean, std = curve(g.runs, key)
+        rows += [f"{g.method},{len(g.runs)},{t},{m:.6g},{s:.6g}" for t, m, s in zip(rounds, mean, std)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = path.parent / f"{path.name}.csv"
+    atomic_write_bytes(target, ("\n".join(rows) + "\n").encode())
+    return target
+
+
 def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str = "test_acc",
                      formats: Sequence[str] = FORMATS, dpi: float = DPI) -> list[Path]:
     """``key`` (test accuracy in %) against rounds, a line per method with a ±std band over seeds, one column
-    wide: ``path`` in each of ``formats``."""
+    wide: ``path`` in each of ``formats`` (``csv``: the curves' numbers, :func:`write_curves`)."""
+    written = [write_curves(groups, Path(path), key)] if "csv" in formats else []
+    formats = [f for f in formats if f in FORMATS]
+    if not formats:
+        return written
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -118,13 +137,17 @@ def plot_convergence(groups: list[Group], path: str | Path, title: str, key: str
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", frameon=True, framealpha=0.85, handlelength=2.6)
         fig.tight_layout(pad=0.3)
-        return save_figure(fig, Path(path), formats, dpi)
+        return written + save_figure(fig, Path(path), formats, dpi)
 
 
 def partition_heatmap(run: Run, path: str | Path, formats: Sequence[str] = FORMATS, dpi: float = DPI) -> list[Path]:
     """The heatmap of the split ``run`` trained on (rebuilt from its config and seed; viridis, which is
-    colour-blind safe), ``path`` in each of ``formats``."""
+    colour-blind safe), ``path`` in each of ``formats`` (its image formats: a split has no curve to write)."""
     import matplotlib
+
+    formats = [f for f in formats if f in FORMATS]
+    if not formats:
+        return []
 
     from fedflat.config import as_config
     from fedflat.data import client_split, label_counts, load_dataset, plot_partition
