@@ -86,16 +86,22 @@ for stage in "$@"; do
       # the runs' records without their weights (model.pt of ResNet-18 is 45 MB a run)
       (cd /tmp && find gpu_converge -type f ! -name '*.pt' -print0 | tar czf "$OUT/converge_runs.tgz" --null -T -) ;;
     session)
-      # Everything lands in /tmp/gpu-session and is packed into $OUT/session.tgz after each stage and every
-      # minute (a lease brings back at most 8 files, and a run cut off at its limit keeps what it had)
-      results=/tmp/gpu-session; mkdir -p $results; pack() { tar czf "$OUT/session.tgz.tmp" -C /tmp gpu-session \
+      # Everything lands in /tmp/gpu-session (and the convergence runs in /tmp/gpu_converge) and is packed, weights
+      # left out, into $OUT/session.tgz after each stage and every minute: a lease brings back at most 8 files, and
+      # a run cut off at its limit keeps what it had. The benchmarks run alone on the GPU; then the convergence
+      # runs get what is left of $SESSION_SECONDS (default 560), beside the tests and the memory stage.
+      results=/tmp/gpu-session; mkdir -p $results
+      pack() { tar czf "$OUT/session.tgz.tmp" -C /tmp --exclude='*.pt' gpu-session $(cd /tmp && ls -d gpu_converge 2>/dev/null) \
         && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }
       for s in fast3 profile3 vec3 models; do OUT=$results "$0" $s; pack; done
-      (while sleep 60; do pack; done) & packer=$!
-      OUT=$results CONVERGE_SECONDS=${CONVERGE_SECONDS:-300} "$0" converge > "$results/stage_converge.txt" 2>&1 &
+      left=$(( ${SESSION_SECONDS:-560} - SECONDS - 20 )); echo "converge gets ${left} s"
+      (while sleep 45; do pack; done) & packer=$!
+      OUT=$results CONVERGE_SECONDS=$left "$0" converge > "$results/stage_converge.txt" 2>&1 &
       converging=$!
-      OUT=$results PYTEST_N=${PYTEST_N:-6} PYTEST_SECONDS=${PYTEST_SECONDS:-200} "$0" tests; pack
-      OUT=$results MEMORY_CLIENTS=${MEMORY_CLIENTS:-100} MEMORY_ALGOS=${MEMORY_ALGOS:-fedsam} timeout 120 "$0" memory
+      OUT=$results PYTEST_N=${PYTEST_N:-6} PYTEST_SECONDS=$(( left < 200 ? left : 200 )) "$0" tests; pack
+      left=$(( ${SESSION_SECONDS:-560} - SECONDS - 30 ))
+      [ $left -gt 30 ] && OUT=$results MEMORY_CLIENTS=${MEMORY_CLIENTS:-100} MEMORY_ALGOS=${MEMORY_ALGOS:-fedsam} \
+        timeout $left "$0" memory
       wait $converging; kill $packer; pack; cat "$results/stage_converge.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
