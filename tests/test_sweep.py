@@ -221,3 +221,40 @@ def test_every_shipped_config_names_registered_things(path):
     if "papers" in path.parts:
         assert "small" in spec["variants"], "every paper setup has a small variant"
         assert "Table" in path.read_text().split("\n", 1)[0], "the first line names the table reproduced"
+
+
+def test_a_stopping_sweep_takes_a_result_that_arrives_after_its_cell_was_recorded(tmp_path, monkeypatch):
+    """The GPU session's sweep, stopped by its time limit, crashed with KeyError: a cell's process put its result on
+    the queue and exited; _stop saw it dead, recorded it from its folder, then read the queued result while another
+    cell was still stopping. Each cell is recorded once, and the stop ends cleanly."""
+    import queue as queues
+
+    from fedflat.experiments import sweep
+
+    class Cell:
+        pid, exitcode = 0, 0
+
+        def __init__(self, alive_checks: int) -> None:
+            self.alive_checks = alive_checks
+
+        def is_alive(self) -> bool:
+            self.alive_checks -= 1
+            return self.alive_checks >= 0
+
+        def join(self) -> None:
+            pass
+
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    results = queues.Queue()
+    running = {first: ("first", Cell(alive_checks=0)), second: ("second", Cell(alive_checks=3))}
+    recorded = []
+
+    def from_folder(path):  # the first cell's result lands while _stop records it from its folder
+        if str(path) == first:
+            results.put((first, {"status": "completed"}))
+        return {"status": "failed", "reason": "interrupted (the sweep was stopped)"}
+
+    monkeypatch.setattr(sweep, "interrupted_cell", from_folder)
+    monkeypatch.setattr(sweep.os, "kill", lambda pid, sig: None)  # (no real processes here)
+    sweep._stop(running, results, lambda cell, result: recorded.append((cell, result["status"])), grace=5.0)
+    assert recorded == [("first", "failed"), ("second", "failed")] and running == {}

@@ -578,11 +578,15 @@ def _collect(queue, running: dict, record, timeout: float = 1.0) -> None:
 
     try:
         folder, result = queue.get(timeout=timeout)
-        cell, process = running.pop(folder)
-        process.join()
-        record(cell, result)
     except Empty:
         pass
+    else:
+        # A stopping sweep (:func:`_stop`) may have recorded the cell from its folder already: its process put
+        # its result on the queue and exited before the result was read. The folder says the same.
+        if folder in running:
+            cell, process = running.pop(folder)
+            process.join()
+            record(cell, result)
     for folder, (cell, process) in list(running.items()):
         if not process.is_alive() and process.exitcode not in (0, None):
             running.pop(folder)
