@@ -135,7 +135,7 @@ def hf_images(n: int, seed: int):
 
 
 def test_from_hf_images_and_tabular_columns_equal_the_tensors():
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     (train, x_train, y_train), (test, x_test, y_test) = hf_images(90, 0), hf_images(30, 1)
     adapted = Dataset.from_hf(train, test, features="img", label="fine_label", name="hf-images")
@@ -158,8 +158,8 @@ def test_from_hf_images_and_tabular_columns_equal_the_tensors():
 def test_a_flower_datasets_partitioner_split_as_clients_equals_the_tensors():
     """flwr_partitions(partitioner, train) gives client i exactly the rows of partition i (as the partitioner
     loads them), and the run on it equals the run on the same arrays passed as tensors with those clients."""
-    import datasets
-    from flwr_datasets.partitioner import DirichletPartitioner
+    datasets = pytest.importorskip("datasets")
+    DirichletPartitioner = pytest.importorskip("flwr_datasets.partitioner").DirichletPartitioner
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(150, 6)).astype(np.float32)

@@ -459,6 +459,8 @@ def test_a_flower_app_under_dp_draws_its_noise_from_the_secure_source(tiny, tmp_
     noise from the OS's CSPRNG (two clients' runs of the same round differ; tested above for the mechanism)."""
     import tomllib
 
+    pytest.importorskip("flwr")
+
     from fedflat.config import read_yaml
     from fedflat.flower import write_app
     from fedflat.flower.apps import CONFIG_KEY

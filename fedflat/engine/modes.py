@@ -64,7 +64,7 @@ def apply_dropout(call: DropoutCall, x: torch.Tensor, keep: torch.Tensor) -> tor
     """PyTorch's dropout of ``x`` with the keep-mask ``keep`` (ATen's ``_dropout_impl``): ``x * keep / (1 - p)``, or
     for alpha dropout ``x * (a keep) + b`` with ``a = 1 / sqrt((alpha^2 p + 1)(1 - p))`` and
     ``b = (keep - 1) alpha a + alpha a p``, which keeps SELU's mean and variance."""
-    noise = keep.to(x.dtype)
+    noise = keep.to(device=x.device, dtype=x.dtype)  # (a recorded all-keep mask is made on the CPU)
     if not call.alpha:
         return x * noise.div_(1 - call.p)
     a = 1.0 / ((ALPHA * ALPHA * call.p + 1) * (1 - call.p)) ** 0.5

@@ -246,6 +246,7 @@ class ClientRuntime:
             w = self.model.initial
             vectors = LOOP_VECTORS + 2 * self.algorithm.client_state_vectors + state_vectors(self.settings.optimizer)
             x = self.batches.x[: self.settings.batch_size]
+            x = x if self.batches.features is None else self.batches.features(x)  # (uint8 pixels: standardized)
             self._client_bytes = vectors * w.numel() * w.element_size() + 3 * activation_bytes(self.model, w, x)
         return self._client_bytes
 
