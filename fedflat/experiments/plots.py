@@ -6,6 +6,7 @@ and marker, and their ±std bands by a light fill edged in the method's own colo
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import io
 import re
@@ -88,13 +89,15 @@ def save_figure(fig, path: Path, formats: Sequence[str], dpi: float) -> list[Pat
 def write_curves(groups: list[Group], path: Path, key: str = "test_acc") -> Path:
     """The numbers of a convergence figure, ``path`` + ``.csv``: a row per method and evaluated round with the
     mean and std (ddof=1) of ``key`` over the method's runs, as :func:`curve` computes them for the figure."""
-    rows = [f"method,runs,round,{key}_mean,{key}_std"]
+    text = io.StringIO()
+    rows = csv.writer(text, lineterminator="\n")  # (a method's label may hold commas: quoted)
+    rows.writerow(["method", "runs", "round", f"{key}_mean", f"{key}_std"])
     for g in groups:
         rounds, mean, std = curve(g.runs, key)
-        rows += [f"{g.method},{len(g.runs)},{t},{m:.6g},{s:.6g}" for t, m, s in zip(rounds, mean, std)]
+        rows.writerows([g.method, len(g.runs), t, f"{m:.6g}", f"{s:.6g}"] for t, m, s in zip(rounds, mean, std))
     path.parent.mkdir(parents=True, exist_ok=True)
     target = path.parent / f"{path.name}.csv"
-    atomic_write_bytes(target, ("\n".join(rows) + "\n").encode())
+    atomic_write_bytes(target, text.getvalue().encode())
     return target
 
 
