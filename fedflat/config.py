@@ -304,7 +304,7 @@ class PrivacyConfig(Section):
 
 class SecureAggregationConfig(Section):
     """Flower's SecAgg+ (Bell et al., CCS 2020) carries the uploads of a Flower run (docs/flower.md): the server learns
-    only their weighted sum. Each value is clipped to ``[-clipping_range, clipping_range]`` and stochastically
+    only their sum. Each value is clipped to ``[-clipping_range, clipping_range]`` and stochastically
     quantized to ``quantization_range`` levels; sums are taken modulo ``modulus_range``."""
 
     num_shares: Union[Annotated[int, Field(gt=2)], Annotated[float, Field(gt=0, le=1)]] = Field(
@@ -436,7 +436,7 @@ class Config(Section):
                                                             "(docs/security.md)")
     secure_aggregation: SecureAggregationConfig | None = Field(
         None, description="Flower runs: the uploads travel under Flower's SecAgg+, the server sees only their "
-                          "weighted sum (docs/flower.md)")
+                          "sum (docs/flower.md)")
     validation: ValidationConfig = Field(default_factory=ValidationConfig,
                                          description="the server's checks of every upload (docs/security.md)")
     loggers: list[LoggerEntry] = Field(
@@ -791,22 +791,28 @@ def _check_upload_path(cfg: Config, algorithm) -> None:
 
 def _check_secure_aggregation(cfg: Config, algorithm) -> None:
     """What SecAgg+ cannot give a method: each client's own upload (:attr:`fedflat.core.Part.individual`, a plugin's
-    parts included), an encoded upload (indices and levels do not add up), central DP's sum of clipped updates (the
-    server gets their weighted mean), more nodes than the field holds (``K Q < M``)."""
+    parts included), unequal weights (fedflat/flower/secagg.py), an encoded upload (indices and levels do not add up),
+    central DP's sum of clipped updates (its noise would be added to the mean), more clients than the field holds
+    (``K Q < M``)."""
     s = cfg.secure_aggregation
     if s is None:
         return
     needs = algorithm.individual_needs()
     if needs:
-        raise ConfigError(f"secure_aggregation gives the server only the weighted sum of the uploads, but "
+        raise ConfigError(f"secure_aggregation gives the server only the sum of the uploads, but "
                           f"{'; '.join(needs)}: this method needs what SecAgg+ hides; drop secure_aggregation or "
                           "use a method whose server reads only the mean (fedavg, fedsam, fedlesam, ...)")
+    weighting = getattr(algorithm.parts["aggregation"].p, "weighting", "uniform")
+    if weighting != "uniform":
+        raise ConfigError(f"algo.weighting={weighting} with secure_aggregation: the server finishes the round from "
+                          "the clients' mean, which is both the weighted mean and the sums the method reads only for "
+                          "uniform weights (docs/flower.md); set algo.weighting=uniform")
     if algorithm.encoder is not None:
         raise ConfigError(f"compression ({algorithm.encoder.name}) with secure_aggregation: SecAgg+ sums dense "
                           "vectors, an encoded upload (indices, levels) cannot be summed; drop one of them")
     if cfg.privacy is not None and cfg.privacy.mode == "central":
         raise ConfigError("privacy.mode=central with secure_aggregation: the server's noise is calibrated to the sum "
-                          "of clipped updates and SecAgg+ gives it their weighted mean; use privacy.mode=local (each "
+                          "of clipped updates and SecAgg+ gives it their mean; use privacy.mode=local (each "
                           "client noises its update before SecAgg+ sums it)")
     if cfg.sampling.clients_per_round * s.quantization_range >= s.modulus_range:
         raise ConfigError(f"secure_aggregation: {cfg.sampling.clients_per_round} clients per round of values up to "

@@ -1,5 +1,5 @@
 """Secure aggregation of a Flower run: fedflat's uploads travel under Flower's SecAgg+ (Bell et al., CCS 2020), so
-the server learns only their weighted sum (``secure_aggregation`` in the config; docs/flower.md, docs/security.md).
+the server learns only their sum (``secure_aggregation`` in the config; docs/flower.md, docs/security.md).
 
 The cryptography is Flower's own: :func:`secure_aggregation_mod` hands every ``train`` message of a node to Flower's
 ``secaggplus_mod``, and the server runs Flower's ``SecAggPlusWorkflow`` (setup, key sharing, masked vectors, unmask)
@@ -8,23 +8,28 @@ for each round (:func:`secure_round`). That workflow speaks Flower's legacy stra
 hands it the round's ``FitIns`` (fedflat's task, :func:`fit_ins`) and receives the result. Adapting to it, rather than
 re-implementing the protocol's stages on fedflat's messages, keeps every step of the protocol Flower's.
 
-What a node sends (:func:`node_vector`): for every upload entry ``e`` its clients' weighted mean
-``m_e = sum_i p_i x_{i,e} / P``, ``P = sum_i p_i`` over its clients, with ``x_{i,model} = Delta_i = w_i - w^t`` (an
-update, small, so that ``clipping_range`` bounds it) and ``p_i`` the method's aggregation weights of the round's
-sampled clients (sample counts or uniform: :meth:`fedflat.core.Aggregation.weights`, summing to one), sent by the
-server. ``P`` is the node's weight, the ``num_examples`` Flower weighs by with ``max_weight = 1``: the mod quantizes
-``d = round(P Q) / Q`` and ``d m_e`` (clipped to ``[-c, c]``), the workflow returns
-``sum_n d_n m_{n,e} / sum_n d_n`` over the nodes whose masked vector arrived, i.e. ``sum_i p_i x_i / sum_i p_i`` over
-the clients that answered, up to the quantization error (tests/test_secagg.py derives its bound).
+What a node sends (:func:`node_vector`): for every upload entry ``e`` its clients' mean ``m_e = sum_i x_{i,e} / C``
+over its ``C`` clients, with ``x_{i,model} = Delta_i = w_i - w^t`` (an update, small, so that ``clipping_range``
+bounds it), and ``C`` as the ``num_examples`` Flower weighs by (``max_weight = N``, the number of clients, so that
+``C / N <= 1``). The mod quantizes the weight ``d = round(C Q / N) / Q`` and ``d m_e`` (clipped to ``[-c, c]``), and
+the workflow returns ``sum_n d_n m_{n,e} / sum_n d_n`` over the nodes whose masked vector arrived: the mean
+``sum_i x_i / K`` over the ``K`` clients that answered, up to the quantization error (tests/test_secagg.py derives
+its bound).
+
+The weights are uniform, ``p_i = 1/K`` (fedflat's default, ``algo.weighting: uniform``): then every row equal to
+the mean gives both what the aggregation reads (``sum_i p_i x_i``) and the plain sums other parts read (SCAFFOLD's
+``sum_i Delta c_i``, FedDyn's ``sum_i Delta_i``: ``K`` times the mean). Under other weights those two differ and no
+rows equal to one mean give both, so sample weights are refused (fedflat.config, and here for a plugin's part).
 
 The round is finished from that mean alone, as central DP does (:mod:`fedflat.algorithms.privacy`): every client that
-answered gets the mean as its row, so that a method whose server reads only the weighted mean (no part declares
-:attr:`~fedflat.core.Part.individual`, which fedflat.config refuses) computes what it computes from the plain uploads.
-The training loss is averaged the same way (the metrics' ``train_loss`` is then the weighted mean), and ``drift`` is
-the norm of the mean update.
+answered gets the mean as its row, so that a method whose server reads only the mean and sums of the uploads (no
+part declares :attr:`~fedflat.core.Part.individual`, which fedflat.config refuses) computes what it computes from the
+plain uploads. The training loss travels the same way (the metrics' ``train_loss`` is the clients' mean, as without
+it); ``drift``, the clients' mean update norm without it, is the norm of the mean update.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Callable
 
@@ -49,7 +54,7 @@ from fedflat.flower.protocol import BadReply, array_record, read_task, task_cont
 
 log = logging.getLogger("fedflat.flower")
 
-WEIGHTS = "weights"  # the task's extra field under secure aggregation: p_i of the node's clients
+WEIGHTS = "weights"  # the task's extra field under secure aggregation: the clients' weights in the node's mean
 BROADCAST_NAMES, PERSONAL_NAMES = "fedflat.broadcast", "fedflat.personal"  # the FitIns arrays' names, in order
 
 
@@ -70,11 +75,12 @@ def secure_aggregation_mod(config: Callable[[Context], Config]):
 
 
 def read_fit_ins(content: RecordDict) -> tuple[RecordDict, list[float]]:
-    """fedflat's task content (:func:`fedflat.flower.protocol.task_content`) and the clients' weights ``p_i`` from
-    the ``FitIns`` of :func:`fit_ins`."""
-    ins = compat.recorddict_to_fitins(content, keep_input=True)
-    arrays = [torch.from_numpy(np.array(a)) for a in parameters_to_ndarrays(ins.parameters)]
-    config = dict(ins.config)
+    """fedflat's task content (:func:`fedflat.flower.protocol.task_content`) and the clients' weights in the node's
+    mean from the ``FitIns`` of :func:`fit_ins`."""
+    # (read as records: Flower's FitIns conversion takes scalars only, fedflat's task holds lists)
+    parameters = compat.arrayrecord_to_parameters(content.array_records["fitins.parameters"], keep_input=True)
+    arrays = [torch.from_numpy(np.array(a)) for a in parameters_to_ndarrays(parameters)]
+    config = dict(content.config_records["fitins.config"])
     names, personal = list(config.pop(BROADCAST_NAMES)), list(config.pop(PERSONAL_NAMES))
     weights = [float(p) for p in config.pop(WEIGHTS)]
     if len(arrays) != len(names) + len(personal):
@@ -88,9 +94,10 @@ def read_fit_ins(content: RecordDict) -> tuple[RecordDict, list[float]]:
 
 def node_vector(upload: dict[str, torch.Tensor], weights: list[float], w_start: torch.Tensor | None
                 ) -> tuple[dict[str, np.ndarray], float]:
-    """``{e: m_e}``, the node's weighted mean of each upload entry (rows of its clients), and its weight ``P``
-    (module docstring). ``w_start``: the model the clients started from, subtracted from the model rows so that they
-    travel as ``Delta_i``; None when they are ``Delta_i`` already (an upload path's release)."""
+    """``{e: m_e}``, the node's mean of each upload entry over its clients weighted by ``weights``, and their sum
+    ``P`` (module docstring: the weights are ones and ``P`` is the node's client count). ``w_start``: the model the
+    clients started from, subtracted from the model rows so that they travel as ``Delta_i``; None when they are
+    ``Delta_i`` already (an upload path's release)."""
     if BUFFERS in upload:
         raise ConfigError("secure_aggregation: a model with buffers (BatchNorm statistics) cannot be summed under "
                           "SecAgg+'s clipping range; use a model without them (e.g. model.norm=group)")
@@ -106,16 +113,16 @@ def node_vector(upload: dict[str, torch.Tensor], weights: list[float], w_start: 
     return means, P
 
 
-def beyond_range(means: dict[str, np.ndarray], P: float, s: SecureAggregationConfig) -> int:
-    """How many values SecAgg+'s clip changes: ``|d m_e| > c`` with ``d = round(P Q) / Q``, the weight the mod
-    multiplies by before it clips to ``[-c, c]`` (``max_weight = 1``)."""
-    d = round(P * s.quantization_range) / s.quantization_range
+def beyond_range(means: dict[str, np.ndarray], ratio: float, s: SecureAggregationConfig) -> int:
+    """How many values SecAgg+'s clip changes: ``|d m_e| > c`` with ``d = round(ratio Q) / Q``, the weight the mod
+    multiplies by before it clips to ``[-c, c]`` (``ratio``: the node's weight over ``max_weight``)."""
+    d = round(ratio * s.quantization_range) / s.quantization_range
     return int(sum((np.abs(d * m) > s.clipping_range).sum() for m in means.values()))
 
 
 def secure_reply(node, content: RecordDict) -> RecordDict:
     """A node's answer to the masked-vector stage, before Flower's mod masks it: it trains its clients
-    (:meth:`fedflat.flower.node.Node.fit`) and returns ``FitRes`` of its weighted means and weight ``P``, and, in
+    (:meth:`fedflat.flower.node.Node.fit`) and returns ``FitRes`` of its means and weight (client count), and, in
     the clear, what the server needs to read the sum (its clients, backward passes, the entries' names, row
     shapes and dtypes) and how many values the clip changes."""
     task, weights = read_fit_ins(content)
@@ -125,16 +132,17 @@ def secure_reply(node, content: RecordDict) -> RecordDict:
     released = bool(node.sim.algorithm.stages)  # an upload path sends Delta_i already (fedflat.core.upload)
     means, P = node_vector(result.upload, weights, None if released else job.broadcast.w.cpu())
     s = node.sim.cfg.secure_aggregation
-    clipped = beyond_range(means, P, s)
+    clipped = beyond_range(means, P / node.sim.cfg.data.num_clients, s)
     if clipped:
         log.warning("secure aggregation: %d values of this node's upload lie beyond clipping_range=%g and are "
                     "clipped: raise secure_aggregation.clipping_range", clipped, s.clipping_range)
     names = sorted(result.upload)
-    metrics = {"clients": result.ids.tolist(), "backprops": int(result.backprops), "entries": names,
-               "shapes": [",".join(map(str, result.upload[n].shape[1:])) for n in names],
-               "dtypes": [str(result.upload[n].dtype).removeprefix("torch.") for n in names],
-               "beyond-range": clipped}
-    fit_res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([means[n] for n in names]), P, metrics)
+    layout = {"clients": result.ids.tolist(), "entries": names,
+              "shapes": [list(result.upload[n].shape[1:]) for n in names],
+              "dtypes": [str(result.upload[n].dtype).removeprefix("torch.") for n in names]}
+    # (FitRes metrics are scalars: the lists travel as one JSON string)
+    metrics = {"layout": json.dumps(layout), "backprops": int(result.backprops), "beyond-range": clipped}
+    fit_res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([means[n] for n in names]), round(P), metrics)
     return compat.fitres_to_recorddict(fit_res, keep_input=True)
 
 
@@ -142,7 +150,7 @@ def secure_reply(node, content: RecordDict) -> RecordDict:
 def fit_ins(content: RecordDict, weights: list[float]) -> FitIns:
     """fedflat's task content for one node as Flower's legacy ``FitIns`` (what SecAgg+'s workflow sends): the
     broadcast's and personal rows' arrays in order, their names and the task's fields in the config, with the
-    node's clients' weights ``p_i``."""
+    weights of the node's clients in its mean (ones: module docstring)."""
     broadcast = tensors(content["broadcast"])
     personal = tensors(content["personal"]) if "personal" in content.array_records else {}
     config: dict[str, Any] = {**dict(content["task"]), BROADCAST_NAMES: list(broadcast),
@@ -154,7 +162,7 @@ def fit_ins(content: RecordDict, weights: list[float]) -> FitIns:
 class OneRound(LegacyStrategy):
     """The legacy Flower ``Strategy`` SecAgg+'s workflow drives for one round: ``configure_fit`` gives it the
     round's ``FitIns`` per node, ``aggregate_fit`` receives the nodes whose masked vector arrived, each ``FitRes``
-    holding the unmasked weighted mean (Flower sets every one's parameters to it). fedflat's server does the rest."""
+    holding the unmasked mean (Flower sets every one's parameters to it). fedflat's server does the rest."""
 
     def __init__(self, instructions: list[tuple[GridClientProxy, FitIns]]):
         self.instructions = instructions
@@ -181,21 +189,25 @@ class OneRound(LegacyStrategy):
         return None
 
 
-def workflow(s: SecureAggregationConfig, round_timeout: float) -> SecAggPlusWorkflow:
-    """Flower's SecAgg+ workflow with the config's parameters; weights ``P <= 1`` (``max_weight = 1``)."""
-    return SecAggPlusWorkflow(s.num_shares, s.reconstruction_threshold, max_weight=1.0,
+def workflow(s: SecureAggregationConfig, num_clients: int, round_timeout: float) -> SecAggPlusWorkflow:
+    """Flower's SecAgg+ workflow with the config's parameters; a node's weight, its client count, is at most
+    ``max_weight = N``."""
+    return SecAggPlusWorkflow(s.num_shares, s.reconstruction_threshold, max_weight=float(num_clients),
                               clipping_range=s.clipping_range, quantization_range=s.quantization_range,
                               modulus_range=s.modulus_range, timeout=s.timeout or round_timeout)
 
 
 def secure_round(strategy, grid, t: int) -> RoundResult:
     """Round ``t`` of :class:`~fedflat.flower.server.FedflatStrategy` under SecAgg+: sample, one ``FitIns`` per node
-    hosting sampled clients, Flower's workflow, and the round finished from the weighted mean (module docstring).
+    hosting sampled clients, Flower's workflow, and the round finished from the clients' mean (module docstring).
     Fewer than two nodes, or too many dropouts for the threshold, is a :class:`~fedflat.core.NoClients`."""
     sim = strategy.sim
     strategy.check_deployment(grid)
     opened = sim.begin_round(t)
-    p = sim.algorithm.parts["aggregation"].weights(opened.ctx).double().cpu()
+    p = sim.algorithm.parts["aggregation"].weights(opened.ctx)
+    if not torch.allclose(p, p.mean().expand_as(p)):
+        raise ConfigError(f"secure_aggregation: aggregation '{sim.algorithm.parts['aggregation'].name}' weighs the "
+                          "clients unequally; SecAgg+ finishes a round from the clients' mean (fedflat/flower/secagg.py)")
     by_node = strategy.federation.by_host(grid, opened.task.ids.tolist(), strategy.wait_s)
     if len(by_node) < 2:
         raise NoClients(f"round {t + 1}: SecAgg+ needs at least two nodes with sampled clients, "
@@ -207,13 +219,13 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
         picked = torch.tensor(rows, dtype=torch.long)
         task = opened.task.rows(picked)
         content = task_content(opened.broadcast.for_clients(task.ids), task, sim.aggregated_round[task.ids].tolist())
-        instructions.append((GridClientProxy(node, grid, 0), fit_ins(content, p[picked].tolist())))
+        instructions.append((GridClientProxy(node, grid, 0), fit_ins(content, [1.0] * len(rows))))
         strategy.sent[node] = task.ids.tolist()
     adapter = OneRound(instructions)
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: t + 1}),
                         MAIN_PARAMS_RECORD: ArrayRecord()})
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}), strategy=adapter)
-    workflow(sim.cfg.secure_aggregation, strategy.round_timeout)(grid, context)
+    workflow(sim.cfg.secure_aggregation, sim.cfg.data.num_clients, strategy.round_timeout)(grid, context)
     if adapter.results is None:
         raise NoClients(f"round {t + 1}: Flower's SecAgg+ halted (too few nodes answered for reconstruction_threshold="
                         f"{sim.cfg.secure_aggregation.reconstruction_threshold}; Flower's log above says at which "
@@ -228,7 +240,7 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
 def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor, released: bool, t: int
                 ) -> tuple[ClientResult, int]:
     """The :class:`~fedflat.core.ClientResult` of the nodes whose masked vector arrived: every one of their clients
-    with the unmasked weighted mean as its row (the model's as ``w^t + mean Delta`` unless the upload path sends
+    with the unmasked mean as its row (the model's as ``w^t + mean Delta`` unless the upload path sends
     ``Delta_i`` itself), and how many values the nodes' clip changed. What the nodes say in the clear must agree
     with what they were sent (``sent``: node -> its clients)."""
     if not results:
@@ -236,11 +248,12 @@ def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor
     ids, backprops, layout, clipped = [], 0, None, 0
     for proxy, res in results:
         metrics = res.metrics
-        clients = [int(c) for c in metrics["clients"]]
+        said = json.loads(str(metrics["layout"]))
+        clients = [int(c) for c in said["clients"]]
         if clients != sent.get(proxy.node_id):
             raise BadReply(f"round {t + 1}: node {proxy.node_id} answered for clients {clients}, it was sent "
                            f"{sent.get(proxy.node_id)}")
-        kind = (tuple(metrics["entries"]), tuple(metrics["shapes"]), tuple(metrics["dtypes"]))
+        kind = (tuple(said["entries"]), tuple(tuple(s) for s in said["shapes"]), tuple(said["dtypes"]))
         if layout is not None and kind != layout:
             raise BadReply(f"round {t + 1}: node {proxy.node_id}'s upload has entries {kind}, the others' {layout}")
         layout = kind
@@ -255,7 +268,7 @@ def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor
     means = parameters_to_ndarrays(results[0][1].parameters)
     upload = {}
     for name, shape, dtype, mean in zip(*layout, means):
-        row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape([int(d) for d in shape.split(",") if d])
+        row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape([int(d) for d in shape])
         if name == MODEL and not released:
             row = w_start.double().cpu() + row
         upload[name] = row.to(getattr(torch, dtype)).expand(K, *row.shape).clone()
