@@ -277,3 +277,51 @@ def test_flower_app_carries_the_secure_aggregation_section_to_its_apps(tmp_path)
     carried = as_config(read_yaml(project["tool"]["flwr"]["app"]["config"]["fedflat-config"]))
     assert carried.secure_aggregation == cfg.secure_aggregation
     assert carried.secure_aggregation.clipping_range == 2.0
+
+
+@pytest.mark.slow  # a real deployment: a SuperLink, three SuperNodes and `flwr run`, ~2-4 min on 2 cores
+@pytest.mark.deploy
+def test_a_deployed_federation_under_secagg_trains_as_fedflat_run_within_the_bound(tmp_path):
+    """docs/flower.md's commands with `secure_aggregation`: a SuperLink and three SuperNodes on 127.0.0.1 (insecure
+    transport: TLS and node keys are tests/test_flower.py's; SecAgg+ is independent of them), the app of
+    `fedflat flower-app`, `flwr run`. Each message runs in a fresh ClientApp process, so the protocol's state lives
+    in the node's Flower context between its four stages. One round: the model equals `fedflat run`'s (which a
+    plain deployment equals exactly) within the quantization bound. Timeouts: tests/test_flower.py's
+    :func:`wait_for_progress` (a stalled deployment fails, a slow one does not)."""
+    import json
+
+    import fedflat
+    from fedflat.flower import write_app
+    from test_flower import Deployment, wait_for_progress
+
+    cfg = small("fedsam", *SECURE, "rounds=1")
+    app = write_app(cfg, tmp_path / "app", insecure=True)
+    runs = tmp_path / "runs"
+    here = Deployment(tmp_path)
+    watched = [tmp_path / "superlink.log", *(tmp_path / f"node{p}.log" for p in range(3)), runs / "*" / "metrics.jsonl"]
+    try:
+        here.superlink()
+        for p in range(3):
+            here.up(f"node{p}", p, 3)
+        submitted = here.flwr("run", str(app), "here", "--run-config",
+                              f"out=\"{runs}\" round-timeout=3600.0 wait-nodes=3600.0")
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        summary = wait_for_progress(lambda: [json.loads(f.read_text()) for f in runs.glob("*/summary.json")
+                                             if json.loads(f.read_text())["status"] != "running"], watched,
+                                    "the run's end")[0]
+    finally:
+        here.close()
+    assert summary["status"] == "completed" and "dropped_clients" not in summary, summary.get("reason")
+    (folder,) = runs.glob("*/summary.json")
+    ours = torch.load(folder.parent / "model.pt", weights_only=True)
+    plain = fedflat.run(cfg.model_copy(update={"secure_aggregation": None}), save=False, progress=False)
+    theirs = plain.state_dict
+    for name in theirs:
+        bound = quantization_bound(3, clients_per_node(3, list(range(N))), theirs[name])
+        assert (ours[name] - theirs[name]).abs().max().item() <= bound, name
+
+
+def test_a_model_with_buffers_is_refused_under_secagg():
+    cfg = small("fedavg", *SECURE, "model=cnn", "model.norm=batch", "model.padding=2")
+    with pytest.raises(ConfigError, match="this model has buffers .*model.norm=group"):
+        FedflatStrategy(Simulation(cfg))

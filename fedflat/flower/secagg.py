@@ -50,7 +50,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from fedflat.config import Config, SecureAggregationConfig
 from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
 from fedflat.engine.simulation import RoundResult
-from fedflat.flower.protocol import BadReply, array_record, read_task, task_content, tensors
+from fedflat.flower.protocol import BadReply, array_record, task_content, tensors
 
 log = logging.getLogger("fedflat.flower")
 
@@ -108,8 +108,7 @@ def node_vector(upload: dict[str, torch.Tensor], weights: list[float], w_start: 
         rows = upload[name].double()
         if name == MODEL and w_start is not None:
             rows = rows - w_start.double()
-        mean = p @ rows.reshape(rows.shape[0], -1) / P if P > 0 else rows.reshape(rows.shape[0], -1)[0] * 0
-        means[name] = mean.numpy()
+        means[name] = (p @ rows.reshape(rows.shape[0], -1) / P).numpy()
     return means, P
 
 
@@ -207,7 +206,8 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     p = sim.algorithm.parts["aggregation"].weights(opened.ctx)
     if not torch.allclose(p, p.mean().expand_as(p)):
         raise ConfigError(f"secure_aggregation: aggregation '{sim.algorithm.parts['aggregation'].name}' weighs the "
-                          "clients unequally; SecAgg+ finishes a round from the clients' mean (fedflat/flower/secagg.py)")
+                          "clients unequally; SecAgg+ finishes a round from the clients' mean "
+                          "(fedflat/flower/secagg.py)")
     by_node = strategy.federation.by_host(grid, opened.task.ids.tolist(), strategy.wait_s)
     if len(by_node) < 2:
         raise NoClients(f"round {t + 1}: SecAgg+ needs at least two nodes with sampled clients, "

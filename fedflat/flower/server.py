@@ -264,7 +264,8 @@ class FedflatStrategy(Strategy):
                               f"{sim.cfg.executor.name} from the config")
         if sim.cfg.secure_aggregation is not None and sim.model.buffer_layout.size:
             raise ConfigError("secure_aggregation: this model has buffers (BatchNorm statistics), whose counts and "
-                              "variances SecAgg+'s clipping range does not hold; use a model without them")
+                              "variances SecAgg+'s clipping range does not hold; use a model without them (e.g. "
+                              "model.norm=group)")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
         self.federation = Federation(query_timeout, roster)
         self.insecure, self.checked = insecure, False
