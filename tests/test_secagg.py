@@ -27,13 +27,15 @@ from fedflat.core import ConfigError, NoClients  # noqa: E402
 from fedflat.engine.simulation import Simulation  # noqa: E402
 from fedflat.flower import FedflatStrategy, client_app  # noqa: E402
 from fedflat.flower.secagg import node_vector  # noqa: E402
+from fedflat.testing import TINY  # noqa: E402
 
 C, Q, N = 4.0, 2 ** 22, 6  # clipping_range, quantization_range, clients
 SECURE = [f"secure_aggregation.clipping_range={C}", f"secure_aggregation.quantization_range={Q}"]
 
 
 def small(algo: str, *extra: str):
-    return as_config(None, [f"algo={algo}", "rounds=2", f"data.num_clients={N}", "sampling.clients_per_round=6",
+    """The tests' tiny problem (fedflat.testing.TINY), every client sampled."""
+    return as_config(TINY, [f"algo={algo}", "rounds=2", f"data.num_clients={N}", f"sampling.clients_per_round={N}",
                             "threads=1", *extra])
 
 
@@ -103,6 +105,7 @@ def secure_round(cfg, tmp_path, drop: dict[int, str] | None = None, partitions: 
 def plain_round(cfg, leave_out: tuple[int, ...] = ()):
     """The same round in one process, without secure aggregation, leaving out the clients of ``leave_out``."""
     sim = Simulation(cfg.model_copy(update={"secure_aggregation": None}))
+    sim.w_before = sim.w.clone()
     opened = sim.begin_round(0)
     result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
     keep = [r for r, c in enumerate(result.ids.tolist()) if c not in leave_out]
@@ -137,7 +140,7 @@ def clients_per_node(partitions: int, answered: list[int]) -> list[int]:
 @pytest.mark.parametrize("algo, levels", [("fedavg", Q), ("fedavg", 2 ** 12), ("fedsam", Q), ("fedlesam", Q),
                                            ("scaffold", Q)])
 def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(algo, levels, tmp_path):
-    """(2^12 levels: an error of about 0.005 that the bound, 0.009, still holds.)"""
+    """(The error is about 40 % of the bound at both quantization ranges here: the bound is not loose.)"""
     cfg = small(algo, *SECURE, f"secure_aggregation.quantization_range={levels}")
     secure, grid = secure_round(cfg, tmp_path)
     plain = plain_round(cfg)
@@ -150,7 +153,7 @@ def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(alg
             assert (secure.server[name] - value).abs().max().item() <= bound, name
     assert secure.last_round.clients == N and not secure.last_round.dropped
     # the round moved the model by several bounds: a wrong weight or a lost node would show
-    assert (plain.w - Simulation(cfg.model_copy(update={"secure_aggregation": None})).w).abs().max() > 5 * bound
+    assert (plain.w - plain.w_before).abs().max() > 5 * bound
 
 
 def test_a_node_dropping_out_mid_protocol_within_the_threshold_still_gives_a_round(tmp_path):
