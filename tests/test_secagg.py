@@ -138,7 +138,7 @@ def clients_per_node(partitions: int, answered: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("algo, levels", [("fedavg", Q), ("fedavg", 2 ** 12), ("fedsam", Q), ("fedlesam", Q),
-                                           ("scaffold", Q)])
+                                           ("scaffold", Q), ("feddyn", Q)])
 def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(algo, levels, tmp_path):
     """(The error is about 40 % of the bound at both quantization ranges here: the bound is not loose.)"""
     cfg = small(algo, *SECURE, f"secure_aggregation.quantization_range={levels}")
