@@ -814,6 +814,9 @@ def _check_secure_aggregation(cfg: Config, algorithm) -> None:
         raise ConfigError("privacy.mode=central with secure_aggregation: the server's noise is calibrated to the sum "
                           "of clipped updates and SecAgg+ gives it their mean; use privacy.mode=local (each "
                           "client noises its update before SecAgg+ sums it)")
+    if cfg.validation.max_norm is not None:
+        raise ConfigError("validation.max_norm with secure_aggregation: the server sees only the clients' mean, not "
+                          "each upload's norm; drop validation.max_norm (SecAgg+'s clipping_range bounds each value)")
     if cfg.sampling.clients_per_round * s.quantization_range >= s.modulus_range:
         raise ConfigError(f"secure_aggregation: {cfg.sampling.clients_per_round} clients per round of values up to "
                           f"quantization_range={s.quantization_range} overflow modulus_range={s.modulus_range}; "

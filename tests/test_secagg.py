@@ -216,6 +216,7 @@ def test_a_nodes_vector_is_its_clients_mean_update():
     (["algo.weighting=samples"], "algo.weighting=samples with secure_aggregation"),
     (["compression.name=topk"], "compression (topk) with secure_aggregation"),
     (["privacy.noise_multiplier=1.0"], "privacy.mode=central with secure_aggregation"),
+    (["validation.max_norm=10"], "validation.max_norm with secure_aggregation"),
     (["sampling.clients_per_round=6", "secure_aggregation.quantization_range=1073741824"], "overflow modulus_range"),
 ])
 def test_what_secagg_cannot_give_is_refused_with_the_reason(extra, says):
@@ -328,3 +329,25 @@ def test_a_model_with_buffers_is_refused_under_secagg():
     cfg = small("fedavg", *SECURE, "model=cnn", "model.norm=batch", "model.padding=2")
     with pytest.raises(ConfigError, match="this model has buffers .*model.norm=group"):
         FedflatStrategy(Simulation(cfg))
+
+
+def test_a_node_whose_update_is_not_finite_leaves_the_round_and_flower_recovers_the_sum(tmp_path, monkeypatch):
+    """Quantized, a NaN would add garbage to the sum that nobody sees: the node refuses to send it (an error reply
+    at the masked-vector stage), and Flower's unmask stage treats it as a dropout."""
+    from fedflat.flower.node import Node
+
+    fit = Node.fit
+
+    def broken_on_partition_1(self, content):
+        job, result = fit(self, content)
+        if self.partition == 1:
+            result.upload["model"][0, 0] = float("nan")
+        return job, result
+
+    monkeypatch.setattr(Node, "fit", broken_on_partition_1)
+    cfg = small("fedavg", *SECURE)
+    secure, grid = secure_round(cfg, tmp_path)
+    assert any("hold NaN or infinite values" in e for e in grid.errors)
+    plain = plain_round(cfg, leave_out=(1, 4))
+    assert secure.last_round.dropped == [1, 4]
+    assert (secure.w - plain.w).abs().max().item() <= quantization_bound(2, [2, 2], plain.w)

@@ -48,7 +48,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
 
 from fedflat.config import Config, SecureAggregationConfig
-from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
+from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, ClientResult, ConfigError, NoClients
 from fedflat.engine.simulation import RoundResult
 from fedflat.flower.protocol import BadReply, array_record, task_content, tensors
 
@@ -56,6 +56,7 @@ log = logging.getLogger("fedflat.flower")
 
 WEIGHTS = "weights"  # the task's extra field under secure aggregation: the clients' weights in the node's mean
 BROADCAST_NAMES, PERSONAL_NAMES = "fedflat.broadcast", "fedflat.personal"  # the FitIns arrays' names, in order
+FLOATS = {"float16", "bfloat16", "float32", "float64"}  # the dtypes an upload entry may name
 
 
 # -- the node's side -----------------------------------------------------------------------------------------------
@@ -130,6 +131,9 @@ def secure_reply(node, content: RecordDict) -> RecordDict:
         raise ConfigError(f"the task has {len(weights)} weights for {len(result.ids)} clients")
     released = bool(node.sim.algorithm.stages)  # an upload path sends Delta_i already (fedflat.core.upload)
     means, P = node_vector(result.upload, weights, None if released else job.broadcast.w.cpu())
+    broken = [name for name, m in means.items() if not np.isfinite(m).all()]
+    if broken:  # (quantized, NaN would add garbage to the sum unseen: the node leaves the round, Flower recovers)
+        raise ValueError(f"this node's upload entries {broken} hold NaN or infinite values: it leaves the round")
     s = node.sim.cfg.secure_aggregation
     clipped = beyond_range(means, P / node.sim.cfg.data.num_clients, s)
     if clipped:
@@ -266,8 +270,12 @@ def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor
     order = sorted(ids)
     K = len(order)
     means = parameters_to_ndarrays(results[0][1].parameters)
+    entries, shapes, dtypes = layout
+    if len(means) != len(entries) or not {MODEL, TRAIN_LOSS} <= set(entries) or not set(dtypes) <= FLOATS:
+        raise BadReply(f"round {t + 1}: the nodes' uploads ({len(means)} vectors) do not match the entries they name "
+                       f"({list(zip(entries, dtypes))}: floating-point, with {MODEL} and {TRAIN_LOSS})")
     upload = {}
-    for name, shape, dtype, mean in zip(*layout, means):
+    for name, shape, dtype, mean in zip(entries, shapes, dtypes, means):
         row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape([int(d) for d in shape])
         if name == MODEL and not released:
             row = w_start.double().cpu() + row
