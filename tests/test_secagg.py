@@ -351,3 +351,9 @@ def test_a_node_whose_update_is_not_finite_leaves_the_round_and_flower_recovers_
     plain = plain_round(cfg, leave_out=(1, 4))
     assert secure.last_round.dropped == [1, 4]
     assert (secure.w - plain.w).abs().max().item() <= quantization_bound(2, [2, 2], plain.w)
+
+
+def test_flowers_own_strategy_loop_is_refused_under_secagg():
+    cfg = small("fedavg", *SECURE)
+    with pytest.raises(ConfigError, match="Strategy.start loop sends plain train messages"):
+        FedflatStrategy(Simulation(cfg)).configure_train(1, None, None, None)

@@ -280,6 +280,10 @@ class FedflatStrategy(Strategy):
         and sends each node hosting sampled clients their share (the model, the shared server entries, the
         clients' personal rows and task). ``arrays`` and ``config`` are Flower's; fedflat's server state is
         the authority."""
+        if self.sim.cfg.secure_aggregation is not None:
+            raise ConfigError("secure_aggregation: Flower's Strategy.start loop sends plain train messages, which the "
+                              "nodes refuse; run the config with fedflat.flower.serve (its ServerApp, fedflat "
+                              "flower-app, flower-sim), whose rounds run Flower's SecAgg+ workflow")
         self.check_deployment(grid)
         opened = self.sim.begin_round(server_round - 1)
         by_node = self.federation.by_host(grid, opened.task.ids.tolist(), self.wait_s)
