@@ -137,11 +137,13 @@ def clients_per_node(partitions: int, answered: list[int]) -> list[int]:
             if any(c % partitions == p for c in answered)]
 
 
-@pytest.mark.parametrize("algo, levels", [("fedavg", Q), ("fedavg", 2 ** 12), ("fedsam", Q), ("fedlesam", Q),
-                                           ("scaffold", Q), ("feddyn", Q)])
-def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(algo, levels, tmp_path):
+@pytest.mark.parametrize("algo, levels, extra", [
+    ("fedavg", Q, ()), ("fedavg", 2 ** 12, ()), ("fedsam", Q, ()), ("fedlesam", Q, ()), ("scaffold", Q, ()),
+    ("feddyn", Q, ()),
+    ("fedavg", Q, ("privacy.mode=local", "privacy.noise_multiplier=0.1"))])  # (an upload path: Delta_i travels)
+def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(algo, levels, extra, tmp_path):
     """(The error is about 40 % of the bound at both quantization ranges here: the bound is not loose.)"""
-    cfg = small(algo, *SECURE, f"secure_aggregation.quantization_range={levels}")
+    cfg = small(algo, *SECURE, f"secure_aggregation.quantization_range={levels}", *extra)
     secure, grid = secure_round(cfg, tmp_path)
     plain = plain_round(cfg)
     assert grid.stages == [Stage.SETUP] * 3 + [Stage.SHARE_KEYS] * 3 + [Stage.COLLECT_MASKED_VECTORS] * 3 + \
