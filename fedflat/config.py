@@ -302,6 +302,41 @@ class PrivacyConfig(Section):
         return self
 
 
+class SecureAggregationConfig(Section):
+    """Flower's SecAgg+ (Bell et al., CCS 2020) carries the uploads of a Flower run (docs/flower.md): the server learns
+    only their sum. Each value is clipped to ``[-clipping_range, clipping_range]`` and stochastically
+    quantized to ``quantization_range`` levels; sums are taken modulo ``modulus_range``."""
+
+    num_shares: Union[Annotated[int, Field(gt=2)], Annotated[float, Field(gt=0, le=1)]] = Field(
+        1.0, description="neighbours a node's secrets are shared with: a count (> 2), or a fraction of the round's "
+                         "nodes (1.0: all, i.e. SecAgg)")
+    reconstruction_threshold: Union[Annotated[int, Field(ge=2)], Annotated[float, Field(gt=0, le=1)]] = Field(
+        0.5, description="shares that rebuild a node's secret: a count, or a fraction of num_shares; nodes may drop "
+                         "out as long as every node keeps this many live neighbours")
+    clipping_range: float = Field(8.0, gt=0, description="c: every uploaded value (the update Delta_i, not the "
+                                                         "model) is clipped to [-c, c] before quantization")
+    quantization_range: int = Field(2 ** 22, gt=0, description="Q: levels of the stochastic quantization; the "
+                                                               "error of a node's value is below 2 c / Q")
+    modulus_range: int = Field(2 ** 32, description="M: the field the masked sums live in, a power of 2, M > Q, "
+                                                    "at most 2^32")
+    timeout: float | None = Field(None, gt=0, description="seconds each of the protocol's four stages waits for "
+                                                          "the nodes (default: the round timeout)")
+
+    @model_validator(mode="after")
+    def _flower_limits(self) -> "SecureAggregationConfig":
+        M, Q = self.modulus_range, self.quantization_range
+        if Q >= 2 ** 31:  # (the mod rounds to int32)
+            raise ValueError(f"secure_aggregation.quantization_range={Q}: below 2^31 (Flower's SecAgg+ limits)")
+        if M <= Q or M > 2 ** 32 or M & (M - 1):
+            raise ValueError(f"secure_aggregation.modulus_range={M}: a power of 2 above quantization_range ({Q}) "
+                             "and at most 2^32 (Flower's SecAgg+ limits)")
+        shares, threshold = self.num_shares, self.reconstruction_threshold
+        if isinstance(shares, int) and isinstance(threshold, int) and threshold >= shares:
+            raise ValueError(f"secure_aggregation.reconstruction_threshold={threshold} must be below num_shares="
+                             f"{shares}")
+        return self
+
+
 class CallbackConfig(Section):
     """A built-in callback of :mod:`fedflat.experiments.callbacks` (docs/experiments.md, "Stopping early")."""
 
@@ -399,6 +434,9 @@ class Config(Section):
     attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
                                                             "sign_flip, gaussian or backdoor, fraction, ...} "
                                                             "(docs/security.md)")
+    secure_aggregation: SecureAggregationConfig | None = Field(
+        None, description="Flower runs: the uploads travel under Flower's SecAgg+, the server sees only their "
+                          "sum (docs/flower.md)")
     validation: ValidationConfig = Field(default_factory=ValidationConfig,
                                          description="the server's checks of every upload (docs/security.md)")
     loggers: list[LoggerEntry] = Field(
@@ -692,6 +730,7 @@ def _check_registered(cfg: Config) -> None:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
+    _check_secure_aggregation(cfg, algorithm)
 
 
 def _check_section_kinds(cfg: Config) -> None:
@@ -748,6 +787,40 @@ def _check_upload_path(cfg: Config, algorithm) -> None:
     if p.accountant == "pld" and p.mode == "central" and cfg.sampling.participation != "bernoulli":
         raise ConfigError("privacy.accountant=pld accounts Poisson sampling: set sampling.participation=bernoulli, "
                           "or use privacy.accountant=rdp (fixed-size sampling)")
+
+
+def _check_secure_aggregation(cfg: Config, algorithm) -> None:
+    """What SecAgg+ cannot give a method: each client's own upload (:attr:`fedflat.core.Part.individual`, a plugin's
+    parts included), unequal weights (fedflat/flower/secagg.py), an encoded upload (indices and levels do not add up),
+    central DP's sum of clipped updates (its noise would be added to the mean), more clients than the field holds
+    (``K Q < M``)."""
+    s = cfg.secure_aggregation
+    if s is None:
+        return
+    needs = algorithm.individual_needs()
+    if needs:
+        raise ConfigError(f"secure_aggregation gives the server only the sum of the uploads, but "
+                          f"{'; '.join(needs)}: this method needs what SecAgg+ hides; drop secure_aggregation or "
+                          "use a method whose server reads only the mean (fedavg, fedsam, fedlesam, ...)")
+    weighting = getattr(algorithm.parts["aggregation"].p, "weighting", "uniform")
+    if weighting != "uniform":
+        raise ConfigError(f"algo.weighting={weighting} with secure_aggregation: the server finishes the round from "
+                          "the clients' mean, which is both the weighted mean and the sums the method reads only for "
+                          "uniform weights (docs/flower.md); set algo.weighting=uniform")
+    if algorithm.encoder is not None:
+        raise ConfigError(f"compression ({algorithm.encoder.name}) with secure_aggregation: SecAgg+ sums dense "
+                          "vectors, an encoded upload (indices, levels) cannot be summed; drop one of them")
+    if cfg.privacy is not None and cfg.privacy.mode == "central":
+        raise ConfigError("privacy.mode=central with secure_aggregation: the server's noise is calibrated to the sum "
+                          "of clipped updates and SecAgg+ gives it their mean; use privacy.mode=local (each "
+                          "client noises its update before SecAgg+ sums it)")
+    if cfg.validation.max_norm is not None:
+        raise ConfigError("validation.max_norm with secure_aggregation: the server sees only the clients' mean, not "
+                          "each upload's norm; drop validation.max_norm (SecAgg+'s clipping_range bounds each value)")
+    if cfg.sampling.clients_per_round * s.quantization_range >= s.modulus_range:
+        raise ConfigError(f"secure_aggregation: {cfg.sampling.clients_per_round} clients per round of values up to "
+                          f"quantization_range={s.quantization_range} overflow modulus_range={s.modulus_range}; "
+                          "lower quantization_range or raise modulus_range (at most 2^32)")
 
 
 def _signature_defaults(fn: Callable, skip: tuple[str, ...]) -> dict[str, Any]:

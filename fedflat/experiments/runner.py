@@ -23,7 +23,7 @@ from torch import nn
 
 from fedflat.algorithms.attacks import backdoor_of
 from fedflat.config import Config, as_config, dump_yaml, resolve
-from fedflat.core import BudgetSpent, Diverged
+from fedflat.core import BudgetSpent, ConfigError, Diverged
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
@@ -117,6 +117,9 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     ``loss_fn(logits, y)`` (one loss per sample) replaces ``train.loss`` (:mod:`fedflat.engine.losses`).
     """
     cfg = as_config(config, overrides)
+    if cfg.secure_aggregation is not None and driver is None:
+        raise ConfigError("secure_aggregation carries the uploads of a Flower run: run this config with `fedflat "
+                          "flower-sim` or deploy it with `fedflat flower-app` (docs/flower.md)")
     if clients is not None and cfg.data.num_clients != len(clients):
         cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
     where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce, group, job)

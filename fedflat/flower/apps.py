@@ -133,7 +133,9 @@ def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None
     their state under ``state_dir`` (default: the node config's or run config's ``state-dir``, else
     ``~/.cache/fedflat/flower``), one folder per Flower run and partition. ``model_fn`` replaces the configured
     model, as in :func:`server_app`."""
-    app = ClientApp()
+    from fedflat.flower.secagg import secure_aggregation_mod, secure_reply
+
+    app = ClientApp(mods=[secure_aggregation_mod(lambda context: config_of(context, cfg))])
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
@@ -143,7 +145,10 @@ def client_app(cfg: Config | None = None, *, state_dir: str | Path | None = None
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        return Message(node_of(context, cfg, state_dir, model_fn).train(message.content), reply_to=message)
+        node = node_of(context, cfg, state_dir, model_fn)
+        if node.sim.cfg.secure_aggregation is not None:  # (the masked-vector stage of SecAgg+: the mod masks the reply)
+            return Message(secure_reply(node, message.content), reply_to=message)
+        return Message(node.train(message.content), reply_to=message)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:

@@ -22,10 +22,10 @@ import torch
 
 from fedflat.algorithms import renamed_state
 from fedflat.config import Config
-from fedflat.core import ConfigError
+from fedflat.core import ClientResult, ConfigError
 from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import Simulation
-from fedflat.flower.protocol import read_evaluation, read_task, result_content, scores_content
+from fedflat.flower.protocol import NodeTask, read_evaluation, read_task, result_content, scores_content
 
 DEFAULT_STATE_DIR = Path.home() / ".cache" / "fedflat" / "flower"
 
@@ -123,6 +123,10 @@ class Node:
 
     def train(self, content):
         """Trains the task's clients from their current state, saves their new state, returns the reply content."""
+        return result_content(self.fit(content)[1])
+
+    def fit(self, content) -> tuple[NodeTask, ClientResult]:
+        """The task in ``content`` and its clients' result, trained from their current state; their new state saved."""
         job = read_task(content)
         self.check(job.task)
         ids = job.task.ids.tolist()
@@ -132,7 +136,7 @@ class Node:
         for row, (client, before) in enumerate(zip(ids, states)):
             # parts that wrote no new value of a vector this round leave the client's previous one
             self.states.save(client, job.broadcast.round, {**before, **{k: v[row] for k, v in result.state.items()}})
-        return result_content(result)
+        return job, result
 
     def evaluate(self, content):
         """A personalized evaluation: scores the named clients' own models (the server's global model with their

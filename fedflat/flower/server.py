@@ -262,6 +262,10 @@ class FedflatStrategy(Strategy):
         if sim.cfg.executor.name != "local":
             raise ConfigError("a Flower federation trains its clients on the SuperNodes: remove executor.name="
                               f"{sim.cfg.executor.name} from the config")
+        if sim.cfg.secure_aggregation is not None and sim.model.buffer_layout.size:
+            raise ConfigError("secure_aggregation: this model has buffers (BatchNorm statistics), whose counts and "
+                              "variances SecAgg+'s clipping range does not hold; use a model without them (e.g. "
+                              "model.norm=group)")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
         self.federation = Federation(query_timeout, roster)
         self.insecure, self.checked = insecure, False
@@ -276,6 +280,10 @@ class FedflatStrategy(Strategy):
         and sends each node hosting sampled clients their share (the model, the shared server entries, the
         clients' personal rows and task). ``arrays`` and ``config`` are Flower's; fedflat's server state is
         the authority."""
+        if self.sim.cfg.secure_aggregation is not None:
+            raise ConfigError("secure_aggregation: Flower's Strategy.start loop sends plain train messages, which the "
+                              "nodes refuse; run the config with fedflat.flower.serve (its ServerApp, fedflat "
+                              "flower-app, flower-sim), whose rounds run Flower's SecAgg+ workflow")
         self.check_deployment(grid)
         opened = self.sim.begin_round(server_round - 1)
         by_node = self.federation.by_host(grid, opened.task.ids.tolist(), self.wait_s)
@@ -441,6 +449,10 @@ class FedflatStrategy(Strategy):
 
         if self.sim.personalized:  # the run loop's evaluations go to the nodes
             self.sim.personal_evaluation = evaluate_on_nodes
+        if self.sim.cfg.secure_aggregation is not None:  # the uploads travel under Flower's SecAgg+
+            from fedflat.flower.secagg import secure_round
+
+            return lambda t: secure_round(self, grid, t)
         return train_round
 
 

@@ -1,0 +1,283 @@
+"""Secure aggregation of a Flower run: fedflat's uploads travel under Flower's SecAgg+ (Bell et al., CCS 2020), so
+the server learns only their sum (``secure_aggregation`` in the config; docs/flower.md, docs/security.md).
+
+The cryptography is Flower's own: :func:`secure_aggregation_mod` hands every ``train`` message of a node to Flower's
+``secaggplus_mod``, and the server runs Flower's ``SecAggPlusWorkflow`` (setup, key sharing, masked vectors, unmask)
+for each round (:func:`secure_round`). That workflow speaks Flower's legacy strategy interface (``FitIns`` out,
+``FitRes`` back, ``aggregate_fit`` given the unmasked sum): :class:`OneRound` is the small legacy ``Strategy`` that
+hands it the round's ``FitIns`` (fedflat's task, :func:`fit_ins`) and receives the result. Adapting to it, rather than
+re-implementing the protocol's stages on fedflat's messages, keeps every step of the protocol Flower's.
+
+What a node sends (:func:`node_vector`): for every upload entry ``e`` its clients' mean ``m_e = sum_i x_{i,e} / C``
+over its ``C`` clients, with ``x_{i,model} = Delta_i = w_i - w^t`` (an update, small, so that ``clipping_range``
+bounds it), and ``C`` as the ``num_examples`` Flower weighs by (``max_weight = N``, the number of clients, so that
+``C / N <= 1``). The mod quantizes the weight ``d = round(C Q / N) / Q`` and ``d m_e`` (clipped to ``[-c, c]``), and
+the workflow returns ``sum_n d_n m_{n,e} / sum_n d_n`` over the nodes whose masked vector arrived: the mean
+``sum_i x_i / K`` over the ``K`` clients that answered, up to the quantization error (tests/test_secagg.py derives
+its bound).
+
+The weights are uniform, ``p_i = 1/K`` (fedflat's default, ``algo.weighting: uniform``): then every row equal to
+the mean gives both what the aggregation reads (``sum_i p_i x_i``) and the plain sums other parts read (SCAFFOLD's
+``sum_i Delta c_i``, FedDyn's ``sum_i Delta_i``: ``K`` times the mean). Under other weights those two differ and no
+rows equal to one mean give both, so sample weights are refused (fedflat.config, and here for a plugin's part).
+
+The round is finished from that mean alone, as central DP does (:mod:`fedflat.algorithms.privacy`): every client that
+answered gets the mean as its row, so that a method whose server reads only the mean and sums of the uploads (no
+part declares :attr:`~fedflat.core.Part.individual`, which fedflat.config refuses) computes what it computes from the
+plain uploads. The training loss travels the same way (the metrics' ``train_loss`` is the clients' mean, as without
+it); ``drift``, the clients' mean update norm without it, is the norm of the mean update.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.client.mod import secaggplus_mod
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy as LegacyStrategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
+
+from fedflat.config import Config, SecureAggregationConfig
+from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, ClientResult, ConfigError, NoClients
+from fedflat.engine.simulation import RoundResult
+from fedflat.flower.protocol import BadReply, array_record, task_content, tensors
+
+log = logging.getLogger("fedflat.flower")
+
+WEIGHTS = "weights"  # the task's extra field under secure aggregation: the clients' weights in the node's mean
+BROADCAST_NAMES, PERSONAL_NAMES = "fedflat.broadcast", "fedflat.personal"  # the FitIns arrays' names, in order
+FLOATS = {"float16", "bfloat16", "float32", "float64"}  # the dtypes an upload entry may name
+
+
+# -- the node's side -----------------------------------------------------------------------------------------------
+def secure_aggregation_mod(config: Callable[[Context], Config]):
+    """A ClientApp mod: under ``secure_aggregation`` (the run's config, ``config(context)``), every ``train`` message
+    goes through Flower's ``secaggplus_mod``, and a plain ``train`` message is refused, so that a node of such a run
+    releases its upload only masked; other runs' messages pass as they are."""
+    def mod(message: Message, context: Context, call_next) -> Message:
+        if message.metadata.message_type != MessageType.TRAIN or config(context).secure_aggregation is None:
+            return call_next(message, context)
+        if RECORD_KEY_CONFIGS not in message.content.config_records:
+            raise ConfigError("this run's config turns on secure_aggregation: the node sends its upload only through "
+                              "Flower's SecAgg+ protocol, not in a plain train message")
+        return secaggplus_mod(message, context, call_next)
+
+    return mod
+
+
+def read_fit_ins(content: RecordDict) -> tuple[RecordDict, list[float]]:
+    """fedflat's task content (:func:`fedflat.flower.protocol.task_content`) and the clients' weights in the node's
+    mean from the ``FitIns`` of :func:`fit_ins`."""
+    # (read as records: Flower's FitIns conversion takes scalars only, fedflat's task holds lists)
+    parameters = compat.arrayrecord_to_parameters(content.array_records["fitins.parameters"], keep_input=True)
+    arrays = [torch.from_numpy(np.array(a)) for a in parameters_to_ndarrays(parameters)]
+    config = dict(content.config_records["fitins.config"])
+    names, personal = list(config.pop(BROADCAST_NAMES)), list(config.pop(PERSONAL_NAMES))
+    weights = [float(p) for p in config.pop(WEIGHTS)]
+    if len(arrays) != len(names) + len(personal):
+        raise ConfigError(f"the task has {len(arrays)} arrays for {len(names) + len(personal)} names")
+    task = RecordDict({"broadcast": array_record(dict(zip(names, arrays[:len(names)]))),
+                       "task": ConfigRecord(config)})
+    if personal:
+        task["personal"] = array_record(dict(zip(personal, arrays[len(names):])))
+    return task, weights
+
+
+def node_vector(upload: dict[str, torch.Tensor], weights: list[float], w_start: torch.Tensor | None
+                ) -> tuple[dict[str, np.ndarray], float]:
+    """``{e: m_e}``, the node's mean of each upload entry over its clients weighted by ``weights``, and their sum
+    ``P`` (module docstring: the weights are ones and ``P`` is the node's client count). ``w_start``: the model the
+    clients started from, subtracted from the model rows so that they travel as ``Delta_i``; None when they are
+    ``Delta_i`` already (an upload path's release)."""
+    if BUFFERS in upload:
+        raise ConfigError("secure_aggregation: a model with buffers (BatchNorm statistics) cannot be summed under "
+                          "SecAgg+'s clipping range; use a model without them (e.g. model.norm=group)")
+    p = torch.tensor(weights, dtype=torch.float64)
+    P = float(p.sum())
+    means = {}
+    for name in sorted(upload):
+        rows = upload[name].double()
+        if name == MODEL and w_start is not None:
+            rows = rows - w_start.double()
+        means[name] = (p @ rows.reshape(rows.shape[0], -1) / P).numpy()
+    return means, P
+
+
+def beyond_range(means: dict[str, np.ndarray], ratio: float, s: SecureAggregationConfig) -> int:
+    """How many values SecAgg+'s clip changes: ``|d m_e| > c`` with ``d = round(ratio Q) / Q``, the weight the mod
+    multiplies by before it clips to ``[-c, c]`` (``ratio``: the node's weight over ``max_weight``)."""
+    d = round(ratio * s.quantization_range) / s.quantization_range
+    return int(sum((np.abs(d * m) > s.clipping_range).sum() for m in means.values()))
+
+
+def secure_reply(node, content: RecordDict) -> RecordDict:
+    """A node's answer to the masked-vector stage, before Flower's mod masks it: it trains its clients
+    (:meth:`fedflat.flower.node.Node.fit`) and returns ``FitRes`` of its means and weight (client count), and, in
+    the clear, what the server needs to read the sum (its clients, backward passes, the entries' names, row
+    shapes and dtypes) and how many values the clip changes."""
+    task, weights = read_fit_ins(content)
+    job, result = node.fit(task)
+    if len(weights) != len(result.ids):
+        raise ConfigError(f"the task has {len(weights)} weights for {len(result.ids)} clients")
+    released = bool(node.sim.algorithm.stages)  # an upload path sends Delta_i already (fedflat.core.upload)
+    means, P = node_vector(result.upload, weights, None if released else job.broadcast.w.cpu())
+    broken = [name for name, m in means.items() if not np.isfinite(m).all()]
+    if broken:  # (quantized, NaN would add garbage to the sum unseen: the node leaves the round, Flower recovers)
+        raise ValueError(f"this node's upload entries {broken} hold NaN or infinite values: it leaves the round")
+    s = node.sim.cfg.secure_aggregation
+    clipped = beyond_range(means, P / node.sim.cfg.data.num_clients, s)
+    if clipped:
+        log.warning("secure aggregation: %d values of this node's upload lie beyond clipping_range=%g and are "
+                    "clipped: raise secure_aggregation.clipping_range", clipped, s.clipping_range)
+    names = sorted(result.upload)
+    layout = {"clients": result.ids.tolist(), "entries": names,
+              "shapes": [list(result.upload[n].shape[1:]) for n in names],
+              "dtypes": [str(result.upload[n].dtype).removeprefix("torch.") for n in names]}
+    # (FitRes metrics are scalars: the lists travel as one JSON string)
+    metrics = {"layout": json.dumps(layout), "backprops": int(result.backprops), "beyond-range": clipped}
+    fit_res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([means[n] for n in names]), round(P), metrics)
+    return compat.fitres_to_recorddict(fit_res, keep_input=True)
+
+
+# -- the server's side ---------------------------------------------------------------------------------------------
+def fit_ins(content: RecordDict, weights: list[float]) -> FitIns:
+    """fedflat's task content for one node as Flower's legacy ``FitIns`` (what SecAgg+'s workflow sends): the
+    broadcast's and personal rows' arrays in order, their names and the task's fields in the config, with the
+    weights of the node's clients in its mean (ones: module docstring)."""
+    broadcast = tensors(content["broadcast"])
+    personal = tensors(content["personal"]) if "personal" in content.array_records else {}
+    config: dict[str, Any] = {**dict(content["task"]), BROADCAST_NAMES: list(broadcast),
+                              PERSONAL_NAMES: list(personal), WEIGHTS: weights}
+    arrays = [v.numpy() for v in (*broadcast.values(), *personal.values())]
+    return FitIns(ndarrays_to_parameters(arrays), config)
+
+
+class OneRound(LegacyStrategy):
+    """The legacy Flower ``Strategy`` SecAgg+'s workflow drives for one round: ``configure_fit`` gives it the
+    round's ``FitIns`` per node, ``aggregate_fit`` receives the nodes whose masked vector arrived, each ``FitRes``
+    holding the unmasked mean (Flower sets every one's parameters to it). fedflat's server does the rest."""
+
+    def __init__(self, instructions: list[tuple[GridClientProxy, FitIns]]):
+        self.instructions = instructions
+        self.results: list[tuple[Any, FitRes]] | None = None
+        self.failures: list = []
+
+    def initialize_parameters(self, client_manager) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager) -> list:
+        return self.instructions
+
+    def aggregate_fit(self, server_round: int, results: list, failures: list) -> tuple[Parameters | None, dict]:
+        self.results, self.failures = list(results), list(failures)
+        return None, {}
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager) -> list:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list) -> tuple[float | None, dict]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict] | None:
+        return None
+
+
+def workflow(s: SecureAggregationConfig, num_clients: int, round_timeout: float) -> SecAggPlusWorkflow:
+    """Flower's SecAgg+ workflow with the config's parameters; a node's weight, its client count, is at most
+    ``max_weight = N``."""
+    return SecAggPlusWorkflow(s.num_shares, s.reconstruction_threshold, max_weight=float(num_clients),
+                              clipping_range=s.clipping_range, quantization_range=s.quantization_range,
+                              modulus_range=s.modulus_range, timeout=s.timeout or round_timeout)
+
+
+def secure_round(strategy, grid, t: int) -> RoundResult:
+    """Round ``t`` of :class:`~fedflat.flower.server.FedflatStrategy` under SecAgg+: sample, one ``FitIns`` per node
+    hosting sampled clients, Flower's workflow, and the round finished from the clients' mean (module docstring).
+    Fewer than two nodes, or too many dropouts for the threshold, is a :class:`~fedflat.core.NoClients`."""
+    sim = strategy.sim
+    strategy.check_deployment(grid)
+    opened = sim.begin_round(t)
+    p = sim.algorithm.parts["aggregation"].weights(opened.ctx)
+    if not torch.allclose(p, p.mean().expand_as(p)):
+        raise ConfigError(f"secure_aggregation: aggregation '{sim.algorithm.parts['aggregation'].name}' weighs the "
+                          "clients unequally; SecAgg+ finishes a round from the clients' mean "
+                          "(fedflat/flower/secagg.py)")
+    by_node = strategy.federation.by_host(grid, opened.task.ids.tolist(), strategy.wait_s)
+    if len(by_node) < 2:
+        raise NoClients(f"round {t + 1}: SecAgg+ needs at least two nodes with sampled clients, "
+                        f"{len(by_node)} hold{'s' if len(by_node) == 1 else ''} them: "
+                        + (strategy.federation.absence(strategy.wait_s) if not by_node else
+                           "start more SuperNodes (num-partitions >= 2) or sample more clients"))
+    instructions, strategy.sent = [], {}
+    for node, rows in by_node.items():
+        picked = torch.tensor(rows, dtype=torch.long)
+        task = opened.task.rows(picked)
+        content = task_content(opened.broadcast.for_clients(task.ids), task, sim.aggregated_round[task.ids].tolist())
+        instructions.append((GridClientProxy(node, grid, 0), fit_ins(content, [1.0] * len(rows))))
+        strategy.sent[node] = task.ids.tolist()
+    adapter = OneRound(instructions)
+    state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: t + 1}),
+                        MAIN_PARAMS_RECORD: ArrayRecord()})
+    context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}), strategy=adapter)
+    workflow(sim.cfg.secure_aggregation, sim.cfg.data.num_clients, strategy.round_timeout)(grid, context)
+    if adapter.results is None:
+        raise NoClients(f"round {t + 1}: Flower's SecAgg+ halted (too few nodes answered for reconstruction_threshold="
+                        f"{sim.cfg.secure_aggregation.reconstruction_threshold}; Flower's log above says at which "
+                        "stage): the sum cannot be unmasked")
+    result, clipped = mean_result(strategy.sent, adapter.results, opened.broadcast.w, bool(sim.algorithm.stages), t)
+    round = sim.finish_round(opened, result)
+    if clipped:
+        round.log["secagg_clipped"] = float(clipped)
+    return round
+
+
+def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor, released: bool, t: int
+                ) -> tuple[ClientResult, int]:
+    """The :class:`~fedflat.core.ClientResult` of the nodes whose masked vector arrived: every one of their clients
+    with the unmasked mean as its row (the model's as ``w^t + mean Delta`` unless the upload path sends
+    ``Delta_i`` itself), and how many values the nodes' clip changed. What the nodes say in the clear must agree
+    with what they were sent (``sent``: node -> its clients)."""
+    if not results:
+        raise NoClients(f"round {t + 1}: no node's masked vector arrived")
+    ids, backprops, layout, clipped = [], 0, None, 0
+    for proxy, res in results:
+        metrics = res.metrics
+        said = json.loads(str(metrics["layout"]))
+        clients = [int(c) for c in said["clients"]]
+        if clients != sent.get(proxy.node_id):
+            raise BadReply(f"round {t + 1}: node {proxy.node_id} answered for clients {clients}, it was sent "
+                           f"{sent.get(proxy.node_id)}")
+        kind = (tuple(said["entries"]), tuple(tuple(s) for s in said["shapes"]), tuple(said["dtypes"]))
+        if layout is not None and kind != layout:
+            raise BadReply(f"round {t + 1}: node {proxy.node_id}'s upload has entries {kind}, the others' {layout}")
+        layout = kind
+        ids += clients
+        backprops += int(metrics["backprops"])
+        if int(metrics["beyond-range"]):
+            clipped += int(metrics["beyond-range"])
+            log.warning("round %d: node %s clipped %d values to secure_aggregation.clipping_range: the sum is biased",
+                        t + 1, proxy.node_id, int(metrics["beyond-range"]))
+    order = sorted(ids)
+    K = len(order)
+    means = parameters_to_ndarrays(results[0][1].parameters)
+    entries, shapes, dtypes = layout
+    if len(means) != len(entries) or not {MODEL, TRAIN_LOSS} <= set(entries) or not set(dtypes) <= FLOATS:
+        raise BadReply(f"round {t + 1}: the nodes' uploads ({len(means)} vectors) do not match the entries they name "
+                       f"({list(zip(entries, dtypes))}: floating-point, with {MODEL} and {TRAIN_LOSS})")
+    upload = {}
+    for name, shape, dtype, mean in zip(entries, shapes, dtypes, means):
+        row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape([int(d) for d in shape])
+        if name == MODEL and not released:
+            row = w_start.double().cpu() + row
+        upload[name] = row.to(getattr(torch, dtype)).expand(K, *row.shape).clone()
+    return ClientResult(torch.tensor(order, dtype=torch.long), upload, {}, backprops), clipped
