@@ -257,8 +257,8 @@ def test_fedflat_evaluate_reproduces_the_reported_personalized_accuracy_from_the
     assert main(["evaluate", str(tmp_path / "run")]) == 0
     assert "(reproduced)" in capsys.readouterr().out
     plain = evaluate_run(tmp_path / "run", personalized=False)
-    sim.w = history.final_parameters
-    sim.buffers = sim.model.vectors(history.state_dict)[1]
+    sim.w = history.final_parameters.to(sim.device)  # History's tensors are on the CPU
+    sim.buffers = sim.model.vectors(history.state_dict)[1].to(sim.device)
     assert (plain["accuracy"], plain["loss"]) == sim.evaluate(sim.w) and plain["reported_accuracy"] is None
     assert plain["loss"] != result["loss"]
 
