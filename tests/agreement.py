@@ -58,11 +58,11 @@ def float32_bound(sim: Simulation, rounds: int) -> float:
     vectorized engine on CUDA in chunks of other sizes): one float32 dot product of K terms summed in another order
     differs by at most K * 2^-24 of the sum of its terms' magnitudes, and each gradient of the run's S local steps
     (of every round, SAM's two included) carries one such error into the weights: S * K * 2^-24, with K the widest
-    sum of the model (the largest of its layers' widths and the batch size)."""
+    sum of the model (the largest fan-in of its layers, and the batch size a weight's gradient sums over)."""
     steps = 0
     for _ in range(rounds):
         steps += sim.cfg.train.local_epochs * math.ceil(int(sim.num_samples.max()) / sim.cfg.train.batch_size)
-    widths = [p.shape[-1] for p in sim.model.module.parameters() if p.dim() > 1]
+    widths = [v[0].numel() for v in sim.model.layout.views(sim.model.initial) if v.dim() > 1]  # fan-ins
     K = max([*widths, sim.cfg.train.batch_size])
     return 2 * steps * K * 2.0 ** -24  # 2: up to two gradients a step (SAM)
 
