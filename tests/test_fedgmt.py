@@ -44,7 +44,8 @@ def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vecto
         torch.testing.assert_close(loss[c], ce)  # the reported loss is the data loss
         torch.testing.assert_close(grad[c], g)
     # a padded row (weight 0) changes nothing
-    pad = Batch(torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1), torch.cat([torch.ones(2, 5), torch.zeros(2, 1)], 1).to(sim.device))
+    pad = Batch(torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1),
+                torch.cat([torch.ones(2, 5), torch.zeros(2, 1)], 1).to(sim.device))
     torch.testing.assert_close(oracle.loss_grad(W, pad, distill)[1], grad)
     # at the teacher the KL term is flat: the gradient is the plain loss gradient
     at_teacher = teacher.expand(2, -1).clone()

@@ -50,7 +50,8 @@ class History:
 
     ``metrics`` holds one dict per evaluated round (the lines of ``metrics.jsonl``), ``summary`` what
     ``summary.json`` holds, ``config`` the resolved config, ``final_parameters`` the global model as one flat
-    vector and ``state_dict`` as the model's state dict (both on the CPU, whatever the run's device); ``run_dir`` is the run folder (None with ``save=False``).
+    vector and ``state_dict`` as the model's state dict (both on the CPU, whatever the run's device); ``run_dir`` is
+    the run folder (None with ``save=False``).
     """
 
     metrics: list[dict[str, Any]]
