@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from agreement import bitwise
 from conftest import BN_DROPOUT_CNN, tiny_tree
 from numerics import U32, U64, assert_close_normwise
 from torch import nn
@@ -45,8 +46,9 @@ def _fresh_cnn() -> nn.Module:
 
 @torch.no_grad()
 def _eval_mode_scores(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, float]:
-    """Correct predictions and mean cross-entropy of a plain module in eval mode (no fedflat code involved)."""
-    module.eval()
+    """Correct predictions and mean cross-entropy of a plain module in eval mode (no fedflat code involved), on the
+    data's device (the run's)."""
+    module.to(x.device).eval()
     logits = module(x)
     return int((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits.double(), y))
 
@@ -67,7 +69,7 @@ def test_reported_accuracy_is_model_pt_in_eval_mode_and_the_engines_agree(algo, 
         # the run sums per-sample losses of eval batches in float64: 60 float32 terms, relative u32 each
         assert history.summary["final_test_loss"] == pytest.approx(loss, rel=60 * U32)
         assert history.summary["buffers"] == 2 * (2 * 64 + 1)  # two BatchNorm2d(64): mean, var, count
-        assert module.conv[1].num_batches_tracked > 0 and not torch.equal(module.conv[1].running_var,
+        assert module.conv[1].num_batches_tracked > 0 and not torch.equal(module.conv[1].running_var.cpu(),
                                                                           torch.ones(64))
     seq, vec = runs["sequential"], runs["vectorized"]
     # The engines differ only in the rounding of the gradients' reductions (vmap's grouped convolutions against a
@@ -156,7 +158,8 @@ class DropoutMLP(nn.Module):
 def test_dropout_masks_come_from_the_clients_stream():
     """One local step of one client by hand: its batch from its ``batches`` stream, the keep-mask of F.dropout
     from ``torch_stream(seed, 0, client, "dropout")`` (``rand < 1 - p``, kept values scaled by ``1 / (1 - p)``)."""
-    cfg = _cfg("train.local_steps=1", "train.weight_decay=0", "train.clip=null", "rounds=1")
+    # on CUDA the sequential engine: the hand computation's F.linear is its kernel (agreement.bitwise)
+    cfg = _cfg(*bitwise("train.local_steps=1", "train.weight_decay=0", "train.clip=null", "rounds=1"))
     sim = Simulation(cfg, model_fn=DropoutMLP)
     opened = sim.begin_round(0)
     result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
@@ -165,7 +168,8 @@ def test_dropout_masks_come_from_the_clients_stream():
     x, y = sim.dataset.x_train[batch].flatten(1), sim.dataset.y_train[batch]
     w = sim.w.clone().requires_grad_(True)
     weight1, bias1, weight2, bias2 = sim.model.layout.views(w)
-    keep = torch.rand((len(batch), 12), generator=torch_stream(0, 0, client, "dropout")) < 0.5
+    keep = torch.rand((len(batch), 12), generator=torch_stream(0, 0, client, "dropout", sim.device),
+                      device=sim.device) < 0.5  # the stream on the run's device, as the engine draws it
     hidden = torch.relu(F.linear(x, weight1, bias1)) * keep.float().div(0.5)
     (grad,) = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight2, bias2), y), w)
     # w - eta g as torch.optim.SGD (and fedflat's engine) computes it: one fused add with alpha = -eta
@@ -200,14 +204,15 @@ class StochasticDepth(nn.Module):
 def test_other_random_operations_draw_from_the_clients_stream_on_the_sequential_engine():
     """The global generator is seeded from the client's stream ``"forward"`` while it trains (one local step by
     hand); the vectorized engine, which cannot key such draws per client, refuses the module."""
-    sim = Simulation(_cfg("train.local_steps=1", "train.weight_decay=0", "train.clip=null"), model_fn=StochasticDepth)
+    sim = Simulation(_cfg(*bitwise("train.local_steps=1", "train.weight_decay=0", "train.clip=null")),
+                     model_fn=StochasticDepth)
     opened = sim.begin_round(0)
     result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
     client = int(opened.task.ids[0])
     (batch,) = local_schedule(sim.client_indices[client], 1, 10, torch_stream(0, 0, client, "batches"))
-    reference = StochasticDepth()
+    reference = StochasticDepth().to(sim.device)
     reference.load_state_dict(sim.model.state_dict(sim.w))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[sim.device] if sim.device.type == "cuda" else []):  # the engine's generator
         torch.manual_seed(stream_seed(0, 0, client, "forward"))
         loss = F.cross_entropy(reference(sim.dataset.x_train[batch]), sim.dataset.y_train[batch])
     grads = torch.autograd.grad(loss, list(reference.parameters()))
@@ -298,7 +303,9 @@ class BranchesOnData(nn.Module):
 
 @pytest.mark.parametrize("model_fn, says", [
     (ShrinksItsWeights, "model ShrinksItsWeights: its forward pass changes its parameters in place"),
-    (RandomWhenEvaluated, r"model RandomWhenEvaluated draws random numbers in eval\(\) mode \(bernoulli_\)"),
+    # F.dropout is bernoulli_ on a CPU, CUDA's fused native_dropout on a GPU
+    (RandomWhenEvaluated, r"model RandomWhenEvaluated draws random numbers in eval\(\) mode "
+                          r"\((bernoulli_|native_dropout)\)"),
     (CountsInAHiddenBuffer, "changes the non-persistent buffer 'calls'.*persistent=True"),
     (lambda: nn.Sequential(nn.Flatten(), nn.LazyLinear(3)), r"uninitialized \(lazy\) parameters"),
 ])
@@ -315,11 +322,11 @@ def test_a_module_vmap_cannot_run_is_refused_by_the_vectorized_engine_and_auto_s
     sim.run_round(0)
     # BatchNorm's cumulative average (momentum=None) reads its count as a Python number: the loop only
     cumulative = FlatModel(nn.Sequential(nn.Flatten(), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 3)))
-    x, y = sim.dataset.x_train[:4], sim.dataset.y_train[:4]
+    x, y = sim.dataset.x_train[:4].cpu(), sim.dataset.y_train[:4].cpu()  # the fresh module's device
     problem = vmap_problem(cumulative, inspect_module(cumulative, x), x, y)
     assert problem and "\n" not in problem
     cnn = Simulation(_cfg(*BN_DROPOUT_CNN))  # BatchNorm with momentum and dropout: vmap runs them
-    assert vmap_problem(cnn.model, cnn.traits, cnn.dataset.x_train[:4], y) is None
+    assert vmap_problem(cnn.model, cnn.traits, cnn.dataset.x_train[:4], cnn.dataset.y_train[:4]) is None
     with pytest.warns(UserWarning, match="engine=auto: model Sequential cannot run under torch.func.vmap .*: its "
                                          "clients train on the sequential engine"):
         assert choose_engine("auto", "vectorized", problem, cumulative.module) == "sequential"

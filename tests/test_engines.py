@@ -285,7 +285,7 @@ def test_a_bf16_run_trains_alike_on_both_engines_and_near_float32(tiny):
     torch.testing.assert_close(runs["vectorized", "bf16"].final_parameters, bf16, rtol=2e-2, atol=2e-3)
     float32 = runs["sequential", "float32"].final_parameters
     assert not torch.equal(bf16, float32)
-    start = Simulation(tiny(*UNEQUAL)).w
+    start = Simulation(tiny(*UNEQUAL)).w.cpu()  # beside final_parameters, on the CPU
     assert (bf16 - float32).norm() / (float32 - start).norm() < 0.05  # of the distance trained
 
 

@@ -49,10 +49,11 @@ def test_the_client_perturbation_interpolates_global_and_local(tiny):
     sim.run_round(0)
     opened = sim.begin_round(1)
     broadcast = opened.broadcast
-    broadcast.server[WEIGHT] = torch.tensor(0.3)  # any c in (0, 1)
+    broadcast.server[WEIGHT] = torch.tensor(0.3, device=sim.device)  # any c in (0, 1)
     ctx = ClientContext.of(broadcast, sim.settings, sim.oracle, sim.batches)
     cohort = make_cohort(opened.task, broadcast, sim.load_state, sim.device)
-    W = broadcast.w + 0.01 * torch.randn(cohort.size, broadcast.w.numel(), generator=torch.Generator().manual_seed(0))
+    W = broadcast.w + 0.01 * torch.randn(cohort.size, broadcast.w.numel(),
+                                         generator=torch.Generator().manual_seed(0)).to(sim.device)
     picks = [s[0] for s in sim.batches.schedules(1, cohort.ids.tolist(), cohort.steps.tolist())]
     batch = sim.batches.batch(picks, None)
     eps = sim.algorithm.parts["perturbation"].perturb(ctx, cohort, 0, W, batch)

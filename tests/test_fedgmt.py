@@ -34,8 +34,8 @@ def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vecto
     oracle = Oracle(sim.model, vectorized=vectorized)
     P = sim.w.numel()
     gen = torch.Generator().manual_seed(1)
-    W = sim.w + 0.3 * torch.randn(2, P, generator=gen)
-    teacher = sim.w + 0.3 * torch.randn(P, generator=gen)
+    W = sim.w + 0.3 * torch.randn(2, P, generator=gen).to(sim.device)  # CPU draws, on the run's device
+    teacher = sim.w + 0.3 * torch.randn(P, generator=gen).to(sim.device)
     x, y = sim.dataset.x_train[:10].reshape(2, 5, 1, 4, 4), sim.dataset.y_train[:10].reshape(2, 5)
     distill = Distillation(teacher, weight=0.7, temperature=3.0)
     loss, grad = oracle.loss_grad(W, Batch(x, y), distill)
@@ -44,7 +44,8 @@ def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vecto
         torch.testing.assert_close(loss[c], ce)  # the reported loss is the data loss
         torch.testing.assert_close(grad[c], g)
     # a padded row (weight 0) changes nothing
-    pad = Batch(torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1), torch.cat([torch.ones(2, 5), torch.zeros(2, 1)], 1))
+    pad = Batch(torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1),
+                torch.cat([torch.ones(2, 5), torch.zeros(2, 1)], 1).to(sim.device))
     torch.testing.assert_close(oracle.loss_grad(W, pad, distill)[1], grad)
     # at the teacher the KL term is flat: the gradient is the plain loss gradient
     at_teacher = teacher.expand(2, -1).clone()

@@ -16,7 +16,7 @@ from fedflat.engine.simulation import Simulation
 
 
 def _head(sim: Simulation) -> torch.Tensor:
-    return sim.algorithm.parts["personalization"].private(sim.settings)
+    return sim.algorithm.parts["personalization"].private(sim.settings).to(sim.device)  # beside the run's tensors
 
 
 def test_the_private_mask_is_the_last_layers_parameters(tiny):
@@ -134,7 +134,7 @@ def test_leaf_clients_are_tested_on_their_own_writers_test_samples(tmp_path):
     from fedflat.config import load_config
     sim = Simulation(load_config(None, cfg))
     for client, share in zip(sim.client_indices_np, sim.client_tests):
-        assert set(data.test_owners[share.numpy()]) == set(data.owners[client])
+        assert set(data.test_owners[share.cpu().numpy()]) == set(data.owners[client])
     assert sum(len(s) for s in sim.client_tests) == len(data.y_test)
 
 

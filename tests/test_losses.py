@@ -43,7 +43,8 @@ def test_a_custom_loss_trains_as_plain_sgd_on_it_by_hand(tiny):
                                              y[idx]).mean(), leaf)
             w = w - sim.lr_at(t) * g
             steps += 1
-    torch.testing.assert_close(run.final_parameters, w, rtol=0, atol=16 * U32 * steps * w.abs().max().item())
+    # run.final_parameters is on the CPU, the hand computation on the run's device
+    torch.testing.assert_close(run.final_parameters, w.cpu(), rtol=0, atol=16 * U32 * steps * w.abs().max().item())
     with torch.no_grad():
         test = brier(model(w, sim.dataset.features(sim.dataset.x_test)), sim.dataset.y_test).double().mean().item()
     assert run.metrics[-1]["test_loss"] == pytest.approx(test, rel=1e-5)
@@ -108,8 +109,8 @@ def test_a_loss_without_one_value_per_sample_is_a_clear_error(tiny):
 
 
 def _sklearn_metrics(logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    probs = logits.double().softmax(-1).numpy()
-    pred, true = probs.argmax(1), y.numpy()
+    probs = logits.double().softmax(-1).cpu().numpy()
+    pred, true = probs.argmax(1), y.cpu().numpy()
     out = {"f1": f1_score(true, pred, average="macro"), "balanced_acc": balanced_accuracy_score(true, pred),
            "auroc": roc_auc_score(true, probs, multi_class="ovr", average="macro")}
     out.update({f"acc_class_{k}": r for k, r in enumerate(recall_score(true, pred, average=None))})
@@ -124,7 +125,7 @@ def test_evaluation_metrics_are_sklearns_on_the_test_predictions(tiny, engine):
     run = fedflat.run(cfg, save=False, progress=False)
     sim = Simulation(cfg)
     with torch.no_grad():
-        logits = sim.model(run.final_parameters, sim.dataset.features(sim.dataset.x_test))
+        logits = sim.model(run.final_parameters.to(sim.device), sim.dataset.features(sim.dataset.x_test))
     expected = _sklearn_metrics(logits, sim.dataset.y_test)
     line = run.metrics[-1]
     for name, value in expected.items():

@@ -45,7 +45,7 @@ def _reference(sim: Simulation, make_optimizer, keep: str) -> torch.Tensor:
             optimizer.zero_grad()
             F.cross_entropy(model.call_views(params, sim.dataset.features(x[idx])), y[idx]).backward()
             optimizer.step()
-    return torch.cat([p.detach().reshape(-1) for p in params])
+    return torch.cat([p.detach().reshape(-1) for p in params]).cpu()  # beside run.final_parameters, on the CPU
 
 
 @pytest.mark.parametrize("keep", ["round", "client"])

@@ -35,8 +35,12 @@ class _Overflowing(nn.Module):
         return logits if self.training else logits * 1e38 * 1e38
 
 
-def test_a_non_finite_evaluation_ends_the_run_diverged_at_its_round(tiny, tmp_path):
-    history = fedflat.run(tiny("rounds=3"), model_fn=_Overflowing, run_dir=tmp_path / "run", progress=False)
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_non_finite_evaluation_ends_the_run_diverged_at_its_round(tiny, tmp_path, engine):
+    """(The vectorized engine, engine=auto's on a GPU, once trained this module in the eval() mode its chunk
+    budget's probe left behind: a non-finite local loss instead.)"""
+    history = fedflat.run(tiny("rounds=3", f"engine={engine}"), model_fn=_Overflowing, run_dir=tmp_path / "run",
+                          progress=False)
     s = history.summary
     assert s["status"] == "diverged" and s["reason"].startswith("round 1: the test loss is nan"), s["reason"]
     assert s["rounds"] == 1 and all(torch.isfinite(history.final_parameters))
@@ -118,3 +122,32 @@ def test_a_resume_keeps_config_yaml_as_written(tiny, tmp_path):
     resume(folder, overrides=["rounds=2"], progress=False)
     assert (folder / "config.yaml").read_text() == before.replace("rounds: 1\n", "rounds: 2\n")
     assert math.isclose(load_config(folder / "config.yaml").store.memory_mb, 4096)
+
+
+class _TrainsOnlyInTrainMode(nn.Module):
+    """A module without buffers, dropout or randomness whose forward reads ``self.training``: the engines keep no
+    per-client state for it and set its mode for every pass themselves."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 3)
+        self.grad_modes: list[bool] = []  # the mode of each pass that builds a graph (training passes)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.grad_modes.append(self.training)
+        return self.linear(x.flatten(1))
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_a_module_without_state_trains_in_train_mode_after_an_evaluation(tiny, engine):
+    from fedflat.engine.simulation import Simulation
+
+    sim = Simulation(tiny("rounds=2", f"engine={engine}"), model_fn=_TrainsOnlyInTrainMode)
+    module = sim.model.module
+    for t in range(2):
+        module.grad_modes.clear()
+        sim.run_round(t)
+        assert module.grad_modes and all(module.grad_modes), t
+        sim.evaluate()  # eval() mode: the next round's passes must not inherit it
+        assert not module.training

@@ -165,7 +165,7 @@ def test_fedrep_two_rounds_by_hand(tiny):
     and uploads the broadcast's there; the server averages the bodies and its head stays w^0's."""
     sim = Simulation(tiny(*HAND, "algo=fedrep"))
     hand = Hand(sim)
-    head = private_layers(sim.model.layout, 1)
+    head = private_layers(sim.model.layout, 1).to(sim.device)  # beside the run's tensors
     w0 = sim.w.clone()
     w, heads = sim.w.clone(), {}
     body_steps = 1  # full batch: one step per epoch, rep_epochs = 1
@@ -176,7 +176,7 @@ def test_fedrep_two_rounds_by_hand(tiny):
             for k in range(STEPS):
                 g = hand.grad(wk, i) + hand.wd * wk
                 trained = head if k < STEPS - body_steps else ~head
-                wk = wk - lr * torch.where(trained, g, torch.zeros(()))
+                wk = wk - lr * torch.where(trained, g, torch.zeros((), device=g.device))
             heads[i] = wk
             uploads.append(torch.where(head, w, wk))
         w = torch.stack(uploads).mean(0)
@@ -257,8 +257,8 @@ def test_fedflat_evaluate_reproduces_the_reported_personalized_accuracy_from_the
     assert main(["evaluate", str(tmp_path / "run")]) == 0
     assert "(reproduced)" in capsys.readouterr().out
     plain = evaluate_run(tmp_path / "run", personalized=False)
-    sim.w = history.final_parameters
-    sim.buffers = sim.model.vectors(history.state_dict)[1]
+    sim.w = history.final_parameters.to(sim.device)  # History's tensors are on the CPU
+    sim.buffers = sim.model.vectors(history.state_dict)[1].to(sim.device)
     assert (plain["accuracy"], plain["loss"]) == sim.evaluate(sim.w) and plain["reported_accuracy"] is None
     assert plain["loss"] != result["loss"]
 

@@ -29,7 +29,7 @@ from fedflat.core.upload import release_norms
 from fedflat.engine.simulation import Simulation
 from fedflat.experiments.checkpoint import resume
 
-from agreement import assert_identical, trajectory
+from agreement import assert_identical, bitwise, trajectory
 from conftest import tiny_tree
 from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled
 
@@ -206,7 +206,8 @@ def test_dpfedsam_round_by_hand(tiny):
         deltas = torch.stack([hand.local(w, i, lr, perturb=lambda k, wk, i=i: asam(k, wk, i)) - w
                               for i in _sampled(sim, t)])
         clipped = deltas * torch.clamp(C / deltas.double().norm(dim=1), max=1.0).float()[:, None]
-        noise = torch.randn(w.numel(), generator=torch_stream(sim.cfg.seed, t, SERVER, "privacy")) * (z * C)
+        noise = torch.randn(w.numel(), generator=torch_stream(sim.cfg.seed, t, SERVER, "privacy", sim.device),
+                            device=sim.device) * (z * C)  # the server's stream on the run's device, as the engine draws
         w = w + (clipped.sum(0) + noise) / K
     for t in range(2):
         sim.run_round(t)
@@ -278,6 +279,7 @@ STAGED = [(*DP,), (*DP, "privacy.mode=local"), (*DP, "privacy.adaptive=true", "p
 
 @pytest.mark.parametrize("options", STAGED, ids=lambda o: "-".join(x.split("=")[-1] for x in o))
 def test_threads_give_the_local_executors_numbers(tiny, options):
+    options = bitwise(*options)  # on CUDA the sequential engine: the bits of the vectorized one depend on the chunk
     local = Simulation(tiny(*options, "algo=scaffold" if "algo=dpfedsam-topk" not in options else "rounds=3"))
     threads = Simulation(tiny(*options, *(("algo=scaffold",) if "algo=dpfedsam-topk" not in options else ()),
                               "executor=threads", "executor.workers=2"))
@@ -371,12 +373,12 @@ def test_dp_sgd_rounds_by_hand(tiny):
         lr, finals = sim.lr_at(t), []
         for i in _sampled(sim, t):
             picks = independent_schedule(sim.client_indices[i].cpu(), 3, B, torch_stream(0, t, i, "batches"))
-            noise, wi = torch_stream(0, t, i, "dpsgd"), w.clone()
+            noise, wi = torch_stream(0, t, i, "dpsgd", sim.device), w.clone()  # drawn on the run's device
             for idx in picks:
                 x, y = sim.dataset.x_train[idx], sim.dataset.y_train[idx]
                 G = torch.stack([hand.grad_on(wi, x[j:j + 1], y[j:j + 1]) for j in range(len(idx))])
                 clipped = G * torch.clamp(C / G.double().norm(dim=1), max=1.0).float()[:, None]
-                g = (clipped.sum(0) + torch.randn(w.numel(), generator=noise) * (z * C)) / len(idx)
+                g = (clipped.sum(0) + torch.randn(w.numel(), generator=noise, device=w.device) * (z * C)) / len(idx)
                 wi = wi - lr * (g + hand.wd * wi)
             finals.append(wi)
         w = torch.stack(finals).mean(0)
@@ -391,7 +393,7 @@ def test_dp_sgd_epsilon_equals_dp_accountings_for_the_worst_client(tiny):
     for algo, g in (("fedavg", 1), ("fedsam", 2)):
         history = fedflat.run(tiny(*INSTANCE, f"algo={algo}", "train.batch_size=3"), save=False, progress=False)
         sim = Simulation(tiny(*INSTANCE, f"algo={algo}", "train.batch_size=3"))
-        steps = torch.zeros(6, dtype=torch.long)
+        steps = torch.zeros(6, dtype=torch.long, device=sim.device)  # indexed by the run's sampled ids
         for t in range(3):
             ctx = sim.new_context(t)
             steps[ctx.sampled] += ctx.steps

@@ -152,6 +152,7 @@ def test_config_callbacks_stop_early_and_keep_the_best_model(tmp_path):
     at_best = fedflat.run({**stopping_tree(rounds=best), "callbacks": []}, save=False, progress=False)
     saved = torch.load(tmp_path / "run" / "best_model.pt")
     assert saved.keys() == at_best.state_dict.keys()
+    assert all(v.device.type == "cpu" for v in at_best.state_dict.values())  # as final_parameters, on any device
     assert all(torch.equal(saved[k], at_best.state_dict[k]) for k in saved)
 
 

@@ -167,6 +167,7 @@ class Oracle:
         methods whose regularizer enters through the gradient (FedProx, FedDyn)."""
         C = W.shape[0]
         teacher_logp = self.teacher_log_probs(distill, batch.x)
+        self._mode(True)  # the teacher's pass was an evaluation
         objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
@@ -182,6 +183,13 @@ class Oracle:
             rows.append(self._flat(torch.autograd.grad(total, views), ()))
             losses.append(ce.detach())
         return torch.stack(losses), torch.stack(rows)
+
+    def _mode(self, training: bool) -> None:
+        """The module's mode for a pass of a module without per-client state, whose passes set none themselves: an
+        evaluation (``FlatModel.__call__``, the chunk budget's probe) leaves ``eval()`` mode behind, and a forward
+        that reads ``self.training`` would otherwise train in it."""
+        if self.model.module.training != training:
+            self.model.module.train(training)
 
     def _flat(self, grads: tuple[torch.Tensor, ...], lead: tuple[int, ...]) -> torch.Tensor:
         return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
@@ -204,6 +212,7 @@ class Oracle:
             return self._stateful_loss_grad(W, batch, distill)
         if distill is not None:
             return self._loss_grad_distilled(W, batch, distill)
+        self._mode(True)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             if batch.weight is None:
@@ -226,6 +235,7 @@ class Oracle:
                 x, y = batch.row(c)
                 losses.append(mean_loss(self.loss_fn, self._eval_logits(W[c], buffers[c], self._arranged(x)), y))
             return torch.stack(losses)
+        self._mode(False)
         if self.vectorized:
             views = tuple(self.model.layout.views(W))
             if batch.weight is None:
@@ -243,6 +253,7 @@ class Oracle:
         ``N(0, z^2 C^2 I)`` from the client's own stream added, divided by the batch size ``B``:
         ``g~ = (sum_j g_j min(1, C / ||g_j||) + N(0, z^2 C^2 I)) / B``. The loss is the batch's mean."""
         clip, z = self.dp_sgd
+        self._mode(True)
         if not hasattr(self, "_per_example"):
             self._per_example = torch.func.vmap(torch.func.grad_and_value(self._mean_loss))
         losses, grads = [], []

@@ -369,9 +369,10 @@ class ThreadExecutor:
     PyTorch releases the GIL inside its operators, so on a CPU two threads of one intra-op thread each keep two
     cores busy on small steps with no data copied and no process started (docs/benchmarks.md). Each client's work
     is a pure function of what it is given and the results are reduced in ascending client-id order, so the
-    numbers are those of ``executor: local`` bit for bit. The threads are daemons, started per round: an interrupted
-    run exits without waiting for its abandoned clients, and a round after an interrupted one (in a notebook) first
-    lets them finish, so no runtime ever trains two clients at once."""
+    numbers are those of ``executor: local`` bit for bit (on CUDA: on the sequential engine; the vectorized engine's
+    batched cuBLAS products round a row by the chunk's size, so there they agree to float32 rounding). The threads
+    are daemons, started per round: an interrupted run exits without waiting for its abandoned clients, and a round
+    after an interrupted one (in a notebook) first lets them finish, so no runtime ever trains two clients at once."""
 
     name = "threads"
 

@@ -13,7 +13,7 @@ from fedflat.config import Config, load_config, parse_override, read_yaml
 from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CheckpointError, load_run, run_config
 from fedflat.experiments.rundir import hold
-from fedflat.experiments.runner import History, run_experiment
+from fedflat.experiments.runner import History, cpu_state, run_experiment
 from fedflat.files import read_jsonl
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: Config, datas
         return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),
                        final_parameters=sim.w.detach().cpu().clone(), run_dir=run_dir,
-                       state_dict=sim.model_state())
+                       state_dict=cpu_state(sim.model_state()))
     finally:
         sim.close()
 

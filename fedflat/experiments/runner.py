@@ -50,7 +50,8 @@ class History:
 
     ``metrics`` holds one dict per evaluated round (the lines of ``metrics.jsonl``), ``summary`` what
     ``summary.json`` holds, ``config`` the resolved config, ``final_parameters`` the global model as one flat
-    vector and ``state_dict`` as the model's state dict; ``run_dir`` is the run folder (None with ``save=False``).
+    vector and ``state_dict`` as the model's state dict (both on the CPU, whatever the run's device); ``run_dir`` is
+    the run folder (None with ``save=False``).
     """
 
     metrics: list[dict[str, Any]]
@@ -507,7 +508,12 @@ class Runner:
         return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
                        final_parameters=self.sim.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
-                       state_dict=self.sim.model_state())
+                       state_dict=cpu_state(self.sim.model_state()))
+
+
+def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` on the CPU, as :attr:`History.final_parameters` and ``model.pt`` are, whatever the run's device."""
+    return {k: v.detach().cpu() for k, v in state.items()}
 
 
 def at_chance(acc: float, num_classes: int, count: int) -> bool:
