@@ -74,8 +74,7 @@ def test_padding_gives_each_client_exactly_its_own_steps(tiny):
     correction = sim.algorithm.parts["correction"]
     states: list[torch.Tensor] = []
     actives: list[torch.Tensor] = []
-    assert correction.gives_loss_direction()  # FedAvg's: the engine steps through loss_direction
-    plain_direction, plain_end = correction.loss_direction, correction.end
+    plain_direction, plain_end = correction.direction, correction.end
 
     def direction(ctx, cohort, k, W, grad):
         states.append(W.clone())
@@ -86,7 +85,7 @@ def test_padding_gives_each_client_exactly_its_own_steps(tiny):
         states.append(W.clone())
         plain_end(ctx, cohort, W)
 
-    correction.loss_direction, correction.end = direction, end
+    correction.direction, correction.end = direction, end
     round_steps = sim.new_context(0).steps.cpu()
     assert round_steps.min() < round_steps.max()  # the round really mixes step counts
     sim.run_round(0)

@@ -15,7 +15,7 @@ import yaml
 import fedflat
 from conftest import tiny_tree
 from fedflat.config import load_config
-from fedflat.core import Correction, PluginError
+from fedflat.core import Correction, Direction, PluginError
 from fedflat.experiments.sweep import load_sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_check_part_passes_the_example_and_names_what_a_broken_part_breaks():
             self.rounds += 1
 
         def direction(self, ctx, cohort, k, W, grad):
-            return grad * (1 + 0.1 * self.rounds)
+            return Direction(grad * (1 + 0.1 * self.rounds), ctx.settings.weight_decay)
 
     with pytest.raises(AssertionError, match="resumed after round 2, the run ends elsewhere"):
         check_part(Forgetful)

@@ -26,9 +26,6 @@ class NoCorrection(Correction):
     name = "none"
     summary = "the gradient itself (FedAvg's local SGD)"
 
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class MeanParams(PartParams):

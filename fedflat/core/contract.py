@@ -3,8 +3,8 @@
 Rule 1 of the contract (:mod:`fedflat.core.part`): a part never modifies in place a tensor it did not make in that
 call — the broadcast, the server state, the held rows, the uploads, a cohort's state and personal rows, another
 part's values, or the tensors handed to it (``W``, ``grad``, ``eps``, ``w_new``), except the ``grad`` handed over to
-``loss_direction`` (:data:`OWNED_ARGUMENTS`), which it may overwrite and return (returning a tensor it does not own,
-which the engine would then overwrite, is an error too). It assigns new tensors instead, so a round stays a
+``direction`` (:data:`OWNED_ARGUMENTS`), which it may overwrite and return (returning a tensor it does not own, which
+the engine would then overwrite, is an error too). It assigns new tensors instead, so a round stays a
 transaction and the same client code gives the same numbers on every engine and executor.
 
 A watched hook records the version counter of every tensor it can reach before it runs (PyTorch bumps it on every
@@ -22,14 +22,12 @@ from typing import Any, Iterator
 import torch
 
 from fedflat.core.errors import ContractError
+from fedflat.core.hooks import HOOK_NAMES
 from fedflat.core.round import ClientContext, Cohort, RoundContext
 
 CHECK_ENV = "FEDFLAT_CHECK_CONTRACT"
-HOOKS = frozenset({"downlink", "personal", "finish", "after_step", "weights", "broadcast", "step", "begin", "end",
-                   "perturb", "descent_gradient", "distillation", "apply", "direction", "decoupled_decay", "models",
-                   "private", "loss_direction", "start", "local_step", "client", "encode", "decode", "server",
-                   "poison"})
-OWNED_ARGUMENTS = {"loss_direction": frozenset({"grad"})}  # handed over: the hook may overwrite them (part.py)
+HOOKS = HOOK_NAMES  # every hook of every role (fedflat/core/hooks.py)
+OWNED_ARGUMENTS = {"direction": frozenset({"grad"})}  # handed over: the hook may overwrite them (part.py)
 
 
 def checking() -> bool:
@@ -73,6 +71,8 @@ def _versions(hook: Any, args: tuple, kwargs: dict, owner: int,
 
 
 def _shares_memory(result: Any, tensor: torch.Tensor) -> bool:
+    if isinstance(result, tuple) and result:  # a Direction: its loss tensor is what the engine overwrites
+        result = result[0]
     return (isinstance(result, torch.Tensor) and result.device == tensor.device
             and result.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr())
 

@@ -23,7 +23,7 @@ The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the tes
 1. A part never modifies in place a tensor it did not make in this call: the broadcast, ``ctx.server``,
    ``ctx.held``, the uploads, ``cohort.state``, another part's values. It assigns new tensors instead
    (``ctx.server[KEY] = ...``), so the round stays a transaction: a failed round leaves the server as it was.
-   (The one tensor handed over is :meth:`Correction.loss_direction`'s ``grad``, which it may overwrite.)
+   (The one tensor handed over is :meth:`Correction.direction`'s ``grad``, which it may overwrite.)
 2. Parts share values within a chunk only through declared :class:`Slot` s (``provides`` / ``requires``, read and
    written through ``cohort.shared``); a part's own working values for the chunk live in ``cohort.own(self)``.
 3. Names of state entries and slots read ``<part>.<symbol>`` (``scaffold.c``, ``lesam.w_old``), the symbol
@@ -36,7 +36,7 @@ a whole cohort. docs/extending.md has the table of hooks, where each runs and wh
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -184,47 +184,29 @@ class Filter(Part):
         return X
 
 
+class Direction(NamedTuple):
+    """A correction's local direction ``d = loss + decay w`` in its two parts (:meth:`Correction.direction`):
+    ``loss``, the gradient of the local objective the method's public code backpropagates (the raw minibatch
+    gradient with the method's terms), and ``decay``, the coefficient ``c`` of the term ``c w`` that code gives its
+    optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``. The engine forms ``d`` in
+    one place: ``clip(loss) + c w`` under ``train.clip_scope=loss``, ``clip(loss + c w)`` under ``step``."""
+
+    loss: torch.Tensor
+    decay: float | torch.Tensor
+
+
 class Correction(Part):
     """What is added to (or mixed with) the local gradient to form the local direction."""
 
     role = "correction"
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
-        return grad
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """Optional, for speed: :meth:`direction` without its term ``c w`` (``c`` = :meth:`decoupled_decay`), from
-        the raw ``grad = g(w + eps)`` (no weight decay), so that ``direction(g + wd w) = loss_direction(g) + c w`` up
-        to rounding (``fedflat.testing.check_part`` checks it). The engine then clips it (``train.clip_scope=loss``)
-        and adds ``c w`` itself: two full-size passes a step fewer than adding ``wd w`` for :meth:`direction` to mix
-        and the clip to take off again. ``grad`` is the engine's fresh tensor, read by nothing after: this hook may
-        overwrite it and return it (the one exception to rule 1). The engine calls it only where
-        :meth:`gives_loss_direction`; otherwise it calls :meth:`direction`."""
-        raise NotImplementedError
-
-    @classmethod
-    def gives_loss_direction(cls) -> bool:
-        """Whether :meth:`loss_direction` applies: overridden, and :meth:`direction` and :meth:`decoupled_decay` not
-        overridden again below the class that wrote it (a subclass that changes the direction, as FedGMT's ADMM dual
-        of FedDyn's, falls back to :meth:`direction` unless it writes its own loss direction too)."""
-        owner = _defined_in(cls, "loss_direction")
-        return owner is not Correction and all(
-            _defined_in(cls, name) is owner or not issubclass(_defined_in(cls, name), owner)
-            for name in ("direction", "decoupled_decay"))
-
-    def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
-        """The coefficient ``c`` of the term ``c w`` of :meth:`direction` that the method's public code gives its
-        optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``: under
-        ``train.clip_scope=loss`` the engine clips ``d - c w`` (the gradient of the loss that code backpropagates,
-        with the method's linear terms) and adds ``c w`` back. Default ``wd``: the direction holds ``wd w`` once."""
-        return ctx.settings.weight_decay
-
-
-def _defined_in(cls: type, name: str) -> type:
-    """The class of ``cls``'s MRO whose body defines ``name``."""
-    return next(c for c in cls.__mro__ if name in c.__dict__)
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """The local direction at step ``k`` from the raw minibatch gradient ``grad = g(w + eps)`` (no weight decay),
+        as a :class:`Direction` ``(L, c)``, ``d = L + c w``: plain SGD by default, ``(g, wd)``. ``grad`` is the
+        engine's fresh tensor, read by nothing after: the hook may overwrite it and return it as ``L`` (the one
+        exception to rule 1); ``c`` is ``ctx.settings.weight_decay`` unless the method's public code gives its
+        optimizer more (FedProx's ``wd + mu``) or less (FedRep's 0: the whole direction is clipped)."""
+        return Direction(grad, ctx.settings.weight_decay)
 
 
 class Personalization(Part):
