@@ -309,3 +309,68 @@ def test_a_direction_that_returns_a_bare_tensor_says_what_to_return(tiny, test_p
     with pytest.raises(ContractError, match=r"correction 'memo'.direction returned Tensor; it returns "
                                             r"fedflat.core.Direction\(loss, decay\)"):
         fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+
+
+# -- mistakes are loud ---------------------------------------------------------------------------------------------
+
+def test_a_part_that_keeps_state_on_itself_is_refused_naming_the_rule_and_the_declarations(tiny, test_parts,
+                                                                                           monkeypatch):
+    """Rule 4: assigning an attribute after construction is an error in every run (not only in the debug mode); a
+    constructor, the part's own or a subclass's calling its parent's, may set attributes."""
+    monkeypatch.setenv(CHECK_ENV, "0")
+
+    def count(self, ctx, w_new):
+        self.rounds = 1
+
+    monkeypatch.setattr(Memo, "after_step", count)
+    with pytest.raises(ContractError, match=r"^correction 'memo' set self.rounds after construction: a part keeps no "
+                                            r"state on itself \(the contract's rule 4.*declare what evolves: "
+                                            r"server_state .*keeps .*holds .*cohort.own\(self\)"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+
+    class Built(Memo):
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.table = torch.arange(3)  # set while constructing: allowed
+
+    class Subclassed(Built):
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.more = 1
+
+    part = Subclassed()
+    assert part.more == 1 and part.table.tolist() == [0, 1, 2]
+    with pytest.raises(ContractError, match="set self.table after construction"):
+        part.table = None
+
+
+def test_an_undeclared_kept_or_held_vector_is_a_one_line_error_naming_the_declaration(tmp_path, capsys, monkeypatch):
+    """Reading ``cohort.state`` / ``ctx.held`` under a name no part declares names ``keeps`` / ``holds``; the CLI prints
+    it as one line with the place in the part's code (not a KeyError's traceback)."""
+    from fedflat.cli import main
+    from fedflat.core.round import Held, Kept
+    from fedflat.testing import TINY
+
+    with pytest.raises(ContractError, match=r"^cohort.state\['mine.m'\]: no part of this method declares it; add it "
+                                            r"to the part's `keeps` \(keeps = \('mine.m',\)\)"):
+        Kept({"scaffold.c_i": torch.zeros(1)})["mine.m"]
+    with pytest.raises(ContractError, match=r"^ctx.held\['mine.c_i'\]: .*the part's `holds` \(holds = \('mine.c_i',\)"):
+        Held()["mine.c_i"]
+    (tmp_path / "forgot.py").write_text(
+        "from fedflat.core import Correction, Direction, Recipe, register_part, register_recipe\n\n\n"
+        "@register_part\nclass Forgot(Correction):\n    name = 'forgot'\n\n"
+        "    def direction(self, ctx, cohort, k, W, grad):\n"
+        "        return Direction(grad + cohort.state['forgot.m'], 0.0)\n\n\n"
+        "register_recipe(Recipe(name='forgot', summary='test only', source='test', correction='forgot'))\n")
+    (tmp_path / "forgot.yaml").write_text(yaml.safe_dump({**TINY, "rounds": 1, "plugins": ["forgot.py"],
+                                                          "algo": {"name": "forgot"}}))
+    try:
+        code = main(["run", str(tmp_path / "forgot.yaml"), "--no-progress", "--out", str(tmp_path / "runs")])
+    finally:
+        PARTS["correction"].pop("forgot", None)
+        RECIPES.pop("forgot", None)
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if not line.startswith("run folder:")]
+    assert code == 2 and len(errors) == 1, err  # one line: no traceback
+    assert errors[0].startswith("fedflat: cohort.state['forgot.m']: no part of this method declares it")
+    assert errors[0].endswith(f"(at {tmp_path / 'forgot.py'}:9 in direction)")

@@ -29,8 +29,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.feddyn import CLIENT_DUAL, DynCorrection
-from fedflat.core import (ClientContext, Cohort, Direction, Distillation, PartParams, Perturbation, Recipe, RoundContext,
-                          init, register_recipe)
+from fedflat.core import (ClientContext, Cohort, Direction, Distillation, PartParams, Perturbation, Recipe,
+                          RoundContext, init, register_recipe)
 
 TRAJECTORY = "gmt.trajectory"  # server state, sent to clients: e^t, the EMA of the global models
 

@@ -27,7 +27,8 @@ class Hook(NamedTuple):
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook("initial_state(w0, settings)", "any", "server, before round 0", "`w0[P]`, `settings`, the part's `server_state`",
+    Hook("initial_state(w0, settings)", "any", "server, before round 0",
+         "`w0[P]`, `settings`, the part's `server_state`",
          "the declared server entries at round 0 (default: each `server_state` entry's `Init` of `w0`)"),
     Hook("downlink(ctx)", "any", "server, before training", "`ctx.server`, `ctx.w`",
          "entries sent to every client (default: the `sends` entries)"),

@@ -36,11 +36,13 @@ a whole cohort. docs/extending.md has the table of hooks, where each runs and wh
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedflat.core.errors import ContractError
 from fedflat.core.init import Init
 from fedflat.core.round import Batch, ClientContext, Cohort, Distillation, RoundContext, Slot, TrainSettings
 
@@ -115,6 +117,21 @@ class Part:
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructing(cls.__dict__["__init__"])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Rule 4: a part keeps nothing on itself once built (what evolves is declared, so that it is shipped,
+        checkpointed and the same on every executor); only its constructor sets attributes."""
+        if not self.__dict__.get("_constructing", 0):
+            raise ContractError(
+                f"{self!r} set self.{name} after construction: a part keeps no state on itself (the contract's rule "
+                "4, docs/extending.md#the-rules); declare what evolves: server_state (the server's), keeps (each "
+                "client's), holds (the server's, per client), or cohort.own(self) for a chunk's working values")
+        object.__setattr__(self, name, value)
+
     def __repr__(self) -> str:
         return f"{self.role} '{self.name}'"
 
@@ -148,6 +165,25 @@ class Part:
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
         and ``cohort.upload``."""
+
+
+def _constructing(init: Any) -> Any:
+    """``init`` with the part's attributes settable while it (and the constructors it calls) run."""
+    @functools.wraps(init)
+    def constructor(self: Part, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get("_constructing", 0)
+        self.__dict__["_constructing"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if depth:
+                self.__dict__["_constructing"] = depth
+            else:
+                del self.__dict__["_constructing"]
+    return constructor
+
+
+Part.__init__ = _constructing(Part.__init__)  # type: ignore[method-assign]
 
 
 class Perturbation(Part):
