@@ -374,3 +374,20 @@ def test_an_undeclared_kept_or_held_vector_is_a_one_line_error_naming_the_declar
     assert code == 2 and len(errors) == 1, err  # one line: no traceback
     assert errors[0].startswith("fedflat: cohort.state['forgot.m']: no part of this method declares it")
     assert errors[0].endswith(f"(at {tmp_path / 'forgot.py'}:9 in direction)")
+
+
+def test_a_plugins_part_is_watched_in_every_run_and_fedflats_own_with_the_debug_mode(tiny, test_parts, monkeypatch):
+    """Unset, FEDFLAT_CHECK_CONTRACT watches a part defined outside fedflat (here the test's Memo), not fedflat's own
+    (their watched cost, 15-20% of a tiny run, is over the 2% a default may cost); 1 watches every part, 0 none."""
+    from fedflat.core.contract import Checked
+
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    plain = build_algorithm({"name": "test_memo"})
+    assert isinstance(plain.parts["correction"], Checked) and not isinstance(plain.parts["server"], Checked)
+    monkeypatch.setattr(Memo, "after_step", lambda self, ctx, w_new: ctx.server["memo.sum"].add_(w_new))
+    with pytest.raises(ContractError, match=r"correction 'memo'.after_step modified ctx.server\['memo.sum'\] in place"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert all(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())
+    monkeypatch.setenv(CHECK_ENV, "0")
+    assert not any(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())

@@ -305,9 +305,9 @@ def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tupl
     _check_shared(parts)
     _check_composition(parts)
     built = build_stages(stages)
-    if contract.checking():  # FEDFLAT_CHECK_CONTRACT=1: every hook watched for in-place changes (the tests)
-        parts = {role: contract.Checked(part) for role, part in parts.items()}
-        built = [contract.Checked(stage) for stage in built]
+    # hooks watched for in-place changes: a plugin's parts always, every part with FEDFLAT_CHECK_CONTRACT=1 (the tests)
+    parts = {role: contract.watched(part) for role, part in parts.items()}
+    built = [contract.watched(stage) for stage in built]
     return Algorithm(name=name, parts=parts, stages=built)
 
 
