@@ -11,7 +11,9 @@ the contract's debug mode on) and asserts what every built-in part satisfies:
    float32 rounding of the steps taken (unless the part declares ``supports_vectorized = False``);
 3. it composes: it runs in another method (a perturbation on SCAFFOLD, any other role on FedSAM);
 4. its state survives a checkpoint: stopped after round ``R - 1`` and resumed, the run ends bit for bit where an
-   uninterrupted run ends.
+   uninterrupted run ends;
+5. the run exercised a client twice (its kept state read back): ``report["repeat_participations"]`` counts the
+   participations that were a client's second or later.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def _run(tree: dict[str, Any], algo: dict[str, Any], *overrides: str, **where: A
 
 def check_part(part: type[Part], *, recipe: str | None = None, tree: dict[str, Any] | None = None,
                algo: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Runs the four checks of this module on ``part`` (registered here if it is not yet) and returns what they
+    """Runs the checks of this module on ``part`` (registered here if it is not yet) and returns what they
     measured; a failed check raises ``AssertionError`` saying which and by how much.
 
     ``recipe``: a recipe of the part to run (default: FedAvg with the part in its role); ``algo``: further keys of
@@ -103,7 +105,20 @@ def check_part(part: type[Part], *, recipe: str | None = None, tree: dict[str, A
         assert torch.isfinite(composed.final_parameters).all(), f"{report['part']} in {host}: a non-finite model"
         report["composed"] = composed.summary["algorithm"]
         report["checkpoint"] = _resume_is_exact(tree, method, Path(tmp))
+        report["repeat_participations"] = repeats = _repeat_participations(tree, method)
+        assert repeats > 0, (f"{report['part']}: no client took part twice in this tree's {tree['rounds']} rounds, so "
+                             "no kept state was read back: more rounds or clients_per_round")
     return report
+
+
+def _repeat_participations(tree: dict[str, Any], method: dict[str, Any]) -> int:
+    """How many of the run's participations were a client's second or later (the sampling redrawn, nothing run)."""
+    from fedflat.config import load_config
+    from fedflat.engine.simulation import Simulation
+
+    sim = Simulation(load_config(None, [], base={**tree, "algo": method}))
+    seen = [int(c) for t in range(tree["rounds"]) for c in sim.sample_clients(t).tolist()]
+    return len(seen) - len(set(seen))
 
 
 def rounding_allowed(tree: dict[str, Any]) -> float:
