@@ -18,7 +18,8 @@ side:
   (FedWMSAM's ``c_i``, computed from uploaded models); it reads the round's uploads stacked in **ascending
   client-id order**, whatever order they arrived in, so results never depend on where or when clients ran.
 
-The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the test suite sets):
+The rules a part keeps (rule 1 watched for a plugin's parts in every run and for fedflat's own with
+``FEDFLAT_CHECK_CONTRACT=1``, which the test suite sets: :mod:`fedflat.core.contract`; rule 4 enforced always):
 
 1. A part never modifies in place a tensor it did not make in this call: the broadcast, ``ctx.server``,
    ``ctx.held``, the uploads, ``cohort.state``, another part's values. It assigns new tensors instead
@@ -28,6 +29,8 @@ The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the tes
    written through ``cohort.shared``); a part's own working values for the chunk live in ``cohort.own(self)``.
 3. Names of state entries and slots read ``<part>.<symbol>`` (``scaffold.c``, ``lesam.w_old``), the symbol
    the paper's.
+4. Everything that evolves is declared (``server_state``, ``keeps``, ``holds``): a part keeps nothing on itself, and
+   setting an attribute after construction is a :class:`ContractError`.
 
 Hooks run in the order of the roles (perturbation, filter, correction, aggregation, server, personalization), so
 a slot a perturbation provides in ``begin`` is there for the aggregation's ``begin``. Every client-side tensor
