@@ -40,8 +40,8 @@ def test_the_hand_check_recipe_gives_the_rounds_per_client_updates():
     from fedflat.engine.simulation import Simulation
     from fedflat.testing import TINY
 
-    recipe = re.search(r"## Checking a round by hand.*?```python\n(.*?)```", (ROOT / "docs" / "extending.md").read_text(),
-                       flags=re.S).group(1)
+    extending = (ROOT / "docs" / "extending.md").read_text()
+    recipe = re.search(r"## Checking a round by hand.*?```python\n(.*?)```", extending, flags=re.S).group(1)
     scope: dict = {}
     exec(recipe, scope)  # the documented code, as written
     sim, deltas, w_before, opened = scope["sim"], scope["deltas"], scope["w_before"], scope["opened"]

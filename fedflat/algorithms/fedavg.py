@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from fedflat.core import (Aggregation, ClientContext, Cohort, Correction, Filter, PartParams, Perturbation, Recipe,
-                          RoundContext, ServerUpdate, register_recipe)
+from fedflat.core import (Aggregation, Correction, Filter, PartParams, Perturbation, Recipe, RoundContext, ServerUpdate,
+                          register_recipe)
 
 
 class NoPerturbation(Perturbation):
