@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluated_on, loggers_override,
@@ -11,7 +12,7 @@ from fedflat.cliutil import (Parser, accuracy_text, add_loggers_option, evaluate
 from fedflat.config import (file_kind, packaged_config, packaged_configs, packaged_name, packaged_names, read_yaml,
                             suggest)
 from fedflat._version import __version__
-from fedflat.core import ConfigError
+from fedflat.core import ConfigError, ContractError
 from fedflat.experiments.rundir import SUCCEEDED, RunFolderBusy, interruption, is_disk_full
 
 
@@ -191,6 +192,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def raised_in(err: BaseException) -> str:
+    """`` (at FILE:LINE in HOOK)``, the innermost frame of ``err``'s traceback outside fedflat (a plugin's hook), or
+    ``""``."""
+    package = str(Path(__file__).resolve().parent)
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(package)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, FileNotFoundError, FileExistsError, RunFolderBusy, ConnectionError) as err:
         print(f"fedflat: {err}", file=sys.stderr)
+        return 2
+    except ContractError as err:  # a part broke the contract: the rule, and the line of the part's code that did
+        print(f"fedflat: {err}{raised_in(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
         folder = getattr(err, "run_dir", None)

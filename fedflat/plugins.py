@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from fedflat.core.errors import PluginError
@@ -90,13 +91,39 @@ def load(plugins: list[str] | tuple[str, ...], base: str | Path | None = None) -
 
 
 def _import(plugin: str, module: str) -> None:
+    imported_before = module in sys.modules
+    before = _registrations()
     try:
         importlib.import_module(module)
     except PluginError as err:
         raise PluginError(f"plugin {plugin!r}: {err}") from None
-    except Exception as err:  # whatever the user's module raised: name the plugin and the cause
-        raise PluginError(f"plugin {plugin!r} failed to import: {type(err).__name__}: {err} (is it installed, or on "
-                          "PYTHONPATH, in this process's environment?)") from err
+    except ModuleNotFoundError as err:
+        hint = " (is it installed, or on PYTHONPATH, in this process's environment?)" if err.name else ""
+        raise PluginError(f"plugin {plugin!r} failed to import: {type(err).__name__}: {err}{hint}") from err
+    except Exception as err:  # whatever the user's module raised: name the plugin, the cause and where
+        raise PluginError(f"plugin {plugin!r} failed to import: {type(err).__name__}: {err}{_raised_at(err)}") from err
+    if not imported_before and not _registrations() - before:
+        raise PluginError(f"plugin {plugin!r} registered nothing: a plugin registers, when imported, its parts and "
+                          "recipes (fedflat.core.register_part, register_recipe), models (fedflat.models."
+                          "register_model) or datasets (fedflat.data.register_dataset), at module level "
+                          "(docs/extending.md#using-a-plugin)")
+
+
+def _registrations() -> set[tuple[int, str, str]]:
+    """What the registries hold from outside fedflat: ``(registry, name, origin)`` (none before any is loaded)."""
+    registry = sys.modules.get("fedflat.core.registry")
+    if registry is None:
+        return set()
+    return {(key[0], key[1], origin) for key, origin in registry._ORIGINS.items()
+            if not origin.removeprefix("module ").startswith("fedflat.")}
+
+
+def _raised_at(err: BaseException) -> str:
+    """`` (FILE, line N)`` where ``err`` was raised: a SyntaxError's own place, else the traceback's last frame."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" ({err.filename}, line {err.lineno})"
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
 def load_installed() -> None:

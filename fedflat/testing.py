@@ -12,8 +12,8 @@ the contract's debug mode on) and asserts what every built-in part satisfies:
 3. it composes: it runs in another method (a perturbation on SCAFFOLD, any other role on FedSAM);
 4. its state survives a checkpoint: stopped after round ``R - 1`` and resumed, the run ends bit for bit where an
    uninterrupted run ends;
-5. a correction's :meth:`~fedflat.core.Correction.loss_direction`, where it writes one, is its ``direction`` without
-   the decoupled decay: the run ends where the run through ``direction`` ends, to float32 rounding.
+5. the run exercised a client twice (its kept state read back): ``report["repeat_participations"]`` counts the
+   participations that were a client's second or later.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _run(tree: dict[str, Any], algo: dict[str, Any], *overrides: str, **where: A
 
 def check_part(part: type[Part], *, recipe: str | None = None, tree: dict[str, Any] | None = None,
                algo: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Runs the four checks of this module on ``part`` (registered here if it is not yet) and returns what they
+    """Runs the checks of this module on ``part`` (registered here if it is not yet) and returns what they
     measured; a failed check raises ``AssertionError`` saying which and by how much.
 
     ``recipe``: a recipe of the part to run (default: FedAvg with the part in its role); ``algo``: further keys of
@@ -100,19 +100,25 @@ def check_part(part: type[Part], *, recipe: str | None = None, tree: dict[str, A
             assert gap <= allowed, (f"{report['part']}: the engines disagree: relative difference {gap:.2e} of the "
                                     f"final models, more than float32 rounding allows ({allowed:.1e})")
             report["engines"] = {"relative_difference": gap, "allowed": allowed}
-        if part.role == "correction" and part.gives_loss_direction():
-            with without_loss_direction(part):
-                plain = _run(tree, method, "engine=sequential", save=False)
-            gap = relative_gap(sequential.final_parameters, plain.final_parameters)
-            assert gap <= allowed, (f"{report['part']}: loss_direction(g) + c w is not direction(g + wd w): the runs "
-                                    f"end {gap:.2e} apart, more than float32 rounding allows ({allowed:.1e})")
-            report["loss_direction"] = {"relative_difference": gap, "allowed": allowed}
         host = HOST_RECIPE[part.role]
         composed = _run(tree, {"name": host, part.role: part.name, **(algo or {})}, save=False)
         assert torch.isfinite(composed.final_parameters).all(), f"{report['part']} in {host}: a non-finite model"
         report["composed"] = composed.summary["algorithm"]
         report["checkpoint"] = _resume_is_exact(tree, method, Path(tmp))
+        report["repeat_participations"] = repeats = _repeat_participations(tree, method)
+        assert repeats > 0, (f"{report['part']}: no client took part twice in this tree's {tree['rounds']} rounds, so "
+                             "no kept state was read back: more rounds or clients_per_round")
     return report
+
+
+def _repeat_participations(tree: dict[str, Any], method: dict[str, Any]) -> int:
+    """How many of the run's participations were a client's second or later (the sampling redrawn, nothing run)."""
+    from fedflat.config import load_config
+    from fedflat.engine.simulation import Simulation
+
+    sim = Simulation(load_config(None, [], base={**tree, "algo": method}))
+    seen = [int(c) for t in range(tree["rounds"]) for c in sim.sample_clients(t).tolist()]
+    return len(seen) - len(set(seen))
 
 
 def rounding_allowed(tree: dict[str, Any]) -> float:
@@ -125,20 +131,6 @@ def rounding_allowed(tree: dict[str, Any]) -> float:
 
 def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
-
-
-@contextmanager
-def without_loss_direction(part: type[Part]) -> Iterator[None]:
-    """The correction ``part`` stepping through its ``direction`` (its loss direction set aside) inside the block."""
-    own = part.__dict__.get("gives_loss_direction")
-    part.gives_loss_direction = classmethod(lambda cls: False)
-    try:
-        yield
-    finally:
-        if own is None:
-            del part.gives_loss_direction
-        else:
-            part.gives_loss_direction = own
 
 
 def _resume_is_exact(tree: dict[str, Any], method: dict[str, Any], tmp: Path) -> str:

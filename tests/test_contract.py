@@ -11,7 +11,8 @@ import yaml
 import fedflat
 from fedflat.algorithms import PARTS, RECIPES, ROLES, AlgorithmError, build_algorithm, register_part, register_recipe
 from fedflat.config import load_config, resolve
-from fedflat.core import ConfigError, ContractError, Correction, PartParams, Perturbation, Recipe, Slot, init
+from fedflat.core import (ConfigError, ContractError, Correction, Direction, PartParams, Perturbation, Recipe, Slot,
+                          init)
 from fedflat.core.contract import CHECK_ENV
 from fedflat.engine.simulation import Simulation
 
@@ -218,8 +219,8 @@ def test_state_names_follow_the_part_symbol_convention():
 
 def test_a_part_that_modifies_a_tensor_it_does_not_own_in_place_is_named(tiny, test_parts, monkeypatch):
     """The debug mode (on in the tests) names the part, the hook and the tensor; off, nothing is watched."""
-    monkeypatch.setattr(Memo, "direction", lambda self, ctx, cohort, k, W, grad: grad.add_(1.0))
-    with pytest.raises(ContractError, match=r"correction 'memo'.direction modified grad in place"):
+    monkeypatch.setattr(Memo, "direction", lambda self, ctx, cohort, k, W, grad: Direction(grad + W.add_(1.0), 0.0))
+    with pytest.raises(ContractError, match=r"correction 'memo'.direction modified W in place"):
         fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
     monkeypatch.setattr(Memo, "direction", Correction.direction)
     monkeypatch.setattr(Memo, "after_step", lambda self, ctx, w_new: ctx.server["memo.sum"].add_(w_new))
@@ -229,69 +230,164 @@ def test_a_part_that_modifies_a_tensor_it_does_not_own_in_place_is_named(tiny, t
     fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)  # not watched: it runs
 
 
-# -- a correction's loss direction (the step without its decoupled decay) -----------------------------------------
+# -- a correction's one hook: the direction with its decay -------------------------------------------------------
 
-# a recipe of each built-in correction (all write one; FedLESAM-S: SCAFFOLD's with lamb 0.1 on a perturbation)
-LOSS_DIRECTION_RECIPES = ("fedavg", "fedprox", "fedacg", "scaffold", "fedlesam-s", "feddyn", "fedgmt", "fedcm",
-                          "mofedsam", "fedwmsam", "fedvssam", "fedgloss", "fedrep")
+def _direction_inputs():
+    """A tiny step of 2 clients on 3 parameters with numbers easy to follow by hand."""
+    from types import SimpleNamespace
+
+    from fedflat.core import Cohort, Shared
+
+    W = torch.tensor([[1.0, 2.0, -1.0], [0.5, 0.0, 4.0]])
+    grad = torch.tensor([[0.5, -1.0, 2.0], [1.0, 1.0, -3.0]])
+    w_start = torch.tensor([1.0, 1.0, 1.0])
+    cohort = Cohort(ids=torch.arange(2), num_samples=torch.tensor([4, 4]), steps=torch.tensor([2, 2]),
+                    active=torch.ones(2, dtype=torch.bool))
+    cohort.shared = Shared({})
+    settings = SimpleNamespace(weight_decay=0.25)
+    return SimpleNamespace(settings=settings, w_start=w_start, server={}), cohort, W, grad
 
 
-def test_the_builtin_corrections_that_write_a_loss_direction():
-    builtin = {name: part for name, part in PARTS["correction"].items() if part.__module__.startswith("fedflat.")}
-    assert {name for name, part in builtin.items() if part.gives_loss_direction()} == set(builtin)
-    assert {RECIPES[r].part_names()["correction"] for r in LOSS_DIRECTION_RECIPES} == set(builtin)
+@pytest.mark.parametrize("recipe, loss_of, decay", [
+    # FedAvg: (g, wd); FedProx: (g - mu w^t, wd + mu); FedDyn: (g - h_i - alpha w^t, wd + alpha) with h_i = 0;
+    # FedCM with a = 0.5, m = 2: (a g + (1 - a) m, wd) ("outside": the decay unscaled), ("inside": a wd)
+    ("fedavg", lambda g, ws, m: g, 0.25),
+    ("fedprox", lambda g, ws, m: g - 0.5 * ws, 0.75),
+    ("feddyn", lambda g, ws, m: g - 0.5 * ws, 0.75),
+    ("fedcm", lambda g, ws, m: 0.5 * g + 0.5 * m, 0.25),
+    ("fedcm-inside", lambda g, ws, m: 0.5 * g + 0.5 * m, 0.125),
+])
+def test_a_correction_gives_its_loss_direction_and_its_decay(recipe, loss_of, decay):
+    """``Correction.direction`` returns ``(L, c)`` with ``d = L + c w``, computed by hand on a tiny step."""
+    from fedflat.algorithms.fedcm import MOMENTUM
+    from fedflat.algorithms.feddyn import CLIENT_DUAL
+
+    algo = {"fedavg": {"name": "fedavg"}, "fedprox": {"name": "fedprox", "mu": 0.5},
+            "feddyn": {"name": "feddyn", "alpha": 0.5}, "fedcm": {"name": "fedcm", "a": 0.5},
+            "fedcm-inside": {"name": "fedcm", "correction": {"a": 0.5, "decay": "inside"}}}[recipe]
+    correction = build_algorithm(algo).parts["correction"]
+    ctx, cohort, W, grad = _direction_inputs()
+    m = torch.full((3,), 2.0)
+    ctx.server[MOMENTUM] = m
+    cohort.state[CLIENT_DUAL] = torch.zeros(2, 3)
+    expected = loss_of(grad.clone(), ctx.w_start, m)
+    loss, c = correction.direction(ctx, cohort, 0, W, grad.clone())
+    assert torch.equal(loss, expected) and c == decay
 
 
-@pytest.mark.parametrize("recipe", LOSS_DIRECTION_RECIPES)
 @pytest.mark.parametrize("scope", ["loss", "step"])
-def test_a_loss_direction_plus_its_decay_is_the_direction(recipe, scope):
-    """``loss_direction(g) + c w = direction(g + wd w)``: a run of every recipe whose correction writes one ends where
-    the run through ``direction`` ends, to float32 rounding of its steps, under both clip scopes (the tiny problem's
-    clip of 0.5 binds in most steps, so the clipped branch is compared too)."""
-    from fedflat.testing import TINY, relative_gap, rounding_allowed, without_loss_direction
+def test_the_engine_applies_the_clip_scope_and_the_decay_in_one_place(scope):
+    """``clip(L) + c w`` under ``clip_scope=loss``, ``clip(L + c w)`` under ``step``: rows [3, 4] and [0.3, 0.4]
+    with max norm 1 and c = 0.5, w = [2, 2]."""
+    from fedflat.core import Direction
+    from fedflat.engine.client import local_direction
 
-    tree = {**TINY, "train": {**TINY["train"], "clip": 0.5, "clip_scope": scope, "weight_decay": 0.01}}
-    correction = PARTS["correction"][RECIPES[recipe].part_names()["correction"]]
-    fast = fedflat.run({**tree, "algo": {"name": recipe}}, save=False, progress=False)
-    with without_loss_direction(correction):
-        assert not correction.gives_loss_direction()
-        plain = fedflat.run({**tree, "algo": {"name": recipe}}, save=False, progress=False)
-    assert correction.gives_loss_direction()
-    gap = relative_gap(fast.final_parameters, plain.final_parameters)
-    assert gap <= rounding_allowed(tree), gap
-
-
-def test_a_subclass_that_changes_the_direction_falls_back_to_it():
-    """A loss direction applies only where the class that wrote it also has the direction and decay in force."""
-    from fedflat.algorithms.feddyn import DynCorrection
-
-    class OwnDirection(DynCorrection):
+    class Fixed(Correction):
         def direction(self, ctx, cohort, k, W, grad):
-            return grad
+            return Direction(grad, 0.5)
 
-    class OwnDecay(DynCorrection):
-        def decoupled_decay(self, ctx):
-            return 0.0
-
-    class Both(OwnDirection):
-        def loss_direction(self, ctx, cohort, k, W, grad):
-            return grad
-
-    assert DynCorrection.gives_loss_direction() and Both.gives_loss_direction()
-    assert not OwnDirection.gives_loss_direction() and not OwnDecay.gives_loss_direction()
-    assert not Correction.gives_loss_direction()
+    W = torch.full((2, 2), 2.0)
+    grad = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+    d = local_direction(Fixed(), None, None, 0, W, grad.clone(), 1.0, scope)
+    if scope == "loss":  # [3, 4] / 5 + 1; the small row within the bound: itself + 1
+        expected = torch.tensor([[0.6 + 1, 0.8 + 1], [1.3, 1.4]])
+    else:  # [4, 5] / sqrt(41); [1.3, 1.4] / sqrt(3.65)
+        expected = torch.tensor([[4.0, 5.0], [1.3, 1.4]]) / torch.tensor([[41 ** 0.5], [3.65 ** 0.5]])
+    assert torch.allclose(d, expected, rtol=1e-6, atol=0)  # a few float32 operations (1e-6 >> 2^-24 of each)
 
 
-def test_a_wrong_loss_direction_and_one_returning_state_are_named(tiny, test_parts, monkeypatch):
-    """check_part finds a loss direction that is not the direction (here: the momentum left out of FedCM's); the
-    debug mode refuses one that hands the engine a tensor it would overwrite."""
-    from fedflat.algorithms.fedcm import Momentum
-    from fedflat.testing import check_part
-
-    monkeypatch.setattr(Momentum, "loss_direction", lambda self, ctx, cohort, k, W, grad: grad.mul_(self.p.a))
-    with pytest.raises(AssertionError, match=r"loss_direction\(g\) \+ c w is not direction\(g \+ wd w\)"):
-        check_part(Momentum, recipe="fedcm")
-    monkeypatch.setattr(Memo, "loss_direction", lambda self, ctx, cohort, k, W, grad: cohort.state["memo.last"],
-                        raising=False)
-    with pytest.raises(ContractError, match=r"correction 'memo'.loss_direction returned cohort.state\['memo.last'\]"):
+def test_a_direction_returning_state_is_named(tiny, test_parts, monkeypatch):
+    """The debug mode refuses a direction that hands the engine a tensor it would then overwrite."""
+    monkeypatch.setattr(Memo, "direction", lambda self, ctx, cohort, k, W, grad: Direction(cohort.state["memo.last"],
+                                                                                          0.0))
+    with pytest.raises(ContractError, match=r"correction 'memo'.direction returned cohort.state\['memo.last'\]"):
         fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+
+
+def test_a_direction_that_returns_a_bare_tensor_says_what_to_return(tiny, test_parts, monkeypatch):
+    monkeypatch.setattr(Memo, "direction", lambda self, ctx, cohort, k, W, grad: grad)
+    with pytest.raises(ContractError, match=r"correction 'memo'.direction returned Tensor; it returns "
+                                            r"fedflat.core.Direction\(loss, decay\)"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+
+
+# -- mistakes are loud ---------------------------------------------------------------------------------------------
+
+def test_a_part_that_keeps_state_on_itself_is_refused_naming_the_rule_and_the_declarations(tiny, test_parts,
+                                                                                           monkeypatch):
+    """Rule 4: assigning an attribute after construction is an error in every run (not only in the debug mode); a
+    constructor, the part's own or a subclass's calling its parent's, may set attributes."""
+    monkeypatch.setenv(CHECK_ENV, "0")
+
+    def count(self, ctx, w_new):
+        self.rounds = 1
+
+    monkeypatch.setattr(Memo, "after_step", count)
+    with pytest.raises(ContractError, match=r"^correction 'memo' set self.rounds after construction: a part keeps no "
+                                            r"state on itself \(the contract's rule 4.*declare what evolves: "
+                                            r"server_state .*keeps .*holds .*cohort.own\(self\)"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+
+    class Built(Memo):
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.table = torch.arange(3)  # set while constructing: allowed
+
+    class Subclassed(Built):
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.more = 1
+
+    part = Subclassed()
+    assert part.more == 1 and part.table.tolist() == [0, 1, 2]
+    with pytest.raises(ContractError, match="set self.table after construction"):
+        part.table = None
+
+
+def test_an_undeclared_kept_or_held_vector_is_a_one_line_error_naming_the_declaration(tmp_path, capsys, monkeypatch):
+    """Reading ``cohort.state`` / ``ctx.held`` under a name no part declares names ``keeps`` / ``holds``; the CLI prints
+    it as one line with the place in the part's code (not a KeyError's traceback)."""
+    from fedflat.cli import main
+    from fedflat.core.round import Held, Kept
+    from fedflat.testing import TINY
+
+    with pytest.raises(ContractError, match=r"^cohort.state\['mine.m'\]: no part of this method declares it; add it "
+                                            r"to the part's `keeps` \(keeps = \('mine.m',\)\)"):
+        Kept({"scaffold.c_i": torch.zeros(1)})["mine.m"]
+    with pytest.raises(ContractError, match=r"^ctx.held\['mine.c_i'\]: .*the part's `holds` \(holds = \('mine.c_i',\)"):
+        Held()["mine.c_i"]
+    (tmp_path / "forgot.py").write_text(
+        "from fedflat.core import Correction, Direction, Recipe, register_part, register_recipe\n\n\n"
+        "@register_part\nclass Forgot(Correction):\n    name = 'forgot'\n\n"
+        "    def direction(self, ctx, cohort, k, W, grad):\n"
+        "        return Direction(grad + cohort.state['forgot.m'], 0.0)\n\n\n"
+        "register_recipe(Recipe(name='forgot', summary='test only', source='test', correction='forgot'))\n")
+    (tmp_path / "forgot.yaml").write_text(yaml.safe_dump({**TINY, "rounds": 1, "plugins": ["forgot.py"],
+                                                          "algo": {"name": "forgot"}}))
+    try:
+        code = main(["run", str(tmp_path / "forgot.yaml"), "--no-progress", "--out", str(tmp_path / "runs")])
+    finally:
+        PARTS["correction"].pop("forgot", None)
+        RECIPES.pop("forgot", None)
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if not line.startswith("run folder:")]
+    assert code == 2 and len(errors) == 1, err  # one line: no traceback
+    assert errors[0].startswith("fedflat: cohort.state['forgot.m']: no part of this method declares it")
+    assert errors[0].endswith(f"(at {tmp_path / 'forgot.py'}:9 in direction)")
+
+
+def test_a_plugins_part_is_watched_in_every_run_and_fedflats_own_with_the_debug_mode(tiny, test_parts, monkeypatch):
+    """Unset, FEDFLAT_CHECK_CONTRACT watches a part defined outside fedflat (here the test's Memo), not fedflat's own
+    (their watched cost, 15-20% of a tiny run, is over the 2% a default may cost); 1 watches every part, 0 none."""
+    from fedflat.core.contract import Checked
+
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    plain = build_algorithm({"name": "test_memo"})
+    assert isinstance(plain.parts["correction"], Checked) and not isinstance(plain.parts["server"], Checked)
+    monkeypatch.setattr(Memo, "after_step", lambda self, ctx, w_new: ctx.server["memo.sum"].add_(w_new))
+    with pytest.raises(ContractError, match=r"correction 'memo'.after_step modified ctx.server\['memo.sum'\] in place"):
+        fedflat.run(tiny("algo=test_memo", "rounds=1"), save=False, progress=False)
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert all(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())
+    monkeypatch.setenv(CHECK_ENV, "0")
+    assert not any(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())

@@ -11,7 +11,7 @@ from conftest import model_for, tiny_tree
 from torch import nn
 
 import fedflat
-from fedflat.algorithms import RECIPES
+from fedflat.algorithms import PARTS, RECIPES
 from fedflat.cli import main as cli_main
 from fedflat.config import load_config
 from fedflat.core import ParamLayout
@@ -192,13 +192,14 @@ def test_flatness_incompatibility_vanishes_when_all_clients_hold_the_same_data()
     assert heterogeneous["incompatibility"] > 1e-6 and heterogeneous["gradient_dissimilarity"] > 1e-4
 
 
-def test_direction_tracking_error_is_zero_for_the_reference_gradient_and_unavailable_without_a_direction():
+def test_direction_tracking_error_is_zero_for_the_reference_gradient_and_unavailable_without_a_direction(monkeypatch):
     sim = _sim("algo=fedsam")
     missing = direction_tracking(sim, 0)
     assert not missing["available"] and "no global direction" in missing["reason"]
     reference, _ = reference_gradient(sim, sim.w, batches=2, batch_size=50)
     sim.server["reference"] = reference
-    sim.algorithm.parts["server"].global_direction = ("reference", 1.0)
+    server = sim.algorithm.parts["server"]
+    monkeypatch.setattr(PARTS[server.role][server.name], "global_direction", ("reference", 1.0))  # its class
     exact = direction_tracking(sim, 0, batches=2, batch_size=50)
     assert exact["available"] and exact["squared_error"] == 0.0 and exact["cosine"] == pytest.approx(1.0)
     sim.server["reference"] = 2 * reference

@@ -89,7 +89,12 @@ def test_client_duals_sum_their_updates_and_shift_the_local_direction(tiny):
 
     class _Cohort:
         state = {CLIENT_DUAL: h}
-    torch.testing.assert_close(correction.direction(None, _Cohort(), 0, None, grad), grad - h)  # no proximal term
+
+    class _Context:
+        settings = sim.settings
+    loss, decay = correction.direction(_Context(), _Cohort(), 0, None, grad.clone())
+    torch.testing.assert_close(loss, grad - h)  # no proximal term: the decay is the weight decay alone
+    assert decay == sim.settings.weight_decay
 
 
 def test_distillation_pulls_toward_the_trajectory(tiny):

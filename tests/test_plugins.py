@@ -15,7 +15,7 @@ import yaml
 import fedflat
 from conftest import tiny_tree
 from fedflat.config import load_config
-from fedflat.core import Correction, PluginError
+from fedflat.core import Correction, Direction, PluginError
 from fedflat.experiments.sweep import load_sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +111,31 @@ def test_a_plugin_that_fails_to_import_or_is_missing_is_an_error_naming_it(tmp_p
     assert failed.returncode != 0 and "failed to import" in failed.stderr and "Traceback" not in failed.stderr
 
 
+def test_a_plugin_that_registers_nothing_says_so_and_the_install_hint_follows_only_a_missing_module(tmp_path):
+    (tmp_path / "empty_plugin.py").write_text("from fedflat.core import Correction\n\n\nclass Mine(Correction):\n"
+                                              "    name = 'mine'\n")  # defined, never registered
+    with pytest.raises(PluginError, match=r"^plugin '.*empty_plugin.py' registered nothing: a plugin registers, when "
+                                          r"imported, its parts and recipes \(fedflat.core.register_part"):
+        load_config(None, [f"plugins=[{tmp_path / 'empty_plugin.py'}]"])
+    (tmp_path / "typo_plugin.py").write_text("def f(:\n")
+    with pytest.raises(PluginError, match=r"failed to import: SyntaxError: .*typo_plugin.py, line 1\)$") as raised:
+        load_config(None, [f"plugins=[{tmp_path / 'typo_plugin.py'}]"])
+    assert "installed" not in str(raised.value) and "PYTHONPATH" not in str(raised.value)
+    (tmp_path / "needs_dep.py").write_text("import no_such_dependency_here\n")
+    with pytest.raises(PluginError, match=r"ModuleNotFoundError: .*no_such_dependency_here.*is it installed, or on "
+                                          r"PYTHONPATH"):
+        load_config(None, [f"plugins=[{tmp_path / 'needs_dep.py'}]"])
+
+
+def test_an_unknown_part_or_recipe_says_how_a_plugins_names_arrive():
+    from fedflat.algorithms import AlgorithmError, build_algorithm
+
+    with pytest.raises(AlgorithmError, match=r"unknown correction 'mine'.*name it in the config's `plugins:`"):
+        build_algorithm({"name": "fedavg", "correction": "mine"})
+    with pytest.raises(AlgorithmError, match=r"unknown algorithm 'mine'.*name it in the config's `plugins:`"):
+        build_algorithm({"name": "mine"})
+
+
 def test_a_plugin_that_registers_a_taken_name_is_an_error_naming_both(tmp_path):
     (tmp_path / "clash.py").write_text("from fedflat.core import Recipe, register_recipe\n"
                                        "register_recipe(Recipe(name='fedsam', summary='mine', source='me'))\n")
@@ -157,20 +182,21 @@ def test_check_part_passes_the_example_and_names_what_a_broken_part_breaks():
     assert report["checkpoint"] == "resumed after round 2: bit for bit"
 
     class Forgetful(Correction):
-        """Keeps a count on self, not in declared state: a resumed run does not know it."""
+        """Keeps a count in a dict on self (assigning self.rounds would be refused), not in declared state: a
+        resumed run does not know it."""
 
         name = "forgetful"
         summary = "test only"
 
         def __init__(self, params=None):
             super().__init__(params)
-            self.rounds = 0
+            self.seen = {"rounds": 0}
 
         def after_step(self, ctx, w_new):
-            self.rounds += 1
+            self.seen["rounds"] += 1
 
         def direction(self, ctx, cohort, k, W, grad):
-            return grad * (1 + 0.1 * self.rounds)
+            return Direction(grad * (1 + 0.1 * self.seen["rounds"]), ctx.settings.weight_decay)
 
     with pytest.raises(AssertionError, match="resumed after round 2, the run ends elsewhere"):
         check_part(Forgetful)

@@ -17,7 +17,7 @@ from conftest import BN_DROPOUT_CNN
 import fedflat
 from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_recipe
 from fedflat.cli import main
-from fedflat.core import ConfigError, Correction, PartParams, init
+from fedflat.core import ConfigError, Correction, Direction, PartParams, init
 from fedflat.engine.checkpoint import CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, read_checkpoint
 from fedflat.experiments.checkpoint import metrics_equal, resume
 from fedflat.files import read_jsonl
@@ -38,7 +38,7 @@ class ClientMemory(Correction):
         beta: float = 0.5
 
     def direction(self, ctx, cohort, k, W, grad):
-        return grad + self.p.beta * cohort.state["test.memory"]
+        return Direction(grad + self.p.beta * cohort.state["test.memory"], ctx.settings.weight_decay)
 
     def end(self, ctx, cohort, W):
         steps = cohort.steps.to(W.dtype)[:, None]

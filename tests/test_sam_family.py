@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fedflat
-from fedflat.algorithms import AlgorithmError, build_algorithm
+from fedflat.algorithms import PARTS, AlgorithmError, build_algorithm
 from fedflat.algorithms.fedscam import conflict_dampening, kmeans, random_projection, summarize
 from fedflat.engine.simulation import Simulation
 from fedflat.metrics.tracking import global_direction as tracked_direction
@@ -442,7 +442,7 @@ def test_local_radius_warm_up_is_fedsam_at_the_warmed_radius(tiny):
 
 
 @pytest.mark.parametrize("clustering", [False, True])
-def test_fedscam_two_rounds_by_hand(tiny, clustering):
+def test_fedscam_two_rounds_by_hand(tiny, clustering, monkeypatch):
     """Heterogeneity scores, alignment with the remembered direction, radii and weights, by hand."""
     rho_max, alpha_rho, gamma, beta, kappa, d = 0.5, 2.0, 1.0, 0.8, 1.6, 16
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedscam", f"algo.rho_max={rho_max}", f"algo.alpha_rho={alpha_rho}",
@@ -481,13 +481,15 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering):
         w = w_new
         sim.run_round(t) if t == 0 else None
     seen = {}
-    original = sim.algorithm.parts["aggregation"].weights
+    part = sim.algorithm.parts["aggregation"]
+    aggregation = PARTS[part.role][part.name]
+    original = aggregation.weights
 
-    def spy(ctx):
-        out = original(ctx)
+    def spy(self, ctx):
+        out = original(self, ctx)
         seen.update(ctx.uploads, weights=out)
         return out
-    sim.algorithm.parts["aggregation"].weights = spy
+    monkeypatch.setattr(aggregation, "weights", spy)  # a part keeps nothing on itself: the spy goes on its class
     sim.run_round(1)
     close(seen["scam.radius"], torch.stack([torch.as_tensor(r, dtype=torch.float32, device=w.device) for r in radii]))
     close(seen["weights"], p.float())

@@ -232,13 +232,17 @@ def scoped_section(section: dict[str, Any]) -> dict[str, Any]:
     return section
 
 
+PLUGIN_HINT = ("a plugin's parts and recipes exist once its module is imported: name it in the config's `plugins:` "
+               "(docs/extending.md#using-a-plugin)")
+
+
 def _chosen_parts(name: str, recipe: Recipe, section: dict[str, Any]) -> dict[str, type[Part]]:
     classes = {}
     for role in ROLES:
         part_name = section.get(role, {}).get("name", recipe.part_names()[role])
         if part_name not in PARTS[role]:
             raise AlgorithmError(f"algo.{role}: unknown {role} '{part_name}'{closest(part_name, PARTS[role])}; "
-                                 f"allowed: {', '.join(sorted(PARTS[role]))}")
+                                 f"allowed: {', '.join(sorted(PARTS[role]))}; {PLUGIN_HINT}")
         classes[role] = PARTS[role][part_name]
     return classes
 
@@ -281,7 +285,8 @@ def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tupl
     section = scoped_section(section)
     name = section.pop("name", "fedavg")
     if name not in RECIPES:
-        raise AlgorithmError(f"unknown algorithm '{name}'{closest(name, RECIPES)}; run `fedflat list` for all")
+        raise AlgorithmError(f"unknown algorithm '{name}'{closest(name, RECIPES)}; run `fedflat list` for all; "
+                             f"{PLUGIN_HINT}")
     recipe = RECIPES[name]
     classes = _chosen_parts(name, recipe, section)
     values = _recipe_defaults(recipe, classes)
@@ -300,9 +305,9 @@ def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tupl
     _check_shared(parts)
     _check_composition(parts)
     built = build_stages(stages)
-    if contract.checking():  # FEDFLAT_CHECK_CONTRACT=1: every hook watched for in-place changes (the tests)
-        parts = {role: contract.Checked(part) for role, part in parts.items()}
-        built = [contract.Checked(stage) for stage in built]
+    # hooks watched for in-place changes: a plugin's parts always, every part with FEDFLAT_CHECK_CONTRACT=1 (the tests)
+    parts = {role: contract.watched(part) for role, part in parts.items()}
+    built = [contract.watched(stage) for stage in built]
     return Algorithm(name=name, parts=parts, stages=built)
 
 

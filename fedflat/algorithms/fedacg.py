@@ -14,7 +14,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedprox import Prox
-from fedflat.core import ClientContext, Cohort, PartParams, Recipe, RoundContext, ServerUpdate, init, register_recipe
+from fedflat.core import (ClientContext, Cohort, Direction, PartParams, Recipe, RoundContext, ServerUpdate, init,
+                          register_recipe)
 
 MOMENTUM = "acg.m"
 
@@ -33,15 +34,11 @@ class ACGCorrection(Prox):
     def coefficient(self) -> float:
         return self.p.beta
 
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """``g + beta (w - w_hat)``: the whole pull is the loss's."""
-        return grad.add_(W - ctx.w_start, alpha=self.p.beta) if self.p.beta else grad
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        """``wd``: the authors' code has the whole pull in the loss (``clients/base_client.py:200-205``), clipped
-        with it (``:160``); SGD adds only the weight decay."""
-        return ctx.settings.weight_decay
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """``(g + beta (w - w_hat), wd)``: the authors' code has the whole pull in the loss
+        (``clients/base_client.py:200-205``), clipped with it (``:160``); SGD adds only the weight decay."""
+        return Direction(grad.add_(W - ctx.w_start, alpha=self.p.beta) if self.p.beta else grad,
+                         ctx.settings.weight_decay)
 
 
 class ACGServerParams(PartParams):

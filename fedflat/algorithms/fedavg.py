@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from fedflat.core import (Aggregation, ClientContext, Cohort, Correction, Filter, PartParams, Perturbation, Recipe,
-                          RoundContext, ServerUpdate, register_recipe)
+from fedflat.core import (Aggregation, Correction, Filter, PartParams, Perturbation, Recipe, RoundContext, ServerUpdate,
+                          register_recipe)
 
 
 class NoPerturbation(Perturbation):
@@ -26,9 +26,6 @@ class NoCorrection(Correction):
     name = "none"
     summary = "the gradient itself (FedAvg's local SGD)"
 
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class MeanParams(PartParams):

@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext,
-                          init, register_recipe)
+from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Recipe,
+                          RoundContext, init, register_recipe)
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
@@ -22,32 +22,13 @@ DECAY_DESCRIPTION = ("outside: a g + (1 - a) m + wd w, weight decay unscaled as 
                      "the FedWMSAM code; inside: a (g + wd w) + (1 - a) m, the spec's (effective decay a wd)")
 
 
-def momentum_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, W: torch.Tensor, weight_decay: float,
-                 decay: DecayPlacement) -> torch.Tensor:
-    """The momentum-mixed local direction from ``grad = g + wd w``: ``a grad + (1 - a) m``, plus
-    ``(1 - a) wd w`` with ``decay = outside`` so that the decay is ``wd w`` whatever ``a``
-    (FedCM/MoFedSAM/FedWMSAM/FedVSSAM as their public codes run them)."""
-    d = torch.lerp(m, grad, a)  # a grad + (1 - a) m in one pass
-    if decay == "outside" and weight_decay:
-        if torch.is_tensor(a):
-            d.addcmul_(W, (1 - a) * weight_decay)
-        else:
-            d.add_(W, alpha=(1 - a) * weight_decay)
-    return d
-
-
-def loss_mix(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """:func:`momentum_mix` without its decay (either placement): ``a g + (1 - a) m`` from the raw gradient, written
-    over ``grad`` in one pass (``g + (1 - a) (m - g)``)."""
-    return grad.lerp_(m, 1 - a)
-
-
-def mixed_decay(a: float | torch.Tensor, weight_decay: float, decay: DecayPlacement) -> float | torch.Tensor:
-    """The weight decay of :func:`momentum_mix`'s direction, ``wd`` (``outside``) or ``a wd`` (``inside``): what
-    ``clip_scope=loss`` adds after the clip (:meth:`~fedflat.core.Correction.decoupled_decay`). FL-Simulator's
-    FedCM/MoFedSAM and the FedWMSAM code clip ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds
-    ``wd w``."""
-    return weight_decay if decay == "outside" else a * weight_decay
+def momentum_direction(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, weight_decay: float,
+                       decay: DecayPlacement) -> Direction:
+    """The momentum-mixed local direction ``a g + (1 - a) m`` from the raw gradient ``g``, written over ``grad`` in
+    one pass (``g + (1 - a) (m - g)``), with its weight decay ``wd`` (``decay = outside``, the decay ``wd w``
+    whatever ``a``) or ``a wd`` (``inside``). FL-Simulator's FedCM/MoFedSAM and the FedWMSAM code clip
+    ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds ``wd w``."""
+    return Direction(grad.lerp_(m, 1 - a), weight_decay if decay == "outside" else a * weight_decay)
 
 
 class MomentumParams(PartParams):
@@ -58,7 +39,7 @@ class MomentumParams(PartParams):
 class Momentum(Correction):
     """``d = a g + (1 - a) m + wd w`` with ``m = sum_i p_i G_i`` of the previous round,
     ``G_i = -Delta_i / (E_i eta_l^t)`` (uniform ``p_i``: the spec's ``Gbar``); ``decay = inside``:
-    ``a (g + wd w) + (1 - a) m`` (:func:`momentum_mix`)."""
+    ``a (g + wd w) + (1 - a) m`` (:func:`momentum_direction`)."""
 
     name = "momentum"
     summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"
@@ -67,15 +48,8 @@ class Momentum(Correction):
     sends = (MOMENTUM,)
     global_direction = (MOMENTUM, 1.0)
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return momentum_mix(self.p.a, grad, ctx.server[MOMENTUM], W, ctx.settings.weight_decay, self.p.decay)
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return loss_mix(self.p.a, grad, ctx.server[MOMENTUM])
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        return mixed_decay(self.p.a, ctx.settings.weight_decay, self.p.decay)
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        return momentum_direction(self.p.a, grad, ctx.server[MOMENTUM], ctx.settings.weight_decay, self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         ctx.server[MOMENTUM] = ctx.aggregate(ctx.pseudo_gradients)

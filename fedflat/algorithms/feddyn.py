@@ -10,8 +10,8 @@ is of the ``c_i``); the ``dyn`` server reads ``h`` from ``ctx.server`` and so re
 from __future__ import annotations
 
 import torch
-from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate, init,
-                          register_recipe, shared)
+from fedflat.core import (ClientContext, Cohort, Correction, Direction, PartParams, Recipe, RoundContext, ServerUpdate,
+                          init, register_recipe, shared)
 
 SERVER_DUAL = "dyn.h"  # server state: h
 CLIENT_DUAL = "dyn.h_i"  # client state: h_i
@@ -41,22 +41,14 @@ class DynCorrection(Correction):
     server_state = {SERVER_DUAL: init.zeros}
     keeps = (CLIENT_DUAL,)
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return torch.add(grad, W - ctx.w_start, alpha=self.p.alpha).sub_(cohort.state[CLIENT_DUAL])
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """``g - (h_i + alpha w^t)``, the gradient of FL-Simulator's loss ``F_i(w) + <w, -h_i - alpha w^t>``
-        (``alpha`` then in SGD's decay); the pull is formed once per chunk."""
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """``(g - (h_i + alpha w^t), wd + alpha)``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put
+        ``<w, -h_i - alpha w^t>`` in the loss and ``alpha`` in SGD's weight decay (``client/feddyn.py:10``,
+        ``fedsmoo.py:12``, ``fedspeed.py:12``); the pull is formed once per chunk."""
         own = cohort.own(self)
         if "pull" not in own:
             own["pull"] = torch.add(cohort.state[CLIENT_DUAL], ctx.w_start, alpha=self.p.alpha)
-        return grad.sub_(own["pull"])
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        """``wd + alpha``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put ``<w, -h_i - alpha w^t>`` in the loss and
-        ``alpha`` in SGD's weight decay (``client/feddyn.py:10``, ``fedsmoo.py:12``, ``fedspeed.py:12``)."""
-        return ctx.settings.weight_decay + self.p.alpha
+        return Direction(grad.sub_(own["pull"]), ctx.settings.weight_decay + self.p.alpha)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], self.p.alpha, ctx.w_start, W)

@@ -17,8 +17,8 @@ from pydantic import Field
 
 from fedflat.algorithms.feddyn import feddyn_client_dual, feddyn_server_dual
 from fedflat.algorithms.fedsam import warmed_up
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          init, normalize_rows, register_recipe, shared)
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Recipe, RoundContext,
+                          ServerUpdate, init, normalize_rows, register_recipe, shared)
 
 SIGMA = "gloss.sigma"  # ctx.server: the server's dual
 PSEUDO_GRADIENT = "gloss.d"  # ctx.server: d = -Dbar of the last round
@@ -39,16 +39,13 @@ class ADMMCorrection(Correction):
     Params = ADMMParams
     keeps = (CLIENT_DUAL,)
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.state[CLIENT_DUAL] + (W - ctx.w_start) / self.p.beta
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """``g - (lambda_i + w~/beta) + w/beta``, the pull formed once per chunk (the whole term is the loss's)."""
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """``(g - (lambda_i + w~/beta) + w/beta, wd)``, the pull formed once per chunk (the whole term is the
+        loss's)."""
         own = cohort.own(self)
         if "pull" not in own:
             own["pull"] = torch.add(cohort.state[CLIENT_DUAL], ctx.w_start, alpha=1 / self.p.beta)
-        return grad.sub_(own["pull"]).add_(W, alpha=1 / self.p.beta)
+        return Direction(grad.sub_(own["pull"]).add_(W, alpha=1 / self.p.beta), ctx.settings.weight_decay)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         cohort.new_state[CLIENT_DUAL] = feddyn_client_dual(cohort.state[CLIENT_DUAL], 1 / self.p.beta, ctx.w_start, W)

@@ -29,8 +29,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.feddyn import CLIENT_DUAL, DynCorrection
-from fedflat.core import (ClientContext, Cohort, Distillation, PartParams, Perturbation, Recipe, RoundContext, init,
-                          register_recipe)
+from fedflat.core import (ClientContext, Cohort, Direction, Distillation, PartParams, Perturbation, Recipe,
+                          RoundContext, init, register_recipe)
 
 TRAJECTORY = "gmt.trajectory"  # server state, sent to clients: e^t, the EMA of the global models
 
@@ -74,15 +74,8 @@ class ADMMDual(DynCorrection):
     name = "admm"
     summary = "FedDyn's duals without the proximal term: grad - h_i (FedGMT; alpha = 1/beta)"
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad - cohort.state[CLIENT_DUAL]
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return grad.sub_(cohort.state[CLIENT_DUAL])
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        return ctx.settings.weight_decay  # no proximal term to decouple
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        return Direction(grad.sub_(cohort.state[CLIENT_DUAL]), ctx.settings.weight_decay)  # no proximal term
 
 
 register_recipe(Recipe(

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.core import ClientContext, Cohort, Correction, PartParams, Recipe, register_recipe
+from fedflat.core import ClientContext, Cohort, Correction, Direction, PartParams, Recipe, register_recipe
 
 
 class ProxParams(PartParams):
@@ -25,21 +25,11 @@ class Prox(Correction):
     def coefficient(self) -> float:
         return self.p.mu
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        coefficient = self.coefficient()
-        if coefficient == 0:
-            return grad
-        return grad + coefficient * (W - ctx.w_start)
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """``g - mu w^t``, FL-Simulator's loss gradient (``mu`` in SGD's decay)."""
-        return grad.sub_(ctx.w_start, alpha=self.coefficient()) if self.coefficient() else grad
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        """``wd + mu``: FL-Simulator's FedProx puts ``-mu <w, w^t>`` in the loss and ``mu`` in SGD's weight decay
-        (``client/fedprox.py:10, 26-28``), so ``mu w`` is added after the clip."""
-        return ctx.settings.weight_decay + self.coefficient()
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """``(g - mu w^t, wd + mu)``: FL-Simulator's FedProx puts ``-mu <w, w^t>`` in the loss and ``mu`` in SGD's
+        weight decay (``client/fedprox.py:10, 26-28``), so ``mu w`` is added after the clip."""
+        mu = self.coefficient()
+        return Direction(grad.sub_(ctx.w_start, alpha=mu) if mu else grad, ctx.settings.weight_decay + mu)
 
 
 register_recipe(Recipe(

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedper import FedPer
-from fedflat.core import ClientContext, Cohort, Correction, PartParams, Recipe, Slot, register_recipe
+from fedflat.core import ClientContext, Cohort, Correction, Direction, PartParams, Recipe, Slot, register_recipe
 
 HEAD = Slot("fedrep.head", "the mask [P] of the private head's entries (the personalization's)")
 
@@ -61,20 +61,12 @@ class Alternating(Correction):
         on_head = (k < cohort.own(self)["head_steps"])[:, None]
         return on_head == cohort.shared[HEAD][None, :]
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                  grad: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.trained(cohort, k), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """:meth:`direction` of ``grad + wd w`` (its decoupled decay is 0)."""
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """``(mask (g + wd w), 0)``: the whole masked direction is clipped (a frozen entry gets no decay to add back
+        after the clip)."""
         if ctx.settings.weight_decay:
             grad.add_(W, alpha=ctx.settings.weight_decay)
-        return grad.masked_fill_(~self.trained(cohort, k), 0.0)
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        """0: the whole masked direction is clipped (a frozen entry gets no decay to add back after the clip)."""
-        return 0.0
+        return Direction(grad.masked_fill_(~self.trained(cohort, k), 0.0), 0.0)
 
 
 FEDREP = "Collins, Hassani, Mokhtari and Shakkottai, ICML 2021"

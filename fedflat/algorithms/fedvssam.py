@@ -26,10 +26,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.fedcm import DecayPlacement, loss_mix, mixed_decay, momentum_mix
+from fedflat.algorithms.fedcm import DecayPlacement, momentum_direction
 from fedflat.algorithms.fedsam import LocalSAM, SAMParams
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, ServerUpdate,
-                          init, register_recipe)
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Recipe, RoundContext,
+                          ServerUpdate, init, register_recipe)
 
 DIRECTION = "vssam.v"  # server state, broadcast: the variance-suppressed direction v
 
@@ -65,15 +65,8 @@ class VarianceSuppressedUpdate(Correction):
     Params = UpdateParams
     requires = frozenset({DIRECTION})
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return momentum_mix(self.p.beta, grad, ctx.server[DIRECTION], W, ctx.settings.weight_decay, self.p.decay)
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return loss_mix(self.p.beta, grad, ctx.server[DIRECTION])
-
-    def decoupled_decay(self, ctx: ClientContext) -> float:
-        return mixed_decay(self.p.beta, ctx.settings.weight_decay, self.p.decay)
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        return momentum_direction(self.p.beta, grad, ctx.server[DIRECTION], ctx.settings.weight_decay, self.p.decay)
 
 
 class GlobalParams(PartParams):

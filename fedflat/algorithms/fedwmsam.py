@@ -38,11 +38,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import (DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, loss_mix, mixed_decay,
-                                     momentum_mix)
+from fedflat.algorithms.fedcm import (DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_direction)
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, PartParams, Perturbation, Recipe, RoundContext,
-                          Slot, init, normalize_rows_, register_recipe, row_norm)
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
+                          RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
@@ -130,16 +129,9 @@ class WeightedMomentum(Correction):
         cohort.shared.put(CLIENT_MOMENTUM, cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
                           else ctx.server[MOMENTUM].expand(cohort.size, -1))
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return momentum_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], W, ctx.settings.weight_decay,
-                            self.p.decay)
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return loss_mix(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM])
-
-    def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
-        return mixed_decay(ctx.server[FACTOR], ctx.settings.weight_decay, self.p.decay)
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        return momentum_direction(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], ctx.settings.weight_decay,
+                                  self.p.decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.core import (ClientContext, Cohort, Correction, PartParams, Recipe, RoundContext, Slot, init,
+from fedflat.core import (ClientContext, Cohort, Correction, Direction, PartParams, Recipe, RoundContext, Slot, init,
                           register_recipe)
 
 SERVER_VARIATE = "scaffold.c"  # server state, broadcast: c
@@ -60,12 +60,8 @@ class Scaffold(Correction):
         shift = ctx.server[SERVER_VARIATE] - cohort.state[CLIENT_VARIATE]
         cohort.shared.put(SHIFT, shift if self.p.lamb == 1 else self.p.lamb * shift)
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return grad + cohort.shared[SHIFT]
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        return grad.add_(cohort.shared[SHIFT])
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        return Direction(grad.add_(cohort.shared[SHIFT]), ctx.settings.weight_decay)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         c_i = cohort.state[CLIENT_VARIATE]

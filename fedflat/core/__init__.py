@@ -3,7 +3,7 @@
 Everything a part needs lives here and imports nothing else of fedflat: the part and role bases
 (:mod:`fedflat.core.part`), the data of a round (:mod:`fedflat.core.round`), the registries of parts and
 recipes (:mod:`fedflat.core.registry`), initial values of declared state (:mod:`fedflat.core.init`), the errors
-(:mod:`fedflat.core.errors`), flat-vector helpers
+(:mod:`fedflat.core.errors`), the table of every role's hooks (:mod:`fedflat.core.hooks`), flat-vector helpers
 (:mod:`fedflat.core.vectors`) and keyed random streams (:mod:`fedflat.core.rng`). A method written against
 these names runs on every engine and executor; docs/extending.md shows how.
 
@@ -24,9 +24,10 @@ _HOMES = {
     "round": ("BUFFERS", "MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult",
               "ClipScope", "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot",
               "TrainSettings", "LocalOptimizer", "merge_results", "payload_size"),
-    "part": ("SHARED", "Aggregation", "Correction", "Filter", "Part", "PartParams", "Personalization", "Perturbation",
-             "ServerUpdate", "shared"),
+    "part": ("SHARED", "Aggregation", "Correction", "Direction", "Filter", "Part", "PartParams", "Personalization",
+             "Perturbation", "ServerUpdate", "shared"),
     "init": ("Init",),
+    "hooks": ("HOOKS", "ROLE_HOOKS", "Hook", "hook_table"),
     "upload": ("STAGE_ORDER", "Release", "UploadStage", "release_norms", "release_of", "scale_release", "upload_of"),
     "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "STAGES", "Recipe", "closest",
                  "composition_label", "register_part", "register_recipe"),

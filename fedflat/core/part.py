@@ -18,16 +18,19 @@ side:
   (FedWMSAM's ``c_i``, computed from uploaded models); it reads the round's uploads stacked in **ascending
   client-id order**, whatever order they arrived in, so results never depend on where or when clients ran.
 
-The rules a part keeps (checked with ``FEDFLAT_CHECK_CONTRACT=1``, which the test suite sets):
+The rules a part keeps (rule 1 watched for a plugin's parts in every run and for fedflat's own with
+``FEDFLAT_CHECK_CONTRACT=1``, which the test suite sets: :mod:`fedflat.core.contract`; rule 4 enforced always):
 
 1. A part never modifies in place a tensor it did not make in this call: the broadcast, ``ctx.server``,
    ``ctx.held``, the uploads, ``cohort.state``, another part's values. It assigns new tensors instead
    (``ctx.server[KEY] = ...``), so the round stays a transaction: a failed round leaves the server as it was.
-   (The one tensor handed over is :meth:`Correction.loss_direction`'s ``grad``, which it may overwrite.)
+   (The one tensor handed over is :meth:`Correction.direction`'s ``grad``, which it may overwrite.)
 2. Parts share values within a chunk only through declared :class:`Slot` s (``provides`` / ``requires``, read and
    written through ``cohort.shared``); a part's own working values for the chunk live in ``cohort.own(self)``.
 3. Names of state entries and slots read ``<part>.<symbol>`` (``scaffold.c``, ``lesam.w_old``), the symbol
    the paper's.
+4. Everything that evolves is declared (``server_state``, ``keeps``, ``holds``): a part keeps nothing on itself, and
+   setting an attribute after construction is a :class:`ContractError`.
 
 Hooks run in the order of the roles (perturbation, filter, correction, aggregation, server, personalization), so
 a slot a perturbation provides in ``begin`` is there for the aggregation's ``begin``. Every client-side tensor
@@ -36,11 +39,13 @@ a whole cohort. docs/extending.md has the table of hooks, where each runs and wh
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import functools
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fedflat.core.errors import ContractError
 from fedflat.core.init import Init
 from fedflat.core.round import Batch, ClientContext, Cohort, Distillation, RoundContext, Slot, TrainSettings
 
@@ -115,6 +120,21 @@ class Part:
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructing(cls.__dict__["__init__"])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Rule 4: a part keeps nothing on itself once built (what evolves is declared, so that it is shipped,
+        checkpointed and the same on every executor); only its constructor sets attributes."""
+        if not self.__dict__.get("_constructing", 0):
+            raise ContractError(
+                f"{self!r} set self.{name} after construction: a part keeps no state on itself (the contract's rule "
+                "4, docs/extending.md#the-rules); declare what evolves: server_state (the server's), keeps (each "
+                "client's), holds (the server's, per client), or cohort.own(self) for a chunk's working values")
+        object.__setattr__(self, name, value)
+
     def __repr__(self) -> str:
         return f"{self.role} '{self.name}'"
 
@@ -148,6 +168,25 @@ class Part:
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
         and ``cohort.upload``."""
+
+
+def _constructing(init: Any) -> Any:
+    """``init`` with the part's attributes settable while it (and the constructors it calls) run."""
+    @functools.wraps(init)
+    def constructor(self: Part, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get("_constructing", 0)
+        self.__dict__["_constructing"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if depth:
+                self.__dict__["_constructing"] = depth
+            else:
+                del self.__dict__["_constructing"]
+    return constructor
+
+
+Part.__init__ = _constructing(Part.__init__)  # type: ignore[method-assign]
 
 
 class Perturbation(Part):
@@ -184,47 +223,29 @@ class Filter(Part):
         return X
 
 
+class Direction(NamedTuple):
+    """A correction's local direction ``d = loss + decay w`` in its two parts (:meth:`Correction.direction`):
+    ``loss``, the gradient of the local objective the method's public code backpropagates (the raw minibatch
+    gradient with the method's terms), and ``decay``, the coefficient ``c`` of the term ``c w`` that code gives its
+    optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``. The engine forms ``d`` in
+    one place: ``clip(loss) + c w`` under ``train.clip_scope=loss``, ``clip(loss + c w)`` under ``step``."""
+
+    loss: torch.Tensor
+    decay: float | torch.Tensor
+
+
 class Correction(Part):
     """What is added to (or mixed with) the local gradient to form the local direction."""
 
     role = "correction"
 
-    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The local direction from ``grad = g(w + eps) + wd w`` (identity by default)."""
-        return grad
-
-    def loss_direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                       grad: torch.Tensor) -> torch.Tensor:
-        """Optional, for speed: :meth:`direction` without its term ``c w`` (``c`` = :meth:`decoupled_decay`), from
-        the raw ``grad = g(w + eps)`` (no weight decay), so that ``direction(g + wd w) = loss_direction(g) + c w`` up
-        to rounding (``fedflat.testing.check_part`` checks it). The engine then clips it (``train.clip_scope=loss``)
-        and adds ``c w`` itself: two full-size passes a step fewer than adding ``wd w`` for :meth:`direction` to mix
-        and the clip to take off again. ``grad`` is the engine's fresh tensor, read by nothing after: this hook may
-        overwrite it and return it (the one exception to rule 1). The engine calls it only where
-        :meth:`gives_loss_direction`; otherwise it calls :meth:`direction`."""
-        raise NotImplementedError
-
-    @classmethod
-    def gives_loss_direction(cls) -> bool:
-        """Whether :meth:`loss_direction` applies: overridden, and :meth:`direction` and :meth:`decoupled_decay` not
-        overridden again below the class that wrote it (a subclass that changes the direction, as FedGMT's ADMM dual
-        of FedDyn's, falls back to :meth:`direction` unless it writes its own loss direction too)."""
-        owner = _defined_in(cls, "loss_direction")
-        return owner is not Correction and all(
-            _defined_in(cls, name) is owner or not issubclass(_defined_in(cls, name), owner)
-            for name in ("direction", "decoupled_decay"))
-
-    def decoupled_decay(self, ctx: ClientContext) -> float | torch.Tensor:
-        """The coefficient ``c`` of the term ``c w`` of :meth:`direction` that the method's public code gives its
-        optimizer as weight decay, which ``torch.optim.SGD`` adds after ``clip_grad_norm_``: under
-        ``train.clip_scope=loss`` the engine clips ``d - c w`` (the gradient of the loss that code backpropagates,
-        with the method's linear terms) and adds ``c w`` back. Default ``wd``: the direction holds ``wd w`` once."""
-        return ctx.settings.weight_decay
-
-
-def _defined_in(cls: type, name: str) -> type:
-    """The class of ``cls``'s MRO whose body defines ``name``."""
-    return next(c for c in cls.__mro__ if name in c.__dict__)
+    def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
+        """The local direction at step ``k`` from the raw minibatch gradient ``grad = g(w + eps)`` (no weight decay),
+        as a :class:`Direction` ``(L, c)``, ``d = L + c w``: plain SGD by default, ``(g, wd)``. ``grad`` is the
+        engine's fresh tensor, read by nothing after: the hook may overwrite it and return it as ``L`` (the one
+        exception to rule 1); ``c`` is ``ctx.settings.weight_decay`` unless the method's public code gives its
+        optimizer more (FedProx's ``wd + mu``) or less (FedRep's 0: the whole direction is clipped)."""
+        return Direction(grad, ctx.settings.weight_decay)
 
 
 class Personalization(Part):

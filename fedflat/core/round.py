@@ -10,11 +10,11 @@ leading client dimension ``C``: the sequential engine runs chunks of one client,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Literal, Protocol
+from typing import Any, ClassVar, Iterator, Literal, Protocol
 
 import torch
 
-from fedflat.core.errors import AlgorithmError
+from fedflat.core.errors import AlgorithmError, ContractError
 from fedflat.core.vectors import BufferLayout, ParamLayout
 
 ClipScope = Literal["loss", "step"]
@@ -131,7 +131,7 @@ class TrainSettings:
     buffers: BufferLayout | None = None  # where each buffer lives in the flat buffer vector b (models with buffers)
     batch_norms: tuple[str, ...] = ()  # names of the model's BatchNorm modules (FedBN keeps them on the clients)
     # What ``clip`` bounds: "loss", the direction without the terms in w that the authors' codes hand to their
-    # optimizer as weight decay (:meth:`Correction.decoupled_decay`), added after the clip; "step": all of it
+    # optimizer as weight decay (:class:`Direction`'s ``decay``), added after the clip; "step": all of it
     clip_scope: ClipScope = "loss"
     lr_decay: float = 1.0  # eta_l^{t+1} = lr_decay * eta_l^t
     dp_sgd: tuple[float, float] | None = None  # (C, z): local steps take DP-SGD's private gradients (privacy.level)
@@ -258,6 +258,39 @@ class Shared:
         return self._values.get(slot, default)
 
 
+class Declared(dict):
+    """Per-client vectors of the declared names only (``cohort.state``: a part's ``keeps``; ``ctx.held``: its
+    ``holds``): reading a name nobody declared is a one-line error naming the declaration, not a bare KeyError."""
+
+    where: ClassVar[str] = ""
+    declaration: ClassVar[str] = ""
+
+    def __missing__(self, key: str) -> Any:
+        raise ContractError(f"{self.where}[{key!r}]: no part of this method declares it; add it to the part's "
+                            f"`{self.declaration}` ({self.declaration} = ({key!r},)) so that fedflat creates, stores "
+                            "and checkpoints it (docs/extending.md#what-a-part-declares)")
+
+    @classmethod
+    def of(cls, entries: dict[str, torch.Tensor]) -> "Declared":
+        return entries if isinstance(entries, cls) else cls(entries)
+
+
+class Kept(Declared):
+    where, declaration = "cohort.state", "keeps"
+
+
+class KeptKnown(Declared):
+    where, declaration = "cohort.known", "keeps"
+
+
+class Held(Declared):
+    where, declaration = "ctx.held", "holds"
+
+
+class HeldKnown(Declared):
+    where, declaration = "ctx.held_known", "holds"
+
+
 @dataclass
 class Cohort:
     """A chunk of the round's sampled clients trained together (``C`` rows), with their own state.
@@ -282,6 +315,9 @@ class Cohort:
     new_state: dict[str, torch.Tensor] = field(default_factory=dict)
     upload: dict[str, torch.Tensor] = field(default_factory=dict)
     _own: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state, self.known = Kept.of(self.state), KeptKnown.of(self.known)
 
     @property
     def size(self) -> int:
@@ -366,6 +402,9 @@ class RoundContext:
     weights: torch.Tensor | None = None
     log: dict[str, float] = field(default_factory=dict)
     _deltas: tuple | None = field(default=None, repr=False, compare=False)  # (w_final, w, Delta) of the last call
+
+    def __post_init__(self) -> None:
+        self.held, self.held_known = Held.of(self.held), HeldKnown.of(self.held_known)
 
     @property
     def K(self) -> int:

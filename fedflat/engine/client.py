@@ -12,8 +12,8 @@ from typing import Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
-from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, Correction,
-                          torch_stream)
+from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, ContractError,
+                          Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession
@@ -39,39 +39,16 @@ def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     return D * scale
 
 
-def clip_loss_rows(D: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor,
-                   max_norm: float | None) -> torch.Tensor:
-    """``train.clip_scope=loss``, as the methods' public codes step: ``clip(D - c W) + c W`` per row, ``c = decay``
-    (:meth:`~fedflat.core.Correction.decoupled_decay`): ``clip_grad_norm_`` bounds the gradient of the loss they
-    backpropagate, then ``torch.optim.SGD`` adds its weight decay ``c w``. A row whose loss gradient is within
-    ``max_norm`` keeps ``D`` itself, bit for bit the step of ``clip_scope=step``."""
-    if max_norm is None:
-        return D
-    if not torch.is_tensor(decay) and decay == 0:
-        return clip_rows(D, max_norm)
-    # D - c W in one pass (the same value as D - (c W) up to the last bit)
-    loss = torch.addcmul(D, W, decay, value=-1) if torch.is_tensor(decay) else torch.add(D, W, alpha=-decay)
-    scale = clip_scale(loss, max_norm)
-    if unclipped(scale):
-        return D
-    return torch.where(scale < 1.0, loss * scale + decay * W, D)
-
-
 def local_direction(correction: Correction, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
-                    grad: torch.Tensor, clip: float | None, clip_scope: str, loss_direction: bool) -> torch.Tensor:
+                    grad: torch.Tensor, clip: float | None, clip_scope: str) -> torch.Tensor:
     """The step's direction ``d``, clipped as ``train.clip_scope`` says, from the raw gradient ``grad`` (the oracle's
-    fresh tensor, overwritten): ``correction.direction(g + wd w)``, or with ``loss_direction`` (the correction
-    :meth:`~fedflat.core.Correction.gives_loss_direction`), :func:`add_decay` of its loss direction (the same value
-    up to rounding, two full-size passes fewer)."""
-    if loss_direction:
-        loss = correction.loss_direction(ctx, cohort, k, W, grad)
-        return add_decay(loss, W, correction.decoupled_decay(ctx), clip, clip_scope)
-    if ctx.settings.weight_decay:
-        grad.add_(W, alpha=ctx.settings.weight_decay)  # + wd w in place, one pass
+    fresh tensor, overwritten): the correction's :class:`~fedflat.core.Direction` ``(L, c)`` made ``d = L + c w``
+    by :func:`add_decay`, the one place the clip scope and the decay are applied."""
     direction = correction.direction(ctx, cohort, k, W, grad)
-    if clip_scope == "loss":
-        return clip_loss_rows(direction, W, correction.decoupled_decay(ctx), clip)
-    return clip_rows(direction, clip)
+    if not isinstance(direction, Direction):
+        raise ContractError(f"{correction!r}.direction returned {type(direction).__name__}; it returns "
+                            "fedflat.core.Direction(loss, decay), d = loss + decay w (docs/extending.md)")
+    return add_decay(direction.loss, W, direction.decay, clip, clip_scope)
 
 
 def add_decay(L: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max_norm: float | None,
@@ -155,11 +132,11 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     """Runs ``E_i`` local steps for every client of ``cohort`` and returns what the clients send and keep.
 
     One step, for every client row at once:
-    ``eps = filter(perturbation)``, ``g = descent(g(w + eps)) + wd w`` (``g`` of the loss plus the
+    ``eps = filter(perturbation)``, ``g = descent(g(w + eps))`` (``g`` of the loss plus the
     perturbation part's distillation term, if any; ``descent`` is the perturbation's, e.g. FedSpeed's merging;
     a filter that ``acts_on`` the gradient filters ``descent(...)`` instead of ``eps``),
-    ``d = correction(g)``, ``d = clip(d)`` (``train.clip_scope``: the whole ``d``, or, as the methods' public codes,
-    ``d`` without the weight decay their optimizer adds after the clip: :func:`clip_loss_rows`),
+    ``(L, c) = correction.direction(g)``, ``d = clip(L + c w)`` (``train.clip_scope=step``) or ``clip(L) + c w``
+    (``loss``, as the methods' public codes step: :func:`local_direction`),
     ``w <- w - eta_l^t d`` (or, with ``train.optimizer``, the local optimizer's step along ``d``:
     :mod:`fedflat.engine.optim`); rows whose ``E_i`` is exhausted are left unchanged (padding/masking).
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
@@ -211,7 +188,6 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     personal = parts["personalization"] if parts["personalization"].steps_locally else None  # (Ditto, APFL)
     settings, batches = ctx.settings, ctx.batches
     clip, clip_scope, lr = settings.clip, settings.clip_scope, ctx.lr
-    loss_direction = correction.gives_loss_direction()
     poisoners = [s for s in algorithm.stages if hasattr(s, "poison")]  # data attacks (fedflat.algorithms.attacks)
     ids, steps = cohort.ids.tolist(), cohort.steps.tolist()
     schedules = batches.schedules(ctx.round, ids, steps)
@@ -246,7 +222,7 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
         grad = perturbation.descent_gradient(ctx, cohort, grad)
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
-        direction = local_direction(correction, direction_ctx, cohort, k, W, grad, clip, clip_scope, loss_direction)
+        direction = local_direction(correction, direction_ctx, cohort, k, W, grad, clip, clip_scope)
         if personal is not None:
             personal.local_step(ctx, cohort, k, W, batch)
         if optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
