@@ -81,7 +81,7 @@ def test_loss_scope_and_decay_equal_plain():
 def test_runs_with_and_without_the_shortcut_agree(monkeypatch, clip_scope):
     """Whole runs on both engines, with a clip that binds at some steps and not at others: the final parameters
     with the shortcut equal those without it (SURELY_UNCLIPPED = 0: every scale computed) bit for bit."""
-    tree = {**TINY, "train": {**TINY["train"], "clip": 0.9, "clip_scope": clip_scope}}
+    tree = {**TINY, "rounds": 2, "train": {**TINY["train"], "clip": 0.9, "clip_scope": clip_scope}}
     clipped = []
     real_scale = client.clip_scale
     monkeypatch.setattr(client, "clip_scale", lambda D, m: clipped.append(real_scale(D, m)) or clipped[-1])
@@ -92,3 +92,13 @@ def test_runs_with_and_without_the_shortcut_agree(monkeypatch, clip_scope):
             plain = fedflat.run(tree, overrides=[f"engine={engine}"], save=False, progress=False).final_parameters
         assert torch.equal(fast, plain), engine
     assert any(s is None for s in clipped) and any(s is not None for s in clipped)  # the clip binds sometimes
+
+
+def test_empty_cohort_and_non_finite_norms_take_the_full_arithmetic():
+    """No rows: nothing to clip, as before; a NaN or infinite norm never passes the shortcut (``nan <= x`` is false),
+    so it gets the computed scale, as before."""
+    assert clip_rows(torch.zeros(0, 5), 1.0).shape == (0, 5)
+    for bad in (float("nan"), float("inf")):
+        D = torch.tensor([[bad, 0.0, 1.0]])
+        assert clip_scale(D, 1.0) is not None
+        torch.testing.assert_close(clip_rows(D, 1.0), D * plain_scale(D, 1.0), rtol=0, atol=0, equal_nan=True)

@@ -35,15 +35,16 @@ def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
     decision and every scale are the full arithmetic's bit for bit."""
     norms = D.norm(dim=-1, keepdim=True)
-    if D.device.type == "cpu" and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
+    if D.device.type == "cpu" and norms.numel() and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
         return None
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     return None if unclipped(scale) else scale
 
 
-def unclipped(scale: torch.Tensor) -> bool:
-    """Whether no row is clipped, checked only on CPU (on a GPU the check would cost a synchronisation)."""
-    return scale.device.type == "cpu" and bool((scale == 1.0).all())
+def unclipped(scale: torch.Tensor | None) -> bool:
+    """Whether no row is clipped (``None``: :func:`clip_scale` found none), checked only on CPU (on a GPU the check
+    would cost a synchronisation)."""
+    return scale is None or (scale.device.type == "cpu" and bool((scale == 1.0).all()))
 
 
 def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
