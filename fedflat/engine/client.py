@@ -19,14 +19,32 @@ from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession
 
 
-def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / ||D_c||)`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule)."""
-    return (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+# float32's unit roundoff u = 2^-24: clip_scale's arithmetic rounds max_norm and 1e-6 to float32, then n + 1e-6, its
+# reciprocal and the product (Tensor.__rtruediv__ is reciprocal() * other), so its result is at least
+# max_norm (1 - u)^3 / ((n + 1e-6)(1 + u)^2) > max_norm (1 - 5u) / (n + 1e-6): a row with n + 1e-6 <= max_norm (1 - 8u)
+# gets a scale >= 1, clamped to exactly 1
+SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
 
 
-def unclipped(scale: torch.Tensor) -> bool:
-    """Whether no row is clipped, checked only on CPU (on a GPU the check would cost a synchronisation)."""
-    return scale.device.type == "cpu" and bool((scale == 1.0).all())
+def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """``min(1, max_norm / (||D_c|| + 1e-6))`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule), or
+    None where no row is clipped (every scale exactly 1; checked only on CPU, where a GPU would synchronise).
+
+    On CPU a cohort whose largest norm is below ``max_norm`` by the float32 bound of :data:`SURELY_UNCLIPPED`
+    skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
+    step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
+    decision and every scale are the full arithmetic's bit for bit."""
+    norms = D.norm(dim=-1, keepdim=True)
+    if D.device.type == "cpu" and norms.numel() and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
+        return None
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return None if unclipped(scale) else scale
+
+
+def unclipped(scale: torch.Tensor | None) -> bool:
+    """Whether no row is clipped (``None``: :func:`clip_scale` found none), checked only on CPU (on a GPU the check
+    would cost a synchronisation)."""
+    return scale is None or (scale.device.type == "cpu" and bool((scale == 1.0).all()))
 
 
 def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -34,7 +52,7 @@ def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if max_norm is None:
         return D
     scale = clip_scale(D, max_norm)
-    if unclipped(scale):  # D * 1.0 is D bit for bit: skip the full-size multiply
+    if scale is None:  # D * 1.0 is D bit for bit: skip the full-size multiply
         return D
     return D * scale
 
@@ -58,7 +76,7 @@ def add_decay(L: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max
     overwritten. A row within ``max_norm`` is scaled by exactly 1."""
     if clip_scope == "loss" and max_norm is not None:
         scale = clip_scale(L, max_norm)
-        if not unclipped(scale):
+        if scale is not None:
             L.mul_(scale)
     if torch.is_tensor(decay):
         L.addcmul_(W, decay)
