@@ -86,6 +86,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def prepare_process(cfg: Config) -> torch.device:
+    """This process made ready for the run: the config's plugins imported (a config that crossed into another
+    process, a Flower node, names them), TF32 set for its device, freed memory kept for reuse; the run's device."""
+    plugins.load(cfg.plugins)
+    device = resolve_device(cfg.device)
+    set_tf32(device, cfg.tf32)
+    retain_freed_memory()
+    return device
+
+
 def personal_layout(algorithm: Algorithm, settings: TrainSettings) -> tuple[bool, torch.Tensor | None]:
     """Whether clients keep private parameters (FedPer: evaluation is then per client), and the mask of the private
     buffer entries they keep in the store (FedBN's statistics; None: none)."""
@@ -128,10 +138,7 @@ class Simulation:
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
                  clients: Sequence[Sequence[int]] | None = None, loss_fn: LossFn | None = None):
         self.cfg, self.model_fn = cfg, model_fn
-        plugins.load(cfg.plugins)  # a config that crossed into another process (a Flower node) names its plugins
-        self.device = resolve_device(cfg.device)
-        set_tf32(self.device, cfg.tf32)
-        retain_freed_memory()
+        self.device = prepare_process(cfg)
         self.problem = build_problem(cfg, self.device, dataset, clients)
         self.dataset, self.client_indices_np = self.problem.dataset, self.problem.client_indices_np
         self.client_indices, self.num_samples = self.problem.client_indices, self.problem.num_samples
