@@ -4,6 +4,7 @@ know about the model, found by probing it once before round 0 (:func:`inspect_mo
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,12 +13,13 @@ import torch
 from torch import nn
 
 from fedflat.config import Config
-from fedflat.core import SERVER, ConfigError, TrainSettings, stream_seed
+from fedflat.core import SERVER, Batch, ConfigError, TrainSettings, stream_seed
 from fedflat.data import Dataset, client_split, load_dataset, user_split, validation_split
 from fedflat.engine.losses import LossFn, check_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
-from fedflat.engine.runtime import choose_engine, resolve_engine, step_flops, vmap_problem
+from fedflat.engine.oracle import Oracle
+from fedflat.engine.runtime import resolve_engine
 from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -126,7 +128,7 @@ def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn 
     """The model's :class:`ModelReport`: one output per class and its step FLOPs (one sample forward and backward),
     its traits (:func:`~fedflat.engine.modes.inspect_module`), the run's loss on its logits
     (:func:`~fedflat.engine.losses.check_loss`) and, where the vectorized engine may run, one vectorized step
-    (:func:`~fedflat.engine.runtime.vmap_problem`). What fedflat cannot train is a ConfigError saying why."""
+    (:func:`~vmap_problem`). What fedflat cannot train is a ConfigError saying why."""
     flops = _step_flops(cfg, problem, model)
     # docs: fedflat/engine/threads.py; thread workers share this process's intra-op threads, so each its share
     share = core_share() / cfg.executor.workers if cfg.executor.name == "threads" else None
@@ -219,3 +221,63 @@ def _dp_sgd(cfg: Config, traits: ModelTraits, module: nn.Module) -> tuple[float,
                           "(dropout) or mixes the samples of a batch (batch statistics); DP-SGD's per-example "
                           "gradients need neither: set its dropout to 0, use GroupNorm")
     return (p.clip, p.noise_multiplier)
+
+
+# -- the probes of the model's report ----------------------------------------------------------------------------
+def step_flops(model: FlatModel, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
+    """FLOPs of one local step (forward and backward of a batch of ``batch_size``), counted on one sample
+    with ``FlopCounterMode`` and scaled (the work of every layer is linear in the batch); in ``eval()`` mode, where
+    BatchNorm takes one sample."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.module.eval()
+    model.bind_buffers(model.buffer_layout.tensors(model.initial_buffers))
+    views = [v.detach().requires_grad_(True) for v in model.layout.views(w)]
+    with FlopCounterMode(display=False) as counter:
+        loss = torch.nn.functional.cross_entropy(model.call_views(views, x[:1]), y[:1])
+        torch.autograd.grad(loss, views, allow_unused=True)  # eval mode may skip a train-only branch
+    return counter.get_total_flops() * batch_size
+
+
+def vmap_problem(model: FlatModel, traits: ModelTraits, x: torch.Tensor, y: torch.Tensor,
+                 precision: str = "float32", loss=None) -> str | None:
+    """Why the vectorized engine cannot train ``model`` (one line), or None: one vectorized step of two clients on
+    two samples ``x[:2]`` is tried (data-dependent control flow, in-place writes into tensors vmap cannot batch and
+    other unsupported operations fail there), leaving the model, its buffers and every generator as they were."""
+    if traits.random is not None:
+        return (f"its forward draws random numbers ({traits.random}) outside PyTorch's dropout functions, which the "
+                "vectorized engine cannot draw per client")
+    problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits), model, x, y)
+    if problem is None and loss is not None:  # the model runs: then the user's loss_fn is what vmap refuses
+        problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits, loss=loss), model, x, y)
+        return None if problem is None else f"with its loss_fn: {problem}"
+    return problem
+
+
+def _vmap_step(oracle: Oracle, model: FlatModel, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """The error of one vectorized step of ``oracle`` on two clients (one line), or None."""
+    batch = Batch(torch.stack([x[:2], x[:2]]), torch.stack([y[:2], y[:2]]))
+    buffers = model.initial_buffers.expand(2, -1) if model.buffer_layout.size else None
+    try:
+        with torch.random.fork_rng(devices=[]), oracle.clients([0, 1], 0, 0, buffers) as session:
+            if session is not None:
+                session.step(None)
+            oracle.loss_grad(model.initial.expand(2, -1).clone(), batch)
+    except Exception as err:  # noqa: BLE001 - whatever vmap refuses is the reason, said in one line
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {text[:240]}"
+    return None
+
+
+def choose_engine(requested: str, resolved: str, problem: str | None, module: torch.nn.Module) -> str:
+    """The engine for a module the vectorized engine cannot train (``problem``, :func:`vmap_problem`): an explicit
+    ``engine=vectorized`` is a ``ConfigError`` naming the module and the reason; ``engine=auto`` trains it on the
+    sequential engine, with a warning that says why (once, when the run starts)."""
+    if problem is None:
+        return resolved
+    message = f"model {module_name(module)} cannot run under torch.func.vmap ({problem})"
+    if requested == "vectorized":
+        raise ConfigError(f"engine=vectorized: {message}; use engine=sequential or engine=auto")
+    if requested == "auto":
+        warnings.warn(f"engine=auto: {message}: its clients train on the sequential engine", stacklevel=3)
+    return "sequential"
