@@ -155,7 +155,8 @@ class Simulation:
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.executor = make_executor(cfg.executor, self.runtime, self.worker_spec, self.worker_data)
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
-        self.metric_set = MetricSet(cfg.eval.metrics, self.dataset.num_classes, self.device) if cfg.eval.metrics else None
+        self.metric_set = (MetricSet(cfg.eval.metrics, self.dataset.num_classes, self.device) if cfg.eval.metrics
+                           else None)
         self.eval_metrics: dict[str, float] = {}  # eval.metrics at the last evaluate() ({} without any)
 
     def build_algorithm(self) -> Algorithm:
@@ -242,7 +243,8 @@ class Simulation:
         """Clients trained together by the local executor (see :meth:`ClientRuntime.chunk_size`)."""
         return self.runtime.chunk_size(K)
 
-    # -- a round: the server's protocol around the executor ------------------------------------------------------
+    # -- a round: the server's protocol around the executor (the methods below it are the Server's, kept here for
+    # their callers: the Flower strategy, the diagnostics, the tests) ---------------------------------------------
     def run_round(self, round: int) -> RoundResult:
         """One communication round on the executor; updates ``self.w``, the server state and the store."""
         opened = self.host.begin_round(round)

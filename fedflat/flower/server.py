@@ -2,8 +2,9 @@
 
 :class:`FedflatStrategy` drives fedflat's server, the same :class:`~fedflat.engine.server.Server` an executor's
 run drives (``sim.host`` of a :class:`~fedflat.engine.simulation.Simulation` whose clients never train in this
-process: the global model, the server state and the vectors the server holds per client), fedflat's keyed client sampling (not Flower's unseeded ``sample_nodes``), the aggregation
-in ascending client-id order whatever order replies arrive in, and central evaluation. Its Flower methods
+process: the global model, the server state and the vectors the server holds per client), with fedflat's keyed
+client sampling (not Flower's unseeded ``sample_nodes``), the aggregation in ascending client-id order whatever order
+replies arrive in, and central evaluation. Its Flower methods
 are the two halves of a round: ``configure_train`` (sample, broadcast, one message per node that hosts
 sampled clients) and ``aggregate_train`` (check every reply whole, aggregate the clients that answered). A
 personalized method (FedPer) is evaluated on the nodes, where its clients' private entries are:
