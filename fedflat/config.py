@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from fedflat import plugins
 from fedflat.core.errors import ConfigError
@@ -387,6 +387,72 @@ class ValidationConfig(Section):
                                                                      "stops)")
 
 
+class AlgoSpec(BaseModel):
+    """The config's ``algo``: a method by ``name`` (a recipe, ``fedflat list``), and optionally another part in a
+    role (``perturbation: asam``, or ``{name, **hyperparameters}``) and hyperparameters, flat (``rho: 0.1``: every
+    part that has one) or under their role (``perturbation: {rho: 0.1}``).
+
+    Resolved once: when the config is loaded (:func:`validate`) the method is built, checked against the upload
+    path, and its resolution kept (:meth:`resolved`: every part and hyperparameter under its role, what
+    ``config.yaml`` records). A run's driver then builds the method once from this spec
+    (:meth:`fedflat.engine.simulation.Simulation.build_algorithm`), and each Ray worker, thread worker or Flower
+    node once from the same spec. It reads as the section's mapping (``spec["name"]``, ``dict(spec)``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    _resolved: dict[str, Any] | None = PrivateAttr(None)
+    _checked: str | None = PrivateAttr(None)  # what it was checked with (checked_key): a re-validation skips the build
+
+    def section(self) -> dict[str, Any]:
+        """The section as given: ``{name, **roles and hyperparameters}``."""
+        return self.model_dump()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.section()[key]
+
+    def __iter__(self):  # the section's keys, as a mapping's (so ``dict(spec)`` is the section)
+        return iter(self.section())
+
+    def __len__(self) -> int:
+        return len(self.section())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.section()
+
+    def keys(self):
+        return self.section().keys()
+
+    def items(self):
+        return self.section().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.section().get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        return self.section() == (other.section() if isinstance(other, AlgoSpec) else other)
+
+    __hash__ = None  # type: ignore[assignment]  (a mutable mapping's)
+
+    def resolved(self) -> dict[str, Any]:
+        """Every part and hyperparameter of the method, each under its role (:meth:`Algorithm.resolved`): kept from
+        the load's build, or (a spec never validated) built here once."""
+        if self._resolved is None:
+            from fedflat.algorithms import build_algorithm
+
+            self._resolved = build_algorithm(self).resolved()
+        return copy.deepcopy(self._resolved)
+
+    def remember(self, resolved: dict[str, Any], key: str) -> None:
+        """Keeps the load's resolution and what the method was checked with (:func:`_check_method`)."""
+        self._resolved, self._checked = resolved, key
+
+    def adopt(self, other: "AlgoSpec") -> None:
+        """Takes ``other``'s resolution when it is the same section (a Config validated again)."""
+        if other.section() == self.section():
+            self._resolved, self._checked = other._resolved, other._checked
+
+
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
 
 
@@ -399,7 +465,7 @@ class Config(Section):
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
     model: dict[str, Any] = Field(default_factory=lambda: {"name": "mlp"})
-    algo: dict[str, Any] = Field(default_factory=lambda: {"name": "fedavg"})
+    algo: AlgoSpec = Field(default_factory=lambda: AlgoSpec(name="fedavg"))
     train: TrainConfig = Field(default_factory=TrainConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -660,12 +726,15 @@ def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
 
 def validate(tree: dict[str, Any] | "Config") -> "Config":
     """Validates a raw tree (or re-validates a Config) including registry names and options."""
+    given = tree.algo if isinstance(tree, Config) else None
     if isinstance(tree, Config):
         tree = tree.model_dump()
     try:
         cfg = Config(**tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    if given is not None:  # already resolved: checked again only where the upload path changed
+        cfg.algo.adopt(given)
     plugins.load(cfg.plugins)  # their parts, recipes, models and datasets, before anything is looked up by name
     cfg = _with_recipe_privacy(cfg)
     _check_registered(cfg)
@@ -706,7 +775,6 @@ def _check_name(where: str, name: str, registry: dict[str, Any]) -> None:
 
 
 def _check_registered(cfg: Config) -> None:
-    from fedflat.algorithms import AlgorithmError, build_algorithm
     from fedflat.data import DATASETS, PARTITIONS
     from fedflat.models import MODELS
 
@@ -724,6 +792,25 @@ def _check_registered(cfg: Config) -> None:
         raise ConfigError(f"sampling.clients_per_round ({cfg.sampling.clients_per_round}) exceeds "
                           f"data.num_clients ({cfg.data.num_clients})")
     _check_section_kinds(cfg)
+    _check_method(cfg)
+
+
+def checked_key(cfg: Config) -> str:
+    """What a method's check depends on: its section, the upload path's stages, privacy, sampling and secure
+    aggregation."""
+    return repr((cfg.algo.section(), cfg.stage_specs(calibrate=False), cfg.privacy, cfg.sampling,
+                 cfg.secure_aggregation))
+
+
+def _check_method(cfg: Config) -> None:
+    """The method built once with the upload path (the noise multiplier not calibrated: ``z = 1`` stands in),
+    checked against it, and its resolution kept in the spec (:meth:`AlgoSpec.remember`); a spec already checked
+    with the same stages is not built again."""
+    from fedflat.algorithms import AlgorithmError, build_algorithm
+
+    key = checked_key(cfg)
+    if cfg.algo._checked == key:
+        return
     try:
         algorithm = build_algorithm(cfg.algo, cfg.stage_specs(calibrate=False))
     except AlgorithmError as err:
@@ -731,6 +818,7 @@ def _check_registered(cfg: Config) -> None:
     _check_robust(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
     _check_secure_aggregation(cfg, algorithm)
+    cfg.algo.remember(algorithm.resolved(), key)
 
 
 def _check_section_kinds(cfg: Config) -> None:
@@ -834,20 +922,19 @@ def _signature_defaults(fn: Callable, skip: tuple[str, ...]) -> dict[str, Any]:
 
 def resolve(cfg: Config) -> dict[str, Any]:
     """The config as a plain tree with every default filled in (what ``config.yaml`` holds)."""
-    from fedflat.algorithms import build_algorithm
+    from fedflat.algorithms.compose import build_stages
     from fedflat.data import PARTITIONS
     from fedflat.models import MODELS
 
     plugins.load(cfg.plugins)  # a Config that crossed into another process names what it needs
     tree = cfg.model_dump()
-    tree["algo"] = build_algorithm(cfg.algo).resolved()
+    tree["algo"] = cfg.algo.resolved()  # resolved when the config was loaded: the method is not built again
     if cfg.privacy is not None:  # the calibrated z: the run's files say what ran, and a resume need not search again
         tree["privacy"]["noise_multiplier"] = cfg.noise_multiplier()
-    if cfg.compression:
-        tree["compression"] = build_algorithm(cfg.algo, [cfg.compression]).resolved_stages()[0]
-    for section in ("robust", "attack"):  # every hyperparameter, as for compression
+    for section in ("compression", "robust", "attack"):  # every hyperparameter of the stage
         if getattr(cfg, section):
-            tree[section] = build_algorithm(cfg.algo, [getattr(cfg, section)]).resolved_stages()[0]
+            stage = build_stages([getattr(cfg, section)])[0]
+            tree[section] = {"name": stage.name, **stage.p.model_dump()}
     model_defaults = _signature_defaults(MODELS[cfg.model["name"]][0], ("input_shape", "num_classes"))
     tree["model"] = {"name": cfg.model["name"], **model_defaults, **{k: v for k, v in cfg.model.items() if k != "name"}}
     scheme = cfg.data.partition["scheme"]

@@ -25,7 +25,7 @@ from fedflat.core import BUFFERS, ConfigError, stream_seed, torch_stream
 from fedflat.engine.batches import local_schedule
 from fedflat.engine.checkpoint import CHECKPOINT, load_run
 from fedflat.engine.modes import inspect_module
-from fedflat.engine.runtime import choose_engine, vmap_problem
+from fedflat.engine.problem import choose_engine, vmap_problem
 from fedflat.engine.simulation import Simulation
 from fedflat.models import build_model
 from fedflat.params import FlatModel

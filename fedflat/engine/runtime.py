@@ -13,14 +13,13 @@ client's rows are computed independently, and the server reduces them in ascendi
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from fedflat.algorithms import Algorithm, build_algorithm
-from fedflat.core import (Batch, Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
+from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
@@ -75,50 +74,6 @@ def check_vectorizable(algorithm: Algorithm) -> None:
                              f"vectorized engine yet; use engine=sequential")
 
 
-def vmap_problem(model: FlatModel, traits: ModelTraits, x: torch.Tensor, y: torch.Tensor,
-                 precision: str = "float32", loss=None) -> str | None:
-    """Why the vectorized engine cannot train ``model`` (one line), or None: one vectorized step of two clients on
-    two samples ``x[:2]`` is tried (data-dependent control flow, in-place writes into tensors vmap cannot batch and
-    other unsupported operations fail there), leaving the model, its buffers and every generator as they were."""
-    if traits.random is not None:
-        return (f"its forward draws random numbers ({traits.random}) outside PyTorch's dropout functions, which the "
-                "vectorized engine cannot draw per client")
-    problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits), model, x, y)
-    if problem is None and loss is not None:  # the model runs: then the user's loss_fn is what vmap refuses
-        problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits, loss=loss), model, x, y)
-        return None if problem is None else f"with its loss_fn: {problem}"
-    return problem
-
-
-def _vmap_step(oracle: Oracle, model: FlatModel, x: torch.Tensor, y: torch.Tensor) -> str | None:
-    """The error of one vectorized step of ``oracle`` on two clients (one line), or None."""
-    batch = Batch(torch.stack([x[:2], x[:2]]), torch.stack([y[:2], y[:2]]))
-    buffers = model.initial_buffers.expand(2, -1) if model.buffer_layout.size else None
-    try:
-        with torch.random.fork_rng(devices=[]), oracle.clients([0, 1], 0, 0, buffers) as session:
-            if session is not None:
-                session.step(None)
-            oracle.loss_grad(model.initial.expand(2, -1).clone(), batch)
-    except Exception as err:  # noqa: BLE001 - whatever vmap refuses is the reason, said in one line
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return f"{type(err).__name__}: {text[:240]}"
-    return None
-
-
-def choose_engine(requested: str, resolved: str, problem: str | None, module: torch.nn.Module) -> str:
-    """The engine for a module the vectorized engine cannot train (``problem``, :func:`vmap_problem`): an explicit
-    ``engine=vectorized`` is a ``ConfigError`` naming the module and the reason; ``engine=auto`` trains it on the
-    sequential engine, with a warning that says why (once, when the run starts)."""
-    if problem is None:
-        return resolved
-    message = f"model {module_name(module)} cannot run under torch.func.vmap ({problem})"
-    if requested == "vectorized":
-        raise ConfigError(f"engine=vectorized: {message}; use engine=sequential or engine=auto")
-    if requested == "auto":
-        warnings.warn(f"engine=auto: {message}: its clients train on the sequential engine", stacklevel=3)
-    return "sequential"
-
-
 def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
     """Bytes of every module output of one forward pass on ``x`` (what a backward pass keeps alive)."""
     total = 0
@@ -136,21 +91,6 @@ def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
         for h in handles:
             h.remove()
     return total
-
-
-def step_flops(model: FlatModel, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
-    """FLOPs of one local step (forward and backward of a batch of ``batch_size``), counted on one sample
-    with ``FlopCounterMode`` and scaled (the work of every layer is linear in the batch); in ``eval()`` mode, where
-    BatchNorm takes one sample."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model.module.eval()
-    model.bind_buffers(model.buffer_layout.tensors(model.initial_buffers))
-    views = [v.detach().requires_grad_(True) for v in model.layout.views(w)]
-    with FlopCounterMode(display=False) as counter:
-        loss = torch.nn.functional.cross_entropy(model.call_views(views, x[:1]), y[:1])
-        torch.autograd.grad(loss, views, allow_unused=True)  # eval mode may skip a train-only branch
-    return counter.get_total_flops() * batch_size
 
 
 def memory_budget(device: torch.device) -> int:

@@ -113,9 +113,12 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
     the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
-    ``callbacks`` (:mod:`fedflat.experiments.callbacks`) watch the run after the config's ``loggers``;
-    ``group`` and ``job`` name the sweep or tune study (and its part) a run is a cell of, for the trackers.
-    ``loss_fn(logits, y)`` (one loss per sample) replaces ``train.loss`` (:mod:`fedflat.engine.losses`).
+    ``callbacks``: objects told of the run's start, each round, evaluation and checkpoint, and its end
+    (:class:`Callback`, :mod:`fedflat.experiments.callbacks`), after the loggers of the config's ``loggers``
+    (tensorboard, csv, wandb, mlflow: docs/experiments.md, "Tracking runs"). ``group`` and ``job`` name the sweep or
+    tune study (and its part) a run is a cell of, for the trackers. ``loss_fn(logits, y)``, returning one loss per
+    sample (``reduction="none"``), replaces ``train.loss`` in every engine, executor and diagnostic
+    (docs/experiments.md, "Loss and metrics"). ``fedflat.run`` is this function.
     """
     cfg = as_config(config, overrides)
     if cfg.secure_aggregation is not None and driver is None:

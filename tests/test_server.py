@@ -1,0 +1,113 @@
+"""The run's structure (issue 46, items 1 and 2): one Server every transport drives, the method resolved once, short
+functions in the engine.
+
+- a run builds its method once in the driver (counted at :func:`fedflat.algorithms.compose._check_composition`,
+  which every build passes once), and resolving or re-validating a loaded config builds nothing;
+- driving :class:`fedflat.engine.server.Server` by hand (what the Flower strategy does) is ``run_round`` bit for bit;
+- no function of ``fedflat/engine`` is longer than 40 lines and ``Simulation.__init__`` under 25.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedflat
+import fedflat.algorithms.compose as compose
+from fedflat.algorithms import build_algorithm
+from fedflat.config import AlgoSpec, ConfigError, SamplingConfig, as_config, resolve, validate
+from fedflat.engine.server import Server
+from fedflat.engine.simulation import Simulation
+from conftest import tiny_tree
+
+ENGINE = Path(fedflat.__file__).parent / "engine"
+LONGEST = 40  # lines of a function in fedflat/engine, its def and docstring included
+# Functions another change of issue 46 rewrites (the local step's hot path and its correction hook, items 1 and 3).
+NOT_YET = {("client.py", "_local_steps")}
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[str]:
+    """The names of the methods built from now on, one entry per build in this process."""
+    built: list[str] = []
+    check = compose._check_composition
+
+    def counted(parts):
+        built.append(next(iter(parts.values())).name)
+        return check(parts)
+
+    monkeypatch.setattr(compose, "_check_composition", counted)
+    return built
+
+
+def test_a_run_builds_its_method_once_and_resolving_the_config_builds_nothing(builds):
+    cfg = as_config(tiny_tree(algo={"name": "fedsam", "rho": 0.1}, rounds=1))
+    assert len(builds) == 1  # the load: validated and resolved
+    assert as_config(cfg) == cfg and resolve(cfg)["algo"]["perturbation"]["rho"] == 0.1
+    assert len(builds) == 1
+    fedflat.run(cfg, save=False, progress=False)
+    assert len(builds) == 2  # the driver's one build, for the run
+
+
+def test_each_thread_worker_builds_the_method_once_from_the_same_spec(builds):
+    cfg = as_config(tiny_tree(executor={"name": "threads", "workers": 3}, rounds=1))
+    builds.clear()
+    sim = Simulation(cfg)
+    try:
+        sim.run_round(0)
+        assert len(builds) == 3  # the driver's, and one per other thread worker (the driver's runtime is the first)
+        assert {r.algorithm.resolved()["name"] for r in sim.executor.runtimes} == {"fedavg"}
+    finally:
+        sim.close()
+
+
+def test_the_spec_reads_as_its_section_and_resolves_as_the_method_it_builds():
+    cfg = as_config(tiny_tree(algo={"name": "fedsam", "rho": 0.2}))
+    assert isinstance(cfg.algo, AlgoSpec)
+    assert cfg.algo == {"name": "fedsam", "rho": 0.2} and dict(cfg.algo) == {"name": "fedsam", "rho": 0.2}
+    assert cfg.algo["name"] == "fedsam" and cfg.algo.get("filter") is None
+    assert cfg.model_dump()["algo"] == dict(cfg.algo)
+    assert cfg.algo.resolved() == build_algorithm(dict(cfg.algo)).resolved()
+
+
+def test_a_config_whose_upload_path_changed_is_checked_again():
+    """The resolution kept in the spec does not stand in for the checks that depend on the rest of the config."""
+    cfg = as_config(tiny_tree(robust={"name": "krum", "f": 1}, sampling={"clients_per_round": 6}))
+    with pytest.raises(ConfigError, match="robust=krum needs at least 5 clients per round"):
+        validate(cfg.model_copy(update={"sampling": SamplingConfig(clients_per_round=3)}))
+
+
+def test_driving_the_server_by_hand_is_run_round_bit_for_bit():
+    """The Flower strategy's protocol (begin_round, its own training, finish_round) on the same Server."""
+    cfg = as_config(tiny_tree(algo={"name": "scaffold"}))
+    by_round, by_hand = Simulation(cfg), Simulation(cfg)
+    server = by_hand.host
+    assert isinstance(server, Server) and by_hand.w is server.w and by_hand.server is server.state
+    for t in range(2):
+        by_round.run_round(t)
+        opened = server.begin_round(t)
+        server.finish_round(opened, by_hand.runtime.fit(opened.broadcast, opened.task, server.load_state))
+    assert torch.equal(by_round.w, server.w) and by_round.server.keys() == server.state.keys()
+    assert all(torch.equal(by_round.server[k], server.state[k]) for k in server.state)
+    assert server.store.count() == by_round.store.count() > 0
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_function_of_the_engine_is_longer_than_40_lines():
+    long = [f"{p.name}:{name} ({lines} lines)" for p in sorted(ENGINE.glob("*.py")) for name, lines in _functions(p)
+            if lines > LONGEST and (p.name, name) not in NOT_YET]
+    assert not long, "split these: " + ", ".join(long)
+
+
+def test_the_simulation_is_composed_in_under_25_lines():
+    source = textwrap.dedent(inspect.getsource(Simulation.__init__))
+    assert source.count("\n") < 25, source
