@@ -58,10 +58,10 @@ def personal_parts(sim, rounds: int) -> dict[str, Any] | None:
         ids = torch.arange(lo, min(lo + per_chunk, sim.cfg.data.num_clients))
         state, known = sim.load_state(ids, names)
         for name in names:
-            known_rows = known[name].cpu()  # (on a GPU run the store answers on the GPU, its rows maybe not)
-            kept = state[name].cpu()[known_rows]
+            rows_of = state[name]  # (on a GPU run the store's rows and its mask may sit on different devices)
+            kept = rows_of[known[name].to(rows_of.device)].cpu()  # only the known rows leave the device
             rows[name].append(kept[:, entries] if entries is not None and name in model_rows else kept.clone())
-            clients[name].append(ids[known_rows])
+            clients[name].append(ids[known[name].cpu()])
     state = {}
     for name in names:
         state[name] = {"clients": torch.cat(clients[name]), "rows": torch.cat(rows[name])}
