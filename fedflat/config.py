@@ -483,6 +483,9 @@ class Config(Section):
                                "(parameters, gradients, the methods' updates and evaluation stay float32)")
     channels_last: bool = Field(False, description="image batches in channels-last (NHWC) memory order for "
                                                    "the sequential engine's passes: cuDNN's tensor-core convolutions")
+    cuda_graphs: bool = Field(False, description="on CUDA, each full batch's training pass (forward, backward) "
+                                                 "recorded once per shape as a CUDA graph and replayed: removes "
+                                                 "the kernel-launch cost that bounds mid-sized models")
     threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
         "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
                             "cores; fedflat/engine/threads.py), a number, or null for torch's own choice")

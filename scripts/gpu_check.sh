@@ -12,6 +12,10 @@
 #   converge  FedAvg, FedSAM, FedLESAM (bf16, channels-last) and FedAvg (TF32) with ResNet-18-GN on Fashion-MNIST,
 #             all four at once on the GPU, for at most $CONVERGE_SECONDS (default 540); the runs' metrics come
 #             back in converge_runs.tgz (data.root: $FMNIST, default .gpu/fmnist; extra overrides: $CONVERGE_OVERRIDES)
+#   graphs3   W3 with cuda_graphs=true: bf16, bf16 with channels-last, TF32; sequential beside the bare loop, then
+#             the vectorized engine (FedAvg and FedSAM)
+#   lease3    the third lease's batch: graphs3 alone on the GPU, then tests and memory side by side, all packed into
+#             $OUT/session.tgz (as session does)
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
@@ -58,6 +62,25 @@ for stage in "$@"; do
             --quiet --json "$OUT/bench_w3_fedsam_$name.json" tf32=true $opts ${GPU_CHECK_OVERRIDES:-} ;;
         esac
       done ;;
+    graphs3)
+      for opts in "precision=bf16" "precision=bf16 channels_last=true" ""; do
+        name=$(echo tf32 $opts | tr ' =' '_-')
+        engines=sequential; [ "$opts" = "precision=bf16" ] && engines=sequential,bare
+        timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines $engines --rounds 1 \
+          --quiet --json "$OUT/bench_w3_graphs_$name.json" tf32=true cuda_graphs=true $opts ${GPU_CHECK_OVERRIDES:-}
+      done
+      timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines vectorized --rounds 1 \
+        --quiet --json "$OUT/bench_w3_graphs_vectorized_bf16.json" tf32=true cuda_graphs=true precision=bf16 \
+        ${GPU_CHECK_OVERRIDES:-} ;;
+    lease3)
+      results=/tmp/gpu-session; mkdir -p $results
+      pack() { tar czf "$OUT/session.tgz.tmp" -C /tmp gpu-session && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }
+      OUT=$results "$0" graphs3 > "$results/stage_graphs3.txt" 2>&1; pack; tail -n 40 "$results/stage_graphs3.txt"
+      OUT=$results MEMORY_CLIENTS=${MEMORY_CLIENTS:-"10 100"} MEMORY_ALGOS=${MEMORY_ALGOS:-fedsam} \
+        "$0" memory > "$results/stage_memory.txt" 2>&1 &
+      remembering=$!
+      OUT=$results PYTEST_N=${PYTEST_N:-10} PYTEST_SECONDS=${PYTEST_SECONDS:-240} "$0" tests; pack
+      wait $remembering; pack; tail -n 20 "$results/stage_memory.txt" ;;
     profile3)
       timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --engines sequential --workload W3 --rounds 1 \
         --quiet --json "$OUT/bench_w3_profile.json" --profile /tmp/profiles_fast tf32=true channels_last=true \

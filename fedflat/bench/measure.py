@@ -248,7 +248,8 @@ class Contestant:
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
         extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
-                                 "precision": self.cfg.precision, "channels_last": self.cfg.channels_last}
+                                 "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
+                                 "cuda_graphs": self.cfg.cuda_graphs}
         if self.engine == "vectorized" and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fedflat.core import Batch, Distillation, stream_seed, torch_stream
+from fedflat.engine.graphs import GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, drawing, recording
 from fedflat.params import FlatModel
@@ -98,7 +99,8 @@ class Oracle:
     """
 
     def __init__(self, model: FlatModel, vectorized: bool = False, precision: str = "float32",
-                 channels_last: bool = False, traits: ModelTraits | None = None, loss: LossFn | None = None):
+                 channels_last: bool = False, traits: ModelTraits | None = None, loss: LossFn | None = None,
+                 cuda_graphs: bool = False):
         self.model = model
         self.loss_fn = loss  # per-sample losses (None: cross-entropy), fedflat/engine/losses.py
         self.vectorized = vectorized
@@ -117,6 +119,11 @@ class Oracle:
             self._vgrad_weighted = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
             self._vloss = torch.func.vmap(self._mean_loss)
             self._vloss_weighted = torch.func.vmap(self._weighted_loss)
+        # the stateless passes of full batches replayed from CUDA graphs (fedflat/engine/graphs.py)
+        self.graphed: GraphedPass | None = None
+        if cuda_graphs:
+            check_cuda_graphs(model.initial.device)
+            self.graphed = GraphedPass(self._vector_pass if vectorized else self._loss_grad_one)
 
     def _logits(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         """The model's forward pass at ``views``; with ``precision: bf16`` under ``torch.autocast`` (matrix
@@ -124,7 +131,8 @@ class Oracle:
         the logits returned in float32. Parameters and gradients stay float32 leaves either way."""
         if self.autocast is None:
             return self.model.call_views(views, x)
-        with torch.autocast(x.device.type, dtype=self.autocast):
+        # (autocast's cache of cast weights would hold tensors of a graph's capture past it: off under CUDA graphs)
+        with torch.autocast(x.device.type, dtype=self.autocast, cache_enabled=self.graphed is None):
             logits = self.model.call_views(views, x)
         return logits.float()
 
@@ -200,6 +208,11 @@ class Oracle:
         grads = torch.autograd.grad(loss, views)
         return loss.detach(), self._flat(grads, ())
 
+    def _vector_pass(self, W: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], g[C, P])`` of a cohort's full batches under ``vmap`` (the vectorized engine's pass)."""
+        grads, loss = self._vgrad(tuple(self.model.layout.views(W.detach())), x, y)
+        return loss, self._flat(grads, (W.shape[0],))
+
     def loss_grad(self, W: torch.Tensor, batch: Batch,
                   distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
@@ -213,17 +226,18 @@ class Oracle:
         if distill is not None:
             return self._loss_grad_distilled(W, batch, distill)
         self._mode(True)
+        graphed = self.graphed
         if self.vectorized:
-            views = tuple(self.model.layout.views(W.detach()))
             if batch.weight is None:
-                grads, loss = self._vgrad(views, batch.x, batch.y)
-            else:
-                grads, loss = self._vgrad_weighted(views, batch.x, batch.y, batch.weight)
+                return (graphed or self._vector_pass)(W, batch.x, batch.y)
+            views = tuple(self.model.layout.views(W.detach()))
+            grads, loss = self._vgrad_weighted(views, batch.x, batch.y, batch.weight)
             return loss, self._flat(grads, (C,))
+        one = graphed or self._loss_grad_one
         if C == 1 and batch.weight is None:
-            loss, grad = self._loss_grad_one(W[0], batch.x[0], batch.y[0])
+            loss, grad = one(W[0], batch.x[0], batch.y[0])
             return loss.unsqueeze(0), grad.unsqueeze(0)
-        pairs = [self._loss_grad_one(W[c], *batch.row(c)) for c in range(C)]
+        pairs = [one(W[c], *batch.row(c)) for c in range(C)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     @torch.no_grad()

@@ -156,7 +156,7 @@ class ClientRuntime:
 
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
                  engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False,
-                 traits: ModelTraits | None = None):
+                 traits: ModelTraits | None = None, cuda_graphs: bool = False):
         if engine not in ("sequential", "vectorized"):
             raise ConfigError(f"engine must be sequential or vectorized here, got {engine!r}")
         if engine == "vectorized":
@@ -166,7 +166,7 @@ class ClientRuntime:
         batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
         self.fixed_chunk = chunk_size
         self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
-                             traits=traits, loss=settings.loss)
+                             traits=traits, loss=settings.loss, cuda_graphs=cuda_graphs)
         self.oracle.dp_sgd = settings.dp_sgd
         if engine == "vectorized" and self.oracle.traits.random is not None:
             raise ConfigError(f"engine=vectorized: model {module_name(model.module)} draws random numbers "
@@ -265,6 +265,7 @@ class WorkerSpec:
     tf32: bool = False
     precision: str = "float32"  # the clients' passes (Config.precision)
     channels_last: bool = False
+    cuda_graphs: bool = False
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
     traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
@@ -287,7 +288,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(spec.engine, device, spec.step_flops)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings, engine, spec.chunk_size,
-                         spec.precision, spec.channels_last, spec.traits)
+                         spec.precision, spec.channels_last, spec.traits, spec.cuda_graphs)
 
 
 def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:

@@ -175,7 +175,7 @@ class Simulation:
         self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
                                      augmentation_fn(data.augmentation), data.standardize)
         return ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine, cfg.chunk_size,
-                             cfg.precision, cfg.channels_last, self.traits)
+                             cfg.precision, cfg.channels_last, self.traits, cfg.cuda_graphs)
 
     # -- the model's report ---------------------------------------------------------------------------------------
     @property
@@ -217,7 +217,8 @@ class Simulation:
                           chunk_size=cfg.chunk_size, threads=threads,
                           engine="sequential" if self.vmap_problem else cfg.engine, traits=self.traits,
                           augmentation=data.augmentation, use_gpu=ex.gpus_per_worker > 0, tf32=cfg.tf32,
-                          precision=cfg.precision, channels_last=cfg.channels_last, step_flops=self.step_flops,
+                          precision=cfg.precision, channels_last=cfg.channels_last, cuda_graphs=cfg.cuda_graphs,
+                          step_flops=self.step_flops,
                           standardize=data.standardize, plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs))
         return replace(spec, **options)
 
