@@ -38,7 +38,7 @@ for stage in "$@"; do
   case $stage in
     tests)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      timeout "${PYTEST_SECONDS:-330}" python3 -m pytest -q -p no:cacheprovider --device $DEVICE -n "${PYTEST_N:-8}" \
+      timeout "${PYTEST_SECONDS:-330}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark --device $DEVICE -n "${PYTEST_N:-8}" \
         --tb=short -rfE tests/ \
         > "$OUT/pytest_cuda.txt" 2>&1
       echo "pytest rc $?"; tail -n 25 "$OUT/pytest_cuda.txt" ;;
