@@ -26,7 +26,7 @@ if ! python3 -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
 fi
 # fedflat itself, editable, without touching the machine's torch (the tests also run the `fedflat` command)
-python3 -c "import fedflat" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+(cd / && python3 -c "import fedflat" 2>/dev/null) || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
   || export PYTHONPATH="$PWD"
 export PYTHONUNBUFFERED=1
 FEDFLAT="python3 -m fedflat.cli"

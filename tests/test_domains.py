@@ -137,6 +137,10 @@ def test_uint8_storage_trains_exactly_as_its_float_features(tmp_path, engine):
                            f"engine={engine}"],
                 save=False, progress=False)
     runs = [fedflat.run(None, dataset=d, **args) for d in (data, floats)]
+    if runs[0].summary["device"] == "cuda":  # the GPU standardizes each batch, the floats were made on the CPU: one
+        # rounding per pixel apart, carried through 2 rounds (the tolerance of test_cuda_run_equals_cpu_run)
+        torch.testing.assert_close(runs[0].final_parameters, runs[1].final_parameters, rtol=1e-4, atol=1e-5)
+        return
     assert runs[0].metrics[-1]["test_loss"] == runs[1].metrics[-1]["test_loss"]
     assert torch.equal(runs[0].final_parameters, runs[1].final_parameters)
 

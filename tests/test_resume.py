@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agreement import bitwise
 from conftest import BN_DROPOUT_CNN
 
 import fedflat
@@ -293,7 +294,7 @@ def test_a_batch_norm_dropout_cnn_killed_after_round_3_resumes_to_the_uninterrup
     """SCAFFOLD on the BatchNorm + dropout CNN in a child process, SIGKILLed once round 3's metrics line is written:
     resumed, its metrics, model, BatchNorm statistics (checkpointed as the buffer vector), server state and client
     store equal a run never interrupted, bit for bit."""
-    overrides = ("algo=scaffold", *BN_DROPOUT_CNN, "train.batch_size=7")
+    overrides = bitwise("algo=scaffold", *BN_DROPOUT_CNN, "train.batch_size=7")  # (on a GPU: engine=sequential)
     folder = tmp_path / "killed"
     _sigkill_child_when(folder, "0", lambda: folder.exists() and len(read_jsonl(folder / "metrics.jsonl")) >= 3,
                         poll=0.02, overrides=overrides)
@@ -309,7 +310,7 @@ def test_a_batch_norm_dropout_cnn_killed_after_round_3_resumes_to_the_uninterrup
 def test_fedbn_resumes_with_each_clients_batch_norm(tiny, tmp_path):
     """FedBN's private statistics live in the client store, checkpointed with it: a run stopped after round 5
     (its last checkpoint round 4's) resumes to the uninterrupted run, the clients' BatchNorm included."""
-    cfg = tiny("algo=fedbn", *BN_DROPOUT_CNN, "rounds=6", "checkpoint_every=2", "eval.every=1")
+    cfg = tiny(*bitwise("algo=fedbn", *BN_DROPOUT_CNN, "rounds=6", "checkpoint_every=2", "eval.every=1"))
     full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
     folder = _interrupted(cfg, tmp_path, stop_after=5)
     assert read_checkpoint(folder)["round"] == 4

@@ -5,8 +5,8 @@ launches about 13 ms of kernels a step for 3.8 ms of GPU work in bf16 (docs/benc
 A CUDA graph records the kernels of one pass (forward, backward and the gradient's concatenation) once per batch
 shape and replays them with one launch: the pass then costs its GPU time.
 
-:class:`GraphedPass` wraps a pure function of tensors ``f(w, x, y) -> (loss, grad)`` (the oracle's pass of one
-client, or the vectorized engine's pass of a chunk). It copies the call's inputs into the graph's static inputs,
+:class:`GraphedPass` wraps a pure function of tensors ``f(w, x, y[, weight]) -> (loss, grad)`` (the oracle's pass
+of one client, or the vectorized engine's pass of a chunk, its padded samples weighted 0). It copies the call's inputs into the graph's static inputs,
 replays, and returns copies of the static outputs (the next replay overwrites them; a caller may hold a gradient
 across passes: SAM's ascent gradient). The kernels are those the eager pass runs, so the numbers are the eager
 pass's (tests/test_cuda.py compares them); a pass a graph cannot hold (a new shape beyond ``max_shapes``) runs
@@ -21,22 +21,22 @@ import torch
 
 from fedflat.core import ConfigError
 
-Pass = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Pass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 WARMUP = 3  # eager passes on a side stream before a capture (cuDNN's and cuBLAS's workspaces, autograd's state)
 
 
 @dataclass
 class _Captured:
-    """One batch shape's graph: its static inputs ``(w, x, y)`` and the outputs its replay writes."""
+    """One batch shape's graph: its static inputs ``(w, x, y[, weight])`` and the outputs its replay writes."""
 
     graph: "torch.cuda.CUDAGraph"
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]
     loss: torch.Tensor
     grad: torch.Tensor
 
 
 class GraphedPass:
-    """``f(w, x, y) -> (loss, grad)`` replayed from a CUDA graph captured at its first call with each input shape
+    """``f(*inputs) -> (loss, grad)`` replayed from a CUDA graph captured at its first call with each input shape
     (at most ``max_shapes`` graphs, sharing one memory pool; further shapes run eagerly)."""
 
     def __init__(self, f: Pass, max_shapes: int = 4):
@@ -46,28 +46,29 @@ class GraphedPass:
         self.pool = None
         self.replays = 0
 
-    def __call__(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = tuple((tuple(t.shape), t.dtype) for t in (w, x, y))
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_shapes:
-                return self.f(w, x, y)
-            captured = self.graphs[key] = self._capture(w, x, y)
-        for static, value in zip(captured.inputs, (w, x, y)):
+                return self.f(*inputs)
+            captured = self.graphs[key] = self._capture(inputs)
+        for static, value in zip(captured.inputs, inputs):
             static.copy_(value)
         captured.graph.replay()
         self.replays += 1
         return captured.loss.clone(), captured.grad.clone()
 
-    def _capture(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> _Captured:
+    def _capture(self, given: tuple[torch.Tensor, ...]) -> _Captured:
         """Warms ``f`` up on a side stream (as ``torch.cuda.graphs``' documentation asks), then records one call."""
-        inputs = (w.detach().clone(), x.clone(), y.clone())
-        side = torch.cuda.Stream(device=w.device)
-        side.wait_stream(torch.cuda.current_stream(w.device))
+        inputs = tuple(t.detach().clone() for t in given)
+        device = inputs[0].device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
                 self.f(*inputs)
-        torch.cuda.current_stream(w.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             loss, grad = self.f(*inputs)

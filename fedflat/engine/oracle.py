@@ -119,11 +119,13 @@ class Oracle:
             self._vgrad_weighted = torch.func.vmap(torch.func.grad_and_value(self._weighted_loss))
             self._vloss = torch.func.vmap(self._mean_loss)
             self._vloss_weighted = torch.func.vmap(self._weighted_loss)
-        # the stateless passes of full batches replayed from CUDA graphs (fedflat/engine/graphs.py)
+        # the stateless passes replayed from CUDA graphs (fedflat/engine/graphs.py)
         self.graphed: GraphedPass | None = None
+        self.graphed_weighted: GraphedPass | None = None  # (the vectorized engine's padded batches)
         if cuda_graphs:
             check_cuda_graphs(model.initial.device)
             self.graphed = GraphedPass(self._vector_pass if vectorized else self._loss_grad_one)
+            self.graphed_weighted = GraphedPass(self._vector_pass_weighted) if vectorized else None
 
     def _logits(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         """The model's forward pass at ``views``; with ``precision: bf16`` under ``torch.autocast`` (matrix
@@ -213,6 +215,12 @@ class Oracle:
         grads, loss = self._vgrad(tuple(self.model.layout.views(W.detach())), x, y)
         return loss, self._flat(grads, (W.shape[0],))
 
+    def _vector_pass_weighted(self, W: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_vector_pass` of padded batches, each client's loss the ``weight``-ed mean of its real samples."""
+        grads, loss = self._vgrad_weighted(tuple(self.model.layout.views(W.detach())), x, y, weight)
+        return loss, self._flat(grads, (W.shape[0],))
+
     def loss_grad(self, W: torch.Tensor, batch: Batch,
                   distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
@@ -230,9 +238,7 @@ class Oracle:
         if self.vectorized:
             if batch.weight is None:
                 return (graphed or self._vector_pass)(W, batch.x, batch.y)
-            views = tuple(self.model.layout.views(W.detach()))
-            grads, loss = self._vgrad_weighted(views, batch.x, batch.y, batch.weight)
-            return loss, self._flat(grads, (C,))
+            return (self.graphed_weighted or self._vector_pass_weighted)(W, batch.x, batch.y, batch.weight)
         one = graphed or self._loss_grad_one
         if C == 1 and batch.weight is None:
             loss, grad = one(W[0], batch.x[0], batch.y[0])

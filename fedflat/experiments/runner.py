@@ -503,7 +503,7 @@ class Runner:
         self.summary.update(self.callbacks.run.notes)
         if self.run_dir is None:
             return
-        self.run_dir.save_model(self.sim.model_state())
+        self.run_dir.save_model(cpu_state(self.sim.model_state()))  # (a GPU run's model.pt loads anywhere)
         save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 
