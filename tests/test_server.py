@@ -9,6 +9,7 @@ functions in the engine.
 from __future__ import annotations
 
 import ast
+import csv
 import inspect
 import textwrap
 from pathlib import Path
@@ -19,9 +20,15 @@ import torch
 import fedflat
 import fedflat.algorithms.compose as compose
 from fedflat.algorithms import build_algorithm
+from fedflat.algorithms.fedavg import Average
+from fedflat.core import PARTS, register_part
 from fedflat.config import AlgoSpec, ConfigError, SamplingConfig, as_config, resolve, validate
+from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.server import Server
 from fedflat.engine.simulation import Simulation
+from fedflat.experiments.callbacks import Callback
+from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.files import read_jsonl
 from conftest import tiny_tree
 
 ENGINE = Path(fedflat.__file__).parent / "engine"
@@ -111,3 +118,72 @@ def test_no_function_of_the_engine_is_longer_than_40_lines():
 def test_the_simulation_is_composed_in_under_25_lines():
     source = textwrap.dedent(inspect.getsource(Simulation.__init__))
     assert source.count("\n") < 25, source
+
+
+class LoggingAverage(Average):
+    """A plugin's server (FedAvg's step) that logs a value every round: the round and ``||w^{t+1}||``."""
+
+    name = "logging_avg"
+    summary = "test only"
+
+    def step(self, ctx):
+        w_new = super().step(ctx)
+        ctx.log["logged_round"] = float(ctx.round)
+        ctx.log["w_norm"] = float(w_new.norm())
+        return w_new
+
+
+@pytest.fixture
+def logging_server():
+    register_part(LoggingAverage)
+    yield tiny_tree(algo={"name": "fedavg", "server": "logging_avg"}, rounds=7, eval={"every": 3})
+    PARTS["server"].pop("logging_avg", None)
+
+
+def test_a_value_a_server_hook_logs_is_recorded_for_every_round(logging_server, tmp_path):
+    """Evaluated every 3 rounds, the line of every round holds its logged value (rounds 1, 2, 4, 5 without the
+    evaluation's keys), equal to what a run evaluated every round logs; a run whose parts log nothing keeps
+    its evaluated lines only."""
+    seen: list[int] = []
+
+    class Told(Callback):
+        def on_log(self, run, round, metrics):
+            seen.append(round)
+
+    sparse = fedflat.run({**logging_server, "loggers": ["csv"]}, out=tmp_path, progress=False, callbacks=[Told()])
+    lines = read_jsonl(sparse.run_dir / "metrics.jsonl")
+    assert lines == sparse.metrics and [m["round"] for m in lines] == list(range(1, 8))
+    with open(sparse.run_dir / "metrics.csv") as fh:  # the loggers record the same lines
+        assert [int(row["round"]) for row in csv.DictReader(fh)] == list(range(1, 8))
+    assert [m["logged_round"] for m in lines] == list(range(7)) and seen == [1, 2, 4, 5]
+    assert [m["round"] for m in lines if "test_acc" in m] == [3, 6, 7]
+    every = fedflat.run({**logging_server, "eval": {"every": 1}}, save=False, progress=False)
+    assert [m["w_norm"] for m in lines] == [m["w_norm"] for m in every.metrics]
+    silent = fedflat.run({**logging_server, "algo": {"name": "fedavg"}}, save=False, progress=False)
+    assert [m["round"] for m in silent.metrics] == [3, 6, 7]
+
+
+def test_a_resumed_run_neither_loses_nor_repeats_the_logged_lines(logging_server, tmp_path, monkeypatch):
+    """Ctrl-C right after round 5 (not evaluated) is committed: its line is written with its account, the
+    checkpoint carries it, and the resume ends equal to a run never interrupted."""
+    full = fedflat.run(logging_server, save=False, progress=False)
+    original, fired = Simulation.run_round, []
+
+    def interrupted(self, t):
+        out = original(self, t)
+        if t == 4 and not fired:
+            fired.append(t)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(Simulation, "run_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fedflat.run({**logging_server, "checkpoint_every": 2}, out=tmp_path, progress=False)
+    monkeypatch.undo()
+    (folder,) = list(tmp_path.iterdir())
+    assert read_checkpoint(folder)["round"] == 5
+    assert [m["round"] for m in read_jsonl(folder / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    resumed = resume(folder, progress=False)
+    assert metrics_equal(resumed.metrics, full.metrics) and metrics_equal(read_jsonl(folder / "metrics.jsonl"),
+                                                                           full.metrics)
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
