@@ -33,8 +33,6 @@ from conftest import tiny_tree
 
 ENGINE = Path(fedflat.__file__).parent / "engine"
 LONGEST = 40  # lines of a function in fedflat/engine, its def and docstring included
-# Functions another change of issue 46 rewrites (the local step's hot path and its correction hook, items 1 and 3).
-NOT_YET = {("client.py", "_local_steps")}
 
 
 @pytest.fixture
@@ -111,7 +109,7 @@ def _functions(path: Path):
 
 def test_no_function_of_the_engine_is_longer_than_40_lines():
     long = [f"{p.name}:{name} ({lines} lines)" for p in sorted(ENGINE.glob("*.py")) for name, lines in _functions(p)
-            if lines > LONGEST and (p.name, name) not in NOT_YET]
+            if lines > LONGEST]
     assert not long, "split these: " + ", ".join(long)
 
 
