@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import fedflat
 import fedflat.algorithms.compose as compose
 from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.fedavg import Average
-from fedflat.core import PARTS, register_part
+from fedflat.cli import main
+from fedflat.core import PARTS, Correction, register_part
 from fedflat.config import AlgoSpec, ConfigError, SamplingConfig, as_config, resolve, validate
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.server import Server
@@ -55,7 +57,42 @@ def test_a_run_builds_its_method_once_and_resolving_the_config_builds_nothing(bu
     assert as_config(cfg) == cfg and resolve(cfg)["algo"]["perturbation"]["rho"] == 0.1
     assert len(builds) == 1
     fedflat.run(cfg, save=False, progress=False)
-    assert len(builds) == 2  # the driver's one build, for the run
+    fedflat.run(cfg, clients=[list(range(i, 180, 6)) for i in range(6)], save=False, progress=False)
+    assert len(builds) == 1  # the driver's runs take the load's parts, with their own upload stages
+
+
+class Counted(Correction):
+    """A plugin's correction (plain SGD) that counts its constructions."""
+
+    name = "counted"
+    summary = "test only"
+    made: list[int] = []
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        Counted.made.append(1)
+
+
+@pytest.fixture
+def counted():
+    register_part(Counted)
+    Counted.made.clear()
+    yield tiny_tree(algo={"name": "fedavg", "correction": "counted"}, rounds=1)
+    PARTS["correction"].pop("counted", None)
+
+
+@pytest.mark.parametrize("given", ["dict", "yaml", "cli"])
+def test_a_run_from_a_dict_a_yaml_file_or_the_cli_constructs_the_method_once(counted, given, tmp_path):
+    """Issue 46: the driver builds the method once, however the config comes (the load's build is the run's)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(counted))
+    if given == "dict":
+        fedflat.run(counted, save=False, progress=False)
+    elif given == "yaml":
+        fedflat.run(str(path), overrides=["train.lr=0.05"], save=False, progress=False)
+    else:
+        assert main(["run", str(path), "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
+    assert len(Counted.made) == 1
 
 
 def test_each_thread_worker_builds_the_method_once_from_the_same_spec(builds):
@@ -64,7 +101,7 @@ def test_each_thread_worker_builds_the_method_once_from_the_same_spec(builds):
     sim = Simulation(cfg)
     try:
         sim.run_round(0)
-        assert len(builds) == 3  # the driver's, and one per other thread worker (the driver's runtime is the first)
+        assert len(builds) == 2  # one per other thread worker (the first runs the driver's, built at the load)
         assert {r.algorithm.resolved()["name"] for r in sim.executor.runtimes} == {"fedavg"}
     finally:
         sim.close()

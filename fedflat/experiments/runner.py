@@ -127,7 +127,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         raise ConfigError("secure_aggregation carries the uploads of a Flower run: run this config with `fedflat "
                           "flower-sim` or deploy it with `fedflat flower-app` (docs/flower.md)")
     if clients is not None and cfg.data.num_clients != len(clients):
-        cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
+        cfg = as_config(cfg, [f"data.num_clients={len(clients)}"])
     where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce, group, job)
     with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
         if resume is not None:
