@@ -393,16 +393,18 @@ class AlgoSpec(BaseModel):
     part that has one) or under their role (``perturbation: {rho: 0.1}``).
 
     Resolved once: when the config is loaded (:func:`validate`) the method is built, checked against the upload
-    path, and its resolution kept (:meth:`resolved`: every part and hyperparameter under its role, what
-    ``config.yaml`` records). A run's driver then builds the method once from this spec
-    (:meth:`fedflat.engine.simulation.Simulation.build_algorithm`), and each Ray worker, thread worker or Flower
-    node once from the same spec. It reads as the section's mapping (``spec["name"]``, ``dict(spec)``)."""
+    path, and its parts and resolution kept (:meth:`resolved`: every part and hyperparameter under its role, what
+    ``config.yaml`` records). A run's driver takes those parts with the run's upload stages (:meth:`build`, from
+    :meth:`fedflat.engine.simulation.Simulation.build_algorithm`): the driver builds the method once, at the load;
+    each Ray worker, thread worker or Flower node builds it once from the same section. It reads as the section's
+    mapping (``spec["name"]``, ``dict(spec)``)."""
 
     model_config = ConfigDict(extra="allow")
 
     name: str | None = None
     _resolved: dict[str, Any] | None = PrivateAttr(None)
     _checked: str | None = PrivateAttr(None)  # what it was checked with (checked_key): a re-validation skips the build
+    _parts: tuple[str, dict[str, Any]] | None = PrivateAttr(None)  # the load's (name, parts), for the driver's run
 
     def section(self) -> dict[str, Any]:
         """The section as given: ``{name, **roles and hyperparameters}``."""
@@ -443,14 +445,30 @@ class AlgoSpec(BaseModel):
             self._resolved = build_algorithm(self).resolved()
         return copy.deepcopy(self._resolved)
 
-    def remember(self, resolved: dict[str, Any], key: str) -> None:
-        """Keeps the load's resolution and what the method was checked with (:func:`_check_method`)."""
-        self._resolved, self._checked = resolved, key
+    def build(self, stages: list[dict[str, Any]] | tuple = ()) -> Any:
+        """The method (:class:`fedflat.algorithms.Algorithm`) with the upload ``stages``: the load's parts when this
+        spec was validated (parts keep no state, so every run of the config may use them), else built here."""
+        from fedflat.algorithms.compose import assemble, build_parts
 
-    def adopt(self, other: "AlgoSpec") -> None:
-        """Takes ``other``'s resolution when it is the same section (a Config validated again)."""
-        if other.section() == self.section():
-            self._resolved, self._checked = other._resolved, other._checked
+        return assemble(*(self._parts or build_parts(self)), stages)
+
+    def remember(self, resolved: dict[str, Any], key: str, parts: tuple[str, dict[str, Any]] | None = None) -> None:
+        """Keeps the load's resolution, what the method was checked with (:func:`_check_method`) and its parts."""
+        self._resolved, self._checked, self._parts = resolved, key, parts
+
+    def adopt(self, other: "AlgoSpec | None") -> None:
+        """Takes ``other``'s resolution and parts when it is the same section (a Config validated again)."""
+        if other is not None and other.section() == self.section():
+            self._resolved, self._checked, self._parts = other._resolved, other._checked, other._parts
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled without the load's parts (a plugin's classes may not import where it is unpickled: the other
+        process builds the method from the section)."""
+        state = super().__getstate__()
+        private = state.get("__pydantic_private__")
+        if private:
+            state = {**state, "__pydantic_private__": {**private, "_parts": None}}
+        return state
 
 
 DEVICE_ENV = "FEDFLAT_DEVICE"  # the device of configs that name none (the tests' --device sets it)
@@ -676,8 +694,9 @@ def located(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> "Config":
-    """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates."""
+                base: dict[str, Any] | None = None, method: AlgoSpec | None = None) -> "Config":
+    """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates; ``method`` is the
+    base's method already built, taken over where the overrides leave the ``algo`` section as it is."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         file = config_file(path)
@@ -697,7 +716,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if key == "plugins" and isinstance(value, list):
             value = plugins.resolve([str(p) for p in value])  # on the command line: relative to the working folder
         apply_override(tree, key, value)
-    return validate(tree)
+    return validate(tree, method)
 
 
 def _roles() -> tuple[str, ...]:
@@ -727,17 +746,17 @@ def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
     return not isinstance(node, dict) or node.get(leaf) != value
 
 
-def validate(tree: dict[str, Any] | "Config") -> "Config":
-    """Validates a raw tree (or re-validates a Config) including registry names and options."""
-    given = tree.algo if isinstance(tree, Config) else None
+def validate(tree: dict[str, Any] | "Config", method: AlgoSpec | None = None) -> "Config":
+    """Validates a raw tree (or re-validates a Config) including registry names and options; the method of a Config
+    (or ``method``, one built before for the same section) is not built again."""
+    given = tree.algo if isinstance(tree, Config) else method
     if isinstance(tree, Config):
         tree = tree.model_dump()
     try:
         cfg = Config(**tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
-    if given is not None:  # already resolved: checked again only where the upload path changed
-        cfg.algo.adopt(given)
+    cfg.algo.adopt(given)  # already resolved: checked again only where the upload path changed
     plugins.load(cfg.plugins)  # their parts, recipes, models and datasets, before anything is looked up by name
     cfg = _with_recipe_privacy(cfg)
     _check_registered(cfg)
@@ -809,19 +828,21 @@ def _check_method(cfg: Config) -> None:
     """The method built once with the upload path (the noise multiplier not calibrated: ``z = 1`` stands in),
     checked against it, and its resolution kept in the spec (:meth:`AlgoSpec.remember`); a spec already checked
     with the same stages is not built again."""
-    from fedflat.algorithms import AlgorithmError, build_algorithm
+    from fedflat.algorithms import AlgorithmError
+    from fedflat.algorithms.compose import assemble, build_parts
 
     key = checked_key(cfg)
     if cfg.algo._checked == key:
         return
     try:
-        algorithm = build_algorithm(cfg.algo, cfg.stage_specs(calibrate=False))
+        method = cfg.algo._parts or build_parts(cfg.algo)
+        algorithm = assemble(*method, cfg.stage_specs(calibrate=False))
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
     _check_secure_aggregation(cfg, algorithm)
-    cfg.algo.remember(algorithm.resolved(), key)
+    cfg.algo.remember(algorithm.resolved(), key, method)
 
 
 def _check_section_kinds(cfg: Config) -> None:
@@ -1020,7 +1041,8 @@ def quickstart_path() -> Path:
 def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """A validated :class:`Config` from a Config, a raw dict, a YAML path, or None (the quickstart)."""
     if isinstance(config, Config):
-        return load_config(None, overrides, base=config.model_dump()) if overrides else validate(config)
+        return load_config(None, overrides, base=config.model_dump(), method=config.algo) if overrides else \
+            validate(config)
     if isinstance(config, dict):
         return load_config(None, overrides, base=config)
     return load_config(quickstart_path() if config is None else config, overrides)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from test_layers import LAYERS
@@ -50,3 +51,73 @@ def test_the_hand_check_recipe_gives_the_rounds_per_client_updates():
     expected = w_before + deltas.mean(0)
     assert torch.allclose(sim.w, expected, rtol=0, atol=8 * 2.0 ** -24 * float(w_before.abs().max() + 1))
     assert not torch.equal(sim.w, w_before)
+
+
+class _Net(torch.nn.Module):
+    """A user's model: one linear layer on the flattened input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+def _user_model():
+    return _Net()
+
+
+def _calls_before_the_first_round(monkeypatch, **extra) -> list[list[int]]:
+    """Every call of the user's ``model_fn`` or of its module's ``forward`` that ``fedflat.run`` makes before its first
+    round, each as the layers of the fedflat frames on the stack, outermost (``fedflat.api``) first."""
+    import sys
+
+    import fedflat
+    from conftest import tiny_tree
+    from fedflat.engine.simulation import Simulation
+    from test_layers import layer_of
+
+    targets, calls = {_user_model.__code__, _Net.forward.__code__}, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in targets:
+            chain, caller = [], frame.f_back
+            while caller is not None:
+                module = caller.f_globals.get("__name__", "")
+                if module.split(".")[0] == "fedflat":
+                    chain.append(layer_of(module))
+                caller = caller.f_back
+            calls.append(chain[::-1])
+
+    first_round = Simulation.run_round
+
+    def untraced(self, t):
+        sys.setprofile(None)
+        return first_round(self, t)
+
+    monkeypatch.setattr(Simulation, "run_round", untraced)
+    sys.setprofile(profile)
+    try:
+        fedflat.run(tiny_tree(rounds=1, **extra), model_fn=_user_model, save=False, progress=False)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _ups(layers: list[int]) -> int:
+    return sum(later > earlier for earlier, later in zip(layers, layers[1:]))
+
+
+@pytest.mark.parametrize("extra", [{"engine": "sequential"}, {"engine": "vectorized"},
+                                   {"executor": {"name": "threads", "workers": 2}}], ids=["sequential", "vectorized",
+                                                                                          "threads"])
+def test_a_users_model_fn_goes_back_up_the_layers_at_most_once(monkeypatch, extra):
+    """Issue 46: from ``fedflat.run`` to each call of the user's ``model_fn`` and of its ``forward`` (the probes of one
+    model report), the calling chain runs down the layers (api 8, experiments 7, engine 5, params 1) and goes back up
+    at most once; and so does the sequence of the layers that call it, in the order they do."""
+    calls = _calls_before_the_first_round(monkeypatch, **extra)
+    assert len(calls) >= 2 and all(chain[0] == 8 for chain in calls)  # model_fn, then its forward, from fedflat.run
+    assert max(_ups(chain) for chain in calls) <= 1, calls
+    callers = [chain[-1] for chain in calls]
+    assert _ups([layer for i, layer in enumerate(callers) if i == 0 or layer != callers[i - 1]]) <= 1, callers

@@ -3,6 +3,7 @@ debug mode watches every one, and docs/extending.md's tables are made from the s
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from fedflat.core.upload import UploadStage
 BASES = {"any": Part, "perturbation": Perturbation, "filter": Filter, "correction": Correction,
          "aggregation": Aggregation, "server": ServerUpdate, "personalization": Personalization, "upload": UploadStage}
 EXTENDING = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 @pytest.mark.parametrize("role", sorted(BASES))
@@ -53,3 +55,28 @@ def test_the_docs_tables_are_the_core_table():
         table = hook_table(roles)
         assert table in text, f"docs/extending.md's table of {roles} is not fedflat.core.hook_table({roles})"
     assert set(PART_TABLE) | set(STAGE_TABLE) == set(ROLE_HOOKS)
+
+
+def _users(hook: str) -> set[str]:
+    """The registered parts and stages (``role:name``) whose class defines ``hook`` itself or inherits it from a
+    method's class, not from fedflat.core's base."""
+    import fedflat.algorithms  # noqa: F401 - registers every built-in part and stage
+    from fedflat.core import PARTS, STAGES
+
+    users = set()
+    for cls in [*(c for parts in PARTS.values() for c in parts.values()), *STAGES.values()]:
+        owner = next((k for k in cls.__mro__ if hook in vars(k)), None)
+        if owner is not None and owner.__module__.startswith("fedflat.algorithms"):
+            users.add(f"{cls.role}:{cls.name}")
+    return users
+
+
+def test_every_hook_with_at_most_one_user_says_why_it_is_a_hook():
+    """Issue 46: a hook that serves one part either serves a second or says, in docs/architecture.md's "Hooks with one
+    user", why it stays; a hook that gains or loses users fails here until that list is updated."""
+    section = ARCHITECTURE.read_text().split("## Hooks with one user")[1].split("\n## ")[0]
+    documented = {hook: set() if users == "none" else set(users.split(", "))
+                  for hook, users in re.findall(r"^- `(\w+)` \(([\w:, ]+)\) — ", section, flags=re.M)}
+    at_most_one = {h.name: _users(h.name) for h in HOOKS if len(_users(h.name)) <= 1}
+    assert documented == at_most_one
+    assert {"descent_gradient", "distillation", "personal", "private_buffers"} <= set(documented)

@@ -282,6 +282,22 @@ def _recipe_defaults(recipe: Recipe, classes: dict[str, type[Part]]) -> dict[str
 def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tuple = ()) -> Algorithm:
     """Assembles the algorithm of a config's ``algo`` section (``name``, roles, hyperparameters flat or scoped) with
     the upload ``stages`` (``{name, **hyperparameters}`` each, e.g. :meth:`fedflat.config.Config.stage_specs`)."""
+    return assemble(*build_parts(section), stages)
+
+
+def assemble(name: str, parts: dict[str, Part], stages: list[dict[str, Any]] | tuple = ()) -> Algorithm:
+    """The algorithm of the method ``name`` made of ``parts`` (:func:`build_parts`) and the upload ``stages``; every
+    hook watched where the contract's mode says so (:func:`fedflat.core.contract.watched`)."""
+    built = build_stages(stages)
+    # hooks watched for in-place changes: a plugin's parts always, every part with FEDFLAT_CHECK_CONTRACT=1 (the tests)
+    watched = {role: contract.watched(part) for role, part in parts.items()}
+    return Algorithm(name=name, parts=watched, stages=[contract.watched(stage) for stage in built])
+
+
+def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
+    """The method of an ``algo`` section: its recipe's name and its parts, one per role, with their hyperparameters,
+    checked together (shared hyperparameters, slots and server entries). Parts keep no state (the contract's rule
+    4), so one method's parts serve every run of its config."""
     section = scoped_section(section)
     name = section.pop("name", "fedavg")
     if name not in RECIPES:
@@ -304,11 +320,7 @@ def build_algorithm(section: dict[str, Any], stages: list[dict[str, Any]] | tupl
     parts = {role: cls(_params(cls, role, values[role])) for role, cls in classes.items()}
     _check_shared(parts)
     _check_composition(parts)
-    built = build_stages(stages)
-    # hooks watched for in-place changes: a plugin's parts always, every part with FEDFLAT_CHECK_CONTRACT=1 (the tests)
-    parts = {role: contract.watched(part) for role, part in parts.items()}
-    built = [contract.watched(stage) for stage in built]
-    return Algorithm(name=name, parts=parts, stages=built)
+    return name, parts
 
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:

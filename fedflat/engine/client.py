@@ -6,8 +6,8 @@ their random streams, returning their uploads, new state and measured work — n
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
 
 import torch
 
@@ -201,59 +201,107 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
                  session: ClientSession | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``E_i`` local steps of :func:`fit` from ``ctx.w_start``: the final models ``W[C, P]`` and each client's
     summed step losses."""
-    parts = algorithm.parts
-    perturbation, filt, correction = parts["perturbation"], parts["filter"], parts["correction"]
-    personal = parts["personalization"] if parts["personalization"].steps_locally else None  # (Ditto, APFL)
-    settings, batches = ctx.settings, ctx.batches
-    clip, clip_scope, lr = settings.clip, settings.clip_scope, ctx.lr
-    poisoners = [s for s in algorithm.stages if hasattr(s, "poison")]  # data attacks (fedflat.algorithms.attacks)
-    ids, steps = cohort.ids.tolist(), cohort.steps.tolist()
-    schedules = batches.schedules(ctx.round, ids, steps)
-    generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
-                  if batches.augment is not None else None)
+    loop = LocalLoop.start(algorithm, ctx, cohort, session)
     W = ctx.w_start.expand(cohort.size, -1).clone()
-    optimizer = None if settings.optimizer.plain else OptimizerState.start(settings.optimizer, W, cohort.state,
-                                                                            cohort.known)
-    # AdamW's weight decay is decoupled: d is computed without it, and the optimizer shrinks w by 1 - eta wd
-    decay = settings.weight_decay if settings.optimizer.name == "adamw" else 0.0
-    direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
-    distill = perturbation.distillation(ctx)
+    optimizer = loop.optimizer_state(W)
     loss_sum = torch.zeros(cohort.size, device=W.device)
-    longest = max(steps)
-    uniform = min(steps) == longest
     cohort.active = torch.ones(cohort.size, dtype=torch.bool, device=W.device)
-    for k in range(longest):
-        if not uniform:
-            cohort.active = cohort.steps > k
-        if session is not None:
-            session.step(cohort.active)
-        picks = [sched[min(k, len(sched) - 1)] for sched in schedules]
-        batch = batches.batch(picks, generators)
-        for stage in poisoners:  # a malicious client's batches (label flips, a backdoor's trigger)
-            batch = stage.poison(ctx, cohort, batch)
-        if not uniform:
-            batch.clients = sum(e > k for e in steps)
-        eps = perturbation.perturb(ctx, cohort, k, W, batch)
-        if eps is not None and filt.acts_on == "perturbation":
-            eps = filt.apply(ctx, cohort, eps)
-        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch, distill)
-        grad = perturbation.descent_gradient(ctx, cohort, grad)
-        if filt.acts_on == "gradient":
-            grad = filt.apply(ctx, cohort, grad)
-        direction = local_direction(correction, direction_ctx, cohort, k, W, grad, clip, clip_scope)
-        if personal is not None:
-            personal.local_step(ctx, cohort, k, W, batch)
-        if optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
-            W = optimizer.step(W, direction, lr, decay, None if uniform else cohort.active)
-            loss_sum += loss if uniform else torch.where(cohort.active, loss, torch.zeros_like(loss))
-        elif uniform:
-            W.add_(direction, alpha=-lr)  # w - eta d in one pass
-            loss_sum += loss
-        else:
-            active = cohort.active
-            W = torch.where(active[:, None], torch.add(W, direction, alpha=-lr), W)  # the same arithmetic
-            loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+    for k in range(max(loop.steps)):
+        batch = loop.batch(k)
+        loss, direction = loop.direction(k, W, batch)
+        W = loop.update(W, direction, loss, loss_sum, optimizer)
     if optimizer is not None:
         optimizer.save(cohort.new_state)
     return W, loss_sum
 
+
+@dataclass
+class LocalLoop:
+    """What the local steps of one cohort share (set up once by :meth:`start`), and one step in three parts:
+    :meth:`batch` (the clients' batches of step ``k``), :meth:`direction` (``d`` at ``W``) and :meth:`update`
+    (``w <- w - eta_l^t d``, or the local optimizer's step, on the rows still active)."""
+
+    algorithm: Algorithm
+    ctx: ClientContext
+    cohort: Cohort
+    session: ClientSession | None
+    schedules: list[list[torch.Tensor]]  # each client's batch indices, step by step
+    generators: list[torch.Generator] | None  # each client's augmentation stream (None: no augmentation)
+    poisoners: list[Any]  # the data attacks' stages (fedflat.algorithms.attacks)
+    personal: Any  # a personalization that steps locally (Ditto, APFL), else None
+    direction_ctx: ClientContext  # the context the correction sees (without AdamW's decoupled decay)
+    decay: float  # AdamW's decoupled weight decay (0 otherwise)
+    distill: Any  # the perturbation's distillation term (None without one)
+    steps: list[int]  # E_i per client
+    uniform: bool  # every client takes the same number of steps (no masking)
+
+    @classmethod
+    def start(cls, algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
+              session: ClientSession | None) -> "LocalLoop":
+        settings, batches = ctx.settings, ctx.batches
+        ids, steps = cohort.ids.tolist(), cohort.steps.tolist()
+        generators = ([torch_stream(settings.seed, ctx.round, i, "augment", batches.x.device) for i in ids]
+                      if batches.augment is not None else None)
+        # AdamW's weight decay is decoupled: d is computed without it, and the optimizer shrinks w by 1 - eta wd
+        decay = settings.weight_decay if settings.optimizer.name == "adamw" else 0.0
+        direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
+        personal = algorithm.parts["personalization"]
+        return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
+                   [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
+                   direction_ctx, decay, algorithm.parts["perturbation"].distillation(ctx), steps,
+                   min(steps) == max(steps))
+
+    def optimizer_state(self, W: torch.Tensor) -> OptimizerState | None:
+        """The local optimizer's state (``train.optimizer``; None for plain SGD) from the clients' kept rows."""
+        optimizer, cohort = self.ctx.settings.optimizer, self.cohort
+        return None if optimizer.plain else OptimizerState.start(optimizer, W, cohort.state, cohort.known)
+
+    def batch(self, k: int) -> Batch:
+        """Step ``k``'s batch of every client (poisoned for a data attack's clients), the active rows marked."""
+        cohort, steps = self.cohort, self.steps
+        if not self.uniform:
+            cohort.active = cohort.steps > k
+        if self.session is not None:
+            self.session.step(cohort.active)
+        picks = [sched[min(k, len(sched) - 1)] for sched in self.schedules]
+        batch = self.ctx.batches.batch(picks, self.generators)
+        for stage in self.poisoners:  # a malicious client's batches (label flips, a backdoor's trigger)
+            batch = stage.poison(self.ctx, cohort, batch)
+        if not self.uniform:
+            batch.clients = sum(e > k for e in steps)
+        return batch
+
+    def direction(self, k: int, W: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's losses and direction ``d`` (:func:`fit`'s equation: perturbation, filter, oracle, descent,
+        correction, clip and decay); a personalization that steps locally (Ditto, APFL) takes its step too."""
+        parts, ctx, cohort = self.algorithm.parts, self.ctx, self.cohort
+        perturbation, filt = parts["perturbation"], parts["filter"]
+        eps = perturbation.perturb(ctx, cohort, k, W, batch)
+        if eps is not None and filt.acts_on == "perturbation":
+            eps = filt.apply(ctx, cohort, eps)
+        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch, self.distill)
+        grad = perturbation.descent_gradient(ctx, cohort, grad)
+        if filt.acts_on == "gradient":
+            grad = filt.apply(ctx, cohort, grad)
+        settings = ctx.settings
+        direction = local_direction(parts["correction"], self.direction_ctx, cohort, k, W, grad, settings.clip,
+                                    settings.clip_scope)
+        if self.personal is not None:
+            self.personal.local_step(ctx, cohort, k, W, batch)
+        return loss, direction
+
+    def update(self, W: torch.Tensor, direction: torch.Tensor, loss: torch.Tensor, loss_sum: torch.Tensor,
+               optimizer: OptimizerState | None) -> torch.Tensor:
+        """``w <- w - eta_l^t d`` on the active rows (or the optimizer's step along ``d``), their losses added to
+        ``loss_sum``; the new ``W``."""
+        lr, uniform, active = self.ctx.lr, self.uniform, self.cohort.active
+        if optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
+            W = optimizer.step(W, direction, lr, self.decay, None if uniform else active)
+            loss_sum += loss if uniform else torch.where(active, loss, torch.zeros_like(loss))
+        elif uniform:
+            W.add_(direction, alpha=-lr)  # w - eta d in one pass
+            loss_sum += loss
+        else:
+            W = torch.where(active[:, None], torch.add(W, direction, alpha=-lr), W)  # the same arithmetic
+            loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+        return W

@@ -78,7 +78,8 @@ class RoundResult:
     up_bytes: int = 0
     down_bytes: int = 0
     dropped: list[int] = field(default_factory=list)  # sampled clients whose upload never came (failed nodes)
-    log: dict[str, float] = field(default_factory=dict)  # the parts' per-round scalars (ctx.log)
+    log: dict[str, float] = field(default_factory=dict)  # the round's scalars: the parts' (ctx.log), rejected, epsilon
+    logged: list[str] = field(default_factory=list)  # the keys of log the parts wrote (ctx.log): recorded every round
     rejected: dict[str, str] = field(default_factory=dict)  # client -> why its upload was rejected (validation)
 
 
@@ -211,8 +212,6 @@ class Server:
         result = result.to(self.device)
         # NaN/Inf or (validation.max_norm) too large: rejected with a warning naming the client, or the run fails
         ctx, result, rejected = checked(self.algorithm, ctx, result, self.cfg.validation)
-        if rejected:
-            ctx.log["rejected"] = float(len(rejected))
         w_new = self.algorithm.aggregate(ctx, result)
         if not all_finite(w_new):
             raise Diverged(f"round {round + 1}: the global model became non-finite")
@@ -247,7 +246,8 @@ class Server:
         P, buffer_bytes = self.model.layout.size, self.model.buffer_layout.nbytes  # buffers: at their dtypes' size
         down_vectors, down_bytes = payload_size(opened.broadcast.shared(), P, opened.broadcast.personal)
         up_vectors, up_bytes = payload_size({}, P, {k: v for k, v in result.upload.items() if k != BUFFERS})
-        log = dict(ctx.log)
+        log = {"rejected": float(len(done.rejected))} if done.rejected else {}
+        log.update(ctx.log)
         if self.privacy is not None:
             log.update(self.privacy.spend(ctx.round, result.ids.cpu(), ctx.steps.cpu()))
         return RoundResult(
@@ -255,7 +255,7 @@ class Server:
             drift=ctx.deltas.norm(dim=1).mean().item(), clients=ctx.K, seconds=time.perf_counter() - opened.start,
             backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
             up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes + buffer_bytes,
-            down_bytes=down_bytes + buffer_bytes, dropped=done.dropped, log=log,
+            down_bytes=down_bytes + buffer_bytes, dropped=done.dropped, log=log, logged=list(ctx.log),
             rejected={str(c): why for c, why in done.rejected.items()})
 
     def _empty_round(self, opened: OpenRound) -> RoundResult:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fedflat import plugins
-from fedflat.algorithms import Algorithm, AlgorithmError, build_algorithm
+from fedflat.algorithms import Algorithm, AlgorithmError
 from fedflat.algorithms.attacks import backdoor_of, for_dataset
 from fedflat.config import Config
 from fedflat.core import BUFFERS, SERVER, ClientResult, ConfigError, TrainSettings, stream_seed
@@ -160,12 +160,12 @@ class Simulation:
         self.eval_metrics: dict[str, float] = {}  # eval.metrics at the last evaluate() ({} without any)
 
     def build_algorithm(self) -> Algorithm:
-        """The run's algorithm, built once in this process from the config's ``algo`` with the upload path's stages
-        (privacy, compression, attacks, robust rules; the noise multiplier calibrated once here), and checked
-        against the optimizer and schedule."""
+        """The run's algorithm: the config's method (its parts built once in this process, when the config was
+        loaded: :meth:`fedflat.config.AlgoSpec.build`) with the upload path's stages (privacy, compression, attacks,
+        robust rules; the noise multiplier calibrated once here), checked against the optimizer and schedule."""
         cfg, data = self.cfg, self.dataset
         self.stage_specs = for_dataset(cfg.stage_specs(), data.num_classes, tuple(data.input_shape))
-        algorithm = build_algorithm(cfg.algo, self.stage_specs)
+        algorithm = cfg.algo.build(self.stage_specs)
         check_recipe(algorithm.parts, algorithm.name, self.settings.optimizer, cfg.train.schedule)
         return algorithm
 

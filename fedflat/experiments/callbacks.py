@@ -7,6 +7,8 @@ A callback is any object with some of these methods (subclass :class:`Callback` 
     on_round_end(run, round, metrics)      after every round: its metrics line when it was evaluated, else the
                                            round's training numbers (train_loss, lr, seconds, communication)
     on_evaluation(run, round, metrics)     after an evaluated round's line is written to metrics.jsonl
+    on_log(run, round, metrics)            after the line of a round not evaluated is written to metrics.jsonl
+                                           (a round whose parts logged values, ctx.log: every such round has one)
     on_checkpoint(run, round, path)        after checkpoint.pt is written (every checkpoint_every rounds, the end)
     on_run_end(run, summary, status)       once, after summary.json and model.pt are written, whatever happened:
                                            status is completed, stopped, diverged or failed (summary['reason']
@@ -45,7 +47,7 @@ import torch
 from fedflat.core import ConfigError
 from fedflat.files import atomic_torch_save
 
-EVENTS = ("on_run_start", "on_round_end", "on_evaluation", "on_checkpoint", "on_run_end")
+EVENTS = ("on_run_start", "on_round_end", "on_evaluation", "on_log", "on_checkpoint", "on_run_end")
 
 
 class CallbackError(ConfigError):
@@ -106,6 +108,9 @@ class Callback:
         pass
 
     def on_evaluation(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def on_log(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
         pass
 
     def on_checkpoint(self, run: RunInfo, round: int, path: Path) -> None:

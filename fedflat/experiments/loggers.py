@@ -135,6 +135,10 @@ class Logger(Callback):
         """Checks what can be checked before any run starts (the library; a tracking store)."""
         self.require()
 
+    def on_log(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
+        """The line of a round not evaluated (its parts logged values): recorded as an evaluated round's is."""
+        self.on_evaluation(run, round, metrics)
+
     def on_run_start(self, run: RunInfo) -> None:
         if self.needs_folder and run.run_dir is None:
             raise CallbackError(f"the {self.name} logger writes into the run folder: run with save=True")

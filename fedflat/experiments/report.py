@@ -159,7 +159,7 @@ def runs_at(runs: list[Run], round: int) -> list[Run]:
     for run in runs:
         then = at_round(run, round)
         if then is None:
-            last = run.metrics[-1]["round"] if run.metrics else 0
+            last = max((m["round"] for m in run.metrics if m.get("test_acc") is not None), default=0)
             warn(f"left out {run.path}: it did not evaluate round {round} (its last evaluation: round {last})")
         else:
             cut.append(then)

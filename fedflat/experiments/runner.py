@@ -48,7 +48,8 @@ def dropped_note(dropped: dict[str, list[int]]) -> str:
 class History:
     """What a run produced: per-evaluation metrics, the summary, the final global model (flat).
 
-    ``metrics`` holds one dict per evaluated round (the lines of ``metrics.jsonl``), ``summary`` what
+    ``metrics`` holds the lines of ``metrics.jsonl``: one dict per evaluated round, and one per round between
+    whose parts logged values (``ctx.log``; its training numbers, without the evaluation's keys), ``summary`` what
     ``summary.json`` holds, ``config`` the resolved config, ``final_parameters`` the global model as one flat
     vector and ``state_dict`` as the model's state dict (both on the CPU, whatever the run's device); ``run_dir`` is
     the run folder (None with ``save=False``).
@@ -62,7 +63,8 @@ class History:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def column(self, key: str) -> list[Any]:
-        """One metric over the evaluated rounds (``history.column("test_acc")``; None where a round lacks it)."""
+        """One metric over the metrics lines (``history.column("test_acc")``; None where a line lacks it, as the line
+        of a round not evaluated lacks the evaluation's keys)."""
         return [m.get(key) for m in self.metrics]
 
     @property
@@ -125,7 +127,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         raise ConfigError("secure_aggregation carries the uploads of a Flower run: run this config with `fedflat "
                           "flower-sim` or deploy it with `fedflat flower-app` (docs/flower.md)")
     if clients is not None and cfg.data.num_clients != len(clients):
-        cfg = as_config(cfg.model_dump(), [f"data.num_clients={len(clients)}"])
+        cfg = as_config(cfg, [f"data.num_clients={len(clients)}"])
     where = Output(save, out, run_dir, resume, progress, progress if announce is None else announce, group, job)
     with torch_threads(None), ExitStack() as stack:  # the caller's torch thread count comes back afterwards
         if resume is not None:
@@ -398,7 +400,9 @@ class Runner:
         else:
             for hook in self.hooks:
                 hook(self, t, None)
-            record = {"round": t + 1, **_training_fields(result)}
+            record = _logged_line(result)
+            if result.logged:  # its line is in metrics.jsonl (:meth:`_settle`)
+                self.callbacks.emit("on_log", t + 1, record)
         self.callbacks.emit("on_round_end", t + 1, record)
 
     def _evaluated(self, t: int) -> bool:
@@ -414,12 +418,12 @@ class Runner:
         try:
             result = self.train_round(t)
             with uninterrupted():
-                self._account(result)
+                self._settle(result)
         except KeyboardInterrupt:
             last = self.sim.last_round
             if last is not None and last.round == t and self.summary["rounds"] == t:
                 with uninterrupted():
-                    self._account(last)
+                    self._settle(last)
             raise
         finally:
             self._note_deaths(t)
@@ -435,6 +439,19 @@ class Runner:
                      if "redone_on" in death else "no worker was left")
             print(f"fedflat: warning: Ray worker {death['worker']} died in round {t + 1} ({death['error']}); "
                   f"{again} (recorded in summary.json)", file=sys.stderr, flush=True)
+
+    def _settle(self, result: RoundResult) -> None:
+        """A committed round's account, and the metrics line of a round not evaluated whose parts logged values
+        (``ctx.log``): taken together, so a checkpoint never holds the round without its line."""
+        self._account(result)
+        if result.logged and not self._evaluated(result.round):
+            self._append(_logged_line(result))
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """``record`` appended to ``metrics.jsonl`` and to the lines a checkpoint carries."""
+        if self.run_dir is not None:
+            self.run_dir.append_metrics(record)
+        self.metrics.append(record)
 
     def _account(self, result: RoundResult) -> None:
         s, t = self.summary, result.round
@@ -467,9 +484,7 @@ class Runner:
         for hook in self.hooks:
             hook(self, t, record)
         with uninterrupted():
-            if self.run_dir is not None:
-                self.run_dir.append_metrics(record)
-            self.metrics.append(record)
+            self._append(record)
             s["eval_seconds"] += eval_seconds
             if s[f"best_{split}_acc"] is None or acc > s[f"best_{split}_acc"]:
                 s[f"best_{split}_acc"], s["best_round"] = acc, t + 1
@@ -532,6 +547,11 @@ def _backdoor_metric(runner: Runner, t: int, record: dict[str, Any] | None) -> N
     """``backdoor_acc`` in an evaluated round's line (:meth:`Simulation.backdoor_accuracy`)."""
     if record is not None:
         record["backdoor_acc"] = runner.sim.backdoor_accuracy()
+
+
+def _logged_line(result: RoundResult) -> dict[str, Any]:
+    """The line of a round not evaluated: its training numbers with the values its parts logged (``ctx.log``)."""
+    return {"round": result.round + 1, **_training_fields(result)}
 
 
 def _training_fields(result: RoundResult) -> dict[str, Any]:
