@@ -87,7 +87,7 @@ class MLPGradient:
     def __init__(self, slots: tuple[Slot, ...], size: int, device: torch.device):
         self.slots, self.size = slots, size
         self.one = torch.ones((), device=device)  # dl/dl: what autograd.grad(loss) starts from
-        self._views: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}  # w's address -> views
         self._scratch: dict[int, torch.Tensor] = {}  # layer -> an aligned [out, in] for a misaligned slice of g
 
     @classmethod
@@ -115,15 +115,21 @@ class MLPGradient:
         return (x.dtype == torch.float32 and y.dtype == torch.int64 and w.dtype == torch.float32 and w.dim() == 1
                 and w.shape[0] == self.size and w.is_contiguous() and w.device == self.one.device and x.dim() >= 2)
 
-    def parameters(self, w: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's ``(W_l, b_l)`` as views of ``w`` (kept for the last ``w``: the sequential engine steps one
-        row in place, so its views stay valid; holding them keeps that memory alive, so an equal address is the same
-        tensor's)."""
+    def parameters(self, w: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(W_l, W_l^T, b_l)``, views of ``w``, kept for the last two ``w`` (the sequential engine
+        steps its row in place, SAM alternates ``w`` and ``w + eps``). Holding the views keeps their memory alive, so
+        a ``w`` at the same address is a view of the same memory."""
         key = w.data_ptr()
-        if self._views is None or self._views[0] != key:
-            self._views = (key, [(w[s.weight:s.weight + s.out * s.inp].view(s.out, s.inp), w[s.bias:s.bias + s.out])
-                                 for s in self.slots])
-        return self._views[1]
+        views = self._views.pop(key, None)
+        if views is None:
+            views = []
+            for s in self.slots:
+                W = w[s.weight:s.weight + s.out * s.inp].view(s.out, s.inp)
+                views.append((W, W.t(), w[s.bias:s.bias + s.out]))
+            if len(self._views) == 2:
+                del self._views[next(iter(self._views))]
+        self._views[key] = views
+        return views
 
     def loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(l, dl/dw)`` of the batch ``(x[B, ...], y[B])`` at ``w[P]``: the forward pass keeping each layer's input
@@ -132,18 +138,18 @@ class MLPGradient:
             w = w.detach()
         params = self.parameters(w)
         inputs = [x.flatten(1)]
-        for W, b in params[:-1]:
-            inputs.append(torch.relu(torch.addmm(b, inputs[-1], W.t())))  # nn.Linear's addmm, then ReLU
-        W, b = params[-1]
-        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], W.t()), 1, False)
+        for _, Wt, b in params[:-1]:
+            inputs.append(torch.relu(torch.addmm(b, inputs[-1], Wt)))  # nn.Linear's addmm(b, a, W^T), then ReLU
+        _, Wt, b = params[-1]
+        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], Wt), 1, False)
         loss, total_weight = torch.ops.aten.nll_loss_forward(log_p, y, None, MEAN, IGNORE_INDEX)
         G = torch.ops.aten.nll_loss_backward(self.one, log_p, y, None, MEAN, IGNORE_INDEX, total_weight)
         G = torch.ops.aten._log_softmax_backward_data(G, log_p, 1, torch.float32)  # G_L = (p - onehot(y)) / B
         g = torch.empty(self.size, device=w.device)
         for l in range(len(self.slots) - 1, -1, -1):
             s = self.slots[l]
-            torch.sum(G, 0, keepdim=True, out=g[s.bias:s.bias + s.out].view(1, s.out))  # dl/db_l
-            self._weight_gradient(l, G, inputs[l], g[s.weight:s.weight + s.out * s.inp].view(s.out, s.inp))
+            torch.sum(G, 0, keepdim=True, out=g.as_strided((1, s.out), (s.out, 1), s.bias))  # dl/db_l
+            self._weight_gradient(l, G, inputs[l], g.as_strided((s.out, s.inp), (s.inp, 1), s.weight))
             if l:
                 G = torch.ops.aten.threshold_backward(G.mm(params[l][0]), inputs[l], 0)  # G_{l-1}
         return loss, g
