@@ -46,6 +46,20 @@ def test_gradient_is_autograds_bit_for_bit(shape, hidden, B):
         assert torch.equal(loss, want_loss[0]) and torch.equal(g, want_g[0])
 
 
+def test_a_cohort_with_padded_rows_is_autograds():
+    """The oracle's cohort path (several rows, a padded batch: each row's real samples) equals autograd's, loss and
+    gradient, and does not count backprops differently."""
+    torch.manual_seed(2)
+    model = FlatModel(mlp((1, 4, 4), 3, (8,)))
+    hand, reference = Oracle(model), autograd_oracle(model)
+    assert hand.hand is not None
+    W = model.initial + 0.1 * torch.randn(3, model.initial.numel())
+    weight = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
+    batch = Batch(torch.randn(3, 6, 1, 4, 4), torch.randint(0, 3, (3, 6)), weight, clients=3)
+    (loss, g), (want_loss, want_g) = hand.loss_grad(W, batch), reference.loss_grad(W, batch)
+    assert torch.equal(loss, want_loss) and torch.equal(g, want_g) and hand.backprops == reference.backprops == 3
+
+
 def test_shapes_hold_a_misaligned_weight():
     """Among SHAPES a weight's slice of ``g`` starts off the 64-byte alignment of a fresh tensor (written through the
     aligned scratch matrix) and others on it (written in place)."""

@@ -14,9 +14,11 @@ cross-entropy, ``threshold_backward`` on ReLU's output, and for ``nn.Linear`` (`
 ``mm_mat1_backward`` ``mm(G, W)`` and the bias's gradient summed to its shape (``sum(G, 0, keepdim=True)``). The
 gradient is therefore autograd's bit for bit (tests/test_mlp_gradient.py), without autograd's graph and its ~60
 small operations per step, and each term is written into its own slice of one flat ``g[P]``, so no ``torch.cat``
-follows (docs/benchmarks.md, "A hand-derived MLP gradient").
+follows (docs/benchmarks.md, "A hand-derived MLP gradient"). One thing autograd's arithmetic depends on besides the
+operations: MKL's ``gemm`` may round differently into an output at another alignment than a fresh tensor's 64 bytes,
+so a weight whose slice of ``g`` starts elsewhere gets its product in an aligned scratch matrix, then copied.
 
-It applies only to a module that *is* fedflat's :class:`~fedflat.models.mlp.MLP` or
+It applies on the CPU only, to a module that *is* fedflat's :class:`~fedflat.models.mlp.MLP` or
 :class:`~fedflat.models.mlp.LogReg` as built (exact classes, no hooks, the parameters in their order):
 :func:`hand_derived`, decided once per model (:class:`fedflat.engine.modes.ModelTraits`). Anything else, a
 subclass included, keeps autograd.
@@ -94,7 +96,8 @@ class MLPGradient:
     def of(cls, model) -> "MLPGradient | None":
         """The gradient of the :class:`fedflat.params.FlatModel` ``model``, or None where it does not apply."""
         layers = linear_stack(model.module)
-        if layers is None or model.initial.dtype != torch.float32 or model.buffer_layout.size:
+        if (layers is None or model.initial.dtype != torch.float32 or model.buffer_layout.size
+                or model.initial.device.type != "cpu"):  # (on a GPU, cuBLAS's choices are not checked here)
             return None
         prefix = [f"body.{2 * i}" for i in range(len(layers) - 1)] + ["head"]
         names = tuple(f"{p}.{kind}" for p in prefix for kind in ("weight", "bias"))

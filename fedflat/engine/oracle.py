@@ -9,12 +9,12 @@ into one flat ``[C, P]`` tensor by a single ``torch.cat``: differentiating throu
 flat leaf would make autograd materialise a zero-filled ``[P]`` gradient per tensor and add them up,
 which costs more than the backward pass itself for a small MLP. The values are the same.
 
-fedflat's own MLP and LogReg under plain cross-entropy in float32 (``ModelTraits.hand_gradient``, decided once per
-model) skip autograd on the sequential engine: :class:`~fedflat.engine.mlp_gradient.MLPGradient` runs the forward
-pass and the backward formulas autograd would run, the same ATen operations on the same operands, and writes each
-layer's gradient into its slice of ``g[P]`` (no graph, no ``torch.cat``): the same bits, about a quarter less CPU
-time per W1 step (docs/benchmarks.md). Distillation, DP-SGD, ``precision: bf16``, a ``loss_fn``, the vectorized
-engine and every other module keep autograd.
+fedflat's own MLP and LogReg under plain cross-entropy in float32 on the CPU (``ModelTraits.hand_gradient``,
+decided once per model) skip autograd on the sequential engine: :class:`~fedflat.engine.mlp_gradient.MLPGradient`
+runs the forward pass and the backward formulas autograd would run, the same ATen operations on the same operands,
+and writes each layer's gradient into its slice of ``g[P]`` (no graph, no ``torch.cat``): the same bits, and W1's
+rounds in 0.7-0.8 of their CPU time (docs/benchmarks.md). Distillation, DP-SGD, ``precision: bf16``, a ``loss_fn``,
+the vectorized engine, a GPU and every other module keep autograd.
 
 A module with buffers, dropout or batch statistics (:class:`fedflat.engine.modes.ModelTraits`) is run per client
 within a :class:`ClientSession` that :func:`fedflat.engine.client.fit` opens: training passes in ``train()`` mode,
