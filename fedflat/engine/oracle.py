@@ -113,13 +113,13 @@ class Oracle:
         self.autocast = {"float32": None, "bf16": torch.bfloat16}[precision]
         self.channels_last = channels_last
         self.backprops = 0
+        hand = MLPGradient.of(model)  # (found again on this process's own module: a Ray worker builds its own)
         self.traits = traits if traits is not None else ModelTraits(
             buffers=model.buffer_layout.size > 0,
             mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()),
-            hand_gradient=MLPGradient.of(model) is not None)
-        # the gradient by hand (checked again on this process's own module: a Ray worker builds its own)
-        self.hand = (MLPGradient.of(model) if self.traits.hand_gradient and not vectorized and self.autocast is None
-                     and loss is None else None)
+            hand_gradient=hand is not None)
+        plain = not vectorized and self.autocast is None and loss is None  # sequential, float32, cross-entropy
+        self.hand = hand if self.traits.hand_gradient and plain else None  # the gradient by hand (None: autograd)
         self.session: ClientSession | None = None
         self._dropout_calls: dict[tuple, tuple[DropoutCall, ...]] = {}
         self.dp_sgd: tuple[float, float] | None = None  # (C, z) of per-example DP-SGD (privacy.level: instance)
