@@ -150,6 +150,7 @@ def test_other_modules_keep_autograd(build):
     assert not hand_derived(model)
     oracle = Oracle(model)
     assert not oracle.traits.hand_gradient and oracle.hand is None
+    assert Oracle(model, traits=ModelTraits(hand_gradient=True)).hand is None  # (a worker checks its own module)
     x, y = torch.randn(5, 1, 4, 4), torch.tensor([0, 1, 2, 1, 0])
     _, g = oracle.loss_grad(model.initial[None], Batch(x[None], y[None]))
     leaf = model.initial.clone().requires_grad_(True)
