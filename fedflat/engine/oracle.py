@@ -13,7 +13,7 @@ fedflat's own MLP and LogReg under plain cross-entropy in float32 on the CPU (``
 decided once per model) skip autograd on the sequential engine: :class:`~fedflat.engine.mlp_gradient.MLPGradient`
 runs the forward pass and the backward formulas autograd would run, the same ATen operations on the same operands,
 and writes each layer's gradient into its slice of ``g[P]`` (no graph, no ``torch.cat``): the same bits, and W1's
-rounds in 0.7-0.8 of their CPU time (docs/benchmarks.md). Distillation, DP-SGD, ``precision: bf16``, a ``loss_fn``,
+rounds in 0.7-0.85 of their CPU time (docs/benchmarks.md). Distillation, DP-SGD, ``precision: bf16``, a ``loss_fn``,
 the vectorized engine, a GPU and every other module keep autograd.
 
 A module with buffers, dropout or batch statistics (:class:`fedflat.engine.modes.ModelTraits`) is run per client
