@@ -10,9 +10,9 @@ them in batched (:class:`Replay`): both engines, every chunking and every execut
 
 **The up-front check** (:func:`inspect_module`, before round 0): one forward pass in ``train()`` and one in
 ``eval()`` mode on a few training samples finds what the engines must know (:class:`ModelTraits`: dropout,
-other random operations, samples that see each other through batch statistics, buffers) and refuses, with a
-one-line reason, what would be silently wrong: a forward that changes the parameters or a non-persistent buffer,
-and randomness in ``eval()`` mode.
+other random operations, samples that see each other through batch statistics, buffers, a gradient the oracle
+computes by hand) and refuses, with a one-line reason, what would be silently wrong: a forward that changes the
+parameters or a non-persistent buffer, and randomness in ``eval()`` mode.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedflat.core import ConfigError
+from fedflat.engine.mlp_gradient import hand_derived
 
 ALPHA = 1.7580993408473766  # SELU's alpha: ATen's alpha dropout constant
 
@@ -149,12 +150,15 @@ class ModelTraits:
     ``random``: another random operation of its training forward (its name; it draws from the global generator,
     which the sequential engine seeds from the client's stream ``"forward"``; the vectorized engine refuses it);
     ``mixes``: a sample's output depends on the other samples of its batch (BatchNorm's batch statistics), so a
-    vectorized step never pads a client's batch; ``buffers``: it has persistent buffers (federated state)."""
+    vectorized step never pads a client's batch; ``buffers``: it has persistent buffers (federated state);
+    ``hand_gradient``: it is fedflat's MLP or LogReg as built, whose cross-entropy gradient the sequential oracle
+    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.mlp_gradient`)."""
 
     dropout: bool = False
     random: str | None = None
     mixes: bool = False
     buffers: bool = False
+    hand_gradient: bool = False
 
     @property
     def stateful(self) -> bool:
@@ -208,7 +212,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
                               "nn.Dropout)")
         mixes = _mixes_samples(model, w, x)
     return ModelTraits(dropout=bool(dropout.calls), random=random.seen[0] if random.seen else None, mixes=mixes,
-                       buffers=layout.size > 0)
+                       buffers=layout.size > 0, hand_gradient=hand_derived(model))
 
 
 def _mixes_samples(model, w: torch.Tensor, x: torch.Tensor) -> bool:

@@ -9,6 +9,13 @@ into one flat ``[C, P]`` tensor by a single ``torch.cat``: differentiating throu
 flat leaf would make autograd materialise a zero-filled ``[P]`` gradient per tensor and add them up,
 which costs more than the backward pass itself for a small MLP. The values are the same.
 
+fedflat's own MLP and LogReg under plain cross-entropy in float32 on the CPU (``ModelTraits.hand_gradient``,
+decided once per model) skip autograd on the sequential engine: :class:`~fedflat.engine.mlp_gradient.MLPGradient`
+runs the forward pass and the backward formulas autograd would run, the same ATen operations on the same operands,
+and writes each layer's gradient into its slice of ``g[P]`` (no graph, no ``torch.cat``): the same bits, and W1's
+rounds in 0.7-0.85 of their CPU time (docs/benchmarks.md). Distillation, DP-SGD, ``precision: bf16``, a ``loss_fn``,
+the vectorized engine, a GPU and every other module keep autograd.
+
 A module with buffers, dropout or batch statistics (:class:`fedflat.engine.modes.ModelTraits`) is run per client
 within a :class:`ClientSession` that :func:`fedflat.engine.client.fit` opens: training passes in ``train()`` mode,
 each client with its own buffers (``[C, Q]``) and its own dropout masks, a step's batch never padded (clients of
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from fedflat.core import Batch, Distillation, stream_seed, torch_stream
 from fedflat.engine.graphs import GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
+from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, drawing, recording
 from fedflat.params import FlatModel
 
@@ -107,9 +115,13 @@ class Oracle:
         self.autocast = {"float32": None, "bf16": torch.bfloat16}[precision]
         self.channels_last = channels_last
         self.backprops = 0
+        hand = MLPGradient.of(model)  # (found again on this process's own module: a Ray worker builds its own)
         self.traits = traits if traits is not None else ModelTraits(
             buffers=model.buffer_layout.size > 0,
-            mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()))
+            mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()),
+            hand_gradient=hand is not None)
+        plain = not vectorized and self.autocast is None and loss is None  # sequential, float32, cross-entropy
+        self.hand = hand if self.traits.hand_gradient and plain else None  # the gradient by hand (None: autograd)
         self.session: ClientSession | None = None
         self._dropout_calls: dict[tuple, tuple[DropoutCall, ...]] = {}
         self.dp_sgd: tuple[float, float] | None = None  # (C, z) of per-example DP-SGD (privacy.level: instance)
@@ -205,6 +217,8 @@ class Oracle:
         return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
 
     def _loss_grad_one(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hand is not None and self.hand.takes(w, x, y):
+            return self.hand.loss_grad(w, x, y)
         views = [v.detach().requires_grad_(True) for v in self.model.layout.views(w)]
         loss = self._mean_loss(views, self._arranged(x), y)
         grads = torch.autograd.grad(loss, views)
