@@ -68,9 +68,10 @@ def _user_model():
     return _Net()
 
 
-def _calls_before_the_first_round(monkeypatch, **extra) -> list[list[int]]:
+def _calls_before_the_first_round(monkeypatch, **extra) -> list[tuple[bool, list[int]]]:
     """Every call of the user's ``model_fn`` or of its module's ``forward`` that ``fedflat.run`` makes before its first
-    round, each as the layers of the fedflat frames on the stack, outermost (``fedflat.api``) first."""
+    round: whether it builds a model (``model_fn``), and the layers of the fedflat frames on the stack, outermost
+    (``fedflat.api``) first."""
     import sys
 
     import fedflat
@@ -88,7 +89,7 @@ def _calls_before_the_first_round(monkeypatch, **extra) -> list[list[int]]:
                 if module.split(".")[0] == "fedflat":
                     chain.append(layer_of(module))
                 caller = caller.f_back
-            calls.append(chain[::-1])
+            calls.append((frame.f_code is _user_model.__code__, chain[::-1]))
 
     first_round = Simulation.run_round
 
@@ -115,9 +116,14 @@ def _ups(layers: list[int]) -> int:
 def test_a_users_model_fn_goes_back_up_the_layers_at_most_once(monkeypatch, extra):
     """Issue 46: from ``fedflat.run`` to each call of the user's ``model_fn`` and of its ``forward`` (the probes of one
     model report), the calling chain runs down the layers (api 8, experiments 7, engine 5, params 1) and goes back up
-    at most once; and so does the sequence of the layers that call it, in the order they do."""
+    at most once; and so does the sequence of the layers that build a model and probe it, in the order they do (for
+    each model built: the driver's, and a thread worker's own where it probes its model, as the vectorized engine's
+    memory estimate does on a GPU)."""
     calls = _calls_before_the_first_round(monkeypatch, **extra)
-    assert len(calls) >= 2 and all(chain[0] == 8 for chain in calls)  # model_fn, then its forward, from fedflat.run
-    assert max(_ups(chain) for chain in calls) <= 1, calls
-    callers = [chain[-1] for chain in calls]
-    assert _ups([layer for i, layer in enumerate(callers) if i == 0 or layer != callers[i - 1]]) <= 1, callers
+    assert len(calls) >= 2 and all(chain[0] == 8 for _, chain in calls)  # model_fn, then its forward, from fedflat.run
+    assert calls[0][0], "the first call builds the model"
+    assert max(_ups(chain) for _, chain in calls) <= 1, calls
+    builds = [i for i, (building, _) in enumerate(calls) if building] + [len(calls)]
+    for start, end in zip(builds, builds[1:]):
+        callers = [chain[-1] for _, chain in calls[start:end]]
+        assert _ups([layer for i, layer in enumerate(callers) if i == 0 or layer != callers[i - 1]]) <= 1, callers

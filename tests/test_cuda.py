@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fedflat
+from agreement import float32_bound
 from fedflat.core import Batch
 from fedflat.engine.simulation import Simulation
 
@@ -83,8 +84,10 @@ def test_out_of_memory_in_a_chunk_halves_it_and_changes_nothing(tiny):
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     assert sim.runtime.oom_retries >= 1 and sim.runtime.oom_cap < 8
-    # (grouped convolutions of different group counts round differently on a GPU: float tolerance)
-    torch.testing.assert_close(sim.w, reference.w, rtol=1e-4, atol=1e-4)
+    # (grouped convolutions of different group counts sum in other orders on a GPU: the float32 bound of
+    # tests/agreement.py, relative to the weights' scale for the weights near zero)
+    bound = float32_bound(sim, 1)
+    torch.testing.assert_close(sim.w, reference.w, rtol=bound, atol=bound * float(reference.w.abs().max()))
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])

@@ -2,6 +2,8 @@
 bit, whole runs with it equal runs without it, and every other module keeps autograd."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,8 +89,8 @@ def test_logreg_gradient_is_the_softmax_residual():
 def test_runs_with_and_without_it_agree(monkeypatch, algo):
     """Whole FedAvg and FedSAM runs on the tiny problem (clients of unequal step counts, weight decay and the clip)
     end with the same parameters bit for bit with the gradient by hand and with it forced off; the first run did
-    take it."""
-    tree = {**TINY, "rounds": 2, "algo": {"name": algo}}
+    take it. (On the CPU: its only device.)"""
+    tree = {**TINY, "rounds": 2, "algo": {"name": algo}, "device": "cpu"}
     taken = []
     real = MLPGradient.loss_grad
     monkeypatch.setattr(MLPGradient, "loss_grad", lambda self, *a: taken.append(1) or real(self, *a))
@@ -103,7 +105,8 @@ def test_runs_with_and_without_it_agree(monkeypatch, algo):
 
 def test_decided_once_per_model(tiny):
     """The model's report records it: on for fedflat's MLP and LogReg, off for the CNN; the sequential oracle takes
-    it only with plain cross-entropy in float32, the vectorized one never."""
+    it only with plain cross-entropy in float32 on the CPU, the vectorized one never."""
+    tiny = partial(tiny, "device=cpu")
     assert Simulation(tiny("engine=sequential")).traits.hand_gradient
     assert Simulation(tiny("engine=sequential")).oracle.hand is not None
     assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.hand is not None
