@@ -12,8 +12,8 @@
 #   converge  FedAvg, FedSAM, FedLESAM (bf16, channels-last) and FedAvg (TF32) with ResNet-18-GN on Fashion-MNIST,
 #             all four at once on the GPU, for at most $CONVERGE_SECONDS (default 540); the runs' metrics come
 #             back in converge_runs.tgz (data.root: $FMNIST, default .gpu/fmnist; extra overrides: $CONVERGE_OVERRIDES)
-#   graphs3   W3 with cuda_graphs=true: bf16, bf16 with channels-last, TF32; sequential beside the bare loop, then
-#             the vectorized engine (FedAvg and FedSAM)
+#   graphs3   W3 with cuda_graphs=true: bf16, bf16 with channels-last, TF32 (or only $GRAPHS_OPTS, one option set);
+#             sequential beside the bare loop, then the vectorized engine (FedAvg and FedSAM)
 #   lease3    the third lease's batch: graphs3 alone on the GPU, then tests and memory side by side, all packed into
 #             $OUT/session.tgz (as session does)
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
@@ -63,7 +63,8 @@ for stage in "$@"; do
         esac
       done ;;
     graphs3)
-      for opts in "precision=bf16" "precision=bf16 channels_last=true" ""; do
+      sets=("precision=bf16" "precision=bf16 channels_last=true" ""); [ -n "${GRAPHS_OPTS+x}" ] && sets=("$GRAPHS_OPTS")
+      for opts in "${sets[@]}"; do
         name=$(echo tf32 $opts | tr ' =' '_-')
         engines=sequential; [ "$opts" = "precision=bf16" ] && engines=sequential,bare
         timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines $engines --rounds 1 \

@@ -248,12 +248,11 @@ class Oracle:
         if distill is not None:
             return self._loss_grad_distilled(W, batch, distill)
         self._mode(True)
-        graphed = self.graphed
         if self.vectorized:
             if batch.weight is None:
-                return (graphed or self._vector_pass)(W, batch.x, batch.y)
+                return (self.graphed or self._vector_pass)(W, batch.x, batch.y)
             return (self.graphed_weighted or self._vector_pass_weighted)(W, batch.x, batch.y, batch.weight)
-        one = graphed or self._loss_grad_one
+        one = self.graphed or self._loss_grad_one
         if C == 1 and batch.weight is None:
             loss, grad = one(W[0], batch.x[0], batch.y[0])
             return loss.unsqueeze(0), grad.unsqueeze(0)
