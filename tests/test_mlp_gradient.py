@@ -18,6 +18,7 @@ from fedflat.engine.simulation import Simulation
 from fedflat.models.mlp import MLP, LogReg, logreg, mlp
 from fedflat.params import FlatModel
 from fedflat.testing import TINY
+from tests.test_native import require_native
 
 # (input shape, hidden widths (None: LogReg), batch): W1's MLP with its full and a short last batch, one and three
 # hidden layers of odd widths (slices of g at offsets no multiple of a vector's width), a batch of one, LogReg
@@ -32,14 +33,19 @@ def autograd_oracle(model: FlatModel) -> Oracle:
     return oracle
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("shape,hidden,B", SHAPES)
-def test_gradient_is_autograds_bit_for_bit(shape, hidden, B):
+def test_gradient_is_autograds_bit_for_bit(shape, hidden, B, path):
     """Loss and every entry of ``g[P]`` equal autograd's (``torch.equal``) at several points, with labels of every
-    class."""
+    class, by the native operator (tests/test_native.py) and by the Python method."""
     torch.manual_seed(0)
     model = FlatModel(logreg(shape, 10) if hidden is None else mlp(shape, 10, hidden))
     hand, reference = MLPGradient.of(model), autograd_oracle(model)
     assert hand is not None
+    if path == "native":
+        require_native(hand)
+    else:
+        hand.native = None
     for _ in range(3):
         w = model.initial + 0.1 * torch.randn_like(model.initial)
         x, y = torch.randn(B, *shape), torch.randint(0, 10, (B,))

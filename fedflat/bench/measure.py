@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedflat.config import Config, load_config
 from fedflat.bench.workloads import ENGINES, WORKLOADS
+from fedflat.engine import native
 from fedflat.engine.threads import torch_threads
 
 # ----------------------------------------------------------------------------- the machine
@@ -52,7 +53,7 @@ def machine(device: torch.device) -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "matmul_flops": matmul_flops(device), **_tensor_core_peaks(device)}
+            "matmul_flops": matmul_flops(device), **_tensor_core_peaks(device), "native": native.status()}
 
 
 def _tensor_core_peaks(device: torch.device) -> dict[str, float]:

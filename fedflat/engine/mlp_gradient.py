@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from fedflat.engine import native
 from fedflat.models.mlp import MLP, LogReg
 
 # The bytes to which a fresh CPU tensor is aligned (c10's allocator), and to which a BLAS (Intel's MKL says so of its
@@ -89,6 +90,9 @@ class MLPGradient:
     def __init__(self, slots: tuple[Slot, ...], size: int, device: torch.device):
         self.slots, self.size = slots, size
         self.one = torch.ones((), device=device)  # dl/dl: what autograd.grad(loss) starts from
+        # the same operations in one GIL-free C++ call (fedflat.engine.native; None: this method's Python runs)
+        self.native = native.load()
+        self.flat_slots = [n for s in slots for n in (s.weight, s.bias, s.out, s.inp)]
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}  # w's address -> views
         self._scratch: dict[int, torch.Tensor] = {}  # layer -> an aligned [out, in] for a misaligned slice of g
 
@@ -136,9 +140,16 @@ class MLPGradient:
 
     def loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(l, dl/dw)`` of the batch ``(x[B, ...], y[B])`` at ``w[P]``: the forward pass keeping each layer's input
-        ``a_{l-1}``, then ``G_l`` backwards with each layer's gradient written into its slice of ``g``."""
+        ``a_{l-1}``, then ``G_l`` backwards with each layer's gradient written into its slice of ``g``; the native
+        operator where it is built (the same operations, bit for bit), else in Python."""
         if w.requires_grad:
             w = w.detach()
+        if self.native is not None:
+            return self.native(w, x, y, self.flat_slots, self.size, self.one)
+        return self.python_loss_grad(w, x, y)
+
+    def python_loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss_grad` in Python (where the native operator is not built, and its reference in the tests)."""
         params = self.parameters(w)
         inputs = [x.flatten(1)]
         for _, Wt, b in params[:-1]:

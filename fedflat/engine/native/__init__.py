@@ -1,0 +1,158 @@
+"""fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
+
+One operator so far, ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
+MLP gradient of :class:`fedflat.engine.mlp_gradient.MLPGradient` as one call, bit for bit the Python method's (the
+same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
+Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
+(``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).
+
+:func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
+fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
+where the key hashes the source, torch's version and the compiler, so a new torch or an edited source builds anew.
+The build is written under a temporary name and renamed into place under a file lock, then its SHA-256 beside it,
+so concurrent processes (Ray workers, parallel tests) build once, and a library without a matching digest (half
+written, damaged) is built again rather than loaded (``dlopen`` of a truncated library crashes the process). Where no compiler is found or the
+build fails, :func:`load` says why once (:func:`status`) and returns None: the Python method runs instead, with the
+same numbers. ``FEDFLAT_NATIVE=0`` turns the native path off.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SOURCE = Path(__file__).with_name("mlp_gradient.cpp")
+FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
+BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}  # "op": the operator or None, "reason": why it is None
+
+
+def enabled() -> bool:
+    """Whether the native path may be used (``FEDFLAT_NATIVE`` unset, or anything but ``0``/``off``/``false``)."""
+    return os.environ.get("FEDFLAT_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else ``c++`` or ``g++`` on the PATH (None: none found)."""
+    name = os.environ.get("CXX")
+    if name:
+        return shutil.which(name)
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$FEDFLAT_CACHE/native`` (default ``~/.cache/fedflat/native``)."""
+    root = os.environ.get("FEDFLAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fedflat")
+    return Path(root) / "native"
+
+
+def _torch_paths() -> tuple[list[str], str]:
+    base = Path(torch.__file__).parent
+    return [str(base / "include")], str(base / "lib")
+
+
+def _abi_flag() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def library_path(cxx: str) -> Path:
+    """The built library's path for this source, torch and compiler ``cxx``."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, version, _abi_flag(), *FLAGS,
+                                    sys.platform]).encode()).hexdigest()[:16]
+    return cache_dir() / key / "libfedflat_native.so"
+
+
+def digest_path(target: Path) -> Path:
+    """The SHA-256 of a complete build, written after it: a library without a matching one is not loaded."""
+    return target.with_name(target.name + ".sha256")
+
+
+def intact(target: Path) -> bool:
+    """Whether ``target`` is a whole build (its recorded SHA-256 matches): ``dlopen`` of a truncated library
+    crashes the process instead of raising."""
+    try:
+        return digest_path(target).read_text().strip() == hashlib.sha256(target.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
+def build(cxx: str, target: Path) -> Path:
+    """Compiles :data:`SOURCE` into ``target`` unless an intact build is there (checked under a file lock, so
+    concurrent processes build once), then records its SHA-256; raises ``RuntimeError`` with the compiler's message
+    when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes: one builds, the others wait and find it
+        if intact(target):
+            return target
+        includes, lib = _torch_paths()
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+        os.close(fd)
+        command = [cxx, *FLAGS, _abi_flag(), *(f"-I{i}" for i in includes), str(SOURCE), "-o", tmp,
+                   f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr[-2000:]}")
+            digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+            os.replace(tmp, target)  # atomic: a reader sees the whole library or none
+            with open(tmp, "w") as f:
+                f.write(digest)
+            os.replace(tmp, digest_path(target))  # last: only a whole library has a matching digest
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def _load_op() -> Callable:
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    target = library_path(cxx)
+    if not intact(target):  # not built yet, or damaged (a disk that filled up, say): built (again)
+        print(f"fedflat: building the native MLP gradient once (about 15 s) into {target.parent}", file=sys.stderr,
+              flush=True)
+        build(cxx, target)
+    torch.ops.load_library(str(target))
+    return torch.ops.fedflat.mlp_loss_grad.default
+
+
+def load() -> Callable | None:
+    """``torch.ops.fedflat.mlp_loss_grad`` (built if needed), or None where the native path is off or cannot be
+    built (:func:`status` says why; the first failure is also warned about)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "op" not in _loaded:
+            try:
+                _loaded["op"] = _load_op()
+            except Exception as err:  # noqa: BLE001 - any failure falls back to the Python method
+                _loaded["op"], _loaded["reason"] = None, f"{type(err).__name__}: {err}"
+                warnings.warn(f"fedflat's native MLP gradient is not available ({_loaded['reason']}); the Python "
+                              "method runs instead, with the same numbers, slower", stacklevel=2)
+        return _loaded["op"]  # type: ignore[return-value]
+
+
+def status() -> str:
+    """One line: whether the native operator is loaded, and from where or why not."""
+    if not enabled():
+        return "native MLP gradient: off (FEDFLAT_NATIVE=0)"
+    op = load()
+    if op is None:
+        return f"native MLP gradient: not available ({_loaded.get('reason')})"
+    cxx = compiler()
+    return f"native MLP gradient: loaded from {library_path(cxx) if cxx else '?'}"
