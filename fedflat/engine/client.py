@@ -34,7 +34,7 @@ def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
     step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
     decision and every scale are the full arithmetic's bit for bit."""
-    norms = D.norm(dim=-1, keepdim=True)
+    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)  # (Tensor.norm calls it, through more Python)
     if D.device.type == "cpu" and norms.numel() and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
         return None
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)

@@ -8,7 +8,8 @@ Python-level operator calls become one GIL-free call: faster on one thread, and 
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
-where the key hashes the source, torch's version and the compiler, so a new torch or an edited source builds anew.
+where the key hashes the source, torch's version and place and the compiler, so a new torch (or another
+environment's) or an edited source builds anew.
 The build is written under a temporary name and renamed into place under a file lock, then its SHA-256 beside it,
 so concurrent processes (Ray workers, parallel tests) build once, and a library without a matching digest (half
 written, damaged) is built again rather than loaded (``dlopen`` of a truncated library crashes the process). Where no compiler is found or the
@@ -70,8 +71,8 @@ def _abi_flag() -> str:
 def library_path(cxx: str) -> Path:
     """The built library's path for this source, torch and compiler ``cxx``."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, version, _abi_flag(), *FLAGS,
-                                    sys.platform]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent), version,
+                                    _abi_flag(), *FLAGS, sys.platform]).encode()).hexdigest()[:16]
     return cache_dir() / key / "libfedflat_native.so"
 
 
