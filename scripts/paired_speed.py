@@ -3,10 +3,12 @@ and off in the other, their rounds alternated (which goes first alternates too),
 
     python scripts/paired_speed.py --workload W1 --algo fedavg --rounds 8      # the hand-derived MLP gradient
     python scripts/paired_speed.py --workload W2 --algo fedavg --rounds 4      # W2's CNN: the oracle before it
+    python scripts/paired_speed.py --lever native --algo fedsam --rounds 6     # its native operator vs its Python
 
-"off" is the oracle without the hand-derived gradient (``oracle.hand = None``); on W2, whose CNN never takes it,
-"off" is the oracle's autograd path as it was before the gradient existed, so the ratio measures what the new
-check costs. Both runs must end with the same parameters (checked). Load changes the absolute times; the pairing
+``--lever hand`` (default): "off" is the oracle without the hand-derived gradient (``oracle.hand = None``); on W2,
+whose CNN never takes it, "off" is the oracle's autograd path as it was before the gradient existed, so the ratio
+measures what the new check costs. ``--lever native``: "off" is the hand-derived gradient's Python method
+(``oracle.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same parameters (checked). Load changes the absolute times; the pairing
 keeps the ratio (docs/benchmarks.md, "A hand-derived MLP gradient").
 """
 from __future__ import annotations
@@ -35,15 +37,22 @@ def main() -> None:
     p.add_argument("--workload", default="W1")
     p.add_argument("--algo", default="fedavg")
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--lever", choices=["hand", "native"], default="hand")
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = load_config(None, ["device=cpu", f"algo={a.algo}", "engine=sequential", "threads=1"],
                       base=WORKLOADS[a.workload].tree)
     on, off = Simulation(cfg), Simulation(cfg)
-    off.oracle.hand = None
-    if on.oracle.hand is None:  # (a model the gradient does not apply to: off is the oracle as it was)
-        off.oracle._loss_grad_one = autograd_only.__get__(off.oracle)
-    print(f"{a.workload} {a.algo}: hand-derived gradient {'taken' if on.oracle.hand is not None else 'not taken'}")
+    if a.lever == "native":
+        if on.oracle.hand is None or on.oracle.hand.native is None:
+            raise SystemExit(f"{a.workload} {a.algo}: the native MLP gradient is not taken here")
+        off.oracle.hand.native = None
+    else:
+        off.oracle.hand = None
+        if on.oracle.hand is None:  # (a model the gradient does not apply to: off is the oracle as it was)
+            off.oracle._loss_grad_one = autograd_only.__get__(off.oracle)
+    print(f"{a.workload} {a.algo}: hand-derived gradient {'taken' if on.oracle.hand is not None else 'not taken'}"
+          + (", native on/off" if a.lever == "native" else ""))
     cpu = {"on": [], "off": []}
     for t in range(a.rounds):
         for name in (("on", "off") if t % 2 == 0 else ("off", "on")):
