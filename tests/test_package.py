@@ -18,6 +18,7 @@ import yaml
 from fedflat.cli import main
 from fedflat.config import config_file, file_kind, load_config, packaged_configs, packaged_names
 from fedflat.core import ConfigError
+from fedflat.engine import native
 from fedflat.experiments.sweep import load_sweep
 from fedflat.experiments.tune import load_study
 from test_data import make_idx_dataset
@@ -147,6 +148,7 @@ def test_wheel_and_sdist_carry_every_config_the_license_and_the_typing_marker(di
         metadata = whl.read(f"{dist_info}/METADATA").decode()
     assert {n for n in names if n.startswith("fedflat/configs/")} == {f"fedflat/configs/{c}" for c in SHIPPED}
     assert "fedflat/py.typed" in names and f"{dist_info}/licenses/LICENSE" in names
+    assert "fedflat/engine/native/mlp_gradient.cpp" in names  # the native operator is built from it on first use
     assert not any(n.startswith(("tests/", "docs/", "configs/")) for n in names)
     assert "License-Expression: MIT" in metadata and "Classifier: Typing :: Typed" in metadata
     assert "Classifier: Intended Audience :: Science/Research" in metadata
@@ -154,7 +156,7 @@ def test_wheel_and_sdist_carry_every_config_the_license_and_the_typing_marker(di
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     assert {f"fedflat/configs/{c}" for c in SHIPPED} <= members
     assert {"LICENSE", "README.md", "pyproject.toml", "fedflat/py.typed", "tests/test_package.py",
-            "docs/experiments.md"} <= members
+            "docs/experiments.md", "fedflat/engine/native/mlp_gradient.cpp"} <= members
     assert "configs" not in members  # the repository's link is not shipped twice
 
 
@@ -190,6 +192,9 @@ def test_the_wheel_in_a_fresh_environment_runs_shipped_configs_by_name_from_an_e
     out = _run([fedflat, "run", "rounds=4", "--no-progress"], work, env).stdout
     run_dir = work / out.split("run folder: ", 1)[1].split()[0]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    # the quickstart's MLP took the native gradient, built from the wheel's source for this environment's torch
+    status = _run([bin_dir / "python", "-m", "fedflat.engine.native"], work, env).stdout
+    assert ("loaded from" in status) == (native.compiler() is not None), status
 
     assert "papers/fedscam_table1_fmnist" in _run([fedflat, "list", "--configs"], work, env).stdout
     out = _run([fedflat, "sweep", "papers/fedscam_table1_fmnist", "--variant", "small", f"data.root={data}",
