@@ -18,6 +18,10 @@ follows (docs/benchmarks.md, "A hand-derived MLP gradient"). One thing autograd'
 operations: MKL's ``gemm`` may round differently into an output at another alignment than a fresh tensor's 64 bytes,
 so a weight whose slice of ``g`` starts elsewhere gets its product in an aligned scratch matrix, then copied.
 
+Where the machine has a C++ compiler the same operations run as one native operator
+(:mod:`fedflat.engine.native`, ``mlp_gradient.cpp``): one call with the GIL released instead of ~35 Python-level
+calls, bit for bit the Python method's (:meth:`MLPGradient.python_loss_grad`, which runs where it cannot be built).
+
 It applies on the CPU only, to a module that *is* fedflat's :class:`~fedflat.models.mlp.MLP` or
 :class:`~fedflat.models.mlp.LogReg` as built (exact classes, no hooks, the parameters in their order):
 :func:`hand_derived`, decided once per model (:class:`fedflat.engine.modes.ModelTraits`). Anything else, a
