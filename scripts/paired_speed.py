@@ -8,8 +8,9 @@ and off in the other, their rounds alternated (which goes first alternates too),
 ``--lever hand`` (default): "off" is the oracle without the hand-derived gradient (``oracle.hand = None``); on W2,
 whose CNN never takes it, "off" is the oracle's autograd path as it was before the gradient existed, so the ratio
 measures what the new check costs. ``--lever native``: "off" is the hand-derived gradient's Python method
-(``oracle.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same parameters (checked). Load changes the absolute times; the pairing
-keeps the ratio (docs/benchmarks.md, "A hand-derived MLP gradient").
+(``oracle.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same
+parameters (checked). Load changes the absolute times; the pairing keeps the ratio (docs/benchmarks.md, "A
+hand-derived MLP gradient" and "The native MLP gradient").
 """
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ Python-level operator calls become one GIL-free call: faster on one thread, and 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
 where the key hashes the source, torch's version and place and the compiler, so a new torch (or another
-environment's) or an edited source builds anew.
-The build is written under a temporary name and renamed into place under a file lock, then its SHA-256 beside it,
-so concurrent processes (Ray workers, parallel tests) build once, and a library without a matching digest (half
-written, damaged) is built again rather than loaded (``dlopen`` of a truncated library crashes the process). Where no compiler is found or the
-build fails, :func:`load` says why once (:func:`status`) and returns None: the Python method runs instead, with the
-same numbers. ``FEDFLAT_NATIVE=0`` turns the native path off.
+environment's) or an edited source builds anew. The build is written under a temporary name and renamed into place
+under a file lock, then its SHA-256 beside it, so concurrent processes (Ray workers, parallel tests) build once, and
+a library without a matching digest (half written, damaged) is built again rather than loaded (``dlopen`` of a
+truncated library crashes the process). Where no compiler is found or the build fails, :func:`load` says why once
+(:func:`status`) and returns None: the Python method runs instead, with the same numbers. ``FEDFLAT_NATIVE=0`` turns
+the native path off.
 """
 from __future__ import annotations
 
