@@ -37,7 +37,7 @@ FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
 BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "op": the operator or None, "reason": why it is None
+_loaded: dict[str, object] = {}  # "op": the operator or None; "path": where it was loaded from; "reason": why None
 
 
 def enabled() -> bool:
@@ -129,6 +129,7 @@ def _load_op() -> Callable:
               flush=True)
         build(cxx, target)
     torch.ops.load_library(str(target))
+    _loaded["path"] = target
     return torch.ops.fedflat.mlp_loss_grad.default
 
 
@@ -152,8 +153,6 @@ def status() -> str:
     """One line: whether the native operator is loaded, and from where or why not."""
     if not enabled():
         return "native MLP gradient: off (FEDFLAT_NATIVE=0)"
-    op = load()
-    if op is None:
+    if load() is None:
         return f"native MLP gradient: not available ({_loaded.get('reason')})"
-    cxx = compiler()
-    return f"native MLP gradient: loaded from {library_path(cxx) if cxx else '?'}"
+    return f"native MLP gradient: loaded from {_loaded['path']}"
