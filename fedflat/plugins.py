@@ -64,14 +64,6 @@ def resolve(plugins: list[str] | tuple[str, ...], base: str | Path | None = None
     return out
 
 
-def module_of(plugin: str) -> str:
-    """The module name a plugin imports as (a path plugin: its file's stem or its folder's name)."""
-    path = _source(plugin, None)
-    if path is None:
-        return plugin
-    return path.stem if path.is_file() else path.name
-
-
 def load(plugins: list[str] | tuple[str, ...], base: str | Path | None = None) -> list[str]:
     """Imports every plugin (once per process), and those installed through the entry-point group; returns the
     modules imported for ``plugins``."""

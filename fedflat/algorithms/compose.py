@@ -179,9 +179,6 @@ class Algorithm:
         return {"name": self.name,
                 **{role: {"name": part.name, **part.p.model_dump()} for role, part in self.parts.items()}}
 
-    def resolved_stages(self) -> list[dict[str, Any]]:
-        """The upload stages with every hyperparameter, in their order (``[]`` without any)."""
-        return [{"name": stage.name, **stage.p.model_dump()} for stage in self.stages]
 
 
 # State entries renamed to the ``<part>.<symbol>`` convention: checkpoints and node state written before it still

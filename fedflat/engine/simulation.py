@@ -278,9 +278,6 @@ class Simulation:
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return self.host.load_state(ids, names)
 
-    def aggregate_buffers(self, ctx, result: ClientResult) -> torch.Tensor:
-        return self.host.aggregate_buffers(ctx, result)
-
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.host.model_state()
 

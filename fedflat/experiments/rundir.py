@@ -204,9 +204,6 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_text(self.path / "summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
 
-    def read_summary(self) -> dict[str, Any]:
-        return json.loads((self.path / "summary.json").read_text())
-
     def save_model(self, state_dict: dict[str, Any]) -> None:
         atomic_torch_save(self.path / "model.pt", state_dict)
 
