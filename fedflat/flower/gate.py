@@ -1,0 +1,133 @@
+"""The SuperLink's door to the network (``fedflat flower-gate``): SuperNodes in, the control plane not.
+
+Flower 1.41's SuperLink serves its Fleet API (SuperNodes), its Control API (``flwr run``, ``flwr ls``, ``flwr log``,
+``flwr stop``, ``flwr supernode register``) and its Runtime API (the ServerApp's process claims the run and talks to
+the nodes) on one HTTP port, and the open-source release authenticates only the Fleet API (SuperNode keys): account
+authentication of the Control API (OIDC) is Flower Enterprise's, and the Runtime API's SuperExec secret applies to
+``--isolation process`` only. Whoever reaches that port with the public ``ca.crt`` may register a key, submit an app
+that then runs on the SuperLink and every node, list the runs and read their logs, or claim a pending run's
+ServerApp task (docs/security.md).
+
+So the SuperLink listens on ``127.0.0.1`` (its default ``--host``), where only a shell on its machine reaches it
+(the operator: ``flwr`` there), and the gate listens on the address the nodes reach. It serves TLS with the
+SuperLink's certificate and forwards to the SuperLink only
+
+- ``POST /v1/fleet/...`` (what a SuperNode sends: ``flwr.supernode.fleet_http_client``),
+- signed by a key of the roster (``node-keys.txt`` of ``fedflat flower-keys``): the ``flwr-public-key`` header is
+  one of the roster's keys and ``flwr-signature`` its signature of ``flwr-timestamp`` (Flower's SuperNode
+  authentication, checked again by the SuperLink, with the key's registration and the timestamp's age).
+
+Everything else gets ``403`` (another path) or ``401`` (not a roster key), and never reaches Flower.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import ipaddress
+import ssl
+from pathlib import Path
+
+from fedflat.core import ConfigError
+
+FLEET_PREFIX = "/v1/fleet/"
+PUBLIC_KEY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER = "flwr-public-key", "flwr-signature", "flwr-timestamp"
+# (hop-by-hop headers, and the ones the forwarding connection sets itself)
+NOT_FORWARDED = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                 "upgrade", "content-length"}
+REFUSED_PATH = ("fedflat flower-gate: only SuperNodes' Fleet API requests pass here; the Control API (flwr run, ls, "
+                "log, stop, supernode register) is served on the SuperLink's machine only (docs/flower.md)\n")
+REFUSED_KEY = "fedflat flower-gate: not signed by a SuperNode key of this federation's roster (node-keys.txt)\n"
+
+
+def signed_by_roster(headers, roster_keys: set[bytes]) -> bool:
+    """Whether a request carries Flower's SuperNode authentication by one of ``roster_keys`` (PEM
+    SubjectPublicKeyInfo): the public-key header names a roster key, whose signature of the timestamp header
+    verifies (ECDSA, as ``flwr.supercore.primitives.asymmetric.sign_message`` makes it)."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        public = base64.b64decode(headers[PUBLIC_KEY_HEADER], validate=True)
+        signature = base64.b64decode(headers[SIGNATURE_HEADER], validate=True)
+        timestamp = headers[TIMESTAMP_HEADER].encode("ascii")
+        if public not in roster_keys:
+            return False
+        key = load_pem_public_key(public)
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            return False
+        key.verify(signature, timestamp, ec.ECDSA(hashes.SHA256()))
+        return True
+    except (KeyError, ValueError, TypeError, UnicodeError, InvalidSignature):
+        return False
+
+
+def require_loopback(superlink: str) -> tuple[str, int]:
+    """``HOST:PORT`` of the SuperLink behind the gate, which must be a loopback address: elsewhere its Control API
+    is open to whoever reaches that address, gate or not."""
+    host, _, port = superlink.rpartition(":")
+    host = host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        number = int(port)
+    except ValueError:
+        loopback, number = False, 0
+    if not loopback or not 0 < number < 65536:
+        raise ConfigError(f"--superlink {superlink}: the SuperLink behind the gate listens on a loopback address "
+                          "(flower-superlink --host 127.0.0.1 --port 9093, then --superlink 127.0.0.1:9093): its "
+                          "Control API has no authentication, so no other machine may reach it")
+    return host, number
+
+
+def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], timeout_s: float = 3600.0):
+    """The gate as an ASGI app: ``POST /v1/fleet/...`` requests signed by a roster key are forwarded to the
+    SuperLink at ``superlink`` (``HOST:PORT``, TLS verified against ``ca_certfile``); anything else is refused."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+
+    require_loopback(superlink)
+    roster_keys = set(roster.values())
+    if not roster_keys:
+        raise ConfigError("the gate needs the federation's roster: `fedflat flower-keys DIR --nodes N` writes it")
+    client = httpx.AsyncClient(base_url=f"https://{superlink}", verify=ssl.create_default_context(
+        cafile=str(ca_certfile)), timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+    async def forward(request):
+        if request.method != "POST" or not request.url.path.startswith(FLEET_PREFIX):
+            return PlainTextResponse(REFUSED_PATH, status_code=403)
+        if not signed_by_roster(request.headers, roster_keys):
+            return PlainTextResponse(REFUSED_KEY, status_code=401)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
+        answer = await client.post(request.url.path, content=await request.body(), headers=headers)
+        return Response(answer.content, status_code=answer.status_code,
+                        headers={k: v for k, v in answer.headers.items() if k.lower() not in NOT_FORWARDED
+                                 and k.lower() not in ("content-encoding", "date", "server")})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+
+
+def serve_gate(keys: str | Path, host: str, port: int, superlink: str = "127.0.0.1:9093") -> None:
+    """Runs the gate on ``host:port`` with the TLS certificate, CA and roster of a ``fedflat flower-keys`` folder
+    until interrupted (``server.crt`` must name ``host``: ``fedflat flower-keys --host HOST``)."""
+    import uvicorn
+
+    from fedflat.flower.keys import ROSTER, read_roster, roster_of
+
+    keys = Path(keys)
+    for name in ("ca.crt", "server.crt", "server.key"):
+        if not (keys / name).is_file():
+            raise ConfigError(f"{keys / name} does not exist: make the deployment's keys with `fedflat flower-keys "
+                              f"{keys} --nodes N --host {host}`")
+    roster = read_roster(roster_of(keys), str(keys / ROSTER))
+    app = gate_app(superlink, keys / "ca.crt", roster)
+    uvicorn.run(app, host=host, port=port, ssl_certfile=str(keys / "server.crt"),
+                ssl_keyfile=str(keys / "server.key"), log_level="warning", access_log=False)
