@@ -89,7 +89,7 @@ class Machines:
     def __init__(self):
         self.tag = secrets.token_hex(3)
         self.link_ns = self.out_ns = None
-        self.gate_ip = "127.0.0.2"
+        self.gate_ip, self.outside_ip = "127.0.0.2", "127.0.0.1"
         if os.geteuid() == 0 and shutil.which("ip") and sys.platform.startswith("linux"):
             octet = 1 + secrets.randbelow(250)
             link, out, a, b = f"ff-link-{self.tag}", f"ff-out-{self.tag}", f"ffl{self.tag}", f"ffo{self.tag}"
@@ -103,7 +103,7 @@ class Machines:
                     self._ip("-n", ns, "addr", "add", address, "dev", dev)
                     self._ip("-n", ns, "link", "set", dev, "up")
                     self._ip("-n", ns, "link", "set", "lo", "up")
-                self.gate_ip = f"10.213.{octet}.1"
+                self.gate_ip, self.outside_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
             except subprocess.CalledProcessError:
                 self.close()
                 self.link_ns = self.out_ns = None
@@ -289,8 +289,10 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
             said = attempt.stdout + attempt.stderr
             assert attempt.returncode != 0, (name, said)
             assert not [line for line in server_log if line in said], (name, said)
-        assert "Failed to activate" in (tmp_path / "stranger-node.log").read_text(errors="replace")
         assert "SuperNode ID" not in (tmp_path / "stranger-node.log").read_text(errors="replace")
+        knocked = (tmp_path / "gate.log").read_text()
+        assert f"refused POST /v1/fleet/activate-node from {machines.outside_ip}" in knocked, knocked
+        assert f"refused POST /v1/control/start-run from {machines.outside_ip}" in knocked, knocked
         assert sorted(markers.iterdir()) == []  # no code of the stranger ran anywhere
         listed = json.loads(flwr(operator, "link", "ls", "--format", "json").stdout)["runs"]
         assert [r["run-id"] for r in listed] == [honest]  # the operator sees one run: the intruder started none

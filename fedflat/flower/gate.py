@@ -17,7 +17,8 @@ SuperLink's certificate and forwards to the SuperLink only
   one of the roster's keys and ``flwr-signature`` its signature of ``flwr-timestamp`` (Flower's SuperNode
   authentication, checked again by the SuperLink, with the key's registration and the timestamp's age).
 
-Everything else gets ``403`` (another path) or ``401`` (not a roster key), and never reaches Flower.
+Everything else gets ``403`` (another path) or ``401`` (not a roster key), never reaches Flower, and is written to
+the gate's standard error (method, path, peer address, why).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import base64
 import contextlib
 import ipaddress
 import ssl
+import sys
 from pathlib import Path
 
 from fedflat.core import ConfigError
@@ -95,11 +97,17 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
     client = httpx.AsyncClient(base_url=f"https://{superlink}", verify=ssl.create_default_context(
         cafile=str(ca_certfile)), timeout=httpx.Timeout(timeout_s, connect=30.0))
 
+    def refuse(request, status: int, why: str):
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        print(f"refused {request.method} {request.url.path} from {peer} ({status}): {why.split(': ', 1)[1]}",
+              end="", file=sys.stderr, flush=True)  # (the operator's record of who knocked)
+        return PlainTextResponse(why, status_code=status)
+
     async def forward(request):
         if request.method != "POST" or not request.url.path.startswith(FLEET_PREFIX):
-            return PlainTextResponse(REFUSED_PATH, status_code=403)
+            return refuse(request, 403, REFUSED_PATH)
         if not signed_by_roster(request.headers, roster_keys):
-            return PlainTextResponse(REFUSED_KEY, status_code=401)
+            return refuse(request, 401, REFUSED_KEY)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
         answer = await client.post(request.url.path, content=await request.body(), headers=headers)
         return Response(answer.content, status_code=answer.status_code,
