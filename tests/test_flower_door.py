@@ -160,6 +160,13 @@ def query(message: Message, context: Context) -> Message:
 '''
 
 
+RAW_REQUESTS = '''import ssl, sys, httpx
+tls = ssl.create_default_context(cafile=sys.argv[2])
+for path in ("/v1/runtime/acquire-task", "/v1/runtime/get-nodes", "/v1/control/list-nodes"):
+    print(httpx.post(f"https://{sys.argv[1]}{path}", content=b"", verify=tls, timeout=60).status_code)
+'''
+
+
 def intruder_app(folder: Path, markers: Path, nodes: int) -> Path:
     (folder / "intruder_app").mkdir(parents=True)
     (folder / "intruder_app" / "__init__.py").write_text("")
@@ -275,6 +282,9 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
             attempts["direct-run"] = flwr(direct, "out", "run", str(stranger_app), "here")
             attempts["direct-register"] = flwr(direct, "out", "supernode", "register", str(strangers / "node-0.pub"),
                                                "here")
+        raw = subprocess.run([*machines.on("out"), sys.executable, "-c", RAW_REQUESTS, f"{machines.gate_ip}:{gate_port}",
+                              str(keys / "ca.crt")], capture_output=True, text=True, timeout=120)
+        assert raw.stdout.split() == ["403"] * 3, raw.stdout + raw.stderr  # a pending run's task is not the caller's
         stranger_node = supernode("stranger-node", strangers / "node-0", 1, "--max-retries", "3",
                                   "--max-wait-time", "60")
         wait_for_progress(lambda: stranger_node.poll() is not None, [tmp_path / "stranger-node.log"],

@@ -129,3 +129,43 @@ def test_a_token_cluster_runs_only_drivers_and_nodes_holding_its_token(tmp_path)
     keys = ("round", "train_loss", "test_acc", "test_loss")
     assert len(theirs) == cfg.rounds and [[m.get(k) for k in keys] for m in theirs] == [[m.get(k) for k in keys]
                                                                                         for m in ours]
+
+
+LOCAL_DRIVER = '''import sys, ray
+from fedflat.config import ExecutorConfig
+from fedflat.engine.ray_executor import connect, release
+
+connect(ray, ExecutorConfig(name="ray"))  # fedflat's own local instance, as `fedflat run executor=ray` starts it
+
+@ray.remote
+def ours():
+    return "ran"
+
+print(ray.get(ours.remote(), timeout=120), ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.readline()
+release(ray)
+'''
+
+
+@pytest.mark.slow  # a local Ray instance and a refused driver: ~40 s on 2 cores
+@pytest.mark.deploy
+@pytest.mark.skipif(LOCAL_NODE_IP is None, reason="a second loopback address is needed (Linux)")
+def test_fedflats_local_ray_under_ray_auth_mode_token_refuses_a_stranger(tmp_path):
+    """The local Ray instance fedflat starts announces a loopback address, but Ray 2.55's GCS listens on every
+    interface (docs/distributed.md): with RAY_AUTH_MODE=token exported, Ray makes a token (in ~/.ray/auth_token) and
+    the instance runs fedflat's work but refuses a driver without the token, whose function would write a marker."""
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    plain.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
+    driver = subprocess.Popen([sys.executable, "-c", LOCAL_DRIVER], env={**plain, "RAY_AUTH_MODE": "token"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parents[1])
+    try:
+        ran, gcs = driver.stdout.readline().split()
+        assert ran == "ran" and (tmp_path / ".ray" / "auth_token").is_file()  # Ray made the token it checks
+        stranger = subprocess.run([sys.executable, "-c", STRANGER, gcs, str(tmp_path / "marker")], env=plain,
+                                  capture_output=True, text=True, timeout=300)
+        assert stranger.returncode != 0 and "Authentication token is missing or incorrect" in stranger.stderr
+        assert not (tmp_path / "marker").exists()
+    finally:
+        driver.communicate("\n", timeout=120)
+    assert driver.returncode == 0, driver.stderr[-2000:]
