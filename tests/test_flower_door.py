@@ -38,12 +38,34 @@ def flower_headers(key: ec.EllipticCurvePrivateKey, timestamp: str = "2026-11-27
             "flwr-signature": base64.b64encode(sign_message(key, timestamp.encode())).decode()}
 
 
+def asgi_post(app, raw_path: bytes, headers: dict[str, str], method: str = "POST") -> int:
+    """The status the ASGI ``app`` answers a ``method`` request of ``raw_path`` with, sent as is (an HTTP client
+    would normalize ``..`` away before sending: an attacker's need not)."""
+    import asyncio
+    from urllib.parse import unquote
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "https",
+             "path": unquote(raw_path.decode()), "raw_path": raw_path, "root_path": "", "query_string": b"",
+             "headers": [(k.encode(), v.encode()) for k, v in headers.items()], "client": ("10.9.9.9", 40000),
+             "server": ("127.0.0.2", 9092)}
+    asyncio.run(app(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
 def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path):
-    """In process: a Control or Runtime API path is refused (403) whoever asks; a Fleet request is refused (401)
-    unless Flower's own signing function signed its timestamp with a roster key; the SuperLink behind the gate
-    must be on a loopback address."""
+    """In process: a Control or Runtime API path is refused (403) whoever asks, and so is a Fleet prefix with a way
+    out (`/v1/fleet/../control/start-run`: the first version forwarded it, and its HTTP client normalized it into
+    the Control API path); a Fleet request is refused (401) unless Flower's own signing function signed its
+    timestamp with a roster key; the SuperLink behind the gate must be on a loopback address."""
     from cryptography.hazmat.primitives import serialization
-    from starlette.testclient import TestClient
 
     keys = tmp_path / "keys"
     make_keys(keys, 2)
@@ -58,14 +80,22 @@ def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path):
     assert not signed_by_roster(forged, set(roster.values()))
     assert not signed_by_roster({}, set(roster.values()))
 
-    with TestClient(gate_app(f"127.0.0.1:{free_port()}", keys / "ca.crt", roster)) as gate:
-        for path in ("/v1/control/start-run", "/v1/control/register-node", "/v1/control/list-runs",
-                     "/v1/control/stream-logs", "/v1/runtime/acquire-task", "/v1/runtime/push-messages", "/"):
-            refused = gate.post(path, headers=good, content=b"\x00")
-            assert refused.status_code == 403 and "served on the SuperLink's machine only" in refused.text, path
-        assert gate.get(FLEET_PREFIX + "pull-messages", headers=good).status_code == 403  # only POST
-        for headers in ({}, flower_headers(stranger), forged):
-            assert gate.post(FLEET_PREFIX + "register-node", headers=headers, content=b"").status_code == 401
+    app = gate_app(f"127.0.0.1:{free_port()}", keys / "ca.crt", roster)
+    for path in (b"/v1/control/start-run", b"/v1/control/register-node", b"/v1/control/list-runs",
+                 b"/v1/control/stream-logs", b"/v1/runtime/acquire-task", b"/v1/runtime/push-messages", b"/"):
+        assert asgi_post(app, path, good) == 403, path
+    assert asgi_post(app, FLEET_PREFIX.encode() + b"pull-messages", good, method="GET") == 403  # only POST
+    for headers in ({}, flower_headers(stranger), forged):
+        assert asgi_post(app, FLEET_PREFIX.encode() + b"register-node", headers) == 401
+    # a roster node's request whose path is a Fleet prefix followed by a way out (the forwarding client normalizes
+    # `..`): refused, not forwarded; an exact Fleet path is forwarded (502: no SuperLink listens behind this gate)
+    for raw in (b"/v1/fleet/../control/start-run", b"/v1/fleet/%2e%2e/control/start-run",
+                b"/v1/fleet/%2E%2E/control/list-runs", b"/v1/fleet/pull-messages/../../control/stream-logs",
+                b"/v1/fleet//control/start-run",
+                b"/v1/fleet/./../runtime/acquire-task", b"/v1/fleet/Pull-Messages", b"/v1/fleet/"):
+        assert asgi_post(app, raw, good) == 403, raw
+    assert asgi_post(app, b"/v1/fleet/pull-messages", good) == 502
+    assert asgi_post(app, b"/v1/fleet/pull-messages", flower_headers(stranger)) == 401
     for superlink in ("0.0.0.0:9093", "10.1.2.3:9093", "superlink.lan:9093", "127.0.0.1"):
         with pytest.raises(ConfigError, match="loopback address"):
             require_loopback(superlink)
@@ -226,8 +256,9 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
 
     def home(name: str, address: str) -> dict:
         (tmp_path / name).mkdir()
-        (tmp_path / name / "config.toml").write_text(f'[superlink]\ndefault = "here"\n\n[superlink.here]\n'
-                                                     f'address = "{address}"\nroot-certificates = "{keys / "ca.crt"}"\n')
+        (tmp_path / name / "config.toml").write_text(
+            f'[superlink]\ndefault = "here"\n\n[superlink.here]\naddress = "{address}"\n'
+            f'root-certificates = "{keys / "ca.crt"}"\n')
         return {**os.environ, "FLWR_HOME": str(tmp_path / name), "PATH": path}
 
     operator = home("operator", f"127.0.0.1:{link_port}")
@@ -259,8 +290,10 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
         start("gate", "link", sys.executable, "-m", "fedflat.cli", "flower-gate", "--keys", str(keys),
               "--host", machines.gate_ip, "--port", str(gate_port), "--superlink", f"127.0.0.1:{link_port}")
         for p in range(2):  # the operator enrols the nodes, from the SuperLink's machine
-            wait_for_progress(lambda: flwr(operator, "link", "supernode", "register", str(keys / f"node-{p}.pub"),
-                                           "here").returncode == 0 or None, logs, "the SuperLink to register a node")
+            public = str(keys / f"node-{p}.pub")
+            wait_for_progress(lambda public=public: flwr(operator, "link", "supernode", "register", public,
+                                                         "here").returncode == 0 or None,
+                              logs, "the SuperLink to register a node")
         for p in range(2):
             supernode(f"node{p}", keys / f"node-{p}", p)
         wait_for_progress(lambda: all(b"SuperNode ID" in (tmp_path / f"node{p}.log").read_bytes() for p in range(2)),
@@ -280,10 +313,11 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
         attempts["ls-run"] = flwr(intruder, "out", "ls", "--run-id", honest, "here")
         if machines.separate:  # the SuperLink's own port is not reachable from the other machine at all
             attempts["direct-run"] = flwr(direct, "out", "run", str(stranger_app), "here")
-            attempts["direct-register"] = flwr(direct, "out", "supernode", "register", str(strangers / "node-0.pub"),
-                                               "here")
-        raw = subprocess.run([*machines.on("out"), sys.executable, "-c", RAW_REQUESTS, f"{machines.gate_ip}:{gate_port}",
-                              str(keys / "ca.crt")], capture_output=True, text=True, timeout=120)
+            attempts["direct-register"] = flwr(direct, "out", "supernode", "register",
+                                               str(strangers / "node-0.pub"), "here")
+        raw = subprocess.run([*machines.on("out"), sys.executable, "-c", RAW_REQUESTS,
+                              f"{machines.gate_ip}:{gate_port}", str(keys / "ca.crt")],
+                             capture_output=True, text=True, timeout=120)
         assert raw.stdout.split() == ["403"] * 3, raw.stdout + raw.stderr  # a pending run's task is not the caller's
         stranger_node = supernode("stranger-node", strangers / "node-0", 1, "--max-retries", "3",
                                   "--max-wait-time", "60")

@@ -102,9 +102,10 @@ def test_a_token_cluster_runs_only_drivers_and_nodes_holding_its_token(tmp_path)
         (line,) = [x for x in said["fedflat run"].splitlines() if x.startswith("fedflat: executor.address")]
         assert "RAY_AUTH_MODE=token" in line and "Traceback" not in said["fedflat run"]
         assert stranger_node.returncode != 0, node_said[-2000:]
-        alive = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], "
-                                f"_node_ip_address='{LOCAL_NODE_IP}', logging_level='ERROR'); "
-                                "print(len([n for n in ray.nodes() if n['Alive']]))", address],
+        count = ("import ray, sys; ray.init(address=sys.argv[1], "
+                 f"_node_ip_address='{LOCAL_NODE_IP}', logging_level='ERROR'); "
+                 "print(len([n for n in ray.nodes() if n['Alive']]))")
+        alive = subprocess.run([sys.executable, "-c", count, address],
                                env=holder, capture_output=True, text=True, timeout=300)
         assert alive.stdout.split()[-1] == "1", alive.stderr[-2000:]  # the stranger's node did not join
 

@@ -363,7 +363,7 @@ def warn_if_open(host: str) -> None:
     """Warns when this driver joins a cluster on a network address without Ray's token authentication: such a
     cluster runs the code of whoever reaches its ports (docs/distributed.md#several-nodes). A loopback address
     is this machine's."""
-    if host in ("auto", "localhost") or host.startswith("127.") or host.startswith("ray://127."):
+    if host in ("auto", "localhost") or host.startswith(("127.", "ray://127.", "ray://localhost")):
         return
     if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
         logging.getLogger(__name__).warning(

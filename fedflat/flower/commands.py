@@ -69,7 +69,8 @@ def deployment_guide(keys: Path, nodes: int, hosts: tuple[str, ...]) -> str:
         f"state-dir=\"~/fedflat/state\"'"
         for p in range(nodes))
     registers = "\n".join(f"  flwr supernode register {k}/node-{p}.pub here" for p in range(nodes))
-    return f"""Keys of a secure Flower deployment in {k} (development CA; the server certificate names {', '.join(hosts)}):
+    names = ", ".join(hosts)
+    return f"""Keys of a secure Flower deployment in {k} (development CA; the server certificate names {names}):
   ca.crt              the CA: to the SuperLink (--ssl-ca-certfile), the gate, every SuperNode (--root-certificates)
                       and the flwr CLI (root-certificates); ca.key signs, keep it off the machines of the federation
   server.crt/.key     the SuperLink's and the gate's TLS certificate and key (--ssl-certfile, --ssl-keyfile)

@@ -12,7 +12,8 @@ So the SuperLink listens on ``127.0.0.1`` (its default ``--host``), where only a
 (the operator: ``flwr`` there), and the gate listens on the address the nodes reach. It serves TLS with the
 SuperLink's certificate and forwards to the SuperLink only
 
-- ``POST /v1/fleet/...`` (what a SuperNode sends: ``flwr.supernode.fleet_http_client``),
+- ``POST /v1/fleet/NAME`` (what a SuperNode sends: ``flwr.supernode.fleet_http_client``; exactly that shape, no
+  ``..``, no encoded characters, no query),
 - signed by a key of the roster (``node-keys.txt`` of ``fedflat flower-keys``): the ``flwr-public-key`` header is
   one of the roster's keys and ``flwr-signature`` its signature of ``flwr-timestamp`` (Flower's SuperNode
   authentication, checked again by the SuperLink, with the key's registration and the timestamp's age).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ipaddress
+import re
 import ssl
 import sys
 from pathlib import Path
@@ -39,6 +41,16 @@ NOT_FORWARDED = {"host", "connection", "keep-alive", "proxy-connection", "transf
 REFUSED_PATH = ("fedflat flower-gate: only SuperNodes' Fleet API requests pass here; the Control API (flwr run, ls, "
                 "log, stop, supernode register) is served on the SuperLink's machine only (docs/flower.md)\n")
 REFUSED_KEY = "fedflat flower-gate: not signed by a SuperNode key of this federation's roster (node-keys.txt)\n"
+
+
+FLEET_PATH = re.compile(r"/v1/fleet/[a-z]+(-[a-z]+)*")
+
+
+def is_fleet_path(path: str, raw_path: bytes = b"") -> bool:
+    """Whether a request's path is one of the Fleet API's endpoints, ``/v1/fleet/NAME``, exactly: decoded and as
+    sent. A prefix test would pass ``/v1/fleet/../control/start-run`` (or ``%2e%2e``), which the forwarding client
+    normalizes into a Control API path."""
+    return bool(FLEET_PATH.fullmatch(path)) and (not raw_path or bool(FLEET_PATH.fullmatch(raw_path.decode("latin-1"))))
 
 
 def signed_by_roster(headers, roster_keys: set[bytes]) -> bool:
@@ -104,12 +116,16 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
         return PlainTextResponse(why, status_code=status)
 
     async def forward(request):
-        if request.method != "POST" or not request.url.path.startswith(FLEET_PREFIX):
+        if request.method != "POST" or not is_fleet_path(request.url.path, request.scope.get("raw_path", b"")):
             return refuse(request, 403, REFUSED_PATH)
         if not signed_by_roster(request.headers, roster_keys):
             return refuse(request, 401, REFUSED_KEY)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED]
-        answer = await client.post(request.url.path, content=await request.body(), headers=headers)
+        try:
+            answer = await client.post(request.url.path, content=await request.body(), headers=headers)  # (no query)
+        except httpx.TransportError as err:
+            return PlainTextResponse(f"fedflat flower-gate: the SuperLink at {superlink} does not answer ({err})\n",
+                                     status_code=502)  # (Flower's SuperNode retries on 502)
         return Response(answer.content, status_code=answer.status_code,
                         headers={k: v for k, v in answer.headers.items() if k.lower() not in NOT_FORWARDED
                                  and k.lower() not in ("content-encoding", "date", "server")})
