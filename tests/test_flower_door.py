@@ -60,7 +60,7 @@ def asgi_post(app, raw_path: bytes, headers: dict[str, str], method: str = "POST
     return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
 
-def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path):
+def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path, capsys):
     """In process: a Control or Runtime API path is refused (403) whoever asks, and so is a Fleet prefix with a way
     out (`/v1/fleet/../control/start-run`: the first version forwarded it, and its HTTP client normalized it into
     the Control API path); a Fleet request is refused (401) unless Flower's own signing function signed its
@@ -96,6 +96,11 @@ def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path):
         assert asgi_post(app, raw, good) == 403, raw
     assert asgi_post(app, b"/v1/fleet/pull-messages", good) == 502
     assert asgi_post(app, b"/v1/fleet/pull-messages", flower_headers(stranger)) == 401
+    capsys.readouterr()
+    forging = b"/v1/control/x%0arefused POST /v1/control/start-run from 10.0.0.1:1 (403): forged"
+    assert asgi_post(app, forging, {}) == 403
+    record = capsys.readouterr().err  # one line per refusal: a path cannot forge lines in the gate's record
+    assert record.count("\n") == 1 and "/v1/control/x%0arefused" in record, record
     for superlink in ("0.0.0.0:9093", "10.1.2.3:9093", "superlink.lan:9093", "127.0.0.1"):
         with pytest.raises(ConfigError, match="loopback address"):
             require_loopback(superlink)
@@ -112,31 +117,41 @@ def free_port() -> int:
 
 
 class Machines:
-    """Two "machines": the SuperLink's and the network's (SuperNodes, intruder), as two network namespaces this test
-    makes, joined by a veth pair with addresses inside them only, and removed at the end. Without the rights to
-    make namespaces (not root, no `ip`), both are this machine: the SuperLink on 127.0.0.1, the gate on 127.0.0.2."""
+    """Three "machines" as network namespaces this test makes: the SuperLink's ('link'), the SuperNodes' ('nodes')
+    and the intruder's ('intruder'), each joined to the SuperLink's by a veth pair, with addresses inside them only
+    (the intruder routes to the SuperLink's machine, which is all it can reach); removed at the end. Without the
+    rights to make namespaces (not root, no `ip`), all three are this machine: the SuperLink on 127.0.0.1, the gate
+    on 127.0.0.2."""
 
     def __init__(self):
         self.tag = secrets.token_hex(3)
-        self.link_ns = self.out_ns = None
-        self.gate_ip, self.outside_ip = "127.0.0.2", "127.0.0.1"
-        if os.geteuid() == 0 and shutil.which("ip") and sys.platform.startswith("linux"):
-            octet = 1 + secrets.randbelow(250)
-            link, out, a, b = f"ff-link-{self.tag}", f"ff-out-{self.tag}", f"ffl{self.tag}", f"ffo{self.tag}"
+        self.namespaces: dict[str, str] = {}
+        self.gate_ip, self.nodes_ip, self.intruder_ip = "127.0.0.2", "127.0.0.1", "127.0.0.1"
+        if os.geteuid() == 0 and shutil.which("ip") and shutil.which("ss") and sys.platform.startswith("linux"):
             try:
-                self._ip("netns", "add", link)
-                self.link_ns = link
-                self._ip("netns", "add", out)
-                self.out_ns = out
-                self._ip("link", "add", a, "netns", link, "type", "veth", "peer", "name", b, "netns", out)
-                for ns, dev, address in ((link, a, f"10.213.{octet}.1/30"), (out, b, f"10.213.{octet}.2/30")):
-                    self._ip("-n", ns, "addr", "add", address, "dev", dev)
-                    self._ip("-n", ns, "link", "set", dev, "up")
-                    self._ip("-n", ns, "link", "set", "lo", "up")
-                self.gate_ip, self.outside_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
+                self._make(1 + secrets.randbelow(250))
             except subprocess.CalledProcessError:
                 self.close()
-                self.link_ns = self.out_ns = None
+                self.namespaces = {}
+                self.gate_ip, self.nodes_ip, self.intruder_ip = "127.0.0.2", "127.0.0.1", "127.0.0.1"
+
+    def _make(self, octet: int) -> None:
+        net = f"10.213.{octet}"
+        for machine in ("link", "nodes", "intruder"):
+            self._ip("netns", "add", f"ff-{machine}-{self.tag}")
+            self.namespaces[machine] = f"ff-{machine}-{self.tag}"
+            self._ip("-n", self.namespaces[machine], "link", "set", "lo", "up")
+        link = self.namespaces["link"]
+        for other, ends, (here, there) in (("nodes", "ab", (f"{net}.1", f"{net}.2")),
+                                           ("intruder", "cd", (f"{net}.5", f"{net}.6"))):
+            a, b = f"ff{ends[0]}{self.tag}", f"ff{ends[1]}{self.tag}"
+            self._ip("link", "add", a, "netns", link, "type", "veth", "peer", "name", b,
+                     "netns", self.namespaces[other])
+            for ns, dev, address in ((link, a, here), (self.namespaces[other], b, there)):
+                self._ip("-n", ns, "addr", "add", f"{address}/30", "dev", dev)
+                self._ip("-n", ns, "link", "set", dev, "up")
+            self._ip("-n", self.namespaces[other], "route", "add", "default", "via", here)
+        self.gate_ip, self.nodes_ip, self.intruder_ip = f"{net}.1", f"{net}.2", f"{net}.6"
 
     @staticmethod
     def _ip(*args: str) -> None:
@@ -144,17 +159,30 @@ class Machines:
 
     @property
     def separate(self) -> bool:
-        return self.link_ns is not None
+        return bool(self.namespaces)
 
     def on(self, machine: str) -> list[str]:
-        """The command prefix that runs a command on ``machine`` ('link' or 'out')."""
-        ns = self.link_ns if machine == "link" else self.out_ns
-        return ["ip", "netns", "exec", ns] if ns else []
+        """The command prefix that runs a command on ``machine`` ('link', 'nodes' or 'intruder')."""
+        return ["ip", "netns", "exec", self.namespaces[machine]] if self.namespaces else []
+
+    def listening(self, machine: str) -> set[str]:
+        """The TCP addresses ``ADDRESS:PORT`` something listens on, on ``machine``."""
+        out = subprocess.run([*self.on(machine), "ss", "-Hltn"], check=True, capture_output=True, text=True,
+                             timeout=30).stdout
+        return {line.split()[3] for line in out.splitlines() if line.strip()}
 
     def close(self) -> None:
-        for ns in (self.out_ns, self.link_ns):
-            if ns:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # (its veth end goes too)
+        for ns in self.namespaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # (their veth ends go too)
+
+
+PROBE = '''import socket, sys
+for address in sys.argv[1:]:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(10)
+        print(address, s.connect_ex((host, int(port))))
+'''
 
 
 INTRUDER_APP = '''"""A stranger's Flower app: it marks every machine it runs on."""
@@ -230,14 +258,15 @@ nodes = {nodes}
 @pytest.mark.slow  # a real deployment and a second run: ~2-3 min on 2 cores
 @pytest.mark.deploy
 def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_honest_run_completes(tmp_path):
-    """docs/flower.md's deployment on two machines (network namespaces this test makes): the SuperLink on its
-    machine's 127.0.0.1, `fedflat flower-gate` on the address the nodes reach, two registered SuperNodes on the
-    other machine. An intruder there, with a fresh key and only `ca.crt`, tries what issue 54 did: `flwr supernode
-    register` of its key, `flwr run` of an app that writes a marker file wherever it runs, `flwr ls`, `flwr log` of
-    the honest run, a SuperNode of its own, and the SuperLink's port directly. All are refused, no marker file is
-    written, and the honest run completes with `fedflat run`'s numbers. Then the operator submits the same app from
-    the SuperLink's machine: it does write its markers there and on both nodes (the refusal kept them out, not the
-    app). Timeouts: none measures this machine's speed (tests/test_flower.py's wait_for_progress)."""
+    """docs/flower.md's deployment on three machines (network namespaces this test makes): the SuperLink on its
+    machine's 127.0.0.1 and `fedflat flower-gate` on the address the nodes reach; two registered SuperNodes on a
+    second machine; an intruder on a third, with a fresh key and only `ca.crt`, trying what issue 54 did: `flwr
+    supernode register` of its key, `flwr run` of an app that writes a marker file wherever it runs, `flwr ls`,
+    `flwr log` and `flwr stop` of the honest run, raw Runtime API requests, a SuperNode of its own, the SuperLink's
+    port and the nodes' ports directly. All are refused (and nothing but the gate listens beyond 127.0.0.1), no
+    marker file is written, and the honest run completes with `fedflat run`'s numbers. Then the operator submits
+    the same app from the SuperLink's machine: it does write its markers there and on both nodes (the refusal kept
+    them out, not the app). Timeouts: none measures this machine's speed (tests/test_flower.py's wait_for_progress)."""
     from test_flower import run_id_of, small, wait_for_progress
 
     cfg = small("scaffold", "rounds=2", "data.num_clients=4", "sampling.clients_per_round=4")
@@ -263,7 +292,7 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
 
     operator = home("operator", f"127.0.0.1:{link_port}")
     intruder = home("intruder", f"{machines.gate_ip}:{gate_port}")
-    direct = home("intruder-direct", f"{machines.gate_ip}:{link_port}")  # the SuperLink's own port, from outside
+    direct = home("intruder-direct", f"{machines.gate_ip}:{link_port}")  # the SuperLink's own port, from elsewhere
 
     def start(name: str, machine: str, *args: str) -> subprocess.Popen:
         with open(tmp_path / f"{name}.log", "ab") as log:
@@ -275,10 +304,13 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
         return subprocess.run([*machines.on(machine), "flwr", *args], env=env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
 
-    def supernode(name: str, key: Path, partition: int, *extra: str) -> subprocess.Popen:
-        return start(name, "out", "flower-supernode", "--root-certificates", str(keys / "ca.crt"),
+    node_ports: list[int] = []
+
+    def supernode(name: str, key: Path, partition: int, *extra: str, machine: str = "nodes") -> subprocess.Popen:
+        node_ports.append(free_port())
+        return start(name, machine, "flower-supernode", "--root-certificates", str(keys / "ca.crt"),
                      "--auth-supernode-private-key", str(key), "--superlink", f"{machines.gate_ip}:{gate_port}",
-                     "--port", str(free_port()), *extra, "--node-config",
+                     "--port", str(node_ports[-1]), *extra, "--node-config",
                      f"partition-id={partition} num-partitions=2 state-dir=\"{tmp_path / 'state'}\"")
 
     logs = [tmp_path / f"{n}.log" for n in ("superlink", "gate", "node0", "node1")]
@@ -301,26 +333,35 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
 
         # the intruder: a fresh key, ca.crt, the address the nodes use
         attempts = {
-            "register": flwr(intruder, "out", "supernode", "register", str(strangers / "node-0.pub"), "here"),
-            "run": flwr(intruder, "out", "run", str(stranger_app), "here"),
-            "ls": flwr(intruder, "out", "ls", "here"),
+            "register": flwr(intruder, "intruder", "supernode", "register", str(strangers / "node-0.pub"), "here"),
+            "run": flwr(intruder, "intruder", "run", str(stranger_app), "here"),
+            "ls": flwr(intruder, "intruder", "ls", "here"),
         }
         submitted = flwr(operator, "link", "run", str(app), "here", "--run-config",
                          f"out=\"{runs}\" round-timeout=3600.0 wait-nodes=3600.0")
         honest = run_id_of(submitted)
-        attempts["log"] = flwr(intruder, "out", "log", honest, "here", "--show")
-        attempts["stop"] = flwr(intruder, "out", "stop", honest, "here")
-        attempts["ls-run"] = flwr(intruder, "out", "ls", "--run-id", honest, "here")
+        attempts["log"] = flwr(intruder, "intruder", "log", honest, "here", "--show")
+        attempts["stop"] = flwr(intruder, "intruder", "stop", honest, "here")
+        attempts["ls-run"] = flwr(intruder, "intruder", "ls", "--run-id", honest, "here")
         if machines.separate:  # the SuperLink's own port is not reachable from the other machine at all
-            attempts["direct-run"] = flwr(direct, "out", "run", str(stranger_app), "here")
-            attempts["direct-register"] = flwr(direct, "out", "supernode", "register",
+            attempts["direct-run"] = flwr(direct, "intruder", "run", str(stranger_app), "here")
+            attempts["direct-register"] = flwr(direct, "intruder", "supernode", "register",
                                                str(strangers / "node-0.pub"), "here")
-        raw = subprocess.run([*machines.on("out"), sys.executable, "-c", RAW_REQUESTS,
+        raw = subprocess.run([*machines.on("intruder"), sys.executable, "-c", RAW_REQUESTS,
                               f"{machines.gate_ip}:{gate_port}", str(keys / "ca.crt")],
                              capture_output=True, text=True, timeout=120)
         assert raw.stdout.split() == ["403"] * 3, raw.stdout + raw.stderr  # a pending run's task is not the caller's
+        if machines.separate:  # nothing but the gate listens beyond a machine's 127.0.0.1; the intruder reaches no more
+            assert {a for a in machines.listening("link") if not a.startswith("127.0.0.1:")} == {
+                f"{machines.gate_ip}:{gate_port}"}, machines.listening("link")
+            assert all(a.startswith("127.0.0.1:") for a in machines.listening("nodes")), machines.listening("nodes")
+            probe = subprocess.run([*machines.on("intruder"), sys.executable, "-c", PROBE,
+                                    f"{machines.gate_ip}:{link_port}",
+                                    *(f"{machines.nodes_ip}:{port}" for port in node_ports)],
+                                   capture_output=True, text=True, timeout=120)
+            assert [line.split()[1] != "0" for line in probe.stdout.splitlines()] == [True] * 3, probe.stdout
         stranger_node = supernode("stranger-node", strangers / "node-0", 1, "--max-retries", "3",
-                                  "--max-wait-time", "60")
+                                  "--max-wait-time", "60", machine="intruder")
         wait_for_progress(lambda: stranger_node.poll() is not None, [tmp_path / "stranger-node.log"],
                           "the stranger's SuperNode to give up")
         summary = wait_for_progress(lambda: [json.loads(f.read_text()) for f in runs.glob("*/summary.json")
@@ -335,8 +376,8 @@ def test_an_intruder_with_a_fresh_key_and_ca_crt_is_refused_everything_and_the_h
             assert not [line for line in server_log if line in said], (name, said)
         assert "SuperNode ID" not in (tmp_path / "stranger-node.log").read_text(errors="replace")
         knocked = (tmp_path / "gate.log").read_text()
-        assert f"refused POST /v1/fleet/activate-node from {machines.outside_ip}" in knocked, knocked
-        assert f"refused POST /v1/control/start-run from {machines.outside_ip}" in knocked, knocked
+        assert f"refused POST /v1/fleet/activate-node from {machines.intruder_ip}" in knocked, knocked
+        assert f"refused POST /v1/control/start-run from {machines.intruder_ip}" in knocked, knocked
         assert sorted(markers.iterdir()) == []  # no code of the stranger ran anywhere
         listed = json.loads(flwr(operator, "link", "ls", "--format", "json").stdout)["runs"]
         assert [r["run-id"] for r in listed] == [honest]  # the operator sees one run: the intruder started none

@@ -24,7 +24,6 @@ the gate's standard error (method, path, peer address, why).
 from __future__ import annotations
 
 import base64
-import contextlib
 import ipaddress
 import re
 import ssl
@@ -50,7 +49,8 @@ def is_fleet_path(path: str, raw_path: bytes = b"") -> bool:
     """Whether a request's path is one of the Fleet API's endpoints, ``/v1/fleet/NAME``, exactly: decoded and as
     sent. A prefix test would pass ``/v1/fleet/../control/start-run`` (or ``%2e%2e``), which the forwarding client
     normalizes into a Control API path."""
-    return bool(FLEET_PATH.fullmatch(path)) and (not raw_path or bool(FLEET_PATH.fullmatch(raw_path.decode("latin-1"))))
+    sent = raw_path.decode("latin-1")
+    return bool(FLEET_PATH.fullmatch(path)) and (not raw_path or bool(FLEET_PATH.fullmatch(sent)))
 
 
 def signed_by_roster(headers, roster_keys: set[bytes]) -> bool:
@@ -98,9 +98,8 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
     """The gate as an ASGI app: ``POST /v1/fleet/...`` requests signed by a roster key are forwarded to the
     SuperLink at ``superlink`` (``HOST:PORT``, TLS verified against ``ca_certfile``); anything else is refused."""
     import httpx
-    from starlette.applications import Starlette
+    from starlette.requests import Request
     from starlette.responses import PlainTextResponse, Response
-    from starlette.routing import Route
 
     require_loopback(superlink)
     roster_keys = set(roster.values())
@@ -111,7 +110,9 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
 
     def refuse(request, status: int, why: str):
         peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
-        print(f"refused {request.method} {request.url.path} from {peer} ({status}): {why.split(': ', 1)[1]}",
+        # the path as sent (percent-encoded, non-ASCII escaped): a decoded `%0a` would forge lines in this record
+        sent = (request.scope.get("raw_path") or request.url.path.encode()).decode("ascii", "backslashreplace")
+        print(f"refused {request.method} {sent} from {peer} ({status}): {why.split(': ', 1)[1]}",
               end="", file=sys.stderr, flush=True)  # (the operator's record of who knocked)
         return PlainTextResponse(why, status_code=status)
 
@@ -130,13 +131,19 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
                         headers={k: v for k, v in answer.headers.items() if k.lower() not in NOT_FORWARDED
                                  and k.lower() not in ("content-encoding", "date", "server")})
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
+    async def app(scope, receive, send) -> None:  # every path, every method: no router between a request and forward
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await client.aclose()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return  # (no websockets)
+        response = await forward(Request(scope, receive))
+        await response(scope, receive, send)
 
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+    return app
 
 
 def serve_gate(keys: str | Path, host: str, port: int, superlink: str = "127.0.0.1:9093") -> None:
