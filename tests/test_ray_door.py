@@ -170,3 +170,21 @@ def test_fedflats_local_ray_under_ray_auth_mode_token_refuses_a_stranger(tmp_pat
     finally:
         driver.communicate("\n", timeout=120)
     assert driver.returncode == 0, driver.stderr[-2000:]
+
+
+def test_joining_a_cluster_on_a_network_address_without_token_authentication_warns(monkeypatch, caplog):
+    """`executor.address` on a network address with RAY_AUTH_MODE other than token: a warning naming the risk and
+    the fix; none with the token mode, none for a cluster on this machine's loopback addresses."""
+    from fedflat.engine.ray_executor import warn_if_open
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with caplog.at_level("WARNING"):
+        warn_if_open("10.1.2.3")
+    assert "without token authentication" in caplog.text and "RAY_AUTH_MODE=token" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        warn_if_open("127.0.0.2")
+        warn_if_open("localhost")
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        warn_if_open("10.1.2.3")
+    assert caplog.text == ""
