@@ -326,6 +326,7 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
     try:
         if cfg.address:
             host = cfg.address.rsplit(":", 1)[0]
+            warn_if_open(host)
             if host.startswith("127."):  # a cluster on a loopback address is on this machine: join it there
                 options["_node_ip_address"] = host
             shipped = plugins.package_folders(plugin_names)
@@ -340,9 +341,35 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
             _SESSION["reaper"] = start_reaper(ray)
     except ConnectionError as err:
         raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
-                          "`ray start --head` (docs/distributed.md) or leave executor.address unset") from None
+                          "`ray start --head` (docs/distributed.md) or leave executor.address unset; a cluster "
+                          f"started with RAY_AUTH_MODE=token answers only a driver holding its token{token_hint()}"
+                          ) from None
     _SESSION["executors"] = 1
     return True
+
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def token_hint() -> str:
+    """What a driver needs to join a cluster that requires Ray's token authentication, if it lacks it."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() == "token":
+        return " (this driver's RAY_AUTH_MODE is token: is RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token " \
+               "the cluster's token?)"
+    return ": export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=FILE (the cluster's token) before the run"
+
+
+def warn_if_open(host: str) -> None:
+    """Warns when this driver joins a cluster on a network address without Ray's token authentication: such a
+    cluster runs the code of whoever reaches its ports (docs/distributed.md#several-nodes). A loopback address
+    is this machine's."""
+    if host in ("auto", "localhost") or host.startswith(("127.", "ray://127.", "ray://localhost")):
+        return
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        logging.getLogger(__name__).warning(
+            "joining the Ray cluster at %s without token authentication (RAY_AUTH_MODE is not 'token'): whoever "
+            "reaches its ports runs code on every machine of it; start the cluster and this run with "
+            "RAY_AUTH_MODE=token and its token (docs/distributed.md#several-nodes)", host)
 
 
 def start_reaper(ray):

@@ -1,5 +1,5 @@
-"""``fedflat flower-app`` (a Flower app project for a config), ``fedflat flower-sim`` (a Flower simulation) and
-``fedflat flower-keys`` (the keys of a secure deployment)."""
+"""``fedflat flower-app`` (a Flower app project for a config), ``fedflat flower-sim`` (a Flower simulation),
+``fedflat flower-keys`` (the keys of a secure deployment) and ``fedflat flower-gate`` (its door for SuperNodes)."""
 from __future__ import annotations
 
 import argparse
@@ -31,9 +31,9 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
     print(f"  simulation:  flwr run {folder} --stream        (Flower's local SuperLink; `flwr ls`: the runs' "
           "status; docs/flower.md)")
     if args.keys:
-        print(f"  deployment:  flwr run {folder} CONNECTION      (TLS and SuperNode authentication with the keys "
-              f"of {args.keys}: `fedflat flower-keys` printed the commands; partition P's clients go only to the "
-              "node holding node-P)")
+        print(f"  deployment:  flwr run {folder} CONNECTION      (on the SuperLink's machine; TLS and SuperNode "
+              f"authentication with the keys of {args.keys}: `fedflat flower-keys` printed the commands; partition "
+              "P's clients go only to the node holding node-P)")
     elif args.insecure:
         print("WARNING: --insecure: in a deployment any SuperNode that reaches the SuperLink may claim a partition "
               "and be sent the model; use it only on a trusted test network (docs/flower.md)", file=sys.stderr)
@@ -55,32 +55,52 @@ def cmd_flower_keys(args: argparse.Namespace) -> int:
 
 
 def deployment_guide(keys: Path, nodes: int, hosts: tuple[str, ...]) -> str:
-    """Where each file of ``fedflat flower-keys`` goes: the commands of a secure deployment on ``hosts[0]``."""
+    """Where each file of ``fedflat flower-keys`` goes: the commands of a secure deployment whose SuperLink the
+    nodes reach at ``hosts[-1]`` (the last ``--host``; 127.0.0.1 without one). The SuperLink listens on 127.0.0.1
+    only: its Control API has no authentication in Flower 1.41, so only the operator, with a shell on its machine,
+    reaches it; the nodes reach it through ``fedflat flower-gate`` (:mod:`fedflat.flower.gate`)."""
     from fedflat.flower.keys import ROSTER
 
     k = keys.resolve()
+    public = hosts[-1]
     node_lines = "\n".join(
-        f"  flwr supernode register {k}/node-{p}.pub here        # once, from the CLI's machine\n"
         f"  flower-supernode --root-certificates {k}/ca.crt --auth-supernode-private-key {k}/node-{p} \\\n"
-        f"      --superlink {hosts[0]}:9093 --port {9101 + p} --node-config 'partition-id={p} num-partitions={nodes}'"
+        f"      --superlink {public}:9092 --node-config 'partition-id={p} num-partitions={nodes} "
+        f"state-dir=\"~/fedflat/state\"'"
         for p in range(nodes))
-    return f"""Keys of a secure Flower deployment in {k} (development CA; the server certificate names {', '.join(hosts)}):
-  ca.crt              the CA: to the SuperLink (--ssl-ca-certfile), every SuperNode (--root-certificates) and
-                      the flwr CLI (root-certificates); ca.key signs, keep it off the machines of the federation
-  server.crt/.key     the SuperLink's TLS certificate and key (--ssl-certfile, --ssl-keyfile)
+    registers = "\n".join(f"  flwr supernode register {k}/node-{p}.pub here" for p in range(nodes))
+    names = ", ".join(hosts)
+    return f"""Keys of a secure Flower deployment in {k} (development CA; the server certificate names {names}):
+  ca.crt              the CA: to the SuperLink (--ssl-ca-certfile), the gate, every SuperNode (--root-certificates)
+                      and the flwr CLI (root-certificates); ca.key signs, keep it off the machines of the federation
+  server.crt/.key     the SuperLink's and the gate's TLS certificate and key (--ssl-certfile, --ssl-keyfile)
   node-P / node-P.pub partition P's SuperNode key pair: node-P stays on that node (--auth-supernode-private-key),
                       node-P.pub is registered with the SuperLink (flwr supernode register)
-  {ROSTER:<20}the roster (partition, public key): `fedflat flower-app CONFIG -o APP --keys {k}`
-SuperLink:
+  {ROSTER:<20}the roster (partition, public key): `fedflat flower-app CONFIG -o APP --keys {k}`, and the gate
+On the SuperLink's machine (the operator's shell; nothing there listens beyond 127.0.0.1 but the gate):
+  mkdir -p ~/fedflat
   flower-superlink --ssl-ca-certfile {k}/ca.crt --ssl-certfile {k}/server.crt --ssl-keyfile {k}/server.key \\
-      --enable-supernode-auth --port 9093 --database superlink.db
-flwr CLI connection ($FLWR_HOME/config.toml, default ~/.flwr):
-  [superlink.here]
-  address = "{hosts[0]}:9093"
-  root-certificates = "{k}/ca.crt"
-SuperNodes:
+      --enable-supernode-auth --host 127.0.0.1 --port 9093 --database ~/fedflat/superlink.db
+  fedflat flower-gate --keys {k} --host {public} --port 9092 --superlink 127.0.0.1:9093
+  flwr CLI connection ($FLWR_HOME/config.toml, default ~/.flwr):
+    [superlink.here]
+    address = "127.0.0.1:9093"
+    root-certificates = "{k}/ca.crt"
+{registers}
+SuperNodes (each on its own machine, with ca.crt and its own node-P only):
 {node_lines}
-Then: flwr run APP here"""
+Then, on the SuperLink's machine: flwr run APP here"""
+
+
+def cmd_flower_gate(args: argparse.Namespace) -> int:
+    require_flower()
+    from fedflat.flower.gate import require_loopback, serve_gate
+
+    require_loopback(args.superlink)
+    print(f"fedflat flower-gate on {args.host}:{args.port}: SuperNodes of the roster in {args.keys} reach the "
+          f"SuperLink at {args.superlink}; nothing else passes", flush=True)
+    serve_gate(args.keys, args.host, args.port, args.superlink)
+    return 0
 
 
 def cmd_flower_sim(args: argparse.Namespace) -> int:
@@ -109,10 +129,20 @@ def register(sub) -> None:
     p.add_argument("folder", metavar="DIR", help="folder for the keys (new or empty)")
     p.add_argument("--nodes", type=int, required=True, help="SuperNodes (one key pair per partition 0..N-1)")
     p.add_argument("--host", action="append", default=[],
-                   help="another name or address of the SuperLink for its certificate (127.0.0.1, localhost always)")
+                   help="the name or address the SuperNodes reach the SuperLink's gate at, for its certificate "
+                        "(127.0.0.1, localhost always)")
     p.add_argument("--days", type=int, default=365, help="days the certificates are valid")
     p.add_argument("--force", action="store_true", help="replace the keys in a folder that is not empty")
     p.set_defaults(func=cmd_flower_keys)
+
+    p = sub.add_parser("flower-gate", help="the SuperLink's door for SuperNodes: forwards only their signed Fleet "
+                                           "API requests to a SuperLink on 127.0.0.1")
+    p.add_argument("--keys", required=True, metavar="DIR", help="the deployment's keys (`fedflat flower-keys DIR`)")
+    p.add_argument("--host", required=True, help="the address the SuperNodes reach (this machine's, on their network)")
+    p.add_argument("--port", type=int, default=9092, help="the gate's port (default 9092)")
+    p.add_argument("--superlink", default="127.0.0.1:9093",
+                   help="the SuperLink's address, a loopback one (flower-superlink --host 127.0.0.1 --port 9093)")
+    p.set_defaults(func=cmd_flower_gate)
 
     p = sub.add_parser("flower-sim", help="run a config as a Flower simulation in this process")
     p.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
