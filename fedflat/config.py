@@ -516,10 +516,11 @@ class Config(Section):
     upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
                                                                           "(a plugin's), each {name, ...}")
     robust: dict[str, Any] | None = Field(None, description="robust aggregation: {name: median, trimmed_mean, "
-                                                            "krum, norm_bound or centered_clip, ...} "
+                                                            "krum, bulyan, norm_bound or centered_clip, ...} "
                                                             "(docs/security.md)")
     attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
-                                                            "sign_flip, gaussian or backdoor, fraction, ...} "
+                                                            "sign_flip, gaussian, backdoor, alie or ipm, "
+                                                            "fraction, ...} "
                                                             "(docs/security.md)")
     secure_aggregation: SecureAggregationConfig | None = Field(
         None, description="Flower runs: the uploads travel under Flower's SecAgg+, the server sees only their "
@@ -840,6 +841,7 @@ def _check_method(cfg: Config) -> None:
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)
+    _check_colluding(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
     _check_secure_aggregation(cfg, algorithm)
     cfg.algo.remember(algorithm.resolved(), key, method)
@@ -874,6 +876,16 @@ def _check_robust(cfg: Config, algorithm) -> None:
         if cfg.sampling.clients_per_round < rule.min_clients():
             raise ConfigError(f"robust={rule.name} needs at least {rule.min_clients()} clients per round, "
                               f"sampling.clients_per_round is {cfg.sampling.clients_per_round}")
+
+
+def _check_colluding(cfg: Config, algorithm) -> None:
+    """A colluding attack (ALIE, IPM) forges its rows on the server side, after the clients' compression, DP clip
+    and local noise, which its rows would skip (fedflat/algorithms/attacks.py): refused with them."""
+    forged = [s for s in algorithm.stages if getattr(s, "forges", False)]
+    if forged and (cfg.privacy is not None or algorithm.encoder is not None):
+        raise ConfigError(f"attack={forged[0].name} forges the malicious uploads from the round's benign ones on the "
+                          "server side, where they would skip the clients' compression and DP clip; drop privacy and "
+                          "compression to run it")
 
 
 def _check_upload_path(cfg: Config, algorithm) -> None:
