@@ -868,13 +868,14 @@ def _check_robust(cfg: Config, algorithm) -> None:
     """A robust rule reads each client's own update: refused with central DP, whose noise is calibrated to the sum's
     sensitivity; a rule defined only for enough clients (Krum: 2 f + 2 < K) needs them sampled."""
     rules = [s for s in algorithm.stages if s.kind == "robust"]
-    if rules and cfg.privacy is not None and cfg.privacy.mode == "central":
-        raise ConfigError(f"robust={rules[0].name} with privacy.mode=central: the server's noise is calibrated to the "
-                          "sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
+    individual = [s for s in rules if s.individual]  # a rule that reads only the sum is post-processing of it
+    if individual and cfg.privacy is not None and cfg.privacy.mode == "central":
+        raise ConfigError(f"robust={individual[0].name} with privacy.mode=central: the server's noise is calibrated "
+                          "to the sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
                           "update; use privacy.mode=local, or drop one of them")
-    for rule in rules:
+    for rule in algorithm.stages:
         if cfg.sampling.clients_per_round < rule.min_clients():
-            raise ConfigError(f"robust={rule.name} needs at least {rule.min_clients()} clients per round, "
+            raise ConfigError(f"{rule.kind}={rule.name} needs at least {rule.min_clients()} clients per round, "
                               f"sampling.clients_per_round is {cfg.sampling.clients_per_round}")
 
 

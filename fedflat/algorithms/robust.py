@@ -61,10 +61,6 @@ class RobustRule(UploadStage):
     kind = "robust"
     individual = INDIVIDUAL
 
-    def min_clients(self) -> int:
-        """The fewest clients per round the rule is defined for (fedflat.config checks the sampling)."""
-        return 1
-
 
 class Median(RobustRule):
     """Coordinate-wise median of the clients' releases (module docstring)."""
