@@ -516,10 +516,11 @@ class Config(Section):
     upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
                                                                           "(a plugin's), each {name, ...}")
     robust: dict[str, Any] | None = Field(None, description="robust aggregation: {name: median, trimmed_mean, "
-                                                            "krum, norm_bound or centered_clip, ...} "
+                                                            "krum, bulyan, norm_bound or centered_clip, ...} "
                                                             "(docs/security.md)")
     attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
-                                                            "sign_flip, gaussian or backdoor, fraction, ...} "
+                                                            "sign_flip, gaussian, backdoor, alie or ipm, "
+                                                            "fraction, ...} "
                                                             "(docs/security.md)")
     secure_aggregation: SecureAggregationConfig | None = Field(
         None, description="Flower runs: the uploads travel under Flower's SecAgg+, the server sees only their "
@@ -840,6 +841,7 @@ def _check_method(cfg: Config) -> None:
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)
+    _check_colluding(cfg, algorithm)
     _check_upload_path(cfg, algorithm)
     _check_secure_aggregation(cfg, algorithm)
     cfg.algo.remember(algorithm.resolved(), key, method)
@@ -866,14 +868,25 @@ def _check_robust(cfg: Config, algorithm) -> None:
     """A robust rule reads each client's own update: refused with central DP, whose noise is calibrated to the sum's
     sensitivity; a rule defined only for enough clients (Krum: 2 f + 2 < K) needs them sampled."""
     rules = [s for s in algorithm.stages if s.kind == "robust"]
-    if rules and cfg.privacy is not None and cfg.privacy.mode == "central":
-        raise ConfigError(f"robust={rules[0].name} with privacy.mode=central: the server's noise is calibrated to the "
-                          "sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
+    individual = [s for s in rules if s.individual]  # a rule that reads only the sum is post-processing of it
+    if individual and cfg.privacy is not None and cfg.privacy.mode == "central":
+        raise ConfigError(f"robust={individual[0].name} with privacy.mode=central: the server's noise is calibrated "
+                          "to the sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
                           "update; use privacy.mode=local, or drop one of them")
-    for rule in rules:
+    for rule in algorithm.stages:
         if cfg.sampling.clients_per_round < rule.min_clients():
-            raise ConfigError(f"robust={rule.name} needs at least {rule.min_clients()} clients per round, "
+            raise ConfigError(f"{rule.kind}={rule.name} needs at least {rule.min_clients()} clients per round, "
                               f"sampling.clients_per_round is {cfg.sampling.clients_per_round}")
+
+
+def _check_colluding(cfg: Config, algorithm) -> None:
+    """A colluding attack (ALIE, IPM) forges its rows on the server side, after the clients' compression, DP clip
+    and local noise, which its rows would skip (fedflat/algorithms/attacks.py): refused with them."""
+    forged = [s for s in algorithm.stages if getattr(s, "forges", False)]
+    if forged and (cfg.privacy is not None or algorithm.encoder is not None):
+        raise ConfigError(f"attack={forged[0].name} forges the malicious uploads from the round's benign ones on the "
+                          "server side, where they would skip the clients' compression and DP clip; drop privacy and "
+                          "compression to run it")
 
 
 def _check_upload_path(cfg: Config, algorithm) -> None:

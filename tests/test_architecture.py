@@ -61,6 +61,45 @@ def test_the_hand_check_recipe_gives_the_rounds_per_client_updates():
     assert not torch.equal(sim.w, w_before)
 
 
+STAGES = {"none": [], "attack": ["attack.name=sign_flip", "attack.fraction=0.5"],
+          "dp": ["privacy.clip=1e6", "privacy.noise_multiplier=0"],
+          "robust": ["robust.name=norm_bound", "robust.bound=1e6"],
+          "topk": ["compression.name=topk", "compression.ratio=1.0"]}
+
+
+def _hand_check(*overrides: str) -> dict:
+    """docs/extending.md's recipe, as written, with ``overrides`` after its ``algo=fedavg``."""
+    extending = (ROOT / "docs" / "extending.md").read_text()
+    recipe = re.search(r"## Checking a round by hand.*?```python\n(.*?)```", extending, flags=re.S).group(1)
+    assert '["algo=fedavg"]' in recipe
+    scope: dict = {}
+    exec(recipe.replace('["algo=fedavg"]', repr(["algo=fedavg", *overrides])), scope)
+    return scope
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_the_hand_check_reads_delta_i_under_every_upload_stage(stage):
+    """With a stage that leaves the updates as they are (a DP clip at 1e6 without noise, norm bounding at 1e6,
+    top-k keeping every entry) the recipe's deltas are the plain run's bit for bit (the same subtraction
+    ``w_{i,E} - w^t`` in float32, then multiplications by exactly 1 or a gather of every entry), and FedAvg moves by
+    their mean; under a sign-flip attack the malicious rows are exactly minus the plain run's. ``upload["model"]``
+    alone is ``w_{i,E}`` without stages and the release with them: the recipe must not depend on it."""
+    from fedflat.algorithms.attacks import attackers
+
+    plain, run = _hand_check(), _hand_check(*STAGES[stage])
+    deltas, expected = run["deltas"], plain["deltas"].clone()
+    assert torch.equal(run["result"].ids, plain["result"].ids)
+    if stage == "attack":
+        sim = run["sim"]
+        bad = torch.isin(run["result"].ids, torch.as_tensor(attackers(sim.settings.seed, sim.settings.num_clients, 0.5)))
+        assert bool(bad.any())
+        expected[bad] = -expected[bad]
+    assert torch.equal(deltas, expected)
+    w_before = run["w_before"]
+    assert torch.allclose(run["sim"].w, w_before + deltas.mean(0), rtol=0,
+                          atol=8 * 2.0 ** -24 * float(w_before.abs().max() + 1))
+
+
 class _Net(torch.nn.Module):
     """A user's model: one linear layer on the flattened input."""
 

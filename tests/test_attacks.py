@@ -115,6 +115,66 @@ def test_backdoor_stamps_the_trigger_on_the_first_ceil_q_n_real_samples_and_boos
 ATTACKED = ("threads=1", "rounds=2", "sampling.clients_per_round=4", "train.batch_size=7")
 
 
+def _server(stage_spec: dict, sampled: torch.Tensor):
+    from fedflat.core import RoundContext
+
+    stage = contract.Checked(build_stages([stage_spec])[0])
+    ctx = RoundContext(round=2, lr=0.1, w=torch.zeros(5), sampled=sampled, num_samples=torch.ones(len(sampled)),
+                       steps=torch.ones(len(sampled)), server={}, settings=SETTINGS)
+    bad = np.isin(sampled.numpy(), attackers(SEED, N, stage_spec["fraction"]))
+    return stage, ctx, bad
+
+
+@pytest.mark.parametrize("sampled", [list(range(N)), [0, 2, 3, 5, 6, 8, 9]], ids=["all", "seven"])
+def test_alie_uploads_benign_mean_minus_z_max_benign_std_on_every_malicious_row(sampled):
+    """Baruch et al.: n clients, f malicious, s = floor(n/2 + 1) - f, z_max = Phi^-1((n - s)/n) (SciPy's normal
+    quantile here); mu and sigma per coordinate over the benign rows (sample std, ddof 1), by NumPy in float64."""
+    from scipy.stats import norm
+
+    sampled = torch.tensor(sampled)
+    stage, ctx, bad = _server({"name": "alie", "fraction": 0.3}, sampled)
+    n, f = len(sampled), int(bad.sum())
+    assert 0 < f < n
+    release = {name: rows[sampled].double() for name, rows in RELEASE.items()}
+    out = stage.server(ctx, release)
+    benign = release["model"].numpy()[~bad]
+    z = norm.ppf((n - (math.floor(n / 2 + 1) - f)) / n)
+    forged = benign.mean(0) - z * benign.std(0, ddof=1)
+    np.testing.assert_allclose(out["model"].numpy()[bad], np.broadcast_to(forged, (f, 5)), rtol=0, atol=1e-12)
+    assert torch.equal(out["model"][~torch.tensor(bad)], release["model"][~torch.tensor(bad)])
+    assert torch.equal(out["scaffold.dc"], release["scaffold.dc"])
+    assert ctx.log["attackers"] == f
+    fixed, ctx, _ = _server({"name": "alie", "fraction": 0.3, "z": 1.5}, sampled)  # z given: used as it is
+    np.testing.assert_allclose(fixed.server(ctx, release)["model"].numpy()[bad][0],
+                               benign.mean(0) - 1.5 * benign.std(0, ddof=1), rtol=0, atol=1e-12)
+
+
+def test_ipm_uploads_minus_epsilon_times_the_benign_mean_on_every_malicious_row():
+    stage, ctx, bad = _server({"name": "ipm", "fraction": 0.3, "epsilon": 0.5}, torch.arange(N))
+    release = {name: rows.double() for name, rows in RELEASE.items()}
+    out = stage.server(ctx, release)
+    forged = -0.5 * release["model"].numpy()[~bad].mean(0)
+    np.testing.assert_allclose(out["model"].numpy()[bad], np.broadcast_to(forged, (int(bad.sum()), 5)), rtol=0,
+                               atol=1e-15)
+    assert torch.equal(out["model"][~torch.tensor(bad)], release["model"][~torch.tensor(bad)])
+
+
+@pytest.mark.parametrize("attack", ["alie", "ipm"])
+def test_colluding_attacks_run_alike_on_threads_and_are_refused_with_dp_or_compression(attack):
+    spec = (f"attack.name={attack}", "attack.fraction=0.34")
+    local = Simulation(tiny_config(*ATTACKED, *spec))
+    expected = trajectory(local, 2)
+    assert any(log["attackers"] > 0 for *_, log, _ in expected)
+    threads = Simulation(tiny_config(*ATTACKED, *spec, "executor=threads", "executor.workers=2"))
+    assert trajectory(threads, 2) == expected
+    plain = fedflat.run(tiny_config(*ATTACKED), save=False, progress=False).final_parameters
+    assert relative_gap(local.w, plain) > 1e-4  # the attack changed the run
+    with pytest.raises(ConfigError, match=f"attack={attack} forges the malicious uploads"):
+        tiny_config(*spec, "privacy.noise_multiplier=1.0", "privacy.clip=1.0", "privacy.mode=local")
+    with pytest.raises(ConfigError, match=f"attack={attack} forges"):
+        tiny_config(*spec, "compression.name=topk", "compression.ratio=0.5")
+
+
 @pytest.mark.parametrize("attack", [("attack.name=gaussian", "attack.fraction=0.34"),
                                     ("attack.name=backdoor", "attack.fraction=0.34", "attack.trigger_size=2",
                                      "attack.boost=3")], ids=["gaussian", "backdoor"])

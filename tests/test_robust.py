@@ -178,3 +178,38 @@ def test_robust_section_errors_say_what_to_do():
         tiny_config("robust.name=krum", "robust.f=1")
     with pytest.raises(ConfigError, match="beta"):
         tiny_config("robust.name=trimmed_mean", "robust.beta=0.5")
+
+
+def _flower_bulyan(rows: list[np.ndarray], f: int) -> np.ndarray:
+    """Flower's own Bulyan (flwr.server.strategy.aggregate.aggregate_bulyan over Krum) of the rows, each one
+    parameter array."""
+    aggregate = pytest.importorskip("flwr.server.strategy.aggregate")
+    results = [([row.copy()], 1) for row in rows]
+    return aggregate.aggregate_bulyan(results, f, aggregate.aggregate_krum, to_keep=0)[0]
+
+
+@pytest.mark.parametrize("clients,f,seed,outliers", [(7, 1, 0, 1), (11, 2, 1, 2), (12, 2, 2, 0), (15, 3, 3, 3),
+                                                     (9, 1, 4, 1), (8, 0, 5, 0)])
+def test_bulyan_equals_flowers_aggregate_bulyan(clients, f, seed, outliers):
+    """Released rows (the model's update and another entry, one vector per client) with ``outliers`` far-off
+    rows: fedflat's Bulyan equals Flower's computation of El Mhamdi et al.'s rule on the same vectors. Both run in
+    float64; Flower's distances come from ``np.linalg.norm(...)**2`` and ours from summed squares, which could only
+    swap Krum's choice on a near-tie (none on these draws), and its mean is over the same values: 1e-12."""
+    rng = np.random.default_rng(seed)
+    model, extra = rng.normal(size=(clients, 4)), rng.normal(size=(clients, 3))
+    model[:outliers] += rng.normal(scale=30.0, size=(outliers, 4))
+    expected = _flower_bulyan(list(np.concatenate([model, extra], axis=1)), f)
+    out = _serve({"name": "bulyan", "f": f}, _release(model, extra), _context(clients=clients))
+    _assert_every_row(out, expected[:4], expected[4:], rows=clients)
+    if f == 0:  # theta = beta = K: the plain mean
+        np.testing.assert_allclose(expected, np.concatenate([model, extra], axis=1).mean(0), atol=TOL)
+
+
+def test_bulyan_needs_4f_plus_3_clients_and_composes_with_fedsam():
+    with pytest.raises(ConfigError, match="robust=bulyan needs at least 7 clients per round"):
+        tiny_config("robust.name=bulyan", "robust.f=1", "sampling.clients_per_round=6")
+    seven = ("algo=fedsam", "rounds=2", "threads=1", "data.num_clients=8", "sampling.clients_per_round=7")
+    run = fedflat.run(tiny_config(*seven, "robust.name=bulyan", "robust.f=1"), save=False, progress=False)
+    plain = fedflat.run(tiny_config(*seven), save=False, progress=False)
+    assert run.summary["status"] == "completed" and run.metrics[-1]["bulyan_f"] == 1
+    assert relative_gap(run.final_parameters, plain.final_parameters) > 1e-4  # the rule is not a no-op here

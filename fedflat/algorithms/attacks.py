@@ -15,7 +15,19 @@ malicious client trains as the method says, on its own data, and then:
   shuffled, so these are a random subset), labelled ``target``; its update is then boosted,
   ``Delta_i <- boost Delta_i`` (model replacement: ``boost`` about ``N / eta`` replaces the global model by the
   backdoored one; 1 is plain data poisoning). The run's metrics then hold ``backdoor_acc``: the fraction of test
-  samples not of the ``target`` class that the global model classifies as ``target`` once the trigger is stamped.
+  samples not of the ``target`` class that the global model classifies as ``target`` once the trigger is stamped;
+- ``alie`` ("A Little Is Enough", Baruch, Baruch and Goldberg, NeurIPS 2019): the malicious clients of a round
+  collude and all upload ``mu - z_max sigma``, with ``mu`` and ``sigma`` the coordinate-wise mean and standard
+  deviation of the round's benign updates and, for ``n`` clients of which ``f`` malicious, ``s = floor(n/2 + 1) - f``
+  and ``z_max = Phi^{-1}((n - s) / n)`` (the paper's formula; ``z`` overrides it);
+- ``ipm`` (inner-product manipulation, Xie, Koyejo and Gupta, UAI 2020, "Fall of empires"): the malicious clients
+  all upload ``-epsilon mu``, ``mu`` the mean of the round's benign updates.
+
+The colluding attacks (``alie``, ``ipm``) are the papers' omniscient attackers: they know every benign update of
+the round, so they act in the attack's *server* hook (:meth:`ColludingAttack.server`), which runs first among the
+server stages and sees the round's whole received release (client hooks see one chunk of clients at a time, one
+client on the sequential engine). Their rows therefore skip the client-side stages (compression, a DP clip and
+local noise): they are refused with ``privacy`` and ``compression`` (fedflat.config).
 
 Upload attacks are stages of the upload path (:mod:`fedflat.core.upload`, kind ``attack``: first on the client,
 before compression or a DP clip) that change only the malicious clients' rows, and only ``Delta_i`` (a method's
@@ -51,6 +63,14 @@ def _attackers(seed: int, num_clients: int, fraction: float) -> tuple[int, ...]:
     return tuple(sorted(rng.choice(num_clients, count, replace=False).tolist()))
 
 
+def is_malicious(settings: Any, ids: torch.Tensor, fraction: float) -> torch.Tensor:
+    """``[C]``: whether each client of ``ids`` is one of the run's malicious clients, :func:`attackers` of
+    ``settings.seed``, ``settings.num_clients`` and ``fraction`` (the public way for a plugin attack to learn who
+    they are: a ``ClientContext`` and a ``RoundContext`` both carry ``settings``)."""
+    bad = torch.tensor(_attackers(settings.seed, settings.num_clients, fraction), dtype=torch.long)
+    return torch.isin(ids.cpu(), bad).to(ids.device)
+
+
 class AttackParams(PartParams):
     fraction: float = Field(0.2, ge=0, le=1, description="the fraction of the federation's clients that is malicious")
 
@@ -63,8 +83,7 @@ class Attack(UploadStage):
 
     def malicious(self, settings: Any, ids: torch.Tensor) -> torch.Tensor:
         """``[C]``: whether each client of ``ids`` is malicious (:func:`attackers` of the run's seed and ``N``)."""
-        bad = torch.tensor(_attackers(settings.seed, settings.num_clients, self.p.fraction), dtype=torch.long)
-        return torch.isin(ids.cpu(), bad).to(ids.device)
+        return is_malicious(settings, ids, self.p.fraction)
 
     def server(self, ctx: RoundContext, release: Release) -> Release:
         ctx.log["attackers"] = float(self.malicious(ctx.settings, ctx.sampled).sum())
@@ -171,6 +190,67 @@ class Backdoor(Attack):
             return release
         delta = release[MODEL]
         return {**release, MODEL: rows_where(self.malicious(ctx.settings, cohort.ids), self.p.boost * delta, delta)}
+
+
+class ColludingAttack(Attack):
+    """Base of the colluding attacks: in the server hook, the malicious rows of the round's release replaced by
+    :meth:`forge` of the benign rows' updates (module docstring)."""
+
+    forges = True  # its rows skip the clients' stages: refused with compression and privacy (fedflat.config)
+
+    def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
+        """The one update every malicious client uploads, from the benign updates ``benign[n - f, P]``."""
+        raise NotImplementedError
+
+    def server(self, ctx: RoundContext, release: Release) -> Release:
+        release = super().server(ctx, release)
+        bad = self.malicious(ctx.settings, ctx.sampled)
+        delta = release[MODEL]
+        n, f = delta.shape[0], int(bad.sum())
+        if f == 0 or f == n:  # nobody to attack with, or no benign update to learn from: the round as it is
+            return release
+        forged = self.forge(delta[~bad.to(delta.device)], n, f)
+        return {**release, MODEL: rows_where(bad.to(delta.device), forged.expand_as(delta), delta)}
+
+
+class AlieParams(AttackParams):
+    z: float | None = Field(None, description="z: the malicious upload is mu - z sigma (None: the paper's z_max of "
+                                              "the round's n clients and f attackers)")
+
+
+def alie_z(n: int, f: int) -> float:
+    """Baruch et al.'s ``z_max = Phi^{-1}((n - s) / n)``, ``s = floor(n / 2 + 1) - f`` the benign clients the
+    attackers need on their side (at least 1: with a malicious majority the formula's ``z`` is infinite)."""
+    s = max(math.floor(n / 2 + 1) - f, 1)
+    return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - s) / n, dtype=torch.float64)))
+
+
+class Alie(ColludingAttack):
+    """"A Little Is Enough" (module docstring): every malicious client uploads ``mu - z_max sigma``."""
+
+    name = "alie"
+    summary = "attack: colluding clients upload mu - z sigma of the benign updates (A Little Is Enough)"
+    Params = AlieParams
+
+    def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
+        z = self.p.z if self.p.z is not None else alie_z(n, f)
+        sigma = benign.std(0, correction=1) if benign.shape[0] > 1 else torch.zeros_like(benign[0])
+        return benign.mean(0) - z * sigma
+
+
+class IpmParams(AttackParams):
+    epsilon: float = Field(0.1, gt=0, description="the malicious upload is -epsilon mu, mu the benign updates' mean")
+
+
+class Ipm(ColludingAttack):
+    """Inner-product manipulation (module docstring): every malicious client uploads ``-epsilon mu``."""
+
+    name = "ipm"
+    summary = "attack: colluding clients upload -epsilon times the benign updates' mean (inner-product manipulation)"
+    Params = IpmParams
+
+    def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
+        return -self.p.epsilon * benign.mean(0)
 
 
 def for_dataset(specs: list[dict[str, Any]], num_classes: int, input_shape: tuple[int, ...]) -> list[dict[str, Any]]:

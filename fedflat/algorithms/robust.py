@@ -12,12 +12,17 @@ alike (the rules are unweighted):
 - **Krum / multi-Krum** (Blanchard et al., NeurIPS 2017): with ``f`` assumed attackers, client ``i``'s score is
   ``s(i) = sum_{j in N_i} ||x_i - x_j||^2`` over its ``K - f - 2`` nearest other clients ``N_i``; Krum takes the
   row of the lowest score, multi-Krum the mean of the ``m`` rows of the lowest scores;
+- **Bulyan** (El Mhamdi, Guerraoui and Rouault, ICML 2018, "The hidden vulnerability of distributed learning in
+  Byzantium"), with ``f`` assumed attackers and ``K >= 4f + 3``: Krum applied recursively selects
+  ``theta = K - 2f`` rows (each time Krum's row of the remaining set ``R``, its score over the ``|R| - f - 2``
+  nearest others of ``R``, then removed from ``R``); then in every coordinate the ``beta = theta - 2f`` selected
+  values closest to the selected rows' coordinate-wise median are averaged;
 - **norm bounding** (Sun et al. 2019, "Can you really backdoor federated learning?"): every row clipped to the
   bound ``M``, ``x_i <- x_i min(1, M / ||x_i||)``;
 - **centered clipping** (Karimireddy, He and Jaggi, ICML 2021): from the previous round's aggregate ``v_0`` (server
   state, zero before the first round), ``L`` iterations of ``v <- v + (1/K) sum_i (x_i - v) min(1, tau / ||x_i - v||)``.
 
-A rule that gives one aggregate (median, trimmed mean, Krum, centered clipping) returns every row equal to it, as
+A rule that gives one aggregate (median, trimmed mean, Krum, Bulyan, centered clipping) returns every row equal to it, as
 central differential privacy does, so whatever the method's server side computes from the rows (a weighted mean,
 FedAvg's ``sum_i p_i x_i``) reads exactly the robust aggregate; norm bounding returns the clipped rows, which the
 method then aggregates as usual. Norms and distances are over the whole release, as one vector per client.
@@ -55,10 +60,6 @@ class RobustRule(UploadStage):
 
     kind = "robust"
     individual = INDIVIDUAL
-
-    def min_clients(self) -> int:
-        """The fewest clients per round the rule is defined for (fedflat.config checks the sampling)."""
-        return 1
 
 
 class Median(RobustRule):
@@ -142,6 +143,53 @@ class Krum(RobustRule):
         chosen = torch.sort(scores, stable=True).indices[:min(self.p.m, K)]
         ctx.log["krum_selected"] = float(chosen.numel())
         return every_row(release, K, {name: rows[chosen].mean(0) for name, rows in release.items()})
+
+
+class BulyanParams(PartParams):
+    f: int = Field(1, ge=0, description="the number of attackers Bulyan assumes among a round's clients (K >= 4f + 3)")
+
+
+def bulyan_selection(D: torch.Tensor, f: int) -> list[int]:
+    """El Mhamdi et al.'s selection: ``theta = K - 2f`` rows, each Krum's choice (lowest score, the first on ties)
+    among the rows not yet selected, its score over the ``|R| - f - 2`` nearest of the remaining ``R``."""
+    remaining = list(range(D.shape[0]))
+    chosen = []
+    for _ in range(D.shape[0] - 2 * f):
+        index = torch.tensor(remaining, device=D.device)
+        scores = krum_scores(D[index][:, index], f)
+        best = remaining[int(torch.argmin(scores))]
+        chosen.append(best)
+        remaining.remove(best)
+    return chosen
+
+
+def closest_to_median(rows: torch.Tensor, beta: int) -> torch.Tensor:
+    """Per coordinate of ``rows[theta, ...]``, the mean of the ``beta`` values closest to the coordinate-wise median
+    (Bulyan's second step)."""
+    distance = (rows - coordinate_median(rows)).abs()
+    nearest = distance.argsort(dim=0, stable=True)[:beta]
+    return rows.gather(0, nearest).mean(0)
+
+
+class Bulyan(RobustRule):
+    """Bulyan: recursive Krum, then the coordinate-wise mean around the median (module docstring)."""
+
+    name = "bulyan"
+    summary = "robust aggregation: Bulyan, Krum's selection then a coordinate-wise trimmed mean around the median"
+    Params = BulyanParams
+
+    def min_clients(self) -> int:
+        return 4 * self.p.f + 3  # El Mhamdi et al.: n >= 4 f + 3
+
+    def server(self, ctx: RoundContext, release: Release) -> Release:
+        K, f = rows_of(release), self.p.f
+        if K < 4 * f + 3:  # a round with fewer answering clients than the rule is defined for (dropouts)
+            f = max((K - 3) // 4, 0)
+        chosen = torch.tensor(bulyan_selection(squared_distances(release), f))
+        beta = len(chosen) - 2 * f
+        ctx.log["bulyan_f"] = float(f)
+        return every_row(release, K, {name: closest_to_median(rows[chosen.to(rows.device)], beta)
+                                      for name, rows in release.items()})
 
 
 class NormBoundParams(PartParams):

@@ -331,8 +331,14 @@ class Cohort:
 @dataclass
 class ClientResult:
     """What a cohort of clients returns (Flower's ``FitRes``), one row per client in the order of ``ids``:
-    the ``upload`` (``"model"`` = ``w_{i,E}``, ``"train_loss"``, and the parts' entries), the
-    ``state`` each client keeps, and ``backprops``, the backward passes it took."""
+    the ``upload``, what travels; the ``state`` each client keeps; ``backprops``, the backward passes it took.
+
+    ``upload`` holds ``"train_loss"``, the parts' entries and the model's entry as it travels: for a method without
+    upload stages ``"model"`` is the final local model ``w_{i,E}``; with any stage (an attack, a robust rule, DP,
+    compression: :mod:`fedflat.core.upload`) the client sends its release instead, ``"model"`` the update
+    ``Delta_i`` as the stages left it, or its encoding (top-k's ``"model/values"`` and ``"model/index"``, QSGD's
+    ``"model/norm"`` and ``"model/levels"``). For ``Delta_i`` under every upload path, decoded, read
+    :meth:`fedflat.engine.simulation.Simulation.updates` (``Algorithm.received_release``)."""
 
     ids: torch.Tensor
     upload: dict[str, torch.Tensor]

@@ -72,6 +72,11 @@ class UploadStage(Part):
         """The round's received release as the method's server side reads it (rows of ``ctx.sampled``)."""
         return release
 
+    def min_clients(self) -> int:
+        """The fewest clients per round the stage is defined for (a robust rule's, e.g. Krum's ``2f + 3``):
+        fedflat.config refuses a sampling with fewer."""
+        return 1
+
 
 def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:
     """The release of an ``upload`` whose model rows started from ``w``: ``Delta_i`` for the model, the other

@@ -259,6 +259,14 @@ class Simulation:
     def finish_round(self, opened: OpenRound, result: ClientResult | None) -> RoundResult:
         return self.host.finish_round(opened, result)
 
+    def updates(self, opened: OpenRound, result: ClientResult) -> dict[str, torch.Tensor]:
+        """What each client of ``result`` released, as the server receives it before its own stages: the update
+        ``Delta_i = w_{i,E} - w^t`` under ``model`` (decoded where compressed; clipped under DP; a malicious
+        client's as its attack left it) and the method's other released entries, rows in ``result.ids``' order.
+        One meaning under every upload path, unlike ``result.upload["model"]``, which is what travels
+        (:class:`~fedflat.core.ClientResult`): docs/extending.md, "Checking a round by hand"."""
+        return self.algorithm.received_release(opened.ctx, result.upload)
+
     def sample_clients(self, round: int) -> torch.Tensor:
         return self.host.sample_clients(round)
 
