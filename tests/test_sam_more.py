@@ -4,6 +4,7 @@ steps, each gradient computed directly with autograd on the model (tests/test_sa
 from __future__ import annotations
 
 import sys
+import copy
 from collections import defaultdict
 from pathlib import Path
 
@@ -174,3 +175,146 @@ def test_fedasam_equals_the_authors_code_on_the_conformance_problem():
     everything = fedflat_run(["algo=fedasam", f"algo.rho={rho}", f"algo.eta={eta}", "algo.normalize=all"], x, y,
                              model_fn, None, "loss")
     assert (everything[-1] - theirs[-1]).abs().max() > 1e-5  # the biases' T tells the options apart
+
+
+# ---------------------------------------------------------------- server-side SWA
+
+
+def swa_by_hand(hand: Hand, sim: Simulation, rounds_: int, s: int, c: int, swa_lr: float, rule: str):
+    """The global model after each round: FedAvg's iterate x trained with the cyclic rate from round s, and the
+    running mean of the collected iterates (swa.py's docstring, written out)."""
+    x, w_swa, n, out = sim.w.clone(), None, 0, []
+    for t in range(rounds_):
+        lr = sim.lr_at(t)
+        if t >= s and c > 1:
+            tau = (((t if rule == "code" else t - s) % c) + 1) / c
+            lr = (1 - tau) * lr + tau * swa_lr
+        x_new = torch.stack([hand.local(x, i, lr) for i in _sampled(sim, t)]).mean(0)
+        if t == s:
+            w_swa, n = x.clone(), (0 if rule == "code" else 1)
+        collect = (t > s and (t - s) % c == 0) if rule == "code" else (t >= s and (t - s + 1) % c == 0)
+        if collect:
+            w_swa, n = (n * w_swa + x_new) / (n + 1), n + 1
+        x = x_new
+        out.append(x.clone() if t < s else w_swa.clone())
+    return out
+
+
+@pytest.mark.parametrize("rule", ["code", "izmailov"])
+def test_swa_five_rounds_by_hand(tiny, rule):
+    s, c, swa_lr = 1, 2, 0.01
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedavg-swa", f"algo.start_round={s}", f"algo.cycle={c}",
+                          f"algo.swa_lr={swa_lr}", f"algo.rule={rule}", "rounds=5"))
+    expected = swa_by_hand(Hand(sim), sim, 5, s, c, swa_lr, rule)
+    for t in range(5):
+        sim.run_round(t)
+        close(sim.w, expected[t])
+    assert int(sim.host.state["swa.n"]) == (1 if rule == "code" else 3)  # collected after 3; after 2 and 4
+
+
+def test_swa_before_its_start_is_its_base_method_and_starts_at_three_quarters(tiny):
+    """Before round s the run is FedSAM bit for bit (never started: the whole run); ``start`` 0.75 of 4 rounds is
+    round 3, so rounds 0-2 are FedSAM's and round 3's model is the frozen x^3 of the code's rule."""
+    sam = run(tiny("algo=fedsam", "algo.rho=0.05", "rounds=4"))
+    never = run(tiny("algo=fedsam-swa", "algo.rho=0.05", "rounds=4", "algo.start_round=4", "algo.cycle=3"))
+    assert torch.equal(never.final_parameters, sam.final_parameters)
+    base = Simulation(tiny("algo=fedsam", "algo.rho=0.05", "rounds=4"))
+    swa = Simulation(tiny("algo=fedsam-swa", "algo.rho=0.05", "rounds=4"))
+    for t in range(3):
+        base.run_round(t)
+        swa.run_round(t)
+        assert torch.equal(swa.w, base.w)
+    x3 = swa.w.clone()
+    base.run_round(3)
+    swa.run_round(3)
+    assert torch.equal(swa.w, x3) and torch.equal(swa.host.state["swa.x"], base.w)
+    assert run(tiny("algo=fedasam-swa", "rounds=4")).summary["algorithm"] == "fedasam-swa"
+
+
+def test_swa_composes_runs_on_both_engines_and_resumes(tiny):
+    options = ("algo=fedsam", "algo.server=swa", "algo.start_round=1", "algo.cycle=2", "rounds=4")
+    seq = run(tiny(*options, "engine=sequential"))
+    vec = run(tiny(*options, "engine=vectorized"))
+    close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+    assert seq.summary["algorithm"] == "fedsam[server=swa]"
+    cfg = tiny("algo=fedavg-swa", "algo.start_round=1", "algo.cycle=2", "rounds=4")
+    whole = Simulation(cfg)
+    rounds(whole, 4)
+    first = Simulation(cfg)
+    rounds(first, 2)
+    second = Simulation(cfg)
+    second.load_state_dict(first.state_dict())
+    second.run_round(2)
+    second.run_round(3)
+    assert torch.equal(second.w, whole.w)
+
+
+def schedule_cycling_lr(round, c, lr1, lr2):
+    """Transcribed unmodified from github.com/debcaldarola/fedsam (models/utils/main_utils.py:97, commit 64bbf93)."""
+    t = 1 / c * (round % c + 1)
+    lr = (1 - t) * lr1 + t * lr2
+    return lr
+
+
+class SWAServerOfTheCode:
+    """The authors' server-side SWA methods (models/servers/fedavg_server.py:160-168, commit 64bbf93), transcribed
+    unmodified, on a server holding ``client_model`` (the FedAvg model) and ``swa_model``."""
+
+    def __init__(self, client_model):
+        self.client_model = client_model
+        self.swa_model = None
+
+    def setup_swa_model(self, swa_ckpt=None):
+        self.swa_model = copy.deepcopy(self.client_model)
+        if swa_ckpt is not None:
+            self.swa_model.load_state_dict(swa_ckpt)
+
+    def update_swa_model(self, alpha):
+        for param1, param2 in zip(self.swa_model.parameters(), self.client_model.parameters()):
+            param1.data *= (1.0 - alpha)
+            param1.data += param2.data * alpha
+
+
+def test_swa_equals_the_authors_code_on_the_conformance_problem(monkeypatch):
+    """The authors' round loop (models/main.py:137-180: setup at s, the cyclic rate, a collection after rounds t > s
+    with mod(t - s, c) = 0), their SWA methods and schedule transcribed, FedAvg's clients as plain SGD (their
+    ``Client.run_epoch``), against ``fedavg-swa`` on scripts/conformance.py's problem, 6 rounds without lr decay (the
+    code's cycle starts from the base rate): the evaluated models agree to float32 rounding."""
+    import conformance
+    from conformance import CLIENTS, LR, SAMPLES, STEPS, WD, fedflat_run, problem
+
+    num_rounds, swa_start, swa_c, swa_lr = 6, 2, 2, 0.01
+    x, y, model_fn = problem()
+    server = SWAServerOfTheCode(model_fn())
+    theirs = []
+    swa_n = 0
+    for i in range(num_rounds):
+        lr = LR
+        if i >= swa_start:
+            if i == swa_start:
+                server.setup_swa_model()
+            if swa_c > 1:
+                lr = schedule_cycling_lr(i, swa_c, LR, swa_lr)
+        finals = []
+        for k in range(CLIENTS):
+            client = model_fn()
+            client.load_state_dict(server.client_model.state_dict())
+            optimizer = torch.optim.SGD(client.parameters(), lr=lr, weight_decay=WD)
+            xi, yi = x[k * SAMPLES:(k + 1) * SAMPLES], y[k * SAMPLES:(k + 1) * SAMPLES]
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(client(xi), yi).backward()
+                optimizer.step()
+            finals.append(torch.nn.utils.parameters_to_vector(client.parameters()).detach())
+        torch.nn.utils.vector_to_parameters(torch.stack(finals).mean(0), server.client_model.parameters())
+        if i > swa_start and (i - swa_start) % swa_c == 0:
+            server.update_swa_model(1.0 / (swa_n + 1))
+            swa_n += 1
+        evaluated = server.client_model if server.swa_model is None else server.swa_model
+        theirs.append(torch.nn.utils.parameters_to_vector(evaluated.parameters()).detach().clone())
+    monkeypatch.setattr(conformance, "ROUNDS", num_rounds)
+    ours = fedflat_run(["algo=fedavg-swa", f"algo.start_round={swa_start}", f"algo.cycle={swa_c}",
+                        f"algo.swa_lr={swa_lr}", "train.lr_decay=1.0"], x, y, model_fn, None, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
+    assert swa_n == 1

@@ -306,5 +306,10 @@ class ServerUpdate(Part):
         """The point clients start from (``w^t`` by default)."""
         return ctx.w
 
+    def round_lr(self, ctx: RoundContext) -> float:
+        """The local learning rate of the round, ``eta_l^t`` (``ctx.lr``, the run's schedule, by default; server-side
+        SWA's cyclic rate): clients receive it with the broadcast, and ``ctx.lr`` holds it for the round."""
+        return ctx.lr
+
     def step(self, ctx: RoundContext) -> torch.Tensor:
         raise NotImplementedError
