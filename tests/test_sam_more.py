@@ -3,13 +3,14 @@ server-side SWA, FedSOL, FedSWA/FedMoSWA, FedMAN (docs/algorithms.md). Hand comp
 steps, each gradient computed directly with autograd on the model (tests/test_sam_family.py's ``Hand``)."""
 from __future__ import annotations
 
-import sys
 import copy
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fedflat
 from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
@@ -318,3 +319,222 @@ def test_swa_equals_the_authors_code_on_the_conformance_problem(monkeypatch):
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
     assert swa_n == 1
+
+
+# ---------------------------------------------------------------- FedSOL
+
+
+def kl_grad(hand: Hand, w: torch.Tensor, w_g: torch.Tensor, i: int, tau: float = 3.0) -> torch.Tensor:
+    """``grad_w KLDivLoss(batchmean)(log softmax(f(w)/tau), softmax(f(w_g)/tau))`` on client ``i``'s data."""
+    idx = hand.sim.client_indices[i]
+    x = hand.sim.dataset.x_train[idx]
+    leaf = w.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        target = torch.softmax(hand.sim.model(w_g, x) / tau, dim=1)
+    kl = torch.nn.KLDivLoss(reduction="batchmean")(torch.log_softmax(hand.sim.model(leaf, x) / tau, dim=1), target)
+    (g,) = torch.autograd.grad(kl, leaf)
+    return g
+
+
+@pytest.mark.parametrize("strength", ["adaptive", "fixed"])
+def test_fedsol_two_rounds_by_hand(tiny, strength):
+    rho = 0.5
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedsol", f"algo.rho={rho}", f"algo.strength={strength}"))
+    hand, layout = Hand(sim), sim.settings.layout
+
+    def eps(k, wk, w_g, i):
+        if k == 0:
+            return None  # w = w_g: grad KL = 0
+        e = rho * hand.unit(kl_grad(hand, wk, w_g, i))
+        if strength == "fixed":
+            return e
+        s = torch.cat([torch.nn.functional.normalize(v, p=2, dim=0).reshape(-1)
+                       for v in layout.views((wk - w_g).abs())])
+        return s * e
+
+    w = sim.w.clone()
+    for t in range(2):
+        finals = [hand.local(w, i, sim.lr_at(t), perturb=lambda k, wk, i=i, w_g=w: eps(k, wk, w_g, i))
+                  for i in _sampled(sim, t)]
+        w = torch.stack(finals).mean(0)
+    rounds(sim)
+    close(sim.w, w)
+
+
+def test_fedsol_reductions(tiny):
+    """rho 0 is FedAvg bit for bit; so is one local step (w = w_g: grad KL = 0, eps = 0), either strength."""
+    avg = run(tiny("algo=fedavg", "rounds=2"))
+    assert torch.equal(run(tiny("algo=fedsol", "algo.rho=0", "rounds=2")).final_parameters, avg.final_parameters)
+    one = ("rounds=2", "train.local_steps=1")
+    for strength in ("adaptive", "fixed"):
+        assert torch.equal(run(tiny("algo=fedsol", f"algo.strength={strength}", *one)).final_parameters,
+                           run(tiny("algo=fedavg", *one)).final_parameters)
+    assert not torch.equal(run(tiny("algo=fedsol", "rounds=2")).final_parameters, avg.final_parameters)
+
+
+def test_fedsol_composes_runs_on_both_engines_and_is_refused_under_dp_sgd(tiny):
+    seq = run(tiny("algo=fedsol", "engine=sequential"))
+    vec = run(tiny("algo=fedsol", "engine=vectorized"))
+    close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+    assert seq.summary["backprops_per_step"] == 2
+    composed = run(tiny("algo=fedsol", "algo.correction=scaffold"))
+    assert composed.summary["algorithm"] == "fedsol[correction=scaffold]"
+    with pytest.raises(Exception, match="perturbation 'sol': its perturbation is the gradient of a distillation"):
+        run(tiny("algo=fedsol", "privacy.level=instance", "privacy.clip=0.8", "privacy.noise_multiplier=1.2"))
+    client_dp = run(tiny("algo=fedsol", "privacy.clip=0.8", "privacy.noise_multiplier=1.2", "rounds=2"))
+    assert client_dp.summary["status"] == "completed"
+
+
+class ExpSAM(torch.optim.Optimizer):
+    """Transcribed unmodified from github.com/Lee-Gihun/FedSOL (algorithms/fedsol_adaptive/ClientTrainer.py, commit
+    ebc3f64), the authors' adaptive FedSOL optimizer."""
+
+    def __init__(
+        self, params, ref_params, base_optimizer, rho=0.05, adaptive=False, **kwargs
+    ):
+        # assert rho >= 0.0, f"Invalid rho, should be non-negative: {rho}"
+
+        defaults = dict(rho=rho, adaptive=adaptive, **kwargs)
+        super(ExpSAM, self).__init__(params, defaults)
+
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+        self.ref_param_groups = []
+        ref_param_groups = list(ref_params)
+
+        if not isinstance(ref_param_groups[0], dict):
+            ref_param_groups = [{"params": ref_param_groups}]
+
+        for ref_param_group in ref_param_groups:
+            self.add_ref_param_group(ref_param_group)
+
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = self._grad_norm()
+        for group, ref_group in zip(self.param_groups, self.ref_param_groups):
+            scale = group["rho"] / (grad_norm + 1e-12)
+
+            for p, ref_p in zip(group["params"], ref_group["params"]):
+                if p.grad is None:
+                    try:
+                        self.state[p]["old_p"] = p.data.clone()
+                    except:  # noqa: E722
+                        pass
+
+                    continue
+
+                # avg_mag = torch.abs(p - ref_p).mean()
+
+                self.state[p]["old_p"] = p.data.clone()
+                e_w = F.normalize((p - ref_p).abs(), 2, dim=0) * p.grad * scale.to(p)
+                p.add_(e_w)  # climb to the local maximum "w + e(w)"
+
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.data = self.state[p]["old_p"]  # get back to "w" from "w + e(w)"
+
+        self.base_optimizer.step()  # do the actual "sharpness-aware" update
+
+        if zero_grad:
+            self.zero_grad()
+
+    def _grad_norm(self):
+        shared_device = self.param_groups[0]["params"][
+            0
+        ].device  # put everything on the same device, in case of model parallelism
+        norm = torch.norm(
+            torch.stack(
+                [
+                    (1.0 * p.grad).norm(p=2).to(shared_device)
+                    for group, ref_group in zip(
+                        self.param_groups, self.ref_param_groups
+                    )
+                    for p, ref_p in zip(group["params"], ref_group["params"])
+                    if p.grad is not None
+                ]
+            ),
+            p=2,
+        )
+        return norm
+
+    def add_ref_param_group(self, param_group):
+        params = param_group["params"]
+
+        if isinstance(params, torch.Tensor):
+            param_group["params"] = [params]
+        else:
+            param_group["params"] = list(params)
+
+        for name, default in self.defaults.items():
+            param_group.setdefault(name, default)
+
+        params = param_group["params"]
+
+        param_set = set()
+        for group in self.ref_param_groups:
+            param_set.update(set(group["params"]))
+
+        if not param_set.isdisjoint(set(param_group["params"])):
+            raise ValueError("some parameters appear in more than one parameter group")
+
+        self.ref_param_groups.append(param_group)
+
+
+def authors_fedsol(x, y, model_fn, rho, momentum) -> list[torch.Tensor]:
+    """The authors' adaptive FedSOL client (``ClientTrainer.train``: the KL pass at temperature 3, ``first_step``,
+    the cross-entropy pass, ``second_step``; the BatchNorm switches and head/body freezing, no-ops for this model
+    with ``perturb_head = perturb_body = true``, left out) on scripts/conformance.py's problem, averaged uniformly."""
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, WD
+
+    server, models = model_fn(), []
+    KLDiv, criterion = torch.nn.KLDivLoss(reduction="batchmean"), torch.nn.CrossEntropyLoss()
+    for t in range(ROUNDS):
+        finals = []
+        for i in range(CLIENTS):
+            model, dg_model = model_fn(), model_fn()
+            model.load_state_dict(server.state_dict())
+            dg_model.load_state_dict(server.state_dict())
+            for q in dg_model.parameters():
+                q.requires_grad = False
+            sam_optimizer = ExpSAM(model.parameters(), dg_model.parameters(), base_optimizer=torch.optim.SGD,
+                                   rho=rho, adaptive=False, lr=LR * LR_DECAY ** t, momentum=momentum,
+                                   weight_decay=WD)
+            data, targets = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
+            for _ in range(STEPS):
+                logits = model(data)
+                with torch.no_grad():
+                    dg_probs = torch.softmax(dg_model(data) / 3, dim=1)
+                KLDiv(F.log_softmax(logits / 3, dim=1), dg_probs).backward()
+                sam_optimizer.first_step(zero_grad=True)
+                criterion(model(data), targets).backward()
+                sam_optimizer.second_step(zero_grad=True)
+            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+        mean = torch.stack(finals).mean(0)
+        torch.nn.utils.vector_to_parameters(mean, server.parameters())
+        models.append(mean)
+    return models
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fedsol_equals_the_authors_code_on_the_conformance_problem(momentum):
+    """Three rounds of the authors' adaptive FedSOL (``ExpSAM`` transcribed) and fedflat's ``fedsol`` on
+    scripts/conformance.py's problem, plain SGD and SGD with momentum 0.9 fresh each round (the code builds its
+    optimizer each round): equal to float32 rounding."""
+    from conformance import fedflat_run, problem
+
+    x, y, model_fn = problem()
+    theirs = authors_fedsol(x, y, model_fn, 1.0, momentum)
+    options = ["algo=fedsol", "algo.rho=1.0"] + ([f"train.momentum={momentum}"] if momentum else [])
+    ours = fedflat_run(options, x, y, model_fn, None, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)

@@ -59,6 +59,7 @@ class Distillation:
     teacher: torch.Tensor
     weight: float
     temperature: float
+    data_weight: float = 1.0  # the weight of the data loss beside it (0: the distillation term alone, FedSOL's)
 
 
 class GradientOracle(Protocol):

@@ -41,13 +41,14 @@ from fedflat.params import FlatModel
 
 
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
-                        weight: torch.Tensor | None = None,
-                        loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor | None = None, loss: LossFn | None = None,
+                        data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
     (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
     ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
     ``weight[B]`` (0 for padding) weighted means over the real ones. With a ``loss`` of one's own
-    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``."""
+    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``. ``data_weight`` scales the data
+    loss in the objective (0: the distillation term alone; the reported loss stays CE)."""
     log_p = F.log_softmax(logits / tau, dim=-1)
     if weight is None:
         ce = mean_loss(loss, logits, y)
@@ -56,7 +57,8 @@ def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: tor
         mean = (lambda per_sample: (per_sample * weight).sum() / weight.sum())
         ce = mean(per_sample(loss, logits, y))
         kl = mean(F.kl_div(log_p, teacher_logp, reduction="none", log_target=True).sum(-1))
-    return ce + gamma * tau ** 2 * kl, ce
+    data = ce if data_weight == 1.0 else data_weight * ce
+    return data + gamma * tau ** 2 * kl, ce
 
 
 class ClientSession:
@@ -167,9 +169,10 @@ class Oracle:
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
-                        tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        tau: float, data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
-        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn)
+        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn,
+                                   data_weight)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +193,8 @@ class Oracle:
         C = W.shape[0]
         teacher_logp = self.teacher_log_probs(distill, batch.x)
         self._mode(True)  # the teacher's pass was an evaluation
-        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature)
+        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature,
+                            data_weight=distill.data_weight)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             padded = () if batch.weight is None else (batch.weight,)
@@ -378,7 +382,7 @@ class Oracle:
             ce = mean_loss(self.loss_fn, logits, y)
             return ce, ce
         return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature,
-                                   loss=self.loss_fn)
+                                   loss=self.loss_fn, data_weight=distill.data_weight)
 
     def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
                             distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
