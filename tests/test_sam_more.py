@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections import defaultdict
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -536,5 +537,250 @@ def test_fedsol_equals_the_authors_code_on_the_conformance_problem(momentum):
     theirs = authors_fedsol(x, y, model_fn, 1.0, momentum)
     options = ["algo=fedsol", "algo.rho=1.0"] + ([f"train.momentum={momentum}"] if momentum else [])
     ours = fedflat_run(options, x, y, model_fn, None, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
+
+
+# ---------------------------------------------------------------- FedSWA, FedMoSWA
+
+
+def swa_factor(k: int, E: int, rho: float, scale: float) -> float:
+    return scale * ((1 - k / E) + rho * k / E)
+
+
+def test_fedswa_two_rounds_by_hand(tiny):
+    rho, scale = 0.2, 2.0
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedswa", f"algo.rho={rho}", f"algo.scale={scale}"))
+    hand = Hand(sim)
+    w = sim.w.clone()
+    for t in range(2):
+        finals = [hand.local(w, i, sim.lr_at(t), direction=lambda k, wk, g: swa_factor(k, STEPS, rho, scale) * g)
+                  for i in _sampled(sim, t)]
+        w = torch.stack(finals).mean(0)
+    rounds(sim)
+    close(sim.w, w)
+
+
+def test_fedmoswa_three_rounds_by_hand(tiny):
+    rho, gamma = 0.1, 0.4
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedmoswa", f"algo.rho={rho}", f"algo.gamma={gamma}", "rounds=3"))
+    hand = Hand(sim)
+    w, c, c_i = sim.w.clone(), torch.zeros_like(sim.w), {}
+    for t in range(3):
+        lr, finals, gaps = sim.lr_at(t), [], []
+        for i in _sampled(sim, t):
+            ci = c_i.get(i, torch.zeros_like(w))
+            wf = hand.local(w, i, lr, direction=lambda k, wk, g, ci=ci: swa_factor(k, STEPS, rho, 1.0) * (g + c - ci))
+            c_i[i] = ci - c + (w - wf) / (STEPS * lr * (1 + rho) / 2)
+            gaps.append(c_i[i] - c)
+            finals.append(wf)
+        c = c + (1.0 if t == 0 else gamma) * torch.stack(gaps).mean(0)
+        w = torch.stack(finals).mean(0)
+    assert set(_sampled(sim, 1)) & (set(_sampled(sim, 0)) | set(_sampled(sim, 2))), "the test needs a returning client"
+    rounds(sim, 3)
+    close(sim.w, w)
+    close(sim.host.state["moswa.c"], c)
+
+
+def test_fedswa_without_decay_is_fedavg_and_plain_sgd_is_required(tiny):
+    """rho 1, scale 1 (a constant rate) is FedAvg, to the rounding of w - (eta 1) d against w - eta d; the schedule
+    scales plain SGD's rate, so another local optimizer is refused, saying why."""
+    close(run(tiny("algo=fedswa", "algo.rho=1", "rounds=2")).final_parameters,
+          run(tiny("algo=fedavg", "rounds=2")).final_parameters, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(run(tiny("algo=fedswa", "rounds=2")).final_parameters,
+                              run(tiny("algo=fedavg", "rounds=2")).final_parameters)
+    with pytest.raises(Exception, match=r"needs plain local SGD steps \(correction 'swa': its within-round schedule"):
+        run(tiny("algo=fedswa", "train.momentum=0.9"))
+
+
+def test_fedswa_and_fedmoswa_compose_and_agree_across_engines(tiny):
+    for algo in ("fedswa", "fedmoswa"):
+        seq = run(tiny(f"algo={algo}", "algo.rho=0.1", "engine=sequential"))
+        vec = run(tiny(f"algo={algo}", "algo.rho=0.1", "engine=vectorized"))
+        close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+    composed = run(tiny("algo=fedswa", "algo.perturbation=sam", "algo.perturbation.rho=0.1"))
+    assert composed.summary["algorithm"] == "fedswa[perturbation=sam]"
+    with pytest.raises(AlgorithmError, match="each have a 'rho'"):
+        build_algorithm({"name": "fedswa", "perturbation": "sam", "rho": 0.1})
+
+
+# The authors' code (github.com/junkangLiu0/FedSWA, main_FedSWA.py at f725be9) refers to these module globals.
+device = torch.device("cpu")
+c_dict: dict = {}
+alg, selection = "MoFedSWA", 1.0
+
+
+class AuthorsWorker:
+    """The worker of main_FedSWA.py around its two client updates, transcribed unmodified (``update_FedSWA``,
+    l.837-862; ``update_FedMoSWA``, l.864-902; ``state_id_loader``, l.493-499), with the data loader of one full
+    batch per epoch (their ``get_data_loader`` reads CIFAR)."""
+
+    def __init__(self, model, x, y):
+        self.model, self.x, self.y = model, x, y
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.ci = {}
+        self.loss = 0
+
+    def data_id_loader(self, index):
+        self.data_iterator = [(self.x, self.y)]
+
+    def state_id_loader(self, index):
+        '''
+        在每轮的开始，该工人装载状态，以充当被激活的第index个客户端，使用外部的状态字典
+        '''
+        if not c_dict.get(index):
+            return
+        self.ci = c_dict[index]
+
+    def update_FedSWA(self, weights, E, index,lr):
+        self.model.load_state_dict(weights)
+        self.data_id_loader(index)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr*2, weight_decay=1e-3 )
+        lr1=lr
+        rho=0
+        lr2=rho*lr
+        i=0
+        for e in range(E):
+            for batch_idx, (data, target) in enumerate(self.data_iterator):
+                i=i+1
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr*2, weight_decay=1e-3 )
+                data = data.to(device)
+                target = target.to(device)
+                self.model.zero_grad()
+                output = self.model(data)
+                loss = self.criterion(output, target)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(parameters=self.model.parameters(), max_norm=10)
+                self.optimizer.step()
+                lr=(1-i/(len(self.data_iterator)*E))*lr1+(i/(len(self.data_iterator)*E))*lr2
+        self.loss = loss.item()
+        delta_w = {k: v.cpu() for k, v in self.model.state_dict().items()}
+        for k, v in self.model.state_dict().items():
+            delta_w[k] = v.cpu() - weights[k]
+        return delta_w
+
+    def update_FedMoSWA(self, weights, E, index, ps_c, lr):
+        self.model.load_state_dict(weights)  # y_i = x, x:weights
+        if self.ci == {}:
+            self.ci = {k: torch.zeros_like(v,device='cpu') for k, v in self.model.named_parameters()}
+        if ps_c == {}:
+            ps_c = {k: torch.zeros_like(v,device='cpu') for k, v in self.model.named_parameters()}
+        self.data_id_loader(index)
+        self.state_id_loader(index)
+        a1 = lr
+        rho=0
+        a2 = rho * lr
+        i = 0
+        for e in range(E):
+            for batch_idx, (data, target) in enumerate(self.data_iterator):
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=1e-3)
+                i = i + 1
+                data = data.to(device)
+                target = target.to(device)
+                self.model.zero_grad()
+                output = self.model(data)
+                loss = self.criterion(output, target)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(parameters=self.model.parameters(), max_norm=10)
+                self.optimizer.step()  # y_i = y_i-lr*g
+                new_weights = deepcopy(self.model.get_weights())
+                for k, v in self.model.get_weights().items():
+                    new_weights[k] = v - (-self.ci[k] + ps_c[k]) * lr  # y_i = y_i -lr*(-ci + c)
+                self.model.set_weights(new_weights)
+                lr = (1 - i / (len(self.data_iterator) * E)) * a1 + (i / (len(self.data_iterator) * E)) * a2
+        lr = (a1 + a2) / 2
+        send_ci = deepcopy(self.model.get_weights())
+        for k, v in self.model.get_weights().items():
+            self.ci[k] = (weights[k] - v) / (E * len(self.data_iterator) * lr) + self.ci[k] - ps_c[k]
+        self.loss = loss.item()
+        for k, v in self.model.get_weights().items():
+            send_ci[k] = -ps_c[k] + self.ci[k]
+        delta_w = {k: v.cpu() for k, v in self.model.state_dict().items()}
+        for k, v in self.model.state_dict().items():
+            delta_w[k] = v.cpu() - weights[k]
+        ci_copy = deepcopy(self.ci)
+        c_dict[index] = ci_copy
+        return delta_w, send_ci
+
+
+def apply_weights_SCAF(num_workers, weights,model,ps_c):
+    """Transcribed unmodified from main_FedSWA.py (l.1390-1428): the server of SCAFFOLD and MoFedSWA."""
+    model.to('cpu')
+    m = [mi for _, mi in weights]
+    weightss = [w for w,_ in weights]
+    sum_c = {}
+    # 首先以第一个客户端为基础初始化 sum_c（避免判断逻辑）
+    for k, v in m[0].items():
+        sum_c[k] =v / (num_workers * selection)
+    # 之后叠加剩余客户端的梯度
+    for ci in m[1:]:
+        for k, v in ci.items():
+            sum_c[k]+= v / (num_workers * selection)
+    if ps_c == {}:
+        ps_c = {k: torch.zeros_like(v.cpu()) for k, v in model.named_parameters()}
+        for k, v in m[0].items():
+            ps_c[k]=sum_c[k]
+    else:
+        for k, v in m[0].items():
+            if alg in {'SCAFFOLD'}:
+                ps_c[k]=ps_c[k]+sum_c[k]*selection
+            else:
+                ps_c[k] = ps_c[k] + sum_c[k] * 0.4
+    ps_w = model.state_dict()  # w : ps_w
+
+    sum_weights = {}  # delta_w : sum_weights
+    for weight in weightss:
+        for k, v in weight.items():
+            if k in sum_weights.keys():  # delta_w = \sum (delta_wi/#wk)
+                sum_weights[k] += v / (num_workers * selection)
+            else:
+                sum_weights[k] = v / (num_workers * selection)
+    for k, v in sum_weights.items():  # w = w + delta_w
+        ps_w[k] = ps_w[k] + sum_weights[k]
+    model.load_state_dict(ps_w)
+    return model.state_dict(),ps_c
+
+
+class WeightsModel(torch.nn.Sequential):
+    """The conformance MLP with the codes' ``get_weights``/``set_weights`` (their model.py:566-570)."""
+
+    def get_weights(self):
+        return {k: v.cpu() for k, v in self.state_dict().items()}
+
+    def set_weights(self, weights):
+        self.load_state_dict(weights)
+
+
+@pytest.mark.parametrize("method", ["FedSWA", "FedMoSWA"])
+def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(method):
+    """Three rounds of the code's ``update_FedSWA`` (averaged as ``apply_weights_avg``) and ``update_FedMoSWA``
+    (``apply_weights_SCAF``'s MoFedSWA branch) on scripts/conformance.py's problem against ``fedswa algo.scale=2``
+    and ``fedmoswa`` with the code's weight decay 1e-3 and clip 10: equal to float32 rounding. Each client has its
+    own worker (the code's workers serve clients in turn and carry ``self.ci`` over to one seen for the first time)."""
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, fedflat_run, problem
+
+    c_dict.clear()
+    x, y, model_fn = problem()
+
+    def fresh():
+        model = WeightsModel(*model_fn())
+        return model
+
+    server = fresh()
+    workers = [AuthorsWorker(fresh(), x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES])
+               for i in range(CLIENTS)]
+    ps_c, theirs = {}, []
+    for t in range(ROUNDS):
+        weights = {k: v.clone() for k, v in server.state_dict().items()}
+        lr = LR * LR_DECAY ** t
+        if method == "FedSWA":
+            deltas = [w.update_FedSWA(weights, STEPS, i, lr) for i, w in enumerate(workers)]
+            server.load_state_dict({k: weights[k] + sum(d[k] for d in deltas) / CLIENTS for k in weights})
+        else:
+            pairs = [w.update_FedMoSWA(weights, STEPS, i, ps_c, lr) for i, w in enumerate(workers)]
+            _, ps_c = apply_weights_SCAF(CLIENTS, pairs, server, ps_c)
+        theirs.append(torch.nn.utils.parameters_to_vector(server.parameters()).detach().clone())
+    options = (["algo=fedswa", "algo.scale=2"] if method == "FedSWA" else ["algo=fedmoswa"])
+    ours = fedflat_run(options + ["train.weight_decay=0.001"], x, y, model_fn, 10.0, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)

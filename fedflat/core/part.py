@@ -116,6 +116,7 @@ class Part:
     global_direction: ClassVar[tuple[str, float] | None] = None
     individual: ClassVar[str] = ""
     beyond_batch: ClassVar[str] = ""
+    schedules_steps: ClassVar[bool] = False  # whether the engine asks step_lr at every local step (FedSWA's schedule)
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
@@ -168,6 +169,11 @@ class Part:
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
         and ``cohort.upload``."""
+
+    def step_lr(self, ctx: ClientContext, cohort: Cohort, k: int) -> torch.Tensor:
+        """``[C]``: the factor of ``eta_l^t`` at local step ``k`` of each client (a within-round schedule, FedSWA's),
+        called where :attr:`schedules_steps`; the step is then ``w <- w - eta_l^t prod(factors) d``."""
+        return torch.ones(cohort.size, dtype=ctx.w_start.dtype, device=ctx.w_start.device)
 
 
 def _constructing(init: Any) -> Any:
