@@ -784,3 +784,112 @@ def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(m
     ours = fedflat_run(options + ["train.weight_decay=0.001"], x, y, model_fn, 10.0, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
+
+
+# ---------------------------------------------------------------- FedMAN
+
+
+def man_grad(hand: Hand, w: torch.Tensor, i: int, mu: float) -> torch.Tensor:
+    """The gradient of ``CE + mu/2 mean_b mean_j relu(x W1^T + b1)_j^2`` of the tiny MLP (Linear-ReLU-Linear),
+    written out by hand from the layout (no hooks)."""
+    idx = hand.sim.client_indices[i]
+    x, y = hand.sim.dataset.x_train[idx].reshape(len(idx), -1), hand.sim.dataset.y_train[idx]
+    leaf = w.detach().clone().requires_grad_(True)
+    W1, b1, W2, b2 = hand.sim.settings.layout.views(leaf)
+    h = torch.relu(x @ W1.T + b1)
+    loss = F.cross_entropy(h @ W2.T + b2, y) + mu / 2 * h.pow(2).mean(1).mean()
+    (g,) = torch.autograd.grad(loss, leaf)
+    return g
+
+
+@pytest.mark.parametrize("algo", ["fedavg-man", "fedsam-man"])
+def test_fedman_two_rounds_by_hand(tiny, algo):
+    """The penalty in every gradient of the local objective: FedAvg's, and under SAM both the ascent's and the
+    perturbed one (as the authors' man_code_sam)."""
+    mu, rho = 0.5, 0.1
+    sim = Simulation(tiny(*FULL_BATCH, f"algo={algo}", f"algo.mu={mu}", *([f"algo.rho={rho}"] if "sam" in algo else [])))
+    hand = Hand(sim)
+    assert [n.split(".")[-1] for n in sim.settings.layout.names] == ["weight", "bias", "weight", "bias"]
+    hand.grad = lambda w, i: man_grad(hand, w, i, mu)  # the local objective's gradient, penalty included
+    sam = (lambda k, wk, i: hand.sam_eps(wk, i, rho)) if "sam" in algo else (lambda k, wk, i: None)
+    w = sim.w.clone()
+    for t in range(2):
+        finals = [hand.local(w, i, sim.lr_at(t), perturb=lambda k, wk, i=i: sam(k, wk, i)) for i in _sampled(sim, t)]
+        w = torch.stack(finals).mean(0)
+    rounds(sim)
+    close(sim.w, w)
+
+
+def test_fedman_with_zero_weight_is_its_base_and_stacks_on_any_method(tiny):
+    for base, options in (("fedavg", ()), ("fedsam", ("algo.rho=0.05",)), ("feddyn", ())):
+        plain = run(tiny(f"algo={base}", *options, "rounds=2"))
+        zero = run(tiny(f"algo={base}", "algo.filter=man", "algo.mu=0", *options, "rounds=2"))
+        assert torch.equal(zero.final_parameters, plain.final_parameters), base
+        penalized = run(tiny(f"algo={base}", "algo.filter=man", *options, "rounds=2"))
+        assert not torch.equal(penalized.final_parameters, plain.final_parameters), base
+        assert penalized.summary["algorithm"] == f"{base}[filter=man]"
+    seq = run(tiny("algo=fedsam-man", "engine=sequential", "train.batch_size=7"))  # padded batches in vectorized
+    vec = run(tiny("algo=fedsam-man", "engine=vectorized", "train.batch_size=7"))
+    close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="filter 'man': its activation penalty enters the gradients outside DP-SGD"):
+        run(tiny("algo=fedavg-man", "privacy.level=instance", "privacy.clip=0.8", "privacy.noise_multiplier=1.2"))
+
+
+class AuthorsMLP(torch.nn.Module):
+    """scripts/conformance.py's 8-6-3 tanh MLP returning ``(logits, var_list, None)`` as the authors' models do
+    (``code/utils_models.py``: ``act = torch.mean(x**2, axis=[1])`` after each hidden nonlinearity)."""
+
+    def __init__(self, sequential):
+        super().__init__()
+        self.fc1, self.fc2 = sequential[0], sequential[2]
+
+    def forward(self, x):
+        x = torch.tanh(self.fc1(x))
+        act1 = torch.mean(x**2,axis = [1])
+        var_list = [act1]
+        return self.fc2(x), var_list, None
+
+
+def test_fedman_equals_the_authors_code_on_the_conformance_problem():
+    """The authors' FedAvg+MAN client step (``code/utils_general.py``, ``train_fedavgreg_mdl`` l.459-474: the
+    summed cross-entropy over the batch size, ``loss_var_algo`` the sum over layers of the batch means, ``loss =
+    loss_f_i + (mu_mean/2) loss_var_algo``, the clip 10, ``optim.SGD`` with weight decay), transcribed, over full-batch
+    steps on scripts/conformance.py's problem, against ``fedavg-man``: equal to float32 rounding."""
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, WD, fedflat_run, problem
+
+    mu_mean, max_norm = 0.4, 10.0
+    x, y, model_fn = problem()
+    server, theirs = model_fn(), []
+    for t in range(ROUNDS):
+        finals = []
+        for i in range(CLIENTS):
+            model = AuthorsMLP(model_fn())
+            model.load_state_dict(AuthorsMLP(server).state_dict())
+            loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+            batch_x, batch_y = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
+            for _ in range(STEPS):
+                y_pred,tmp_var_,tmp_mean_ = model(batch_x)
+
+                loss_f_i = loss_fn(y_pred, batch_y.reshape(-1).long())
+                loss_f_i = loss_f_i / list(batch_y.size())[0]
+
+                loss_var_algo = 0.0
+
+                num_layers = len(tmp_var_)  # noqa: F841
+                for var_val in tmp_var_:
+                    loss_var_algo += torch.mean(var_val)
+
+                loss = loss_f_i + (mu_mean/2) * loss_var_algo
+
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm) # Clip gradients
+                optimizer.step()
+            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
+        mean = torch.stack(finals).mean(0)
+        torch.nn.utils.vector_to_parameters(mean, server.parameters())
+        theirs.append(mean)
+    ours = fedflat_run(["algo=fedavg-man", f"algo.mu={mu_mean}"], x, y, model_fn, max_norm, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)

@@ -117,6 +117,7 @@ class Part:
     individual: ClassVar[str] = ""
     beyond_batch: ClassVar[str] = ""
     schedules_steps: ClassVar[bool] = False  # whether the engine asks step_lr at every local step (FedSWA's schedule)
+    penalizes_activations: ClassVar[bool] = False  # whether the engine asks activation_penalty (FedMAN's)
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
@@ -169,6 +170,12 @@ class Part:
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
         and ``cohort.upload``."""
+
+    def activation_penalty(self, ctx: ClientContext) -> float:
+        """``mu``: the weight of the layerwise activation-norm penalty ``mu/2 sum_l mean |a_l|^2`` this part adds to
+        the local objective of every gradient the round's clients take (FedMAN), where
+        :attr:`penalizes_activations`."""
+        return 0.0
 
     def step_lr(self, ctx: ClientContext, cohort: Cohort, k: int) -> torch.Tensor:
         """``[C]``: the factor of ``eta_l^t`` at local step ``k`` of each client (a within-round schedule, FedSWA's),

@@ -16,7 +16,7 @@ from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, Clie
                           Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
-from fedflat.engine.oracle import ClientSession
+from fedflat.engine.oracle import ClientSession, PenalizedOracle
 
 
 # float32's unit roundoff u = 2^-24: clip_scale's arithmetic rounds max_norm and 1e-6 to float32, then n + 1e-6, its
@@ -164,6 +164,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings
+    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
+    if penalty:  # FedMAN: every gradient of the round's local objective with the activation penalty
+        ctx = replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty))
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
     own = personalization.start(ctx.w_start, cohort.state, cohort.known, settings)
