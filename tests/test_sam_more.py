@@ -8,6 +8,7 @@ import sys
 from collections import defaultdict
 from copy import deepcopy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -891,5 +892,193 @@ def test_fedman_equals_the_authors_code_on_the_conformance_problem():
         torch.nn.utils.vector_to_parameters(mean, server.parameters())
         theirs.append(mean)
     ours = fedflat_run(["algo=fedavg-man", f"algo.mu={mu_mean}"], x, y, model_fn, max_norm, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
+
+
+# ---------------------------------------------------------------- FedNSAM
+
+
+@pytest.mark.parametrize("momentum", ["nesterov", "code"])
+def test_fednsam_three_rounds_by_hand(tiny, momentum):
+    """fednsam: start at w + lam m, eps = -rho m/||m|| at every step; the server's momentum (or the code's rule)."""
+    rho, lam = 0.2, 0.5
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fednsam", f"algo.rho={rho}", f"algo.lam={lam}",
+                          f"algo.momentum={momentum}", "rounds=3"))
+    hand = Hand(sim)
+    w, m = sim.w.clone(), torch.zeros_like(sim.w)
+    for t in range(3):
+        w_hat = w + lam * m
+        eps = None if t == 0 else -rho * hand.unit(m)
+        mean = torch.stack([hand.local(w_hat, i, sim.lr_at(t), perturb=lambda k, wk: eps)
+                            for i in _sampled(sim, t)]).mean(0) - w_hat
+        m = lam * m + mean if momentum == "nesterov" else (mean if t == 0 else (1 + lam) * mean)
+        w = w + m
+    rounds(sim, 3)
+    close(sim.w, w)
+
+
+def test_fednsam_reductions_and_composition(tiny):
+    """rho 0 and lam 0 is FedAvg bit for bit; the perturbation needs the server's momentum, so it is refused with a
+    server that has none, naming the ones that do."""
+    avg = run(tiny("algo=fedavg", "rounds=2"))
+    assert torch.equal(run(tiny("algo=fednsam", "algo.rho=0", "algo.lam=0", "rounds=2")).final_parameters,
+                       avg.final_parameters)
+    assert run(tiny("algo=fedacg", "algo.perturbation=nsam", "rounds=2")).summary["status"] == "completed"
+    with pytest.raises(AlgorithmError, match=r"perturbation 'nsam' needs \['acg.m'\].*server 'acg' or server 'nsam'"):
+        build_algorithm({"name": "fedsam", "perturbation": "nsam"})
+    seq = run(tiny("algo=fednsam", "engine=sequential"))
+    vec = run(tiny("algo=fednsam", "engine=vectorized"))
+    close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+
+
+class SAM(torch.optim.Optimizer):
+    """Transcribed unmodified from github.com/junkangLiu0/FedNSAM (sam.py, commit c3c9e90), which update_NSAM uses."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, adaptive=False, **kwargs):
+        assert rho >= 0.0, f"Invalid rho, should be non-negative: {rho}"
+
+        defaults = dict(rho=rho, adaptive=adaptive, **kwargs)
+        super(SAM, self).__init__(params, defaults)
+
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = self._grad_norm()
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+
+            for p in group["params"]:
+                if p.grad is None: continue  # noqa: E701
+                self.state[p]["old_p"] = p.data.clone()
+                e_w = (torch.pow(p, 2) if group["adaptive"] else 1.0) * p.grad * scale.to(p)
+                p.add_(e_w)  # climb to the local maximum "w + e(w)"
+
+        if zero_grad: self.zero_grad()  # noqa: E701
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None: continue  # noqa: E701
+                p.data = self.state[p]["old_p"]  # get back to "w" from "w + e(w)"
+
+                #p.add_(e_w)  # climb to the local maximum "w + e(w)"
+
+        self.base_optimizer.step()  # do the actual "sharpness-aware" update
+
+        if zero_grad: self.zero_grad()  # noqa: E701
+
+    def _grad_norm(self):
+        shared_device = self.param_groups[0]["params"][0].device  # put everything on the same device, in case of model parallelism
+        norm = torch.norm(
+                    torch.stack([
+                        ((torch.abs(p) if group["adaptive"] else 1.0) * p.grad).norm(p=2).to(shared_device)
+                        for group in self.param_groups for p in group["params"]
+                        if p.grad is not None
+                    ]),
+                    p=2
+               )
+        return norm
+
+
+class NSAMWorker(AuthorsWorker):
+    """main_FedNSAM.py's worker around ``update_NSAM`` (l.1082-1127), transcribed unmodified."""
+
+    def update_NSAM(self, weights, E, index, ps_c, lr):
+        if ps_c == {}:
+            ps_c = {k: torch.zeros_like(v, device='cpu') for k, v in self.model.state_dict().items()}
+        args.gamma=0.85
+        args.rho=0.05
+        for k, v in weights.items():
+            if k in ps_c.keys():
+                weights[k] = weights[k] + ps_c[k] * args.gamma
+                weights[k] = weights[k].to(device)
+        self.model.load_state_dict(weights)
+        self.model.to(device)
+        self.data_id_loader(index)
+        for name, param in self.model.named_parameters():
+            if "classifier" in name or "head" in name:
+                param.requires_grad = True
+        base_optimizer = torch.optim.SGD
+        self.optimizer = SAM(self.model.parameters(), base_optimizer, lr=lr, weight_decay=0.001, rho=args.rho)
+        step = 0  # 新增步数计数
+        self.loss = 0
+        for e in range(E):
+            for batch_idx, (data, target) in enumerate(self.data_iterator):
+                if step >= args.K:
+                    break
+                step = step + 1
+                data = data.to(device)
+                target = target.to(device)
+                self.model.zero_grad()
+                output = self.model(data)
+                loss = self.criterion(output, target)
+                self.loss += loss.item() / args.K
+                loss.backward()
+                self.optimizer.first_step(zero_grad=True)
+                self.criterion(self.model(data), target).backward()
+                torch.nn.utils.clip_grad_norm_(parameters=self.model.parameters(), max_norm=10)
+                self.optimizer.second_step(zero_grad=True)
+        if args.lora == 1:
+            delta_w = {k: v.cpu() for k, v in self.model.state_dict().items() if 'lora' in k or "classifier" in k or "head" in k}
+            for k, v in self.model.state_dict().items():
+                if 'lora' in k or "classifier" in k or "head" in k:
+                    delta_w[k] = v.cpu() - weights[k].cpu()
+        else:
+            delta_w = {k: v.cpu() for k, v in self.model.state_dict().items()}
+            for k, v in self.model.state_dict().items():
+                delta_w[k] = v.cpu() - weights[k].cpu()
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+        return delta_w
+
+
+def apply_weights_avgACG(num_workers, weights,model,momen_m):
+    """Transcribed unmodified from main_FedNSAM.py (l.1355-1374), the server of FedACG and FedNSAM there."""
+    model.to('cpu')
+    gamma = args.gamma
+    ps_w = {k: v.cpu() for k, v in model.state_dict().items()}
+    sum_weights = {}
+    for weight in weights:
+        for k, v in weight.items():
+            if k in sum_weights.keys():
+                sum_weights[k] += 1 / (args.num_workers * args.selection) * v
+            else:
+                sum_weights[k] = 1 / (args.num_workers * args.selection) * v
+    if momen_m == {}:
+        momen_m = deepcopy(sum_weights)
+    else:
+        for k, v in sum_weights.items():
+            momen_m[k] = gamma * v + sum_weights[k]
+    for k, v in sum_weights.items():
+        ps_w[k] = ps_w[k] + momen_m[k]
+    model.load_state_dict(ps_w)
+    return {k: v.cpu() for k, v in model.state_dict().items()}, momen_m
+
+
+args = SimpleNamespace(gamma=0.85, rho=0.05, K=10**6, lora=0, num_workers=4, selection=1.0)
+
+
+def test_fednsam_code_equals_the_authors_code_on_the_conformance_problem():
+    """Three rounds of the authors' ``update_NSAM`` and ``apply_weights_avgACG`` (with sam.py's SAM) on
+    scripts/conformance.py's problem against ``fednsam-code`` with the code's weight decay 1e-3 and clip 10 (on the
+    perturbed gradient, as ``clip_scope=loss``): equal to float32 rounding."""
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, fedflat_run, problem
+
+    x, y, model_fn = problem()
+    server = WeightsModel(*model_fn())
+    workers = [NSAMWorker(WeightsModel(*model_fn()), x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES])
+               for i in range(CLIENTS)]
+    momen_m, theirs = {}, []
+    for t in range(ROUNDS):
+        deltas = [w.update_NSAM({k: v.clone() for k, v in server.state_dict().items()}, STEPS, i, momen_m,
+                                LR * LR_DECAY ** t) for i, w in enumerate(workers)]
+        _, momen_m = apply_weights_avgACG(CLIENTS, deltas, server, momen_m)
+        theirs.append(torch.nn.utils.parameters_to_vector(server.parameters()).detach().clone())
+    ours = fedflat_run(["algo=fednsam-code", "train.weight_decay=0.001"], x, y, model_fn, 10.0, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
