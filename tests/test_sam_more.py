@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import fedflat
 from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
 from fedflat.engine.simulation import Simulation
-from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled, close, rounds
+from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled, close, mix, rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # conformance.py's problem
 
@@ -1082,3 +1082,176 @@ def test_fednsam_code_equals_the_authors_code_on_the_conformance_problem():
     ours = fedflat_run(["algo=fednsam-code", "train.weight_decay=0.001"], x, y, model_fn, 10.0, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
+
+
+# ---------------------------------------------------------------- FedFSA
+
+
+def hand_sensitive(layout, after: torch.Tensor, before: torch.Tensor, top: int) -> torch.Tensor:
+    """The mask of the ``top`` weight tensors of largest mean squared change of their min-max normalized entries."""
+    def mm(v):
+        return (v - v.min()) / (v.max() - v.min())
+    scores = []
+    for name, a, b in zip(layout.names, layout.segments(after), layout.segments(before)):
+        scores.append(-1.0 if "bias" in name else float(((mm(a) - mm(b)) ** 2).mean()))
+    chosen = sorted(range(len(scores)), key=lambda j: -scores[j])[:top]
+    return torch.cat([torch.full_like(seg, float(j in chosen)) for j, seg in enumerate(layout.segments(after))])
+
+
+def test_fedfsa_three_rounds_by_hand(tiny):
+    """Radii rho_larger on each returning client's most sensitive weight tensor of its last round (rho elsewhere; all
+    rho at first), MoFedSAM's momentum-mixed step."""
+    rho, larger, a = 0.05, 0.5, 0.1
+    sim = Simulation(tiny(*FULL_BATCH, "algo=fedfsa", f"algo.rho={rho}", f"algo.rho_larger={larger}", "algo.top=1",
+                          "rounds=3"))
+    hand, layout = Hand(sim), sim.settings.layout
+    w, m, mask = sim.w.clone(), torch.zeros_like(sim.w), {}
+    for t in range(3):
+        lr, finals = sim.lr_at(t), []
+        for i in _sampled(sim, t):
+            r = rho + (larger - rho) * mask.get(i, torch.zeros_like(w))
+            wf = hand.local(w, i, lr, perturb=lambda k, wk, i=i, r=r: r * hand.unit(hand.grad(wk, i)),
+                            direction=lambda k, wk, g: mix(a, g, m, wk, hand.wd))
+            mask[i] = hand_sensitive(layout, wf, w, 1)
+            finals.append(wf)
+        W = torch.stack(finals)
+        m = (-(W - w) / (STEPS * lr)).mean(0)
+        w = W.mean(0)
+    assert set(_sampled(sim, 1)) & set(_sampled(sim, 0)), "the test needs a returning client"
+    rounds(sim, 3)
+    close(sim.w, w)
+    for i, expected in mask.items():
+        assert torch.equal(sim.store.get("fsa.larger", torch.tensor([i]))[0][0], expected)
+
+
+def test_fedfsa_with_equal_radii_is_mofedsam_and_runs_on_both_engines(tiny):
+    same = run(tiny("algo=fedfsa", "algo.rho=0.1", "algo.rho_larger=0.1", "rounds=2"))
+    mo = run(tiny("algo=mofedsam", "algo.rho=0.1", "rounds=2"))
+    close(same.final_parameters, mo.final_parameters, rtol=1e-5, atol=1e-6)
+    seq = run(tiny("algo=fedfsa", "engine=sequential"))
+    vec = run(tiny("algo=fedfsa", "engine=vectorized"))
+    close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
+
+
+class FSA(torch.optim.Optimizer):
+    """Transcribed unmodified from github.com/xxdznl/FedFSA (FedFSA/samOptimizers/FSA.py, commit 6cc0228), the
+    authors' optimizer (its commented-out alternatives left out)."""
+
+    def __init__(self, params, base_optimizer,cid,rho_default, rho_larger, adaptive=False, **kwargs):
+        assert rho_default >= 0.0 and rho_larger >= 0.0, f"Invalid perturbation amplitude, should be non-negative: rho_default({rho_default}) rho_larger({rho_larger})"
+        defaults = dict(rho_default=rho_default,rho_larger=rho_larger, adaptive=adaptive, **kwargs)
+        super(FSA, self).__init__(params, defaults)
+        self.cid = cid
+        self.param_groups = base_optimizer.param_groups
+        for group in self.param_groups:
+            group["rho"] = rho_default
+            group["rho_larger"] = rho_larger
+            group["adaptive"] = adaptive
+
+    @torch.no_grad()
+    def first_step(self,max2Layer=[]):
+        #first order sum
+        grad_norm = self._grad_norm()
+        for group in self.param_groups:
+            scale = 1 / (grad_norm + 1e-7)
+            for idx, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if idx not in max2Layer:#
+                    e_w = p.grad * group["rho"] * scale.to(p)
+                else:
+                    e_w = p.grad * group["rho_larger"] * scale.to(p)
+                p.add_(e_w * 1)
+                self.state[p]["e_w"] = e_w
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for idx,p in enumerate(group["params"]):
+                if p.grad is None or not self.state[p]:
+                    continue
+                # go back to "w" from "w + e(w)"
+                p.sub_(self.state[p]["e_w"])
+                self.state[p]["e_w"] = 0
+
+    def _grad_norm(self):
+        norm = torch.norm(torch.stack([
+                        ((torch.abs(p) if group["adaptive"] else 1.0) * p.grad).norm(p=2)
+                        for group in self.param_groups for p in group["params"]
+                        if p.grad is not None]), p=2)
+        return norm
+
+    def nextDisruptLayer(self, global_params,local_named_params,TopC):
+        # Calculate the perturbation sensitivity of each layer, only considering the weights
+        perturbation_sensitivity = [0 if any(keyword in name.lower() for keyword in ["bn","downsample","shortcut", "norm", "bias"])\
+                else self.compute_perturbation_sensitivity(paramAfter, paramBefore) \
+                for (name, paramAfter), paramBefore in zip(local_named_params, global_params)]
+        # Normalization and ranking
+        normalized_perturbation_sensitivity = self.normalize(torch.tensor(perturbation_sensitivity))
+        ranked_perturbation_sensitivity = sorted(enumerate(normalized_perturbation_sensitivity), key=lambda x: x[1] \
+                                            if not torch.isnan(x[1]) else float('-inf'), reverse=True)
+        max2Layer = [original_idx for idx, (original_idx, _) in enumerate(ranked_perturbation_sensitivity) if idx < TopC]
+        return max2Layer
+
+    # compute perturbation sensitivity
+    def compute_perturbation_sensitivity(self,paramAfter,paramBefore):
+        return torch.mean((self.normalize(paramAfter) - self.normalize(paramBefore))**2)
+    # min-max normalization
+    def normalize(self, data):
+        min_val = torch.min(data)
+        max_val = torch.max(data)
+        return (data - min_val) / (max_val - min_val)
+
+
+def test_fedfsa_equals_the_authors_code_on_the_conformance_problem():
+    """Three rounds of the authors' client step (``ClientFedFSA.train_cnn`` without ``last``: clip, ``first_step``
+    with the client's ``max2Layer``, ``alpha`` times the perturbed loss, ``(1 - alpha) <w, Client_momentum>``, clip,
+    SGD; then ``nextDisruptLayer``) with ``FSA`` transcribed and the server's ``Client_momentum = -mean Delta / (E
+    lr)`` (``lr_decay`` 1, as its FedFSA runs), on scripts/conformance.py's problem (``TopC`` 1 of its two weight
+    tensors, a constant rate), against ``fedfsa``: equal to float32 rounding, and the same layers chosen."""
+    from conformance import CLIENTS, LR, ROUNDS, SAMPLES, STEPS, WD, fedflat_run, problem
+
+    rho_default, rho_larger, alpha, top, max_norm = 0.05, 0.5, 0.1, 1, 10.0
+    x, y, model_fn = problem()
+    server, momentum, chosen, theirs = model_fn(), None, [[] for _ in range(CLIENTS)], []
+    for t in range(ROUNDS):
+        updates = []
+        for i in range(CLIENTS):
+            model = model_fn()
+            model.load_state_dict(server.state_dict())
+            params_list = [param.clone().detach() for param in model.parameters()]
+            base_optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0, weight_decay=WD)
+            optimizer = FSA(model.parameters(), base_optimizer, cid=i, rho_default=rho_default, rho_larger=rho_larger)
+            images, labels = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
+            delta = torch.zeros(sum(p.numel() for p in model.parameters())) if momentum is None else momentum
+            for _ in range(STEPS):
+                total_loss = F.cross_entropy(model(images), labels)
+                optimizer.zero_grad()
+                total_loss.backward()
+                torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm)
+                optimizer.first_step(max2Layer=chosen[i])
+                total_loss2 = alpha * F.cross_entropy(model(images), labels)
+                optimizer.zero_grad()
+                total_loss2.backward()
+                optimizer.second_step()
+                param_list = torch.nn.utils.parameters_to_vector(model.parameters())
+                loss_correct = (1 - alpha) * torch.sum(param_list * delta)
+                loss_correct.backward()
+                torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm)
+                base_optimizer.step()
+            with torch.no_grad():
+                chosen[i] = optimizer.nextDisruptLayer(params_list, model.named_parameters(), TopC=top)
+            updates.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+                           - torch.nn.utils.parameters_to_vector(server.parameters()).detach())
+        mean = torch.stack(updates).mean(0)
+        momentum = mean / STEPS / LR * -1.
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(server.parameters()) + mean,
+                                            server.parameters())
+        theirs.append(torch.nn.utils.parameters_to_vector(server.parameters()).detach().clone())
+    ours = fedflat_run(["algo=fedfsa", f"algo.rho={rho_default}", f"algo.rho_larger={rho_larger}", f"algo.top={top}",
+                        f"algo.a={alpha}", "train.lr_decay=1.0"], x, y, model_fn, max_norm, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
+    assert all(c in ([0], [2]) for c in chosen)  # a weight tensor each
+    equal = fedflat_run(["algo=fedfsa", f"algo.rho={rho_default}", f"algo.rho_larger={rho_default}",
+                         f"algo.a={alpha}", "train.lr_decay=1.0"], x, y, model_fn, max_norm, "loss")
+    assert (equal[-1] - theirs[-1]).abs().max() > 1e-5  # the larger radius on the chosen tensors matters
