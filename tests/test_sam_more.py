@@ -1255,3 +1255,69 @@ def test_fedfsa_equals_the_authors_code_on_the_conformance_problem():
     equal = fedflat_run(["algo=fedfsa", f"algo.rho={rho_default}", f"algo.rho_larger={rho_default}",
                          f"algo.a={alpha}", "train.lr_decay=1.0"], x, y, model_fn, max_norm, "loss")
     assert (equal[-1] - theirs[-1]).abs().max() > 1e-5  # the larger radius on the chosen tensors matters
+
+
+# ---------------------------------------------------------------- every method: listed, executors, Flower
+
+NEW = ["fedasam", "fedavg-swa", "fedsam-swa", "fedasam-swa", "fedsol", "fedswa", "fedmoswa", "fedavg-man", "fedsam-man",
+       "fednsam", "fednsam-code", "fedfsa"]
+# the compositions that exercise each new hook: the server's round rate, the step schedule, the activation penalty
+ACROSS = [("fedasam-swa", "algo.start_round=1", "algo.cycle=2"), ("fedmoswa", "algo.rho=0.1"), ("fedsam-man",),
+          ("fedsol",), ("fednsam",), ("fedfsa",)]
+
+
+def test_every_new_method_is_listed_with_its_source():
+    for name in NEW:
+        assert RECIPES[name].source and RECIPES[name].summary, name
+        build_algorithm({"name": name})
+    listed = subprocess_list()
+    for name in NEW:
+        assert name in listed and RECIPES[name].source in listed, name
+
+
+def subprocess_list() -> str:
+    import os
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "fedflat.cli", "list"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("method", ACROSS, ids=[m[0] for m in ACROSS])
+def test_threads_equal_the_local_executor(tiny, method):
+    name, *options = method
+    cfg = tiny(f"algo={name}", *options, "rounds=3", "engine=sequential")
+    local = run(cfg)
+    threaded = fedflat.run(cfg, overrides=["executor=threads", "executor.workers=2"], save=False, progress=False)
+    assert torch.equal(threaded.final_parameters, local.final_parameters)
+    assert [m["lr"] for m in threaded.metrics] == [m["lr"] for m in local.metrics]
+
+
+@pytest.mark.slow  # Ray workers and a Flower simulation per method
+@pytest.mark.parametrize("method", ACROSS, ids=[m[0] for m in ACROSS])
+def test_ray_and_flower_equal_the_local_executor(tiny, method, tmp_path):
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    from fedflat.flower.apps import simulate
+
+    name, *options = method
+    cfg = tiny(f"algo={name}", *options, "rounds=3", "engine=sequential")
+    local = run(cfg)
+    on_ray = fedflat.run(cfg, overrides=["executor=ray", "executor.workers=2", "executor.cpus_per_worker=0.5"],
+                         save=False, progress=False)
+    assert torch.equal(on_ray.final_parameters, local.final_parameters)
+    on_flower = simulate(cfg, supernodes=2, out=tmp_path / "flower", progress=False)
+    assert torch.equal(on_flower.final_parameters, local.final_parameters)
+
+
+def test_the_new_methods_under_robust_rules_and_compression(tiny):
+    """They read only the aggregate (or keep their state on the client), so a robust rule and top-k compression
+    apply; each run completes and differs from the plain run."""
+    for name, *options in ACROSS:
+        plain = run(tiny(f"algo={name}", *options, "rounds=2"))
+        for extra in (("robust.name=median",), ("compression.name=topk", "compression.ratio=0.5")):
+            other = run(tiny(f"algo={name}", *options, "rounds=2", *extra))
+            assert other.summary["status"] == "completed", (name, extra)
+            assert not torch.equal(other.final_parameters, plain.final_parameters), (name, extra)
