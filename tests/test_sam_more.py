@@ -1321,3 +1321,19 @@ def test_the_new_methods_under_robust_rules_and_compression(tiny):
             other = run(tiny(f"algo={name}", *options, "rounds=2", *extra))
             assert other.summary["status"] == "completed", (name, extra)
             assert not torch.equal(other.final_parameters, plain.final_parameters), (name, extra)
+
+
+@pytest.mark.slow  # fedflat.testing.check_part per part: ~6 s each
+@pytest.mark.parametrize("role, name, recipe, algo", [
+    ("perturbation", "asam", "fedasam", None),
+    ("server", "swa", "fedavg-swa", {"server": {"name": "swa", "start_round": 1, "cycle": 2}}),  # extending keeps it
+    ("perturbation", "sol", "fedsol", None), ("correction", "swa", "fedswa", None),
+    ("correction", "moswa", "fedmoswa", None), ("filter", "man", "fedavg-man", None),
+    ("server", "nsam", "fednsam", None), ("perturbation", "fsa", "fedfsa", None)])
+def test_every_new_part_passes_check_part(role, name, recipe, algo):
+    """The contract kept, the engines agreeing, the part in another method, a resumed run bit for bit."""
+    from fedflat.core import PARTS
+    from fedflat.testing import check_part
+
+    report = check_part(PARTS[role][name], recipe=recipe, algo=algo)
+    assert report["contract"] == "kept" and report["checkpoint"] == "resumed after round 2: bit for bit"
