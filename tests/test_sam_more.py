@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled, close, mix, rounds
 
 import fedflat
 from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
 from fedflat.engine.simulation import Simulation
-from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled, close, mix, rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # conformance.py's problem
 
