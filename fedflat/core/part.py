@@ -95,7 +95,10 @@ class Part:
       only the (noised) sum, so a method with such a part is refused there, with this reason;
       ``beyond_batch``: why its local work computes on the client's data beyond the step's batch, or not example by
       example (FedSCAM's pilot batches, q-FedAvg's loss over all data, FedGMT's distillation); DP-SGD
-      (``privacy.level: instance``) cannot account it and refuses the method with this reason.
+      (``privacy.level: instance``) cannot account it and refuses the method with this reason;
+      ``schedules_steps``: the engine scales each local step's rate by :meth:`step_lr` (FedSWA's within-round
+      schedule; plain SGD steps only); ``penalizes_activations``: the engine adds :meth:`activation_penalty`'s
+      layerwise activation norms to every gradient of the round's local objective (FedMAN).
 
     What is uploaded is whatever ``end`` (or ``begin``) puts in ``cohort.upload``; communication is measured from
     the payloads.
