@@ -427,6 +427,11 @@ COMMUNICATION = {
     "fedbn": (1, 1, 1),  # as FedPer, on the BatchNorm CNN: and the buffers both ways, counted at their own dtypes
     # Ditto and FedRep keep one model-sized vector per client (v_k; FedPer's last model), APFL its v_i and alpha_i
     "ditto": (1, 1, 1), "fedrep": (1, 1, 1), "apfl": (1, 1, 2),
+    # issue 56: SWA keeps its iterate on the server; FedMoSWA sends c, uploads c_i^+ - c, keeps c_i; FedNSAM sends
+    # its momentum (the code's variant only the lookahead model); FedFSA keeps each client's mask of larger radii
+    "fedasam": (1, 1, 0), "fedavg-swa": (1, 1, 0), "fedsam-swa": (1, 1, 0), "fedasam-swa": (1, 1, 0),
+    "fedsol": (1, 1, 0), "fedswa": (1, 1, 0), "fedmoswa": (2, 2, 1), "fedavg-man": (1, 1, 0), "fedsam-man": (1, 1, 0),
+    "fednsam": (1, 2, 0), "fednsam-code": (1, 1, 0), "fedfsa": (1, 2, 1),
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

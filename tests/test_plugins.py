@@ -27,7 +27,7 @@ def example_config(tmp_path: Path, **extra) -> Path:
     """The tiny problem with FedASAM, the plugin named by its path relative to the config's folder."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "fedasam.py").write_text(EXAMPLE.read_text())  # "your own folder": a copy beside the config
-    tree = {**tiny_tree(rounds=2, threads=1), "plugins": ["fedasam.py"], "algo": {"name": "fedasam", "rho": 0.3},
+    tree = {**tiny_tree(rounds=2, threads=1), "plugins": ["fedasam.py"], "algo": {"name": "myfedasam", "rho": 0.3},
             **extra}
     path = tmp_path / "fedasam.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -50,14 +50,14 @@ def test_the_example_runs_from_the_cli_and_a_sweep_with_workers_with_the_same_nu
     in this process, bit for bit, and the run folder's config.yaml (the plugin's path made absolute) resumes."""
     config = example_config(tmp_path / "mine")
     ours = fedflat.run(config, save=False, progress=False)
-    assert ours.summary["algorithm"] == "fedasam" and ours.summary["backprops_per_step"] == 2
+    assert ours.summary["algorithm"] == "myfedasam" and ours.summary["backprops_per_step"] == 2
     done = cli("run", str(config), "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (run_dir,) = list((tmp_path / "runs").iterdir())
     assert torch.equal(final_model(run_dir), ours.final_parameters)
     recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert recorded["plugins"] == [str(tmp_path / "mine" / "fedasam.py")]
-    assert recorded["algo"]["perturbation"] == {"name": "asam", "rho": 0.3, "eta": 0.01}
+    assert recorded["algo"]["perturbation"] == {"name": "myasam", "rho": 0.3, "eta": 0.01}
     longer = cli("resume", str(run_dir), "rounds=3", cwd=tmp_path)  # from another folder: the path is absolute
     assert longer.returncode == 0, longer.stderr
     assert torch.equal(final_model(run_dir), fedflat.run(config, overrides=["rounds=3"], save=False,
@@ -91,7 +91,7 @@ def test_the_example_on_ray_workers_and_flower_nodes_equals_the_local_run(tmp_pa
 def test_list_shows_a_plugins_parts_and_recipes(tmp_path):
     done = cli("list", "--parts", "--plugin", str(EXAMPLE), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "fedasam" in done.stdout and "ASAM: eps = rho T^2 g/||T g||" in done.stdout
+    assert "myfedasam" in done.stdout and "ASAM: eps = rho T^2 g/||T g||" in done.stdout
 
 
 def test_a_plugin_that_fails_to_import_or_is_missing_is_an_error_naming_it(tmp_path):
@@ -155,8 +155,8 @@ def test_an_installed_plugin_loads_through_the_entry_point_group(tmp_path):
     ``[project.entry-points."fedflat.plugins"]`` leaves) is loaded by every fedflat process, named nowhere."""
     site = tmp_path / "site"
     (site / "labmethods").mkdir(parents=True)
-    (site / "labmethods" / "__init__.py").write_text(EXAMPLE.read_text().replace('name="fedasam"', 'name="labasam"')
-                                                     .replace('name = "asam"', 'name = "labasam"'))
+    (site / "labmethods" / "__init__.py").write_text(EXAMPLE.read_text().replace('name="myfedasam"', 'name="labasam"')
+                                                     .replace('name = "myasam"', 'name = "labasam"'))
     info = site / "labmethods-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labmethods\nVersion: 0.1\n")
@@ -176,9 +176,9 @@ def test_check_part_passes_the_example_and_names_what_a_broken_part_breaks():
         sys.path.remove(str(EXAMPLE.parent))
     from fedflat.testing import check_part
 
-    report = check_part(AdaptiveSAM, recipe="fedasam")
+    report = check_part(AdaptiveSAM, recipe="myfedasam")
     assert report["contract"] == "kept" and report["engines"]["relative_difference"] < report["engines"]["allowed"]
-    assert report["composed"] == "scaffold[perturbation=asam]"
+    assert report["composed"] == "scaffold[perturbation=myasam]"
     assert report["checkpoint"] == "resumed after round 2: bit for bit"
 
     class Forgetful(Correction):
@@ -212,14 +212,14 @@ def test_the_example_is_tuned_and_reported_like_a_built_in_method(tmp_path):
     study_file = tmp_path / "tune.yaml"
     study_file.write_text(yaml.safe_dump({
         "base": str(config), "out": str(tmp_path / "tune"),
-        "methods": {"fedasam": {"algo": "fedasam"}, "fedavg": {"algo": "fedavg"}},
+        "methods": {"myfedasam": {"algo": "myfedasam"}, "fedavg": {"algo": "fedavg"}},
         "search": {"budget": 2, "validation": 0.2, "seeds": [0]}, "final": {"seeds": [0]}}))
     study = load_study(study_file)
-    assert study.methods["fedasam"].space == {"algo.rho": [0.1, 0.5, 1.0]}
+    assert study.methods["myfedasam"].space == {"algo.rho": [0.1, 0.5, 1.0]}
     result = run_study(study, progress=False)
-    assert result.methods["fedasam"]["selected"]["algo.rho"] in (0.1, 0.5, 1.0)
+    assert result.methods["myfedasam"]["selected"]["algo.rho"] in (0.1, 0.5, 1.0)
     methods = {g.method.split(" ")[0] for g in group_runs(find_runs([tmp_path / "tune" / "final"]))}
-    assert methods == {"fedasam", "fedavg"}
+    assert methods == {"myfedasam", "fedavg"}
 
 
 def test_a_flower_app_carries_the_configs_path_plugins(tmp_path):
@@ -245,4 +245,4 @@ def test_a_flower_app_carries_the_configs_path_plugins(tmp_path):
     done = subprocess.run([sys.executable, "-c", node], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**ENV, "PYTHONPATH": str(app)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "fedasam"
+    assert done.stdout.strip() == "myfedasam"

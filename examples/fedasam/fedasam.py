@@ -1,5 +1,7 @@
 """FedASAM: federated averaging with Adaptive SAM on the clients (Caldarola et al., ECCV 2022, after Kwon et al.,
-ICML 2021) — a method fedflat does not ship, written as a plugin against the contract in ``fedflat.core``.
+ICML 2021) — written as a plugin against the contract in ``fedflat.core``, the worked example of docs/extending.md.
+fedflat now ships FedASAM itself (``algo=fedasam``, fedflat/algorithms/fedasam.py, which scales the weights only,
+as the authors' code does); this plugin's ``myasam`` scales every parameter, as the equation reads.
 
 ASAM makes the ascent scale-invariant with the normalization operator ``T_w = |w| + eta`` (elementwise):
 
@@ -25,7 +27,7 @@ class ASAMParams(PartParams):
 class AdaptiveSAM(Perturbation):
     """``eps = rho T^2 g / ||T g||`` with ``T = |w| + eta``, one L2 norm per client over all parameters."""
 
-    name = "asam"
+    name = "myasam"
     summary = "ASAM: eps = rho T^2 g/||T g||, T = |w| + eta (one extra backprop)"
     Params = ASAMParams
     extra_backprops = 1
@@ -39,6 +41,6 @@ class AdaptiveSAM(Perturbation):
         return self.p.rho * T * scaled / (scaled.norm(dim=-1, keepdim=True) + 1e-12)
 
 
-register_recipe(Recipe(name="fedasam", summary="FedAvg with Adaptive SAM on the clients",
-                       source="Caldarola et al., ECCV 2022; Kwon et al., ICML 2021", perturbation="asam",
+register_recipe(Recipe(name="myfedasam", summary="FedAvg with Adaptive SAM on the clients",
+                       source="Caldarola et al., ECCV 2022; Kwon et al., ICML 2021", perturbation="myasam",
                        defaults={"rho": 0.5, "eta": 0.01}, tunable={"algo.rho": (0.1, 0.5, 1.0)}))

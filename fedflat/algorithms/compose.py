@@ -100,7 +100,8 @@ class Algorithm:
 
     # -- the server side of a round (Flower's configure_fit / aggregate_fit) ------------------
     def configure(self, ctx: RoundContext) -> Broadcast:
-        """The round's downlink: the point clients start from and what each part sends with it."""
+        """The round's downlink: the point clients start from, the round's local rate and what each part sends."""
+        ctx.lr = self.parts["server"].round_lr(ctx)
         ctx.w_start = self.parts["server"].broadcast(ctx)
         shared: dict[str, torch.Tensor] = {}
         personal: dict[str, torch.Tensor] = {}

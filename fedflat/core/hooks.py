@@ -94,6 +94,15 @@ HOOKS: tuple[Hook, ...] = (
          "aggregate)"),
     Hook("poison(ctx, cohort, batch)", "attack", "client, every step, before `perturb`",
          "the step's batch of a malicious client", "the batch it trains on (label flips, a backdoor's trigger)"),
+    Hook("round_lr(ctx)", "server", "server, before training (before `broadcast`)", "`ctx.lr` (the run's `eta_l^t`)",
+         "the round's local rate, sent with the broadcast and left in `ctx.lr` (default `ctx.lr`; server-side SWA's "
+         "cyclic rate)"),
+    Hook("step_lr(ctx, cohort, k)", "any", "client, every step `k`, where `schedules_steps = True`",
+         "`cohort.steps` (`E_i`), `k`",
+         "`[C]`: the factor of `eta_l^t` for each client's step `k` (a within-round schedule, FedSWA's); plain SGD only"),
+    Hook("activation_penalty(ctx)", "any", "client, once per chunk, where `penalizes_activations = True`",
+         "the part's options", "`mu`: the weight of `mu/2 sum_l mean |a_l|^2`, added to every gradient of the "
+         "round's local objective (FedMAN)"),
 )
 
 ROLE_HOOKS: dict[str, tuple[str, ...]] = {}

@@ -95,7 +95,10 @@ class Part:
       only the (noised) sum, so a method with such a part is refused there, with this reason;
       ``beyond_batch``: why its local work computes on the client's data beyond the step's batch, or not example by
       example (FedSCAM's pilot batches, q-FedAvg's loss over all data, FedGMT's distillation); DP-SGD
-      (``privacy.level: instance``) cannot account it and refuses the method with this reason.
+      (``privacy.level: instance``) cannot account it and refuses the method with this reason;
+      ``schedules_steps``: the engine scales each local step's rate by :meth:`step_lr` (FedSWA's within-round
+      schedule; plain SGD steps only); ``penalizes_activations``: the engine adds :meth:`activation_penalty`'s
+      layerwise activation norms to every gradient of the round's local objective (FedMAN).
 
     What is uploaded is whatever ``end`` (or ``begin``) puts in ``cohort.upload``; communication is measured from
     the payloads.
@@ -116,6 +119,8 @@ class Part:
     global_direction: ClassVar[tuple[str, float] | None] = None
     individual: ClassVar[str] = ""
     beyond_batch: ClassVar[str] = ""
+    schedules_steps: ClassVar[bool] = False  # whether the engine asks step_lr at every local step (FedSWA's schedule)
+    penalizes_activations: ClassVar[bool] = False  # whether the engine asks activation_penalty (FedMAN's)
 
     def __init__(self, params: PartParams | None = None):
         self.p = params if params is not None else self.Params()
@@ -168,6 +173,17 @@ class Part:
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         """After a chunk's local training, with its final models ``W[C, P]``: write ``cohort.new_state``
         and ``cohort.upload``."""
+
+    def activation_penalty(self, ctx: ClientContext) -> float:
+        """``mu``: the weight of the layerwise activation-norm penalty ``mu/2 sum_l mean |a_l|^2`` this part adds to
+        the local objective of every gradient the round's clients take (FedMAN), where
+        :attr:`penalizes_activations`."""
+        return 0.0
+
+    def step_lr(self, ctx: ClientContext, cohort: Cohort, k: int) -> torch.Tensor:
+        """``[C]``: the factor of ``eta_l^t`` at local step ``k`` of each client (a within-round schedule, FedSWA's),
+        called where :attr:`schedules_steps`; the step is then ``w <- w - eta_l^t prod(factors) d``."""
+        return torch.ones(cohort.size, dtype=ctx.w_start.dtype, device=ctx.w_start.device)
 
 
 def _constructing(init: Any) -> Any:
@@ -305,6 +321,11 @@ class ServerUpdate(Part):
     def broadcast(self, ctx: RoundContext) -> torch.Tensor:
         """The point clients start from (``w^t`` by default)."""
         return ctx.w
+
+    def round_lr(self, ctx: RoundContext) -> float:
+        """The local learning rate of the round, ``eta_l^t`` (``ctx.lr``, the run's schedule, by default; server-side
+        SWA's cyclic rate): clients receive it with the broadcast, and ``ctx.lr`` holds it for the round."""
+        return ctx.lr
 
     def step(self, ctx: RoundContext) -> torch.Tensor:
         raise NotImplementedError

@@ -59,6 +59,7 @@ class Distillation:
     teacher: torch.Tensor
     weight: float
     temperature: float
+    data_weight: float = 1.0  # the weight of the data loss beside it (0: the distillation term alone, FedSOL's)
 
 
 class GradientOracle(Protocol):
@@ -138,6 +139,7 @@ class TrainSettings:
     optimizer: LocalOptimizer = field(default_factory=LocalOptimizer)  # the local step (plain SGD by default)
     # the loss, (logits[B, K], y[B]) -> per-sample losses [B]; None: cross-entropy (fedflat/engine/losses.py)
     loss: Any = None
+    rounds: int = 0  # the run's rounds T (server-side SWA starts at a fraction of them); 0: unknown
 
 
 def payload_size(shared: dict[str, torch.Tensor], size: int,

@@ -16,7 +16,7 @@ from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, Clie
                           Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
-from fedflat.engine.oracle import ClientSession
+from fedflat.engine.oracle import ClientSession, PenalizedOracle
 
 
 # float32's unit roundoff u = 2^-24: clip_scale's arithmetic rounds max_norm and 1e-6 to float32, then n + 1e-6, its
@@ -164,6 +164,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings
+    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
+    if penalty:  # FedMAN: every gradient of the round's local objective with the activation penalty
+        ctx = replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty))
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
     own = personalization.start(ctx.w_start, cohort.state, cohort.known, settings)
@@ -209,7 +212,7 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     for k in range(max(loop.steps)):
         batch = loop.batch(k)
         loss, direction = loop.direction(k, W, batch)
-        W = loop.update(W, direction, loss, loss_sum, optimizer)
+        W = loop.update(W, direction, loss, loss_sum, optimizer, k)
     if optimizer is not None:
         optimizer.save(cohort.new_state)
     return W, loss_sum
@@ -234,6 +237,7 @@ class LocalLoop:
     distill: Any  # the perturbation's distillation term (None without one)
     steps: list[int]  # E_i per client
     uniform: bool  # every client takes the same number of steps (no masking)
+    rate_parts: tuple = ()  # the parts that scale the step's rate (Part.step_lr: FedSWA's within-round schedule)
 
     @classmethod
     def start(cls, algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
@@ -249,7 +253,7 @@ class LocalLoop:
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
                    [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
                    direction_ctx, decay, algorithm.parts["perturbation"].distillation(ctx), steps,
-                   min(steps) == max(steps))
+                   min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 
     def optimizer_state(self, W: torch.Tensor) -> OptimizerState | None:
         """The local optimizer's state (``train.optimizer``; None for plain SGD) from the clients' kept rows."""
@@ -291,11 +295,18 @@ class LocalLoop:
         return loss, direction
 
     def update(self, W: torch.Tensor, direction: torch.Tensor, loss: torch.Tensor, loss_sum: torch.Tensor,
-               optimizer: OptimizerState | None) -> torch.Tensor:
+               optimizer: OptimizerState | None, k: int = 0) -> torch.Tensor:
         """``w <- w - eta_l^t d`` on the active rows (or the optimizer's step along ``d``), their losses added to
         ``loss_sum``; the new ``W``."""
         lr, uniform, active = self.ctx.lr, self.uniform, self.cohort.active
-        if optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
+        if self.rate_parts:  # a within-round schedule (plain SGD only: optim.PLAIN_SGD_PARTS): w - eta_l^t f_k d
+            factor = self.rate_parts[0].step_lr(self.ctx, self.cohort, k)
+            for part in self.rate_parts[1:]:
+                factor = factor * part.step_lr(self.ctx, self.cohort, k)
+            step = direction * (lr * factor).to(direction.dtype)[:, None]
+            W = W.sub_(step) if uniform else torch.where(active[:, None], W - step, W)
+            loss_sum += loss if uniform else torch.where(active, loss, torch.zeros_like(loss))
+        elif optimizer is not None:  # a stateful optimizer (train.optimizer): its step along d
             W = optimizer.step(W, direction, lr, self.decay, None if uniform else active)
             loss_sum += loss if uniform else torch.where(active, loss, torch.zeros_like(loss))
         elif uniform:

@@ -44,6 +44,9 @@ PLAIN_SGD_PARTS = {
     ("perturbation", "wmsam"): "its momentum-guided point moves by eta_l times the momentum, a plain SGD step",
     ("server", "vssam"): "its global direction (w - y) / (E eta_l) is the mean gradient only under plain SGD steps",
     ("server", "qfedavg"): "its Lipschitz estimate L = 1/eta_l is that of plain SGD steps",
+    ("correction", "swa"): "its within-round schedule scales the plain SGD step's rate",
+    ("correction", "moswa"): "its within-round schedule scales the plain SGD step's rate, and its c_i divides the "
+                             "round's change by the mean rate",
 }
 # Parts that read the exponential schedule's factor lr_decay (FedWMSAM's server momentum m = lr_decay Gbar)
 EXPONENTIAL_PARTS = {("correction", "wmsam"): "its server momentum m = lr_decay Gbar follows the authors' "

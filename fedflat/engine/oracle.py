@@ -41,13 +41,14 @@ from fedflat.params import FlatModel
 
 
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
-                        weight: torch.Tensor | None = None,
-                        loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor | None = None, loss: LossFn | None = None,
+                        data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
     (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
     ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
     ``weight[B]`` (0 for padding) weighted means over the real ones. With a ``loss`` of one's own
-    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``."""
+    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``. ``data_weight`` scales the data
+    loss in the objective (0: the distillation term alone; the reported loss stays CE)."""
     log_p = F.log_softmax(logits / tau, dim=-1)
     if weight is None:
         ce = mean_loss(loss, logits, y)
@@ -56,7 +57,24 @@ def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: tor
         mean = (lambda per_sample: (per_sample * weight).sum() / weight.sum())
         ce = mean(per_sample(loss, logits, y))
         kl = mean(F.kl_div(log_p, teacher_logp, reduction="none", log_target=True).sum(-1))
-    return ce + gamma * tau ** 2 * kl, ce
+    data = ce if data_weight == 1.0 else data_weight * ce
+    return data + gamma * tau ** 2 * kl, ce
+
+
+# The activation modules whose outputs MAN's penalty reads (the hidden layers' nonlinearities)
+ACTIVATIONS = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.GELU, torch.nn.SiLU,
+               torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Softplus, torch.nn.Mish, torch.nn.Hardtanh)
+
+
+def activation_norms(activations: list[torch.Tensor], weight: torch.Tensor | None) -> torch.Tensor:
+    """``sum_l mean_b mean_f a_l[b, f]^2`` of a batch's activations ``a_l[B, ...]`` (FedMAN's layerwise
+    activation norm; with ``weight[B]`` the weighted mean over the real samples)."""
+    total = 0.0
+    for a in activations:
+        per_sample_norm = a.reshape(a.shape[0], -1).pow(2).mean(1)
+        total = total + (per_sample_norm.mean() if weight is None
+                         else (per_sample_norm * weight).sum() / weight.sum())
+    return total
 
 
 class ClientSession:
@@ -167,9 +185,10 @@ class Oracle:
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
-                        tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        tau: float, data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
-        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn)
+        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn,
+                                   data_weight)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +209,8 @@ class Oracle:
         C = W.shape[0]
         teacher_logp = self.teacher_log_probs(distill, batch.x)
         self._mode(True)  # the teacher's pass was an evaluation
-        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature)
+        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature,
+                            data_weight=distill.data_weight)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             padded = () if batch.weight is None else (batch.weight,)
@@ -204,6 +224,62 @@ class Oracle:
             total, ce = objective(views, self._arranged(x), y, teacher_logp[c][batch.real(c)])
             rows.append(self._flat(torch.autograd.grad(total, views), ()))
             losses.append(ce.detach())
+        return torch.stack(losses), torch.stack(rows)
+
+    def _penalized_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
+                        *extra: torch.Tensor, penalty: float, distill: Distillation | None,
+                        padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(objective + penalty/2 sum_l mean |a_l|^2, reported loss)`` of one client's batch: the activations
+        ``a_l`` of every activation module (:data:`ACTIVATIONS`) caught by forward hooks during the pass; ``extra``
+        the teacher's log-probabilities (with ``distill``) and the samples' weights (``padded``)."""
+        teacher_logp = extra[0] if distill is not None else None
+        weight = extra[-1] if padded else None
+        caught: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda _m, _i, out: caught.append(out)) for m in self._activations()]
+        try:
+            logits = self._logits(views, x)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if distill is not None:
+            data, reported = distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature, weight,
+                                                 self.loss_fn, distill.data_weight)
+        elif weight is None:
+            data = reported = mean_loss(self.loss_fn, logits, y)
+        else:
+            data = reported = (per_sample(self.loss_fn, logits, y) * weight).sum() / weight.sum()
+        return data + penalty / 2 * activation_norms(caught, weight), reported
+
+    def _activations(self) -> list[torch.nn.Module]:
+        modules = [m for m in self.model.module.modules() if isinstance(m, ACTIVATIONS)]
+        if not modules:
+            raise ValueError(f"an activation penalty reads the outputs of the model's activation modules "
+                             f"({', '.join(a.__name__ for a in ACTIVATIONS)}); {type(self.model.module).__name__} "
+                             "has none")
+        return modules
+
+    def _loss_grad_penalized(self, W: torch.Tensor, batch: Batch, distill: Distillation | None,
+                             penalty: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], grad[C, P])`` of the data loss (with ``distill``'s term) plus FedMAN's activation penalty."""
+        C = W.shape[0]
+        teacher_logp = None if distill is None else self.teacher_log_probs(distill, batch.x)
+        self._mode(True)
+        objective = partial(self._penalized_loss, penalty=penalty, distill=distill, padded=batch.weight is not None)
+        if self.vectorized:
+            extra = (() if teacher_logp is None else (teacher_logp,)) + (() if batch.weight is None else (batch.weight,))
+            views = tuple(self.model.layout.views(W.detach()))
+            grads, (_, reported) = torch.func.vmap(torch.func.grad_and_value(objective, has_aux=True))(
+                views, batch.x, batch.y, *extra)
+            return reported, self._flat(grads, (C,))
+        losses, rows = [], []
+        for c in range(C):
+            views = [v.detach().requires_grad_(True) for v in self.model.layout.views(W[c])]
+            x, y = batch.x[c], batch.y[c]
+            extra = ((() if teacher_logp is None else (teacher_logp[c],))
+                     + (() if batch.weight is None else (batch.weight[c],)))
+            total, reported = objective(views, self._arranged(x), y, *extra)
+            rows.append(self._flat(torch.autograd.grad(total, views), ()))
+            losses.append(reported.detach())
         return torch.stack(losses), torch.stack(rows)
 
     def _mode(self, training: bool) -> None:
@@ -235,14 +311,20 @@ class Oracle:
         grads, loss = self._vgrad_weighted(tuple(self.model.layout.views(W.detach())), x, y, weight)
         return loss, self._flat(grads, (W.shape[0],))
 
-    def loss_grad(self, W: torch.Tensor, batch: Batch,
-                  distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_grad(self, W: torch.Tensor, batch: Batch, distill: Distillation | None = None,
+                  penalty: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
-        the gradient of the loss plus the distillation term (:func:`distilled_objective`)."""
+        the gradient of the loss plus the distillation term (:func:`distilled_objective`); with ``penalty`` ``mu``,
+        plus ``mu/2`` times the layerwise activation norms (FedMAN, :func:`activation_norms`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
         if self.dp_sgd is not None:
             return self._private_loss_grad(W, batch)
+        if penalty:
+            if self.traits.stateful:
+                raise ValueError("an activation penalty (FedMAN) on a model with buffers, batch statistics or random "
+                                 "forwards (dropout) is not implemented: use a model without them")
+            return self._loss_grad_penalized(W, batch, distill, penalty)
         if self.traits.stateful:
             return self._stateful_loss_grad(W, batch, distill)
         if distill is not None:
@@ -378,7 +460,7 @@ class Oracle:
             ce = mean_loss(self.loss_fn, logits, y)
             return ce, ce
         return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature,
-                                   loss=self.loss_fn)
+                                   loss=self.loss_fn, data_weight=distill.data_weight)
 
     def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
                             distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,3 +556,22 @@ def _equal_lengths(batch: Batch) -> list[tuple[torch.Tensor, int]]:
         return [(torch.arange(C, device=batch.y.device), B)]
     lengths = (batch.weight > 0).sum(1)
     return [((lengths == n).nonzero().flatten(), int(n)) for n in lengths.unique().flip(0).tolist()]
+
+
+class PenalizedOracle:
+    """An oracle whose every :meth:`loss_grad` adds FedMAN's activation penalty ``mu/2 sum_l mean |a_l|^2`` to the
+    local objective (the penalty at the perturbed point and in a perturbation's ascent alike, as MAN's code adds it
+    to both of SAM's passes); everything else is the wrapped oracle's."""
+
+    def __init__(self, oracle: Oracle, penalty: float):
+        self.__dict__.update(_inner=oracle, _penalty=penalty)
+
+    def loss_grad(self, W: torch.Tensor, batch: Batch,
+                  distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._inner.loss_grad(W, batch, distill, self._penalty)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._inner, name, value)

@@ -204,7 +204,7 @@ def train_settings(cfg: Config, problem: Problem, model: FlatModel, report: Mode
                          num_clients=cfg.data.num_clients, seed=cfg.seed, layout=model.layout,
                          total_samples=int(problem.num_samples.sum()), clip_scope=t.clip_scope,
                          lr_decay=t.lr_decay, dp_sgd=_dp_sgd(cfg, report.traits, module),
-                         optimizer=optimizer_of(t), loss=loss,
+                         optimizer=optimizer_of(t), loss=loss, rounds=cfg.rounds,
                          buffers=layout if layout.size else None,
                          batch_norms=tuple(n for n, m in module.named_modules()
                                            if isinstance(m, nn.modules.batchnorm._BatchNorm)))
