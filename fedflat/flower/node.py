@@ -123,7 +123,8 @@ class Node:
 
     def train(self, content):
         """Trains the task's clients from their current state, saves their new state, returns the reply content."""
-        return result_content(self.fit(content)[1])
+        job, result = self.fit(content)
+        return result_content(result, job.broadcast.round)
 
     def fit(self, content) -> tuple[NodeTask, ClientResult]:
         """The task in ``content`` and its clients' result, trained from their current state; their new state saved."""

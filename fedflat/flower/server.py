@@ -28,9 +28,10 @@ from flwr.serverapp.strategy import Strategy
 
 from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
+from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
-from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, error_line, evaluation_content, read_result,
-                                     read_scores, reply_content, task_content, wire_bytes, with_buffers)
+from fedflat.flower.protocol import (EVALUATE, BadReply, UploadLayout, array_record, error_line, evaluation_content,
+                                     read_result, read_scores, reply_content, task_content, wire_bytes, with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -230,13 +231,21 @@ def simulated(grid) -> bool:
     return isinstance(grid, InMemoryGrid)
 
 
-def upload_kind(upload: dict[str, torch.Tensor]) -> frozenset:
-    """What an upload holds, rows aside: each entry's name, shape of a row and dtype."""
-    return frozenset((k, tuple(v.shape[1:]), str(v.dtype).removeprefix("torch.")) for k, v in upload.items())
-
-
-def describe(kind: frozenset | None) -> str:
-    return "[" + ", ".join(f"{k} {list(shape)} {dtype}" for k, shape, dtype in sorted(kind or ())) + "]"
+def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
+    """What one client's upload holds in the round ``opened``: the method's client side (the code every node runs,
+    :meth:`~fedflat.engine.runtime.ClientRuntime.fit`) run here for the round's first sampled client from a fresh
+    state, one local step. The entries (the parts' and upload stages' ``cohort.upload``), their row shapes and dtypes
+    follow from the method, its options and the model, not from the data or the state, so every reply of the round
+    is checked against this (:func:`~fedflat.flower.protocol.read_result`), never against the other nodes' replies:
+    with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's state changes."""
+    one = opened.task.rows(torch.tensor([0]))
+    task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
+    store = sim.host.store
+    names = sim.client_state_keys()
+    state = {n: torch.zeros(1, store.shape(n)[0], dtype=store.shape(n)[1]) for n in names}
+    known = {n: torch.zeros(1, dtype=torch.bool) for n in names}
+    result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
+    return UploadLayout.of(result.upload)
 
 
 def first_replies(replies: Iterable, expected: dict[int, list[int]]) -> dict[int, Any]:
@@ -272,6 +281,7 @@ class FedflatStrategy(Strategy):
         self.federation = Federation(query_timeout, roster)
         self.insecure, self.checked = insecure, False
         self.opened: OpenRound | None = None
+        self.layout: UploadLayout | None = None  # what a client's upload holds this round (upload_layout)
         self.sent: dict[int, list[int]] = {}  # node -> the clients of its message this round
         self.evaluating: dict[int, list[int]] = {}  # node -> the clients of its evaluate message
         self.wire_down = 0
@@ -299,7 +309,7 @@ class FedflatStrategy(Strategy):
             content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
             messages.append(Message(content, dst_node_id=node, message_type="train"))
             self.sent[node] = task.ids.tolist()
-        self.opened = opened
+        self.opened, self.layout = opened, upload_layout(self.sim, opened)
         self.wire_down = sum(wire_bytes(m.content) for m in messages)
         return messages
 
@@ -315,27 +325,18 @@ class FedflatStrategy(Strategy):
         return self.global_arrays(), MetricRecord(metrics)
 
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
-        """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
-        clients left out. Also the bytes of the arrays that came back."""
+        """The result of every node whose reply is whole and what the server expects (:func:`read_result`: this
+        round's, the clients it was sent, the layout the method uploads); the others are logged and their clients
+        left out. Also the bytes of the arrays that came back."""
         results, wire, problems = {}, {}, {}
-        size = self.sim.num_parameters
         answered = first_replies(replies, self.sent)
         for node, reply in answered.items():
             try:
-                results[node] = read_result(reply_content(reply), self.sent[node], size,
-                                            self.sim.algorithm.wire_entries())
+                results[node] = read_result(reply_content(reply), self.sent[node], self.layout, self.opened.ctx.round)
                 wire[node] = wire_bytes(reply.content)
             except BadReply as err:
                 problems[node] = str(err)
                 self._left_out(node, err)
-        # every node runs the same method: an upload whose entries (names, row shapes, dtypes) differ from the
-        # others' is incomplete or forged
-        kinds = {n: upload_kind(r.upload) for n, r in results.items()}
-        usual = max(set(kinds.values()), key=lambda k: (list(kinds.values()).count(k), len(k)), default=None)
-        for node in [n for n, kind in kinds.items() if kind != usual]:
-            del results[node]
-            problems[node] = f"its upload has entries {describe(kinds[node])}, the other nodes' {describe(usual)}"
-            self._left_out(node, problems[node])
         wire_up = sum(wire[n] for n in results)
         for node in set(self.sent) - set(answered):
             log.warning("round %d: node %s did not answer (within %.0f s, or it went offline or restarted): its "
