@@ -51,9 +51,13 @@ class Federation:
     SuperNode authentication).
 
     A partition belongs to the first online node that claims it, and with a roster (``node-keys``, written by
-    ``fedflat flower-app --keys``) only to the node whose key the roster names: another node claiming it is
-    refused with a logged reason. A node whose query failed (it raised, or claimed a partition it may not) is
-    left out for the run; a node that is merely slow, to a query or a task, is asked again in the next round.
+    ``fedflat flower-app --keys``) only to the node whose key the roster names. With a roster a node is known by its
+    key before anything it says is read: a node whose key the roster does not list is left out without being asked
+    (nothing is sent to it), and a listed node's claim must be its own partition of the roster's
+    ``num-partitions`` (the roster's largest partition + 1; without a roster, that of the first node accepted).
+    Whatever is wrong about a node (a stranger's key, a failed or malformed query, another's partition, another
+    num-partitions) leaves that node out for the run, named in a warning with the reason, and never ends the run; a
+    node that is merely slow, to a query or a task, is asked again in the next round.
     A restarted node comes back (under a new node id without authentication, after its old one went offline) and
     takes over its partition."""
 
@@ -122,7 +126,7 @@ class Federation:
         slow: set[int] = set()
         while True:
             self.look(grid)
-            new = sorted(self.online - set(self.partition) - set(self.silent) - slow)
+            new = [n for n in sorted(self.online - set(self.partition) - set(self.silent) - slow) if self.known(n)]
             if new:
                 slow |= self._ask(grid, new)
             if all(self.host(c) is not None for c in clients) or time.monotonic() >= deadline:
@@ -147,9 +151,14 @@ class Federation:
                 log.warning("node %s left out: %s", node, err)
                 self.leave_out(node, str(err))
                 continue
-            if self.partitions is not None and partitions != self.partitions:
-                raise ConfigError(f"node {node} has num-partitions={partitions}, other nodes {self.partitions}: "
-                                  "every node of a federation needs the same num-partitions")
+            expected = max(self.roster) + 1 if self.roster else self.partitions
+            if expected is not None and partitions != expected:
+                why = (f"it claims partition {partition} of num-partitions={partitions}, the federation has "
+                       f"{expected} (" + ("node-keys lists partitions 0.." + str(expected - 1) if self.roster else
+                                          "its first node said so") + ")")
+                log.warning("node %s left out: %s", node, why)
+                self.leave_out(node, why)
+                continue
             refused = self.refusal(node, partition)
             if refused and self.roster:
                 log.warning("node %s left out: %s", node, refused)
@@ -163,6 +172,17 @@ class Federation:
             self.partition.pop(node, None)
             self.partition[node] = partition
         return slow
+
+    def known(self, node: int) -> bool:
+        """Whether ``node`` may be asked for its partition: without a roster any node; with one, a node whose key the
+        roster lists (a stranger is left out here, before anything is sent to it or read from it)."""
+        if not self.roster or self.keys.get(node) in self.roster.values():
+            return True
+        why = (f"its public key {fingerprint(self.keys.get(node, b''))} is not in node-keys: a node the operator did "
+               "not enrol (nothing was sent to it)")
+        log.warning("node %s left out: %s", node, why)
+        self.leave_out(node, why)
+        return False
 
     def refusal(self, node: int, partition: int) -> str:
         """Why ``node`` may not hold ``partition`` ('' when it may): the roster names another key, or another
@@ -319,6 +339,8 @@ class FedflatStrategy(Strategy):
         result, wire_up = self.collect(replies)
         round = self.host.finish_round(self.opened, result)
         round.log.update(wire_down_bytes=float(self.wire_down), wire_up_bytes=float(wire_up))
+        if self.federation.silent:  # (named, with their reasons, in the warnings that left them out)
+            round.log["nodes_left_out"] = float(len(self.federation.silent))
         self.opened = None
         metrics = {"train_loss": round.train_loss, "drift": round.drift, "clients": round.clients,
                    "dropped": len(round.dropped), **round.log}
