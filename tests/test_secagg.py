@@ -440,3 +440,25 @@ def test_too_many_inconsistent_nodes_for_the_threshold_end_the_run_saying_so(tmp
     cfg = small("fedavg", *SECURE, "secure_aggregation.reconstruction_threshold=3")
     with pytest.raises(NoClients, match=r"SecAgg\+ halted .*node 101 left out: it answered for clients \[0, 3\]"):
         secure_round(cfg, tmp_path)
+
+
+def test_a_node_whose_key_shares_are_malformed_ends_the_round_saying_which_and_why(tmp_path):
+    """Node 101 answers SecAgg+'s share-keys stage with one destination more than ciphertexts, a node id outside the
+    round: Flower's workflow zips them strictly and indexes by id, so the reply raised inside it (a ValueError, the
+    run ended with Flower's traceback). Held back now, the node is a dropout at that stage; Flower's unmask stage then
+    needs shares of its keys that nobody received and halts the round, and the run ends saying which node and why."""
+    def malformed(app):
+        def attacker(message, context):
+            configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            stage = configs.get(Key.STAGE) if configs is not None else None
+            reply = app(message, context)
+            if message.metadata.dst_node_id == 101 and stage == Stage.SHARE_KEYS:
+                said = reply.content.config_records[RECORD_KEY_CONFIGS]
+                said[Key.DESTINATION_LIST] = [*said[Key.DESTINATION_LIST], 999]
+            return reply
+        return attacker
+
+    cfg = small("fedavg", *SECURE, "secure_aggregation.num_shares=1.0", "secure_aggregation.reconstruction_threshold=2")
+    with pytest.raises(NoClients, match=r"SecAgg\+ halted .*node 101 left out: its reply to SecAgg\+'s share_keys "
+                                        r"stage is not of the protocol's form"):
+        secure_round(cfg, tmp_path, wrap=malformed)

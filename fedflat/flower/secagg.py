@@ -225,11 +225,42 @@ def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) ->
     return ""
 
 
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _blobs(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, bytes) for v in value)
+
+
+def form_problem(stage: str, reply: Message, nodes: set[int]) -> str:
+    """Why a node's reply to SecAgg+'s key stages cannot be handed to Flower's workflow ('' when it can): the
+    records each stage reads, of their types, naming only the round's nodes (the workflow indexes its tables by the
+    node ids a reply names, so another id or a list of another length would end the round)."""
+    try:
+        said = reply.content.config_records[RECORD_KEY_CONFIGS]
+        if stage == Stage.SETUP:
+            ok = isinstance(said[Key.PUBLIC_KEY_1], bytes) and isinstance(said[Key.PUBLIC_KEY_2], bytes)
+        elif stage == Stage.SHARE_KEYS:
+            dsts, ciphertexts = said[Key.DESTINATION_LIST], said[Key.CIPHERTEXT_LIST]
+            ok = _ints(dsts) and _blobs(ciphertexts) and len(dsts) == len(ciphertexts) and set(dsts) <= nodes
+        elif stage == Stage.UNMASK:
+            owners, shares = said[Key.NODE_ID_LIST], said[Key.SHARE_LIST]
+            ok = _ints(owners) and _blobs(shares) and len(owners) == len(shares) and set(owners) <= nodes
+        else:
+            ok = True
+    except Exception:  # (a record missing, or not a record)
+        ok = False
+    return "" if ok else f"its reply to SecAgg+'s {stage} stage is not of the protocol's form"
+
+
 class Screened:
     """The grid as SecAgg+'s workflow sees it: a masked-vector reply whose clear text is inconsistent
     (:func:`clear_text_problem`) is held back, so that Flower's workflow treats its node as one that dropped out
     after sharing its keys: the node's vector is not added, and the unmask stage removes its pairwise masks from the
-    others' (its own private mask stays unrevealed). Every other stage passes as it is."""
+    others' (its own private mask stays unrevealed). A reply to another stage that is not of the protocol's form
+    (:func:`form_problem`) is held back too: a dropout at that stage, which the workflow handles, where the malformed
+    reply would have raised inside it and ended the run."""
 
     def __init__(self, grid, sent: dict[int, list[int]], layout: UploadLayout, round: int):
         self.grid, self.sent, self.layout, self.round = grid, sent, layout, round
@@ -243,12 +274,18 @@ class Screened:
         replies = self.grid.send_and_receive(messages, timeout=timeout)
         stages = {m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE] for m in messages
                   if RECORD_KEY_CONFIGS in m.content.config_records}
-        if stages != {Stage.COLLECT_MASKED_VECTORS}:
+        if len(stages) != 1:
             return replies
+        (stage,) = stages
         kept = []
         for reply in replies:
             node = reply.metadata.src_node_id
-            why = "" if reply.has_error() else clear_text_problem(reply, self.sent.get(node, []), self.layout)
+            if reply.has_error():
+                why = ""
+            elif stage == Stage.COLLECT_MASKED_VECTORS:
+                why = clear_text_problem(reply, self.sent.get(node, []), self.layout)
+            else:
+                why = form_problem(stage, reply, set(self.sent))
             if why:
                 self.left_out[node] = why
                 log.warning("round %d: node %s's clients %s left out: %s (SecAgg+ recovers the sum without it)",
