@@ -297,3 +297,24 @@ def test_a_strangers_node_and_a_wrong_num_partitions_leave_the_honest_run_comple
     metrics = read_jsonl(history.run_dir / "metrics.jsonl")
     assert [m["nodes_left_out"] for m in metrics] == [2.0, 2.0]
     assert torch.equal(history.final_parameters, reference(cfg, {}, 2))
+
+
+@pytest.mark.parametrize("scores, says", [
+    ({"clients": [1], "correct": [9], "loss": [1.0], "samples": [5]}, "correct <= samples"),
+    ({"clients": [1], "correct": [-1], "loss": [1.0], "samples": [5]}, "correct <= samples"),
+    ({"clients": [1], "correct": [2], "loss": [float("nan")], "samples": [5]}, "losses are not finite"),
+    ({"clients": [1, 1], "correct": [2, 2], "loss": [1.0, 1.0], "samples": [5, 5]}, "the node was not sent"),
+    ({"clients": [3], "correct": [2], "loss": [1.0], "samples": [5]}, "scores for clients [3]"),
+])
+def test_a_personalized_evaluations_scores_are_checked_against_what_was_sent(scores, says):
+    """A node's evaluation reply (FedPer's scores) cannot claim more correct predictions than samples, a negative
+    count, a NaN loss, or clients it was not sent: it is left out of the pooled accuracy, never counted."""
+    from flwr.app import ConfigRecord
+
+    from fedflat.flower.protocol import BadReply, read_scores
+
+    with pytest.raises(BadReply, match=says.replace("[", r"\[").replace("]", r"\]")):
+        read_scores(RecordDict({"scores": ConfigRecord(scores)}), [1, 4])
+    ok = read_scores(RecordDict({"scores": ConfigRecord({"clients": [4], "correct": [2], "loss": [1.5],
+                                                         "samples": [5]})}), [1, 4])
+    assert (ok.clients, ok.correct, ok.samples) == ([4], [2], [5])

@@ -258,4 +258,9 @@ def _read_scores(content, sent: list[int]) -> ClientScores:
     if foreign or len(set(clients)) != len(clients):
         raise BadReply(f"scores for clients {foreign or clients} the node was not sent (once each)")
     correct, loss, samples = columns
+    counts = [*correct, *samples]
+    if not all(type(n) is int and n >= 0 for n in counts) or any(c > n for c, n in zip(correct, samples)):
+        raise BadReply("the scores' counts are not whole numbers with correct <= samples")
+    if not all(isinstance(x, float) and math.isfinite(x) for x in loss):
+        raise BadReply("the scores' losses are not finite numbers")
     return ClientScores(clients, [int(c) for c in correct], [float(x) for x in loss], [int(n) for n in samples])
