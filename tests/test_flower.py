@@ -29,8 +29,7 @@ from fedflat.files import read_jsonl  # noqa: E402
 from fedflat.flower import FedflatStrategy, client_app, simulate, write_app  # noqa: E402
 from fedflat.flower.apps import run_flower_simulation  # noqa: E402
 from fedflat.flower.node import ClientStates, Node, StateLost  # noqa: E402
-from fedflat.flower.protocol import (BadReply, UploadLayout, read_result, read_task, result_content,  # noqa: E402
-                                     task_content)
+from fedflat.flower.protocol import BadReply, UploadLayout, read_result, read_task, result_content, task_content  # noqa: E402
 
 # Columns that measure time or where state lives (the server's store holds no client-kept vectors in a
 # federation; Flower adds the bytes on the wire): everything else must be equal.

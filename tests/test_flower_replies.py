@@ -12,10 +12,9 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import math
 import uuid
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -23,14 +22,14 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Array, Context, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from flwr.app import Array, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
-from fedflat.api import as_config  # noqa: E402
-from fedflat.core import MODEL, TRAIN_LOSS, NoClients  # noqa: E402
-from fedflat.engine.simulation import Simulation  # noqa: E402
-from fedflat.flower import FedflatStrategy, client_app  # noqa: E402
-from fedflat.testing import TINY  # noqa: E402
+from fedflat.api import as_config
+from fedflat.core import MODEL, TRAIN_LOSS, NoClients
+from fedflat.engine.simulation import Simulation
+from fedflat.flower import FedflatStrategy, client_app
+from fedflat.testing import TINY
 
 N = 6  # clients, every one sampled each round: partition p of P holds the clients i with i mod P == p
 
@@ -261,7 +260,7 @@ def test_the_expected_layout_is_the_methods_own_and_honest_rounds_equal_fedflat_
         sim = Simulation(small(algo, *extra))
         layout = upload_layout(sim, sim.begin_round(0))
         assert layout.names() == names, layout
-        assert dict((n, (s, d)) for n, s, d in layout.entries)[MODEL] == ((sim.num_parameters,), "float32")
+        assert {n: (s, d) for n, s, d in layout.entries}[MODEL] == ((sim.num_parameters,), "float32")
     cfg = small("scaffold")
     for nodes in (1, 4):
         sim = run_rounds(cfg, Loopback(client_app(cfg, state_dir=tmp_path / f"n{nodes}"), nodes), 2)

@@ -283,16 +283,16 @@ def test_torchs_own_refusal_is_a_refusal_in_every_wording(run_folder, tmp_path, 
     unsupported GLOBAL x whose module ... is blocked". Both are a refusal naming x, never "unreadable"."""
     import os
 
-    import fedflat.engine.checkpoint as checkpoint
+    from fedflat.engine import checkpoint
 
     monkeypatch.setattr(checkpoint, "named_objects", lambda path: [])  # (the scan misses it: torch's layer alone)
     torch.save({"w": _Call(os.system, f"touch {tmp_path / 'marker'}")}, tmp_path / "bad.pt")
     with pytest.raises(UnsafeFile, match="would rebuild the Python object posix.system on load"):
         checkpoint.safe_load(tmp_path / "bad.pt", "model file", "restore it")
-    for wording in ("Weights only load failed. ... Unsupported global: GLOBAL posix.system was not an allowed global "
-                    "by default. Please use `torch.serialization.add_safe_globals([system])` ... weights_only=False",
-                    "Weights only load failed. ... Trying to load unsupported GLOBAL posix.system whose module posix is "
-                    "blocked. ... re-running `torch.load` with `weights_only` set to `False` will likely succeed"):
+    for wording in (("Weights only load failed. ... Unsupported global: GLOBAL posix.system was not an allowed global "
+                     "by default. Please use `torch.serialization.add_safe_globals([system])` ... weights_only=False"),
+                    ("Weights only load failed. ... Trying to load unsupported GLOBAL posix.system whose module posix "
+                     "is blocked. ... re-running `torch.load` with `weights_only` set to `False` will likely succeed")):
         def load(*args, text=wording, **kwargs):
             raise pickle.UnpicklingError(text)
 

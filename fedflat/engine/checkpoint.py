@@ -147,7 +147,7 @@ def pickle_objects(data: bytes | io.BufferedIOBase, count: int = 1) -> list[str]
                     recent.append(memo.get(int(arg)))
                 elif op.name not in ("FRAME", "PROTO"):
                     recent.append(None)
-        except Exception:  # (not a pickle, or a damaged one: torch's load says what it is)
+        except Exception:  # noqa: BLE001 - not a pickle, or a damaged one: torch's load says what it is
             break
     return names
 

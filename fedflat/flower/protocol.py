@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, Broadcast, ClientResult
+from fedflat.core import BUFFERS, MODEL, Broadcast, ClientResult
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.simulation import ClientScores
 
@@ -118,7 +118,7 @@ class UploadLayout:
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
 
     @classmethod
-    def of(cls, upload: dict[str, torch.Tensor]) -> "UploadLayout":
+    def of(cls, upload: dict[str, torch.Tensor]) -> UploadLayout:
         """The layout of ``upload`` (rows ``[C, ...]``)."""
         return cls(tuple(sorted((k, tuple(int(d) for d in v.shape[1:]), str(v.dtype).removeprefix("torch."))
                                 for k, v in upload.items())))
@@ -153,7 +153,7 @@ def checked_array(name: str, array, shape: tuple[int, ...], dtype: str) -> torch
         raise BadReply(f"upload entry '{name}' is not a NumPy array (serialization {getattr(array, 'stype', None)!r})")
     try:
         declared, declared_dtype, size = npy_header(bytes(array.data))
-    except Exception as err:  # a header numpy cannot read
+    except Exception as err:  # noqa: BLE001 - a header numpy cannot read
         raise BadReply(f"upload entry '{name}' is not a readable array ({type(err).__name__}: {err})") from None
     if declared != shape:
         raise BadReply(f"upload entry '{name}' has shape {list(declared)}, expected {list(shape)}")

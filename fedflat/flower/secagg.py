@@ -45,7 +45,8 @@ from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.server.workflow import SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 
 from fedflat.config import Config, SecureAggregationConfig
 from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
@@ -220,7 +221,7 @@ def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) ->
             declared, dtype, size = npy_header(bytes(data))
             if declared != shape or dtype.kind not in "iu" or size != int(np.prod(shape)) * dtype.itemsize:
                 return f"its masked vector holds a {dtype} array of shape {list(declared)}, expected {list(shape)}"
-    except Exception as err:  # whatever a node sends: never the server's crash
+    except Exception as err:  # noqa: BLE001 - whatever a node sends: never the server's crash
         return f"its reply cannot be read ({type(err).__name__}: {err})"
     return ""
 
@@ -249,7 +250,7 @@ def form_problem(stage: str, reply: Message, nodes: set[int]) -> str:
             ok = _ints(owners) and _blobs(shares) and len(owners) == len(shares) and set(owners) <= nodes
         else:
             ok = True
-    except Exception:  # (a record missing, or not a record)
+    except Exception:  # noqa: BLE001 - a record missing, or not a record
         ok = False
     return "" if ok else f"its reply to SecAgg+'s {stage} stage is not of the protocol's form"
 
