@@ -29,7 +29,7 @@ from fedflat.files import read_jsonl  # noqa: E402
 from fedflat.flower import FedflatStrategy, client_app, simulate, write_app  # noqa: E402
 from fedflat.flower.apps import run_flower_simulation  # noqa: E402
 from fedflat.flower.node import ClientStates, Node, StateLost  # noqa: E402
-from fedflat.flower.protocol import BadReply, read_result, read_task, result_content, task_content  # noqa: E402
+from fedflat.flower.protocol import BadReply, UploadLayout, read_result, read_task, result_content, task_content  # noqa: E402
 
 # Columns that measure time or where state lives (the server's store holds no client-kept vectors in a
 # federation; Flower adds the bytes on the wire): everything else must be equal.
@@ -77,7 +77,7 @@ def test_a_task_and_a_result_cross_as_flower_records_bit_for_bit():
     assert torch.equal(job.task.steps, task.steps) and torch.equal(job.task.num_samples, task.num_samples)
 
     result = ClientResult(torch.tensor([1, 4]), {MODEL: torch.randn(2, 7), TRAIN_LOSS: torch.rand(2)}, {}, 19)
-    back = read_result(result_content(result), [1, 4], 7)
+    back = read_result(result_content(result, 3), [1, 4], UploadLayout.of(result.upload), 3)
     assert torch.equal(back.upload[MODEL], result.upload[MODEL]) and back.backprops == 19
 
 
@@ -88,14 +88,15 @@ def test_a_task_and_a_result_cross_as_flower_records_bit_for_bit():
 ])
 def test_a_partial_reply_is_refused_whole(damage, says):
     result = ClientResult(torch.tensor([1, 4]), {MODEL: torch.randn(2, 7), TRAIN_LOSS: torch.rand(2)}, {}, 3)
-    content = result_content(result)
+    layout = UploadLayout.of(result.upload)
+    content = result_content(result, 0)
     damage(content)
     with pytest.raises(BadReply, match=says.replace("[", r"\[").replace("]", r"\]")):
-        read_result(content, [1, 4], 7)
+        read_result(content, [1, 4], layout, 0)
     short = result_content(ClientResult(torch.tensor([1, 4]), {MODEL: torch.randn(2, 6), TRAIN_LOSS: torch.rand(2)},
-                                        {}, 3))
-    with pytest.raises(BadReply, match=r"shape \(2, 6\), expected \(2, 7\)"):
-        read_result(short, [1, 4], 7)
+                                        {}, 3), 0)
+    with pytest.raises(BadReply, match=r"'model' has shape \[2, 6\], expected \[2, 7\]"):
+        read_result(short, [1, 4], layout, 0)
 
 
 def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path):
@@ -388,10 +389,10 @@ def test_garbage_from_a_node_leaves_its_clients_out_with_the_reason_and_never_st
     assert summary["reason"].startswith("10 sampled clients left out of 4 rounds (1, 2, 3, 4)")
     said = "\n".join(r.getMessage() for r in caplog.records)
     for reason in ("round 1: node ", "upload entries ['model'] hold NaN or infinite values",
-                   "round 2: node ", "the uploaded models are torch.float64, expected torch.float32",
-                   "upload entries ['junk'] are not floating-point tensors",
+                   "round 2: node ", "upload entry 'model' is float64, expected float32",
+                   "the upload has entries ['junk'] the method does not upload",
                    "upload entries ['train_loss'] hold NaN or infinite values",
-                   "round 4: node ", "the reply cannot be read (ValueError"):
+                   "round 4: node ", "the reply's clients ['zero', 'three'] are not whole numbers"):
         assert reason in said, reason
     accuracy, w = reference(cfg, summary["dropped_clients"])
     assert [m["test_acc"] for m in history.metrics] == pytest.approx(accuracy, abs=0)

@@ -48,7 +48,7 @@ def test_a_crafted_checkpoint_is_refused_by_resume_and_analyze_and_runs_nothing(
     before = {p.name: p.read_bytes() for p in run_folder.iterdir() if p.is_file() and p.name != ".lock"}
     assert main(["resume", str(run_folder), "--no-progress"]) == 2
     err = _one_line_error(capsys, run_folder / CHECKPOINT)
-    assert "refused" in err and "object exec " in err
+    assert "refused" in err and "object builtins.exec " in err
     assert main(["analyze", "sharpness", str(run_folder)]) == 2
     _one_line_error(capsys, run_folder / CHECKPOINT)
     with pytest.raises(UnsafeFile):
@@ -211,3 +211,124 @@ def test_every_load_in_the_package_is_safe():
             assert "Loader=_Loader" in loader, f"{path}: yaml load with {loader}"
         if "pickle" in text and path.name != "readers.py":  # CIFAR's unpickler rebuilds arrays only
             assert not re.search(r"pickle\.(load|loads|Unpickler)\b", text), path
+
+
+# -- issue 54: every command's loads, any Python object, any torch wording -------------------------------------------
+class _Call:
+    """Pickled as ``function(*args)``: a crafted file's payload naming any callable, e.g. ``posix.system``."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def _payloads(marker):
+    import os
+
+    return {"posix.system": _Call(os.system, f"touch {marker}"),
+            "builtins.eval": _Call(eval, f"open({str(marker)!r}, 'w').close()"),
+            "builtins.exec": _Call(exec, f"open({str(marker)!r}, 'w').close()")}
+
+
+def _no_unsafe_advice(err: str) -> None:
+    assert "weights_only" not in err and "Traceback" not in err and "UnpicklingError" not in err, err
+
+
+@pytest.fixture
+def personal_run(tiny, tmp_path):
+    folder = tmp_path / "per"
+    fedflat.run(tiny("algo=fedper", "rounds=1"), run_dir=folder, progress=False)
+    return folder
+
+
+@pytest.mark.parametrize("protocol", [2, 4])  # (torch's default; 4 names objects with STACK_GLOBAL)
+@pytest.mark.parametrize("name", ["posix.system", "builtins.eval", "builtins.exec"])
+def test_a_pickle_naming_any_python_object_is_refused_by_every_command(name, protocol, personal_run, tmp_path,
+                                                                      capsys):
+    """Issue 54: `fedflat evaluate` of a crafted model.pt or personal.pt showed torch's raw UnpicklingError (which
+    advises loading with weights_only=False, the exploit), and a checkpoint naming posix.system was "unreadable",
+    not refused. Every file each command loads, crafted as a real pickle of the object, is refused in one line that
+    names the file and the object, with no advice to load it unsafely, and nothing of it runs."""
+    from fedflat.experiments.personal import PERSONAL_FILE
+
+    marker = tmp_path / "marker"
+    payload = _payloads(marker)[name]
+    good = {f: (personal_run / f).read_bytes() for f in (CHECKPOINT, "model.pt", PERSONAL_FILE)}
+    runs = {CHECKPOINT: [["resume", str(personal_run), "rounds=2", "--no-progress"],
+                         ["analyze", "sharpness", str(personal_run)]],
+            "model.pt": [["evaluate", str(personal_run)], ["evaluate", "--global", str(personal_run)]],
+            PERSONAL_FILE: [["evaluate", str(personal_run)]]}
+    for file, commands in runs.items():
+        torch.save({"format": 1, "round": 1, "state": payload}, personal_run / file, pickle_protocol=protocol)
+        if file == "model.pt":  # (analyze reads model.pt where there is no checkpoint)
+            (personal_run / CHECKPOINT).unlink()
+            commands = [*commands, ["analyze", "sharpness", str(personal_run)]]
+        for command in commands:
+            assert main(command) == 2, command
+            err = _one_line_error(capsys, personal_run / file)
+            assert f"refused: this {'checkpoint' if file == CHECKPOINT else file.split('.')[0] + ' file'} would " \
+                   f"rebuild the Python object {name} on load" in err, (command, err)
+            _no_unsafe_advice(err)
+        for restored, data in good.items():
+            (personal_run / restored).write_bytes(data)
+    assert not marker.exists()
+    torch.load(personal_run / CHECKPOINT, weights_only=True)  # (the folder is whole again: the refusals wrote nothing)
+
+
+def test_torchs_own_refusal_is_a_refusal_in_every_wording(run_folder, tmp_path, monkeypatch):
+    """Should a pickle name an object in a form fedflat's own opcode scan misses, torch's weights_only unpickler
+    refuses it, and its wording differs by version: torch 2.6's "Unsupported global: GLOBAL x", 2.13's "Trying to load
+    unsupported GLOBAL x whose module ... is blocked". Both are a refusal naming x, never "unreadable"."""
+    import os
+
+    from fedflat.engine import checkpoint
+
+    monkeypatch.setattr(checkpoint, "named_objects", lambda path: [])  # (the scan misses it: torch's layer alone)
+    torch.save({"w": _Call(os.system, f"touch {tmp_path / 'marker'}")}, tmp_path / "bad.pt")
+    with pytest.raises(UnsafeFile, match="would rebuild the Python object posix.system on load"):
+        checkpoint.safe_load(tmp_path / "bad.pt", "model file", "restore it")
+    for wording in (("Weights only load failed. ... Unsupported global: GLOBAL posix.system was not an allowed global "
+                     "by default. Please use `torch.serialization.add_safe_globals([system])` ... weights_only=False"),
+                    ("Weights only load failed. ... Trying to load unsupported GLOBAL posix.system whose module posix "
+                     "is blocked. ... re-running `torch.load` with `weights_only` set to `False` will likely succeed")):
+        def load(*args, text=wording, **kwargs):
+            raise pickle.UnpicklingError(text)
+
+        monkeypatch.setattr(torch, "load", load)
+        with pytest.raises(UnsafeFile) as refused:
+            checkpoint.safe_load(tmp_path / "bad.pt", "model file", "restore it")
+        assert "Python object posix.system on load" in str(refused.value) and "weights_only" not in str(refused.value)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_files_of_tensors_saved_in_either_format_and_protocol_still_load(tmp_path):
+    """The opcode scan passes what torch itself writes, the zip format and the legacy one, and reads the names of
+    protocol 4's STACK_GLOBAL (which torch's weights_only unpickler does not load: FRAME is not among its opcodes)."""
+    from fedflat.engine.checkpoint import named_objects, safe_load
+
+    value = {"w": torch.arange(5.0), "n": [1, 2.5, "x", None], "version": str(torch.__version__)}
+    for zip_format in (True, False):
+        for protocol in (2, 4):
+            path = tmp_path / f"ok-{zip_format}-{protocol}.pt"
+            torch.save(value, path, pickle_protocol=protocol, _use_new_zipfile_serialization=zip_format)
+            assert "torch._utils._rebuild_tensor_v2" in named_objects(path)
+            if protocol == 4:
+                continue
+            loaded = safe_load(path, "file", "fix it")
+            assert torch.equal(loaded["w"], value["w"]) and loaded["n"] == value["n"]
+
+
+def test_fedflat_report_of_a_crafted_config_runs_nothing(run_folder, tmp_path, capsys):
+    """`fedflat report` reads a run folder's config.yaml, summary.json and metrics.jsonl (no torch file); a config.yaml
+    whose YAML tags ask for Python objects is not built (safe YAML): the folder is left out, named, and nothing ran."""
+    marker = tmp_path / "marker"
+    (run_folder / "config.yaml").write_text(f"seed: !!python/object/apply:os.system ['touch {marker}']\n"
+                                            + (run_folder / "config.yaml").read_text())
+    assert main(["report", str(run_folder)]) == 2  # (its only folder skipped: no run to report)
+    warning = capsys.readouterr().err.strip().splitlines()[0]
+    assert warning.startswith(f"fedflat report: warning: skipped {run_folder}: could not determine a constructor for "
+                              "the tag 'tag:yaml.org,2002:python/object/apply:os.system'"), warning
+    assert main(["report", str(run_folder), "--plot", str(tmp_path / "figures")]) == 2
+    assert not marker.exists()

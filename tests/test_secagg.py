@@ -93,9 +93,11 @@ class LoopbackGrid:
         return replies
 
 
-def secure_round(cfg, tmp_path, drop: dict[int, str] | None = None, partitions: int = 3):
-    """One round of ``cfg`` under SecAgg+ through :class:`LoopbackGrid`: the server's simulation after it."""
-    grid = LoopbackGrid(client_app(cfg, state_dir=tmp_path / "nodes"), partitions, drop)
+def secure_round(cfg, tmp_path, drop: dict[int, str] | None = None, partitions: int = 3, wrap=None):
+    """One round of ``cfg`` under SecAgg+ through :class:`LoopbackGrid`: the server's simulation after it. ``wrap``
+    (app -> app) replaces the nodes' ClientApp by one around it (an attacker's)."""
+    app = client_app(cfg, state_dir=tmp_path / "nodes")
+    grid = LoopbackGrid(wrap(app) if wrap else app, partitions, drop)
     sim = Simulation(cfg)
     strategy = FedflatStrategy(sim, round_timeout=30.0, wait_s=5.0, query_timeout=5.0, insecure=True)
     strategy.round_driver(grid)(0)
@@ -359,3 +361,104 @@ def test_flowers_own_strategy_loop_is_refused_under_secagg():
     cfg = small("fedavg", *SECURE)
     with pytest.raises(ConfigError, match="Strategy.start loop sends plain train messages"):
         FedflatStrategy(Simulation(cfg)).configure_train(1, None, None, None)
+
+
+# -- a node whose clear text is inconsistent (issue 54: it raised BadReply out of the secure round, the run failed) --
+def named_other_clients(result):
+    result.ids = torch.tensor([0, 3])  # partition 0's clients, not its own (1, 4)
+
+
+def added_an_entry(result):
+    result.upload["extra"] = torch.zeros(len(result.ids), 3)
+
+
+def forged_masked_vector(app):
+    """Node 101's masked vector with its model's array (after the weight's) replaced by one of shape [1] (its clear
+    text honest): Flower adds the nodes' vectors element-wise, so it would broadcast into every value of the sum."""
+    import numpy as np
+    from flwr.compat.common.parameter import ndarray_to_bytes
+
+    def attacker(message, context):
+        configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+        stage = configs.get(Key.STAGE) if configs is not None else None  # (before the mod reads the message)
+        reply = app(message, context)
+        if message.metadata.dst_node_id == 101 and stage == Stage.COLLECT_MASKED_VECTORS:
+            vectors = list(reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
+            vectors[1] = ndarray_to_bytes(np.array([12345], dtype=np.int64))
+            reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS] = vectors
+        return reply
+    return attacker
+
+
+@pytest.mark.parametrize("fit_attack, wrap, says", [
+    (named_other_clients, None, "it answered for clients [0, 3], it was sent [1, 4]"),
+    (added_an_entry, None, "its upload has entries [('extra', (3,), 'float32'), ('model', "),
+    (None, forged_masked_vector, "its masked vector holds a int64 array of shape [1], expected ["),
+])
+def test_an_inconsistent_node_is_left_out_and_flower_recovers_the_sum_without_it(fit_attack, wrap, says, tmp_path,
+                                                                                  monkeypatch, caplog):
+    """Node 101 (partition 1: clients 1 and 4), a modified ClientApp, says in the clear what it was not sent, or sends
+    a masked vector of another layout: its reply is held back before Flower adds it, Flower's unmask stage treats it as
+    a dropout, and the round is the plain round without its clients (within the quantization bound), the node named."""
+    from fedflat.flower.node import Node
+
+    if fit_attack is not None:
+        fit = Node.fit
+
+        def attacker(self, content):
+            job, result = fit(self, content)
+            if self.partition == 1:
+                fit_attack(result)
+            return job, result
+
+        monkeypatch.setattr(Node, "fit", attacker)
+    cfg = small("fedavg", *SECURE, "secure_aggregation.num_shares=1.0", "secure_aggregation.reconstruction_threshold=2")
+    with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
+        secure, grid = secure_round(cfg, tmp_path, wrap=wrap)
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("round 1: node 101's clients [1, 4] left out: ") and says in said[0]
+    assert grid.stages.count(Stage.UNMASK) == 2  # (the two consistent nodes reveal the shares)
+    plain = plain_round(cfg, leave_out=(1, 4))
+    assert secure.last_round.dropped == [1, 4] and secure.last_round.clients == 4
+    bound = quantization_bound(2, clients_per_node(3, [0, 2, 3, 5]), plain.w)
+    assert (secure.w - plain.w).abs().max().item() <= bound
+    assert (plain.w - plain.w_before).abs().max() > 5 * bound  # (leaving out the wrong node would show)
+
+
+def test_too_many_inconsistent_nodes_for_the_threshold_end_the_run_saying_so(tmp_path, monkeypatch):
+    from fedflat.flower.node import Node
+
+    fit = Node.fit
+
+    def attacker(self, content):
+        job, result = fit(self, content)
+        if self.partition == 1:
+            named_other_clients(result)
+        return job, result
+
+    monkeypatch.setattr(Node, "fit", attacker)
+    cfg = small("fedavg", *SECURE, "secure_aggregation.reconstruction_threshold=3")
+    with pytest.raises(NoClients, match=r"SecAgg\+ halted .*node 101 left out: it answered for clients \[0, 3\]"):
+        secure_round(cfg, tmp_path)
+
+
+def test_a_node_whose_key_shares_are_malformed_ends_the_round_saying_which_and_why(tmp_path):
+    """Node 101 answers SecAgg+'s share-keys stage with one destination more than ciphertexts, a node id outside the
+    round: Flower's workflow zips them strictly and indexes by id, so the reply raised inside it (a ValueError, the
+    run ended with Flower's traceback). Held back now, the node is a dropout at that stage; Flower's unmask stage then
+    needs shares of its keys that nobody received and halts the round, and the run ends saying which node and why."""
+    def malformed(app):
+        def attacker(message, context):
+            configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            stage = configs.get(Key.STAGE) if configs is not None else None
+            reply = app(message, context)
+            if message.metadata.dst_node_id == 101 and stage == Stage.SHARE_KEYS:
+                said = reply.content.config_records[RECORD_KEY_CONFIGS]
+                said[Key.DESTINATION_LIST] = [*said[Key.DESTINATION_LIST], 999]
+            return reply
+        return attacker
+
+    cfg = small("fedavg", *SECURE, "secure_aggregation.num_shares=1.0", "secure_aggregation.reconstruction_threshold=2")
+    with pytest.raises(NoClients, match=r"SecAgg\+ halted .*node 101 left out: its reply to SecAgg\+'s share_keys "
+                                        r"stage is not of the protocol's form"):
+        secure_round(cfg, tmp_path, wrap=malformed)

@@ -164,7 +164,8 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("evaluate", help="evaluate a run folder's saved models as the run did (a personalized run: "
-                                        "model.pt with each client's personal part, personal.pt)")
+                                        "model.pt with each client's personal part, personal.pt); it rebuilds the "
+                                        "run's model and data, so it imports the plugins its config.yaml names")
     p.add_argument("run_dir")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--personalized", dest="mode", action="store_const", const="personalized",

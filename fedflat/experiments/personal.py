@@ -108,7 +108,7 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, **user: 
     ``model.pt``) where ``personalized`` (default: where the run's evaluation was personalized), else ``model.pt``
     on the whole held-out set. ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user data.
     Returns ``{"round", "evaluation", "split", "accuracy", "loss", "reported_accuracy", "reported_loss"}``."""
-    from fedflat.engine.checkpoint import CheckpointError, run_config
+    from fedflat.engine.checkpoint import CheckpointError, run_config, safe_load
     from fedflat.engine.simulation import Simulation, pooled_accuracy
 
     path = Path(run_dir)
@@ -118,9 +118,12 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, **user: 
     model_file = path / "model.pt"
     if not model_file.is_file():
         raise ConfigError(f"{path}: no model.pt (the run saved no model yet)")
+    state = safe_load(model_file, "model file", "restore it from a copy, or run the experiment again")
+    # (the files before the config, which may import the run's plugins)
+    parts = _personal_file(path) if personalized and (path / PERSONAL_FILE).is_file() else None
     sim = Simulation(run_config(path), **user)
     try:
-        w, b = sim.model.vectors(torch.load(model_file, map_location="cpu", weights_only=True))
+        w, b = sim.model.vectors(state)
     except ValueError as err:
         raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
     sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
@@ -129,7 +132,7 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, **user: 
         if not sim.personalized:
             raise ConfigError(f"{path}: {sim.algorithm.label} keeps nothing on its clients; evaluate it without "
                               "--personalized")
-        parts = _personal_file(path)
+        parts = parts if parts is not None else _personal_file(path)
         rounds = parts["round"]
         scores = sim.personal_scores(sim.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
         accuracy, loss = pooled_accuracy(scores)
@@ -149,7 +152,11 @@ def _personal_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: no {PERSONAL_FILE}: the run's personal parts were not saved (a Flower run keeps "
                           "them on its nodes; runs before fedflat wrote the file lack it: `fedflat resume` with "
                           "rounds= one more writes it)")
-    parts = torch.load(file, map_location="cpu", weights_only=True)
-    if parts.get("format") != FORMAT:
-        raise ConfigError(f"{file}: format {parts.get('format')!r}, this fedflat reads {FORMAT}")
+    from fedflat.engine.checkpoint import safe_load
+
+    parts = safe_load(file, "personal file", "restore it from a copy, or `fedflat resume` the run with rounds= one "
+                                             "more to write it again")
+    if not isinstance(parts, dict) or parts.get("format") != FORMAT:
+        found = parts.get("format") if isinstance(parts, dict) else type(parts).__name__
+        raise ConfigError(f"{file}: format {found!r}, this fedflat reads {FORMAT}")
     return parts

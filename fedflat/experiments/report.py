@@ -98,7 +98,9 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
         try:
             run = read_run(path)
         except (OSError, ValueError, yaml.YAMLError) as err:  # one unreadable folder must not hide the others
-            warn(f"skipped {path}: {err}")
+            # (one line: a YAML error's own text spans several, with the offending line quoted)
+            said = " ".join(str(err).split("\n")[0].split()) or type(err).__name__
+            warn(f"skipped {path}: {said}")
             continue
         runs.append(run)
     if not runs:

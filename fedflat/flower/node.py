@@ -64,7 +64,10 @@ class ClientStates:
         if round not in files:
             raise StateLost(f"client {client}: its state of round {round + 1} is not in {self.folder} (the node's "
                             "state folder was removed or changed): the client cannot continue")
-        return renamed_state(torch.load(files[round], map_location="cpu", weights_only=True))
+        from fedflat.engine.checkpoint import safe_load
+
+        return renamed_state(safe_load(files[round], f"state of client {client}", "remove the node's state folder "
+                                       "(its clients then start afresh)"))
 
     def save(self, client: int, round: int, state: dict[str, torch.Tensor]) -> None:
         folder = self.folder / f"client-{client}"
@@ -123,7 +126,8 @@ class Node:
 
     def train(self, content):
         """Trains the task's clients from their current state, saves their new state, returns the reply content."""
-        return result_content(self.fit(content)[1])
+        job, result = self.fit(content)
+        return result_content(result, job.broadcast.round)
 
     def fit(self, content) -> tuple[NodeTask, ClientResult]:
         """The task in ``content`` and its clients' result, trained from their current state; their new state saved."""

@@ -8,7 +8,9 @@ round whose aggregation used each client's upload, which tells the node which of
 current one).
 
 Node to server: ``upload`` (an ArrayRecord of the clients' upload rows, ``[C, ...]`` in the order of
-``clients``) and ``result`` (a ConfigRecord: the clients and the backward passes they took).
+``clients``) and ``result`` (a ConfigRecord: the round, the clients and the backward passes they took). The server
+checks a reply against what it sent and the layout the method's client side uploads (:class:`UploadLayout`), never
+against the other nodes' replies.
 
 A personalized method's evaluation (``evaluate``, its clients' private entries never leave the nodes): the
 server sends ``model`` (the global model and its buffers) and ``task`` (the node's clients and the round of each one's
@@ -19,6 +21,8 @@ Tensors go as NumPy arrays in Flower's own serialization, bit for bit.
 """
 from __future__ import annotations
 
+import io
+import math
 import re
 from dataclasses import dataclass
 
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, Broadcast, ClientResult
+from fedflat.core import BUFFERS, MODEL, Broadcast, ClientResult
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.simulation import ClientScores
 
@@ -78,9 +82,11 @@ def read_task(content) -> NodeTask:
                     [int(r) for r in task["state-rounds"]])
 
 
-def result_content(result: ClientResult):
+def result_content(result: ClientResult, round: int):
+    """A node's reply content for the clients of ``result``, trained in ``round`` (0-based)."""
     return RecordDict({"upload": array_record(result.upload),
-                       "result": ConfigRecord({"clients": result.ids.tolist(), "backprops": int(result.backprops)})})
+                       "result": ConfigRecord({"round": int(round), "clients": result.ids.tolist(),
+                                               "backprops": int(result.backprops)})})
 
 
 class BadReply(ValueError):
@@ -104,47 +110,106 @@ def reply_content(message):
     return message.content
 
 
-def read_result(content, expected: list[int], size: int, wire: tuple[str, ...] = (MODEL,)) -> ClientResult:
-    """The clients' result in a node's reply, checked whole: exactly the ``expected`` clients, a float32 model row
-    of ``size`` parameters (or, for a compressed upload, the ``wire`` entries that carry it:
-    :meth:`fedflat.algorithms.Algorithm.wire_entries`) and a training loss for each, every other upload entry a finite
-    floating-point tensor with one row per client. Whatever else a node sends is a :class:`BadReply`, never the
-    server's crash."""
+@dataclass(frozen=True)
+class UploadLayout:
+    """What one client's upload holds: each entry's name, the shape of its row and its NumPy dtype. A reply for ``C``
+    clients holds exactly these entries, each ``[C, *row]`` of that dtype."""
+
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    @classmethod
+    def of(cls, upload: dict[str, torch.Tensor]) -> UploadLayout:
+        """The layout of ``upload`` (rows ``[C, ...]``)."""
+        return cls(tuple(sorted((k, tuple(int(d) for d in v.shape[1:]), str(v.dtype).removeprefix("torch."))
+                                for k, v in upload.items())))
+
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.entries]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{k} {list(shape)} {dtype}" for k, shape, dtype in self.entries) + "]"
+
+
+def npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+    """The shape and dtype a serialized array (``.npy`` bytes, Flower's serialization) declares, and the bytes of
+    data after its header: read without allocating the array (``np.load`` allocates the declared shape first)."""
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f"array format version {version}")
+    if fortran and len(shape) > 1:
+        raise ValueError("a Fortran-ordered array")
+    return tuple(shape), dtype, len(data) - stream.tell()
+
+
+def checked_array(name: str, array, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """The entry ``name`` of a reply as a tensor, once its declared shape, dtype and byte count are the expected
+    ``shape`` and ``dtype``: nothing a node declares is allocated before it is checked."""
+    if getattr(array, "stype", None) != "numpy.ndarray":
+        raise BadReply(f"upload entry '{name}' is not a NumPy array (serialization {getattr(array, 'stype', None)!r})")
     try:
-        return _read_result(content, expected, size, wire)
+        declared, declared_dtype, size = npy_header(bytes(array.data))
+    except Exception as err:  # noqa: BLE001 - a header numpy cannot read
+        raise BadReply(f"upload entry '{name}' is not a readable array ({type(err).__name__}: {err})") from None
+    if declared != shape:
+        raise BadReply(f"upload entry '{name}' has shape {list(declared)}, expected {list(shape)}")
+    if str(declared_dtype) != dtype:
+        raise BadReply(f"upload entry '{name}' is {declared_dtype}, expected {dtype}")
+    if size != math.prod(shape) * declared_dtype.itemsize:
+        raise BadReply(f"upload entry '{name}' holds {size} bytes of data, its shape {list(shape)} {dtype} needs "
+                       f"{math.prod(shape) * declared_dtype.itemsize}")
+    return torch.from_numpy(np.array(np.load(io.BytesIO(bytes(array.data)), allow_pickle=False)))
+
+
+def read_result(content, expected: list[int], layout: UploadLayout, round: int) -> ClientResult:
+    """The clients' result in a node's reply, checked whole against what the node was sent and what the method
+    uploads (module docstring): the reply of ``round`` (0-based), exactly the ``expected`` clients in that order, the
+    entries of ``layout`` and no other, each ``[C, *row]`` of its dtype (checked before it is decoded), every
+    floating-point value finite. Whatever else a node sends is a :class:`BadReply`, never the server's crash."""
+    try:
+        return _read_result(content, expected, layout, round)
     except BadReply:
         raise
     except Exception as err:  # a reply of any other form: the node's fault, said as such
         raise BadReply(f"the reply cannot be read ({type(err).__name__}: {err})") from None
 
 
-def _read_result(content, expected: list[int], size: int, wire: tuple[str, ...]) -> ClientResult:
+def _plain_ints(values, what: str) -> list[int]:
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not all(type(v) is int for v in values):
+        raise BadReply(f"the reply's {what} {values!r} are not whole numbers")
+    return values
+
+
+def _read_result(content, expected: list[int], layout: UploadLayout, round: int) -> ClientResult:
     if "upload" not in content.array_records or "result" not in content.config_records:
         raise BadReply("the reply has no upload")
-    clients = [int(c) for c in content["result"]["clients"]]
+    result = content["result"]
+    said_round = _plain_ints(result.get("round", []), "round")
+    if said_round != [round]:
+        raise BadReply(f"the reply is for round {said_round[0] + 1 if said_round else None}, this is round {round + 1} "
+                       "(a reply of another round)")
+    clients = _plain_ints(result["clients"], "clients")
     if clients != expected:
         raise BadReply(f"the reply is for clients {clients}, the node was sent {expected}")
-    upload = tensors(content["upload"])
-    missing = sorted({TRAIN_LOSS, *wire} - set(upload))
-    if missing:
-        raise BadReply(f"the upload lacks {missing}")
-    if MODEL in wire and tuple(upload[MODEL].shape) != (len(expected), size):
-        raise BadReply(f"the uploaded models have shape {tuple(upload[MODEL].shape)}, "
-                       f"expected ({len(expected)}, {size})")
-    if MODEL in wire and upload[MODEL].dtype != torch.float32:
-        raise BadReply(f"the uploaded models are {upload[MODEL].dtype}, expected torch.float32")
-    short = [k for k, v in upload.items() if v.dim() == 0 or v.shape[0] != len(expected)]
-    if short:
-        raise BadReply(f"upload entries {short} do not have one row per client")
-    # (an encoder's integer entries, top-k's indices and QSGD's levels, the server's decoder checks: Algorithm.malformed)
-    unusable = [k for k, v in upload.items() if not v.is_floating_point() and k not in wire]
-    if unusable:
-        raise BadReply(f"upload entries {unusable} are not floating-point tensors")
-    broken = [k for k, v in upload.items() if not bool(torch.isfinite(v).all())]
+    backprops = _plain_ints(result["backprops"], "backward passes")
+    if len(backprops) != 1 or backprops[0] < 0:
+        raise BadReply(f"the reply's backward passes {backprops} are not one count")
+    record = content["upload"]
+    missing, extra = sorted(set(layout.names()) - set(record)), sorted(set(record) - set(layout.names()))
+    if missing or extra:
+        said = [f"lacks {missing}"] * bool(missing) + [f"has entries {extra} the method does not upload"] * bool(extra)
+        raise BadReply(f"the upload {' and '.join(said)} (expected {layout})")
+    upload = {name: checked_array(name, record[name], (len(expected), *shape), dtype)
+              for name, shape, dtype in layout.entries}
+    broken = [k for k, v in upload.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if broken:
         raise BadReply(f"upload entries {broken} hold NaN or infinite values")
-    return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {},
-                        int(content["result"]["backprops"]))
+    return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {}, backprops[0])
 
 
 def with_buffers(entries: dict[str, torch.Tensor], buffers: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -193,4 +258,9 @@ def _read_scores(content, sent: list[int]) -> ClientScores:
     if foreign or len(set(clients)) != len(clients):
         raise BadReply(f"scores for clients {foreign or clients} the node was not sent (once each)")
     correct, loss, samples = columns
+    counts = [*correct, *samples]
+    if not all(type(n) is int and n >= 0 for n in counts) or any(c > n for c, n in zip(correct, samples)):
+        raise BadReply("the scores' counts are not whole numbers with correct <= samples")
+    if not all(isinstance(x, float) and math.isfinite(x) for x in loss):
+        raise BadReply("the scores' losses are not finite numbers")
     return ClientScores(clients, [int(c) for c in correct], [float(x) for x in loss], [int(n) for n in samples])

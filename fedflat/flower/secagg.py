@@ -39,18 +39,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.server.workflow import SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key as WorkflowKey
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
 
 from fedflat.config import Config, SecureAggregationConfig
-from fedflat.core import BUFFERS, MODEL, TRAIN_LOSS, ClientResult, ConfigError, NoClients
+from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
 from fedflat.engine.simulation import RoundResult
-from fedflat.flower.protocol import BadReply, array_record, task_content, tensors
+from fedflat.flower.protocol import UploadLayout, array_record, npy_header, task_content, tensors
 
 log = logging.getLogger("fedflat.flower")
 
@@ -192,6 +193,109 @@ class OneRound(LegacyStrategy):
         return None
 
 
+def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) -> str:
+    """Why a node's masked-vector reply cannot join the sum ('' when it can): what it says in the clear (its clients,
+    their count as its weight, the entries' names, row shapes and dtypes, its counts) must be what it was sent and what
+    the method uploads (``layout``, :func:`fedflat.flower.server.upload_layout`), and its masked vector must hold one
+    integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
+    Flower adds the vectors element-wise, so another count or shape would truncate or broadcast into the sum)."""
+    try:
+        fit_res = compat.recorddict_to_fitres(reply.content, keep_input=True)
+        said = json.loads(str(fit_res.metrics["layout"]))
+        clients = said["clients"]
+        if not isinstance(clients, list) or not all(type(c) is int for c in clients) or clients != sent:
+            return f"it answered for clients {clients}, it was sent {sent}"
+        if type(fit_res.num_examples) is not int or fit_res.num_examples != len(sent):
+            return f"its weight is {fit_res.num_examples}, its client count {len(sent)}"
+        told = list(zip(said["entries"], [tuple(s) for s in said["shapes"]], said["dtypes"]))
+        if told != [(n, shape, dtype) for n, shape, dtype in layout.entries]:
+            return f"its upload has entries {told}, the method uploads {layout}"
+        for key in ("backprops", "beyond-range"):
+            if type(fit_res.metrics[key]) is not int or fit_res.metrics[key] < 0:
+                return f"its {key} {fit_res.metrics[key]!r} is not a count"
+        vectors = list(reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
+        expected = [(1,)] + [(max(1, int(np.prod(shape))),) for _, shape, _ in layout.entries]
+        if len(vectors) != len(expected):
+            return f"its masked vector has {len(vectors)} arrays, the layout {len(expected)}"
+        for data, shape in zip(vectors, expected):
+            declared, dtype, size = npy_header(bytes(data))
+            if declared != shape or dtype.kind not in "iu" or size != int(np.prod(shape)) * dtype.itemsize:
+                return f"its masked vector holds a {dtype} array of shape {list(declared)}, expected {list(shape)}"
+    except Exception as err:  # noqa: BLE001 - whatever a node sends: never the server's crash
+        return f"its reply cannot be read ({type(err).__name__}: {err})"
+    return ""
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _blobs(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, bytes) for v in value)
+
+
+def form_problem(stage: str, reply: Message, nodes: set[int]) -> str:
+    """Why a node's reply to SecAgg+'s key stages cannot be handed to Flower's workflow ('' when it can): the
+    records each stage reads, of their types, naming only the round's nodes (the workflow indexes its tables by the
+    node ids a reply names, so another id or a list of another length would end the round)."""
+    try:
+        said = reply.content.config_records[RECORD_KEY_CONFIGS]
+        if stage == Stage.SETUP:
+            ok = isinstance(said[Key.PUBLIC_KEY_1], bytes) and isinstance(said[Key.PUBLIC_KEY_2], bytes)
+        elif stage == Stage.SHARE_KEYS:
+            dsts, ciphertexts = said[Key.DESTINATION_LIST], said[Key.CIPHERTEXT_LIST]
+            ok = _ints(dsts) and _blobs(ciphertexts) and len(dsts) == len(ciphertexts) and set(dsts) <= nodes
+        elif stage == Stage.UNMASK:
+            owners, shares = said[Key.NODE_ID_LIST], said[Key.SHARE_LIST]
+            ok = _ints(owners) and _blobs(shares) and len(owners) == len(shares) and set(owners) <= nodes
+        else:
+            ok = True
+    except Exception:  # noqa: BLE001 - a record missing, or not a record
+        ok = False
+    return "" if ok else f"its reply to SecAgg+'s {stage} stage is not of the protocol's form"
+
+
+class Screened:
+    """The grid as SecAgg+'s workflow sees it: a masked-vector reply whose clear text is inconsistent
+    (:func:`clear_text_problem`) is held back, so that Flower's workflow treats its node as one that dropped out
+    after sharing its keys: the node's vector is not added, and the unmask stage removes its pairwise masks from the
+    others' (its own private mask stays unrevealed). A reply to another stage that is not of the protocol's form
+    (:func:`form_problem`) is held back too: a dropout at that stage, which the workflow handles, where the malformed
+    reply would have raised inside it and ended the run."""
+
+    def __init__(self, grid, sent: dict[int, list[int]], layout: UploadLayout, round: int):
+        self.grid, self.sent, self.layout, self.round = grid, sent, layout, round
+        self.left_out: dict[int, str] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, *, timeout: float | None = None):
+        messages = list(messages)
+        replies = self.grid.send_and_receive(messages, timeout=timeout)
+        stages = {m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE] for m in messages
+                  if RECORD_KEY_CONFIGS in m.content.config_records}
+        if len(stages) != 1:
+            return replies
+        (stage,) = stages
+        kept = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                why = ""
+            elif stage == Stage.COLLECT_MASKED_VECTORS:
+                why = clear_text_problem(reply, self.sent.get(node, []), self.layout)
+            else:
+                why = form_problem(stage, reply, set(self.sent))
+            if why:
+                self.left_out[node] = why
+                log.warning("round %d: node %s's clients %s left out: %s (SecAgg+ recovers the sum without it)",
+                            self.round + 1, node, self.sent.get(node), why)
+                continue
+            kept.append(reply)
+        return kept
+
+
 def workflow(s: SecureAggregationConfig, num_clients: int, round_timeout: float) -> SecAggPlusWorkflow:
     """Flower's SecAgg+ workflow with the config's parameters; a node's weight, its client count, is at most
     ``max_weight = N``."""
@@ -229,54 +333,50 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: t + 1}),
                         MAIN_PARAMS_RECORD: ArrayRecord()})
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}), strategy=adapter)
-    workflow(sim.cfg.secure_aggregation, sim.cfg.data.num_clients, strategy.round_timeout)(grid, context)
+    from fedflat.flower.server import upload_layout
+
+    strategy.layout = layout = upload_layout(sim, opened)
+    integral = [name for name, _, dtype in layout.entries if dtype not in FLOATS]
+    if integral:
+        raise ConfigError(f"secure_aggregation: this method uploads {integral} as integers (an encoder's), which "
+                          "SecAgg+ cannot average; remove the compression")
+    screened = Screened(grid, strategy.sent, layout, t)
+    workflow(sim.cfg.secure_aggregation, sim.cfg.data.num_clients, strategy.round_timeout)(screened, context)
     if adapter.results is None:
+        left_out = "".join(f"; node {n} left out: {why}" for n, why in sorted(screened.left_out.items()))
         raise NoClients(f"round {t + 1}: Flower's SecAgg+ halted (too few nodes answered for reconstruction_threshold="
-                        f"{sim.cfg.secure_aggregation.reconstruction_threshold}; Flower's log above says at which "
-                        "stage): the sum cannot be unmasked")
-    result, clipped = mean_result(strategy.sent, adapter.results, opened.broadcast.w, bool(sim.algorithm.stages), t)
+                        f"{sim.cfg.secure_aggregation.reconstruction_threshold}{left_out}; Flower's log above says at "
+                        "which stage): the sum cannot be unmasked")
+    result, clipped = mean_result(strategy.sent, adapter.results, layout, opened.broadcast.w,
+                                  bool(sim.algorithm.stages), t)
     round = sim.finish_round(opened, result)
     if clipped:
         round.log["secagg_clipped"] = float(clipped)
     return round
 
 
-def mean_result(sent: dict[int, list[int]], results: list, w_start: torch.Tensor, released: bool, t: int
-                ) -> tuple[ClientResult, int]:
-    """The :class:`~fedflat.core.ClientResult` of the nodes whose masked vector arrived: every one of their clients
-    with the unmasked mean as its row (the model's as ``w^t + mean Delta`` unless the upload path sends
-    ``Delta_i`` itself), and how many values the nodes' clip changed. What the nodes say in the clear must agree
-    with what they were sent (``sent``: node -> its clients)."""
+def mean_result(sent: dict[int, list[int]], results: list, layout: UploadLayout, w_start: torch.Tensor,
+                released: bool, t: int) -> tuple[ClientResult, int]:
+    """The :class:`~fedflat.core.ClientResult` of the nodes whose masked vector arrived (each checked in the clear
+    against what it was sent and the method's ``layout``: :class:`Screened`): every one of their clients with the
+    unmasked mean as its row (the model's as ``w^t + mean Delta`` unless the upload path sends ``Delta_i`` itself),
+    and how many values the nodes' clip changed."""
     if not results:
         raise NoClients(f"round {t + 1}: no node's masked vector arrived")
-    ids, backprops, layout, clipped = [], 0, None, 0
+    ids, backprops, clipped = [], 0, 0
     for proxy, res in results:
-        metrics = res.metrics
-        said = json.loads(str(metrics["layout"]))
-        clients = [int(c) for c in said["clients"]]
-        if clients != sent.get(proxy.node_id):
-            raise BadReply(f"round {t + 1}: node {proxy.node_id} answered for clients {clients}, it was sent "
-                           f"{sent.get(proxy.node_id)}")
-        kind = (tuple(said["entries"]), tuple(tuple(s) for s in said["shapes"]), tuple(said["dtypes"]))
-        if layout is not None and kind != layout:
-            raise BadReply(f"round {t + 1}: node {proxy.node_id}'s upload has entries {kind}, the others' {layout}")
-        layout = kind
-        ids += clients
-        backprops += int(metrics["backprops"])
-        if int(metrics["beyond-range"]):
-            clipped += int(metrics["beyond-range"])
+        ids += sent[proxy.node_id]
+        backprops += int(res.metrics["backprops"])
+        if int(res.metrics["beyond-range"]):
+            clipped += int(res.metrics["beyond-range"])
             log.warning("round %d: node %s clipped %d values to secure_aggregation.clipping_range: the sum is biased",
-                        t + 1, proxy.node_id, int(metrics["beyond-range"]))
+                        t + 1, proxy.node_id, int(res.metrics["beyond-range"]))
     order = sorted(ids)
     K = len(order)
     means = parameters_to_ndarrays(results[0][1].parameters)
-    entries, shapes, dtypes = layout
-    if len(means) != len(entries) or not {MODEL, TRAIN_LOSS} <= set(entries) or not set(dtypes) <= FLOATS:
-        raise BadReply(f"round {t + 1}: the nodes' uploads ({len(means)} vectors) do not match the entries they name "
-                       f"({list(zip(entries, dtypes))}: floating-point, with {MODEL} and {TRAIN_LOSS})")
     upload = {}
-    for name, shape, dtype, mean in zip(entries, shapes, dtypes, means):
-        row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape([int(d) for d in shape])
+    for (name, shape, dtype), mean in zip(layout.entries, means):
+        row = torch.from_numpy(np.asarray(mean, dtype=np.float64)).reshape(shape)
         if name == MODEL and not released:
             row = w_start.double().cpu() + row
         upload[name] = row.to(getattr(torch, dtype)).expand(K, *row.shape).clone()

@@ -28,9 +28,10 @@ from flwr.serverapp.strategy import Strategy
 
 from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
+from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
-from fedflat.flower.protocol import (EVALUATE, BadReply, array_record, error_line, evaluation_content, read_result,
-                                     read_scores, reply_content, task_content, wire_bytes, with_buffers)
+from fedflat.flower.protocol import (EVALUATE, BadReply, UploadLayout, array_record, error_line, evaluation_content,
+                                     read_result, read_scores, reply_content, task_content, wire_bytes, with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -50,9 +51,13 @@ class Federation:
     SuperNode authentication).
 
     A partition belongs to the first online node that claims it, and with a roster (``node-keys``, written by
-    ``fedflat flower-app --keys``) only to the node whose key the roster names: another node claiming it is
-    refused with a logged reason. A node whose query failed (it raised, or claimed a partition it may not) is
-    left out for the run; a node that is merely slow, to a query or a task, is asked again in the next round.
+    ``fedflat flower-app --keys``) only to the node whose key the roster names. With a roster a node is known by its
+    key before anything it says is read: a node whose key the roster does not list is left out without being asked
+    (nothing is sent to it), and a listed node's claim must be its own partition of the roster's
+    ``num-partitions`` (the roster's largest partition + 1; without a roster, that of the first node accepted).
+    Whatever is wrong about a node (a stranger's key, a failed or malformed query, another's partition, another
+    num-partitions) leaves that node out for the run, named in a warning with the reason, and never ends the run; a
+    node that is merely slow, to a query or a task, is asked again in the next round.
     A restarted node comes back (under a new node id without authentication, after its old one went offline) and
     takes over its partition."""
 
@@ -121,7 +126,7 @@ class Federation:
         slow: set[int] = set()
         while True:
             self.look(grid)
-            new = sorted(self.online - set(self.partition) - set(self.silent) - slow)
+            new = [n for n in sorted(self.online - set(self.partition) - set(self.silent) - slow) if self.known(n)]
             if new:
                 slow |= self._ask(grid, new)
             if all(self.host(c) is not None for c in clients) or time.monotonic() >= deadline:
@@ -146,9 +151,14 @@ class Federation:
                 log.warning("node %s left out: %s", node, err)
                 self.leave_out(node, str(err))
                 continue
-            if self.partitions is not None and partitions != self.partitions:
-                raise ConfigError(f"node {node} has num-partitions={partitions}, other nodes {self.partitions}: "
-                                  "every node of a federation needs the same num-partitions")
+            expected = max(self.roster) + 1 if self.roster else self.partitions
+            if expected is not None and partitions != expected:
+                why = (f"it claims partition {partition} of num-partitions={partitions}, the federation has "
+                       f"{expected} (" + ("node-keys lists partitions 0.." + str(expected - 1) if self.roster else
+                                          "its first node said so") + ")")
+                log.warning("node %s left out: %s", node, why)
+                self.leave_out(node, why)
+                continue
             refused = self.refusal(node, partition)
             if refused and self.roster:
                 log.warning("node %s left out: %s", node, refused)
@@ -162,6 +172,17 @@ class Federation:
             self.partition.pop(node, None)
             self.partition[node] = partition
         return slow
+
+    def known(self, node: int) -> bool:
+        """Whether ``node`` may be asked for its partition: without a roster any node; with one, a node whose key the
+        roster lists (a stranger is left out here, before anything is sent to it or read from it)."""
+        if not self.roster or self.keys.get(node) in self.roster.values():
+            return True
+        why = (f"its public key {fingerprint(self.keys.get(node, b''))} is not in node-keys: a node the operator did "
+               "not enrol (nothing was sent to it)")
+        log.warning("node %s left out: %s", node, why)
+        self.leave_out(node, why)
+        return False
 
     def refusal(self, node: int, partition: int) -> str:
         """Why ``node`` may not hold ``partition`` ('' when it may): the roster names another key, or another
@@ -230,13 +251,25 @@ def simulated(grid) -> bool:
     return isinstance(grid, InMemoryGrid)
 
 
-def upload_kind(upload: dict[str, torch.Tensor]) -> frozenset:
-    """What an upload holds, rows aside: each entry's name, shape of a row and dtype."""
-    return frozenset((k, tuple(v.shape[1:]), str(v.dtype).removeprefix("torch.")) for k, v in upload.items())
-
-
-def describe(kind: frozenset | None) -> str:
-    return "[" + ", ".join(f"{k} {list(shape)} {dtype}" for k, shape, dtype in sorted(kind or ())) + "]"
+def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
+    """What one client's upload holds in the round ``opened``: the method's client side (the code every node runs,
+    :meth:`~fedflat.engine.runtime.ClientRuntime.fit`) run here for the round's first sampled client from a fresh
+    state, one local step. The entries (the parts' and upload stages' ``cohort.upload``), their row shapes and dtypes
+    follow from the method, its options and the model, not from the data or the state, so every reply of the round
+    is checked against this (:func:`~fedflat.flower.protocol.read_result`), never against the other nodes' replies:
+    with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's state changes."""
+    one = opened.task.rows(torch.tensor([0]))
+    task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
+    store = sim.host.store
+    names = sim.client_state_keys()
+    state = {n: torch.zeros(1, store.shape(n)[0], dtype=store.shape(n)[1]) for n in names}
+    known = {n: torch.zeros(1, dtype=torch.bool) for n in names}
+    counted = sim.runtime.oracle.backprops  # (the probe is not training: no backward pass of it is counted)
+    try:
+        result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
+    finally:
+        sim.runtime.oracle.backprops = counted
+    return UploadLayout.of(result.upload)
 
 
 def first_replies(replies: Iterable, expected: dict[int, list[int]]) -> dict[int, Any]:
@@ -272,6 +305,7 @@ class FedflatStrategy(Strategy):
         self.federation = Federation(query_timeout, roster)
         self.insecure, self.checked = insecure, False
         self.opened: OpenRound | None = None
+        self.layout: UploadLayout | None = None  # what a client's upload holds this round (upload_layout)
         self.sent: dict[int, list[int]] = {}  # node -> the clients of its message this round
         self.evaluating: dict[int, list[int]] = {}  # node -> the clients of its evaluate message
         self.wire_down = 0
@@ -299,7 +333,7 @@ class FedflatStrategy(Strategy):
             content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
             messages.append(Message(content, dst_node_id=node, message_type="train"))
             self.sent[node] = task.ids.tolist()
-        self.opened = opened
+        self.opened, self.layout = opened, upload_layout(self.sim, opened)
         self.wire_down = sum(wire_bytes(m.content) for m in messages)
         return messages
 
@@ -309,33 +343,26 @@ class FedflatStrategy(Strategy):
         result, wire_up = self.collect(replies)
         round = self.host.finish_round(self.opened, result)
         round.log.update(wire_down_bytes=float(self.wire_down), wire_up_bytes=float(wire_up))
+        if self.federation.silent:  # (named, with their reasons, in the warnings that left them out)
+            round.log["nodes_left_out"] = float(len(self.federation.silent))
         self.opened = None
         metrics = {"train_loss": round.train_loss, "drift": round.drift, "clients": round.clients,
                    "dropped": len(round.dropped), **round.log}
         return self.global_arrays(), MetricRecord(metrics)
 
     def collect(self, replies: Iterable) -> tuple[ClientResult, int]:
-        """The result of every node whose reply is whole (:func:`read_result`); the others are logged and their
-        clients left out. Also the bytes of the arrays that came back."""
+        """The result of every node whose reply is whole and what the server expects (:func:`read_result`: this
+        round's, the clients it was sent, the layout the method uploads); the others are logged and their clients
+        left out. Also the bytes of the arrays that came back."""
         results, wire, problems = {}, {}, {}
-        size = self.sim.num_parameters
         answered = first_replies(replies, self.sent)
         for node, reply in answered.items():
             try:
-                results[node] = read_result(reply_content(reply), self.sent[node], size,
-                                            self.sim.algorithm.wire_entries())
+                results[node] = read_result(reply_content(reply), self.sent[node], self.layout, self.opened.ctx.round)
                 wire[node] = wire_bytes(reply.content)
             except BadReply as err:
                 problems[node] = str(err)
                 self._left_out(node, err)
-        # every node runs the same method: an upload whose entries (names, row shapes, dtypes) differ from the
-        # others' is incomplete or forged
-        kinds = {n: upload_kind(r.upload) for n, r in results.items()}
-        usual = max(set(kinds.values()), key=lambda k: (list(kinds.values()).count(k), len(k)), default=None)
-        for node in [n for n, kind in kinds.items() if kind != usual]:
-            del results[node]
-            problems[node] = f"its upload has entries {describe(kinds[node])}, the other nodes' {describe(usual)}"
-            self._left_out(node, problems[node])
         wire_up = sum(wire[n] for n in results)
         for node in set(self.sent) - set(answered):
             log.warning("round %d: node %s did not answer (within %.0f s, or it went offline or restarted): its "

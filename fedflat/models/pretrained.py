@@ -54,12 +54,17 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
             state = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            from fedflat.engine.checkpoint import safe_load
+
+            state = safe_load(path, "pretrained checkpoint", "give model.pretrained a state dict of tensors "
+                                                             "(.pt of torch.save(model.state_dict()), or .safetensors)")
     except ImportError:
         raise ConfigError("model.pretrained: reading .safetensors needs the safetensors package "
                           "(pip install safetensors)") from None
+    except ConfigError as err:  # (safe_load's one line: the file, what was wrong, what to do)
+        raise ConfigError(f"model.pretrained: {err}") from None
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise ConfigError(f"model.pretrained: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"model.pretrained: {path} is not a readable checkpoint ({type(err).__name__})") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
