@@ -174,3 +174,147 @@ def test_fednova_conforms_to_fedsol_aggregation():
         local = {i: {"w": result.upload["model"][r].double()} for r, i in enumerate(ids)}
         theirs = FedSOLNovaServer(steps)._nova_aggregation({"w": w_t}, local, sizes)["w"]
         torch.testing.assert_close(sim.w.double(), theirs, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# FedDC
+# ---------------------------------------------------------------------------------------------
+
+def feddc_reference(sim: Simulation, alpha: float) -> dict:
+    """FedDC from its equations (fedflat/algorithms/feddc.py, ``s_i = 1``): the local direction
+    ``g + alpha (theta + h_i - w) + g_glob - g_i`` (then weight decay), ``h_i += Delta_i``,
+    ``g_i <- g_i - g_glob - Delta_i / (E_i eta_l)``, ``g_glob += (1/N) sum (g_i^+ - g_i)``,
+    ``hbar += (1/N) sum Delta_i``, ``w <- w + mean Delta_i + hbar``."""
+    X, y, classes = _data(sim)
+    N = sim.cfg.data.num_clients
+    w = sim.w.double().cpu().numpy().copy()
+    zero = np.zeros_like(w)
+    g, hbar, h_i, g_i = zero.copy(), zero.copy(), {}, {}
+    for t, lr, ids, n, steps, schedules in _rounds(sim):
+        deltas, dg = [], zero.copy()
+        for i, E, batches in zip(ids, steps, schedules):
+            hi, gi = h_i.get(i, zero), g_i.get(i, zero)
+            wk = w.copy()
+            for idx in batches:
+                idx = idx.cpu().numpy()
+                grad = softmax_regression(wk, X[idx], y[idx], classes)[1]
+                wk = wk - lr * (grad + alpha * (wk + hi - w) + g - gi + TRAIN["weight_decay"] * wk)
+            delta = wk - w
+            h_i[i] = hi + delta
+            g_i[i] = gi - g - delta / (E * lr)
+            dg += g_i[i] - gi
+            deltas.append(delta)
+        g = g + dg / N
+        hbar = hbar + np.sum(deltas, 0) / N
+        w = w + np.mean(deltas, 0) + hbar
+    return {"w": w, "g": g, "hbar": hbar, "h_i": h_i, "g_i": g_i}
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_feddc_three_rounds_equal_hand_computation(engine):
+    algo = {"name": "feddc", "alpha": 0.3}
+    sim = _simulation(algo, engine)
+    expected = feddc_reference(_simulation(algo, engine), 0.3)
+    np.testing.assert_allclose(_run(sim), expected["w"], **TOL)
+    np.testing.assert_allclose(sim.server["feddc.g"].cpu().numpy(), expected["g"], **TOL)
+    np.testing.assert_allclose(sim.server["feddc.hbar"].cpu().numpy(), expected["hbar"], **TOL)
+    for key, ref in (("feddc.h_i", "h_i"), ("feddc.g_i", "g_i")):
+        ids = sorted(expected[ref])
+        values, present = sim.store.get(key, torch.tensor(ids))
+        assert present.all()
+        np.testing.assert_allclose(values.cpu().numpy(), np.stack([expected[ref][i] for i in ids]), **TOL)
+
+
+def test_feddc_without_penalty_is_scaffold_plus_the_mean_drift():
+    """alpha = 0: the local direction and variates are SCAFFOLD's (option II), so after one round ``g = c`` and the
+    model is SCAFFOLD's plus ``hbar = (1/N) sum_S Delta_i``, the drift the server adds."""
+    dc, sc = _simulation({"name": "feddc", "alpha": 0.0}), _simulation({"name": "scaffold"})
+    w0 = dc.w.clone()
+    dc.run_round(0)
+    sc.run_round(0)
+    torch.testing.assert_close(dc.server["feddc.g"], sc.server["scaffold.c"], rtol=1e-6, atol=1e-7)
+    hbar = dc.server["feddc.hbar"]
+    assert hbar.abs().max() > 1e-3
+    torch.testing.assert_close(dc.w, sc.w + hbar, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(hbar * dc.cfg.data.num_clients, (sc.w - w0) * sc.cfg.sampling.clients_per_round,
+                               rtol=1e-5, atol=1e-6)
+
+
+class _TensorDataset(torch.utils.data.Dataset):
+    """The FedDC code's ``Dataset(trn_x, trn_y, train=True, dataset_name=...)`` over tensors (no image files)."""
+
+    def __init__(self, data_x, data_y, train=False, dataset_name=""):
+        self.x, self.y = torch.as_tensor(data_x, dtype=torch.float32), torch.as_tensor(data_y)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _feddc_code() -> dict:
+    from pathlib import Path
+    namespace = {"np": np, "torch": torch, "data": torch.utils.data, "device": torch.device("cpu"), "max_norm": 10,
+                 "Dataset": _TensorDataset}
+    path = Path(__file__).parent / "authors" / "feddc_train_model.py"
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace
+
+
+def test_feddc_conforms_to_the_authors_code():
+    """Three rounds of fedflat's FedDC (``algo.size_scaled=true``, the code's ``weight_list``) against the authors'
+    ``train_model_FedDC`` (transcribed unmodified, tests/authors/) and the bookkeeping of their ``train_FedDC`` loop
+    (below, line by line): 4 clients of unequal sizes, full participation, 2 full-batch steps a round (so the code's
+    shuffling does not matter and its ``n_minibatch`` is every client's ``E_i``), a constant rate (the code's
+    variate divides by the initial one), weight decay, clip 10 on the loss gradient as the code clips."""
+    alpha, lr, epochs = 0.3, 0.4, 2
+    base = _toy_config({"name": "feddc", "alpha": alpha, "size_scaled": True}, "sequential", batch_size=16,
+                       local_epochs=epochs, lr_decay=1.0, lr=lr, clip=10.0)
+    base["sampling"] = {"clients_per_round": 4}
+    sim = Simulation(load_config(None, base=base), dataset=_toy_data())
+    code = _feddc_code()
+    X, Y = sim.dataset.x_train.numpy(), sim.dataset.y_train.numpy()
+    clnt_x = [X[ix.numpy()] for ix in sim.client_indices]
+    clnt_y = [Y[ix.numpy()] for ix in sim.client_indices]
+    n_clnt, n_par = len(clnt_y), sim.w.numel()
+    assert len({len(c) for c in clnt_y}) > 1  # unequal sizes: the code's weight_list matters
+    model_func = lambda: torch.nn.Linear(X.shape[1], sim.dataset.num_classes)  # fedflat's logreg: weight, then bias
+    weight_list = np.asarray([len(clnt_y[i]) for i in range(n_clnt)])
+    weight_list = weight_list / np.sum(weight_list) * n_clnt
+    parameter_drifts = np.zeros((n_clnt, n_par)).astype('float32')
+    cld_mdl_param = sim.w.numpy().copy()
+    clnt_params_list = np.ones(n_clnt).astype('float32').reshape(-1, 1) * cld_mdl_param.reshape(1, -1)
+    state_gadient_diffs = np.zeros((n_clnt + 1, n_par)).astype('float32')
+    n_minibatch = epochs
+    for t in range(3):
+        selected_clnts = np.arange(n_clnt)
+        global_mdl = torch.tensor(cld_mdl_param, dtype=torch.float32)
+        delta_g_sum = np.zeros(n_par)
+        for clnt in selected_clnts:  # the code's loop body (utils_methods_FedDC.py, train_FedDC)
+            model = model_func()
+            torch.nn.utils.vector_to_parameters(global_mdl.clone(), model.parameters())
+            local_update_last = state_gadient_diffs[clnt]
+            global_update_last = state_gadient_diffs[-1] / weight_list[clnt]
+            alpha_i = alpha / weight_list[clnt]
+            hist_i = torch.tensor(parameter_drifts[clnt], dtype=torch.float32)
+            trained = code["train_model_FedDC"](model, model_func, alpha_i, local_update_last, global_update_last,
+                                                global_mdl, hist_i, clnt_x[clnt], clnt_y[clnt], lr, 16, epochs,
+                                                1000, 0.01, "toy", 1, 1)
+            curr_model_par = code["get_mdl_params"]([trained], n_par)[0]
+            delta_param_curr = curr_model_par - cld_mdl_param
+            parameter_drifts[clnt] += delta_param_curr
+            beta = 1 / n_minibatch / lr
+            state_g = local_update_last - global_update_last + beta * (-delta_param_curr)
+            delta_g_cur = (state_g - state_gadient_diffs[clnt]) * weight_list[clnt]
+            delta_g_sum += delta_g_cur
+            state_gadient_diffs[clnt] = state_g
+            clnt_params_list[clnt] = curr_model_par
+        avg_mdl_param_sel = np.mean(clnt_params_list[selected_clnts], axis=0)
+        delta_g_cur = 1 / n_clnt * delta_g_sum
+        state_gadient_diffs[-1] += delta_g_cur
+        cld_mdl_param = avg_mdl_param_sel + np.mean(parameter_drifts, axis=0)
+
+        sim.run_round(t)
+        np.testing.assert_allclose(sim.w.numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(sim.server["feddc.g"].numpy(), state_gadient_diffs[-1], rtol=1e-5, atol=2e-6)
