@@ -318,3 +318,91 @@ def test_feddc_conforms_to_the_authors_code():
         sim.run_round(t)
         np.testing.assert_allclose(sim.w.numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
         np.testing.assert_allclose(sim.server["feddc.g"].numpy(), state_gadient_diffs[-1], rtol=1e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# FedNTD
+# ---------------------------------------------------------------------------------------------
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def ntd_gradient(w: np.ndarray, teacher: np.ndarray, X: np.ndarray, y: np.ndarray, classes: int, beta: float,
+                 tau: float) -> np.ndarray:
+    """Gradient of FedNTD's ``CE + beta tau^2 (1/B) sum_b KL(q~_b || p~_b)`` for the softmax regression, by hand:
+    with respect to sample ``b``'s logits, ``(softmax(z_b) - e_y) / B`` plus ``beta tau (p~_b - q~_b) / B`` on its
+    not-true classes (``d KL / d z = (p~ - q~) / tau``)."""
+    d = X.shape[1]
+    B = len(y)
+
+    def logits(v):
+        return X @ v[: classes * d].reshape(classes, d).T + v[classes * d:]
+    z, zt = logits(w), logits(teacher)
+    G = _softmax(z)
+    G[np.arange(B), y] -= 1.0
+    for b in range(B):
+        nt = [k for k in range(classes) if k != y[b]]
+        G[b, nt] += beta * tau * (_softmax(z[b, nt] / tau) - _softmax(zt[b, nt] / tau))
+    G /= B
+    return np.concatenate([(G.T @ X).ravel(), G.sum(0)])
+
+
+def fedntd_reference(sim: Simulation, beta: float, tau: float) -> np.ndarray:
+    X, y, classes = _data(sim)
+    w = sim.w.double().cpu().numpy().copy()
+    for t, lr, ids, n, steps, schedules in _rounds(sim):
+        deltas = []
+        for batches in schedules:
+            wk = w.copy()
+            for idx in batches:
+                idx = idx.cpu().numpy()
+                g = ntd_gradient(wk, w, X[idx], y[idx], classes, beta, tau)
+                wk = wk - lr * (g + TRAIN["weight_decay"] * wk)
+            deltas.append(wk - w)
+        w = w + np.mean(deltas, 0)
+    return w
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_fedntd_three_rounds_equal_hand_computation(engine):
+    algo = {"name": "fedntd", "beta": 2.0, "tau": 1.5}
+    sim = _simulation(algo, engine)
+    expected = fedntd_reference(_simulation(algo, engine), 2.0, 1.5)
+    np.testing.assert_allclose(_run(sim), expected, **TOL)
+    assert np.abs(expected - fedntd_reference(_simulation(algo, engine), 0.0, 1.5)).max() > 1e-3  # the term matters
+
+
+@pytest.mark.parametrize("base", [(), ("algo=fedsam", "algo.rho=0.1")], ids=["fedavg", "fedsam"])
+def test_fedntd_with_beta_zero_is_its_base_method(tiny, base):
+    """beta = 0: no distillation term, the base run bit for bit (FedAvg, or FedSAM under ``correction=ntd``)."""
+    plain = fedflat.run(tiny(*base), save=False, progress=False)
+    ntd = (("algo=fedntd",) if not base else (*base, "algo.correction=ntd")) + ("algo.beta=0",)
+    other = fedflat.run(tiny(*ntd), save=False, progress=False)
+    assert torch.equal(other.final_parameters, plain.final_parameters)
+    moved = fedflat.run(tiny(*ntd[:-1], "algo.beta=1"), save=False, progress=False)
+    assert not torch.equal(moved.final_parameters, plain.final_parameters)
+
+
+def test_fedntd_loss_conforms_to_the_authors_criterion():
+    """fedflat's objective (fedflat.engine.oracle.distilled_objective, not_true) against FedSOL's ``NTD_Loss``
+    (transcribed unmodified, tests/authors/fedsol_ntd.py): value and gradient in the logits, 10 classes, tau 3."""
+    from authors.fedsol_ntd import NTD_Loss
+
+    from fedflat.engine.oracle import distilled_objective
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(7, 10, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (7,), generator=gen)
+    theirs = NTD_Loss(num_classes=10, tau=3.0, beta=0.7)(logits, y, teacher)
+    ours, ce = distilled_objective(logits, y, torch.log_softmax(teacher / 3.0, -1), 0.7, 3.0, not_true=True)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(theirs, logits)[0],
+                               rtol=1e-12, atol=1e-12)
+    assert float((ours - ce).detach()) > 1e-3
+
+
+def test_fedntd_refuses_a_second_distillation_term():
+    with pytest.raises(AlgorithmError, match="each add a distillation term"):
+        fedflat.algorithms.build_algorithm({"name": "fedgmt", "correction": "ntd"})

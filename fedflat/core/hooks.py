@@ -43,7 +43,8 @@ HOOKS: tuple[Hook, ...] = (
          "`ctx.w_start`, `ctx.server` (broadcast), `cohort.state/known/personal`",
          "`cohort.shared.put(slot, ...)`, `cohort.own(self)[...]`, `cohort.upload[...]`"),
     Hook("distillation(ctx)", "perturbation", "client, once per chunk", "the broadcast",
-         "a `Distillation` term added to every mini-batch loss, or None (FedGMT)"),
+         "a `Distillation` term added to every mini-batch loss, or None (FedGMT; a correction may define it too: "
+         "FedNTD)"),
     Hook("perturb(ctx, cohort, k, W, batch)", "perturbation", "client, every step `k`",
          "`W[C, P]`, `batch.x[C, B, ...]`, `ctx.oracle`", "`eps[C, P]` or None"),
     Hook("apply(ctx, cohort, X)", "filter", "client, every step",

@@ -54,11 +54,14 @@ class Batch:
 class Distillation:
     """A distillation term added to every client's mini-batch loss: ``weight * temperature^2 *
     KL(softmax(f(teacher, x)/temperature) || softmax(f(w, x)/temperature))``, averaged over the batch (Hinton et
-    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort."""
+    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort.
+    ``not_true``: both distributions over the classes other than each sample's label only (FedNTD's not-true
+    distillation, each softmax renormalized over those ``K - 1`` classes)."""
 
     teacher: torch.Tensor
     weight: float
     temperature: float
+    not_true: bool = False
 
 
 class GradientOracle(Protocol):

@@ -215,6 +215,15 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     return W, loss_sum
 
 
+def objective_term(algorithm: Algorithm, ctx: ClientContext) -> Any:
+    """The distillation term of this round's local objective: the perturbation's (FedGMT's trajectory) or the
+    correction's (FedNTD's not-true distillation); :func:`fedflat.algorithms.compose.build_parts` refuses a method
+    whose perturbation and correction each have one."""
+    term = algorithm.parts["perturbation"].distillation(ctx)
+    correction = algorithm.parts["correction"]
+    return term if term is not None or not hasattr(correction, "distillation") else correction.distillation(ctx)
+
+
 @dataclass
 class LocalLoop:
     """What the local steps of one cohort share (set up once by :meth:`start`), and one step in three parts:
@@ -248,7 +257,7 @@ class LocalLoop:
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
                    [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
-                   direction_ctx, decay, algorithm.parts["perturbation"].distillation(ctx), steps,
+                   direction_ctx, decay, objective_term(algorithm, ctx), steps,
                    min(steps) == max(steps))
 
     def optimizer_state(self, W: torch.Tensor) -> OptimizerState | None:

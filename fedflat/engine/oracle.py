@@ -40,15 +40,28 @@ from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, dr
 from fedflat.params import FlatModel
 
 
+def not_true_columns(y: torch.Tensor, classes: int) -> torch.Tensor:
+    """``[B, K - 1]``: the class indices other than each label ``y[B]``, ascending (FedNTD's not-true classes; made
+    by arithmetic, not boolean indexing, so that it runs under ``vmap``)."""
+    j = torch.arange(classes - 1, device=y.device)
+    return j + (j >= y[..., None]).to(j.dtype)
+
+
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
                         weight: torch.Tensor | None = None,
-                        loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        loss: LossFn | None = None, not_true: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
     (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
     ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
     ``weight[B]`` (0 for padding) weighted means over the real ones. With a ``loss`` of one's own
-    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``."""
-    log_p = F.log_softmax(logits / tau, dim=-1)
+    (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``. With ``not_true`` (FedNTD, Lee et
+    al., NeurIPS 2022, eq. 4) both ``p`` and ``q`` are softmaxes over each sample's not-true classes only."""
+    student = logits
+    if not_true:
+        columns = not_true_columns(y, logits.shape[-1])
+        student = logits.gather(-1, columns)
+        teacher_logp = F.log_softmax(teacher_logp.gather(-1, columns), dim=-1)  # renormalized over K - 1 classes
+    log_p = F.log_softmax(student / tau, dim=-1)
     if weight is None:
         ce = mean_loss(loss, logits, y)
         kl = F.kl_div(log_p, teacher_logp, reduction="batchmean", log_target=True)
@@ -167,9 +180,10 @@ class Oracle:
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
-                        tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        tau: float, not_true: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
-        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn)
+        return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn,
+                                   not_true)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +204,8 @@ class Oracle:
         C = W.shape[0]
         teacher_logp = self.teacher_log_probs(distill, batch.x)
         self._mode(True)  # the teacher's pass was an evaluation
-        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature)
+        objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature,
+                            not_true=distill.not_true)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             padded = () if batch.weight is None else (batch.weight,)
@@ -378,7 +393,7 @@ class Oracle:
             ce = mean_loss(self.loss_fn, logits, y)
             return ce, ce
         return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature,
-                                   loss=self.loss_fn)
+                                   loss=self.loss_fn, not_true=distill.not_true)
 
     def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
                             distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
