@@ -406,3 +406,111 @@ def test_fedntd_loss_conforms_to_the_authors_criterion():
 def test_fedntd_refuses_a_second_distillation_term():
     with pytest.raises(AlgorithmError, match="each add a distillation term"):
         fedflat.algorithms.build_algorithm({"name": "fedgmt", "correction": "ntd"})
+
+
+# ---------------------------------------------------------------------------------------------
+# MOON
+# ---------------------------------------------------------------------------------------------
+
+HIDDEN = 5
+
+
+def _moon_loss(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, classes: int, w_glob: torch.Tensor,
+               w_prev: torch.Tensor | None, mu: float, T: float) -> torch.Tensor:
+    """MOON's objective written out for the 3-5-3 ReLU MLP (flat as fedflat's: W1, b1, W2, b2), float64:
+    ``CE + mu mean_b -log(e^{cos(z, z_g)/T} / (e^{cos(z, z_g)/T} + e^{cos(z, z_p)/T}))``, no term without ``w_prev``."""
+    d = X.shape[1]
+
+    def forward(v):
+        W1, b1 = v[: HIDDEN * d].reshape(HIDDEN, d), v[HIDDEN * d: HIDDEN * d + HIDDEN]
+        rest = v[HIDDEN * d + HIDDEN:]
+        W2, b2 = rest[: classes * HIDDEN].reshape(classes, HIDDEN), rest[classes * HIDDEN:]
+        z = torch.relu(X @ W1.T + b1)
+        return z @ W2.T + b2, z
+
+    logits, z = forward(w)
+    ce = -torch.log_softmax(logits, 1)[torch.arange(len(y)), y].mean()
+    if w_prev is None:
+        return ce
+
+    def cos(a, b):
+        return (a * b).sum(1) / torch.clamp(a.norm(dim=1) * b.norm(dim=1), min=1e-8)
+    with torch.no_grad():
+        zg, zp = forward(w_glob)[1], forward(w_prev)[1]
+    pos, neg = torch.exp(cos(z, zg) / T), torch.exp(cos(z, zp) / T)
+    return ce + mu * (-torch.log(pos / (pos + neg))).mean()
+
+
+def moon_reference(sim: Simulation, mu: float, T: float) -> tuple[torch.Tensor, dict]:
+    X = sim.dataset.x_train.double()
+    y = sim.dataset.y_train
+    classes = sim.dataset.num_classes
+    w = sim.w.double().clone()
+    previous: dict[int, torch.Tensor] = {}
+    for t, lr, ids, n, steps, schedules in _rounds(sim):
+        finals = []
+        for i, batches in zip(ids, schedules):
+            wk = w.clone()
+            for idx in batches:
+                v = wk.clone().requires_grad_(True)
+                loss = _moon_loss(v, X[idx], y[idx], classes, w, previous.get(i), mu, T)
+                g = torch.autograd.grad(loss, v)[0]
+                wk = wk - lr * (g + TRAIN["weight_decay"] * wk)
+            finals.append(wk)
+        for i, wf in zip(ids, finals):
+            previous[i] = wf
+        w = torch.stack(finals).mean(0)
+    return w, previous
+
+
+def _moon_simulation(engine: str, **algo) -> Simulation:
+    base = _toy_config({"name": "moon", **algo}, engine)
+    base["model"] = {"name": "mlp", "hidden": [HIDDEN]}
+    return Simulation(load_config(None, base=base), dataset=_toy_data())
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_moon_three_rounds_equal_hand_computation(engine):
+    """Clients sampled twice meet their previous local model; first participations have no contrastive term."""
+    sim = _moon_simulation(engine, mu=3.0, temperature=0.5)
+    expected, previous = moon_reference(_moon_simulation(engine), 3.0, 0.5)
+    _run(sim)
+    torch.testing.assert_close(sim.w.double(), expected, rtol=1e-4, atol=1e-5)
+    ids = sorted(previous)
+    values, present = sim.store.get("moon.w_prev", torch.tensor(ids))
+    assert present.all()
+    torch.testing.assert_close(values.double(), torch.stack([previous[i] for i in ids]), rtol=1e-4, atol=1e-5)
+    no_term, _ = moon_reference(_moon_simulation(engine), 0.0, 0.5)
+    assert (expected - no_term).abs().max() > 1e-4  # the term moved the model
+
+
+@pytest.mark.parametrize("base", [(), ("algo=fedsam", "algo.rho=0.1")], ids=["fedavg", "fedsam"])
+def test_moon_with_mu_zero_is_its_base_method(tiny, base):
+    plain = fedflat.run(tiny(*base), save=False, progress=False)
+    moon = (("algo=moon",) if not base else (*base, "algo.correction=moon")) + ("algo.mu=0",)
+    assert torch.equal(fedflat.run(tiny(*moon), save=False, progress=False).final_parameters, plain.final_parameters)
+    moved = fedflat.run(tiny(*moon[:-1], "algo.mu=1"), save=False, progress=False)
+    assert not torch.equal(moved.final_parameters, plain.final_parameters)
+
+
+def test_moon_loss_conforms_to_the_authors_criterion():
+    """fedflat's objective (fedflat.engine.oracle.contrastive_objective) against FedSOL's ``ModelContrastiveLoss``
+    (transcribed unmodified, tests/authors/fedsol_moon.py): value, and gradient in the logits and the representation."""
+    from authors.fedsol_moon import ModelContrastiveLoss
+
+    from fedflat.engine.oracle import contrastive_objective
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    zp, zg = torch.randn(6, 8, generator=gen, dtype=torch.float64), torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (6,), generator=gen)
+    theirs = ModelContrastiveLoss(rho=0.7, tau=0.5)(logits, y, z, zp, zg)
+    ours, _ = contrastive_objective(logits, z, y, zg, zp, torch.tensor(1.0, dtype=torch.float64), 0.7, 0.5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    for mine, their in zip(torch.autograd.grad(ours, (logits, z)), torch.autograd.grad(theirs, (logits, z))):
+        torch.testing.assert_close(mine, their, rtol=1e-12, atol=1e-12)
+
+
+def test_moon_refuses_a_model_with_batch_statistics(tiny):
+    with pytest.raises(ValueError, match="batch statistics"):
+        fedflat.run(tiny("algo=moon", "model.name=cnn", "model.padding=2", "model.norm=batch", "rounds=1"), save=False, progress=False)

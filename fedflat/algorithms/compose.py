@@ -369,7 +369,7 @@ def _check_composition(parts: dict[str, Part]) -> None:
     if hasattr(parts["correction"], "distillation") and \
             type(parts["perturbation"]).distillation is not Perturbation.distillation:
         raise AlgorithmError(f"{parts['perturbation']!r} and {parts['correction']!r} each add a distillation term "
-                             "to the local objective; the local loop takes one: choose another correction")
+                             "to the local objective, which needs at most one: choose another correction")
     slots = set().union(*(p.provides for p in parts.values()))
     declared: dict[str, tuple[Part, Any]] = {}
     for part in parts.values():

@@ -64,6 +64,21 @@ class Distillation:
     not_true: bool = False
 
 
+@dataclass(frozen=True)
+class Contrast:
+    """MOON's model-contrastive term added to every client's mini-batch loss (Li, He and Song, CVPR 2021, eq. 3):
+    ``weight * mean_b -log(exp(cos(z_b, z_b^glob)/T) / (exp(cos(z_b, z_b^glob)/T) + exp(cos(z_b, z_b^prev)/T)))``, ``z``
+    the model's representation (``features``) at the client's row, ``z^glob`` at ``anchor`` ``[P]`` (the global model)
+    and ``z^prev`` at the client's ``previous`` ``[C, P]`` (its last local model), both without gradient. ``on[C]``
+    (1 or 0) switches the term per client (0: no previous model yet)."""
+
+    anchor: torch.Tensor
+    previous: torch.Tensor
+    on: torch.Tensor
+    weight: float
+    temperature: float
+
+
 class GradientOracle(Protocol):
     """Loss and gradient of each client's mini-batch loss at its own row of ``W[C, P]`` (the engine's oracle:
     one reused module for the sequential engine, ``torch.func.vmap`` for the vectorized one). Every call of
@@ -231,6 +246,10 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"Slot({self.name!r})"
+
+
+OBJECTIVE_TERM = Slot("objective.term", "a Contrast (or Distillation) term of the chunk's local objective, which "
+                                       "the engine's local loop passes to the oracle (MOON's contrastive term)")
 
 
 class Shared:

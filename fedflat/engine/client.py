@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
-from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, ContractError,
-                          Correction, Direction, torch_stream)
+from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
+                          ContractError, Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession
@@ -257,7 +257,7 @@ class LocalLoop:
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
                    [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
-                   direction_ctx, decay, objective_term(algorithm, ctx), steps,
+                   direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps))
 
     def optimizer_state(self, W: torch.Tensor) -> OptimizerState | None:

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from fedflat.core import Batch, Distillation, stream_seed, torch_stream
+from fedflat.core import Batch, Contrast, Distillation, stream_seed, torch_stream
 from fedflat.engine.graphs import GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.mlp_gradient import MLPGradient
@@ -70,6 +70,25 @@ def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: tor
         ce = mean(per_sample(loss, logits, y))
         kl = mean(F.kl_div(log_p, teacher_logp, reduction="none", log_target=True).sum(-1))
     return ce + gamma * tau ** 2 * kl, ce
+
+
+def contrastive_objective(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor, z_glob: torch.Tensor,
+                          z_prev: torch.Tensor, on: torch.Tensor, mu: float, temperature: float,
+                          weight: torch.Tensor | None = None,
+                          loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE + on mu l_con, CE)`` of one client's batch: MOON's model-contrastive loss (Li, He and Song, CVPR 2021,
+    eq. 3) ``l_con = mean_b [logsumexp(s_b^+ / T, s_b^- / T) - s_b^+ / T]``, ``s^+ = cos(z, z_glob)``, ``s^- = cos(z,
+    z_prev)`` (``F.cosine_similarity``, the authors' ``nn.CosineSimilarity``), i.e. cross-entropy of the two-way logits
+    ``[s^+, s^-] / T`` with label 0. Means over the samples, or with ``weight[B]`` over the real ones."""
+    positive = F.cosine_similarity(z, z_glob, dim=-1) / temperature
+    negative = F.cosine_similarity(z, z_prev, dim=-1) / temperature
+    contrast = torch.logsumexp(torch.stack([positive, negative], dim=-1), dim=-1) - positive
+    if weight is None:
+        ce, con = mean_loss(loss, logits, y), contrast.mean()
+    else:
+        ce = (per_sample(loss, logits, y) * weight).sum() / weight.sum()
+        con = (contrast * weight).sum() / weight.sum()
+    return ce + mu * on * con, ce
 
 
 class ClientSession:
@@ -221,6 +240,63 @@ class Oracle:
             losses.append(ce.detach())
         return torch.stack(losses), torch.stack(rows)
 
+    def _logits_features(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, z)`` of the module at ``views``: ``z = features(x)``, ``logits = head(z)`` (a fedflat model's
+        ``forward``, :class:`fedflat.models.base.FedModel`), in float32 as :meth:`_logits` gives them."""
+        module = self.model.module
+        if not (hasattr(module, "features") and hasattr(module, "head")):
+            raise ValueError(f"{type(module).__name__} has no features()/head split: a representation loss (MOON) "
+                             "needs a model whose forward is head(features(x)) (docs/models.md)")
+        for owner, attr, j in self.model._slots:
+            owner.__dict__[attr] = views[j]
+        with (torch.autocast(x.device.type, dtype=self.autocast, cache_enabled=self.graphed is None)
+              if self.autocast is not None else nullcontext()):
+            z = module.features(x)
+            logits = module.head(z)
+        return logits.float(), z.float()
+
+    def _contrastive_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor, z_glob: torch.Tensor,
+                          z_prev: torch.Tensor, on: torch.Tensor, weight: torch.Tensor | None = None, *, mu: float,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, z = self._logits_features(views, x)
+        return contrastive_objective(logits, z, y, z_glob, z_prev, on, mu, temperature, weight, self.loss_fn)
+
+    @torch.no_grad()
+    def contrast_features(self, term: Contrast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z_glob, z_prev)`` ``[C, B, D]`` of a cohort's batch: the representations at the term's anchor (one pass)
+        and at each client's previous model, in ``eval()`` mode."""
+        C, B = x.shape[:2]
+        z_glob = self.model.features(term.anchor, x.reshape(C * B, *x.shape[2:])).reshape(C, B, -1)
+        z_prev = torch.stack([self.model.features(term.previous[c], x[c]) for c in range(C)])
+        return z_glob, z_prev
+
+    def _loss_grad_contrast(self, W: torch.Tensor, batch: Batch, term: Contrast) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(CE[C], grad[C, P])`` of MOON's objective (:func:`contrastive_objective`), both engines."""
+        if self.traits.stateful:
+            raise ValueError("MOON's contrastive term runs on models without buffers, batch statistics or dropout "
+                             "(model.norm=group or none, no dropout): the per-client sessions of such a model do not "
+                             "carry it")
+        C = W.shape[0]
+        z_glob, z_prev = self.contrast_features(term, batch.x)
+        self._mode(True)
+        on = term.on.to(W.dtype)
+        objective = partial(self._contrastive_loss, mu=term.weight, temperature=term.temperature)
+        if self.vectorized:
+            views = tuple(self.model.layout.views(W.detach()))
+            padded = () if batch.weight is None else (batch.weight,)
+            grads, (_, ce) = torch.func.vmap(torch.func.grad_and_value(objective, has_aux=True))(
+                views, batch.x, batch.y, z_glob, z_prev, on, *padded)
+            return ce, self._flat(grads, (C,))
+        losses, rows = [], []
+        for c in range(C):
+            views = [v.detach().requires_grad_(True) for v in self.model.layout.views(W[c])]
+            x, y = batch.row(c)
+            keep = batch.real(c)
+            total, ce = objective(views, self._arranged(x), y, z_glob[c][keep], z_prev[c][keep], on[c])
+            rows.append(self._flat(torch.autograd.grad(total, views), ()))
+            losses.append(ce.detach())
+        return torch.stack(losses), torch.stack(rows)
+
     def _mode(self, training: bool) -> None:
         """The module's mode for a pass of a module without per-client state, whose passes set none themselves: an
         evaluation (``FlatModel.__call__``, the chunk budget's probe) leaves ``eval()`` mode behind, and a forward
@@ -251,13 +327,16 @@ class Oracle:
         return loss, self._flat(grads, (W.shape[0],))
 
     def loss_grad(self, W: torch.Tensor, batch: Batch,
-                  distill: Distillation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  distill: Distillation | Contrast | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
-        the gradient of the loss plus the distillation term (:func:`distilled_objective`)."""
+        the gradient of the loss plus the distillation term (:func:`distilled_objective`) or MOON's contrastive term
+        (:func:`contrastive_objective`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
         if self.dp_sgd is not None:
             return self._private_loss_grad(W, batch)
+        if isinstance(distill, Contrast):
+            return self._loss_grad_contrast(W, batch, distill)
         if self.traits.stateful:
             return self._stateful_loss_grad(W, batch, distill)
         if distill is not None:
