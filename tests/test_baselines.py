@@ -514,3 +514,67 @@ def test_moon_loss_conforms_to_the_authors_criterion():
 def test_moon_refuses_a_model_with_batch_statistics(tiny):
     with pytest.raises(ValueError, match="batch statistics"):
         fedflat.run(tiny("algo=moon", "model.name=cnn", "model.padding=2", "model.norm=batch", "rounds=1"), save=False, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# FedBABU
+# ---------------------------------------------------------------------------------------------
+
+def _mlp_simulation(algo: dict, engine: str = "sequential") -> Simulation:
+    base = _toy_config(algo, engine)
+    base["model"] = {"name": "mlp", "hidden": [HIDDEN]}
+    return Simulation(load_config(None, base=base), dataset=_toy_data())
+
+
+def _mlp_grad(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tensor:
+    v = w.clone().requires_grad_(True)
+    return torch.autograd.grad(_moon_loss(v, X, y, classes, w, None, 0.0, 1.0), v)[0]
+
+
+def fedbabu_reference(sim: Simulation, finetune_epochs: int) -> tuple[torch.Tensor, dict]:
+    """FedBABU by its rules: local SGD on the body only (the head, the last Linear, never moves nor decays), the
+    mean of the models; each sampled client fine-tunes ``w^t`` (all entries, plain SGD with weight decay) for
+    ``finetune_epochs`` epochs of the batches of its stream ``finetune``."""
+    X, y, classes = sim.dataset.x_train.double(), sim.dataset.y_train, sim.dataset.num_classes
+    w = sim.w.double().clone()
+    head = torch.zeros_like(w, dtype=torch.bool)
+    head[-(classes * HIDDEN + classes):] = True
+    wd, personal = TRAIN["weight_decay"], {}
+    for t, lr, ids, n, steps, schedules in _rounds(sim):
+        finals = []
+        for i, ni, batches in zip(ids, n, schedules):
+            wk = w.clone()
+            for idx in batches:
+                d = _mlp_grad(wk, X[idx], y[idx], classes) + wd * wk
+                wk = wk - lr * d.masked_fill(head, 0.0)
+            finals.append(wk)
+            v = w.clone()
+            for idx in sim.batches.extra(t, i, finetune_epochs * -(-int(ni) // TRAIN["batch_size"]), "finetune"):
+                v = v - lr * (_mlp_grad(v, X[idx], y[idx], classes) + wd * v)
+            personal[i] = v
+        w = torch.stack(finals).mean(0)
+    return w, personal
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_fedbabu_three_rounds_equal_hand_computation(engine):
+    sim = _mlp_simulation({"name": "fedbabu", "finetune_epochs": 2}, engine)
+    w0 = sim.w.clone()
+    expected, personal = fedbabu_reference(_mlp_simulation({"name": "fedbabu"}, engine), 2)
+    _run(sim)
+    torch.testing.assert_close(sim.w.double(), expected, rtol=1e-4, atol=1e-5)
+    head = 3 * HIDDEN + 3
+    assert torch.equal(sim.w[-head:], w0[-head:]) and not torch.equal(sim.w[:-head], w0[:-head])  # head frozen
+    ids = sorted(personal)
+    values, present = sim.store.get("babu.w_i", torch.tensor(ids))
+    assert present.all()
+    torch.testing.assert_close(values.double(), torch.stack([personal[i] for i in ids]), rtol=1e-4, atol=1e-5)
+
+
+def test_fedbabu_evaluates_each_clients_fine_tuned_model(tiny):
+    """The personalized accuracy is that of the clients' fine-tuned models: with no fine-tuning they are ``w^t`` of
+    their last round, and more fine-tuning changes what is evaluated, not the federated model."""
+    runs = {e: fedflat.run(tiny("algo=fedbabu", f"algo.finetune_epochs={e}"), save=False, progress=False)
+            for e in (0, 3)}
+    assert torch.equal(runs[0].final_parameters, runs[3].final_parameters)
+    assert runs[0].metrics[-1]["test_loss"] != runs[3].metrics[-1]["test_loss"]
