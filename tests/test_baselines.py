@@ -578,3 +578,66 @@ def test_fedbabu_evaluates_each_clients_fine_tuned_model(tiny):
             for e in (0, 3)}
     assert torch.equal(runs[0].final_parameters, runs[3].final_parameters)
     assert runs[0].metrics[-1]["test_loss"] != runs[3].metrics[-1]["test_loss"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-FedAvg
+# ---------------------------------------------------------------------------------------------
+
+def perfedavg_reference(sim: Simulation, alpha: float, variant: str, delta: float = 1e-3) -> tuple[np.ndarray, dict]:
+    """Per-FedAvg's Algorithm 1 on the softmax regression in float64: at step ``k`` the inner batch ``D`` and (HF)
+    ``D''`` are step ``k`` of the client's streams ``perfedavg.inner`` / ``perfedavg.hessian``; ``w <- w - beta (d +
+    wd w)`` with ``d = g(w - alpha g(w; D); D')`` (FO) minus ``alpha (g(w + delta d; D'') - g(w - delta d; D'')) /
+    (2 delta)`` (HF); the personalized model is ``w^t - alpha (g(w^t; D_a) + wd w^t)`` on the stream
+    ``perfedavg.adapt``."""
+    X, y, classes = _data(sim)
+    wd = TRAIN["weight_decay"]
+    w = sim.w.double().cpu().numpy().copy()
+    personal = {}
+
+    def grad(v, idx):
+        idx = idx.cpu().numpy()
+        return softmax_regression(v, X[idx], y[idx], classes)[1]
+    for t, lr, ids, n, steps, schedules in _rounds(sim):
+        finals = []
+        for i, E, batches in zip(ids, steps, schedules):
+            inner = sim.batches.extra(t, i, E, "perfedavg.inner")
+            hessian = sim.batches.extra(t, i, E, "perfedavg.hessian")
+            wk = w.copy()
+            for k, idx in enumerate(batches):
+                d = grad(wk - alpha * grad(wk, inner[k]), idx)
+                if variant == "hf":
+                    d = d - alpha * (grad(wk + delta * d, hessian[k]) - grad(wk - delta * d, hessian[k])) / (2 * delta)
+                wk = wk - lr * (d + wd * wk)
+            finals.append(wk)
+            adapt = sim.batches.extra(t, i, 1, "perfedavg.adapt")[0]
+            personal[i] = w - alpha * (grad(w, adapt) + wd * w)
+        w = np.mean(finals, 0)
+    return w, personal
+
+
+@pytest.mark.parametrize("name, engine", [("perfedavg", "sequential"), ("perfedavg", "vectorized"),
+                                          ("perfedavg-hf", "sequential")])
+def test_perfedavg_three_rounds_equal_hand_computation(name, engine):
+    """The HF tolerance: its finite difference divides float32 gradient differences by 2 delta = 0.2."""
+    algo = {"name": name, "alpha": 0.3, **({"delta": 0.1} if name.endswith("hf") else {})}
+    sim = _simulation(algo, engine)
+    variant = "hf" if name.endswith("hf") else "fo"
+    expected, personal = perfedavg_reference(_simulation(algo, engine), 0.3, variant, 0.1)
+    tol = TOL if variant == "fo" else {"rtol": 1e-4, "atol": 5e-5}
+    np.testing.assert_allclose(_run(sim), expected, **tol)
+    ids = sorted(personal)
+    values, present = sim.store.get("perfedavg.w_i", torch.tensor(ids))
+    assert present.all()
+    np.testing.assert_allclose(values.numpy(), np.stack([personal[i] for i in ids]), **tol)
+    other, _ = perfedavg_reference(_simulation(algo, engine), 0.3, "hf" if variant == "fo" else "fo", 0.1)
+    assert np.abs(expected - other).max() > 1e-3  # the two variants differ here
+
+
+def test_perfedavg_with_alpha_zero_trains_fedavgs_model(tiny):
+    """alpha = 0: no inner step (``eps = 0``), so the federated model is FedAvg's; the personalized models are
+    ``w^t`` itself."""
+    avg = fedflat.run(tiny(), save=False, progress=False)
+    for name in ("perfedavg", "perfedavg-hf"):
+        per = fedflat.run(tiny(f"algo={name}", "algo.alpha=0"), save=False, progress=False)
+        torch.testing.assert_close(per.final_parameters, avg.final_parameters, rtol=1e-6, atol=1e-7)

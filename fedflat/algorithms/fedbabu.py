@@ -67,13 +67,18 @@ class FineTuneParams(PartParams):
     head_layers: int = Field(1, ge=1, description="the head for finetune=head: the model's last head_layers layers")
 
 
-def finetune(ctx: ClientContext, cohort: Cohort, start: torch.Tensor, epochs: int,
-             trained: torch.Tensor | None) -> torch.Tensor:
-    """Each client's ``start`` after ``epochs`` epochs of plain SGD on its own data, ``w <- w - eta_l (g + wd w)``
-    (only the ``trained`` entries move, when given), ``[C, P]``; batches from each client's stream ``finetune``."""
-    B = ctx.settings.batch_size
-    steps = [epochs * -(-int(n) // B) for n in cohort.num_samples.tolist()]
-    schedules = [ctx.batches.extra(ctx.round, int(i), e, "finetune") for i, e in zip(cohort.ids.tolist(), steps)]
+def epochs_of(cohort: Cohort, batch_size: int, epochs: int) -> list[int]:
+    """The steps of ``epochs`` epochs of each client's data, ``epochs ceil(n_i / B)``."""
+    return [epochs * -(-int(n) // batch_size) for n in cohort.num_samples.tolist()]
+
+
+def finetune(ctx: ClientContext, cohort: Cohort, start: torch.Tensor, steps: list[int],
+             trained: torch.Tensor | None, lr: float | None = None, stream: str = "finetune") -> torch.Tensor:
+    """Each client's ``start`` after its ``steps`` of plain SGD on its own data, ``w <- w - lr (g + wd w)`` (``lr``:
+    ``eta_l^t`` unless given; only the ``trained`` entries move, when given), ``[C, P]``; batches from each client's
+    stream ``stream``."""
+    lr = ctx.lr if lr is None else lr
+    schedules = [ctx.batches.extra(ctx.round, int(i), e, stream) for i, e in zip(cohort.ids.tolist(), steps)]
     W = start.expand(cohort.size, -1).clone()
     for k in range(max(steps, default=0)):
         active = torch.tensor([k < e for e in steps], device=W.device)
@@ -83,7 +88,7 @@ def finetune(ctx: ClientContext, cohort: Cohort, start: torch.Tensor, epochs: in
         d = g.add_(W, alpha=ctx.settings.weight_decay) if ctx.settings.weight_decay else g
         if trained is not None:
             d.masked_fill_(~trained, 0.0)
-        W = torch.where(active[:, None], W - ctx.lr * d, W)
+        W = torch.where(active[:, None], W - lr * d, W)
     return W
 
 
@@ -110,7 +115,8 @@ class FineTune(Personalization):
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         trained = head_mask(ctx.settings, self.p.head_layers).to(W.device) if self.p.finetune == "head" else None
-        cohort.new_state[PERSONAL] = finetune(ctx, cohort, ctx.w_broadcast, self.p.finetune_epochs, trained)
+        steps = epochs_of(cohort, ctx.settings.batch_size, self.p.finetune_epochs)
+        cohort.new_state[PERSONAL] = finetune(ctx, cohort, ctx.w_broadcast, steps, trained)
 
 
 register_recipe(Recipe(
