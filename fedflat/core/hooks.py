@@ -74,6 +74,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("start(w, state, known, settings)", "personalization", "client, once per chunk", "as `models`",
          "the models `[C, P]` local training starts from (default: `models`), or None for the broadcast (Ditto, "
          "APFL: the personal model is trained beside the global one)"),
+    Hook("initialize(ctx, cohort)", "personalization", "client, once per chunk, before `begin`",
+         "`ctx.w_start` (the `start` models), `ctx.oracle`, `ctx.batches`, `cohort.state/known`",
+         "the models `[C, P]` local training starts from, computed on the clients' data (FedALA's adaptive local "
+         "aggregation), or None (default) for `ctx.w_start`"),
     Hook("local_step(ctx, cohort, k, W, batch)", "personalization",
          "client, every step, where `steps_locally = True`",
          "`W[C, P]` before the step moves it, the step's batch, `ctx.oracle`",

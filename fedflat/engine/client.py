@@ -172,6 +172,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     private = personalization.private_buffers(settings) if ctx.buffers is not None else None
     start = None if ctx.buffers is None else own_buffers(ctx.buffers, private, cohort.state, cohort.known, cohort.size)
     with ctx.oracle.clients(ids, ctx.round, settings.seed, start) as session:
+        initial = personalization.initialize(ctx, cohort)
+        if initial is not None:  # start models computed on the clients' data (FedALA's adaptive local aggregation)
+            ctx = replace(ctx, w_start=initial)
         algorithm.begin(ctx, cohort)
         W, loss_sum = _local_steps(algorithm, ctx, cohort, session)
         cohort.upload[MODEL] = W
