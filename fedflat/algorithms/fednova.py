@@ -14,7 +14,7 @@ the same weights.
 
 Public codes. github.com/JYWa/FedNova (the authors') and Lee-Gihun/FedSOL's ``algorithms/fednova`` compute the same
 step (FedSOL's as ``c w^t + sum_i c_1 p_i w_i / a_i``, ``c = 1 - c_1 c_2``). Not here: the authors' optional server
-momentum ``gmf`` (compose ``server=avgm`` instead is a different method), their FedProx normalizer ``a_i =
+momentum ``gmf`` (the ``avgm`` server is FedAvgM's momentum, not normalized), their FedProx normalizer ``a_i =
 sum_k (1 - eta mu)^k`` with ``tau_eff = sum p_i tau_i`` (the ``nova`` server sees no proximal coefficient: a
 ``correction=prox`` run is normalized as plain SGD), and FedSOL's ``nova_ccvr`` control variate.
 """
