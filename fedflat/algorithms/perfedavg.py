@@ -3,7 +3,7 @@ Model-Agnostic Meta-Learning Approach*, NeurIPS 2020; first-order and Hessian-fr
 ``clientperavg.py`` runs the first-order one): FedAvg of MAML's meta-objective ``F_i(w - alpha grad F_i(w))``.
 
 At local step ``k`` a client takes an inner step on an independent batch ``D`` and descends, at rate ``beta``
-(``train.lr``), along the gradient at the adapted point on the step's batch ``D'`` (Algorithm 1):
+(``train.lr``), along the gradient at the adapted point on the step's batch ``D'`` (Algorithm 1)::
 
     FO:  d = g(w - alpha g(w; D); D')
     HF:  d = (I - alpha H(w; D'')) g(w - alpha g(w; D); D'),
