@@ -432,6 +432,9 @@ COMMUNICATION = {
     "fedasam": (1, 1, 0), "fedavg-swa": (1, 1, 0), "fedsam-swa": (1, 1, 0), "fedasam-swa": (1, 1, 0),
     "fedsol": (1, 1, 0), "fedswa": (1, 1, 0), "fedmoswa": (2, 2, 1), "fedavg-man": (1, 1, 0), "fedsam-man": (1, 1, 0),
     "fednsam": (1, 2, 0), "fednsam-code": (1, 1, 0), "fedfsa": (1, 2, 1),
+    # issue 56's baselines: FedDC sends g and uploads s_i (g_i^+ - g_i), keeps h_i and g_i; MOON keeps w_i^prev
+    "fednova": (1, 1, 0), "feddc": (2, 2, 2), "fedntd": (1, 1, 0), "moon": (1, 1, 1), "fedbabu": (1, 1, 1),
+    "perfedavg": (1, 1, 1), "perfedavg-hf": (1, 1, 1), "fedala": (1, 1, 3),
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

@@ -216,7 +216,8 @@ def test_flower_app_writes_a_project_with_the_config_in_its_run_config(tmp_path,
 
 # -- Flower simulation ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["fedavg", *(pytest.param(a, marks=pytest.mark.slow)  # ~27 s each
-                                             for a in ("scaffold", "fedlesam", "fedgmt", "fedper-sam"))])
+                                             for a in ("scaffold", "fedlesam", "fedgmt", "fedper-sam", "feddc",
+                                                       "moon", "fedala"))])
 def test_a_flower_simulation_equals_fedflat_run(algo, tmp_path):
     """Three virtual SuperNodes host two clients each; SCAFFOLD's c_i and FedPer's heads live on the nodes, not the
     server, so FedPer's personalized accuracy is computed there (per client, pooled by the server)."""

@@ -22,8 +22,8 @@ import torch
 from pydantic import ValidationError
 
 from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, AlgorithmError, Broadcast, ClientContext,
-                          ClientResult, Cohort, Part, Recipe, RoundContext, Shared, Slot, TrainSettings, closest,
-                          composition_label, contract)
+                          ClientResult, Cohort, Part, Perturbation, Recipe, RoundContext, Shared, Slot, TrainSettings,
+                          closest, composition_label, contract)
 from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
 
 
@@ -362,7 +362,12 @@ def _check_shared(parts: dict[str, Part]) -> None:
 
 
 def _check_composition(parts: dict[str, Part]) -> None:
-    """Every slot and server entry a part requires has a provider; an entry two parts declare has one init."""
+    """Every slot and server entry a part requires has a provider; an entry two parts declare has one init; at most
+    one distillation term (the perturbation's or the correction's, fedflat.engine.client.objective_term)."""
+    if hasattr(parts["correction"], "distillation") and \
+            type(parts["perturbation"]).distillation is not Perturbation.distillation:
+        raise AlgorithmError(f"{parts['perturbation']!r} and {parts['correction']!r} each add a distillation term "
+                             "to the local objective, which needs at most one: choose another correction")
     slots = set().union(*(p.provides for p in parts.values()))
     declared: dict[str, tuple[Part, Any]] = {}
     for part in parts.values():

@@ -43,7 +43,8 @@ HOOKS: tuple[Hook, ...] = (
          "`ctx.w_start`, `ctx.server` (broadcast), `cohort.state/known/personal`",
          "`cohort.shared.put(slot, ...)`, `cohort.own(self)[...]`, `cohort.upload[...]`"),
     Hook("distillation(ctx)", "perturbation", "client, once per chunk", "the broadcast",
-         "a `Distillation` term added to every mini-batch loss, or None (FedGMT)"),
+         "a `Distillation` term added to every mini-batch loss, or None (FedGMT; a correction may define it too: "
+         "FedNTD)"),
     Hook("perturb(ctx, cohort, k, W, batch)", "perturbation", "client, every step `k`",
          "`W[C, P]`, `batch.x[C, B, ...]`, `ctx.oracle`", "`eps[C, P]` or None"),
     Hook("apply(ctx, cohort, X)", "filter", "client, every step",
@@ -73,6 +74,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("start(w, state, known, settings)", "personalization", "client, once per chunk", "as `models`",
          "the models `[C, P]` local training starts from (default: `models`), or None for the broadcast (Ditto, "
          "APFL: the personal model is trained beside the global one)"),
+    Hook("initialize(ctx, cohort)", "personalization", "client, once per chunk, before `begin`",
+         "`ctx.w_start` (the `start` models), `ctx.oracle`, `ctx.batches`, `cohort.state/known`",
+         "the models `[C, P]` local training starts from, computed on the clients' data (FedALA's adaptive local "
+         "aggregation), or None (default) for `ctx.w_start`"),
     Hook("local_step(ctx, cohort, k, W, batch)", "personalization",
          "client, every step, where `steps_locally = True`",
          "`W[C, P]` before the step moves it, the step's batch, `ctx.oracle`",

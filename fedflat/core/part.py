@@ -290,6 +290,12 @@ class Personalization(Part):
         personal model is trained beside the federated one (Ditto, APFL) starts from the broadcast."""
         return self.models(w, state, known, settings)
 
+    def initialize(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor | None:
+        """The models ``[C, P]`` the clients' local training starts from when computing them needs the clients' data
+        and the oracle (FedALA's adaptive local aggregation), or None for ``ctx.w_start`` (:meth:`start`'s). Runs in
+        the chunk's oracle session, before every part's ``begin``."""
+        return None
+
     def local_step(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch) -> None:
         """Called at every local step ``k`` where :attr:`steps_locally`, with the federated rows ``W[C, P]`` before
         the step moves them and the step's ``batch``: a personal model trained beside the federated one (APFL's

@@ -54,12 +54,30 @@ class Batch:
 class Distillation:
     """A distillation term added to every client's mini-batch loss: ``weight * temperature^2 *
     KL(softmax(f(teacher, x)/temperature) || softmax(f(w, x)/temperature))``, averaged over the batch (Hinton et
-    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort."""
+    al.'s knowledge distillation; FedGMT's global-trajectory term). ``teacher`` ``[P]`` is the same for a cohort.
+    ``not_true``: both distributions over the classes other than each sample's label only (FedNTD's not-true
+    distillation, each softmax renormalized over those ``K - 1`` classes)."""
 
     teacher: torch.Tensor
     weight: float
     temperature: float
     data_weight: float = 1.0  # the weight of the data loss beside it (0: the distillation term alone, FedSOL's)
+    not_true: bool = False
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """MOON's model-contrastive term added to every client's mini-batch loss (Li, He and Song, CVPR 2021, eq. 3):
+    ``weight * mean_b -log(exp(cos(z_b, z_b^glob)/T) / (exp(cos(z_b, z_b^glob)/T) + exp(cos(z_b, z_b^prev)/T)))``, ``z``
+    the model's representation (``features``) at the client's row, ``z^glob`` at ``anchor`` ``[P]`` (the global model)
+    and ``z^prev`` at the client's ``previous`` ``[C, P]`` (its last local model), both without gradient. ``on[C]``
+    (1 or 0) switches the term per client (0: no previous model yet)."""
+
+    anchor: torch.Tensor
+    previous: torch.Tensor
+    on: torch.Tensor
+    weight: float
+    temperature: float
 
 
 class GradientOracle(Protocol):
@@ -230,6 +248,10 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"Slot({self.name!r})"
+
+
+OBJECTIVE_TERM = Slot("objective.term", "a Contrast (or Distillation) term of the chunk's local objective, which "
+                                       "the engine's local loop passes to the oracle (MOON's contrastive term)")
 
 
 class Shared:

@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
-from fedflat.core import (BUFFERS, MODEL, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort, ContractError,
-                          Correction, Direction, torch_stream)
+from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
+                          ContractError, Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession, PenalizedOracle
@@ -175,6 +175,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     private = personalization.private_buffers(settings) if ctx.buffers is not None else None
     start = None if ctx.buffers is None else own_buffers(ctx.buffers, private, cohort.state, cohort.known, cohort.size)
     with ctx.oracle.clients(ids, ctx.round, settings.seed, start) as session:
+        initial = personalization.initialize(ctx, cohort)
+        if initial is not None:  # start models computed on the clients' data (FedALA's adaptive local aggregation)
+            ctx = replace(ctx, w_start=initial)
         algorithm.begin(ctx, cohort)
         W, loss_sum = _local_steps(algorithm, ctx, cohort, session)
         cohort.upload[MODEL] = W
@@ -218,6 +221,15 @@ def _local_steps(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
     return W, loss_sum
 
 
+def objective_term(algorithm: Algorithm, ctx: ClientContext) -> Any:
+    """The distillation term of this round's local objective: the perturbation's (FedGMT's trajectory) or the
+    correction's (FedNTD's not-true distillation); :func:`fedflat.algorithms.compose.build_parts` refuses a method
+    whose perturbation and correction each have one."""
+    term = algorithm.parts["perturbation"].distillation(ctx)
+    correction = algorithm.parts["correction"]
+    return term if term is not None or not hasattr(correction, "distillation") else correction.distillation(ctx)
+
+
 @dataclass
 class LocalLoop:
     """What the local steps of one cohort share (set up once by :meth:`start`), and one step in three parts:
@@ -252,7 +264,7 @@ class LocalLoop:
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
                    [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
-                   direction_ctx, decay, algorithm.parts["perturbation"].distillation(ctx), steps,
+                   direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 
     def optimizer_state(self, W: torch.Tensor) -> OptimizerState | None:

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from fedflat.core import Batch, Distillation, stream_seed, torch_stream
+from fedflat.core import Batch, Contrast, Distillation, stream_seed, torch_stream
 from fedflat.engine.graphs import GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.mlp_gradient import MLPGradient
@@ -40,16 +40,29 @@ from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, dr
 from fedflat.params import FlatModel
 
 
+def not_true_columns(y: torch.Tensor, classes: int) -> torch.Tensor:
+    """``[B, K - 1]``: the class indices other than each label ``y[B]``, ascending (FedNTD's not-true classes; made
+    by arithmetic, not boolean indexing, so that it runs under ``vmap``)."""
+    j = torch.arange(classes - 1, device=y.device)
+    return j + (j >= y[..., None]).to(j.dtype)
+
+
 def distilled_objective(logits: torch.Tensor, y: torch.Tensor, teacher_logp: torch.Tensor, gamma: float, tau: float,
                         weight: torch.Tensor | None = None, loss: LossFn | None = None,
-                        data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        data_weight: float = 1.0, not_true: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE + gamma tau^2 KL(q || p), CE)`` of a batch, ``q = softmax(z_e / tau)`` the teacher's probabilities
     (``teacher_logp`` their logarithms), ``p = softmax(z / tau)``: Hinton et al.'s distillation loss, the KL being
     ``torch.nn.KLDivLoss(reduction="batchmean")`` of ``log p`` against ``q``. Means over the samples, or with
     ``weight[B]`` (0 for padding) weighted means over the real ones. With a ``loss`` of one's own
     (:mod:`fedflat.engine.losses`) it takes CE's place: ``loss + gamma tau^2 KL``. ``data_weight`` scales the data
-    loss in the objective (0: the distillation term alone; the reported loss stays CE)."""
-    log_p = F.log_softmax(logits / tau, dim=-1)
+    loss in the objective (0: the distillation term alone; the reported loss stays CE). With ``not_true`` (FedNTD,
+    Lee et al., NeurIPS 2022, eq. 4) both ``p`` and ``q`` are softmaxes over each sample's not-true classes only."""
+    student = logits
+    if not_true:
+        columns = not_true_columns(y, logits.shape[-1])
+        student = logits.gather(-1, columns)
+        teacher_logp = F.log_softmax(teacher_logp.gather(-1, columns), dim=-1)  # renormalized over K - 1 classes
+    log_p = F.log_softmax(student / tau, dim=-1)
     if weight is None:
         ce = mean_loss(loss, logits, y)
         kl = F.kl_div(log_p, teacher_logp, reduction="batchmean", log_target=True)
@@ -75,6 +88,25 @@ def activation_norms(activations: list[torch.Tensor], weight: torch.Tensor | Non
         total = total + (per_sample_norm.mean() if weight is None
                          else (per_sample_norm * weight).sum() / weight.sum())
     return total
+
+
+def contrastive_objective(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor, z_glob: torch.Tensor,
+                          z_prev: torch.Tensor, on: torch.Tensor, mu: float, temperature: float,
+                          weight: torch.Tensor | None = None,
+                          loss: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE + on mu l_con, CE)`` of one client's batch: MOON's model-contrastive loss (Li, He and Song, CVPR 2021,
+    eq. 3) ``l_con = mean_b [logsumexp(s_b^+ / T, s_b^- / T) - s_b^+ / T]``, ``s^+ = cos(z, z_glob)``, ``s^- = cos(z,
+    z_prev)`` (``F.cosine_similarity``, the authors' ``nn.CosineSimilarity``), i.e. cross-entropy of the two-way logits
+    ``[s^+, s^-] / T`` with label 0. Means over the samples, or with ``weight[B]`` over the real ones."""
+    positive = F.cosine_similarity(z, z_glob, dim=-1) / temperature
+    negative = F.cosine_similarity(z, z_prev, dim=-1) / temperature
+    contrast = torch.logsumexp(torch.stack([positive, negative], dim=-1), dim=-1) - positive
+    if weight is None:
+        ce, con = mean_loss(loss, logits, y), contrast.mean()
+    else:
+        ce = (per_sample(loss, logits, y) * weight).sum() / weight.sum()
+        con = (contrast * weight).sum() / weight.sum()
+    return ce + mu * on * con, ce
 
 
 class ClientSession:
@@ -185,10 +217,11 @@ class Oracle:
 
     def _distilled_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor,
                         teacher_logp: torch.Tensor, weight: torch.Tensor | None = None, *, gamma: float,
-                        tau: float, data_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        tau: float, data_weight: float = 1.0, not_true: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(objective, CE)`` of one client's batch."""
         return distilled_objective(self._logits(views, x), y, teacher_logp, gamma, tau, weight, self.loss_fn,
-                                   data_weight)
+                                   data_weight=data_weight, not_true=not_true)
 
     @torch.no_grad()
     def teacher_log_probs(self, distill: Distillation, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +243,7 @@ class Oracle:
         teacher_logp = self.teacher_log_probs(distill, batch.x)
         self._mode(True)  # the teacher's pass was an evaluation
         objective = partial(self._distilled_loss, gamma=distill.weight, tau=distill.temperature,
-                            data_weight=distill.data_weight)
+                            data_weight=distill.data_weight, not_true=distill.not_true)
         if self.vectorized:
             views = tuple(self.model.layout.views(W.detach()))
             padded = () if batch.weight is None else (batch.weight,)
@@ -243,7 +276,8 @@ class Oracle:
                 hook.remove()
         if distill is not None:
             data, reported = distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature, weight,
-                                                 self.loss_fn, distill.data_weight)
+                                                 self.loss_fn, data_weight=distill.data_weight,
+                                                 not_true=distill.not_true)
         elif weight is None:
             data = reported = mean_loss(self.loss_fn, logits, y)
         else:
@@ -282,6 +316,63 @@ class Oracle:
             losses.append(reported.detach())
         return torch.stack(losses), torch.stack(rows)
 
+    def _logits_features(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, z)`` of the module at ``views``: ``z = features(x)``, ``logits = head(z)`` (a fedflat model's
+        ``forward``, :class:`fedflat.models.base.FedModel`), in float32 as :meth:`_logits` gives them."""
+        module = self.model.module
+        if not (hasattr(module, "features") and hasattr(module, "head")):
+            raise ValueError(f"{type(module).__name__} has no features()/head split: a representation loss (MOON) "
+                             "needs a model whose forward is head(features(x)) (docs/models.md)")
+        for owner, attr, j in self.model._slots:
+            owner.__dict__[attr] = views[j]
+        with (torch.autocast(x.device.type, dtype=self.autocast, cache_enabled=self.graphed is None)
+              if self.autocast is not None else nullcontext()):
+            z = module.features(x)
+            logits = module.head(z)
+        return logits.float(), z.float()
+
+    def _contrastive_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor, z_glob: torch.Tensor,
+                          z_prev: torch.Tensor, on: torch.Tensor, weight: torch.Tensor | None = None, *, mu: float,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, z = self._logits_features(views, x)
+        return contrastive_objective(logits, z, y, z_glob, z_prev, on, mu, temperature, weight, self.loss_fn)
+
+    @torch.no_grad()
+    def contrast_features(self, term: Contrast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z_glob, z_prev)`` ``[C, B, D]`` of a cohort's batch: the representations at the term's anchor (one pass)
+        and at each client's previous model, in ``eval()`` mode."""
+        C, B = x.shape[:2]
+        z_glob = self.model.features(term.anchor, x.reshape(C * B, *x.shape[2:])).reshape(C, B, -1)
+        z_prev = torch.stack([self.model.features(term.previous[c], x[c]) for c in range(C)])
+        return z_glob, z_prev
+
+    def _loss_grad_contrast(self, W: torch.Tensor, batch: Batch, term: Contrast) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(CE[C], grad[C, P])`` of MOON's objective (:func:`contrastive_objective`), both engines."""
+        if self.traits.stateful:
+            raise ValueError("MOON's contrastive term runs on models without buffers, batch statistics or dropout "
+                             "(model.norm=group or none, no dropout): the per-client sessions of such a model do not "
+                             "carry it")
+        C = W.shape[0]
+        z_glob, z_prev = self.contrast_features(term, batch.x)
+        self._mode(True)
+        on = term.on.to(W.dtype)
+        objective = partial(self._contrastive_loss, mu=term.weight, temperature=term.temperature)
+        if self.vectorized:
+            views = tuple(self.model.layout.views(W.detach()))
+            padded = () if batch.weight is None else (batch.weight,)
+            grads, (_, ce) = torch.func.vmap(torch.func.grad_and_value(objective, has_aux=True))(
+                views, batch.x, batch.y, z_glob, z_prev, on, *padded)
+            return ce, self._flat(grads, (C,))
+        losses, rows = [], []
+        for c in range(C):
+            views = [v.detach().requires_grad_(True) for v in self.model.layout.views(W[c])]
+            x, y = batch.row(c)
+            keep = batch.real(c)
+            total, ce = objective(views, self._arranged(x), y, z_glob[c][keep], z_prev[c][keep], on[c])
+            rows.append(self._flat(torch.autograd.grad(total, views), ()))
+            losses.append(ce.detach())
+        return torch.stack(losses), torch.stack(rows)
+
     def _mode(self, training: bool) -> None:
         """The module's mode for a pass of a module without per-client state, whose passes set none themselves: an
         evaluation (``FlatModel.__call__``, the chunk budget's probe) leaves ``eval()`` mode behind, and a forward
@@ -311,15 +402,21 @@ class Oracle:
         grads, loss = self._vgrad_weighted(tuple(self.model.layout.views(W.detach())), x, y, weight)
         return loss, self._flat(grads, (W.shape[0],))
 
-    def loss_grad(self, W: torch.Tensor, batch: Batch, distill: Distillation | None = None,
+    def loss_grad(self, W: torch.Tensor, batch: Batch, distill: Distillation | Contrast | None = None,
                   penalty: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
-        the gradient of the loss plus the distillation term (:func:`distilled_objective`); with ``penalty`` ``mu``,
-        plus ``mu/2`` times the layerwise activation norms (FedMAN, :func:`activation_norms`)."""
+        the gradient of the loss plus the distillation term (:func:`distilled_objective`) or MOON's contrastive term
+        (:func:`contrastive_objective`); with ``penalty`` ``mu``, plus ``mu/2`` times the layerwise activation norms
+        (FedMAN, :func:`activation_norms`)."""
         C = W.shape[0]
         self.backprops += C if batch.clients is None else batch.clients
         if self.dp_sgd is not None:
             return self._private_loss_grad(W, batch)
+        if isinstance(distill, Contrast):
+            if penalty:
+                raise ValueError("FedMAN's activation penalty beside MOON's contrastive term is not implemented: "
+                                 "use one of them")
+            return self._loss_grad_contrast(W, batch, distill)
         if penalty:
             if self.traits.stateful:
                 raise ValueError("an activation penalty (FedMAN) on a model with buffers, batch statistics or random "
@@ -460,7 +557,7 @@ class Oracle:
             ce = mean_loss(self.loss_fn, logits, y)
             return ce, ce
         return distilled_objective(logits, y, teacher_logp, distill.weight, distill.temperature,
-                                   loss=self.loss_fn, data_weight=distill.data_weight)
+                                   loss=self.loss_fn, data_weight=distill.data_weight, not_true=distill.not_true)
 
     def _stateful_loss_grad(self, W: torch.Tensor, batch: Batch,
                             distill: Distillation | None) -> tuple[torch.Tensor, torch.Tensor]:
