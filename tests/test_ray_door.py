@@ -154,7 +154,8 @@ release(ray)
 def test_fedflats_local_ray_under_ray_auth_mode_token_refuses_a_stranger(tmp_path):
     """The local Ray instance fedflat starts announces a loopback address, but Ray 2.55's GCS listens on every
     interface (docs/distributed.md): with RAY_AUTH_MODE=token exported, Ray makes a token (in ~/.ray/auth_token) and
-    the instance runs fedflat's work but refuses a driver without the token, whose function would write a marker."""
+    the instance runs fedflat's work but refuses a driver without the token, whose function would write a marker.
+    fedflat makes that file its owner's only (Ray writes it readable by every account)."""
     plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
     plain.update(RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
     driver = subprocess.Popen([sys.executable, "-c", LOCAL_DRIVER], env={**plain, "RAY_AUTH_MODE": "token"},
@@ -163,6 +164,7 @@ def test_fedflats_local_ray_under_ray_auth_mode_token_refuses_a_stranger(tmp_pat
     try:
         ran, gcs = driver.stdout.readline().split()
         assert ran == "ran" and (tmp_path / ".ray" / "auth_token").is_file()  # Ray made the token it checks
+        assert (tmp_path / ".ray" / "auth_token").stat().st_mode & 0o077 == 0  # (Ray wrote it readable by all)
         stranger = subprocess.run([sys.executable, "-c", STRANGER, gcs, str(tmp_path / "marker")], env=plain,
                                   capture_output=True, text=True, timeout=300)
         assert stranger.returncode != 0 and "Authentication token is missing or incorrect" in stranger.stderr

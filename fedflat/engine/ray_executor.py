@@ -339,6 +339,7 @@ def connect(ray, cfg: ExecutorConfig, plugin_names: tuple[str, ...] | list[str] 
             ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, _system_config={"worker_niceness": 0},
                      **options)
             _SESSION["reaper"] = start_reaper(ray)
+        protect_token_file()
     except ConnectionError as err:
         raise ConfigError(f"executor.address={cfg.address!r}: no Ray cluster answered ({err}); start one with "
                           "`ray start --head` (docs/distributed.md) or leave executor.address unset; a cluster "
@@ -357,6 +358,21 @@ def token_hint() -> str:
         return " (this driver's RAY_AUTH_MODE is token: is RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token " \
                "the cluster's token?)"
     return ": export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=FILE (the cluster's token) before the run"
+
+
+def protect_token_file() -> None:
+    """Makes Ray's default token file (``~/.ray/auth_token``, which Ray 2.55 writes readable by every account of the
+    machine when ``RAY_AUTH_MODE=token`` makes it one) readable by its owner only."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        return
+    from pathlib import Path
+
+    token = Path.home() / ".ray" / "auth_token"
+    try:
+        if token.is_file() and token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
+            token.chmod(0o600)
+    except OSError:
+        pass  # (another account's file, or gone: nothing of ours to protect)
 
 
 def warn_if_open(host: str) -> None:
