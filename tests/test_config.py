@@ -21,7 +21,7 @@ def test_defaults_are_the_spec_local_training_setting():
     ("train.lr=-1", "train.lr"),
     ("sampling.participation=sometimes", "sampling.participation"),
     ("engine=turbo", "engine"),
-    ("algo=fedsma", "unknown algorithm 'fedsma' (did you mean 'fedsam'?)"),
+    ("algo=fedsamm", "unknown algorithm 'fedsamm' (did you mean 'fedsam'?)"),
     ("algo.rh=0.1", "algo.rh: not a hyperparameter of 'fedavg'"),
     ("algo.perturbation=samm", "algo.perturbation: unknown perturbation 'samm' (did you mean 'sam'?)"),
     ("model=resnet19", "model.name: unknown name 'resnet19' (did you mean 'resnet18'?)"),

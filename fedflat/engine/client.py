@@ -164,14 +164,9 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings
-    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
-    if penalty:  # FedMAN: every gradient of the round's local objective with the activation penalty
-        ctx = replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty))
+    ctx = _client_context(algorithm, ctx, cohort)
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
-    own = personalization.start(ctx.w_start, cohort.state, cohort.known, settings)
-    if own is not None:  # each client starts from its own model: the broadcast with its private entries
-        ctx = replace(ctx, w_start=own)
     private = personalization.private_buffers(settings) if ctx.buffers is not None else None
     start = None if ctx.buffers is None else own_buffers(ctx.buffers, private, cohort.state, cohort.known, cohort.size)
     with ctx.oracle.clients(ids, ctx.round, settings.seed, start) as session:
@@ -191,6 +186,18 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
             part.end(ctx, cohort, W)
         algorithm.release(ctx, cohort)  # the upload path: what leaves the client (fedflat.core.upload)
     return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
+
+
+def _client_context(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientContext:
+    """``ctx`` as the cohort's local steps see it: the oracle with FedMAN's activation penalty where a part
+    declares one, and each client's own start model where the personalization keeps one."""
+    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
+    if penalty:  # FedMAN: every gradient of the round's local objective with the activation penalty
+        ctx = replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty))
+    own = algorithm.parts["personalization"].start(ctx.w_start, cohort.state, cohort.known, ctx.settings)
+    if own is not None:  # each client starts from its own model: the broadcast with its private entries
+        ctx = replace(ctx, w_start=own)
+    return ctx
 
 
 def own_buffers(b: torch.Tensor, private: torch.Tensor | None, state: dict[str, torch.Tensor],
