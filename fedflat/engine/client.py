@@ -164,9 +164,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings
-    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
-    if penalty:  # FedMAN: every gradient of the round's local objective with the activation penalty
-        ctx = replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty))
+    ctx = with_penalty(algorithm, ctx)
     backprops_before = ctx.oracle.backprops
     ids = cohort.ids.tolist()
     own = personalization.start(ctx.w_start, cohort.state, cohort.known, settings)
@@ -188,6 +186,13 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
             part.end(ctx, cohort, W)
         algorithm.release(ctx, cohort)  # the upload path: what leaves the client (fedflat.core.upload)
     return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
+
+
+def with_penalty(algorithm: Algorithm, ctx: ClientContext) -> ClientContext:
+    """``ctx`` whose oracle adds the parts' activation penalty to every gradient of the local objective (FedMAN's
+    ``mu``, :meth:`fedflat.core.Part.activation_penalty`), or ``ctx`` itself when no part has one."""
+    penalty = sum(part.activation_penalty(ctx) for part in algorithm.ordered if part.penalizes_activations)
+    return replace(ctx, oracle=PenalizedOracle(ctx.oracle, penalty)) if penalty else ctx
 
 
 def own_buffers(b: torch.Tensor, private: torch.Tensor | None, state: dict[str, torch.Tensor],
