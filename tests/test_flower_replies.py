@@ -275,7 +275,7 @@ def test_a_strangers_node_and_a_wrong_num_partitions_leave_the_honest_run_comple
     """Issue 54: a node with a self-registered key and `partition-id=1 num-partitions=8` ended the honest run
     (`ConfigError: ... the same num-partitions`): its claim was read before its key was checked. Now the stranger
     (asked first before: the smallest node id) is left out without being sent anything, an enrolled key claiming
-    another num-partitions is left out with that reason, both are named and counted in the metrics, and the run
+    another num-partitions than the first enrolled node's is left out with that reason, both are named and counted in the metrics, and the run
     completes with fedflat's own numbers."""
     from fedflat.files import read_jsonl
     from fedflat.flower import serve
@@ -283,16 +283,16 @@ def test_a_strangers_node_and_a_wrong_num_partitions_leave_the_honest_run_comple
     cfg = small("scaffold")
     grid = Loopback(client_app(cfg, state_dir=tmp_path / "nodes"), 2, keys={100: KEY["A"], 101: KEY["B"]})
     grid.add(7, {"partition-id": 1, "num-partitions": 8}, KEY["stranger"])  # registered its own key
-    grid.add(8, {"partition-id": 1, "num-partitions": 8}, KEY["B"])  # an enrolled key, another federation's split
+    grid.add(200, {"partition-id": 1, "num-partitions": 8}, KEY["B"])  # an enrolled key, another split, asked last
     with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
         history = serve(grid, cfg, out=tmp_path / "runs", roster={0: KEY["A"], 1: KEY["B"]}, wait_s=0.0,
                         round_timeout=30.0)
     assert history.summary["status"] == "completed" and not history.summary.get("dropped_clients")
-    assert 7 not in grid.queried and sorted(grid.queried) == [8, 100, 101]
+    assert 7 not in grid.queried and sorted(grid.queried) == [100, 101, 200]
     said = "\n".join(r.getMessage() for r in caplog.records)
     assert "node 7 left out: its public key SHA256:" in said and "is not in node-keys" in said
-    assert ("node 8 left out: it claims partition 1 of num-partitions=8, the federation has 2 (node-keys lists "
-            "partitions 0..1)") in said
+    assert ("node 200 left out: it claims partition 1 of num-partitions=8, the federation has 2 (its first enrolled "
+            "node said so)") in said
     metrics = read_jsonl(history.run_dir / "metrics.jsonl")
     assert [m["nodes_left_out"] for m in metrics] == [2.0, 2.0]
     assert torch.equal(history.final_parameters, reference(cfg, {}, 2))

@@ -53,8 +53,8 @@ class Federation:
     A partition belongs to the first online node that claims it, and with a roster (``node-keys``, written by
     ``fedflat flower-app --keys``) only to the node whose key the roster names. With a roster a node is known by its
     key before anything it says is read: a node whose key the roster does not list is left out without being asked
-    (nothing is sent to it), and a listed node's claim must be its own partition of the roster's
-    ``num-partitions`` (the roster's largest partition + 1; without a roster, that of the first node accepted).
+    (nothing is sent to it), and a listed node's claim must be its own partition, of the ``num-partitions`` the first
+    node accepted (with a roster, an enrolled one) claimed.
     Whatever is wrong about a node (a stranger's key, a failed or malformed query, another's partition, another
     num-partitions) leaves that node out for the run, named in a warning with the reason, and never ends the run; a
     node that is merely slow, to a query or a task, is asked again in the next round.
@@ -151,11 +151,9 @@ class Federation:
                 log.warning("node %s left out: %s", node, err)
                 self.leave_out(node, str(err))
                 continue
-            expected = max(self.roster) + 1 if self.roster else self.partitions
-            if expected is not None and partitions != expected:
+            if self.partitions is not None and partitions != self.partitions:
                 why = (f"it claims partition {partition} of num-partitions={partitions}, the federation has "
-                       f"{expected} (" + ("node-keys lists partitions 0.." + str(expected - 1) if self.roster else
-                                          "its first node said so") + ")")
+                       f"{self.partitions} (its first {'enrolled ' if self.roster else ''}node said so)")
                 log.warning("node %s left out: %s", node, why)
                 self.leave_out(node, why)
                 continue
