@@ -253,7 +253,7 @@ def test_the_expected_layout_is_the_methods_own_and_honest_rounds_equal_fedflat_
     """The server's expected upload is what the method's client side uploads (SCAFFOLD: the model, the training loss
     and Delta c_i; FedAvg: the model and the loss), and honest replies through it
     give fedflat's own rounds, bit for bit, with one node and with four."""
-    from fedflat.flower.server import upload_layout
+    from fedflat.flower.protocol import upload_layout
 
     for algo, extra, names in [("scaffold", (), ["model", "scaffold.dc", "train_loss"]),
                                ("fedavg", (), ["model", "train_loss"])]:

@@ -51,7 +51,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from fedflat.config import Config, SecureAggregationConfig
 from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
 from fedflat.engine.simulation import RoundResult
-from fedflat.flower.protocol import UploadLayout, array_record, npy_header, task_content, tensors
+from fedflat.flower.protocol import UploadLayout, array_record, npy_header, task_content, tensors, upload_layout
 
 log = logging.getLogger("fedflat.flower")
 
@@ -196,7 +196,7 @@ class OneRound(LegacyStrategy):
 def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) -> str:
     """Why a node's masked-vector reply cannot join the sum ('' when it can): what it says in the clear (its clients,
     their count as its weight, the entries' names, row shapes and dtypes, its counts) must be what it was sent and what
-    the method uploads (``layout``, :func:`fedflat.flower.server.upload_layout`), and its masked vector must hold one
+    the method uploads (``layout``, :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one
     integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
     Flower adds the vectors element-wise, so another count or shape would truncate or broadcast into the sum)."""
     try:
@@ -333,7 +333,6 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: t + 1}),
                         MAIN_PARAMS_RECORD: ArrayRecord()})
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}), strategy=adapter)
-    from fedflat.flower.server import upload_layout
 
     strategy.layout = layout = upload_layout(sim, opened)
     integral = [name for name, _, dtype in layout.entries if dtype not in FLOATS]

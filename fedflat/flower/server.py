@@ -28,10 +28,10 @@ from flwr.serverapp.strategy import Strategy
 
 from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
-from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
 from fedflat.flower.protocol import (EVALUATE, BadReply, UploadLayout, array_record, error_line, evaluation_content,
-                                     read_result, read_scores, reply_content, task_content, wire_bytes, with_buffers)
+                                     read_result, read_scores, reply_content, task_content, upload_layout, wire_bytes,
+                                     with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -247,27 +247,6 @@ def simulated(grid) -> bool:
     from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
     return isinstance(grid, InMemoryGrid)
-
-
-def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
-    """What one client's upload holds in the round ``opened``: the method's client side (the code every node runs,
-    :meth:`~fedflat.engine.runtime.ClientRuntime.fit`) run here for the round's first sampled client from a fresh
-    state, one local step. The entries (the parts' and upload stages' ``cohort.upload``), their row shapes and dtypes
-    follow from the method, its options and the model, not from the data or the state, so every reply of the round
-    is checked against this (:func:`~fedflat.flower.protocol.read_result`), never against the other nodes' replies:
-    with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's state changes."""
-    one = opened.task.rows(torch.tensor([0]))
-    task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
-    store = sim.host.store
-    names = sim.client_state_keys()
-    state = {n: torch.zeros(1, store.shape(n)[0], dtype=store.shape(n)[1]) for n in names}
-    known = {n: torch.zeros(1, dtype=torch.bool) for n in names}
-    counted = sim.runtime.oracle.backprops  # (the probe is not training: no backward pass of it is counted)
-    try:
-        result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
-    finally:
-        sim.runtime.oracle.backprops = counted
-    return UploadLayout.of(result.upload)
 
 
 def first_replies(replies: Iterable, expected: dict[int, list[int]]) -> dict[int, Any]:

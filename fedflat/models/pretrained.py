@@ -54,7 +54,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
             state = load_file(str(path))
         else:
-            from fedflat.engine.checkpoint import safe_load
+            from fedflat.files import safe_load
 
             state = safe_load(path, "pretrained checkpoint", "give model.pretrained a state dict of tensors "
                                                              "(.pt of torch.save(model.state_dict()), or .safetensors)")
