@@ -317,3 +317,23 @@ def test_a_personalized_evaluations_scores_are_checked_against_what_was_sent(sco
     ok = read_scores(RecordDict({"scores": ConfigRecord({"clients": [4], "correct": [2], "loss": [1.5],
                                                          "samples": [5]})}), [1, 4])
     assert (ok.clients, ok.correct, ok.samples) == ([4], [2], [5])
+
+
+def test_the_operators_num_partitions_outranks_an_enrolled_node_that_answers_first(tmp_path, caplog):
+    """Without the run config's num-partitions the first enrolled node to answer sets the federation's; an enrolled
+    key claiming `1 of 8` and asked first (the smallest node id) would then leave the honest nodes out. With the
+    operator's `num-partitions=2` that node is left out, named, and the run completes with fedflat's own numbers."""
+    from fedflat.flower import serve
+
+    cfg = small("scaffold")
+    grid = Loopback(client_app(cfg, state_dir=tmp_path / "nodes"), 2, keys={100: KEY["A"], 101: KEY["B"]})
+    grid.add(5, {"partition-id": 1, "num-partitions": 8}, KEY["B"])  # enrolled, another split, asked first
+    with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
+        history = serve(grid, cfg, out=tmp_path / "runs", roster={0: KEY["A"], 1: KEY["B"]}, wait_s=0.0,
+                        round_timeout=30.0, partitions=2)
+    assert history.summary["status"] == "completed" and not history.summary.get("dropped_clients")
+    assert sorted(grid.queried)[0] == 5
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert ("node 5 left out: it claims partition 1 of num-partitions=8, the federation has 2 (the run config's "
+            "num-partitions)") in said
+    assert torch.equal(history.final_parameters, reference(cfg, {}, 2))

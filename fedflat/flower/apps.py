@@ -35,7 +35,7 @@ from fedflat.flower.server import serve
 
 CONFIG_KEY = "fedflat-config"
 RUN_DEFAULTS: dict[str, Any] = {"out": "runs", "round-timeout": 600.0, "wait-nodes": 120.0, "state-dir": "",
-                                "resume": "", "node-keys": "", "insecure": False}
+                                "resume": "", "node-keys": "", "insecure": False, "num-partitions": 0}
 
 
 def config_of(context: Context, cfg: Config | None) -> Config:
@@ -76,7 +76,8 @@ def server_app(cfg: Config | None = None, *, out: str | Path | None = None, run_
                         progress=progress, round_timeout=float(setting(context, "round-timeout", round_timeout)),
                         wait_s=float(setting(context, "wait-nodes", wait_s)),
                         roster=read_roster(str(setting(context, "node-keys", node_keys) or "")),
-                        insecure=bool(setting(context, "insecure", insecure)), model_fn=model_fn)
+                        insecure=bool(setting(context, "insecure", insecure)), model_fn=model_fn,
+                        partitions=int(setting(context, "num-partitions")) or None)
         if results is not None:
             results["history"] = history
 

@@ -89,7 +89,7 @@ On the SuperLink's machine (the operator's shell; nothing there listens beyond 1
 {registers}
 SuperNodes (each on its own machine, with ca.crt and its own node-P only):
 {node_lines}
-Then, on the SuperLink's machine: flwr run APP here"""
+Then, on the SuperLink's machine: flwr run APP here --run-config 'num-partitions={nodes}'"""
 
 
 def cmd_flower_gate(args: argparse.Namespace) -> int:

@@ -53,19 +53,21 @@ class Federation:
     A partition belongs to the first online node that claims it, and with a roster (``node-keys``, written by
     ``fedflat flower-app --keys``) only to the node whose key the roster names. With a roster a node is known by its
     key before anything it says is read: a node whose key the roster does not list is left out without being asked
-    (nothing is sent to it), and a listed node's claim must be its own partition, of the ``num-partitions`` the first
-    node accepted (with a roster, an enrolled one) claimed.
+    (nothing is sent to it), and a listed node's claim must be its own partition, of the operator's
+    ``num-partitions`` (``partitions``: the run config's ``num-partitions``) or, without one, of the
+    ``num-partitions`` the first node accepted (with a roster, an enrolled one) claimed.
     Whatever is wrong about a node (a stranger's key, a failed or malformed query, another's partition, another
     num-partitions) leaves that node out for the run, named in a warning with the reason, and never ends the run; a
     node that is merely slow, to a query or a task, is asked again in the next round.
     A restarted node comes back (under a new node id without authentication, after its old one went offline) and
     takes over its partition."""
 
-    def __init__(self, query_timeout: float, roster: dict[int, bytes] | None = None):
+    def __init__(self, query_timeout: float, roster: dict[int, bytes] | None = None, partitions: int | None = None):
         self.query_timeout = query_timeout
         self.roster = dict(roster or {})  # partition -> the public key of the node that may hold it
         self.partition: dict[int, int] = {}  # node id -> partition
-        self.partitions: int | None = None
+        self.partitions = partitions
+        self.operators = partitions is not None  # num-partitions set by the operator, not by a node's claim
         self.silent: dict[int, str] = {}  # node id -> why it was left out
         self.online: set[int] = set()
         self.keys: dict[int, bytes] = {}  # node id -> its public key
@@ -153,7 +155,9 @@ class Federation:
                 continue
             if self.partitions is not None and partitions != self.partitions:
                 why = (f"it claims partition {partition} of num-partitions={partitions}, the federation has "
-                       f"{self.partitions} (its first {'enrolled ' if self.roster else ''}node said so)")
+                       f"{self.partitions} ("
+                       + ("the run config's num-partitions)" if self.operators else
+                          f"its first {'enrolled ' if self.roster else ''}node said so)"))
                 log.warning("node %s left out: %s", node, why)
                 self.leave_out(node, why)
                 continue
@@ -269,7 +273,8 @@ class FedflatStrategy(Strategy):
     """
 
     def __init__(self, sim: Simulation, round_timeout: float = 600.0, wait_s: float = 120.0,
-                 query_timeout: float = 60.0, roster: dict[int, bytes] | None = None, insecure: bool = False):
+                 query_timeout: float = 60.0, roster: dict[int, bytes] | None = None, insecure: bool = False,
+                 partitions: int | None = None):
         if sim.cfg.executor.name != "local":
             raise ConfigError("a Flower federation trains its clients on the SuperNodes: remove executor.name="
                               f"{sim.cfg.executor.name} from the config")
@@ -279,7 +284,7 @@ class FedflatStrategy(Strategy):
                               "model.norm=group)")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
         self.host = sim.host  # the run's Server: the nodes train in place of the executor
-        self.federation = Federation(query_timeout, roster)
+        self.federation = Federation(query_timeout, roster, partitions)
         self.insecure, self.checked = insecure, False
         self.opened: OpenRound | None = None
         self.layout: UploadLayout | None = None  # what a client's upload holds this round (upload_layout)
@@ -465,21 +470,22 @@ class FedflatStrategy(Strategy):
 def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Path | None = None,
           resume: str | Path | None = None, progress: bool = False, round_timeout: float = 600.0,
           wait_s: float = 120.0, roster: dict[int, bytes] | None = None, insecure: bool = False,
-          model_fn: Callable[[], Any] | None = None):
+          model_fn: Callable[[], Any] | None = None, partitions: int | None = None):
     """Runs ``cfg`` on the federation behind ``grid`` as ``fedflat run`` runs it in one process, and returns
     its :class:`~fedflat.api.History` (run folder, metrics, checkpoints, summary). ``resume`` continues
     the run folder it names from its last checkpoint on the same nodes, whose saved client states the
     checkpoint's per-client rounds select (``rounds`` of ``cfg`` may extend it). ``roster``: partition -> the
     public key of the node that may hold it (:func:`fedflat.flower.keys.read_roster`); a deployment without one
     needs ``insecure``. ``model_fn`` replaces the configured model, as in :func:`fedflat.run` (the nodes' ClientApp
-    needs the same one)."""
+    needs the same one). ``partitions``: the federation's num-partitions as the operator sets it (a node claiming
+    another is left out); None: the first accepted node's claim."""
     from fedflat.api import run
     from fedflat.experiments.checkpoint import resume as resume_run
 
     def driver(sim: Simulation) -> Callable[[int], RoundResult]:
         # (a node learns its partition within wait_s too: a simulation whose ClientApps never start fails then)
         strategy = FedflatStrategy(sim, round_timeout=round_timeout, wait_s=wait_s, query_timeout=min(60.0, wait_s),
-                                   roster=roster, insecure=insecure)
+                                   roster=roster, insecure=insecure, partitions=partitions)
         strategy.summary()
         return strategy.round_driver(grid)
 
