@@ -111,13 +111,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from fedflat.experiments.personal import evaluate_run
 
-    result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode))
+    result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode), model=args.model,
+                          split=args.split)
     split, acc, loss = result["split"], result["accuracy"], result["loss"]
-    print(f"round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, loss {loss:.4f}")
-    reported = result["reported_accuracy"]
+    print(f"{result['model']}, round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, "
+          f"loss {loss:.4f}")
+    reported, key = result["reported_accuracy"], result["reported_key"]
     if reported is not None:
         same = reported == acc and math.isclose(result["reported_loss"] or 0.0, loss, rel_tol=1e-6)
-        print(f"summary.json: final_{split}_acc {reported:.4f}, final_{split}_loss {result['reported_loss']:.4f} "
+        print(f"summary.json: {key}_acc {reported:.4f}, {key}_loss {result['reported_loss']:.4f} "
               f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
     return 0
 
@@ -170,7 +172,13 @@ def register(sub) -> None:
     mode.add_argument("--personalized", dest="mode", action="store_const", const="personalized",
                       help="each client's own model on its own test share (the default for a personalized run)")
     mode.add_argument("--global", dest="mode", action="store_const", const="global",
-                      help="model.pt alone on the whole held-out set")
+                      help="the model file alone on the whole held-out set")
+    p.add_argument("--model", default="model.pt", metavar="FILE",
+                   help="the model file of the run folder to evaluate: model.pt (default), or one the run kept, "
+                        "e.g. best_model.pt (callbacks: model_checkpoint)")
+    p.add_argument("--split", default=None, choices=("test", "val"),
+                   help="the held-out set (default: the run's); test on a run that selected on a validation split "
+                        "gives the selected model's test accuracy, the number a paper reports")
     p.set_defaults(func=cmd_evaluate, mode=None)
 
 

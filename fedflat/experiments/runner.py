@@ -28,7 +28,7 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
+from fedflat.experiments.callbacks import CallbackError, Callbacks, ModelCheckpoint, RunInfo, build_callbacks
 from fedflat.experiments.personal import save_personal_parts
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
                                        machine_info, versions)
@@ -252,6 +252,7 @@ class Runner:
         if checkpoint is not None:
             self._restore(checkpoint)
         where = where or Output()
+        self.job = where.job
         info = RunInfo(config=copy.deepcopy(resolved), run_dir=run_dir.path if run_dir else None,
                        name=run_dir.path.name if run_dir else _label(cfg), start_round=self.start_round,
                        metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job, state_fn=sim.model_state)
@@ -369,6 +370,7 @@ class Runner:
             self.summary["callback_errors"] = [*self.summary.get("callback_errors", []), *self.callbacks.errors]
             self.callbacks.errors = []
         try:
+            self._test_selection()
             if self.summary["status"] != "diverged":
                 self._checkpoint()  # the final state, or the last complete round of an interrupted run
             self._save()
@@ -378,6 +380,31 @@ class Runner:
             raise self._disk_full(err) from None
         if self.run_dir is not None:
             self.run_dir.release_reserve()
+
+    def _test_selection(self) -> None:
+        """A run that selected on a validation split (``data.validation``) ends with the number a paper reports:
+        the test accuracy of the model it selected. ``final_test_acc``/``final_test_loss`` are the final model's
+        (as the run evaluated it: personalized where it is); ``selected_test_acc``/``selected_test_loss`` the
+        selected model's: the one a ``model_checkpoint`` callback kept (``best_model.pt``, chosen on its validation
+        metric), else the final one (``model.pt``), as ``selected_file`` and ``selected_round`` say. Only the end
+        of a finished run looks at the test split, and never a tuning trial's (``fedflat tune`` selects first)."""
+        sim, s = self.sim, self.summary
+        if (sim.problem.test_split is None or self.job == "trials"
+                or s["status"] not in ("completed", "stopped", "budget spent") or not s["rounds"] or (sim.personalized and sim.personal_evaluation is not None)):
+            return
+        kept = next((cb for cb in self.callbacks.active if isinstance(cb, ModelCheckpoint)
+                     and cb.best_state is not None), None)
+        with sim.on_test_split():
+            acc, loss = sim.evaluate()
+            s.update(final_test_acc=acc, final_test_loss=loss)
+            if kept is None:
+                s.update(selected_test_acc=acc, selected_test_loss=loss, selected_file="model.pt",
+                         selected_round=s["rounds"])
+            elif not sim.personalized:  # (a personalized run keeps its clients' parts of the final round only)
+                w, buffers = sim.model.vectors(kept.best_state)
+                acc, loss = sim.evaluate_model(w, buffers)
+                s.update(selected_test_acc=acc, selected_test_loss=loss, selected_file=kept.filename,
+                         selected_round=kept.best_round)
 
     def _disk_full(self, err: OSError) -> DiskFull:
         """Records the failure in summary.json (in the space the reserve gives back) and says what to do."""
