@@ -231,12 +231,16 @@ class Runner:
         self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
         self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
         self.checkpointed = 0  # the round of the checkpoint on disk (a resume starts from it)
+        self._training: int | None = None  # the round being trained, until it is committed
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
-            "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
+            "algorithm": alg.label, "dataset": resolved["data"]["name"],
+            "data_source": sim.dataset.source or None, "data_files": list(sim.dataset.files),  # what it read
+            "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
             "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
+            "gradient": sim.oracle.gradient,  # native, python (hand-derived) or autograd: docs/benchmarks.md
             "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
@@ -334,6 +338,7 @@ class Runner:
                 self.summary["reason"] = dropped_note(self.summary["dropped_clients"])
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
+            self._diverged_line()
         except BudgetSpent as err:
             self.summary.update(status="budget spent", reason=str(err))
         except KeyboardInterrupt as err:
@@ -420,8 +425,20 @@ class Runner:
                 pass  # still no room: the summary keeps its last state; the message says what happened
         return DiskFull(message)
 
+    def _diverged_line(self) -> None:
+        """The metrics line of a round whose training diverged (nothing of it was committed), its losses null, as
+        the line of one whose evaluation diverged holds them (docs/experiments.md, "A run that diverged")."""
+        if self._training is None:
+            return  # it diverged in its evaluation: the line is written
+        split = self.sim.heldout
+        with uninterrupted():
+            self._append({"round": self._training + 1, f"{split}_acc": None, f"{split}_loss": None,
+                          "train_loss": None, "lr": self.sim.lr_at(self._training), "diverged": True})
+
     def _round(self, t: int, bar) -> None:
+        self._training = t  # (a round that raises Diverged here writes its line with its losses null)
         result = self._train(t)
+        self._training = None
         if self._evaluated(t):
             record = self._record(t, result, bar)
         else:

@@ -145,19 +145,35 @@ def folder_name(text: str) -> str:
     return _UNSAFE.sub("-", text).lstrip(".-").rstrip("-")
 
 
+def _one_folder_each(seen: dict[str, Any], safe: str, given: Any, where: str, axis: str, fix: str) -> None:
+    """Refuses a second option of an axis whose folder name is ``safe`` (``a/b`` and ``a-b`` both clean to ``a-b``):
+    one of the two cells would silently be lost. ``seen``: folder name -> the option given for it so far."""
+    if safe in seen:
+        raise ConfigError(f"{where}: grid axis '{axis}': {seen[safe]!r} and {given!r} make the same cell folder name "
+                          f"'{safe}' (folder names keep letters, digits and . _ = -): {fix}")
+    seen[safe] = given
+
+
 def _parse_axis(axis: str, spec: Any, where: str) -> dict[str, list[tuple[str, Any]]]:
     if isinstance(spec, list):
         if not spec:
             raise ConfigError(f"{where}: grid axis '{axis}' has no values")
-        return {_option_name(axis, v): [(axis, v)] for v in spec}
+        options: dict[str, list[tuple[str, Any]]] = {}
+        seen: dict[str, Any] = {}
+        for value in spec:
+            _one_folder_each(seen, _option_name(axis, value), value, where, axis,
+                             "give the axis named options instead (option name: {key: value})")
+            options[_option_name(axis, value)] = [(axis, value)]
+        return options
     if isinstance(spec, dict):
         if not spec:
             raise ConfigError(f"{where}: grid axis '{axis}' has no options")
-        options = {}
+        options, seen = {}, {}
         for name, ovr in spec.items():
             safe = folder_name(str(name))
             if not safe:
                 raise ConfigError(f"{where}: grid axis '{axis}': option name {name!r} is empty after cleaning")
+            _one_folder_each(seen, safe, name, where, axis, "rename one")
             if isinstance(ovr, dict):
                 options[safe] = list(ovr.items())
             elif isinstance(ovr, list):
