@@ -114,3 +114,18 @@ def test_a_run_diverging_in_training_writes_the_rounds_line_with_its_loss_null(t
     (line,) = read_jsonl(folder / "metrics.jsonl")
     assert line["round"] == 1 and line["diverged"] is True
     assert line["train_loss"] is None and line["test_loss"] is None and line["test_acc"] is None
+
+
+def test_the_readme_and_the_docs_name_every_file_a_run_folder_holds(tmp_path):
+    """Issue 59: `.lock`, left in every run folder, was in neither table (nor checkpoint.pt in the README's)."""
+    import fedflat
+    from fedflat.config import load_config
+
+    tree = tiny_tree(rounds=1)
+    tree["callbacks"] = [{"name": "model_checkpoint", "metric": "test_acc"}]
+    fedflat.run(load_config(None, base=tree), run_dir=tmp_path / "run", progress=False)
+    files = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert ".lock" in files and "best_model.pt" in files
+    for doc in ("README.md", "docs/experiments.md"):
+        text = (REPO / doc).read_text()
+        assert [f for f in files if f"| `{f}` |" not in text] == [], doc
