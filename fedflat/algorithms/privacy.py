@@ -103,6 +103,7 @@ class GaussianMechanism(UploadStage):
     """Clip each client's release to ``C`` and add ``N(0, z^2 C^2)`` noise, centrally or locally (module docstring)."""
 
     name = "dp"
+    source = "McMahan et al., ICLR 2018 (DP-FedAvg); adaptive clip: Andrew et al., NeurIPS 2021"
     kind = "clip"
     summary = "client-level DP: clip each release to C, Gaussian noise z C on the sum (central) or per client (local)"
     Params = GaussianParams
