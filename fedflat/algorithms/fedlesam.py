@@ -95,17 +95,17 @@ class LocallyEstimatedPerturbation(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedlesam", summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
+    name="fedlesam", display="FedLESAM", summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 1",
     perturbation="lesam", defaults={"rho": 0.01},
     tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
-    name="fedlesam-s", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
+    name="fedlesam-s", display="FedLESAM-S", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 3",
     perturbation="lesam", correction="scaffold", defaults={"rho": 0.1},
     tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
-    name="fedlesam-d", summary="FedLESAM perturbation on FedDyn's correction, state and server",
+    name="fedlesam-d", display="FedLESAM-D", summary="FedLESAM perturbation on FedDyn's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 4",
     perturbation="lesam", correction="dyn", server="dyn", defaults={"rho": 0.1},
     tunable={"algo.rho": RHO_GRID}))

@@ -53,7 +53,7 @@ class LocalSAM(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedsam", summary="local SAM steps, FedAvg server",
+    name="fedsam", display="FedSAM", summary="local SAM steps, FedAvg server",
     source="Caldarola et al., ECCV 2022; Qu et al., ICML 2022",
     perturbation="sam", defaults={"rho": 0.01},
     tunable={"algo.rho": RHO_GRID}))

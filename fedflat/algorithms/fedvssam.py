@@ -108,7 +108,7 @@ ABLATION = {"alpha": 0.6, "beta": 0.3, "gamma": 0.6}
 _PARTS = dict(perturbation="vssam", correction="vssam", server="vssam")
 _SOURCE = "seed 000 (FedVSSAM), eq. 14-16, RECONSTRUCTED from the text"
 register_recipe(Recipe(
-    name="fedvssam", summary="one variance-suppressed direction v for flatness search, local and global update "
+    name="fedvssam", display="FedVSSAM", summary="one variance-suppressed direction v for flatness search, local and global update "
                          "(reconstruction)", source=_SOURCE, **_PARTS, defaults=DEFAULTS,
     tunable={"algo.rho": RHO_GRID, "algo.alpha": (0.3, 0.6, 0.9), "algo.beta": (0.1, 0.3, 0.5)}))
 for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gamma = 1): FedSAM"),
@@ -118,5 +118,5 @@ for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gam
     off = {"rho": DEFAULTS["rho"], "alpha": 1.0, "beta": 1.0, "gamma": 1.0}
     if mixing:
         off[mixing] = ABLATION[mixing]
-    register_recipe(Recipe(name=f"fedvssam-{suffix}", summary=f"FedVSSAM ablation: {text}",
+    register_recipe(Recipe(name=f"fedvssam-{suffix}", display=f"FedVSSAM-{suffix.upper()}", summary=f"FedVSSAM ablation: {text}",
                            source=_SOURCE + ", Fig. 3", **_PARTS, defaults=off, tunable={"algo.rho": RHO_GRID}))

@@ -93,11 +93,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
+    sys.stdout.write(text)
     if args.output:
-        Path(args.output).write_text(text)
+        from fedflat.files import atomic_write_text
+
+        atomic_write_text(Path(args.output), text)
         print(f"table: {args.output}")
-    else:
-        sys.stdout.write(text)
     if args.plot:
         from fedflat.experiments.plots import write_plots
 
@@ -162,7 +163,7 @@ def register(sub) -> None:
                    help="write convergence curves and partition heatmaps (one column of a paper wide)")
     p.add_argument("--formats", default="png,pdf,svg", metavar="F,...", help="figure formats (png,pdf,svg; csv: each convergence figure's numbers)")
     p.add_argument("--dpi", type=float, default=300, help="the PNG figures' resolution (default 300)")
-    p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
+    p.add_argument("--output", "-o", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("evaluate", help="evaluate a run folder's saved models as the run did (a personalized run: "

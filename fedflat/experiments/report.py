@@ -31,6 +31,7 @@ import yaml
 
 from fedflat.algorithms.compose import scoped_section
 from fedflat.core import ROLES, composition_label
+from fedflat.core.registry import display_label
 from fedflat.files import read_jsonl
 
 DASH = "–"
@@ -232,10 +233,10 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run, m, s in zip(runs, method_part, setting_part):
         name = _method_name(m)
         extra = _label([(k, m.get(k)) for k in method_keys[name]])
-        method = f"{name} ({extra})" if extra else name
+        method = f"{display_label(name)} ({extra})" if extra else display_label(name)  # as the papers write it
         setting = _label([(k, s.get(k)) for k in setting_keys if k in s]) or "all"
         groups.setdefault((setting, method), Group(setting, method)).runs.append(run)
-    ordered = sorted(groups.values(), key=lambda g: (g.setting, g.method != "fedavg", g.method))
+    ordered = sorted(groups.values(), key=lambda g: (g.setting, g.method != display_label("fedavg"), g.method))
     return ordered
 
 
