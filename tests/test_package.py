@@ -229,8 +229,9 @@ def test_reproducing_md_reports_the_folder_each_sweep_writes():
     text = (Path(__file__).resolve().parents[1] / "docs" / "reproducing.md").read_text()
     sweep, checked = None, 0
     for line in text.splitlines():
-        found = re.search(r"fedflat sweep configs/(\S+)\.yaml(?:.*--variant ([\w-]+))?", line)
-        if found:
+        found = re.search(r"^    fedflat sweep configs/(\S+)\.yaml(?:.*--variant ([\w-]+))?", line)
+        if found:  # (a command line of a code block; one sweeping into another folder needs its own report line)
+            assert sweep is None or sweep == found.groups(), f"no report line for the sweep before: {line}"
             sweep = found.groups()
         report = re.search(r"fedflat report (runs/sweeps/\S+)", line)
         if report and sweep is not None:
@@ -243,4 +244,5 @@ def test_reproducing_md_reports_the_folder_each_sweep_writes():
                 expected = report.group(1).replace("FILE", file.removeprefix("papers/"))
                 assert str(load_sweep(file, variant=variant).out) == expected, (line, file)
                 checked += 1
+            sweep = None
     assert checked > 20
