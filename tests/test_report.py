@@ -277,3 +277,23 @@ def test_report_output_writes_the_table_and_prints_it(tmp_path, capsys):
     saved = (tmp_path / "table.md").read_text()
     assert saved.startswith("| setting | method |") and "| FedAvg |" in saved
     assert out.startswith(saved) and f"table: {tmp_path / 'table.md'}" in out
+
+
+def test_the_table_names_each_methods_radius(tmp_path, capsys):
+    """Issue 59: the demo compared FedLESAM at rho 0.01 with FedSAM at 0.05 and the table did not say so. A report
+    of runs that perturb has a radius column, read from each run's config.yaml (FedAvg: none)."""
+    from fedflat.cli import main
+
+    runs_dir = tmp_path / "runs"
+    make_run(runs_dir, "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    make_run(runs_dir, "fedsam", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    scam = make_run(runs_dir, "fedscam", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    assert main(["report", str(runs_dir), "--format", "csv"]) == 0
+    rows = {r["method"]: r["radius"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    from fedflat.algorithms import RECIPES
+
+    sam = RECIPES["fedsam"].defaults["rho"]
+    rho_max = yaml.safe_load((scam / "config.yaml").read_text())["algo"]["perturbation"]["rho_max"]
+    assert rows == {"FedAvg": "", "FedSAM": f"rho={sam:g}", "FedSCAM": f"rho_max={rho_max:g}"}
+    assert main(["report", str(runs_dir)]) == 0
+    assert "| FedSAM | rho=" in capsys.readouterr().out

@@ -270,6 +270,7 @@ class Row:
     metrics: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # eval.metrics, in %
     # runs that selected on a validation split: the test accuracy of the model each selected (in %)
     selected: tuple[float | None, float | None] = (None, None)
+    radius: str | None = None  # the SAM radius the runs perturbed with (``rho=0.05``; None: no perturbation)
 
 
 def summarize(group: Group, targets: list[float]) -> Row:
@@ -304,7 +305,24 @@ def summarize(group: Group, targets: list[float]) -> Row:
                                         if r.summary.get(f"final_test_{name}") is not None])
                         for name in _metric_names(runs)},
                selected=mean_std([100 * r.summary["selected_test_acc"] for r in runs
-                                  if r.summary.get("selected_test_acc") is not None]))
+                                  if r.summary.get("selected_test_acc") is not None]),
+               radius=radius_of(runs))
+
+
+RADII = ("rho", "rho_max")  # the perturbation's radius, as its paper names it (FedSCAM adapts up to rho_max)
+
+
+def radius_of(runs: list[Run]) -> str | None:
+    """``rho=0.05`` (``rho_max=0.1``; values joined by ``/`` when the runs differ): the radius the runs' perturbation
+    used, read from their config.yaml; None for a method without one (FedAvg), so a table says which radii it
+    compares."""
+    shown = []
+    for key in RADII:
+        values = sorted({r.config[f"algo.perturbation.{key}"] for r in runs
+                         if r.config.get(f"algo.perturbation.{key}") is not None})
+        if values:
+            shown.append(f"{key}=" + "/".join(f"{v:g}" for v in values))
+    return ", ".join(shown) or None
 
 
 def _metric_names(runs: list[Run]) -> list[str]:
@@ -349,9 +367,14 @@ def selecting(rows: list[Row]) -> bool:
     return any(r.selected[0] is not None for r in rows)
 
 
+def with_radius(rows: list[Row]) -> bool:
+    """Whether any row perturbed with a radius: its tables then have a *radius* column."""
+    return any(r.radius is not None for r in rows)
+
+
 def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False,
-            selected: bool = False) -> list[str]:
-    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)",
+            selected: bool = False, radius: bool = False) -> list[str]:
+    cols = ["setting", "method", *(["radius"] if radius else []), "seeds", "final acc (%)", "best acc (%)",
             *(["test acc of selected (%)"] if selected else []), *(f"final {m} (%)" for m in metrics),
             *(["epsilon"] if epsilon else [])]
     for t in targets:
@@ -360,8 +383,8 @@ def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False
 
 
 def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), epsilon: bool = False,
-           selected: bool = False) -> list[str]:
-    cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
+           selected: bool = False, radius: bool = False) -> list[str]:
+    cells = [row.setting, row.method, *([row.radius or DASH] if radius else []), str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
              *([_pm(row.selected, pm)] if selected else []), *(_pm(row.metrics.get(m, (None, None)), pm) for m in metrics)]
     if epsilon:
         cells.append(DASH if row.epsilon is None else f"{row.epsilon:.3g}")
@@ -378,10 +401,10 @@ def _row_metrics(rows: list[Row]) -> list[str]:
 
 
 def to_markdown(rows: list[Row], targets: list[float]) -> str:
-    metrics, epsilon, selected = _row_metrics(rows), private(rows), selecting(rows)
-    head = headers(targets, metrics, epsilon, selected)
+    metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
+    head = headers(targets, metrics, epsilon, selected, radius)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected))
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected, radius))
               + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -395,14 +418,14 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(rows: list[Row], targets: list[float]) -> str:
-    metrics, epsilon, selected = _row_metrics(rows), private(rows), selecting(rows)
-    head = headers(targets, metrics, epsilon, selected)
-    spec = "ll" + "r" * (len(head) - 3) + "l"
+    metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
+    head = headers(targets, metrics, epsilon, selected, radius)
+    spec = "ll" + "l" * radius + "r" * (len(head) - 3 - radius) + "l"
     out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
            " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in rows:
         cells = []
-        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon, selected):
+        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon, selected, radius):
             text = _latex_escape(c)
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
@@ -413,7 +436,7 @@ def to_latex(rows: list[Row], targets: list[float]) -> str:
 def to_csv(rows: list[Row], targets: list[float]) -> str:
     buf = io.StringIO()
     metrics = _row_metrics(rows)
-    cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
+    cols = ["setting", "method", *(["radius"] if with_radius(rows) else []), "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
             *(["selected_test_acc_mean", "selected_test_acc_std"] if selecting(rows) else []),
             *(f"final_{m}_{stat}" for m in metrics for stat in ("mean", "std"))]
     cols += ["epsilon"] if private(rows) else []
@@ -424,7 +447,7 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     writer.writerow(cols)
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
     for r in rows:
-        line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1]),
+        line = [r.setting, r.method, *([r.radius or ""] if with_radius(rows) else []), r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1]),
                 *([num(r.selected[0]), num(r.selected[1])] if selecting(rows) else []), *(num(v) for m in metrics for v in r.metrics.get(m, (None, None)))]
         line += [num(r.epsilon)] if private(rows) else []
         for t in targets:
