@@ -189,7 +189,8 @@ class CoordinateClipFilter(Filter):
 
 
 register_recipe(Recipe(
-    name="feddyn-gradfilter", display="FedDyn-GradFilter", summary="FedDyn with FedFFT's filter on the raw gradient (no SAM)",
+    name="feddyn-gradfilter", display="FedDyn-GradFilter",
+    summary="FedDyn with FedFFT's filter on the raw gradient (no SAM)",
     source="seed 004 (FedFFT), §E.6, Table 13", filter="fft_grad", correction="dyn", server="dyn",
     defaults={"alpha": 0.1, "r": 0.01}, tunable={"algo.alpha": (0.1, 0.01, 0.001)}))
 FFT_GRID = {"algo.rho": (0.05, 0.1, 0.15, 0.2)}  # seed 004 §E.3, the radius sensitivity study (r stays 0.01)

@@ -80,7 +80,8 @@ def private_layers(layout, layers: int) -> torch.Tensor:
 
 FEDPER = "Arivazhagan et al., arXiv:1912.00818, 2019"
 register_recipe(Recipe(
-    name="fedper", display="FedPer", summary="FedPer: local SGD, the last personal_layers layers (the head) stay on each client",
+    name="fedper", display="FedPer",
+    summary="FedPer: local SGD, the last personal_layers layers (the head) stay on each client",
     source=FEDPER, personalization="fedper"))
 register_recipe(Recipe(
     name="fedper-sam", display="FedPer-SAM", summary="FedPer with SAM as the local optimizer (FedFFT's radii)",

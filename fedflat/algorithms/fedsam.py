@@ -25,8 +25,8 @@ class SAMParams(PartParams):
 
 
 class LocalSAM(Perturbation):
-    """Local SAM ascent step (Foret et al., ICLR 2021): ``eps = rho u / (||u|| + 1e-12)`` with
-    ``u = g(w)`` on the step's batch and ONE L2 norm over all parameters.
+    r"""Local SAM ascent step (Foret et al., ICLR 2021): :math:`\epsilon = \rho\, u / (\lVert u \rVert + 10^{-12})` with
+    :math:`u = g(w)` on the step's batch and ONE L2 norm over all parameters.
 
     Subclasses change the ascent direction ``u`` (:meth:`ascent`) or the radius (:meth:`radius`).
     """

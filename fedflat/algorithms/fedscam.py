@@ -265,14 +265,17 @@ class AlignmentWeights(Aggregation):
 _SOURCE = "seed 003 (FedSCAM), Algorithm 1"
 SCAM_GRID = {"algo.rho_max": (0.01, 0.05, 0.1)}  # seed 003 §5.1.1
 register_recipe(Recipe(
-    name="fedscam", display="FedSCAM", summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
+    name="fedscam", display="FedSCAM",
+    summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
     source=_SOURCE, perturbation="scam", aggregation="scam",
     tunable=SCAM_GRID))
 register_recipe(Recipe(
-    name="fedscam-wa", display="FedSCAM-WA", summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
+    name="fedscam-wa", display="FedSCAM-WA",
+    summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
     aggregation="scam"))
 register_recipe(Recipe(
-    name="fedscam-sam", display="FedSCAM-SAM", summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
+    name="fedscam-sam", display="FedSCAM-SAM",
+    summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
     perturbation="scam",
     tunable=SCAM_GRID))
 register_recipe(Recipe(

@@ -179,7 +179,8 @@ class MomentumGuidedPerturbation(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedwmsam", display="FedWMSAM", summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
+    name="fedwmsam", display="FedWMSAM",
+    summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
     source="Li et al., NeurIPS 2025 (seed 001)",
     perturbation="wmsam", correction="wmsam", defaults={"rho": 0.01, "a": 0.1},
     tunable={"algo.rho": RHO_GRID}))
