@@ -257,3 +257,24 @@ def test_the_command_runs_a_study_and_prints_the_selections(tmp_path, capsys):
     assert "| fedprox | 2 (of 2) | algo.mu=" in out and f"fedflat report {tmp_path / 'out' / 'final'}" in out
     assert main(["list", "--grids"]) == 0
     assert "fedsam" in capsys.readouterr().out.split("tuning grids")[1]
+
+
+def test_the_demo_runs_every_method_at_a_radius_chosen_the_same_way():
+    """Issue 59: the demo ran FedLESAM at its default 0.01 beside FedSAM at 0.05. Every method of the demo sets its
+    radius, each one the study configs/tune_demo.yaml selects from: the same setting (base and overrides), the same
+    grid for every method, the demo's methods exactly."""
+    from fedflat.experiments.sweep import load_sweep
+
+    demo, study = load_sweep("demo_sweep"), load_study("tune_demo")
+    assert demo.base == study.base and demo.overrides == study.overrides
+    options = demo.axes["method"]
+    assert set(options) == set(study.methods)
+    grids = {name: method.space for name, method in study.methods.items()}
+    assert grids["fedavg"] == {}
+    assert len({tuple(values) for space in grids.values() for values in space.values()}) == 1  # one grid for all
+    for name, overrides in options.items():
+        chosen = {key: value for key, value in overrides if key != "algo"}
+        assert set(chosen) == set(grids[name]), name  # the radius is set, and it is the tuned key
+        for key, value in chosen.items():
+            assert value in grids[name][key], (name, key, value)
+        assert dict(overrides)["algo"] == name
