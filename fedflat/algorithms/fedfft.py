@@ -80,7 +80,8 @@ def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
 
 
 class LowFrequencyFilter(Filter):
-    """FedFFT's filter (seed 004 eq. 6): zero ``V[m]`` for ``m < floor(r len(V))`` per tensor."""
+    r"""FedFFT's filter (seed 004 eq. 6): zero :math:`V[m]` for :math:`m < \lfloor r \cdot \mathrm{len}(V) \rfloor` per
+    tensor, :math:`V = \mathrm{rfft}(v)`."""
 
     name = "fft"
     summary = "FedFFT: zero the lowest floor(r*len) rFFT coefficients of each tensor's perturbation (r=0.01)"

@@ -229,7 +229,8 @@ class WeightParams(ScoreParams):
 
 
 class AlignmentWeights(Aggregation):
-    """``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)`` (times the optional dampening factors)."""
+    r""":math:`S_i \propto \frac{n_i}{1 + \gamma h_{adj}} \max(0, 1 + \beta c_i)` (times the optional dampening
+    factors)."""
 
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"

@@ -159,7 +159,8 @@ class GuidedParams(PartParams):
 
 
 class MomentumGuidedPerturbation(Perturbation):
-    """``eps_k = rho d_k/||d_k||``, ``d_k = (w_start + k m_i) - w_{i,k}`` (seed 001 §4.1(b), README C1).
+    r""":math:`\epsilon_k = \rho\, d_k / \lVert d_k \rVert`, :math:`d_k = (w_{start} + k\, m_i) - w_{i,k}` (seed 001 §4.1(b),
+    README C1).
 
     ``m_i`` is the personalized momentum when the correction provides one (``wmsam``), otherwise
     the server momentum ``m`` (e.g. FedCM's ``momentum`` correction).
