@@ -69,7 +69,8 @@ class History:
 
     @property
     def final_test_acc(self) -> float | None:
-        """The test accuracy of the final model (None without a test evaluation, as in a validation run)."""
+        """The test accuracy of the final model (a run selecting on a validation split scores it on the test split at
+        its end; None where nothing was scored: a run that did not finish)."""
         return self.summary.get("final_test_acc")
 
 
