@@ -21,7 +21,7 @@ setup: $(STAMP)
 # Seven methods on the quickstart split, then the comparison table (rerunning skips finished cells).
 demo: $(STAMP)
 	$(BIN)/fedflat sweep configs/demo_sweep.yaml
-	$(BIN)/fedflat report runs/sweeps/demo --target-acc 0.85 0.9 --plot runs/sweeps/demo/plots
+	$(BIN)/fedflat report runs/sweeps/demo --target-acc 0.85 0.9 --plot runs/sweeps/demo/plots --output runs/sweeps/demo/table.md
 
 # The site: README, docs/ and the API reference from the docstrings, into docs/_build/html (warnings are errors).
 docs: $(STAMP)

@@ -22,7 +22,11 @@ author = "the fedflat authors"
 copyright = "2026, the fedflat authors"
 release = version = fedflat.__version__
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.autosummary", "sphinx.ext.viewcode"]
+# Equations as the papers write them: $...$ and $$...$$ (MyST's dollarmath, amsmath's environments), rendered by
+# MathJax 3 from the site itself (sphinx-mathjax-offline: the site needs no network to show them).
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.autosummary", "sphinx.ext.viewcode", "sphinx.ext.mathjax",
+              "sphinx-mathjax-offline"]
+myst_enable_extensions = ["dollarmath", "amsmath"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
@@ -44,11 +48,10 @@ autodoc_typehints = "description"
 autodoc_class_signature = "separated"
 add_module_names = False
 
-html_theme = "alabaster"
+html_theme = "furo"
 html_title = f"fedflat {release}"
-html_theme_options = {"description": "Federated learning with sharpness-aware minimization, side by side.",
-                      "fixed_sidebar": True, "show_relbars": True}
-html_sidebars = {"**": ["about.html", "navigation.html", "relations.html", "searchbox.html"]}
+html_static_path = ["_static"]
+html_css_files = ["fedflat.css"]  # long code lines wrap instead of hiding in a scrolling box
 
 
 def _defining_name(target: str) -> str | None:

@@ -52,6 +52,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         table("datasets", [(n, d) for n, (_, d) in sorted(DATASETS.items())])
         table("models", [(n, d) for n, (_, d) in sorted(MODELS.items())])
         table("partitions", [(n, d) for n, (_, d) in sorted(PARTITIONS.items())])
+        for title, rows in upload_stages():
+            table(title, rows)
     if args.grids:
         table("tuning grids (`fedflat tune`)", [(n, ", ".join(f"{k} {list(v)}" for k, v in r.tunable.items())
                                                 or "(nothing of its own)") for n, r in sorted(RECIPES.items())])
@@ -62,6 +64,26 @@ def cmd_list(args: argparse.Namespace) -> int:
         table("shipped configs (`fedflat run|sweep|tune NAME`; `fedflat copy NAME` writes one out to edit)",
               [(name, shipped_summary(name)) for name in packaged_names()])
     return 0
+
+
+# The upload path's kinds of stage (fedflat.core.upload.STAGE_ORDER), as a user names them: the title of their
+# table in `fedflat list` and the config key that picks one.
+STAGE_KINDS = {"attack": ("attacks", "attack.name"), "compress": ("compressors", "compression.name"),
+               "clip": ("DP mechanisms", "privacy"), "robust": ("robust rules", "robust.name")}
+
+
+def upload_stages() -> list[tuple[str, list[tuple[str, str]]]]:
+    """The registered stages of the upload path (:data:`fedflat.core.STAGES`, a plugin's too), one table per kind in
+    the path's order: ``(title, [(name, "summary [source]")])``."""
+    from fedflat.core import STAGE_ORDER, STAGES
+
+    tables = []
+    for kind in sorted({cls.kind for cls in STAGES.values()}, key=lambda k: STAGE_ORDER.get(k, 99)):
+        title, key = STAGE_KINDS.get(kind, (f"{kind} stages", kind))
+        rows = [(name, cls.summary + (f" [{cls.source}]" if cls.source else ""))
+                for name, cls in sorted(STAGES.items()) if cls.kind == kind]
+        tables.append((f"upload stage: {title} (`{key}`)", rows))
+    return tables
 
 
 def shipped_summary(name: str) -> str:
@@ -147,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_loggers_option(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("list", help="available algorithms, datasets, models and partitions")
+    p = sub.add_parser("list", help="available algorithms, datasets, models, partitions and upload stages (attacks, "
+                                    "compressors, DP mechanisms, robust rules)")
     p.add_argument("--parts", action="store_true", help="also list the parts recipes are made of")
     p.add_argument("--grids", action="store_true", help="also list each recipe's tuning grid (fedflat tune)")
     p.add_argument("--configs", action="store_true",

@@ -99,8 +99,12 @@ def accuracy_text(summary: dict) -> str:
     split = evaluated_on(summary)
     kind = ("personalized " if summary.get("evaluation") == "personalized" else "") + (
         "validation" if split == "val" else "test")
-    return (f"final {kind} accuracy {summary[f'final_{split}_acc']:.4f}, "
+    text = (f"final {kind} accuracy {summary[f'final_{split}_acc']:.4f}, "
             f"best {summary[f'best_{split}_acc']:.4f} (round {summary['best_round']})")
+    if summary.get("selected_test_acc") is not None:  # selected on validation: the number a paper reports
+        text += (f"; test accuracy of the selected model ({summary['selected_file']}, round "
+                 f"{summary['selected_round']}) {summary['selected_test_acc']:.4f}")
+    return text
 
 
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:

@@ -694,6 +694,61 @@ def located(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
     return tree
 
 
+# --- inheritance: ``base: NAME`` in a run config (docs/experiments.md, "Inheriting a config") -------------------
+SECTION_IDS = ("name", "scheme")  # a section naming another method/model/partition starts afresh, as `algo=X` does
+
+
+def base_file(base: str, referrer: Path) -> Path:
+    """The config a ``base:`` names: a file relative to ``referrer``'s folder, else a shipped config by name
+    (``fmnist_mlp``, ``papers/fedwmsam_table1_fmnist``)."""
+    candidate = (referrer.parent / base).resolve()
+    if candidate.is_file():
+        return candidate
+    shipped = packaged_config(base)
+    if shipped is None:
+        raise ConfigError(f"{referrer}: base config '{base}' not found (looked at {candidate}, and no shipped config "
+                          f"has that name{suggest(_shipped_key(base), packaged_names())}: `fedflat list --configs`)")
+    return shipped
+
+
+def deep_merge(base: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
+    """``edits`` over ``base``, section by section: a mapping merges into the base's mapping key by key, any other
+    value (a list too) replaces; a section that names another method, model or partition (``algo: {name: fedsam}``
+    over ``algo: {name: fedavg, ...}``) replaces the base's section, whose keys belong to the other one."""
+    merged = copy.deepcopy(base)
+    for key, value in edits.items():
+        old = merged.get(key)
+        switches = isinstance(value, dict) and isinstance(old, dict) and any(
+            k in value and k in old and value[k] != old[k] for k in SECTION_IDS)
+        if isinstance(value, dict) and isinstance(old, dict) and not switches:
+            merged[key] = deep_merge(old, value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def inherited(tree: dict[str, Any], file: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A run config read from ``file`` with its ``base:`` resolved: the base config (itself resolved, so bases
+    chain) deep-merged with the file's own keys (:func:`deep_merge`). A cycle is refused, naming it."""
+    file = file.resolve()
+    chain = (*chain, file)
+    if "base" not in tree:
+        return tree
+    edits = {k: v for k, v in tree.items() if k != "base"}
+    name = tree["base"]
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{file}: base must be a config's file or shipped name (got {name!r})")
+    parent = base_file(name, file)
+    if parent.resolve() in chain:
+        cycle = " -> ".join(p.name for p in (*chain[chain.index(parent.resolve()):], parent))
+        raise ConfigError(f"{chain[0]}: the configs inherit in a cycle ({cycle}): remove one base")
+    loaded = read_yaml_file(parent) or {}
+    if not isinstance(loaded, dict) or file_kind(loaded) != "run":
+        raise ConfigError(f"{file}: base '{name}' ({parent}) is not one run's config"
+                          + (f" but {file_kind(loaded)} file" if isinstance(loaded, dict) else ""))
+    return deep_merge(inherited(located(loaded, parent.parent), parent, chain), edits)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict[str, Any] | None = None, method: AlgoSpec | None = None) -> "Config":
     """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, validates; ``method`` is the
@@ -706,7 +761,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{file}: the top level must be a mapping of keys")
         if file_kind(loaded) != "run":
             raise wrong_kind(path, file_kind(loaded), "run")
-        tree = located(loaded, file.parent)
+        tree = inherited(located(loaded, file.parent), file)
     parsed = [parse_override(item) for item in overrides]
     # Choosing a method (model, partition) comes first, whatever its place on the command line: it starts
     # that section from the chosen one's defaults, and the other overrides then apply to it.
@@ -986,12 +1041,12 @@ def dump_yaml(tree: dict[str, Any]) -> str:
 
 def file_kind(spec: Any) -> str:
     """What a YAML file of fedflat's is, from its top-level keys: ``tune`` (it has ``methods``), ``sweep`` (a
-    ``base``, ``config``, ``grid``, ``overrides`` or ``variants``: none is a config key) or ``run`` (one run's
-    config)."""
+    ``config``, ``grid``, ``overrides`` or ``variants``: none is a config key) or ``run`` (one run's config, which may
+    inherit another with ``base``; ``fedflat sweep`` takes a file of only ``base`` and ``out`` as a one-cell sweep)."""
     keys = set(spec) if isinstance(spec, dict) else set()
     if "methods" in keys:
         return "tune"
-    return "sweep" if keys & {"base", "config", "grid", "overrides", "variants"} else "run"
+    return "sweep" if keys & {"config", "grid", "overrides", "variants"} else "run"
 
 
 def wrong_kind(name: str | Path, kind: str, wanted: str) -> ConfigError:

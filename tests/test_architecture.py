@@ -174,3 +174,22 @@ def test_a_users_model_fn_goes_back_up_the_layers_at_most_once(monkeypatch, extr
     for start, end in zip(builds, builds[1:]):
         callers = [chain[-1] for _, chain in calls[start:end]]
         assert _ups([layer for i, layer in enumerate(callers) if i == 0 or layer != callers[i - 1]]) <= 1, callers
+
+
+def test_the_pages_diagrams_are_drawn_from_the_current_code():
+    """docs/figures/layers.svg and round.svg are what scripts/architecture_diagram.py draws from the source's imports
+    and the page's steps and anchors now; the layers' dots never point up (tests/test_layers.py's rule)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "architecture_diagram.py"), "--check"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    svg = (ROOT / "docs" / "figures" / "layers.svg").read_text()
+    pairs = [tuple(map(int, p)) for p in re.findall(r"<title>layer (\d+) imports layer (\d+):", svg)]
+    assert pairs and all(dest < source for source, dest in pairs)
+    assert (3, 0) in pairs and (5, 3) in pairs  # the algorithms read the contract; the engine runs the algorithms
+    assert "figures/layers.svg" in PAGE and "figures/round.svg" in PAGE
+    steps = re.findall(r"^\d+\. \*\*(.+?)\*\*", PAGE, flags=re.M)
+    journey = (ROOT / "docs" / "figures" / "round.svg").read_text()
+    assert steps and all(f"{k + 1}. {title}" in journey for k, title in enumerate(steps))

@@ -152,6 +152,7 @@ def test_search_order_root_before_env_before_cache(tmp_path, monkeypatch):
     assert np.array_equal(load_dataset("mnist", root=tmp_path / "root").y_train.numpy(), root_labels)
     assert np.array_equal(load_dataset("mnist").y_train.numpy(), env_labels)
     # a root without the files falls through to $FEDFLAT_DATA
+    (tmp_path / "empty").mkdir()
     assert np.array_equal(load_dataset("mnist", root=tmp_path / "empty").y_train.numpy(), env_labels)
     monkeypatch.delenv("FEDFLAT_DATA")
     assert np.array_equal(load_dataset("mnist").y_train.numpy(), cache_labels)
@@ -179,6 +180,7 @@ def test_images_and_labels_must_agree(tmp_path):
 
 def test_missing_dataset_lists_every_place_searched(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDFLAT_DATA", str(tmp_path / "env"))
+    (tmp_path / "root").mkdir()
     with pytest.raises(FileNotFoundError) as info:
         load_dataset("mnist", root=tmp_path / "root")
     err = info.value

@@ -84,19 +84,26 @@ class Page(HTMLParser):
         self.ids: dict[str, str] = {}
         self.terms: list[str] = []
         self._open: list[tuple[str, str | None, list[str]]] = []
-        self._main = 0  # depth of <div> inside <div role="main">
+        self._main = 0  # depth inside the element with role="main" (the theme's <article>, or a <div>)
+        self._main_tag: str | None = None
+        self.html = html  # the DOM as the browser left it (MathJax's output included)
+        self.images: list[str] = []  # the main part's <img> sources
         self.feed(html)
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if tag == "div" and (self._main or attrs.get("role") == "main"):
+        if not self._main and attrs.get("role") == "main":
+            self._main_tag = tag
+        if tag == self._main_tag and (self._main or attrs.get("role") == "main"):
             self._main += 1
+        if tag == "img" and self._main:
+            self.images.append(attrs.get("src") or "")
         if tag in ("a", "dt") or (tag in ("h1", "h2", "h3") and self._main):
             key = attrs.get("href") if tag == "a" else attrs.get("id")
             self._open.append((tag, key, []))
 
     def handle_endtag(self, tag):
-        if tag == "div" and self._main:
+        if tag == self._main_tag and self._main:
             self._main -= 1
         if self._open and self._open[-1][0] == tag:
             tag, key, parts = self._open.pop()
@@ -210,3 +217,23 @@ def test_every_docs_back_link_of_a_source_page_points_at_an_anchor_that_exists(s
             if unquote(anchor) not in ids[path]:
                 broken.append(f"{page.relative_to(site)}: {href}")
     assert count > 500 and not broken, broken[:10]
+
+
+@pytest.mark.slow  # the site's build and a browser (moved from make test: its 10 minutes)
+def test_a_browser_shows_the_equations_as_math_and_the_architecture_diagrams(browser, site):
+    """Issue 59: the site showed ASCII equations (`eps = rho g / ||g||`) in a theme that cut long code lines, and the
+    architecture page had no picture. The pages' $...$ math is typeset by MathJax (served by the site itself: its
+    output elements are in the DOM after the scripts ran), and architecture.md shows both diagrams."""
+    algorithms = browser("algorithms.html")
+    assert algorithms.html.count("<mjx-container") > 20, "MathJax typeset nothing on algorithms.html"
+    assert "\\lVert" not in algorithms.html.split("<mjx-container", 1)[1][:2000]  # typeset, not left as source
+    for page in ("privacy.html", "security.html"):
+        assert "<mjx-container" in browser(page).html, page
+    assert (site / "_static" / "mathjax" / "tex-chtml.js").is_file()  # no network needed
+    architecture = browser("architecture.html")
+    shown = {Path(src).name for src in architecture.images}
+    assert {"layers.svg", "round.svg"} <= shown, shown
+    for name in ("layers.svg", "round.svg"):
+        (found,) = [p for p in site.rglob(name)]
+        assert "<svg" in found.read_text()
+    assert "furo" in (site / "index.html").read_text()  # the theme

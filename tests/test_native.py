@@ -103,13 +103,51 @@ print(json.dumps({"loaded": op is not None, "status": native.status(), "warnings
 def test_without_a_compiler_the_python_method_runs_with_the_same_numbers(tmp_path):
     """With no compiler to build it (``CXX`` naming none, an empty cache), the run warns once with the reason and
     ends with the parameters of a run that has the native operator (or of the Python method, off)."""
-    missing = json.loads(_python(RUN_TINY, {"CXX": str(tmp_path / "no-compiler"),
-                                             "FEDFLAT_CACHE": str(tmp_path / "cache")}).stdout)
+    done = _python(RUN_TINY, {"CXX": str(tmp_path / "no-compiler"), "FEDFLAT_CACHE": str(tmp_path / "cache")})
+    missing = json.loads(done.stdout)
     assert not missing["loaded"] and "no C++ compiler" in missing["status"]
-    assert sum("not available" in m for m in missing["warnings"]) == 1
+    said = [line for line in done.stderr.splitlines() if "not available" in line]
+    assert len(said) == 1 and said[0].startswith("fedflat: warning: the native MLP gradient is not available")
+    assert not any("native" in m for m in missing["warnings"])  # one fedflat line, not a UserWarning
     reference = fedflat.run({**TINY, "rounds": 2, "algo": {"name": "fedsam"}, "device": "cpu"},
                             overrides=["engine=sequential"], save=False, progress=False).final_parameters
     assert reference.numpy().tobytes().hex() == missing["bits"]
+
+
+FAILING_COMPILER = """#!/bin/sh
+# a compiler whose builds fail: answers --version (the cache key), counts and fails every compile
+if [ "$1" = "--version" ]; then echo "failing-c++ 1.0"; exit 0; fi
+echo build >> "$(dirname "$0")/builds"
+echo "mlp_gradient.cpp:1:1: error: this compiler always fails" >&2
+exit 1
+"""
+
+
+def test_a_failed_build_is_recorded_once_per_machine_and_said_in_one_line(tmp_path):
+    """Issue 59: a failing build was tried again, and "building ... once (about 15 s)" announced, in every process,
+    its warning a raw UserWarning with a source line. Now the first process tries, records the failure in the cache
+    (keyed as the library is) and says so in one fedflat line; the next ones use the Python method at once,
+    silently; `python -m fedflat.engine.native` tries again."""
+    cxx = tmp_path / "failing-c++"
+    cxx.write_text(FAILING_COMPILER)
+    cxx.chmod(0o755)
+    env = {"CXX": str(cxx), "FEDFLAT_CACHE": str(tmp_path / "cache")}
+    code = "from fedflat.engine import native; print(native.load() is None); print(native.status())"
+    first, second, third = (_python(code, env) for _ in range(3))
+    assert (tmp_path / "builds").read_text().splitlines() == ["build"]  # one try for the machine
+    assert first.stdout.splitlines()[0] == "True" and "failing-c++ failed: mlp_gradient.cpp:1:1: error" in first.stdout
+    lines = first.stderr.strip().splitlines()
+    assert lines[0].startswith("fedflat: building the native MLP gradient once")
+    assert len(lines) == 2 and lines[1].startswith("fedflat: warning: the native MLP gradient is not available "
+                                                   "(failing-c++ failed: mlp_gradient.cpp:1:1: error")
+    assert "UserWarning" not in first.stderr
+    for later in (second, third):
+        assert later.stderr == "" and "its build failed on this machine" in later.stdout
+    (record,) = (tmp_path / "cache" / "native").rglob("build-failed.txt")
+    assert "this compiler always fails" in record.read_text()
+    again = subprocess.run([sys.executable, "-m", "fedflat.engine.native"], env={**os.environ, "PYTHONPATH": str(ROOT),
+                           **env}, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and (tmp_path / "builds").read_text().splitlines() == ["build", "build"]
 
 
 @pytest.mark.slow
@@ -132,3 +170,17 @@ def test_concurrent_builds_make_one_library_and_a_damaged_one_is_rebuilt(tmp_pat
     assert again["loaded"] and library.stat().st_size > 4096
     python = json.loads(_python(RUN_TINY, {"FEDFLAT_NATIVE": "0"}).stdout)
     assert {r["bits"] for r in [*results, again, python]} == {python["bits"]}
+
+
+def test_the_summary_says_which_gradient_ran(monkeypatch):
+    """summary.json's ``gradient``: the native operator, the same hand-derived gradient in Python (the operator off
+    or not built), or autograd (here: the vectorized engine, which the hand-derived gradient does not serve)."""
+    config = {**TINY, "rounds": 1, "algo": {"name": "fedsam"}, "device": "cpu"}
+    ran = lambda *extra: fedflat.run(config, overrides=["engine=sequential", *extra], save=False,  # noqa: E731
+                                     progress=False).summary["gradient"]
+    assert fedflat.run(config, overrides=["engine=vectorized"], save=False, progress=False).summary["gradient"] == \
+        "autograd"
+    if native.compiler() is not None and native.load() is not None:
+        assert ran() == "native"
+    monkeypatch.setenv("FEDFLAT_NATIVE", "0")
+    assert ran() == "python"

@@ -216,3 +216,33 @@ def test_the_wheel_in_a_fresh_environment_runs_shipped_configs_by_name_from_an_e
     _run([fedflat, "copy", "tune_fmnist"], work, env)
     assert "fedavg:" in _run([fedflat, "tune", "tune_fmnist.yaml", "--variant", "small", "--dry-run"], work,
                              env).stdout
+
+
+def test_reproducing_md_reports_the_folder_each_sweep_writes():
+    """Issue 59: docs/reproducing.md said to report runs/sweeps/FILE after `--variant small`, which writes
+    runs/sweeps/FILE-small. Every `fedflat report runs/sweeps/...` there names the folder of the sweep command
+    before it (FILE standing for each shipped paper sweep with that variant)."""
+    import re
+
+    from fedflat.config import file_kind, packaged_config, read_yaml_file
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "reproducing.md").read_text()
+    sweep, checked = None, 0
+    for line in text.splitlines():
+        found = re.search(r"^    fedflat sweep configs/(\S+)\.yaml(?:.*--variant ([\w-]+))?", line)
+        if found:  # (a command line of a code block; one sweeping into another folder needs its own report line)
+            assert sweep is None or sweep == found.groups(), f"no report line for the sweep before: {line}"
+            sweep = found.groups()
+        report = re.search(r"fedflat report (runs/sweeps/\S+)", line)
+        if report and sweep is not None:
+            name, variant = sweep
+            files = ([n for n in packaged_names() if n.startswith("papers/") and file_kind(
+                read_yaml_file(packaged_config(n))) == "sweep" and (variant is None or variant in
+                (read_yaml_file(packaged_config(n)).get("variants") or {}))] if name == "papers/FILE" else [name])
+            assert files, line
+            for file in files:
+                expected = report.group(1).replace("FILE", file.removeprefix("papers/"))
+                assert str(load_sweep(file, variant=variant).out) == expected, (line, file)
+                checked += 1
+            sweep = None
+    assert checked > 20

@@ -246,3 +246,31 @@ def test_a_flower_app_carries_the_configs_path_plugins(tmp_path):
                           env={**ENV, "PYTHONPATH": str(app)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "myfedasam"
+
+
+def test_list_shows_every_upload_stage_by_kind_with_its_source_a_plugins_too(tmp_path):
+    """Issue 59: robust rules, attacks, compressors and DP mechanisms were found only in the docs. `fedflat list`
+    reads them from the registry (fedflat.core.STAGES): every registered stage under its kind's table, with its
+    summary and source, a plugin's new robust rule included."""
+    from fedflat.algorithms import RECIPES  # noqa: F401 - registers the built-in stages
+    from fedflat.core import STAGES
+
+    (tmp_path / "my_rule.py").write_text(
+        "from fedflat.algorithms.robust import RobustRule\nfrom fedflat.core import register_part\n\n\n"
+        "@register_part\nclass Keep(RobustRule):\n    name = 'keep_all'\n"
+        "    summary = 'robust aggregation: nothing removed (a plugin)'\n    source = 'Nobody et al., 2026'\n")
+    done = cli("list", "--plugin", str(tmp_path / "my_rule.py"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    titles = {"attack": "upload stage: attacks (`attack.name`):", "compress": "upload stage: compressors "
+              "(`compression.name`):", "clip": "upload stage: DP mechanisms (`privacy`):",
+              "robust": "upload stage: robust rules (`robust.name`):"}
+    sections = {}
+    for block in done.stdout.split("\nupload stage: ")[1:]:
+        title, *rows = ("upload stage: " + block).splitlines()
+        sections[title] = {row.split()[0]: row for row in rows if row.startswith("  ")}
+    assert set(sections) == set(titles.values())
+    for name, cls in STAGES.items():
+        row = sections[titles[cls.kind]][name]
+        assert cls.summary in row and cls.source and f"[{cls.source}]" in row, name
+    assert sections[titles["robust"]]["keep_all"].endswith("nothing removed (a plugin) [Nobody et al., 2026]")
+    assert not {"attack", "compress", "clip", "robust"} - {cls.kind for cls in STAGES.values()}

@@ -48,8 +48,8 @@ def runs_dir(tmp_path):
 
 def test_rows_hold_mean_std_and_rounds_to_target(runs_dir):
     rows = {(r.setting, r.method): r for r in build_rows(find_runs([runs_dir]), [0.8, 0.82, 0.99])}
-    assert set(rows) == {("alpha=0.3", "fedavg"), ("alpha=0.3", "fedsam"), ("alpha=1", "fedavg")}
-    avg = rows["alpha=0.3", "fedavg"]
+    assert set(rows) == {("alpha=0.3", "FedAvg"), ("alpha=0.3", "FedSAM"), ("alpha=1", "FedAvg")}
+    avg = rows["alpha=0.3", "FedAvg"]
     assert avg.seeds == 2
     assert avg.final[0] == pytest.approx(82.0) and avg.final[1] == pytest.approx(math.sqrt(8))  # ddof=1
     assert avg.best[0] == pytest.approx(82.0)
@@ -57,11 +57,11 @@ def test_rows_hold_mean_std_and_rounds_to_target(runs_dir):
     assert avg.targets[0.82] == (2.0, 2.0, 1)  # only seed 1 got there
     assert avg.targets[0.99] == (None, None, 0)
     assert avg.sec_per_round == pytest.approx(1.0) and avg.backprops == 1 and avg.comm == 1
-    sam = rows["alpha=0.3", "fedsam"]
+    sam = rows["alpha=0.3", "FedSAM"]
     assert sam.final == (pytest.approx(90.0), pytest.approx(0.0))
     assert sam.targets[0.8] == (2.0, 4.0, 2) and sam.targets[0.82] == (2.5, 5.0, 2)
     assert sam.backprops == 2 and sam.sec_per_round == pytest.approx(2.0)
-    single = rows["alpha=1", "fedavg"]
+    single = rows["alpha=1", "FedAvg"]
     assert single.final == (pytest.approx(95.0), None)
 
 
@@ -75,19 +75,19 @@ def _markdown_table(text: str) -> list[dict[str, str]]:
 def test_markdown_parses_with_paper_style_cells(runs_dir):
     table = _markdown_table(report([runs_dir], [0.82, 0.99], "markdown"))
     rows = {(r["setting"], r["method"]): r for r in table}
-    avg = rows["alpha=0.3", "fedavg"]
+    avg = rows["alpha=0.3", "FedAvg"]
     assert avg["final acc (%)"] == "82.00 ± 2.83"
     assert avg["rounds to 82%"] == "2 (1/2)" and avg["time to 82% (s)"] == "2.0"
     assert avg["rounds to 99%"] == "–" and avg["time to 99% (s)"] == "–"
-    assert rows["alpha=0.3", "fedsam"]["rounds to 82%"] == "2.5"
-    assert rows["alpha=1", "fedavg"]["final acc (%)"] == "95.00"  # one seed: no ± part
-    assert rows["alpha=0.3", "fedsam"]["backprops/step"] == "2"
-    assert [r["method"] for r in table[:2]] == ["fedavg", "fedsam"]  # FedAvg first within a setting
+    assert rows["alpha=0.3", "FedSAM"]["rounds to 82%"] == "2.5"
+    assert rows["alpha=1", "FedAvg"]["final acc (%)"] == "95.00"  # one seed: no ± part
+    assert rows["alpha=0.3", "FedSAM"]["backprops/step"] == "2"
+    assert [r["method"] for r in table[:2]] == ["FedAvg", "FedSAM"]  # FedAvg first within a setting
 
 
 def test_csv_parses_to_the_numbers(runs_dir):
     rows = list(csv.DictReader(io.StringIO(report([runs_dir], [0.8], "csv"))))
-    sam = next(r for r in rows if r["method"] == "fedsam")
+    sam = next(r for r in rows if r["method"] == "FedSAM")
     assert float(sam["final_acc_mean"]) == pytest.approx(90.0) and float(sam["final_acc_std"]) == 0.0
     assert float(sam["rounds_to_0.8"]) == 2.0 and sam["reached_0.8"] == "2"
     single = next(r for r in rows if r["setting"] == "alpha=1")
@@ -129,7 +129,7 @@ def test_csv_gives_each_convergence_figure_its_numbers(runs_dir, tmp_path):
     assert [p.name for p in written] == ["convergence-all.csv"]
     lines = written[0].read_text().splitlines()
     assert lines[0] == "method,runs,round,test_acc_mean,test_acc_std"
-    fedavg = [line.split(",") for line in lines[1:] if line.startswith("fedavg,")]
+    fedavg = [line.split(",") for line in lines[1:] if line.startswith("FedAvg,")]
     assert [row[2] for row in fedavg] == ["1", "2", "3"] and fedavg[0][1] == "2"
     assert float(fedavg[0][3]) == pytest.approx(0.55) and float(fedavg[0][4]) == pytest.approx(math.sqrt(0.005))
 
@@ -149,7 +149,7 @@ def test_figures_come_in_png_pdf_and_svg_one_column_wide_in_a_colour_blind_safe_
     assert png_size(folder / "convergence-all.png")[0] == round(COLUMN_WIDTH * 100)  # 3.5 in at 100 dpi
     # fedavg and fedsam in the palette's first two colours, each band edged in its method's colour and dashes
     assert OKABE_ITO[0] in svg.upper() and OKABE_ITO[1] in svg.upper()
-    assert "test accuracy (%)" in svg and "fedsam (n=2)" in svg  # text stays text: editable in a paper
+    assert "test accuracy (%)" in svg and "FedSAM (n=2)" in svg  # text stays text: editable in a paper
 
 
 def test_no_blank_plot_for_a_setting_that_never_evaluated_and_file_names_stay_short(tmp_path, capsys):
@@ -193,13 +193,13 @@ def test_at_round_reports_the_runs_as_they_stood_then(runs_dir, tmp_path, capsys
     (longer / "summary.json").write_text(json.dumps({**summary, "rounds": 4}))
     short = make_run(tmp_path / "short", "fedsam", 0.3, 2, [0.95], [2.0])
     rows = {(r.setting, r.method): r for r in build_rows(runs_at(find_runs([runs_dir, short]), 2), [0.8])}
-    assert set(rows) == {("alpha=0.3", "fedavg"), ("alpha=0.3", "fedsam"), ("alpha=1", "fedavg")}
-    avg = rows["alpha=0.3", "fedavg"]  # seeds 0, 1 and the extended seed 2: 0.70, 0.84, 0.76 at round 2
+    assert set(rows) == {("alpha=0.3", "FedAvg"), ("alpha=0.3", "FedSAM"), ("alpha=1", "FedAvg")}
+    avg = rows["alpha=0.3", "FedAvg"]  # seeds 0, 1 and the extended seed 2: 0.70, 0.84, 0.76 at round 2
     assert avg.seeds == 3 and avg.rounds == 2
     assert avg.final[0] == pytest.approx(100 * (0.70 + 0.84 + 0.76) / 3)
     assert avg.best[0] == pytest.approx(100 * (0.70 + 0.84 + 0.76) / 3)  # best so far: no later 0.99
     assert avg.targets[0.8] == (2.0, 2.0, 1) and avg.sec_per_round == pytest.approx(1.0)
-    sam = rows["alpha=0.3", "fedsam"]  # the one-round run is not among its seeds
+    sam = rows["alpha=0.3", "FedSAM"]  # the one-round run is not among its seeds
     assert sam.seeds == 2 and sam.final[0] == pytest.approx(83.0) and sam.best[0] == pytest.approx(83.0)
     assert "left out" in capsys.readouterr().err
     with pytest.raises(ReportError, match="no run evaluated round 9"):
@@ -208,7 +208,7 @@ def test_at_round_reports_the_runs_as_they_stood_then(runs_dir, tmp_path, capsys
 
     assert main(["report", str(runs_dir), "--at-round", "1", "--format", "csv"]) == 0
     finals = {r["method"]: r["final_acc_mean"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
-    assert float(finals["fedsam"]) == pytest.approx(60.0)
+    assert float(finals["FedSAM"]) == pytest.approx(60.0)
 
 
 def test_cli_report_end_to_end(runs_dir, tmp_path, capsys):
@@ -251,3 +251,49 @@ def test_report_flags_repeated_rounds_and_skips_corrupt_folders(tmp_path, capsys
     assert runs["doubled"].summary["status"] == "corrupt" and runs["good"].summary["status"] == "completed"
     err = capsys.readouterr().err
     assert "skipped" in err and "broken" in err and "summary.json is not valid JSON" in err
+
+
+def test_tables_and_figures_name_methods_as_their_papers_do():
+    """Issue 59: tables and figures showed config ids (fedavg, fedlesam); each recipe carries the name its paper
+    writes, distinct across recipes, and a composition keeps its changed roles."""
+    from fedflat.algorithms import RECIPES
+    from fedflat.core.registry import display_label
+
+    titles = {name: recipe.display for name, recipe in RECIPES.items()}
+    assert [n for n, t in titles.items() if not t] == []
+    assert len(set(titles.values())) == len(titles)
+    assert (titles["fedavg"], titles["fedlesam"], titles["scaffold"]) == ("FedAvg", "FedLESAM", "SCAFFOLD")
+    assert display_label("fedlesam[correction=scaffold]") == "FedLESAM[correction=scaffold]"
+    assert display_label("mine") == "mine"  # a plugin's recipe without a display name: its config name
+
+
+def test_report_output_writes_the_table_and_prints_it(tmp_path, capsys):
+    from fedflat.cli import main
+
+    runs_dir = tmp_path / "runs"
+    make_run(runs_dir, "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    assert main(["report", str(runs_dir), "--output", str(tmp_path / "table.md")]) == 0
+    out = capsys.readouterr().out
+    saved = (tmp_path / "table.md").read_text()
+    assert saved.startswith("| setting | method |") and "| FedAvg |" in saved
+    assert out.startswith(saved) and f"table: {tmp_path / 'table.md'}" in out
+
+
+def test_the_table_names_each_methods_radius(tmp_path, capsys):
+    """Issue 59: the demo compared FedLESAM at rho 0.01 with FedSAM at 0.05 and the table did not say so. A report
+    of runs that perturb has a radius column, read from each run's config.yaml (FedAvg: none)."""
+    from fedflat.cli import main
+
+    runs_dir = tmp_path / "runs"
+    make_run(runs_dir, "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    make_run(runs_dir, "fedsam", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    scam = make_run(runs_dir, "fedscam", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    assert main(["report", str(runs_dir), "--format", "csv"]) == 0
+    rows = {r["method"]: r["radius"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    from fedflat.algorithms import RECIPES
+
+    sam = RECIPES["fedsam"].defaults["rho"]
+    rho_max = yaml.safe_load((scam / "config.yaml").read_text())["algo"]["perturbation"]["rho_max"]
+    assert rows == {"FedAvg": "", "FedSAM": f"rho={sam:g}", "FedSCAM": f"rho_max={rho_max:g}"}
+    assert main(["report", str(runs_dir)]) == 0
+    assert "| FedSAM | rho=" in capsys.readouterr().out

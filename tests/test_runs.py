@@ -211,6 +211,7 @@ def test_quickstart_learns_digits():
 def test_missing_dataset_names_every_place_searched(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FEDFLAT_DATA", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "mine").mkdir()  # a data folder without the files (one that does not exist: tests/test_faults.py)
     assert main(["run", "data=cifar10", "model=cnn", "--data-dir", str(tmp_path / "mine"),
                  "--out", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err

@@ -45,15 +45,57 @@ def test_a_validation_run_evaluates_on_held_out_training_samples(tmp_path):
     cfg = load_config(None, ["data.validation=0.25"], base=tiny_tree())
     history = run(cfg, run_dir=tmp_path / "run", progress=False)
     s = history.summary
-    assert s["evaluated_on"] == "val" and s["final_test_acc"] is None and s["final_val_acc"] is not None
+    assert s["evaluated_on"] == "val" and s["final_val_acc"] is not None
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert all("val_acc" in m and "test_acc" not in m for m in lines)
+    assert all("val_acc" in m and "test_acc" not in m for m in lines)  # rounds select on validation only
     sim = Simulation(cfg)
     full = load_dataset("synthetic", **tiny_tree()["data"]["options"])
     assert sim.dataset.x_train.shape[0] + sim.dataset.x_test.shape[0] == full.x_train.shape[0] == 180
     assert sum(len(ix) for ix in sim.client_indices_np) == sim.dataset.x_train.shape[0]
     sim.w = history.final_parameters.to(sim.w)
     assert sim.evaluate()[0] == pytest.approx(s["final_val_acc"])
+
+
+def test_a_validation_run_reports_the_test_accuracy_of_the_model_it_selected(tmp_path, capsys):
+    """The number a paper reports: the model chosen on validation (best_model.pt of model_checkpoint on val_acc),
+    scored on the test split at the run's end, in summary.json, `fedflat report` and `fedflat evaluate`; checked
+    against the same model file scored by a run configured without a validation split (whose held-out set is the
+    test split)."""
+    from fedflat.api import run
+    from fedflat.cli import main
+
+    tree = tiny_tree(rounds=4, train__lr=0.5)
+    tree["callbacks"] = [{"name": "model_checkpoint", "metric": "val_acc"}]
+    cfg = load_config(None, ["data.validation=0.25"], base=tree)
+    s = run(cfg, run_dir=tmp_path / "run", progress=False).summary
+    lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    best = max(lines, key=lambda m: (m["val_acc"], -m["round"]))["round"]
+    assert s["selected_file"] == "best_model.pt" and s["selected_round"] == best == s["best_model"]["round"]
+    plain = Simulation(load_config(None, base=tiny_tree(rounds=4, train__lr=0.5)))  # no validation: evaluates on test
+    for file, key in (("best_model.pt", "selected_test"), ("model.pt", "final_test")):
+        state = torch.load(tmp_path / "run" / file, weights_only=True)
+        w, b = plain.model.vectors(state)
+        plain.w, plain.buffers = w, b
+        acc, loss = plain.evaluate()
+        assert s[f"{key}_acc"] == acc and s[f"{key}_loss"] == pytest.approx(loss, rel=1e-12), file
+    assert main(["evaluate", str(tmp_path / "run"), "--model", "best_model.pt", "--split", "test"]) == 0
+    out = capsys.readouterr().out
+    assert f"test accuracy {s['selected_test_acc']:.4f}" in out and "selected_test_acc" in out and "(reproduced)" in out
+    assert main(["evaluate", str(tmp_path / "run"), "--model", "nope.pt"]) == 2
+    assert "no model file 'nope.pt'" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "run"), "--format", "csv"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    column = rows[0].split(",").index("selected_test_acc_mean")
+    assert float(rows[1].split(",")[column]) == pytest.approx(100 * s["selected_test_acc"], rel=1e-5)
+
+
+def test_a_validation_run_without_a_kept_model_selects_its_final_one(tmp_path):
+    from fedflat.api import run
+
+    s = run(load_config(None, ["data.validation=0.25"], base=tiny_tree()), run_dir=tmp_path / "run",
+            progress=False).summary
+    assert s["selected_file"] == "model.pt" and s["selected_round"] == 3
+    assert s["selected_test_acc"] == s["final_test_acc"] is not None
 
 
 def test_a_users_split_loses_its_held_out_samples():
@@ -215,3 +257,24 @@ def test_the_command_runs_a_study_and_prints_the_selections(tmp_path, capsys):
     assert "| fedprox | 2 (of 2) | algo.mu=" in out and f"fedflat report {tmp_path / 'out' / 'final'}" in out
     assert main(["list", "--grids"]) == 0
     assert "fedsam" in capsys.readouterr().out.split("tuning grids")[1]
+
+
+def test_the_demo_runs_every_method_at_a_radius_chosen_the_same_way():
+    """Issue 59: the demo ran FedLESAM at its default 0.01 beside FedSAM at 0.05. Every method of the demo sets its
+    radius, each one the study configs/tune_demo.yaml selects from: the same setting (base and overrides), the same
+    grid for every method, the demo's methods exactly."""
+    from fedflat.experiments.sweep import load_sweep
+
+    demo, study = load_sweep("demo_sweep"), load_study("tune_demo")
+    assert demo.base == study.base and demo.overrides == study.overrides
+    options = demo.axes["method"]
+    assert set(options) == set(study.methods)
+    grids = {name: method.space for name, method in study.methods.items()}
+    assert grids["fedavg"] == {}
+    assert len({tuple(values) for space in grids.values() for values in space.values()}) == 1  # one grid for all
+    for name, overrides in options.items():
+        chosen = {key: value for key, value in overrides if key != "algo"}
+        assert set(chosen) == set(grids[name]), name  # the radius is set, and it is the tuned key
+        for key, value in chosen.items():
+            assert value in grids[name][key], (name, key, value)
+        assert dict(overrides)["algo"] == name

@@ -95,5 +95,6 @@ class APFL(Personalization):
 
 APFL_SOURCE = "Deng, Kamani and Mahdavi, arXiv:2003.13461, 2020"
 register_recipe(Recipe(
-    name="apfl", summary="APFL: FedAvg's global model mixed with a local model per client, adaptive alpha_i",
+    name="apfl", display="APFL",
+    summary="APFL: FedAvg's global model mixed with a local model per client, adaptive alpha_i",
     source=APFL_SOURCE, personalization="apfl", tunable={"algo.alpha": (0.25, 0.5, 0.75)}))

@@ -103,6 +103,7 @@ class SignFlip(Attack):
     """The malicious clients upload ``-scale Delta_i`` (module docstring)."""
 
     name = "sign_flip"
+    source = "Li et al., AAAI 2019 (RSA's sign-flipping attack)"
     summary = "attack: malicious clients upload their update with its sign flipped, -scale Delta_i"
     Params = SignFlipParams
 
@@ -119,6 +120,7 @@ class GaussianUpdate(Attack):
     """The malicious clients upload Gaussian noise in place of their update (module docstring)."""
 
     name = "gaussian"
+    source = "Blanchard et al., NeurIPS 2017 (the Gaussian Byzantine worker)"
     summary = "attack: malicious clients upload N(0, s^2 I) in place of their update"
     Params = GaussianParams
 
@@ -141,6 +143,7 @@ class LabelFlip(Attack):
     """The malicious clients train on labels ``C - 1 - y`` (module docstring)."""
 
     name = "label_flip"
+    source = "Karimireddy, He and Jaggi, ICML 2021 (its LF attack)"
     summary = "attack: malicious clients train on flipped labels y -> C - 1 - y"
     Params = LabelFlipParams
 
@@ -165,6 +168,7 @@ class Backdoor(Attack):
     """Pixel-trigger backdoor with a boosted update: model replacement (module docstring)."""
 
     name = "backdoor"
+    source = "Bagdasaryan et al., AISTATS 2020"
     summary = "attack: a pixel-trigger backdoor on malicious clients' data, their update boosted (model replacement)"
     Params = BackdoorParams
 

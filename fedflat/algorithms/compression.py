@@ -54,6 +54,7 @@ class TopK(UploadStage):
     """Top-k sparsification of the model update (module docstring)."""
 
     name = "topk"
+    source = "Aji and Heafield, EMNLP 2017; error feedback: Stich et al., NeurIPS 2018"
     kind = "compress"
     encodes = True
     summary = "top-k sparsification of the model update (values + int32 indices), error feedback as an option"
@@ -117,6 +118,7 @@ class QSGD(UploadStage):
     """QSGD's unbiased stochastic quantization of the model update (module docstring)."""
 
     name = "qsgd"
+    source = "Alistarh et al., NeurIPS 2017"
     kind = "compress"
     encodes = True
     summary = "QSGD stochastic quantization of the model update (norm + int8 levels), error feedback as an option"

@@ -83,5 +83,6 @@ class Ditto(Personalization):
 
 DITTO = "Li, Hu, Beirami and Smith, ICML 2021"
 register_recipe(Recipe(
-    name="ditto", summary="Ditto: FedAvg's global model, and a personal model per client regularized toward it",
+    name="ditto", display="Ditto",
+    summary="Ditto: FedAvg's global model, and a personal model per client regularized toward it",
     source=DITTO, personalization="ditto", tunable={"algo.lam": (0.1, 1.0, 2.0)}))

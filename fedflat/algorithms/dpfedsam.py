@@ -51,11 +51,13 @@ class AdaptiveSAM(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="dpfedsam", summary="DP-FedSAM: local ASAM steps under client-level DP (clip 0.2, noise 0.95 on the sum)",
+    name="dpfedsam", display="DP-FedSAM",
+    summary="DP-FedSAM: local ASAM steps under client-level DP (clip 0.2, noise 0.95 on the sum)",
     source="Shi et al., CVPR 2023 (arXiv 2303.11242); github.com/YMJS-Irfan/DP-FedSAM",
     perturbation="dpfedsam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY))
 register_recipe(Recipe(
-    name="dpfedsam-topk", summary="DP-FedSAM-top_k: DP-FedSAM with each update sparsified to its top 50% before the clip",
+    name="dpfedsam-topk", display="DP-FedSAM-top_k",
+    summary="DP-FedSAM-top_k: DP-FedSAM with each update sparsified to its top 50% before the clip",
     source="Shi et al., arXiv 2305.00873 (journal version; no public code for top_k)",
     perturbation="dpfedsam", defaults={"rho": 0.5}, privacy=DP_FEDSAM_PRIVACY,
     compression={"name": "topk", "ratio": 0.5}))

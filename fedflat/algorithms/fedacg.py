@@ -64,6 +64,6 @@ class ACGServer(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="fedacg", summary="server momentum lookahead broadcast, local pull beta (w - w_hat)",
+    name="fedacg", display="FedACG", summary="server momentum lookahead broadcast, local pull beta (w - w_hat)",
     source="Kim et al., CVPR 2024", correction="acg", server="acg", defaults={"lam": 0.85, "beta": 0.002},
     tunable={"algo.beta": (0.01, 0.005, 0.002, 0.001)}))

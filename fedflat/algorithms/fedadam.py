@@ -72,11 +72,12 @@ class AvgM(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="fedadam", summary="local SGD, Adam on the averaged update at the server (eta_g = algo.server_lr = 0.1)",
+    name="fedadam", display="FedAdam",
+    summary="local SGD, Adam on the averaged update at the server (eta_g = algo.server_lr = 0.1)",
     source="Reddi et al., ICLR 2021", server="adam",
     defaults={"b1": 0.9, "b2": 0.99, "tau": 1e-3, "server_lr": 0.1},
     tunable={"algo.server_lr": (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)}))
 register_recipe(Recipe(
-    name="fedavgm", summary="local SGD, server momentum m <- beta m + Dbar",
+    name="fedavgm", display="FedAvgM", summary="local SGD, server momentum m <- beta m + Dbar",
     source="Hsu et al., arXiv:1909.06335, 2019", server="avgm", defaults={"beta": 0.9},
     tunable={"algo.beta": (0.7, 0.9, 0.97), "train.global_lr": (1.0, 0.3, 0.1)}))

@@ -57,5 +57,5 @@ class Average(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="fedavg", summary="local SGD, average of the updates (algo.weighting: uniform | samples)",
+    name="fedavg", display="FedAvg", summary="local SGD, average of the updates (algo.weighting: uniform | samples)",
     source="McMahan et al., AISTATS 2017"))

@@ -100,6 +100,7 @@ class FedAWA(Aggregation):
 
 
 register_recipe(Recipe(
-    name="fedawa", summary="local SGD, aggregation weights optimized on the client vectors (server side)",
+    name="fedawa", display="FedAWA",
+    summary="local SGD, aggregation weights optimized on the client vectors (server side)",
     source="Shi et al., CVPR 2025 (the authors' code); seed 004 (FedFFT) Table 9 runs it with SAM clients",
     aggregation="fedawa"))

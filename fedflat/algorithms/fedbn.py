@@ -59,6 +59,7 @@ def batch_norm_buffers(layout: BufferLayout, modules: tuple[str, ...]) -> torch.
 
 
 register_recipe(Recipe(
-    name="fedbn", summary="FedBN: local SGD, FedAvg aggregation of everything but the BatchNorm layers, which stay "
+    name="fedbn", display="FedBN",
+    summary="FedBN: local SGD, FedAvg aggregation of everything but the BatchNorm layers, which stay "
                           "on each client (feature-shift non-IID)",
     source="Li et al., ICLR 2021", personalization="fedbn"))

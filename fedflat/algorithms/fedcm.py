@@ -56,6 +56,7 @@ class Momentum(Correction):
 
 
 register_recipe(Recipe(
-    name="fedcm", summary="client-level momentum: a g + (1 - a) m, m the last average update; FedAvg server",
+    name="fedcm", display="FedCM",
+    summary="client-level momentum: a g + (1 - a) m, m the last average update; FedAvg server",
     source="Xu et al., arXiv:2106.10874, 2021", correction="momentum", defaults={"a": 0.1},
     tunable={"algo.a": MOMENTUM_WEIGHT_GRID}))

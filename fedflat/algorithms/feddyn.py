@@ -73,6 +73,7 @@ class DynServer(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="feddyn", summary="dynamic regularization: client dual h_i, server dual h, w <- mean w_i - h/alpha",
+    name="feddyn", display="FedDyn",
+    summary="dynamic regularization: client dual h_i, server dual h, w <- mean w_i - h/alpha",
     source="Acar et al., ICLR 2021", correction="dyn", server="dyn", defaults={"alpha": 0.1},
     tunable={"algo.alpha": (0.1, 0.01, 0.001)}))

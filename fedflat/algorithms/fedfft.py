@@ -80,7 +80,8 @@ def spectral_filter(eps: torch.Tensor, segments: list[torch.Tensor],
 
 
 class LowFrequencyFilter(Filter):
-    """FedFFT's filter (seed 004 eq. 6): zero ``V[m]`` for ``m < floor(r len(V))`` per tensor."""
+    r"""FedFFT's filter (seed 004 eq. 6): zero :math:`V[m]` for :math:`m < \lfloor r \cdot \mathrm{len}(V) \rfloor` per
+    tensor, :math:`V = \mathrm{rfft}(v)`."""
 
     name = "fft"
     summary = "FedFFT: zero the lowest floor(r*len) rFFT coefficients of each tensor's perturbation (r=0.01)"
@@ -189,22 +190,23 @@ class CoordinateClipFilter(Filter):
 
 
 register_recipe(Recipe(
-    name="feddyn-gradfilter", summary="FedDyn with FedFFT's filter on the raw gradient (no SAM)",
+    name="feddyn-gradfilter", display="FedDyn-GradFilter",
+    summary="FedDyn with FedFFT's filter on the raw gradient (no SAM)",
     source="seed 004 (FedFFT), §E.6, Table 13", filter="fft_grad", correction="dyn", server="dyn",
     defaults={"alpha": 0.1, "r": 0.01}, tunable={"algo.alpha": (0.1, 0.01, 0.001)}))
 FFT_GRID = {"algo.rho": (0.05, 0.1, 0.15, 0.2)}  # seed 004 §E.3, the radius sensitivity study (r stays 0.01)
 register_recipe(Recipe(
-    name="fedfft", summary="FedSAM with the low-frequency perturbation components removed per tensor",
+    name="fedfft", display="FedFFT", summary="FedSAM with the low-frequency perturbation components removed per tensor",
     source="seed 004 (FedFFT), Algorithm 1, eq. 5-7",
     perturbation="sam", filter="fft", defaults={"rho": 0.1, "r": 0.01},
     tunable=FFT_GRID))
 register_recipe(Recipe(
-    name="fedfft-s", summary="FedGAMMA (SAM on SCAFFOLD) with the FedFFT filter",
+    name="fedfft-s", display="FedFFT-S", summary="FedGAMMA (SAM on SCAFFOLD) with the FedFFT filter",
     source="seed 004 (FedFFT), Table 1 '-S'",
     perturbation="sam", filter="fft", correction="scaffold", defaults={"rho": 0.1, "r": 0.01},
     tunable=FFT_GRID))
 register_recipe(Recipe(
-    name="fedfft-d", summary="SAM on FedDyn with the FedFFT filter",
+    name="fedfft-d", display="FedFFT-D", summary="SAM on FedDyn with the FedFFT filter",
     source="seed 004 (FedFFT), Table 1 '-D'",
     perturbation="sam", filter="fft", correction="dyn", server="dyn", defaults={"rho": 0.1, "r": 0.01},
     tunable=FFT_GRID))

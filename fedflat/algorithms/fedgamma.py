@@ -25,7 +25,8 @@ class CorrectedSAM(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedgamma", summary="SCAFFOLD with local SAM: g(w + eps) + c - c_i (algo.perturbation=sam_corrected: "
+    name="fedgamma", display="FedGAMMA",
+    summary="SCAFFOLD with local SAM: g(w + eps) + c - c_i (algo.perturbation=sam_corrected: "
                          "eps from g + c - c_i)",
     source="Dai et al., IEEE TNNLS 2024",
     perturbation="sam", correction="scaffold", defaults={"rho": 0.01},

@@ -79,7 +79,8 @@ class GlobalFlatness(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedgf", summary="FedGF: local SAM at an interpolation of the global and the local perturbed model",
+    name="fedgf", display="FedGF",
+    summary="FedGF: local SAM at an interpolation of the global and the local perturbed model",
     source="Lee & Yoon, ICML 2024; the authors' code (github.com/hwan-sig/Official-FedGF)",
     perturbation="gf", defaults={"rho": 0.05},
     # T_D: the authors' two values (their local work: 1 epoch of batch 64 at lr 0.01), then two on the scale of the

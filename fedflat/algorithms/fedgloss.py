@@ -83,7 +83,8 @@ class GlobalSAMServer(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="fedgloss", summary="server-side SAM along the last pseudo-gradient, local SAM with ADMM correction",
+    name="fedgloss", display="FedGloSS",
+    summary="server-side SAM along the last pseudo-gradient, local SAM with ADMM correction",
     source="Caldarola et al., CVPR 2025",
     perturbation="sam", correction="gloss", server="gloss",
     defaults={"rho": 0.1, "rho_s": 0.1, "beta": 10.0},

@@ -79,7 +79,8 @@ class ADMMDual(DynCorrection):
 
 
 register_recipe(Recipe(
-    name="fedgmt", summary="FedGMT: distillation from the global trajectory (EMA) + ADMM duals, one backprop",
+    name="fedgmt", display="FedGMT",
+    summary="FedGMT: distillation from the global trajectory (EMA) + ADMM duals, one backprop",
     source="One Arrow, Two Hawks, ICML 2025 (seed 000 [40]); rules and defaults from public re-implementations",
     perturbation="gmt", correction="admm", server="dyn", defaults={"alpha": 0.01},
     tunable={"algo.alpha": (0.1, 0.01, 0.001), "algo.gamma": (0.5, 1.0, 2.0)}))

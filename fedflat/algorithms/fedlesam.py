@@ -1,9 +1,11 @@
-"""FedLESAM (Fan et al., ICML 2024; seed 002): a locally estimated global perturbation, one backprop per step.
+r"""FedLESAM (Fan et al., ICML 2024; seed 002): a locally estimated global perturbation, one backprop per step.
 
 Seed 002 Algorithm 1: client ``i`` remembers ``w_i^old``, the global model it received at its
 previous participation, and perturbs every local step of round ``t`` by the same
 
-    eps_i = rho (w_i^old - w^t) / ||w_i^old - w^t||,
+.. math::
+
+    \epsilon_i = \rho \, \frac{w_i^{old} - w^t}{\lVert w_i^{old} - w^t \rVert},
 
 then stores ``w_i^old = w^t``. No gradient is needed for the perturbation, so a step costs one
 backprop. FedLESAM-S (Algorithm 3) and FedLESAM-D (Algorithm 4) put the same perturbation on
@@ -44,7 +46,7 @@ class LESAMParams(PartParams):
 
 
 class LocallyEstimatedPerturbation(Perturbation):
-    """``eps_i = rho (w_i^old - w_start) / ||w_i^old - w_start||``, constant within the round.
+    r""":math:`\epsilon_i = \rho (w_i^{old} - w_{start}) / \lVert w_i^{old} - w_{start} \rVert`, constant within the round.
 
     ``w_start`` is the model the client received (``w^t`` for every shipped server update).
     """
@@ -95,17 +97,18 @@ class LocallyEstimatedPerturbation(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedlesam", summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
+    name="fedlesam", display="FedLESAM",
+    summary="FedAvg with the locally estimated global perturbation (1 backprop/step)",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 1",
     perturbation="lesam", defaults={"rho": 0.01},
     tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
-    name="fedlesam-s", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
+    name="fedlesam-s", display="FedLESAM-S", summary="FedLESAM perturbation on SCAFFOLD's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 3",
     perturbation="lesam", correction="scaffold", defaults={"rho": 0.1},
     tunable={"algo.rho": RHO_GRID}))
 register_recipe(Recipe(
-    name="fedlesam-d", summary="FedLESAM perturbation on FedDyn's correction, state and server",
+    name="fedlesam-d", display="FedLESAM-D", summary="FedLESAM perturbation on FedDyn's correction, state and server",
     source="Fan et al., ICML 2024 (seed 002), Algorithm 4",
     perturbation="lesam", correction="dyn", server="dyn", defaults={"rho": 0.1},
     tunable={"algo.rho": RHO_GRID}))

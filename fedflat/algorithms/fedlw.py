@@ -46,8 +46,9 @@ class FedNoLoWe(Aggregation):
 
 
 register_recipe(Recipe(
-    name="fedlw", summary="local SGD, loss-weighted average p_i ∝ n_i / F_i (reconstruction)",
+    name="fedlw", display="FedLW", summary="local SGD, loss-weighted average p_i ∝ n_i / F_i (reconstruction)",
     source="Yao & Wang, ICCAI 2025 (as described by FedSCAM, seed 003)", aggregation="fedlw"))
 register_recipe(Recipe(
-    name="fednolowe", summary="local SGD, normalized loss-based weights (1 - F_i/sum F)/(K-1) (reconstruction)",
+    name="fednolowe", display="FedNoLoWe",
+    summary="local SGD, normalized loss-based weights (1 - F_i/sum F)/(K-1) (reconstruction)",
     source="Le et al., PLOS ONE 2025 (as described by FedSCAM, seed 003)", aggregation="fednolowe"))

@@ -80,13 +80,14 @@ def private_layers(layout, layers: int) -> torch.Tensor:
 
 FEDPER = "Arivazhagan et al., arXiv:1912.00818, 2019"
 register_recipe(Recipe(
-    name="fedper", summary="FedPer: local SGD, the last personal_layers layers (the head) stay on each client",
+    name="fedper", display="FedPer",
+    summary="FedPer: local SGD, the last personal_layers layers (the head) stay on each client",
     source=FEDPER, personalization="fedper"))
 register_recipe(Recipe(
-    name="fedper-sam", summary="FedPer with SAM as the local optimizer (FedFFT's radii)",
+    name="fedper-sam", display="FedPer-SAM", summary="FedPer with SAM as the local optimizer (FedFFT's radii)",
     source=f"seed 004 (FedFFT) §E.4, Table 11; {FEDPER}", perturbation="sam", personalization="fedper",
     defaults={"rho": 0.1}, tunable=FFT_GRID))
 register_recipe(Recipe(
-    name="fedper-fft", summary="FedPer with FedFFT's filtered SAM as the local optimizer",
+    name="fedper-fft", display="FedPer-FFT", summary="FedPer with FedFFT's filtered SAM as the local optimizer",
     source=f"seed 004 (FedFFT) §E.4, Table 11; {FEDPER}", perturbation="sam", filter="fft",
     personalization="fedper", defaults={"rho": 0.1, "r": 0.01}, tunable=FFT_GRID))

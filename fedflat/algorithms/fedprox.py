@@ -33,6 +33,6 @@ class Prox(Correction):
 
 
 register_recipe(Recipe(
-    name="fedprox", summary="local SGD with a proximal term mu (w - w^t), FedAvg server",
+    name="fedprox", display="FedProx", summary="local SGD with a proximal term mu (w - w^t), FedAvg server",
     source="Li et al., MLSys 2020", correction="prox", defaults={"mu": 0.01},
     tunable={"algo.mu": (1.0, 0.1, 0.01, 0.001)}))

@@ -71,5 +71,6 @@ class Alternating(Correction):
 
 FEDREP = "Collins, Hassani, Mokhtari and Shakkottai, ICML 2021"
 register_recipe(Recipe(
-    name="fedrep", summary="FedRep: a shared body and a private head per client, trained in turn (head, then body)",
+    name="fedrep", display="FedRep",
+    summary="FedRep: a shared body and a private head per client, trained in turn (head, then body)",
     source=FEDREP, correction="fedrep", personalization="fedrep"))

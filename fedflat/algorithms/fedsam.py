@@ -25,8 +25,8 @@ class SAMParams(PartParams):
 
 
 class LocalSAM(Perturbation):
-    """Local SAM ascent step (Foret et al., ICLR 2021): ``eps = rho u / (||u|| + 1e-12)`` with
-    ``u = g(w)`` on the step's batch and ONE L2 norm over all parameters.
+    r"""Local SAM ascent step (Foret et al., ICLR 2021): :math:`\epsilon = \rho\, u / (\lVert u \rVert + 10^{-12})` with
+    :math:`u = g(w)` on the step's batch and ONE L2 norm over all parameters.
 
     Subclasses change the ascent direction ``u`` (:meth:`ascent`) or the radius (:meth:`radius`).
     """
@@ -53,7 +53,7 @@ class LocalSAM(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedsam", summary="local SAM steps, FedAvg server",
+    name="fedsam", display="FedSAM", summary="local SAM steps, FedAvg server",
     source="Caldarola et al., ECCV 2022; Qu et al., ICML 2022",
     perturbation="sam", defaults={"rho": 0.01},
     tunable={"algo.rho": RHO_GRID}))

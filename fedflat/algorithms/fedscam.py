@@ -229,7 +229,8 @@ class WeightParams(ScoreParams):
 
 
 class AlignmentWeights(Aggregation):
-    """``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)`` (times the optional dampening factors)."""
+    r""":math:`S_i \propto \frac{n_i}{1 + \gamma h_{adj}} \max(0, 1 + \beta c_i)` (times the optional dampening
+    factors)."""
 
     name = "scam"
     summary = "FedSCAM: p_i ∝ n_i/(1 + gamma h_adj) * max(0, 1 + beta c_i), optional clustered conflict dampening"
@@ -265,17 +266,20 @@ class AlignmentWeights(Aggregation):
 _SOURCE = "seed 003 (FedSCAM), Algorithm 1"
 SCAM_GRID = {"algo.rho_max": (0.01, 0.05, 0.1)}  # seed 003 §5.1.1
 register_recipe(Recipe(
-    name="fedscam", summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
+    name="fedscam", display="FedSCAM",
+    summary="heterogeneity-adaptive SAM radius + alignment-aware weights (algo.clustering: dampening)",
     source=_SOURCE, perturbation="scam", aggregation="scam",
     tunable=SCAM_GRID))
 register_recipe(Recipe(
-    name="fedscam-wa", summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
+    name="fedscam-wa", display="FedSCAM-WA",
+    summary="FedSCAM's weights on local SGD (no SAM)", source=_SOURCE + ", Table 2 (WA)",
     aggregation="scam"))
 register_recipe(Recipe(
-    name="fedscam-sam", summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
+    name="fedscam-sam", display="FedSCAM-SAM",
+    summary="FedSCAM's adaptive SAM radius with uniform weights", source=_SOURCE + ", Table 2 (SAM)",
     perturbation="scam",
     tunable=SCAM_GRID))
 register_recipe(Recipe(
-    name="fedlwsam", summary="local SAM with FedLW's loss-based weights p_i ∝ n_i / F_i",
+    name="fedlwsam", display="FedLW-SAM", summary="local SAM with FedLW's loss-based weights p_i ∝ n_i / F_i",
     source="seed 003 (FedSCAM), Table 2 baseline", perturbation="sam", aggregation="fedlw", defaults={"rho": 0.05},
     tunable={"algo.rho": RHO_GRID}))

@@ -75,7 +75,7 @@ class CorrectedPerturbation(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedsmoo", summary="FedDyn + SAM with the dual-corrected perturbation u = g - mu_i - s",
+    name="fedsmoo", display="FedSMOO", summary="FedDyn + SAM with the dual-corrected perturbation u = g - mu_i - s",
     source="Sun et al., ICML 2023",
     perturbation="smoo", correction="dyn", server="dyn", defaults={"rho": 0.1},
     tunable={"algo.rho": RHO_GRID}))

@@ -44,7 +44,7 @@ class QuasiGradient(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedspeed", summary="FedDyn's prox-correction with FedSpeed's merged SAM gradient",
+    name="fedspeed", display="FedSpeed", summary="FedDyn's prox-correction with FedSpeed's merged SAM gradient",
     source="Sun et al., ICLR 2023 (Algorithm 1); merge = 1 as in the authors' FL-Simulator",
     perturbation="speed", correction="dyn", server="dyn", defaults={"rho": 0.1, "alpha": 0.1},
     tunable={"algo.rho": RHO_GRID, "algo.merge": MERGE_GRID}))

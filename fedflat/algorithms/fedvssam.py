@@ -40,7 +40,7 @@ class SearchParams(SAMParams):
 
 
 class VarianceSuppressedSearch(LocalSAM):
-    """(14): SAM ascent along ``alpha g(w) + (1 - alpha) v``."""
+    r"""(14): SAM ascent along :math:`\alpha\, g(w) + (1 - \alpha)\, v`."""
 
     name = "vssam"
     summary = "FedVSSAM (14): eps = rho d/||d||, d = alpha g(w) + (1 - alpha) v (reconstruction)"
@@ -58,7 +58,8 @@ class UpdateParams(PartParams):
 
 
 class VarianceSuppressedUpdate(Correction):
-    """(15): ``d = beta g + (1 - beta) v + wd w`` (``decay = inside``: ``beta (g + wd w) + (1 - beta) v``)."""
+    r"""(15): :math:`d = \beta g + (1 - \beta) v + \lambda_{wd} w` (``decay = inside``:
+    :math:`\beta (g + \lambda_{wd} w) + (1 - \beta) v`)."""
 
     name = "vssam"
     summary = "FedVSSAM (15): beta grad + (1 - beta) v (reconstruction)"
@@ -77,7 +78,7 @@ class GlobalParams(PartParams):
 
 
 class VarianceSuppressedServer(ServerUpdate):
-    """(16): ``v <- (1 - gamma) v + gamma Gbar``, ``w^{t+1} = w^t - eta_g eta_l^t Ebar v``.
+    r"""(16): :math:`v \leftarrow (1 - \gamma) v + \gamma \bar{G}`, :math:`w^{t+1} = w^t - \eta_g \eta_l^t \bar{E} v`.
 
     ``Gbar = sum_i p_i G_i`` with the round's aggregation weights (uniform by default: the spec's mean).
     """
@@ -108,7 +109,8 @@ ABLATION = {"alpha": 0.6, "beta": 0.3, "gamma": 0.6}
 _PARTS = dict(perturbation="vssam", correction="vssam", server="vssam")
 _SOURCE = "seed 000 (FedVSSAM), eq. 14-16, RECONSTRUCTED from the text"
 register_recipe(Recipe(
-    name="fedvssam", summary="one variance-suppressed direction v for flatness search, local and global update "
+    name="fedvssam", display="FedVSSAM",
+    summary="one variance-suppressed direction v for flatness search, local and global update "
                          "(reconstruction)", source=_SOURCE, **_PARTS, defaults=DEFAULTS,
     tunable={"algo.rho": RHO_GRID, "algo.alpha": (0.3, 0.6, 0.9), "algo.beta": (0.1, 0.3, 0.5)}))
 for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gamma = 1): FedSAM"),
@@ -118,5 +120,6 @@ for suffix, mixing, text in (("base", None, "all mixings off (alpha = beta = gam
     off = {"rho": DEFAULTS["rho"], "alpha": 1.0, "beta": 1.0, "gamma": 1.0}
     if mixing:
         off[mixing] = ABLATION[mixing]
-    register_recipe(Recipe(name=f"fedvssam-{suffix}", summary=f"FedVSSAM ablation: {text}",
+    register_recipe(Recipe(name=f"fedvssam-{suffix}", display=f"FedVSSAM-{suffix.upper()}",
+                           summary=f"FedVSSAM ablation: {text}",
                            source=_SOURCE + ", Fig. 3", **_PARTS, defaults=off, tunable={"algo.rho": RHO_GRID}))

@@ -159,7 +159,8 @@ class GuidedParams(PartParams):
 
 
 class MomentumGuidedPerturbation(Perturbation):
-    """``eps_k = rho d_k/||d_k||``, ``d_k = (w_start + k m_i) - w_{i,k}`` (seed 001 §4.1(b), README C1).
+    r""":math:`\epsilon_k = \rho\, d_k / \lVert d_k \rVert`, :math:`d_k = (w_{start} + k\, m_i) - w_{i,k}` (seed 001 §4.1(b),
+    README C1).
 
     ``m_i`` is the personalized momentum when the correction provides one (``wmsam``), otherwise
     the server momentum ``m`` (e.g. FedCM's ``momentum`` correction).
@@ -179,7 +180,8 @@ class MomentumGuidedPerturbation(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedwmsam", summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
+    name="fedwmsam", display="FedWMSAM",
+    summary="personalized momentum + momentum-guided single-backprop SAM + cosine-adaptive a",
     source="Li et al., NeurIPS 2025 (seed 001)",
     perturbation="wmsam", correction="wmsam", defaults={"rho": 0.01, "a": 0.1},
     tunable={"algo.rho": RHO_GRID}))

@@ -100,9 +100,13 @@ def gaussian_like(release: Release, std: float, generator: torch.Generator | Non
 
 
 class GaussianMechanism(UploadStage):
-    """Clip each client's release to ``C`` and add ``N(0, z^2 C^2)`` noise, centrally or locally (module docstring)."""
+    r"""Clip each client's release to ``C`` and add Gaussian noise, centrally or locally (module docstring):
+    :math:`x_i \leftarrow x_i \min(1, C / \lVert x_i \rVert)`, then the server releases
+    :math:`\big(\sum_i x_i + \mathcal{N}(0, z^2 C^2 I)\big) / m` (central), or each client adds
+    :math:`\mathcal{N}(0, z^2 C^2 I)` to its own :math:`x_i` (local)."""
 
     name = "dp"
+    source = "McMahan et al., ICLR 2018 (DP-FedAvg); adaptive clip: Andrew et al., NeurIPS 2021"
     kind = "clip"
     summary = "client-level DP: clip each release to C, Gaussian noise z C on the sum (central) or per client (local)"
     Params = GaussianParams

@@ -62,6 +62,7 @@ class QFedAvg(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="qfedavg", summary="fair aggregation: clients with higher loss F_i weigh more (q-FFL, q = 1)",
+    name="qfedavg", display="q-FedAvg",
+    summary="fair aggregation: clients with higher loss F_i weigh more (q-FFL, q = 1)",
     source="Li et al., ICLR 2020", server="qfedavg", defaults={"q": 1.0},
     tunable={"algo.q": (0.1, 1.0, 5.0)}))

@@ -66,6 +66,7 @@ class Median(RobustRule):
     """Coordinate-wise median of the clients' releases (module docstring)."""
 
     name = "median"
+    source = "Yin et al., ICML 2018"
     summary = "robust aggregation: the coordinate-wise median of the clients' updates"
 
     def server(self, ctx: RoundContext, release: Release) -> Release:
@@ -92,6 +93,7 @@ class TrimmedMean(RobustRule):
     """Coordinate-wise beta-trimmed mean (module docstring)."""
 
     name = "trimmed_mean"
+    source = "Yin et al., ICML 2018"
     summary = "robust aggregation: coordinate-wise mean without the beta K largest and smallest values"
     Params = TrimmedMeanParams
 
@@ -131,6 +133,7 @@ class Krum(RobustRule):
     """Krum and multi-Krum (module docstring)."""
 
     name = "krum"
+    source = "Blanchard et al., NeurIPS 2017"
     summary = "robust aggregation: Krum / multi-Krum, the mean of the m updates closest to their neighbours"
     Params = KrumParams
 
@@ -200,6 +203,7 @@ class NormBound(RobustRule):
     """Norm bounding (module docstring): the rows clipped, aggregated by the method as usual."""
 
     name = "norm_bound"
+    source = "Sun et al., arXiv 1911.07963, 2019"
     summary = "robust aggregation: every client's update clipped to the norm bound M (Sun et al. 2019)"
     Params = NormBoundParams
 
@@ -244,6 +248,7 @@ class CenteredClip(RobustRule):
     """Centered clipping from the previous round's aggregate (module docstring)."""
 
     name = "centered_clip"
+    source = "Karimireddy, He and Jaggi, ICML 2021"
     summary = "robust aggregation: centered clipping around the previous aggregate (Karimireddy et al. 2021)"
     Params = CenteredClipParams
     server_state = {CENTER: init.vector(0)}  # empty before round 0: the first round starts from zero

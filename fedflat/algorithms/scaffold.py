@@ -75,5 +75,6 @@ class Scaffold(Correction):
 
 
 register_recipe(Recipe(
-    name="scaffold", summary="control variates c, c_i correct client drift (option II), FedAvg server",
+    name="scaffold", display="SCAFFOLD",
+    summary="control variates c, c_i correct client drift (option II), FedAvg server",
     source="Karimireddy et al., ICML 2020", correction="scaffold"))

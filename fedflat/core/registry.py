@@ -96,9 +96,15 @@ class Recipe:
     tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     privacy: dict[str, Any] = field(default_factory=dict)  # a method under DP (DP-FedSAM): its `privacy` section
     compression: dict[str, Any] = field(default_factory=dict)  # ... and its `compression` (DP-FedSAM-top_k)
+    display: str = ""  # the name its paper writes (FedAvg, FedLESAM): tables and figures show it
 
     def part_names(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}
+
+    @property
+    def title(self) -> str:
+        """The method's name as its paper writes it (:attr:`display`), else its config name."""
+        return self.display or self.name
 
 
 def composition_label(section: dict[str, Any]) -> str:
@@ -117,6 +123,14 @@ def composition_label(section: dict[str, Any]) -> str:
     changed = [f"{role}={part_of(role)}" for role in ROLES
                if part_of(role) is not None and part_of(role) != recipe.part_names()[role]]
     return f"{name}[{','.join(changed)}]" if changed else name
+
+
+def display_label(label: str) -> str:
+    """A :func:`composition_label` as a paper names the method: ``FedLESAM``, ``FedLESAM[correction=scaffold]``
+    (a name no recipe has is left as it is)."""
+    name, bracket, rest = label.partition("[")
+    recipe = RECIPES.get(name)
+    return (recipe.title if recipe is not None else name) + bracket + rest
 
 
 def register_recipe(recipe: Recipe) -> Recipe:

@@ -46,6 +46,7 @@ class UploadStage(Part):
 
     role = "upload"
     kind: ClassVar[str] = "clip"  # its place in the path (:data:`STAGE_ORDER`)
+    source: ClassVar[str] = ""  # the paper it follows (`fedflat list` shows it beside the summary)
     encodes: ClassVar[bool] = False  # it changes what travels (:meth:`encode` / :meth:`decode`)
     side: ClassVar[tuple[str, ...]] = ()  # entries it adds to the upload beside the release (adaptive clip's count)
     wire: ClassVar[tuple[str, ...]] = ()  # an encoder's entries that carry the model's update in its place

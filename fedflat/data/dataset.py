@@ -75,6 +75,7 @@ class Dataset:
     test_owners: np.ndarray | None = None
     standardize: Standardize | None = None
     heldout: str = "test"
+    files: tuple[str, ...] = ()  # the files the loader read (the run folder's summary.json records them)
 
     def __post_init__(self) -> None:
         for field in ("x_train", "y_train", "x_test", "y_test"):

@@ -118,8 +118,9 @@ def _load_idx_dataset(name: str, root: str | Path | None, download: bool) -> Dat
             raise DatasetError(f"{name} {split} files in {files[0].parent}: images {images.shape} do not match "
                                f"labels {labels.shape}: delete them and download them again (data.download=true), "
                                "or copy the official files there")
-    return to_tensors(name, x_train[:, None], y_train, x_test[:, None], y_test, 10, scale=255.0,
+    data = to_tensors(name, x_train[:, None], y_train, x_test[:, None], y_test, 10, scale=255.0,
                       source=str(files[0].parent))
+    return replace(data, files=tuple(str(f) for f in files))
 
 
 def load_mnist(root: str | Path | None = None, download: bool = False) -> Dataset:
@@ -138,8 +139,9 @@ def _load_cifar(name: str, root: str | Path | None, download: bool, num_classes:
         location = _extract_cifar(name, location)
     x_train, y_train = read_cifar_split(location, name, train=True)
     x_test, y_test = read_cifar_split(location, name, train=False)
-    return to_tensors(name, x_train, y_train, x_test, y_test, num_classes, scale=255.0,
+    data = to_tensors(name, x_train, y_train, x_test, y_test, num_classes, scale=255.0,
                       augmentation="cifar", source=str(location))
+    return replace(data, files=(str(location),))
 
 
 def _writable(folder: Path) -> bool:
@@ -321,4 +323,9 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     if unknown:
         allowed = ", ".join(valid) if valid else "none"
         raise ValueError(f"dataset {name!r}: unknown option(s) {', '.join(unknown)}; valid options: {allowed}")
+    if root not in (None, "") and not download and not Path(root).expanduser().is_dir():
+        what = "is a file, not a folder" if Path(root).expanduser().exists() else "does not exist"
+        raise DatasetNotFoundError(f"data folder {root} (data.root, --data-dir) {what}: give the folder that holds "
+                                   f"the {name} files, or leave it out to search $FEDFLAT_DATA and the cache",
+                                   [Path(root)])
     return DATASETS[name][0](root=root, download=download, **options)

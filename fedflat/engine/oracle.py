@@ -383,6 +383,15 @@ class Oracle:
     def _flat(self, grads: tuple[torch.Tensor, ...], lead: tuple[int, ...]) -> torch.Tensor:
         return torch.cat([g.reshape(*lead, -1) for g in grads], dim=-1)
 
+    @property
+    def gradient(self) -> str:
+        """Which gradient the steps run: ``native`` (the hand-derived MLP gradient as one C++ operator), ``python``
+        (the same hand-derived gradient in Python: the operator is off or could not be built) or ``autograd``
+        (any other model, engine, precision or loss); ``summary.json`` records it."""
+        if self.hand is None:
+            return "autograd"
+        return "native" if self.hand.native is not None else "python"
+
     def _loss_grad_one(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.hand is not None and self.hand.takes(w, x, y):
             return self.hand.loss_grad(w, x, y)

@@ -36,6 +36,9 @@ class Problem:
     client_indices_np: list[np.ndarray]
     client_indices: list[torch.Tensor]
     num_samples: torch.Tensor
+    # the test split a run that selects on ``data.validation`` never evaluates while it trains: ``(x_test, y_test,
+    # test_owners)`` on the CPU, for the test accuracy of the model it selected, at its end
+    test_split: tuple[torch.Tensor, torch.Tensor, np.ndarray | None] | None = None
 
     def probe_inputs(self, count: int = PROBE_SAMPLES) -> torch.Tensor:
         """The first ``count`` training inputs (features applied): what the up-front checks run the model on."""
@@ -52,7 +55,9 @@ def build_problem(cfg: Config, device: torch.device, dataset: Dataset | None = N
         # so the data's bits, and every number trained on them, would depend on the process's thread count
         with torch_threads(1):
             dataset = load_dataset(cfg.data.name, root=cfg.data.root, download=cfg.data.download, **cfg.data.options)
+    test_split = None
     if cfg.data.validation:
+        test_split = (dataset.x_test, dataset.y_test, dataset.test_owners)
         full = dataset.y_train.shape[0]
         dataset, kept = validation_split(dataset, cfg.data.validation)
         if clients is not None:
@@ -62,7 +67,7 @@ def build_problem(cfg: Config, device: torch.device, dataset: Dataset | None = N
                             dataset.name, owners=dataset.owners))
     return Problem(dataset.to(device), indices,
                    [torch.as_tensor(ix, dtype=torch.long, device=device) for ix in indices],
-                   torch.tensor([len(ix) for ix in indices], device=device))
+                   torch.tensor([len(ix) for ix in indices], device=device), test_split)
 
 
 def _without_heldout(clients: Sequence[Sequence[int]], kept: np.ndarray, num_samples: int, num_clients: int,

@@ -10,6 +10,7 @@ strategy (:mod:`fedflat.flower.server`) drives the same server with its nodes in
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -235,6 +236,35 @@ class Simulation:
         """The prefix of the evaluation's metrics: ``test``, or ``val`` when ``data.validation`` held out part of
         the training set (the test set is then never evaluated)."""
         return "val" if self.dataset.heldout == "validation" else "test"
+
+    @contextlib.contextmanager
+    def on_test_split(self):
+        """Within it, :meth:`evaluate` scores on the test split: for a run that selected on ``data.validation``, the
+        test accuracy of the model it selected (the number a paper reports); the training data and split are
+        untouched. A run that evaluates on the test split all along is left as it is."""
+        if self.problem.test_split is None:
+            yield
+            return
+        saved, tests = self.dataset, self.__dict__.pop("client_tests", None)
+        x, y, owners = self.problem.test_split
+        self.dataset = replace(saved, x_test=x.to(saved.x_test.device), y_test=y.to(saved.y_test.device),
+                               test_owners=owners, heldout="test")
+        try:
+            yield
+        finally:
+            self.dataset = saved
+            self.__dict__.pop("client_tests", None)
+            if tests is not None:
+                self.__dict__["client_tests"] = tests
+
+    @torch.no_grad()
+    def evaluate_model(self, w: torch.Tensor, buffers: torch.Tensor) -> tuple[float, float]:
+        """``(accuracy, mean loss)`` of the global model ``(w, buffers)`` on the held-out set (the run's state is not
+        touched: a kept model, such as ``best_model.pt``'s)."""
+        correct, total = self._scores(w.to(self.device), self.dataset.x_test, self.dataset.y_test,
+                                      buffers.to(self.device))
+        count = self.dataset.x_test.shape[0]
+        return correct.item() / count, total.item() / count
 
     @property
     def num_parameters(self) -> int:

@@ -93,11 +93,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as err:
         print(f"fedflat: {err}", file=sys.stderr)
         return 2
+    sys.stdout.write(text)
     if args.output:
-        Path(args.output).write_text(text)
+        from fedflat.files import atomic_write_text
+
+        atomic_write_text(Path(args.output), text)
         print(f"table: {args.output}")
-    else:
-        sys.stdout.write(text)
     if args.plot:
         from fedflat.experiments.plots import write_plots
 
@@ -111,13 +112,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from fedflat.experiments.personal import evaluate_run
 
-    result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode))
+    result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode), model=args.model,
+                          split=args.split)
     split, acc, loss = result["split"], result["accuracy"], result["loss"]
-    print(f"round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, loss {loss:.4f}")
-    reported = result["reported_accuracy"]
+    print(f"{result['model']}, round {result['round']}: {result['evaluation']} {split} accuracy {acc:.4f}, "
+          f"loss {loss:.4f}")
+    reported, key = result["reported_accuracy"], result["reported_key"]
     if reported is not None:
         same = reported == acc and math.isclose(result["reported_loss"] or 0.0, loss, rel_tol=1e-6)
-        print(f"summary.json: final_{split}_acc {reported:.4f}, final_{split}_loss {result['reported_loss']:.4f} "
+        print(f"summary.json: {key}_acc {reported:.4f}, {key}_loss {result['reported_loss']:.4f} "
               f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
     return 0
 
@@ -160,7 +163,7 @@ def register(sub) -> None:
                    help="write convergence curves and partition heatmaps (one column of a paper wide)")
     p.add_argument("--formats", default="png,pdf,svg", metavar="F,...", help="figure formats (png,pdf,svg; csv: each convergence figure's numbers)")
     p.add_argument("--dpi", type=float, default=300, help="the PNG figures' resolution (default 300)")
-    p.add_argument("--output", "-o", default=None, help="write the table to this file instead of stdout")
+    p.add_argument("--output", "-o", default=None, help="also write the table to this file")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("evaluate", help="evaluate a run folder's saved models as the run did (a personalized run: "
@@ -171,7 +174,13 @@ def register(sub) -> None:
     mode.add_argument("--personalized", dest="mode", action="store_const", const="personalized",
                       help="each client's own model on its own test share (the default for a personalized run)")
     mode.add_argument("--global", dest="mode", action="store_const", const="global",
-                      help="model.pt alone on the whole held-out set")
+                      help="the model file alone on the whole held-out set")
+    p.add_argument("--model", default="model.pt", metavar="FILE",
+                   help="the model file of the run folder to evaluate: model.pt (default), or one the run kept, "
+                        "e.g. best_model.pt (callbacks: model_checkpoint)")
+    p.add_argument("--split", default=None, choices=("test", "val"),
+                   help="the held-out set (default: the run's); test on a run that selected on a validation split "
+                        "gives the selected model's test accuracy, the number a paper reports")
     p.set_defaults(func=cmd_evaluate, mode=None)
 
 

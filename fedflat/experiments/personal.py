@@ -20,6 +20,7 @@ run).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -103,47 +104,77 @@ def state_loader(parts: dict[str, Any]) -> Callable[[torch.Tensor, list[str]], t
     return load_state
 
 
-def evaluate_run(run_dir: str | Path, personalized: bool | None = None, **user: Any) -> dict[str, Any]:
+def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: str = "model.pt",
+                 split: str | None = None, **user: Any) -> dict[str, Any]:
     """Evaluates a run folder's saved models as its run did: the clients' own models (``personal.pt`` with
-    ``model.pt``) where ``personalized`` (default: where the run's evaluation was personalized), else ``model.pt``
-    on the whole held-out set. ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user data.
-    Returns ``{"round", "evaluation", "split", "accuracy", "loss", "reported_accuracy", "reported_loss"}``."""
-    from fedflat.engine.checkpoint import CheckpointError, run_config, safe_load
+    ``model.pt``) where ``personalized`` (default: where the run's evaluation was personalized), else the global
+    ``model`` (``model.pt``, or another model file the run kept: ``best_model.pt``) on the whole held-out set.
+    ``split``: ``test`` or ``val`` (default: the split the run evaluated); ``test`` on a run that selected on a
+    validation split gives the test accuracy of the model it selected, as ``summary.json``'s ``selected_test_acc``
+    (``final_test_acc`` for ``model.pt``). ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user
+    data. Returns ``{"round", "evaluation", "split", "model", "accuracy", "loss", "reported_accuracy",
+    "reported_loss", "reported_key"}``."""
+    from fedflat.engine.checkpoint import CheckpointError, run_config
     from fedflat.engine.simulation import Simulation, pooled_accuracy
+    from fedflat.files import safe_load
 
     path = Path(run_dir)
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
     if personalized is None:
-        personalized = summary.get("evaluation") == "personalized"
-    model_file = path / "model.pt"
-    if not model_file.is_file():
-        raise ConfigError(f"{path}: no model.pt (the run saved no model yet)")
+        personalized = summary.get("evaluation") == "personalized" and model == "model.pt"
+    model_file = path / model
+    if "/" in model or not model_file.is_file():
+        kept = sorted(p.name for p in path.glob("*.pt") if p.name not in ("checkpoint.pt", PERSONAL_FILE))
+        raise ConfigError(f"{path}: no model file {model!r} (the run kept {', '.join(kept) or 'none yet'})")
+    if personalized and model != "model.pt":
+        raise ConfigError(f"{path}: personal.pt holds the clients' parts of the final model.pt only: evaluate "
+                          f"{model} with --global")
+    if split not in (None, "test", "val"):
+        raise ConfigError(f"split {split!r}: choose test or val")
     state = safe_load(model_file, "model file", "restore it from a copy, or run the experiment again")
     # (the files before the config, which may import the run's plugins)
     parts = _personal_file(path) if personalized and (path / PERSONAL_FILE).is_file() else None
     sim = Simulation(run_config(path), **user)
+    if split == "val" and sim.heldout != "val":
+        raise ConfigError(f"{path}: the run held out no validation split (data.validation): evaluate on test")
     try:
         w, b = sim.model.vectors(state)
     except ValueError as err:
         raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
     sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
-    rounds = summary.get("rounds")
-    if personalized:
-        if not sim.personalized:
-            raise ConfigError(f"{path}: {sim.algorithm.label} keeps nothing on its clients; evaluate it without "
-                              "--personalized")
-        parts = parts if parts is not None else _personal_file(path)
-        rounds = parts["round"]
-        scores = sim.personal_scores(sim.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
-        accuracy, loss = pooled_accuracy(scores)
-    else:
-        accuracy, loss = sim.evaluate(sim.w)
-    split = sim.heldout
-    reported = personalized == (summary.get("evaluation") == "personalized")
+    rounds = summary.get("rounds") if model == "model.pt" else _kept_round(summary, model)
+    with sim.on_test_split() if split == "test" else contextlib.nullcontext():
+        if personalized:
+            if not sim.personalized:
+                raise ConfigError(f"{path}: {sim.algorithm.label} keeps nothing on its clients; evaluate it without "
+                                  "--personalized")
+            parts = parts if parts is not None else _personal_file(path)
+            rounds = parts["round"]
+            scores = sim.personal_scores(sim.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
+            accuracy, loss = pooled_accuracy(scores)
+        else:
+            accuracy, loss = sim.evaluate(sim.w)
+        split = sim.heldout
+    key = _reported_key(summary, split, model, personalized)
     return {"round": rounds, "evaluation": "personalized" if personalized else "global", "split": split,
-            "accuracy": accuracy, "loss": loss,
-            "reported_accuracy": summary.get(f"final_{split}_acc") if reported else None,
-            "reported_loss": summary.get(f"final_{split}_loss") if reported else None}
+            "model": model, "accuracy": accuracy, "loss": loss, "reported_key": key,
+            "reported_accuracy": summary.get(f"{key}_acc") if key else None,
+            "reported_loss": summary.get(f"{key}_loss") if key else None}
+
+
+def _kept_round(summary: dict[str, Any], model: str) -> int | None:
+    """The round of a kept model file, as ``summary.json`` records it (``best_model``'s round)."""
+    best = summary.get("best_model") or {}
+    return best.get("round") if best.get("file") == model else None
+
+
+def _reported_key(summary: dict[str, Any], split: str, model: str, personalized: bool) -> str | None:
+    """The ``summary.json`` numbers (``KEY_acc``, ``KEY_loss``) this evaluation reproduces, or None."""
+    if personalized != (summary.get("evaluation") == "personalized"):
+        return None
+    if split == "test" and summary.get("evaluated_on") == "val" and summary.get("selected_file") == model:
+        return "selected_test"
+    return f"final_{split}" if model == "model.pt" else None
 
 
 def _personal_file(path: Path) -> dict[str, Any]:

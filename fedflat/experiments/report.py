@@ -31,6 +31,7 @@ import yaml
 
 from fedflat.algorithms.compose import scoped_section
 from fedflat.core import ROLES, composition_label
+from fedflat.core.registry import display_label
 from fedflat.files import read_jsonl
 
 DASH = "–"
@@ -234,10 +235,10 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run, m, s in zip(runs, method_part, setting_part):
         name = _method_name(m)
         extra = _label([(k, m.get(k)) for k in method_keys[name]])
-        method = f"{name} ({extra})" if extra else name
+        method = f"{display_label(name)} ({extra})" if extra else display_label(name)  # as the papers write it
         setting = _label([(k, s.get(k)) for k in setting_keys if k in s]) or "all"
         groups.setdefault((setting, method), Group(setting, method)).runs.append(run)
-    ordered = sorted(groups.values(), key=lambda g: (g.setting, g.method != "fedavg", g.method))
+    ordered = sorted(groups.values(), key=lambda g: (g.setting, g.method != display_label("fedavg"), g.method))
     return ordered
 
 
@@ -269,6 +270,9 @@ class Row:
     status: str
     epsilon: float | None = None  # privacy spent (mean over seeds), for runs under differential privacy
     metrics: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # eval.metrics, in %
+    # runs that selected on a validation split: the test accuracy of the model each selected (in %)
+    selected: tuple[float | None, float | None] = (None, None)
+    radius: str | None = None  # the SAM radius the runs perturbed with (``rho=0.05``; None: no perturbation)
 
 
 def summarize(group: Group, targets: list[float]) -> Row:
@@ -301,7 +305,26 @@ def summarize(group: Group, targets: list[float]) -> Row:
                epsilon=mean_std([r.summary["epsilon"] for r in runs if r.summary.get("epsilon") is not None])[0],
                metrics={name: mean_std([100 * r.summary[f"final_test_{name}"] for r in runs
                                         if r.summary.get(f"final_test_{name}") is not None])
-                        for name in _metric_names(runs)})
+                        for name in _metric_names(runs)},
+               selected=mean_std([100 * r.summary["selected_test_acc"] for r in runs
+                                  if r.summary.get("selected_test_acc") is not None]),
+               radius=radius_of(runs))
+
+
+RADII = ("rho", "rho_max")  # the perturbation's radius, as its paper names it (FedSCAM adapts up to rho_max)
+
+
+def radius_of(runs: list[Run]) -> str | None:
+    """``rho=0.05`` (``rho_max=0.1``; values joined by ``/`` when the runs differ): the radius the runs' perturbation
+    used, read from their config.yaml; None for a method without one (FedAvg), so a table says which radii it
+    compares."""
+    shown = []
+    for key in RADII:
+        values = sorted({r.config[f"algo.perturbation.{key}"] for r in runs
+                         if r.config.get(f"algo.perturbation.{key}") is not None})
+        if values:
+            shown.append(f"{key}=" + "/".join(f"{v:g}" for v in values))
+    return ", ".join(shown) or None
 
 
 def _metric_names(runs: list[Run]) -> list[str]:
@@ -340,17 +363,31 @@ def private(rows: list[Row]) -> bool:
     return any(r.epsilon is not None for r in rows)
 
 
-def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False) -> list[str]:
-    cols = ["setting", "method", "seeds", "final acc (%)", "best acc (%)", *(f"final {m} (%)" for m in metrics),
+def selecting(rows: list[Row]) -> bool:
+    """Whether any row selected its model on a validation split: its tables then have a column of the selected
+    model's test accuracy (``selected_test_acc``), the number a paper reports."""
+    return any(r.selected[0] is not None for r in rows)
+
+
+def with_radius(rows: list[Row]) -> bool:
+    """Whether any row perturbed with a radius: its tables then have a *radius* column."""
+    return any(r.radius is not None for r in rows)
+
+
+def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False,
+            selected: bool = False, radius: bool = False) -> list[str]:
+    cols = ["setting", "method", *(["radius"] if radius else []), "seeds", "final acc (%)", "best acc (%)",
+            *(["test acc of selected (%)"] if selected else []), *(f"final {m} (%)" for m in metrics),
             *(["epsilon"] if epsilon else [])]
     for t in targets:
         cols += [f"rounds to {100 * t:g}%", f"time to {100 * t:g}% (s)"]
     return cols + ["s/round", "comm (x FedAvg)", "backprops/step", "status"]
 
 
-def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), epsilon: bool = False) -> list[str]:
-    cells = [row.setting, row.method, str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
-             *(_pm(row.metrics.get(m, (None, None)), pm) for m in metrics)]
+def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), epsilon: bool = False,
+           selected: bool = False, radius: bool = False) -> list[str]:
+    cells = [row.setting, row.method, *([row.radius or DASH] if radius else []), str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
+             *([_pm(row.selected, pm)] if selected else []), *(_pm(row.metrics.get(m, (None, None)), pm) for m in metrics)]
     if epsilon:
         cells.append(DASH if row.epsilon is None else f"{row.epsilon:.3g}")
     for t in targets:
@@ -366,11 +403,11 @@ def _row_metrics(rows: list[Row]) -> list[str]:
 
 
 def to_markdown(rows: list[Row], targets: list[float]) -> str:
-    metrics, epsilon = _row_metrics(rows), private(rows)
-    head = headers(targets, metrics, epsilon)
+    metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
+    head = headers(targets, metrics, epsilon, selected, radius)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon)) + " |"
-              for r in rows]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected, radius))
+              + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -383,14 +420,14 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(rows: list[Row], targets: list[float]) -> str:
-    metrics, epsilon = _row_metrics(rows), private(rows)
-    head = headers(targets, metrics, epsilon)
-    spec = "ll" + "r" * (len(head) - 3) + "l"
+    metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
+    head = headers(targets, metrics, epsilon, selected, radius)
+    spec = "ll" + "l" * radius + "r" * (len(head) - 3 - radius) + "l"
     out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
            " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in rows:
         cells = []
-        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon):
+        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon, selected, radius):
             text = _latex_escape(c)
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
@@ -401,7 +438,8 @@ def to_latex(rows: list[Row], targets: list[float]) -> str:
 def to_csv(rows: list[Row], targets: list[float]) -> str:
     buf = io.StringIO()
     metrics = _row_metrics(rows)
-    cols = ["setting", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
+    cols = ["setting", "method", *(["radius"] if with_radius(rows) else []), "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
+            *(["selected_test_acc_mean", "selected_test_acc_std"] if selecting(rows) else []),
             *(f"final_{m}_{stat}" for m in metrics for stat in ("mean", "std"))]
     cols += ["epsilon"] if private(rows) else []
     for t in targets:
@@ -411,8 +449,8 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     writer.writerow(cols)
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
     for r in rows:
-        line = [r.setting, r.method, r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1]),
-                *(num(v) for m in metrics for v in r.metrics.get(m, (None, None)))]
+        line = [r.setting, r.method, *([r.radius or ""] if with_radius(rows) else []), r.seeds, num(r.final[0]), num(r.final[1]), num(r.best[0]), num(r.best[1]),
+                *([num(r.selected[0]), num(r.selected[1])] if selecting(rows) else []), *(num(v) for m in metrics for v in r.metrics.get(m, (None, None)))]
         line += [num(r.epsilon)] if private(rows) else []
         for t in targets:
             rounds, seconds, reached = r.targets[t]

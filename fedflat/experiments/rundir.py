@@ -120,7 +120,10 @@ class DiskFull(OSError):
 
 
 def check_output_folder(path: str | Path) -> None:
-    """Refuses, before any data are loaded, an output folder that cannot be made or written."""
+    """Refuses, before any data are loaded, an output folder that cannot be made or written; makes it (with its
+    parents) where it is missing and keeps it, as the run would make it. Making is idempotent
+    (``os.makedirs(exist_ok=True)``) and nothing is removed, so runs started at once into one new folder never trip
+    over each other: each then makes its own run folder in it (:meth:`RunDir.create`, exclusive)."""
     from fedflat.core import ConfigError
 
     target = Path(path).absolute()
@@ -131,15 +134,15 @@ def check_output_folder(path: str | Path) -> None:
         raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {path}: {probe} is not writable; choose another --out")
-    if probe != target:  # made as the run would make it (/proc is "writable" and takes no folder), then removed
-        try:
-            target.mkdir(parents=True)
-        except OSError as err:
-            raise ConfigError(f"output folder {path}: cannot be made in {probe} ({err.strerror or err}); choose "
-                              "another --out") from None
-        while target != probe:
-            target.rmdir()
-            target = target.parent
+    try:  # (/proc is "writable" and takes no folder: only making one tells)
+        os.makedirs(target, exist_ok=True)
+    except FileExistsError:  # a file in the way, made since the look above
+        raise ConfigError(f"output folder {path}: a file is in its way, not a folder; choose another --out") from None
+    except OSError as err:
+        raise ConfigError(f"output folder {path}: cannot be made in {probe} ({err.strerror or err}); choose "
+                          "another --out") from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"output folder {path}: {target} is not writable; choose another --out")
 
 
 class RunDir:

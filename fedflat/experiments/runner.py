@@ -28,7 +28,7 @@ from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
-from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
+from fedflat.experiments.callbacks import CallbackError, Callbacks, ModelCheckpoint, RunInfo, build_callbacks
 from fedflat.experiments.personal import save_personal_parts
 from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
                                        machine_info, versions)
@@ -69,7 +69,8 @@ class History:
 
     @property
     def final_test_acc(self) -> float | None:
-        """The test accuracy of the final model (None without a test evaluation, as in a validation run)."""
+        """The test accuracy of the final model (a run selecting on a validation split scores it on the test split at
+        its end; None where nothing was scored: a run that did not finish)."""
         return self.summary.get("final_test_acc")
 
 
@@ -231,12 +232,16 @@ class Runner:
         self.hooks: list[Callable[["Runner", int, dict[str, Any] | None], None]] = []
         self.train_round: Callable[[int], RoundResult] = sim.run_round  # a federation's driver replaces it
         self.checkpointed = 0  # the round of the checkpoint on disk (a resume starts from it)
+        self._training: int | None = None  # the round being trained, until it is committed
         alg = sim.algorithm
         self.summary: dict[str, Any] = {
             "status": "running", "reason": None, "rounds": 0, "rounds_planned": cfg.rounds,
-            "algorithm": alg.label, "dataset": resolved["data"]["name"], "model": resolved["model"]["name"],
+            "algorithm": alg.label, "dataset": resolved["data"]["name"],
+            "data_source": sim.dataset.source or None, "data_files": list(sim.dataset.files),  # what it read
+            "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
             "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
+            "gradient": sim.oracle.gradient,  # native, python (hand-derived) or autograd: docs/benchmarks.md
             "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
             "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
@@ -252,6 +257,7 @@ class Runner:
         if checkpoint is not None:
             self._restore(checkpoint)
         where = where or Output()
+        self.job = where.job
         info = RunInfo(config=copy.deepcopy(resolved), run_dir=run_dir.path if run_dir else None,
                        name=run_dir.path.name if run_dir else _label(cfg), start_round=self.start_round,
                        metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job, state_fn=sim.model_state)
@@ -333,6 +339,7 @@ class Runner:
                 self.summary["reason"] = dropped_note(self.summary["dropped_clients"])
         except Diverged as err:
             self.summary.update(status="diverged", reason=str(err))
+            self._diverged_line()
         except BudgetSpent as err:
             self.summary.update(status="budget spent", reason=str(err))
         except KeyboardInterrupt as err:
@@ -369,6 +376,7 @@ class Runner:
             self.summary["callback_errors"] = [*self.summary.get("callback_errors", []), *self.callbacks.errors]
             self.callbacks.errors = []
         try:
+            self._test_selection()
             if self.summary["status"] != "diverged":
                 self._checkpoint()  # the final state, or the last complete round of an interrupted run
             self._save()
@@ -378,6 +386,31 @@ class Runner:
             raise self._disk_full(err) from None
         if self.run_dir is not None:
             self.run_dir.release_reserve()
+
+    def _test_selection(self) -> None:
+        """A run that selected on a validation split (``data.validation``) ends with the number a paper reports:
+        the test accuracy of the model it selected. ``final_test_acc``/``final_test_loss`` are the final model's
+        (as the run evaluated it: personalized where it is); ``selected_test_acc``/``selected_test_loss`` the
+        selected model's: the one a ``model_checkpoint`` callback kept (``best_model.pt``, chosen on its validation
+        metric), else the final one (``model.pt``), as ``selected_file`` and ``selected_round`` say. Only the end
+        of a finished run looks at the test split, and never a tuning trial's (``fedflat tune`` selects first)."""
+        sim, s = self.sim, self.summary
+        if (sim.problem.test_split is None or self.job == "trials"
+                or s["status"] not in ("completed", "stopped", "budget spent") or not s["rounds"] or (sim.personalized and sim.personal_evaluation is not None)):
+            return
+        kept = next((cb for cb in self.callbacks.active if isinstance(cb, ModelCheckpoint)
+                     and cb.best_state is not None), None)
+        with sim.on_test_split():
+            acc, loss = sim.evaluate()
+            s.update(final_test_acc=acc, final_test_loss=loss)
+            if kept is None:
+                s.update(selected_test_acc=acc, selected_test_loss=loss, selected_file="model.pt",
+                         selected_round=s["rounds"])
+            elif not sim.personalized:  # (a personalized run keeps its clients' parts of the final round only)
+                w, buffers = sim.model.vectors(kept.best_state)
+                acc, loss = sim.evaluate_model(w, buffers)
+                s.update(selected_test_acc=acc, selected_test_loss=loss, selected_file=kept.filename,
+                         selected_round=kept.best_round)
 
     def _disk_full(self, err: OSError) -> DiskFull:
         """Records the failure in summary.json (in the space the reserve gives back) and says what to do."""
@@ -393,8 +426,20 @@ class Runner:
                 pass  # still no room: the summary keeps its last state; the message says what happened
         return DiskFull(message)
 
+    def _diverged_line(self) -> None:
+        """The metrics line of a round whose training diverged (nothing of it was committed), its losses null, as
+        the line of one whose evaluation diverged holds them (docs/experiments.md, "A run that diverged")."""
+        if self._training is None:
+            return  # it diverged in its evaluation: the line is written
+        split = self.sim.heldout
+        with uninterrupted():
+            self._append({"round": self._training + 1, f"{split}_acc": None, f"{split}_loss": None,
+                          "train_loss": None, "lr": self.sim.lr_at(self._training), "diverged": True})
+
     def _round(self, t: int, bar) -> None:
+        self._training = t  # (a round that raises Diverged here writes its line with its losses null)
         result = self._train(t)
+        self._training = None
         if self._evaluated(t):
             record = self._record(t, result, bar)
         else:

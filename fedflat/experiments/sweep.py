@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import yaml
 
-from fedflat.config import (Config, apply_override, config_file, file_kind, load_config, located, packaged_config,
+from fedflat.config import (Config, apply_override, base_file, config_file, file_kind, inherited, load_config, located,
                             parse_override, read_yaml_file, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
@@ -145,19 +145,35 @@ def folder_name(text: str) -> str:
     return _UNSAFE.sub("-", text).lstrip(".-").rstrip("-")
 
 
+def _one_folder_each(seen: dict[str, Any], safe: str, given: Any, where: str, axis: str, fix: str) -> None:
+    """Refuses a second option of an axis whose folder name is ``safe`` (``a/b`` and ``a-b`` both clean to ``a-b``):
+    one of the two cells would silently be lost. ``seen``: folder name -> the option given for it so far."""
+    if safe in seen:
+        raise ConfigError(f"{where}: grid axis '{axis}': {seen[safe]!r} and {given!r} make the same cell folder name "
+                          f"'{safe}' (folder names keep letters, digits and . _ = -): {fix}")
+    seen[safe] = given
+
+
 def _parse_axis(axis: str, spec: Any, where: str) -> dict[str, list[tuple[str, Any]]]:
     if isinstance(spec, list):
         if not spec:
             raise ConfigError(f"{where}: grid axis '{axis}' has no values")
-        return {_option_name(axis, v): [(axis, v)] for v in spec}
+        options: dict[str, list[tuple[str, Any]]] = {}
+        seen: dict[str, Any] = {}
+        for value in spec:
+            _one_folder_each(seen, _option_name(axis, value), value, where, axis,
+                             "give the axis named options instead (option name: {key: value})")
+            options[_option_name(axis, value)] = [(axis, value)]
+        return options
     if isinstance(spec, dict):
         if not spec:
             raise ConfigError(f"{where}: grid axis '{axis}' has no options")
-        options = {}
+        options, seen = {}, {}
         for name, ovr in spec.items():
             safe = folder_name(str(name))
             if not safe:
                 raise ConfigError(f"{where}: grid axis '{axis}': option name {name!r} is empty after cleaning")
+            _one_folder_each(seen, safe, name, where, axis, "rename one")
             if isinstance(ovr, dict):
                 options[safe] = list(ovr.items())
             elif isinstance(ovr, list):
@@ -197,16 +213,22 @@ def read_experiment_file(path: Path, what: str, allowed: set[str],
     spec = read_yaml_file(path) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    if set(spec) - allowed and file_kind(spec) != what:
+    if set(spec) - allowed and file_kind(spec) != what and not _mistyped(spec, allowed):
         raise wrong_kind(name or path, file_kind(spec), what)
     _refuse_unknown(spec, allowed, f"{path}: unknown {what} key", " (config keys go under 'config:' or 'overrides:')")
     base: dict[str, Any] = {}
     if spec.get("base"):
-        base_file = _base_path(path, str(spec["base"]))
-        base = located(read_yaml_file(base_file) or {}, base_file.parent)
+        parent = base_file(str(spec["base"]), path)
+        base = inherited(located(read_yaml_file(parent) or {}, parent.parent), parent)  # a base may inherit too
     for key, value in located(dict(spec.get("config") or {}), path.parent).items():
         apply_override(base, key, value)
     return spec, base
+
+
+def _mistyped(spec: dict[str, Any], allowed: set[str]) -> bool:
+    """Whether a file with a ``base`` reads as a sweep or tune file with a mistyped key (``grdi``) rather than as one
+    run's config inheriting its base: a key that is neither the file's nor a config key."""
+    return "base" in spec and any(k not in allowed and k not in Config.model_fields for k in spec)
 
 
 def pick_variant(spec: dict[str, Any], path: Path, variant: str, allowed: set[str]) -> dict[str, Any]:
@@ -238,18 +260,6 @@ def load_sweep(path: str | Path, variant: str | None = None, out: str | Path | N
     axes = {axis: _parse_axis(axis, s, str(path)) for axis, s in grid.items()}
     return Sweep(source=path, base=base, overrides=overrides, axes=axes, out=Path(out or sweep_out),
                  variant=variant, variants=list(variants))
-
-
-def _base_path(sweep_path: Path, base: str) -> Path:
-    """A file relative to the sweep file, or else a shipped config by name (``quickstart``, ``fmnist_mlp``)."""
-    candidate = (sweep_path.parent / base).resolve()
-    if candidate.is_file():
-        return candidate
-    shipped = packaged_config(base)
-    if shipped is None:
-        raise ConfigError(f"{sweep_path}: base config '{base}' not found (looked at {candidate}, and no shipped "
-                          "config has that name: `fedflat list --configs`)")
-    return shipped
 
 
 # --- the state of a cell folder --------------------------------------------------------------------

@@ -12,9 +12,12 @@ where the key hashes the source, torch's version and place and the compiler, so 
 environment's) or an edited source builds anew. The build is written under a temporary name and renamed into place
 under a file lock, then its SHA-256 beside it, so concurrent processes (Ray workers, parallel tests) build once, and
 a library without a matching digest (half written, damaged) is built again rather than loaded (``dlopen`` of a
-truncated library crashes the process). Where no compiler is found or the build fails, :func:`load` says why once
-(:func:`status`) and returns None: the Python method runs instead, with the same numbers. ``FEDFLAT_NATIVE=0`` turns
-the native path off.
+truncated library crashes the process). Where no compiler is found or the build fails, :func:`load` says why in one
+``fedflat: warning:`` line on stderr (:func:`status` too) and returns None: the Python method runs instead, with the
+same numbers. A failed build is recorded once per machine, ``build-failed.txt`` (the compiler's message) in the
+key's folder, so later processes use the Python method at once, neither building again nor announcing a build;
+``python -m fedflat.engine.native`` forgets the failure and tries again. ``FEDFLAT_NATIVE=0`` turns the native path
+off.
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +92,27 @@ def intact(target: Path) -> bool:
         return False
 
 
+class BuildFailedBefore(RuntimeError):
+    """The build of this key failed on this machine before (``build-failed.txt``): not tried, nor said, again."""
+
+
+def failure_path(target: Path) -> Path:
+    """The record of a failed build of ``target``'s key: the compiler's message."""
+    return target.with_name("build-failed.txt")
+
+
+def _failed_before(target: Path) -> BuildFailedBefore:
+    return BuildFailedBefore(f"its build failed on this machine ({failure_path(target)}); `python -m "
+                             "fedflat.engine.native` tries again")
+
+
+def forget_failure() -> None:
+    """Removes the record of a failed build (for this compiler, source and torch), so the next :func:`load` builds."""
+    cxx = compiler()
+    if cxx is not None:
+        failure_path(library_path(cxx)).unlink(missing_ok=True)
+
+
 def build(cxx: str, target: Path) -> Path:
     """Compiles :data:`SOURCE` into ``target`` unless an intact build is there (checked under a file lock, so
     concurrent processes build once), then records its SHA-256; raises ``RuntimeError`` with the compiler's message
@@ -99,6 +122,8 @@ def build(cxx: str, target: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes: one builds, the others wait and find it
         if intact(target):
             return target
+        if failure_path(target).is_file():  # another process failed while this one waited
+            raise _failed_before(target)
         includes, lib = _torch_paths()
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
         os.close(fd)
@@ -107,7 +132,11 @@ def build(cxx: str, target: Path) -> Path:
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
             if done.returncode:
-                raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr[-2000:]}")
+                _record_failure(target, f"{' '.join(command)}\nexit status {done.returncode}\n{done.stderr}")
+                first = next((line for line in done.stderr.splitlines() if "error" in line), "") or \
+                    (done.stderr.strip().splitlines() or ["no message"])[0]
+                raise RuntimeError(f"{Path(cxx).name} failed: {first.strip()[:200]} (its message: "
+                                   f"{failure_path(target)})")
             digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
             os.replace(tmp, target)  # atomic: a reader sees the whole library or none
             with open(tmp, "w") as f:
@@ -119,12 +148,22 @@ def build(cxx: str, target: Path) -> Path:
     return target
 
 
+def _record_failure(target: Path, text: str) -> None:
+    """Writes ``build-failed.txt`` atomically (a reader sees the whole record or none)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, failure_path(target))
+
+
 def _load_op() -> Callable:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     target = library_path(cxx)
     if not intact(target):  # not built yet, or damaged (a disk that filled up, say): built (again)
+        if failure_path(target).is_file():
+            raise _failed_before(target)
         print(f"fedflat: building the native MLP gradient once (about 15 s) into {target.parent}", file=sys.stderr,
               flush=True)
         build(cxx, target)
@@ -135,7 +174,7 @@ def _load_op() -> Callable:
 
 def load() -> Callable | None:
     """``torch.ops.fedflat.mlp_loss_grad`` (built if needed), or None where the native path is off or cannot be
-    built (:func:`status` says why; the first failure is also warned about)."""
+    built (:func:`status` says why; a new failure is also said on stderr, once)."""
     if not enabled():
         return None
     with _lock:
@@ -143,9 +182,11 @@ def load() -> Callable | None:
             try:
                 _loaded["op"] = _load_op()
             except Exception as err:  # noqa: BLE001 - any failure falls back to the Python method
-                _loaded["op"], _loaded["reason"] = None, f"{type(err).__name__}: {err}"
-                warnings.warn(f"fedflat's native MLP gradient is not available ({_loaded['reason']}); the Python "
-                              "method runs instead, with the same numbers, slower", stacklevel=2)
+                reason = " ".join(str(err).split()) or type(err).__name__
+                _loaded["op"], _loaded["reason"] = None, reason
+                if not isinstance(err, BuildFailedBefore):  # (said by the process whose build failed)
+                    print(f"fedflat: warning: the native MLP gradient is not available ({reason}); the Python "
+                          "method runs instead, with the same numbers, slower", file=sys.stderr, flush=True)
         return _loaded["op"]  # type: ignore[return-value]
 
 
