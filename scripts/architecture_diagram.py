@@ -4,7 +4,7 @@
   imports the other at (read from the package's source with ``ast``; a lower layer never imports a higher one, which
   tests/test_layers.py checks).
 - ``docs/figures/round.svg``: one round's journey, the page's numbered steps in order, each with the functions its
-  anchors cite (``[A11]`` -> ``run_round``, ``fedflat/engine/simulation.py``).
+  anchors cite (``[A11]`` -> ``run_round``, ``fedflat/engine/simulation.py``; an anchor citing a call names the call).
 
     python scripts/architecture_diagram.py            # (re)write both files
     python scripts/architecture_diagram.py --check    # exit 1 if either differs from what the code gives now
@@ -126,8 +126,8 @@ def layers_svg(page: str) -> str:
 
 def journey(page: str) -> list[tuple[str, list[tuple[str, str]]]]:
     """The page's steps of one round: ``(title, [(name, file)])`` in order, the names its anchors cite."""
-    anchors = {a: (name, path) for a, path, _line, name in
-               re.findall(r"^- (A\d+) `([\w/.]+):(\d+)` `([^`]+)`$", page, flags=re.M)}
+    anchors = {a: (call or qualname.split(".")[-1], module.replace(".", "/") + ".py") for a, module, qualname, call in
+               re.findall(r"^- (A\d+) `([\w.]+):([\w.]+)`(?: calls `([^`]+)`)?$", page, flags=re.M)}
     section = page.split("## One round's journey", 1)[1].split("\n## ", 1)[0]
     steps = re.split(r"^\d+\. ", section, flags=re.M)[1:]
     found = []

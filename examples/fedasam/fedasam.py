@@ -41,6 +41,6 @@ class AdaptiveSAM(Perturbation):
         return self.p.rho * T * scaled / (scaled.norm(dim=-1, keepdim=True) + 1e-12)
 
 
-register_recipe(Recipe(name="myfedasam", summary="FedAvg with Adaptive SAM on the clients",
+register_recipe(Recipe(name="myfedasam", display="MyFedASAM", summary="FedAvg with Adaptive SAM on the clients",
                        source="Caldarola et al., ECCV 2022; Kwon et al., ICML 2021", perturbation="myasam",
                        defaults={"rho": 0.5, "eta": 0.01}, tunable={"algo.rho": (0.1, 0.5, 1.0)}))

@@ -234,6 +234,7 @@ class Alie(ColludingAttack):
 
     name = "alie"
     summary = "attack: colluding clients upload mu - z sigma of the benign updates (A Little Is Enough)"
+    source = "Baruch, Baruch and Goldberg, NeurIPS 2019"
     Params = AlieParams
 
     def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
@@ -251,6 +252,7 @@ class Ipm(ColludingAttack):
 
     name = "ipm"
     summary = "attack: colluding clients upload -epsilon times the benign updates' mean (inner-product manipulation)"
+    source = "Xie, Koyejo and Gupta, UAI 2020"
     Params = IpmParams
 
     def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:

@@ -131,6 +131,6 @@ class AdaptiveLocalAggregation(Personalization):
 
 
 register_recipe(Recipe(
-    name="fedala", summary="FedALA: each client starts from an element-wise learned mix of its model and the global",
+    name="fedala", display="FedALA", summary="FedALA: each client starts from an element-wise learned mix of its model and the global",
     source="Zhang et al., AAAI 2023 (github.com/TsingZ0/FedALA)", personalization="ala",
     defaults={"weighting": "samples"}, tunable={"algo.eta": (0.1, 1.0, 10.0)}))

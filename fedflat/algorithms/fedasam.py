@@ -65,7 +65,7 @@ class AdaptiveSAM(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedasam", summary="FedAvg with Adaptive SAM on the clients (eps = rho T^2 g/||T g||, T = |w| + eta)",
+    name="fedasam", display="FedASAM", summary="FedAvg with Adaptive SAM on the clients (eps = rho T^2 g/||T g||, T = |w| + eta)",
     source="Caldarola et al., ECCV 2022 (github.com/debcaldarola/fedsam); Kwon et al., ICML 2021",
     perturbation="asam", defaults={"rho": 0.5, "eta": 0.01},
     # the authors' CIFAR grids (paper_experiments/cifar10.sh runs rho 0.7, eta 0.2 with SWA)

@@ -120,6 +120,6 @@ class FineTune(Personalization):
 
 
 register_recipe(Recipe(
-    name="fedbabu", summary="FedBABU: the body federated with the head frozen at init; each client fine-tunes w^t",
+    name="fedbabu", display="FedBABU", summary="FedBABU: the body federated with the head frozen at init; each client fine-tunes w^t",
     source="Oh, Kim and Yun, ICLR 2022 (github.com/jhoon-oh/FedBABU)", correction="babu", personalization="babu",
     defaults={"finetune_epochs": 1}, tunable={"algo.finetune_epochs": (1, 2, 5)}))

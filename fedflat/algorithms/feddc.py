@@ -108,7 +108,7 @@ class DriftServer(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="feddc", summary="local drift h_i decoupled and corrected: alpha-penalty, SCAFFOLD-like variates, "
+    name="feddc", display="FedDC", summary="local drift h_i decoupled and corrected: alpha-penalty, SCAFFOLD-like variates, "
                           "w <- mean theta_i + mean h_i",
     source="Gao et al., CVPR 2022 (github.com/gaoliang13/FedDC)", correction="feddc", server="feddc",
     defaults={"alpha": 0.01}, tunable={"algo.alpha": (0.1, 0.01, 0.001)}))

@@ -78,7 +78,7 @@ class FlexibleSAM(LocalSAM):
 
 
 register_recipe(Recipe(
-    name="fedfsa", summary="FedFSA: MoFedSAM with a larger radius on each client's most sensitive layers",
+    name="fedfsa", display="FedFSA", summary="FedFSA: MoFedSAM with a larger radius on each client's most sensitive layers",
     source="Xing et al., AAAI 2025 (github.com/xxdznl/FedFSA)", perturbation="fsa", correction="momentum",
     defaults={"rho": 0.05, "rho_larger": 0.9, "top": 2, "a": 0.1},
     tunable={"algo.rho_larger": (0.1, 0.5, 0.9), "algo.rho": (0.01, 0.05, 0.1)}))

@@ -40,8 +40,8 @@ class ActivationNorm(Filter):
 
 
 SOURCE = "Yashwanth et al., WACV 2024 (arXiv 2512.08314; github.com/vcl-iisc/fedMAN)"
-register_recipe(Recipe(name="fedavg-man", summary="FedAvg with FedMAN's layerwise activation-norm penalty",
+register_recipe(Recipe(name="fedavg-man", display="FedAvg+MAN", summary="FedAvg with FedMAN's layerwise activation-norm penalty",
                        source=SOURCE, filter="man", tunable={"algo.mu": (0.05, 0.1, 0.2, 0.5)}))
-register_recipe(Recipe(name="fedsam-man", summary="FedSAM with FedMAN's layerwise activation-norm penalty",
+register_recipe(Recipe(name="fedsam-man", display="FedSAM+MAN", summary="FedSAM with FedMAN's layerwise activation-norm penalty",
                        source=SOURCE, perturbation="sam", filter="man", defaults={"rho": 0.01},
                        tunable={"algo.mu": (0.05, 0.1, 0.2, 0.5), "algo.rho": (0.01, 0.05, 0.1)}))

@@ -57,5 +57,5 @@ class NormalizedAverage(ServerUpdate):
 
 
 register_recipe(Recipe(
-    name="fednova", summary="normalized averaging: w <- w + tau_eff sum_i p_i Delta_i / ||a_i||_1 (sample weights)",
+    name="fednova", display="FedNova", summary="normalized averaging: w <- w + tau_eff sum_i p_i Delta_i / ||a_i||_1 (sample weights)",
     source="Wang et al., NeurIPS 2020 (github.com/JYWa/FedNova)", server="nova", defaults={"weighting": "samples"}))

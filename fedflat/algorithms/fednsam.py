@@ -78,10 +78,10 @@ class NesterovServer(ACGServer):
 
 SOURCE = "Liu et al., arXiv 2602.23827 (2026; github.com/junkangLiu0/FedNSAM)"
 register_recipe(Recipe(
-    name="fednsam", summary="FedNSAM: start at w + lambda m, perturb along -m (the global Nesterov momentum)",
+    name="fednsam", display="FedNSAM", summary="FedNSAM: start at w + lambda m, perturb along -m (the global Nesterov momentum)",
     source=SOURCE, perturbation="nsam", server="nsam", defaults={"rho": 0.05, "lam": 0.85},
     tunable={"algo.rho": (0.01, 0.05, 0.1), "algo.lam": (0.5, 0.85)}))
 register_recipe(Recipe(
-    name="fednsam-code", summary="FedNSAM as the authors' code runs it: FedACG's lookahead start, local SAM, its server",
+    name="fednsam-code", display="FedNSAM (code)", summary="FedNSAM as the authors' code runs it: FedACG's lookahead start, local SAM, its server",
     source=SOURCE + ", update_NSAM", perturbation="sam", server="nsam",
     defaults={"rho": 0.05, "lam": 0.85, "momentum": "code"}, tunable={"algo.rho": (0.01, 0.05, 0.1)}))

@@ -37,6 +37,6 @@ class NotTrueDistillation(Correction):
 
 
 register_recipe(Recipe(
-    name="fedntd", summary="not-true distillation: CE + beta tau^2 KL on the not-true classes from w^t",
+    name="fedntd", display="FedNTD", summary="not-true distillation: CE + beta tau^2 KL on the not-true classes from w^t",
     source="Lee et al., NeurIPS 2022 (github.com/Lee-Gihun/FedNTD)", correction="ntd",
     defaults={"beta": 1.0, "tau": 1.0}, tunable={"algo.beta": (0.1, 0.3, 1.0, 3.0)}))

@@ -70,6 +70,6 @@ class ProximalPerturbation(Perturbation):
 
 
 register_recipe(Recipe(
-    name="fedsol", summary="FedSOL: local SAM-like steps perturbed along the gradient of the KL to the global model",
+    name="fedsol", display="FedSOL", summary="FedSOL: local SAM-like steps perturbed along the gradient of the KL to the global model",
     source="Lee et al., CVPR 2024 (github.com/Lee-Gihun/FedSOL)", perturbation="sol", defaults={"rho": 1.0},
     tunable={"algo.rho": (0.1, 0.5, 1.0, 2.0)}))

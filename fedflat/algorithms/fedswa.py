@@ -99,8 +99,8 @@ class MoSWA(SWASchedule):
 
 SOURCE = "Liu et al., ICML 2025 (arXiv 2507.20016; github.com/junkangLiu0/FedSWA)"
 register_recipe(Recipe(
-    name="fedswa", summary="FedSWA: local SGD at a rate decaying linearly within each round, models averaged",
+    name="fedswa", display="FedSWA", summary="FedSWA: local SGD at a rate decaying linearly within each round, models averaged",
     source=SOURCE, correction="swa", tunable={"algo.rho": (0.0, 0.1, 0.5), "algo.scale": (1.0, 2.0)}))
 register_recipe(Recipe(
-    name="fedmoswa", summary="FedMoSWA: FedSWA's schedule with control variates, c a moving average of the c_i",
+    name="fedmoswa", display="FedMoSWA", summary="FedMoSWA: FedSWA's schedule with control variates, c a moving average of the c_i",
     source=SOURCE, correction="moswa", tunable={"algo.rho": (0.0, 0.1, 0.5), "algo.gamma": (0.2, 0.4, 1.0)}))

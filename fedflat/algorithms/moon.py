@@ -52,6 +52,6 @@ class ModelContrast(Correction):
 
 
 register_recipe(Recipe(
-    name="moon", summary="model-contrastive FL: CE + mu l_con on the representations (global +, previous local -)",
+    name="moon", display="MOON", summary="model-contrastive FL: CE + mu l_con on the representations (global +, previous local -)",
     source="Li, He and Song, CVPR 2021 (github.com/QinbinLi/MOON)", correction="moon",
     defaults={"mu": 1.0, "temperature": 0.5}, tunable={"algo.mu": (0.1, 1.0, 5.0, 10.0)}))

@@ -115,10 +115,10 @@ class Adapted(Personalization):
 
 PER_FEDAVG = "Fallah, Mokhtari and Ozdaglar, NeurIPS 2020"
 register_recipe(Recipe(
-    name="perfedavg", summary="Per-FedAvg (FO): FedAvg of MAML's objective; w^t adapted by one step per client",
+    name="perfedavg", display="Per-FedAvg", summary="Per-FedAvg (FO): FedAvg of MAML's objective; w^t adapted by one step per client",
     source=PER_FEDAVG, perturbation="perfedavg", personalization="perfedavg",
     tunable={"algo.alpha": (0.001, 0.01, 0.1)}))
 register_recipe(Recipe(
-    name="perfedavg-hf", summary="Per-FedAvg (HF): the meta-gradient with a finite-difference Hessian-vector product",
+    name="perfedavg-hf", display="Per-FedAvg (HF)", summary="Per-FedAvg (HF): the meta-gradient with a finite-difference Hessian-vector product",
     source=PER_FEDAVG, perturbation="perfedavg", personalization="perfedavg", defaults={"variant": "hf"},
     tunable={"algo.alpha": (0.001, 0.01, 0.1)}))

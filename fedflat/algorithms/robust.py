@@ -179,6 +179,7 @@ class Bulyan(RobustRule):
 
     name = "bulyan"
     summary = "robust aggregation: Bulyan, Krum's selection then a coordinate-wise trimmed mean around the median"
+    source = "El Mhamdi, Guerraoui and Rouault, ICML 2018"
     Params = BulyanParams
 
     def min_clients(self) -> int:

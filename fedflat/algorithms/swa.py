@@ -98,10 +98,10 @@ class SWAServer(ServerUpdate):
 
 
 SOURCE = "Caldarola et al., ECCV 2022 (github.com/debcaldarola/fedsam); Izmailov et al., UAI 2018"
-for base, perturbation, defaults in (("fedavg", "none", {}), ("fedsam", "sam", {"rho": 0.01}),
-                                     ("fedasam", "asam", {"rho": 0.5, "eta": 0.01})):
+for base, display, perturbation, defaults in (("fedavg", "FedAvg", "none", {}), ("fedsam", "FedSAM", "sam", {"rho": 0.01}),
+                                              ("fedasam", "FedASAM", "asam", {"rho": 0.5, "eta": 0.01})):
     register_recipe(Recipe(
-        name=f"{base}-swa", summary=f"{base} with server-side SWA from 75% of the rounds (algo.cycle, algo.swa_lr)",
+        name=f"{base}-swa", display=f"{display}+SWA", summary=f"{base} with server-side SWA from 75% of the rounds (algo.cycle, algo.swa_lr)",
         source=SOURCE, perturbation=perturbation, server="swa", defaults=defaults,
         tunable={"algo.cycle": (1, 5, 10), **({"algo.rho": (0.01, 0.05, 0.1)} if base == "fedsam" else {}),
                  **({"algo.rho": (0.1, 0.5, 0.7)} if base == "fedasam" else {})}))
