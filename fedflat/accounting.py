@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,8 +32,8 @@ def _dpa() -> Any:
     privacy never pays it)."""
     import dp_accounting
 
-    # dp-accounting logs (through absl) every RDP order whose series does not converge, tens of lines a call: the
-    # orders are left out of the minimum, which is what we want, so the lines say nothing to a user
+    # dp-accounting logs (through absl) every RDP order whose series does not converge, tens of lines a call, and
+    # leaves those orders out of the minimum; fedflat says it once, where it matters (:func:`unconverged_orders`)
     logging.getLogger("absl").setLevel(logging.ERROR)
     return dp_accounting
 
@@ -126,15 +127,39 @@ def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
     from dp_accounting.rdp import rdp_privacy_accountant
 
     orders, rdp = _round_rdp(mechanism)
-    eps, _ = rdp_privacy_accountant.compute_epsilon(list(orders), [rounds * r for r in rdp], delta)
+    eps, best = rdp_privacy_accountant.compute_epsilon(list(orders), [rounds * r for r in rdp], delta)
+    skipped = unconverged_orders(mechanism)
+    if skipped and best is not None and best <= min(o for o, r in zip(orders, rdp) if math.isfinite(r)):
+        _warn_conservative(mechanism, skipped, float(best))
     return float(eps)
+
+
+def unconverged_orders(mechanism: Mechanism) -> tuple[float, ...]:
+    """The RDP orders at which dp-accounting's series for one round does not converge (its fractional-order series
+    of the sampled Gaussian, Mironov, Talwar and Zhang 2019, Sec. 3.3, stops after a fixed number of terms, for
+    orders below about 1.7 when ``q`` is large). dp-accounting leaves them out of the minimum over orders: the
+    epsilon stays a valid bound, conservative where the best order would be among them (large epsilon)."""
+    orders, rdp = _round_rdp(mechanism)
+    return tuple(o for o, r in zip(orders, rdp) if not math.isfinite(r))
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_conservative(mechanism: Mechanism, skipped: tuple[float, ...], best: float) -> None:
+    logging.getLogger(__name__).warning(
+        "privacy: dp-accounting's RDP series does not converge at orders %s (q = %g, z = %g) and leaves them out; "
+        "the best remaining order, %g, is the smallest, so epsilon is conservative (a lower order could give less). "
+        "privacy.accountant=pld (Poisson sampling) computes it tightly", ", ".join(f"{o:g}" for o in skipped),
+        mechanism.q, mechanism.noise_multiplier, best)
 
 
 @functools.lru_cache(maxsize=64)
 def calibrate(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: float) -> float:
     """The smallest noise multiplier ``z`` whose ``rounds`` rounds spend at most ``target_epsilon`` at ``delta``
     (dp-accounting's ``calibrate_dp_mechanism``, Brent's method to a tolerance of 1e-4 in ``z``, then the bracket's
-    private end: the returned ``z`` never spends more than the target)."""
+    private end: the returned ``z`` never spends more than the target).
+
+    RDP searches ``z`` in ``[1e-3, 1e3]``. PLD cannot start there: at ``z = 1e-3`` the privacy loss distribution's
+    grid has tens of GiB, so its bracket comes from RDP (:func:`pld_bracket`)."""
     from dataclasses import replace
 
     dpa = _dpa()
@@ -142,7 +167,31 @@ def calibrate(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: f
     def event(z: float) -> Any:
         return dpa.SelfComposedDpEvent(replace(mechanism, noise_multiplier=z).round_event(), rounds)
 
+    bracket = (1e-3, 1e3) if mechanism.accountant == "rdp" else pld_bracket(mechanism, rounds, delta, target_epsilon)
     z = dpa.calibrate_dp_mechanism(mechanism.fresh, event, target_epsilon, delta,
-                                   dpa.ExplicitBracketInterval(1e-3, 1e3), tol=1e-4)
+                                   dpa.ExplicitBracketInterval(*bracket), tol=1e-4)
     return float(z)
 
+
+def pld_bracket(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: float) -> tuple[float, float]:
+    """``(z_lo, z_hi)`` with PLD's epsilon above the target at ``z_lo`` and at most the target at ``z_hi``, both
+    near the answer, where PLD's grid stays small (megabytes). ``z_hi`` starts at RDP's calibration (RDP bounds the
+    same mechanism less tightly, so PLD spends less there; doubled until it does), ``z_lo`` at 0.8 of it (lowered
+    by that factor while PLD still spends at most the target, at most 10 times: down to a tenth of RDP's ``z``)."""
+    from dataclasses import replace
+
+    def spent(z: float) -> float:
+        return epsilon(replace(mechanism, noise_multiplier=z), rounds, delta)
+
+    z_hi = calibrate(replace(mechanism, accountant="rdp"), rounds, delta, target_epsilon)
+    for _ in range(6):
+        if spent(z_hi) <= target_epsilon:
+            break
+        z_hi *= 2
+    z_lo = 0.8 * z_hi
+    for _ in range(10):
+        if spent(z_lo) > target_epsilon:
+            return z_lo, z_hi
+        z_hi, z_lo = z_lo, 0.8 * z_lo
+    raise ValueError(f"privacy.target_epsilon={target_epsilon}: the PLD accountant spends less than that even at "
+                     f"z = {z_lo:.3g}; raise the rounds or lower the target, or use privacy.accountant=rdp")

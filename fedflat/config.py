@@ -519,8 +519,7 @@ class Config(Section):
                                                             "krum, bulyan, norm_bound or centered_clip, ...} "
                                                             "(docs/security.md)")
     attack: dict[str, Any] | None = Field(None, description="simulated malicious clients: {name: label_flip, "
-                                                            "sign_flip, gaussian, backdoor, alie or ipm, "
-                                                            "fraction, ...} "
+                                                            "sign_flip, gaussian, backdoor, alie or ipm, ...} "
                                                             "(docs/security.md)")
     secure_aggregation: SecureAggregationConfig | None = Field(
         None, description="Flower runs: the uploads travel under Flower's SecAgg+, the server sees only their "

@@ -91,7 +91,8 @@ def test_the_hand_check_reads_delta_i_under_every_upload_stage(stage):
     assert torch.equal(run["result"].ids, plain["result"].ids)
     if stage == "attack":
         sim = run["sim"]
-        bad = torch.isin(run["result"].ids, torch.as_tensor(attackers(sim.settings.seed, sim.settings.num_clients, 0.5)))
+        chosen = attackers(sim.settings.seed, sim.settings.num_clients, 0.5)
+        bad = torch.isin(run["result"].ids, torch.as_tensor(chosen))
         assert bool(bad.any())
         expected[bad] = -expected[bad]
     assert torch.equal(deltas, expected)

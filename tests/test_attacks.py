@@ -251,9 +251,9 @@ def test_backdoor_accuracy_is_the_triggered_non_target_samples_classified_as_the
 
 
 def test_attack_section_errors_say_what_to_do():
-    with pytest.raises(ConfigError, match="attack.name: 'median' is not an attack.*allowed: backdoor"):
+    with pytest.raises(ConfigError, match="attack.name: 'median' is not an attack.*allowed: alie, backdoor"):
         tiny_config("attack.name=median")
-    with pytest.raises(ConfigError, match="attack.name is missing: name one of backdoor"):
+    with pytest.raises(ConfigError, match="attack.name is missing: name one of alie, backdoor"):
         tiny_config("attack.fraction=0.1")
     with pytest.raises(ConfigError, match="attack.target=3: the data has classes 0..2"):
         fedflat.run(tiny_config("attack.name=backdoor", "attack.target=3", "attack.trigger_size=2"), save=False,

@@ -84,6 +84,50 @@ def test_the_calibrated_noise_spends_at_most_the_target_and_within_one_percent()
         assert target * 0.99 <= spent <= target
 
 
+@pytest.mark.slow  # a PLD calibration: a dozen PLD compositions, ~10 s each on a busy core
+def test_pld_calibration_spends_at_most_the_target_within_one_percent_in_little_memory():
+    """PLD's target: dp-accounting's own PLD accountant, called here on the calibrated z, spends at most the target
+    and within 1% of it; the search allocates at most 300 MB (tracemalloc sees NumPy's buffers; a bracket starting
+    at z = 1e-3 asked for tens of GiB)."""
+    import tracemalloc
+
+    mechanism, rounds, delta, target = Mechanism("poisson", 100, 10, 1.0, accountant="pld"), 5, 1e-2, 2.0
+    tracemalloc.start()
+    try:
+        z = calibrate.__wrapped__(mechanism, rounds, delta, target)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    accountant = PLDAccountant()
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(z)), rounds))
+    spent = accountant.get_epsilon(delta)
+    assert target * 0.99 <= spent <= target
+    assert peak < 300e6, f"the PLD calibration allocated {peak / 1e6:.0f} MB"
+
+
+def test_unconverged_rdp_orders_are_said_where_they_make_epsilon_conservative(caplog):
+    """dp-accounting's fractional-order series does not converge below order ~1.7 at q = 0.1: where the best order
+    left is the smallest (large epsilon) a warning names the orders and the tighter accountant; where the best
+    order is above them, nothing. The epsilon itself stays dp-accounting's."""
+    import logging
+
+    from fedflat.accounting import unconverged_orders
+
+    large = Mechanism("poisson", 100, 10, 0.5)
+    assert unconverged_orders(large)[:3] == (1.1, 1.2, 1.3)
+    with caplog.at_level(logging.WARNING, logger="fedflat.accounting"):
+        eps = epsilon(large, 50, 1e-3)
+    accountant = RdpAccountant()
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(0.5)), 50))
+    assert eps == pytest.approx(accountant.get_epsilon(1e-3), rel=1e-12)
+    said = [r.getMessage() for r in caplog.records if r.name == "fedflat.accounting"]
+    assert len(said) == 1 and "does not converge at orders 1.1, 1.2" in said[0] and "accountant=pld" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedflat.accounting"):
+        epsilon(Mechanism("poisson", 100, 10, 1.5), 50, 1e-3)  # best order well above 1.7
+    assert not [r for r in caplog.records if r.name == "fedflat.accounting"]
+
+
 @pytest.mark.slow  # a calibration, then the run
 def test_a_run_calibrates_to_its_target_and_records_epsilon_every_round(tiny):
     cfg = tiny("sampling.participation=bernoulli", "privacy.clip=0.5", "privacy.target_epsilon=6", "rounds=4")

@@ -172,7 +172,7 @@ def test_a_robust_rule_is_refused_under_central_dp_and_allowed_under_local_dp():
 
 
 def test_robust_section_errors_say_what_to_do():
-    with pytest.raises(ConfigError, match="robust.name: 'topk' is not a robust rule.*allowed: centered_clip"):
+    with pytest.raises(ConfigError, match="robust.name: 'topk' is not a robust rule.*allowed: bulyan, centered_clip"):
         tiny_config("robust.name=topk")
     with pytest.raises(ConfigError, match="robust=krum needs at least 5 clients per round"):
         tiny_config("robust.name=krum", "robust.f=1")

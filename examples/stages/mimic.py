@@ -19,8 +19,6 @@ It follows the contract of an upload stage of kind ``attack`` (docs/extending.md
 """
 from __future__ import annotations
 
-import torch
-
 from fedflat.algorithms.attacks import Attack, rows_where
 from fedflat.core import MODEL, register_part
 from fedflat.core.upload import Release
