@@ -174,7 +174,10 @@ class MomentumGuidedPerturbation(Perturbation):
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
-        d = torch.sub(ctx.w_start, W).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
+        buffer = cohort.own(self).get("d")  # d_k written into one buffer per chunk, not a fresh [C, P] a step
+        if buffer is None or buffer.shape != W.shape:
+            buffer = cohort.own(self)["d"] = torch.empty_like(W)
+        d = torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
         return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 
