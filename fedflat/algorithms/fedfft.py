@@ -73,7 +73,8 @@ def four_step_plan(n: int, removed: int) -> tuple[int, int, Any] | None:
     return None
 
 
-def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any]) -> torch.Tensor:
+def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any],
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``x - iRFFT(V[:removed], n)`` of one tensor ``x`` (``V = rFFT(x)``): seed 004 eq. 6's ``iRFFT(mask V)`` up to
     float32 rounding, computing only the removed band. With ``n = n2 n1`` and ``X[a, b] = x[a n1 + b]``
     (four-step, Cooley-Tukey): ``V_k = sum_b T[k, b] rFFT_a(X)[k, b]`` for ``k < removed`` (``n1`` transforms of length
@@ -81,7 +82,7 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any])
     inverse ones). Length-``n2`` transforms stay in cache where the full length-``n`` ones do not; on the W1 MLP's
     784 x 200 weight (n = 156,800, 784 frequencies removed, n2 = 1568) the filter costs about a third of the two full
     transforms (docs/benchmarks.md). Both forms' errors are within FFT rounding, ``O(u log n) ||x||``
-    (tests/test_fedfft.py)."""
+    (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write the result into."""
     import numpy as np
     import scipy.fft
 
@@ -92,7 +93,10 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any])
     np.multiply(V[:, None], T.conj(), out=Y[:removed])
     L = scipy.fft.irfft(Y, n=n2, axis=0, overwrite_x=True)
     L *= np.float32(1 / n1)
-    return torch.from_numpy(np.subtract(X, L, out=L).reshape(-1))
+    if out is None:
+        return torch.from_numpy(np.subtract(X, L, out=L).reshape(-1))
+    np.subtract(X, L, out=out.numpy().reshape(n2, n1))
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -142,8 +146,9 @@ class LowFrequencyFilter(Filter):
             n = seg.shape[-1]
             removed = int(self.p.r * (n // 2 + 1))
             plan = four_step_plan(n, removed) if n >= FOUR_STEP_MIN else None
-            if plan is not None:
-                out[..., offset:offset + n] = remove_low_band(seg.reshape(-1), removed, plan)
+            if plan is not None:  # (written into its slice of out: one row, so the slice is contiguous)
+                remove_low_band(seg.reshape(-1), removed, plan, out=out[0, offset:offset + n] if out.dim() == 2
+                                else out[offset:offset + n])
             elif removed:
                 out[..., offset:offset + n] = masked_spectrum(seg, keep(0, n // 2 + 1))
             offset += n
