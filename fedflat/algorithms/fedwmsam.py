@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import (DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_direction)
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
                           RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
@@ -128,10 +128,13 @@ class WeightedMomentum(Correction):
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         cohort.shared.put(CLIENT_MOMENTUM, cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
                           else ctx.server[MOMENTUM].expand(cohort.size, -1))
+        cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        return momentum_direction(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], ctx.settings.weight_decay,
-                                  self.p.decay)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits)."""
+        wd = ctx.settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
+        return Direction(grad.lerp_(cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]),
+                         wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
