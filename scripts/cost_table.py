@@ -1,5 +1,5 @@
-"""Issue 57's table from ``fedflat bench --json`` reports: every method's time a round against FedAvg's, its
-backward passes a round (the pilot and score passes too) against FedAvg's, and the target.
+"""Issue 57's table from ``fedflat bench --json`` reports: every method's time a round against FedAvg's (wall clock, the
+issue's measure, and the process's CPU time, steadier where other jobs share the cores), its backward passes a round (the pilot and score passes too) against FedAvg's, and the target.
 
     fedflat bench --workload W1 --algos fedavg,fedsam,fedlesam,fedwmsam,fedvssam,fedscam,fedfft \\
         --engines sequential --executors local --rounds 3 --threads 1 --json w1.json
@@ -28,23 +28,28 @@ def rows(path: str) -> tuple[str, dict, dict]:
 def main(paths: list[str]) -> int:
     reports = [rows(p) for p in paths]
     algos = list(dict.fromkeys(a for _, done, _ in reports for a in done))
-    head = "| method |" + "".join(f" {w} x FedAvg | {w} backprops a round (x FedAvg) | {w} x FedAvg per backprop | "
-                                   f"{w} target |" for w, _, _ in reports)
-    lines = [head, "|---|" + "---:|---:|---:|---|" * len(reports)]
+    head = "| method |" + "".join(f" {w} x FedAvg | {w} x FedAvg (CPU s) | {w} backprops a round (x FedAvg) | "
+                                   f"{w} x FedAvg per backprop | {w} target |" for w, _, _ in reports)
+    lines = [head, "|---|" + "---:|---:|---:|---:|---|" * len(reports)]
     for algo in algos:
         cells = [algo]
-        for workload, done, _ in reports:
+        for workload, done, machine in reports:
             r = done.get(algo)
             target = TARGETS.get(algo, "")
             target = target.get(workload, "") if isinstance(target, dict) else target
             if r is None:
-                cells += ["-", "-", "-", target]
+                cells += ["-", "-", "-", "-", target]
                 continue
             ratio = r.get("vs_fedavg")
-            met = "" if not target.startswith("<=") or ratio is None else (
-                ": met" if ratio <= float(target[3:]) else ": not met")
+            cpu = r["cpu_seconds_per_round"] / done["fedavg"]["cpu_seconds_per_round"] if "fedavg" in done else None
+            # the issue's measure is the wall-clock ratio on an idle machine; on a busy one (load average over 3/4 of the
+            # cores at the start, the bench's own warning) the CPU-time ratio judges, and the cell says so
+            busy = machine["load_average"][0] > 0.75 * machine["cpu_count"]
+            judged = cpu if busy else ratio
+            met = "" if not target.startswith("<=") or judged is None else (
+                (": met" if judged <= float(target[3:]) else ": not met") + (" (CPU s)" if busy else ""))
             passes = r.get("backprops_per_round")  # (reports of the bench before issue 57 have none)
-            cells += [f"{ratio:.2f}", "-" if passes is None else f"{passes:.0f} ({r['backprops_vs_fedavg']:.2f})",
+            cells += [f"{ratio:.2f}", "-" if cpu is None else f"{cpu:.2f}", "-" if passes is None else f"{passes:.0f} ({r['backprops_vs_fedavg']:.2f})",
                       "-" if passes is None else f"{r['cost_per_backprop']:.2f}", target + met]
         lines.append("| " + " | ".join(cells) + " |")
     for workload, done, m in reports:
