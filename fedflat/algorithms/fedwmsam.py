@@ -49,8 +49,9 @@ CLIENT_MOMENTUM = Slot("wmsam.m_i", "the momentum each client of the chunk mixes
 
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``."""
-    return m + (c - c_i) * (a / (1 - a))
+    """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``
+    (one fresh ``[K, P]`` tensor, the product and the sum in place on it: the same roundings)."""
+    return torch.sub(c, c_i).mul_(a / (1 - a)).add_(m)
 
 
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
