@@ -37,6 +37,19 @@ def test_bench_command_writes_json_with_machine_and_ratios(tmp_path, capsys):
     assert "s/round" in capsys.readouterr().out
 
 
+def test_bench_counts_every_backward_pass_of_a_round(tmp_path):
+    """tiny: 3 clients a round, 30 samples each, batch 10, 1 epoch: 9 local steps a round. FedAvg takes 9 backward
+    passes, FedSAM 18, FedSCAM 18 + 4 a client (its B = 3 heterogeneity batches and its SAM pilot's second pass):
+    30, which backprops_per_step (2, the local steps' alone) does not show."""
+    out = tmp_path / "bench.json"
+    main(["bench", "--workload", "tiny", "--algos", "fedavg,fedsam,fedscam", "--engines", "sequential",
+          "--rounds", "1", "--warmup", "0", "--threads", "1", "--quiet", "--json", str(out)])
+    rows = {r["algo"]: r for r in json.loads(out.read_text())["results"]}
+    assert {a: rows[a]["backprops_per_round"] for a in rows} == {"fedavg": 9, "fedsam": 18, "fedscam": 30}
+    assert rows["fedscam"]["backprops_per_step"] == 2 and rows["fedscam"]["backprops_vs_fedavg"] == 30 / 9
+    assert rows["fedscam"]["cost_per_backprop"] == pytest.approx(rows["fedscam"]["vs_fedavg"] * 9 / 30)
+
+
 def test_round_samples_counts_every_local_batch():
     """tiny: 180 samples over 6 iid clients (30 each), 3 per round, 1 epoch: 90 samples per round."""
     sim = Simulation(load_config(None, [], base=WORKLOADS["tiny"].tree))

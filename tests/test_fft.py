@@ -149,3 +149,84 @@ def test_feddyn_gradfilter_is_feddyn_at_zero_ratio_and_agrees_across_engines(tin
     vec = fedflat.run(tiny("algo=feddyn-gradfilter", "algo.r=0.1", "engine=vectorized"), save=False, progress=False)
     torch.testing.assert_close(seq.final_parameters, vec.final_parameters, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(seq.final_parameters, dyn.final_parameters)
+
+
+def _fft_error_bound(x: torch.Tensor) -> float:
+    """A float32 FFT pair's normwise error bound, ``5 u log2(n) ||x||_2`` (u = 2^-24; each of the ``log2 n``
+    butterfly levels of the forward and the inverse transform adds at most a few u ||x||, Higham, Accuracy and
+    Stability of Numerical Algorithms, §24.1)."""
+    import math
+    return 5 * 2.0 ** -24 * math.log2(x.numel()) * float(x.double().norm())
+
+
+@pytest.mark.parametrize("n", [156_800, 40_000, 2 ** 15])  # the W1 MLP's two weights, a power of two
+def test_four_step_band_removal_is_the_full_transform_within_fft_rounding(n):
+    """Removing the band with the pruned four-step transform and with the two full transforms (the filter's
+    earlier form) lands within the FFT rounding bound of the float64 result, and of each other."""
+    import numpy as np
+    from fedflat.algorithms.fedfft import band_mask, four_step_plan, masked_spectrum, remove_low_band
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    F = n // 2 + 1
+    removed = int(0.01 * F)
+    plan = four_step_plan(n, removed)
+    assert plan is not None and plan[0] * plan[1] == n and plan[0] >= 2 * removed - 1
+    V = np.fft.rfft(x.double().numpy())
+    V[:removed] = 0
+    exact = torch.from_numpy(np.fft.irfft(V, n=n))
+    new = remove_low_band(x, removed, plan)
+    old = masked_spectrum(x, band_mask(F, removed, "low", "cpu"))
+    bound = _fft_error_bound(x)
+    assert new.dtype == old.dtype == torch.float32
+    assert float((new.double() - exact).norm()) <= bound and float((old.double() - exact).norm()) <= bound
+    assert float((new - old).double().norm()) <= 2 * bound
+    assert float((new.double() - exact).norm()) > 0  # float32 arithmetic: the check has something to bound
+
+
+def test_four_step_plan_falls_back_to_the_full_transforms():
+    from fedflat.algorithms.fedfft import four_step_plan
+    assert four_step_plan(65_537, 327) is None  # prime: no divisor
+    assert four_step_plan(156_800, 0) is None  # nothing removed
+
+
+def test_fft_filter_on_a_long_tensor_uses_the_four_step_form_within_rounding(monkeypatch):
+    """The filter of one CPU row of the W1 MLP's layout: the four-step form against the full transforms."""
+    import fedflat.algorithms.fedfft as fft
+    layout = ParamLayout.of(nn.Sequential(nn.Linear(784, 200), nn.Linear(200, 200), nn.Linear(200, 10)))
+    filt = build_algorithm({"name": "fedfft"}).parts["filter"]
+    ctx = SimpleNamespace(settings=SimpleNamespace(layout=layout))
+    eps = torch.randn(1, layout.size, generator=torch.Generator().manual_seed(1))
+    new = filt.apply(ctx, None, eps)
+    monkeypatch.setattr(fft, "FOUR_STEP_MIN", 10 ** 9)
+    old = filt.apply(ctx, None, eps)
+    for a, b, s in zip(layout.segments(new[0]), layout.segments(old[0]), layout.segments(eps[0])):
+        assert float((a - b).double().norm()) <= 2 * _fft_error_bound(s)
+    assert not torch.equal(new, old)  # the long weights took the other form
+    assert torch.equal(new[0, -10:], eps[0, -10:])  # the 10-entry bias: nothing removed (floor(0.01 * 6) = 0)
+
+
+@pytest.mark.slow
+def test_fedfft_runs_with_the_four_step_form_agree_to_float32_rounding(monkeypatch):
+    """Three rounds of FedFFT on an MLP whose 784 x 200 weight takes the four-step form: its final parameters are no
+    further from the run whose filter computes in float64 (rounded to float32 once) than the earlier form's (the full
+    float32 transforms) are, up to a factor 3: both differ from it by float32 rounding of the filter, amplified alike
+    by the same steps. The earlier form's own distance is float32-sized (relative 1e-4 at most)."""
+    import fedflat.algorithms.fedfft as fft
+    tree = {"seed": 0, "rounds": 3,
+            "data": {"name": "synthetic", "num_clients": 4, "partition": {"scheme": "iid"},
+                     "options": {"shape": [1, 28, 28], "num_classes": 10, "train_size": 600, "test_size": 100}},
+            "model": {"name": "mlp", "hidden": [200]}, "algo": {"name": "fedfft"},
+            "train": {"local_epochs": 1, "batch_size": 50, "lr": 0.1}, "sampling": {"clients_per_round": 2}}
+
+    def final() -> torch.Tensor:
+        return fedflat.run(tree, save=False, progress=False).final_parameters.double()
+
+    new = final()
+    monkeypatch.setattr(fft, "FOUR_STEP_MIN", 10 ** 12)
+    old = final()
+    full = fft.masked_spectrum
+    monkeypatch.setattr(fft, "masked_spectrum", lambda seg, mask: full(seg.double(), mask).float())
+    exact = final()
+    assert not torch.equal(new, old)
+    assert float((old - exact).norm()) <= 1e-4 * float(exact.norm())
+    assert float((new - exact).norm()) <= 3 * float((old - exact).norm())

@@ -665,3 +665,34 @@ def test_fedwmsam_similarity_rises_as_seed_001_appendix_b_describes():
         assert len(s) == 60 and all("wmsam_a" in m for m in hist.metrics)  # logged every round (the paper's Fig. 7-11)
         trend[kind] = s[-15:].mean() - s[1:16].mean()
     assert trend["update"] > 0.03 and trend["gradient"] < -0.03
+
+
+def test_count_sketch_is_the_sign_and_bucket_matrix_and_keeps_cosines():
+    """``S X`` equals the product with the dense ``d x P`` matrix holding ``s_j`` at ``(b_j, j)`` (integer-valued
+    inputs: exact), is seeded, and keeps a cosine within 4 standard deviations ``sqrt((1 + cos^2) / d)``."""
+    import fedflat.algorithms.fedscam as scam
+    X = torch.randint(-50, 50, (3, 5000)).float()
+    buckets, signs = scam._sketch(7, 5000, 64, "cpu")
+    S = torch.zeros(64, 5000)
+    S[buckets, torch.arange(5000)] = signs
+    assert set(signs.tolist()) == {-1.0, 1.0} and 0 <= int(buckets.min()) and int(buckets.max()) < 64
+    torch.testing.assert_close(scam.count_sketch(X, 64, 7), X @ S.T, rtol=0, atol=0)
+    assert not torch.equal(scam.count_sketch(X, 64, 8), X @ S.T)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 200000, generator=g)
+    near = a + 0.5 * b
+    cos_full = float(F.cosine_similarity(a, near, dim=0))
+    Z = scam.count_sketch(torch.stack([a, near]), 256, 3)
+    assert abs(float(F.cosine_similarity(Z[0], Z[1], dim=0)) - cos_full) < 4 * ((1 + cos_full ** 2) / 256) ** 0.5
+
+
+def test_auto_projection_is_the_gaussian_where_it_is_cached_and_the_sketch_above():
+    import fedflat.algorithms.fedscam as scam
+    assert scam.projection_of("auto", 1000, 256) == "gaussian"
+    assert scam.projection_of("auto", 199_210, 256) == "countsketch"  # the W1 MLP: R would be 51 M entries
+    assert scam.projection_of("gaussian", 199_210, 256) == "gaussian"
+    X = torch.randn(2, 1000)
+    torch.testing.assert_close(scam.summarize(X, 256, 1, "auto"), scam.summarize(X, 256, 1, "gaussian"),
+                               rtol=0, atol=0)
+    unit = X / X.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(scam.summarize(X, 256, 1, "countsketch"), scam.count_sketch(unit, 256, 1))

@@ -4,10 +4,20 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
-                          register_recipe, shared)
+from typing import ClassVar
+
+from fedflat.core import (NORM_EPS, RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
+                          register_recipe, row_norm, shared)
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
+
+
+def scale_rows_(X: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
+    """:func:`~fedflat.core.normalize_rows` in place, bit for bit: ``(radius X) / (||X|| + 1e-12)``, the norm of the
+    ``X`` given, the product and the quotient each rounded as the out-of-place expression rounds them (two passes over
+    ``X``, no fresh tensor). For a tensor the caller made in this call."""
+    norm = row_norm(X) + NORM_EPS
+    return X.mul_(radius).div_(norm)
 
 
 def warmed_up(rho, round: int, warmup_rounds: int):
@@ -28,13 +38,15 @@ class LocalSAM(Perturbation):
     r"""Local SAM ascent step (Foret et al., ICLR 2021): :math:`\epsilon = \rho\, u / (\lVert u \rVert + 10^{-12})` with
     :math:`u = g(w)` on the step's batch and ONE L2 norm over all parameters.
 
-    Subclasses change the ascent direction ``u`` (:meth:`ascent`) or the radius (:meth:`radius`).
+    Subclasses change the ascent direction ``u`` (:meth:`ascent`) or the radius (:meth:`radius`); one whose
+    :meth:`ascent` returns a tensor made in its call sets ``fresh_ascent``, and ``u`` is then scaled in place.
     """
 
     name = "sam"
     summary = "local SAM: eps = rho g(w)/||g(w)|| on the step's batch (one extra backprop)"
     Params = SAMParams
     extra_backprops = 1
+    fresh_ascent: ClassVar[bool] = False  # ascent returns a tensor made in its call (perturb may overwrite it)
 
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The ascent direction ``u`` from the plain gradient ``g(w)``."""
@@ -49,7 +61,11 @@ class LocalSAM(Perturbation):
             return None
         _, grad = ctx.oracle.loss_grad(W, batch)
         radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
-        return normalize_rows(self.ascent(ctx, cohort, k, W, grad), radius)
+        u = self.ascent(ctx, cohort, k, W, grad)
+        # the oracle's fresh gradient (this class's own ascent) or a fresh ascent: scaled in place, the same bits
+        if self.fresh_ascent or type(self).ascent is LocalSAM.ascent:
+            return scale_rows_(u, radius)
+        return normalize_rows(u, radius)
 
 
 register_recipe(Recipe(

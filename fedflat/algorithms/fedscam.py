@@ -22,6 +22,15 @@ clients that agree with the global progress, as the paper intends. It is a SAM s
 paper's implementation sets (§2.2); FedSCAM-WA, without SAM, takes the plain step ``-g``. ``algo.pilot=update``
 takes ``-g(w^t)`` for every variant (fedflat's rule before the pilot radius, one backprop less);
 ``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
+``P_d`` (``algo.projection``): the paper asks for a "random projection" of the summaries (Algorithm 1, §5: "random
+projection with d in {256, 512}") and uses them only through cosines and k-means, which any Johnson-Lindenstrauss
+map keeps in expectation; the spec names a Gaussian one. ``gaussian``: ``R X / sqrt(d)``, ``R[d, P]`` seeded standard
+normals (one matmul with a cached matrix on small models; beyond 2^24 entries its blocks are drawn again or kept,
+and each summary reads all of ``R``: on the CNN of the W2 bench 205 M entries a client). ``countsketch``: each
+coordinate ``j`` added, with a seeded random sign ``s_j``, to one seeded random bucket ``b_j`` of the ``d`` (Charikar
+et al. 2002; ``E <S x, S y> = <x, y>``, and for vectors without dominant coordinates the same ``(||x||^2 ||y||^2 +
+<x, y>^2)/d`` variance as the Gaussian's), two passes over ``X`` whatever ``d``. ``auto`` (default): the Gaussian
+where ``R`` is a cached matrix of at most 2^24 entries (``P d``), the count sketch above.
 The scores are computed on the client, once per round, by whichever FedSCAM part begins first and shared
 through the channel (``scam.scores``); the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
 uploads ``rho_i`` (logged as the round's mean radius, seed 003 Fig. 1). The direction memory ``u``
@@ -84,9 +93,39 @@ def random_projection(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
     return out / d ** 0.5
 
 
-def summarize(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
-    """``P_d(normalize(X))`` row by row."""
-    return random_projection(X / (row_norm(X) + 1e-12), d, seed)
+@lru_cache(maxsize=4)
+def _sketch(seed: int, P: int, d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The count sketch's buckets ``b[P]`` (in ``[0, d)``) and signs ``s[P]`` (``±1``), from the stream (seed,
+    ``"scam_sketch"``)."""
+    g = torch_stream(seed, -1, SERVER, "scam_sketch")
+    buckets = torch.randint(d, (P,), generator=g)
+    signs = torch.randint(2, (P,), generator=g).mul_(2).sub_(1).to(torch.float32)
+    return buckets.to(device), signs.to(device)
+
+
+def count_sketch(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+    """``S X`` row by row: ``(S x)_k = sum_{j: b_j = k} s_j x_j`` (:func:`_sketch`), ``E <S x, S y> = <x, y>``."""
+    buckets, signs = _sketch(seed, X.shape[-1], d, str(X.device))
+    out = torch.zeros(*X.shape[:-1], d, device=X.device, dtype=X.dtype)
+    return out.index_add_(-1, buckets, X * signs.to(X.dtype))
+
+
+Projection = Literal["auto", "gaussian", "countsketch"]
+
+
+def projection_of(kind: Projection, P: int, d: int) -> str:
+    """``auto``: ``gaussian`` where its matrix is cached (``P d`` at most 2^24), ``countsketch`` above."""
+    if kind != "auto":
+        return kind
+    return "gaussian" if P * d <= _CACHE_LIMIT else "countsketch"
+
+
+def summarize(X: torch.Tensor, d: int, seed: int, projection: Projection = "gaussian") -> torch.Tensor:
+    """``P_d(normalize(X))`` row by row, ``P_d`` the Gaussian projection or the count sketch (``projection``)."""
+    unit = X / (row_norm(X) + 1e-12)
+    if projection_of(projection, X.shape[-1], d) == "countsketch":
+        return count_sketch(unit, d, seed)
+    return random_projection(unit, d, seed)
 
 
 def cosine(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -103,6 +142,10 @@ class ScoreParams(PartParams):
     pilot: Literal["sam", "update", "gradient"] = shared(
         "sam", description="pilot direction: the one-step SAM update at the pilot radius 0.5 rho_max/(1 + alpha_rho "
                            "h_i) (sam; the plain update where no SAM radius exists), -g (update) or +g (gradient)")
+    projection: Projection = shared(
+        "auto", description="P_d of the summaries: gaussian (R X/sqrt(d), R seeded normals), countsketch (a seeded "
+                            "random sign and bucket per coordinate: two passes over X), auto (gaussian where R is a "
+                            "cached matrix, P d <= 2^24; countsketch above)")
 
 
 def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: float = 0.0,
@@ -123,7 +166,7 @@ def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: f
             first, first_grad = batch, grad
     h = torch.stack(norms).mean(0)
     pilot = pilot_direction(ctx, p.pilot, W0, first, first_grad, h, rho_max, alpha_rho)
-    c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed), ctx.server[DIRECTION_MEMORY])
+    c = cosine(summarize(pilot, p.summary_dim, ctx.settings.seed, p.projection), ctx.server[DIRECTION_MEMORY])
     return {"h": h, "c": c, "h_adj": h * (1 - p.kappa * c).clamp(min=0)}
 
 
@@ -141,10 +184,10 @@ def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad
     return -grad
 
 
-def remember_direction(ctx: RoundContext, w_new: torch.Tensor, d: int) -> None:
+def remember_direction(ctx: RoundContext, w_new: torch.Tensor, p: ScoreParams) -> None:
     """``u_t = P_d(normalize(w^{t+1} - w^t))``. Both FedSCAM parts keep ``u`` (either runs alone); with both, the
     second write is the same value (the summary is a deterministic function of the update)."""
-    ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], d, ctx.settings.seed)[0]
+    ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], p.summary_dim, ctx.settings.seed, p.projection)[0]
 
 
 class RadiusParams(ScoreParams):
@@ -177,13 +220,13 @@ class AdaptiveRadiusSAM(LocalSAM):
         if self.p.rho_max == 0:
             return None
         _, grad = ctx.oracle.loss_grad(W, batch)
-        return grad * (self.radius(ctx, cohort) / (row_norm(grad) + 1e-12))
+        return grad.mul_(self.radius(ctx, cohort) / (row_norm(grad) + 1e-12))  # (the oracle's fresh tensor)
 
     def finish(self, ctx: RoundContext) -> None:
         ctx.log["scam_radius"] = float(ctx.uploads[RADIUS].mean())
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        remember_direction(ctx, w_new, self.p.summary_dim)
+        remember_direction(ctx, w_new, self.p)
 
 
 def kmeans(Z: torch.Tensor, k: int, rng: np.random.Generator, iters: int = 50) -> torch.Tensor:
@@ -252,7 +295,7 @@ class AlignmentWeights(Aggregation):
              * (1 + self.p.beta * ctx.uploads[ALIGNMENT]).clamp(min=0))
         if self.p.clustering:
             deltas = ctx.deltas
-            Z = summarize(deltas, self.p.summary_dim, ctx.settings.seed)
+            Z = summarize(deltas, self.p.summary_dim, ctx.settings.seed, self.p.projection)
             labels = kmeans(Z, self.p.clusters, numpy_stream(ctx.settings.seed, ctx.round, SERVER, "scam_kmeans"))
             S = S * conflict_dampening(Z, row_norm(deltas).squeeze(-1), labels, self.p.dampening)
         if S.sum() <= 0:  # every client anti-aligned beyond -1/beta: fall back to sample weights
@@ -260,7 +303,7 @@ class AlignmentWeights(Aggregation):
         return S / S.sum()
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        remember_direction(ctx, w_new, self.p.summary_dim)
+        remember_direction(ctx, w_new, self.p)
 
 
 _SOURCE = "seed 003 (FedSCAM), Algorithm 1"

@@ -47,8 +47,15 @@ class VarianceSuppressedSearch(LocalSAM):
     Params = SearchParams
     requires = frozenset({DIRECTION})
 
+    fresh_ascent = True
+
+    def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
+        """``(1 - alpha) v``, the same at every step: made once per chunk."""
+        cohort.own(self)["mixed"] = (1 - self.p.alpha) * ctx.server[DIRECTION]
+
     def ascent(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return self.p.alpha * grad + (1 - self.p.alpha) * ctx.server[DIRECTION]
+        """``alpha g + (1 - alpha) v`` over the oracle's fresh ``g`` (the out-of-place expression's bits, two passes)."""
+        return grad.mul_(self.p.alpha).add_(cohort.own(self)["mixed"])
 
 
 class UpdateParams(PartParams):

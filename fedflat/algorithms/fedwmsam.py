@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import (DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, momentum_direction)
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
                           RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
@@ -49,8 +49,9 @@ CLIENT_MOMENTUM = Slot("wmsam.m_i", "the momentum each client of the chunk mixes
 
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``."""
-    return m + (c - c_i) * (a / (1 - a))
+    """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``
+    (one fresh ``[K, P]`` tensor, the product and the sum in place on it: the same roundings)."""
+    return torch.sub(c, c_i).mul_(a / (1 - a)).add_(m)
 
 
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
@@ -128,10 +129,13 @@ class WeightedMomentum(Correction):
     def begin(self, ctx: ClientContext, cohort: Cohort) -> None:
         cohort.shared.put(CLIENT_MOMENTUM, cohort.personal[PERSONAL_MOMENTUM] if self.p.personalized
                           else ctx.server[MOMENTUM].expand(cohort.size, -1))
+        cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        return momentum_direction(ctx.server[FACTOR], grad, cohort.shared[CLIENT_MOMENTUM], ctx.settings.weight_decay,
-                                  self.p.decay)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits)."""
+        wd = ctx.settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
+        return Direction(grad.lerp_(cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]),
+                         wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
@@ -175,7 +179,10 @@ class MomentumGuidedPerturbation(Perturbation):
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
-        d = torch.sub(ctx.w_start, W).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
+        buffer = cohort.own(self).get("d")  # d_k written into one buffer per chunk, not a fresh [C, P] a step
+        if buffer is None or buffer.shape != W.shape:
+            buffer = cohort.own(self)["d"] = torch.empty_like(W)
+        d = torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
         return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 

@@ -32,7 +32,8 @@ def scaffold_client_variate(c_i: torch.Tensor, c: torch.Tensor, w_start: torch.T
                             steps: torch.Tensor, lr: float) -> torch.Tensor:
     """Option II of SCAFFOLD's Algorithm 1: ``c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i eta_l)``, row by row
     (``c_i, w_final [C, P]``, ``c, w_start [P]``, ``steps [C]``)."""
-    return c_i - c + (w_start - w_final) / (steps.to(w_final.dtype)[:, None] * lr)
+    drift = torch.sub(w_start, w_final).div_(steps.to(w_final.dtype)[:, None] * lr)  # (in place: the same bits)
+    return torch.sub(c_i, c).add_(drift)
 
 
 def scaffold_server_variate(c: torch.Tensor, sum_dc: torch.Tensor, num_clients: int) -> torch.Tensor:

@@ -177,6 +177,7 @@ class Row:
     peak_memory_mb: float
     chunk_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    backprops_per_round: float | None = None  # measured: every backward pass of the timed rounds, extra passes too
 
     def summary(self, peak_flops: float) -> dict[str, Any]:
         median = statistics.median(self.seconds)
@@ -186,7 +187,8 @@ class Row:
                 "samples_per_second": self.samples_per_round / median,
                 "flops_per_round": self.flops_per_round, "flops_per_second": self.flops_per_round / median,
                 "fraction_of_matmul_peak": self.flops_per_round / median / peak_flops,
-                "backprops_per_step": self.backprops_per_step, "eval_seconds": self.eval_seconds,
+                "backprops_per_step": self.backprops_per_step, "backprops_per_round": self.backprops_per_round,
+                "eval_seconds": self.eval_seconds,
                 "peak_memory_mb": self.peak_memory_mb, "chunk_size": self.chunk_size, **self.extra}
 
 
@@ -235,12 +237,14 @@ class Contestant:
         self.seconds: list[float] = []
         self.cpu: list[float] = []
         self.samples: list[int] = []
+        self.passes: list[int] = []  # backward passes of each timed round (the oracle's count; none for the bare loop)
         self.peak = 0.0
 
     def round(self, t: int, timed: bool) -> None:
         device = self.sim.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        before = self.sim.backprops
         with torch_threads(self.sim.threads):  # each contestant's own choice (threads are process-wide)
             wall, used = _timed(lambda: self.runner(t), device)
         self.peak = max(self.peak, peak_memory_mb(device))
@@ -248,6 +252,8 @@ class Contestant:
             self.seconds.append(wall)
             self.cpu.append(used)
             self.samples.append(round_samples(self.sim, t))
+            if self.engine != "bare":
+                self.passes.append(self.sim.backprops - before)
 
     def row(self) -> Row:
         eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
@@ -266,7 +272,8 @@ class Contestant:
         engine = self.engine if self.executor == "local" else f"{self.engine}@{self.executor}"
         return Row(self.workload, self.algo, engine, len(self.seconds), self.seconds, self.cpu, per_round,
                    self.backprops, flops_per_sample(self.sim) * per_round * self.backprops, eval_seconds,
-                   self.peak, chunk_size=chunk, extra=extra)
+                   self.peak, chunk_size=chunk, extra=extra,
+                   backprops_per_round=statistics.mean(self.passes) if self.passes else None)
 
 
 def race(contestants: list[Contestant], rounds: int, warmup: int,
@@ -409,11 +416,15 @@ def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
-    """``vs_bare`` (s/round over the bare loop with the same backprops per step) and ``vs_fedavg``."""
+    """``vs_bare`` (s/round over the bare loop with the same backprops per step), ``vs_fedavg``, and
+    ``backprops_vs_fedavg`` (backward passes a round over FedAvg's, the pilot and score passes included) with
+    ``cost_per_backprop`` = ``vs_fedavg / backprops_vs_fedavg``: a method's time over what its backward passes
+    alone would take at FedAvg's speed (1 when its other work is free)."""
     done = [r for r in results if r["workload"] == workload and "error" not in r]
     bare = {round(r["backprops_per_step"]): r for r in done if r["engine"] == "bare"}
     mine = [r for r in done if r["engine"] != "bare"]
     fedavg = {r["engine"]: r["seconds_per_round"]["median"] for r in mine if r["algo"] == "fedavg"}
+    passes = {r["engine"]: r["backprops_per_round"] for r in mine if r["algo"] == "fedavg" and r.get("backprops_per_round")}
     for r in mine:
         s = r["seconds_per_round"]["median"]
         ref = bare.get(round(r["backprops_per_step"]))
@@ -421,6 +432,10 @@ def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
             r["vs_bare"] = s / ref["seconds_per_round"]["median"]
         if r["engine"] in fedavg:
             r["vs_fedavg"] = s / fedavg[r["engine"]]
+        if r["engine"] in passes and r.get("backprops_per_round"):
+            r["backprops_vs_fedavg"] = r["backprops_per_round"] / passes[r["engine"]]
+            if "vs_fedavg" in r:
+                r["cost_per_backprop"] = r["vs_fedavg"] / r["backprops_vs_fedavg"]
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -431,7 +446,8 @@ def format_table(report: dict[str, Any]) -> str:
              + (f" ({m['matmul_flops_tf32'] / 1e9:.0f} in TF32)" if "matmul_flops_tf32" in m else "") + ", "
              f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
-            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7}")
+            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7} "
+            f"{'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         if "error" in r:
@@ -443,12 +459,18 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {r.get('threads') or '-':>3} {s['median']:>8.3f} {s['min']:>7.3f} "
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
-            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7}")
+            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7} "
+            f"{_count(r.get('backprops_per_round')):>8} {_fmt(r.get('backprops_vs_fedavg')):>5} "
+            f"{_fmt(r.get('cost_per_backprop')):>5}")
     return "\n".join(lines)
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 # ----------------------------------------------------------------------------- the command

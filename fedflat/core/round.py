@@ -466,7 +466,7 @@ class RoundContext:
             raise AlgorithmError(f"-Delta_i / (E_i eta_l) is the mean local direction only under plain SGD steps, not "
                                  f"train.optimizer={self.settings.optimizer.name} (momentum "
                                  f"{self.settings.optimizer.momentum}): use train.optimizer=sgd train.momentum=0")
-        return -self.deltas / (self.steps.to(self.w.dtype)[:, None] * self.lr)
+        return torch.neg(self.deltas).div_(self.steps.to(self.w.dtype)[:, None] * self.lr)  # (one fresh tensor)
 
     def aggregate(self, X: torch.Tensor) -> torch.Tensor:
         """``sum_i p_i X_i`` with the round's aggregation weights."""

@@ -257,6 +257,7 @@ class LocalLoop:
     steps: list[int]  # E_i per client
     uniform: bool  # every client takes the same number of steps (no masking)
     rate_parts: tuple = ()  # the parts that scale the step's rate (Part.step_lr: FedSWA's within-round schedule)
+    perturbed: torch.Tensor | None = None  # the loop's buffer of the perturbed point w + eps (:meth:`perturbed_point`)
 
     @classmethod
     def start(cls, algorithm: Algorithm, ctx: ClientContext, cohort: Cohort,
@@ -302,7 +303,7 @@ class LocalLoop:
         eps = perturbation.perturb(ctx, cohort, k, W, batch)
         if eps is not None and filt.acts_on == "perturbation":
             eps = filt.apply(ctx, cohort, eps)
-        loss, grad = ctx.oracle.loss_grad(W if eps is None else W + eps, batch, self.distill)
+        loss, grad = ctx.oracle.loss_grad(W if eps is None else self.perturbed_point(W, eps), batch, self.distill)
         grad = perturbation.descent_gradient(ctx, cohort, grad)
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
@@ -312,6 +313,16 @@ class LocalLoop:
         if self.personal is not None:
             self.personal.local_step(ctx, cohort, k, W, batch)
         return loss, direction
+
+    def perturbed_point(self, W: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """``W + eps``, written into one buffer the loop reuses at every step: ``W + eps`` bit for bit, without a fresh
+        ``[C, P]`` tensor a step (on the CPU a fresh model-sized tensor costs its page faults, about as much as the
+        addition itself on W1's MLP, docs/benchmarks.md). The oracle reads the point and keeps nothing of it."""
+        if eps.shape != W.shape or eps.dtype != W.dtype:  # (a broadcast eps or another dtype: the plain sum)
+            return W + eps
+        if self.perturbed is None or self.perturbed.shape != W.shape or self.perturbed.device != W.device:
+            self.perturbed = torch.empty_like(W)
+        return torch.add(W, eps, out=self.perturbed)
 
     def update(self, W: torch.Tensor, direction: torch.Tensor, loss: torch.Tensor, loss_sum: torch.Tensor,
                optimizer: OptimizerState | None, k: int = 0) -> torch.Tensor:
