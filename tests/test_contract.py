@@ -124,7 +124,7 @@ def test_a_legacy_flat_section_reads_as_it_ran(tiny, tmp_path):
     resumed = resume(tmp_path / "old", overrides=["rounds=3"], progress=False)
     fresh = fedflat.run(tiny("algo=fedavgm", "rounds=3"), save=False, progress=False)
     assert resumed.summary["rounds"] == 3 and torch.equal(resumed.final_parameters, fresh.final_parameters)
-    assert [g.method for g in group_runs(find_runs([tmp_path]))] == ["fedavgm"]
+    assert [g.method for g in group_runs(find_runs([tmp_path]))] == ["FedAvgM"]  # (the report names the method as its paper does)
     assert run.summary["algorithm"] == "fedavgm"
 
 

@@ -84,6 +84,7 @@ def test_officehome_zip_and_missing(tmp_path):
     shutil.make_archive(str(archive_dir / source.name), "zip", source.parent, source.name)
     data = load_dataset("officehome", root=archive_dir, size=16)
     assert data.x_train.shape[0] == 9 and not list(archive_dir.glob(".*partial*"))
+    (tmp_path / "elsewhere").mkdir()  # a folder without the files (one that does not exist: tests/test_faults.py)
     with pytest.raises(DatasetNotFoundError, match="OfficeHomeDataset_10072016.zip"):
         load_dataset("officehome", root=tmp_path / "elsewhere", size=16)
 

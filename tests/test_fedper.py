@@ -164,4 +164,4 @@ def test_report_marks_a_personalized_evaluation(tiny, tmp_path):
     fedflat.run(tiny("algo=fedper", "rounds=1"), out=tmp_path, progress=False)
     fedflat.run(tiny("algo=fedavg", "rounds=1"), out=tmp_path, progress=False)
     methods = sorted(row.method for row in build_rows(find_runs([tmp_path]), []))
-    assert methods == ["fedavg", "fedper (personalized eval)"]
+    assert methods == ["FedAvg", "FedPer (personalized eval)"]

@@ -76,6 +76,7 @@ def test_a_corrupt_image_names_the_file_and_caches_nothing(tmp_path):
     with pytest.raises(DatasetError, match=f"{bad.name}: not a readable image"):
         load_dataset("tinyimagenet", root=tmp_path)
     assert not list((folder / ".fedflat-cache").glob("*"))
+    (tmp_path / "elsewhere").mkdir()  # a folder without the files (one that does not exist: tests/test_faults.py)
     with pytest.raises(DatasetNotFoundError, match="tiny-imagenet-200.zip"):
         load_dataset("tinyimagenet", root=tmp_path / "elsewhere")
 

@@ -97,6 +97,9 @@ HOOKS: tuple[Hook, ...] = (
          "the round's release, `ctx.uploads` as received (the `side` entries), `ctx.server`",
          "the release the method reads (central noise: every row the noised mean; a robust rule: every row its "
          "aggregate)"),
+    Hook("min_clients()", "upload", "config validation", "the stage's options",
+         "the fewest clients a round the stage is defined for (Krum's `2f + 3`, Bulyan's `4f + 3`); the config "
+         "refuses a sampling with fewer (default 1)"),
     Hook("poison(ctx, cohort, batch)", "attack", "client, every step, before `perturb`",
          "the step's batch of a malicious client", "the batch it trains on (label flips, a backdoor's trigger)"),
     Hook("round_lr(ctx)", "server", "server, before training (before `broadcast`)", "`ctx.lr` (the run's `eta_l^t`)",
