@@ -29,7 +29,8 @@ import math
 import torch
 from pydantic import Field
 
-from fedflat.core import (AlgorithmError, ClientContext, Cohort, PartParams, Personalization, Recipe, TrainSettings,
+from fedflat.algorithms.fedbabu import OwnModel
+from fedflat.core import (AlgorithmError, ClientContext, Cohort, PartParams, Recipe, TrainSettings,
                           register_recipe)
 
 LOCAL = "ala.theta_i"  # client state: the client's last local model
@@ -68,26 +69,16 @@ def ala_converged(losses: list[torch.Tensor], window: int, threshold: float) -> 
     return torch.stack(losses[-window:]).double().std(0, unbiased=False) < threshold
 
 
-class AdaptiveLocalAggregation(Personalization):
+class AdaptiveLocalAggregation(OwnModel):
     """FedALA's start model ``theta^ = theta_i + (w^t - theta_i) * W_i`` on the adapted tensors, ``w^t`` below."""
 
     name = "ala"
     summary = "FedALA: local training starts from theta_i + (w - theta_i) * W_i, W_i learned on local data"
     Params = ALAParams
     keeps = (LOCAL, WEIGHTS, PERSONAL)
+    own_entry = PERSONAL
     beyond_batch = "it learns its aggregation weights on the client's data beyond the local steps' batches"
 
-    def private(self, settings: TrainSettings) -> torch.Tensor:
-        """No entry of the federated model stays on the client (its personalized model is a model of its own)."""
-        return torch.zeros(settings.layout.size if settings.layout is not None else 0, dtype=torch.bool)
-
-    def models(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
-               settings: TrainSettings) -> torch.Tensor:
-        return torch.where(known[PERSONAL][:, None].to(w.device), state[PERSONAL].to(w.device), w)
-
-    def start(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
-              settings: TrainSettings) -> None:
-        return None  # initialize computes it, with the clients' data
 
     def initialize(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor:
         w = ctx.w_broadcast

@@ -92,14 +92,12 @@ def finetune(ctx: ClientContext, cohort: Cohort, start: torch.Tensor, steps: lis
     return W
 
 
-class FineTune(Personalization):
-    """Each client's personal model: ``w^t`` fine-tuned on its data at each participation (FedBABU's evaluation)."""
+class OwnModel(Personalization):
+    """A personalization whose clients each keep a whole model of their own in the client-state entry
+    :attr:`own_entry` (FedBABU's, Per-FedAvg's, FedALA's): no entry of the federated model stays private, a client's
+    model is its kept one once it has one (else ``w``), and the federated update starts from the broadcast."""
 
-    name = "babu"
-    summary = "FedBABU: each client fine-tunes the received global model and keeps it as its personal model"
-    Params = FineTuneParams
-    keeps = (PERSONAL,)
-    beyond_batch = "it fine-tunes on the client's data beyond the local steps' batches"
+    own_entry: str  # the client-state entry holding the client's model (not `personal`: a hook of every part)
 
     def private(self, settings: TrainSettings) -> torch.Tensor:
         """No entry of the federated model stays on the client (its personal model is a model of its own)."""
@@ -107,11 +105,23 @@ class FineTune(Personalization):
 
     def models(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
                settings: TrainSettings) -> torch.Tensor:
-        return torch.where(known[PERSONAL][:, None].to(w.device), state[PERSONAL].to(w.device), w)
+        return torch.where(known[self.own_entry][:, None].to(w.device), state[self.own_entry].to(w.device), w)
 
     def start(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
               settings: TrainSettings) -> None:
-        return None  # the federated update starts from the broadcast
+        return None  # the federated update starts from the broadcast (FedALA's initialize computes its own)
+
+
+class FineTune(OwnModel):
+    """Each client's personal model: ``w^t`` fine-tuned on its data at each participation (FedBABU's evaluation)."""
+
+    name = "babu"
+    summary = "FedBABU: each client fine-tunes the received global model and keeps it as its personal model"
+    Params = FineTuneParams
+    keeps = (PERSONAL,)
+    own_entry = PERSONAL
+    beyond_batch = "it fine-tunes on the client's data beyond the local steps' batches"
+
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         trained = head_mask(ctx.settings, self.p.head_layers).to(W.device) if self.p.finetune == "head" else None

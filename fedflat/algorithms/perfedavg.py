@@ -25,9 +25,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.fedbabu import finetune
-from fedflat.core import (Batch, ClientContext, Cohort, PartParams, Personalization, Perturbation, Recipe,
-                          TrainSettings, register_recipe, shared)
+from fedflat.algorithms.fedbabu import OwnModel, finetune
+from fedflat.core import (Batch, ClientContext, Cohort, PartParams, Perturbation, Recipe,
+                          register_recipe, shared)
 
 PERSONAL = "perfedavg.w_i"  # client state: the client's adapted model
 INNER, HESSIAN = "perfedavg.inner", "perfedavg.hessian"  # the clients' streams of the batches D and D''
@@ -86,26 +86,16 @@ class AdaptParams(PartParams):
                                                   "model (the paper evaluates after one)")
 
 
-class Adapted(Personalization):
+class Adapted(OwnModel):
     """Each client's personalized model: ``w^t`` after ``adapt_steps`` steps ``w <- w - alpha (g + wd w)``."""
 
     name = "perfedavg"
     summary = "Per-FedAvg: each client's model is w^t adapted by adapt_steps gradient steps of size alpha"
     Params = AdaptParams
     keeps = (PERSONAL,)
+    own_entry = PERSONAL
     beyond_batch = "it adapts on the client's data beyond the local steps' batches"
 
-    def private(self, settings: TrainSettings) -> torch.Tensor:
-        """No entry of the federated model stays on the client (its personal model is a model of its own)."""
-        return torch.zeros(settings.layout.size if settings.layout is not None else 0, dtype=torch.bool)
-
-    def models(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
-               settings: TrainSettings) -> torch.Tensor:
-        return torch.where(known[PERSONAL][:, None].to(w.device), state[PERSONAL].to(w.device), w)
-
-    def start(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
-              settings: TrainSettings) -> None:
-        return None  # the federated update starts from the broadcast
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         steps = [self.p.adapt_steps] * cohort.size
