@@ -50,12 +50,13 @@ def collect(sweep: Path) -> dict[tuple[str, str, str], dict[str, list[float]]]:
     return cells
 
 
-def cell_text(values: list[float], most: int) -> str:
+def cell_text(values: list[float], most: int, digits: int = 1) -> str:
+    """``mean ± std`` over the seeds (sample std), saying how many where fewer than ``most`` finished."""
     if not values:
         return "—"
     if len(values) == 1:
-        return f"{values[0]:.1f} (1 seed)"
-    text = f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+        return f"{values[0]:.{digits}f} (1 seed)"
+    text = f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
     return text if len(values) == most else f"{text} ({len(values)} seeds)"
 
 

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import yaml
 
+from attack_table import cell_text, final_line  # (this folder: scripts/)
+
 METHODS = {"fedavg": "FedAvg", "fedsam": "FedSAM", "dpfedsam": "DP-FedSAM", "fedlesam": "FedLESAM",
            "fedvssam": "FedVSSAM"}
-
-
-def final_line(run: Path) -> dict | None:
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return next((line for line in reversed(lines) if "test_acc" in line), None)
 
 
 def collect(sweep: Path) -> tuple[dict, dict]:
@@ -44,15 +41,6 @@ def collect(sweep: Path) -> tuple[dict, dict]:
     return cells, noise
 
 
-def text(values: list[float], most: int) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.2f} (1 seed)"
-    out = f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-    return out if len(values) == most else f"{out} ({len(values)} seeds)"
-
-
 def table(cells: dict, noise: dict) -> str:
     budgets = sorted({e for _, e in cells}, reverse=True)
     methods = [m for m in METHODS if any(k[0] == m for k in cells)] + sorted({m for m, _ in cells} - set(METHODS))
@@ -62,7 +50,7 @@ def table(cells: dict, noise: dict) -> str:
     out = ["| method | " + " | ".join(names) + f" | lost at epsilon = {smallest:g} |",
            "|---|" + "---|" * (len(budgets) + 1)]
     for m in methods:
-        row = [text(cells.get((m, e), []), most) for e in budgets]
+        row = [cell_text(cells.get((m, e), []), most, digits=2) for e in budgets]
         free, tight = cells.get((m, math.inf)), cells.get((m, smallest))
         lost = f"{statistics.mean(free) - statistics.mean(tight):.2f}" if free and tight else "—"
         out.append(f"| {METHODS.get(m, m)} | " + " | ".join(row) + f" | {lost} |")
