@@ -9,7 +9,8 @@ from the old :math:`v_i` and :math:`w`):
 
 .. math::
 
-    v_i \leftarrow v_i - \eta_l\, \mathrm{clip}(\alpha_i g + \lambda_{wd} v_i), \qquad
+    v_i \leftarrow v_i - \eta_l\, \mathrm{clip}(\alpha_i g + \lambda_{wd} v_i),
+
     \alpha_i \leftarrow \mathrm{clamp}\big(\alpha_i - \eta_l \langle v_i - w, g \rangle, 0, 1\big)
 
 Evaluation is personalized: each client's :math:`\bar{v}_i` with the current global model :math:`w` (``w`` before its first

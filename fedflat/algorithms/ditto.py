@@ -8,7 +8,8 @@ model on its own regularized objective (Ditto's eq. 2 and Algorithm 1):
 
 .. math::
 
-    h_k(v; w^t) = F_k(v) + \frac{\lambda}{2} \lVert v - w^t \rVert^2, \qquad
+    h_k(v; w^t) = F_k(v) + \frac{\lambda}{2} \lVert v - w^t \rVert^2,
+
     v \leftarrow v - \eta_l\, \mathrm{clip}\big(g_k(v) + \lambda_{wd} v + \lambda (v - w^t)\big)
 
 Evaluation is personalized: each client's ``v_k`` (``w`` before its first round) on its own test share. Recipe

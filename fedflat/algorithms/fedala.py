@@ -8,7 +8,8 @@ tensors; 0: all of them, as the code's ``layer_idx = 0``), learns
 
 .. math::
 
-    \hat{\theta} = \theta_i + (w^t - \theta_i) \odot W_i, \qquad
+    \hat{\theta} = \theta_i + (w^t - \theta_i) \odot W_i,
+
     W_i \leftarrow \mathrm{clip}_{[0,1]}\Big(W_i - \eta\, \nabla_{\hat{\theta}} L(\hat{\theta}; b) \odot (w^t - \theta_i)\Big)
 
 batch by batch over :math:`\lceil s\, n_i / B \rceil` batches of its data (``s = rand_percent / 100``, the batches drawn from its

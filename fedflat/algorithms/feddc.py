@@ -22,8 +22,10 @@ and the server
 
 .. math::
 
-    g \leftarrow g + \frac{1}{N} \sum_{i \in S} \mathrm{d}g_i, \qquad
-    \bar{h} \leftarrow \bar{h} + \frac{1}{N} \sum_{i \in S} \Delta_i, \qquad
+    g \leftarrow g + \frac{1}{N} \sum_{i \in S} \mathrm{d}g_i,
+
+    \bar{h} \leftarrow \bar{h} + \frac{1}{N} \sum_{i \in S} \Delta_i,
+
     w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i + \bar{h}
 
 (the code's ``mean_S theta_i + mean_all h_i``).

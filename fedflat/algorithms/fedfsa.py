@@ -10,7 +10,8 @@ the round, each weight tensor's *perturbation sensitivity* (:math:`J_l` entries)
 
 .. math::
 
-    s_l = \frac{1}{J_l} \sum_{j=1}^{J_l} \big(\mathrm{mm}(w_{l,E})_j - \mathrm{mm}(w_{l,0})_j\big)^2, \qquad
+    s_l = \frac{1}{J_l} \sum_{j=1}^{J_l} \big(\mathrm{mm}(w_{l,E})_j - \mathrm{mm}(w_{l,0})_j\big)^2,
+
     \mathrm{mm}(v) = \frac{v - \min v}{\max v - \min v}
 
 (:math:`s_l = 0` for tensors named ``bn``, ``downsample``, ``shortcut``, ``norm`` or ``bias``), min-max normalized over

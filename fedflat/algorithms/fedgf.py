@@ -6,8 +6,9 @@ pseudo-gradient, a point fixed for the round), and the local SAM one, :math:`w +
 
 .. math::
 
-    \bar{w} = c\, \tilde{w}_g + (1 - c) \Big(w + \rho \frac{g(w)}{\lVert g(w) \rVert}\Big), \quad \text{i.e.} \quad
-    \epsilon = c\, (\tilde{w}_g - w) + (1 - c)\, \rho \frac{g(w)}{\lVert g(w) \rVert} .
+    \bar{w} = c\, \tilde{w}_g + (1 - c) \Big(w + \rho \frac{g(w)}{\lVert g(w) \rVert}\Big),
+
+    \text{i.e.} \quad \epsilon = c\, (\tilde{w}_g - w) + (1 - c)\, \rho \frac{g(w)}{\lVert g(w) \rVert} .
 
 The weight :math:`c` is the share of the last :math:`W` rounds whose divergence :math:`D_t = \frac{1}{K} \sum_i \lVert w_{i,E} - w^t \rVert`
 exceeded the threshold :math:`T_D`: the more clients drift apart, the more the global perturbation counts.

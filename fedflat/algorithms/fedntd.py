@@ -6,7 +6,8 @@ The local objective (paper eq. 4) is
 
 .. math::
 
-    \mathrm{CE}\big(f(w, x), y\big) + \beta \tau^2\, \mathrm{KL}(\tilde{q} \,\Vert\, \tilde{p}), \qquad
+    \mathrm{CE}\big(f(w, x), y\big) + \beta \tau^2\, \mathrm{KL}(\tilde{q} \,\Vert\, \tilde{p}),
+
     \tilde{q} = \mathrm{softmax}\big(f(w^t, x)_{-y} / \tau\big), \quad \tilde{p} = \mathrm{softmax}\big(f(w, x)_{-y} / \tau\big)
 
 over the :math:`C - 1` not-true classes (:math:`C` classes), the KL averaged over the batch

@@ -15,8 +15,10 @@ multiplied by ``dampening`` = :math:`\lambda`); then
 
 .. math::
 
-    S_i \propto \frac{n_i}{1 + \gamma h_{adj}} \max(0, 1 + \beta c_i), \qquad
-    w^{t+1} = w^t + \eta_g \frac{\sum_i S_i \Delta_i}{\sum_j S_j}, \qquad
+    S_i \propto \frac{n_i}{1 + \gamma h_{adj}} \max(0, 1 + \beta c_i),
+
+    w^{t+1} = w^t + \eta_g \frac{\sum_i S_i \Delta_i}{\sum_j S_j},
+
     u_t = P_d\big(\mathrm{normalize}(w^{t+1} - w^t)\big) .
 
 Variants: ``fedscam`` (both), ``fedscam-wa`` (local SGD, FedSCAM weights), ``fedscam-sam`` (adaptive

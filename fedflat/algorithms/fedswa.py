@@ -7,7 +7,8 @@ the rate from :math:`\eta_l` to :math:`\rho \eta_l` (one cycle per round), and t
 
 .. math::
 
-    \eta_k = s\, \eta_l \Big(\big(1 - \tfrac{k}{E_i}\big) + \rho\, \tfrac{k}{E_i}\Big), \quad k = 0, \dots, E_i - 1; \qquad
+    \eta_k = s\, \eta_l \Big(\big(1 - \tfrac{k}{E_i}\big) + \rho\, \tfrac{k}{E_i}\Big), \quad k = 0, \dots, E_i - 1;
+
     w_{i,k+1} = w_{i,k} - \eta_k d_k
 
 (the schedule is the correction part ``swa``'s :meth:`step_lr`; :math:`s` = ``algo.scale``, 1 by default).
@@ -18,7 +19,8 @@ server's, a moving average of the clients' (:math:`\gamma = 1` in round 0, where
 
 .. math::
 
-    c_i^+ = c_i - c + \frac{w^t - w_{i,E}}{E_i \bar{\eta}}, \qquad \bar{\eta} = s\, \eta_l \frac{1 + \rho}{2}, \qquad
+    c_i^+ = c_i - c + \frac{w^t - w_{i,E}}{E_i \bar{\eta}}, \qquad \bar{\eta} = s\, \eta_l \frac{1 + \rho}{2},
+
     c \leftarrow (1 - \gamma)\, c + \gamma \frac{1}{K} \sum_{i \in S} c_i^+
 
 The paper's text could not be read here; the rules are the repository's (``main_FedSWA.py`` at f725be9), which

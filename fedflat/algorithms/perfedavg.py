@@ -12,7 +12,8 @@ product by the paper's §5 estimate):
 
 .. math::
 
-    \text{HF:}\quad d = \big(I - \alpha H(w; D'')\big)\, g\big(w - \alpha\, g(w; D);\, D'\big), \qquad
+    \text{HF:}\quad d = \big(I - \alpha H(w; D'')\big)\, g\big(w - \alpha\, g(w; D);\, D'\big),
+
     H(w; D'')\, v \approx \frac{g(w + \delta v;\, D'') - g(w - \delta v;\, D'')}{2 \delta}
 
 :math:`D` and :math:`D''` are drawn from each client's own streams (``perfedavg.inner``, ``perfedavg.hessian``), one batch

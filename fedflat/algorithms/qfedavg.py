@@ -4,8 +4,10 @@ With :math:`L = 1 / \eta_l` and :math:`F_i` client :math:`i`'s loss at :math:`w^
 
 .. math::
 
-    \Delta w_i = L (w^t - w_{i,E}), \quad \Delta_i^q = F_i^q\, \Delta w_i, \quad
-    h_i = q F_i^{q-1} \lVert \Delta w_i \rVert^2 + L F_i^q, \quad
+    \Delta w_i = L (w^t - w_{i,E}), \quad \Delta_i^q = F_i^q\, \Delta w_i,
+
+    h_i = q F_i^{q-1} \lVert \Delta w_i \rVert^2 + L F_i^q,
+
     w^{t+1} = w^t - \frac{\sum_i \Delta_i^q}{\sum_i h_i} .
 
 :math:`q = 0` is FedAvg with uniform weights and :math:`\eta_g = 1`.
