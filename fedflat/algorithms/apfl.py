@@ -1,15 +1,19 @@
-"""APFL (Deng, Kamani and Mahdavi, *Adaptive Personalized Federated Learning*, arXiv:2003.13461, 2020): the
+r"""APFL (Deng, Kamani and Mahdavi, *Adaptive Personalized Federated Learning*, arXiv:2003.13461, 2020): the
 personalization role, a personal model mixed with the federated one.
 
-Each client ``i`` keeps a local model ``v_i`` and a mixing weight ``alpha_i``; its personalized model is
-``vbar_i = alpha_i v_i + (1 - alpha_i) w`` (APFL's eq. 3). At each local step, on the step's mini-batch and from the
-step's federated iterate ``w`` (the method's own local step then moves ``w``: APFL's ``w`` update, Algorithm 1),
-with ``g = grad f_i(vbar_i)``::
+Each client :math:`i` keeps a local model :math:`v_i` and a mixing weight :math:`\alpha_i`; its personalized model is
+:math:`\bar{v}_i = \alpha_i v_i + (1 - \alpha_i) w` (APFL's eq. 3). At each local step, on the step's mini-batch and from the
+step's federated iterate :math:`w` (the method's own local step then moves :math:`w`: APFL's :math:`w` update, Algorithm 1),
+with :math:`g = \nabla f_i(\bar{v}_i)`, the :math:`v` update of Algorithm 1 and, with ``algo.adaptive``, eq. 10 (both
+from the old :math:`v_i` and :math:`w`):
 
-    v_i     <- v_i - eta_l clip(alpha_i g + wd v_i)                 (Algorithm 1, the v update)
-    alpha_i <- clamp(alpha_i - eta_l <v_i - w, g>, 0, 1)              (eq. 10, with algo.adaptive; old v_i and w)
+.. math::
 
-Evaluation is personalized: each client's ``vbar_i`` with the current global model ``w`` (``w`` before its first
+    v_i \leftarrow v_i - \eta_l\, \mathrm{clip}(\alpha_i g + \lambda_{wd} v_i),
+
+    \alpha_i \leftarrow \mathrm{clamp}\big(\alpha_i - \eta_l \langle v_i - w, g \rangle, 0, 1\big)
+
+Evaluation is personalized: each client's :math:`\bar{v}_i` with the current global model :math:`w` (``w`` before its first
 round). Recipe ``apfl`` (APFL as published: the federated model by local SGD); any method takes
 ``algo.personalization=apfl``, and a part swapped into ``apfl`` (``algo.perturbation=sam``) acts on the federated
 model's steps only: the local model's steps stay APFL's SGD.
@@ -34,7 +38,7 @@ class APFLParams(PartParams):
 
 
 class APFL(Personalization):
-    """APFL's local model ``v_i`` and weight ``alpha_i``, stepped beside the federated model."""
+    r"""APFL's local model :math:`v_i` and weight :math:`\alpha_i`, stepped beside the federated model."""
 
     name = "apfl"
     summary = "APFL: each client mixes a local model with the global one, vbar = alpha v + (1 - alpha) w"
@@ -52,7 +56,7 @@ class APFL(Personalization):
 
     def alphas(self, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor], rows: int,
                device: torch.device) -> torch.Tensor:
-        """``alpha_i`` of each client, ``[C, 1]``: kept (adaptive), else the initial ``alpha``."""
+        r""":math:`\alpha_i` of each client, ``[C, 1]``: kept (adaptive), else the initial :math:`\alpha`."""
         initial = torch.full((rows, 1), self.p.alpha, device=device)
         if not self.p.adaptive:
             return initial
@@ -60,7 +64,7 @@ class APFL(Personalization):
 
     def models(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
                settings: TrainSettings) -> torch.Tensor:
-        """``vbar_i = alpha_i v_i + (1 - alpha_i) w`` (eq. 3)."""
+        r""":math:`\bar{v}_i = \alpha_i v_i + (1 - \alpha_i) w` (eq. 3)."""
         v = own_models(LOCAL, w, state, known)
         alpha = self.alphas(state, known, v.shape[0], w.device)
         return alpha * v + (1 - alpha) * w
@@ -75,7 +79,7 @@ class APFL(Personalization):
         own["alpha"] = self.alphas(cohort.state, cohort.known, cohort.size, own["v"].device)
 
     def local_step(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch) -> None:
-        """One step of ``v_i`` (and of ``alpha_i``) at ``vbar_i = alpha_i v_i + (1 - alpha_i) w`` (active rows)."""
+        r"""One step of :math:`v_i` (and of :math:`\alpha_i`) at :math:`\bar{v}_i = \alpha_i v_i + (1 - \alpha_i) w` (active rows)."""
         own = cohort.own(self)
         v, alpha = own["v"], own["alpha"]
         _, g = ctx.oracle.loss_grad(alpha * v + (1 - alpha) * W, batch)

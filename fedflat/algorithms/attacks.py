@@ -1,27 +1,27 @@
-"""Simulated malicious clients: attacks to measure a method and a robust rule against, deterministic and keyed.
+r"""Simulated malicious clients: attacks to measure a method and a robust rule against, deterministic and keyed.
 
-A fraction of the federation's ``N`` clients is malicious: ``round(fraction N)`` of them (at least one when
+A fraction of the federation's :math:`N` clients is malicious: :math:`\mathrm{round}(\mathrm{fraction} \cdot N)` of them (at least one when
 ``fraction > 0``), drawn once per run from the keyed stream ``(seed, -1, SERVER, "attackers")``
 (:func:`attackers`), so every engine, executor and Flower node agrees on who they are without being told. A
 malicious client trains as the method says, on its own data, and then:
 
-- ``label_flip``: trains on flipped labels, ``y -> C - 1 - y`` on every sample of its batches (a data attack);
-- ``sign_flip``: uploads ``-scale Delta_i`` in place of its update ``Delta_i``;
-- ``gaussian``: uploads ``N(0, std^2 I)`` in place of ``Delta_i``, drawn from its stream
+- ``label_flip``: trains on flipped labels, :math:`y \to C - 1 - y` on every sample of its batches (a data attack);
+- ``sign_flip``: uploads :math:`-\mathrm{scale}\, \Delta_i` in place of its update :math:`\Delta_i`;
+- ``gaussian``: uploads :math:`\mathcal{N}(0, \mathrm{std}^2 I)` in place of :math:`\Delta_i`, drawn from its stream
   ``(seed, t, i, "attack")``;
 - ``backdoor`` (Bagdasaryan et al., AISTATS 2020, "How to backdoor federated learning"): a pixel trigger, a
   ``trigger_size`` square set to ``trigger_value`` in the bottom-right corner of the model's inputs, is stamped on
-  the first ``ceil(poison_fraction n_b)`` samples of each of its batches (``n_b`` real samples; batches are
+  the first :math:`\lceil \mathrm{poison\_fraction} \cdot n_b \rceil` samples of each of its batches (:math:`n_b` real samples; batches are
   shuffled, so these are a random subset), labelled ``target``; its update is then boosted,
-  ``Delta_i <- boost Delta_i`` (model replacement: ``boost`` about ``N / eta`` replaces the global model by the
+  :math:`\Delta_i \leftarrow \mathrm{boost}\, \Delta_i` (model replacement: ``boost`` about :math:`N / \eta` replaces the global model by the
   backdoored one; 1 is plain data poisoning). The run's metrics then hold ``backdoor_acc``: the fraction of test
   samples not of the ``target`` class that the global model classifies as ``target`` once the trigger is stamped;
 - ``alie`` ("A Little Is Enough", Baruch, Baruch and Goldberg, NeurIPS 2019): the malicious clients of a round
-  collude and all upload ``mu - z_max sigma``, with ``mu`` and ``sigma`` the coordinate-wise mean and standard
-  deviation of the round's benign updates and, for ``n`` clients of which ``f`` malicious, ``s = floor(n/2 + 1) - f``
-  and ``z_max = Phi^{-1}((n - s) / n)`` (the paper's formula; ``z`` overrides it);
+  collude and all upload :math:`\mu - z_{max} \sigma`, with :math:`\mu` and :math:`\sigma` the coordinate-wise mean and standard
+  deviation of the round's benign updates and, for :math:`n` clients of which :math:`f` malicious, :math:`s = \lfloor n/2 + 1 \rfloor - f`
+  and :math:`z_{max} = \Phi^{-1}\big((n - s) / n\big)` (the paper's formula; ``z`` overrides it);
 - ``ipm`` (inner-product manipulation, Xie, Koyejo and Gupta, UAI 2020, "Fall of empires"): the malicious clients
-  all upload ``-epsilon mu``, ``mu`` the mean of the round's benign updates.
+  all upload :math:`-\epsilon \mu`, :math:`\mu` the mean of the round's benign updates.
 
 The colluding attacks (``alie``, ``ipm``) are the papers' omniscient attackers: they know every benign update of
 the round, so they act in the attack's *server* hook (:meth:`ColludingAttack.server`), which runs first among the
@@ -100,7 +100,7 @@ class SignFlipParams(AttackParams):
 
 
 class SignFlip(Attack):
-    """The malicious clients upload ``-scale Delta_i`` (module docstring)."""
+    r"""The malicious clients upload :math:`-\mathrm{scale}\, \Delta_i` (module docstring)."""
 
     name = "sign_flip"
     source = "Li et al., AAAI 2019 (RSA's sign-flipping attack)"
@@ -223,8 +223,8 @@ class AlieParams(AttackParams):
 
 
 def alie_z(n: int, f: int) -> float:
-    """Baruch et al.'s ``z_max = Phi^{-1}((n - s) / n)``, ``s = floor(n / 2 + 1) - f`` the benign clients the
-    attackers need on their side (at least 1: with a malicious majority the formula's ``z`` is infinite)."""
+    r"""Baruch et al.'s :math:`z_{max} = \Phi^{-1}\big((n - s) / n\big)`, :math:`s = \lfloor n / 2 + 1 \rfloor - f` the benign clients the
+    attackers need on their side (at least 1: with a malicious majority the formula's :math:`z` is infinite)."""
     s = max(math.floor(n / 2 + 1) - f, 1)
     return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - s) / n, dtype=torch.float64)))
 

@@ -1,16 +1,17 @@
-"""Compressed uploads: top-k sparsification (with error feedback as an option) and QSGD's stochastic quantization,
+r"""Compressed uploads: top-k sparsification (with error feedback as an option) and QSGD's stochastic quantization,
 stages of the upload path (:mod:`fedflat.core.upload`) that change what travels, counted at their encoded size.
 
-Both act on the model update ``Delta_i`` (the release's ``model`` entry); a method's other entries travel as they
+Both act on the model update :math:`\Delta_i` (the release's ``model`` entry); a method's other entries travel as they
 are. With error feedback (Stich et al., NeurIPS 2018; Karimireddy et al., ICML 2019) a client keeps what it did not
-send, ``e_i``, and compresses ``Delta_i + e_i`` next time: ``e_i <- (Delta_i + e_i) - Q(Delta_i + e_i)``.
+send, :math:`e_i`, and compresses :math:`\Delta_i + e_i` next time: :math:`e_i \leftarrow (\Delta_i + e_i) - Q(\Delta_i + e_i)`.
 
-- **Top-k** keeps the ``k = ceil(ratio P)`` entries of largest magnitude (ties to the lower index) and sends their
-  values (float32) and indices (int32): ``8 k`` bytes a client instead of ``4 P``.
-- **QSGD** (Alistarh et al., NeurIPS 2017) sends ``||x||`` and, per entry, ``sign(x_j) xi_j`` with ``xi_j`` in
-  ``{0, ..., s}`` drawn so that ``E[xi_j] = s |x_j| / ||x||`` (stochastic rounding): the estimate
-  ``||x|| sign(x_j) xi_j / s`` is unbiased, with ``E||Q(x) - x||^2 <= min(P / s^2, sqrt(P) / s) ||x||^2`` (their
-  Lemma 3.1). Levels travel as int8 (``s <= 127``): ``P + 4`` bytes a client.
+- **Top-k** keeps the :math:`k = \lceil \mathrm{ratio} \cdot P \rceil` entries of largest magnitude (ties to the lower index) and sends their
+  values (float32) and indices (int32): :math:`8k` bytes a client instead of :math:`4P`.
+- **QSGD** (Alistarh et al., NeurIPS 2017) sends :math:`\lVert x \rVert` and, per entry, :math:`\mathrm{sign}(x_j)\, \xi_j` with :math:`\xi_j` in
+  :math:`\{0, \dots, s\}` drawn so that :math:`\mathbb{E}[\xi_j] = s \lvert x_j \rvert / \lVert x \rVert` (stochastic rounding): the estimate
+  :math:`\lVert x \rVert\, \mathrm{sign}(x_j)\, \xi_j / s` is unbiased, with
+  :math:`\mathbb{E} \lVert Q(x) - x \rVert^2 \le \min(P / s^2, \sqrt{P} / s) \lVert x \rVert^2` (their
+  Lemma 3.1). Levels travel as int8 (:math:`s \le 127`): :math:`P + 4` bytes a client.
 
 Under differential privacy the client compresses first and clips after (``fedflat.config`` puts the compression stage
 before the clip when both are on), so the clipped release, sparse or quantized, is what the mechanism's sensitivity
@@ -44,7 +45,7 @@ def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def with_residual(stage: UploadStage, cohort: Cohort, delta: torch.Tensor, name: str) -> torch.Tensor:
-    """``Delta_i + e_i`` under error feedback (``e_i = 0`` before a client's first participation), else ``Delta_i``."""
+    r""":math:`\Delta_i + e_i` under error feedback (:math:`e_i = 0` before a client's first participation), else :math:`\Delta_i`."""
     if not stage.p.error_feedback:
         return delta
     return delta + torch.where(cohort.known[name].to(delta.device)[:, None], cohort.state[name].to(delta), 0.0)
@@ -104,8 +105,8 @@ class QSGDParams(PartParams):
 
 
 def qsgd_levels(x: torch.Tensor, s: int, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """QSGD's ``(||x_i||, sign(x_ij) xi_ij)`` for each row (Alistarh et al. 2017, Eq. (4)): ``xi = l + 1`` with
-    probability ``s |x| / ||x|| - l``, else ``l`` (``l`` the floor), one uniform per entry from the row's stream."""
+    r"""QSGD's :math:`(\lVert x_i \rVert, \mathrm{sign}(x_{ij})\, \xi_{ij})` for each row (Alistarh et al. 2017, Eq. (4)): :math:`\xi = l + 1` with
+    probability :math:`s \lvert x \rvert / \lVert x \rVert - l`, else :math:`l` (:math:`l` the floor), one uniform per entry from the row's stream."""
     norm = x.norm(dim=1)
     u = torch.stack([torch.rand(x.shape[1], generator=g, dtype=torch.float64, device=x.device) for g in generators])
     ratio = s * x.abs().double() / norm.double().clamp(min=1e-300)[:, None]

@@ -1,13 +1,16 @@
-"""Ditto (Li, Hu, Beirami and Smith, *Ditto: Fair and Robust Federated Learning Through Personalization*, ICML
+r"""Ditto (Li, Hu, Beirami and Smith, *Ditto: Fair and Robust Federated Learning Through Personalization*, ICML
 2021): the personalization role, a personal model trained beside the federated one.
 
 Each client ``k`` keeps a whole personal model ``v_k``. In a round it trains the federated model as the method's
 local step does (FedAvg's SGD, SAM, ... from the broadcast ``w^t``: that part is the recipe's global update, which
 the server aggregates as usual) and, at each of the same ``E_k`` local steps on the same mini-batch, its personal
-model on its own regularized objective (Ditto's eq. 2 and Algorithm 1)::
+model on its own regularized objective (Ditto's eq. 2 and Algorithm 1):
 
-    h_k(v; w^t) = F_k(v) + lambda/2 ||v - w^t||^2
-    v <- v - eta_l clip(g_k(v) + wd v + lambda (v - w^t))
+.. math::
+
+    h_k(v; w^t) = F_k(v) + \frac{\lambda}{2} \lVert v - w^t \rVert^2,
+
+    v \leftarrow v - \eta_l\, \mathrm{clip}\big(g_k(v) + \lambda_{wd} v + \lambda (v - w^t)\big)
 
 Evaluation is personalized: each client's ``v_k`` (``w`` before its first round) on its own test share. Recipe
 ``ditto`` (FedAvg's global update, as published); any method takes ``algo.personalization=ditto``, and any part
@@ -26,7 +29,7 @@ PERSONAL = "ditto.v_k"  # client state: the client's personal model v_k
 
 
 def clip_personal(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """``D`` with each row scaled by ``min(1, max_norm / (||D_c|| + 1e-6))`` (``clip_grad_norm_``'s rule)."""
+    r"""``D`` with each row scaled by :math:`\min(1, \mathrm{max\_norm} / (\lVert D_c \rVert + 10^{-6}))` (``clip_grad_norm_``'s rule)."""
     if max_norm is None:
         return D
     return D * (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
@@ -69,7 +72,7 @@ class Ditto(Personalization):
         cohort.own(self)["v"] = own_models(PERSONAL, ctx.w_broadcast, cohort.state, cohort.known)
 
     def local_step(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch) -> None:
-        """``v <- v - eta_l clip(g(v) + wd v + lambda (v - w^t))`` on the step's batch (active rows only)."""
+        r""":math:`v \leftarrow v - \eta_l\, \mathrm{clip}\big(g(v) + \lambda_{wd} v + \lambda (v - w^t)\big)` on the step's batch (active rows only)."""
         own = cohort.own(self)
         v = own["v"]
         _, g = ctx.oracle.loss_grad(v, batch)

@@ -1,21 +1,21 @@
-"""DP-FedSAM (Shi et al., CVPR 2023, arXiv 2303.11242) and DP-FedSAM-top_k (the journal version, arXiv 2305.00873):
+r"""DP-FedSAM (Shi et al., CVPR 2023, arXiv 2303.11242) and DP-FedSAM-top_k (the journal version, arXiv 2305.00873):
 local sharpness-aware minimization under client-level differential privacy, whose flatter local models have
 smaller, more noise-robust updates.
 
-A client runs local SAM steps — ASAM's (Kwon et al., ICML 2021) adaptive ascent with ``T_w = |w|``, as the public
-code runs it (``sam.py``, ``adaptive=True`` by default): ``eps = rho T_w^2 g / ||T_w g||`` — and its update
-``Delta_i`` is clipped to ``C`` and noised, ``N(0, sigma^2 C^2)`` on the sum of the round's updates, averaged over the
-``m`` sampled clients: the upload path's ``dp`` stage (:mod:`fedflat.algorithms.privacy`) with the code's defaults
-``C = 0.2``, ``sigma = 0.95``, ``rho = 0.5``. DP-FedSAM-top_k sparsifies each update to its largest entries before
+A client runs local SAM steps — ASAM's (Kwon et al., ICML 2021) adaptive ascent with :math:`T_w = \lvert w \rvert`, as the public
+code runs it (``sam.py``, ``adaptive=True`` by default): :math:`\epsilon = \rho\, T_w^2 g / \lVert T_w g \rVert` — and its update
+:math:`\Delta_i` is clipped to :math:`C` and noised, :math:`\mathcal{N}(0, \sigma^2 C^2 I)` on the sum of the round's updates, averaged over the
+:math:`m` sampled clients: the upload path's ``dp`` stage (:mod:`fedflat.algorithms.privacy`) with the code's defaults
+:math:`C = 0.2`, :math:`\sigma = 0.95`, :math:`\rho = 0.5`. DP-FedSAM-top_k sparsifies each update to its largest entries before
 the clip (:mod:`fedflat.algorithms.compression`), so the same noise covers a smaller update.
 
 Where fedflat differs from the public code (github.com/YMJS-Irfan/DP-FedSAM, read at 016bd7f):
 
 - the code clips each parameter tensor to ``C`` separately (``dpfedsam_api.py`` L65-77), so a whole update's norm
-  is bounded by ``C sqrt(L)`` for ``L`` tensors while its accountant uses ``sigma`` as if it were bounded by ``C``;
-  fedflat clips the whole update to ``C`` (the papers' algorithm), which the accountant's sensitivity then holds;
-- the code adds ``N(0, sigma^2 C^2 / m)`` on each client and weighs clients by their sample counts; fedflat adds the
-  same total ``N(0, sigma^2 C^2)`` to the sum at the server and divides by ``m`` (the distribution of the uniform
+  is bounded by :math:`C \sqrt{L}` for :math:`L` tensors while its accountant uses :math:`\sigma` as if it were bounded by :math:`C`;
+  fedflat clips the whole update to :math:`C` (the papers' algorithm), which the accountant's sensitivity then holds;
+- the code adds :math:`\mathcal{N}(0, \sigma^2 C^2 I / m)` on each client and weighs clients by their sample counts; fedflat adds the
+  same total :math:`\mathcal{N}(0, \sigma^2 C^2 I)` to the sum at the server and divides by :math:`m` (the distribution of the uniform
   mean is the same; a sample-weighted mean would change the sensitivity);
 - the code's local optimizer has momentum 0.5 and weight decay 5e-4 over 30 local epochs; fedflat's recipe keeps the
   run's ``train`` section (set it as the paper's experiments do);
@@ -36,8 +36,8 @@ DP_FEDSAM_PRIVACY = {"mode": "central", "clip": 0.2, "noise_multiplier": 0.95}
 
 
 class AdaptiveSAM(LocalSAM):
-    """ASAM's ascent with ``T_w = |w|``: ``eps = rho |w| (|w| g) / ||(|w| g)||`` (Kwon et al. 2021, Eq. (9) with
-    ``eta = 0``; DP-FedSAM's ``sam.py`` with ``adaptive=True``)."""
+    r"""ASAM's ascent with :math:`T_w = \lvert w \rvert`: :math:`\epsilon = \rho\, \lvert w \rvert (\lvert w \rvert g) / \lVert \lvert w \rvert g \rVert` (Kwon et al. 2021, Eq. (9) with
+    :math:`\eta = 0`; DP-FedSAM's ``sam.py`` with ``adaptive=True``)."""
 
     name = "dpfedsam"
     summary = "DP-FedSAM's adaptive SAM (ASAM with T_w = |w|): eps = rho w^2 g / || |w| g || (one extra backprop)"

@@ -1,11 +1,11 @@
-"""FedACG (Kim et al., CVPR 2024): accelerated client gradient through a broadcast lookahead.
+r"""FedACG (Kim et al., CVPR 2024): accelerated client gradient through a broadcast lookahead.
 
-The server keeps a momentum ``m`` (0 at round 0) and broadcasts the lookahead ``w_hat = w^t + lambda m``;
-clients start from ``w_hat`` and add ``beta (w - w_hat)`` to their gradient (a proximal pull toward
-the lookahead); the server ``m <- lambda m + mean_i (w_{i,E} - w_hat)``, ``w^{t+1} = w^t + m``.
+The server keeps a momentum :math:`m` (0 at round 0) and broadcasts the lookahead :math:`\hat{w} = w^t + \lambda m`;
+clients start from :math:`\hat{w}` and add :math:`\beta (w - \hat{w})` to their gradient (a proximal pull toward
+the lookahead); the server :math:`m \leftarrow \lambda m + \frac{1}{K} \sum_{i \in S} (w_{i,E} - \hat{w})`, :math:`w^{t+1} = w^t + m`.
 
-``beta = 0.002`` is the pull the authors' code applies: its client adds ``1e-3 ||w - w_hat||^2`` (no 1/2) to
-the loss (``configs/client/ACG.yaml``, ``prox_loss.weight``), whose gradient is ``2e-3 (w - w_hat)``. The
+:math:`\beta = 0.002` is the pull the authors' code applies: its client adds :math:`10^{-3} \lVert w - \hat{w} \rVert^2` (no 1/2) to
+the loss (``configs/client/ACG.yaml``, ``prox_loss.weight``), whose gradient is :math:`2 \cdot 10^{-3} (w - \hat{w})`. The
 spec's 0.01 (five times stronger) has no source we could find; ``algo.beta=0.01`` gives it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ class ACGCorrectionParams(PartParams):
 
 
 class ACGCorrection(Prox):
-    """``d = grad + beta (w - w_hat)``, ``w_hat`` the point the server broadcast."""
+    r""":math:`d = g + \beta (w - \hat{w})`, :math:`\hat{w}` the point the server broadcast."""
 
     name = "acg"
     summary = "FedACG: grad + beta (w - w_hat), w_hat the broadcast lookahead"
@@ -35,7 +35,7 @@ class ACGCorrection(Prox):
         return self.p.beta
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """``(g + beta (w - w_hat), wd)``: the authors' code has the whole pull in the loss
+        r""":math:`\big(g + \beta (w - \hat{w}),\ \lambda_{wd}\big)`: the authors' code has the whole pull in the loss
         (``clients/base_client.py:200-205``), clipped with it (``:160``); SGD adds only the weight decay."""
         return Direction(grad.add_(W - ctx.w_start, alpha=self.p.beta) if self.p.beta else grad,
                          ctx.settings.weight_decay)
@@ -46,8 +46,8 @@ class ACGServerParams(PartParams):
 
 
 class ACGServer(ServerUpdate):
-    """Broadcast ``w_hat = w^t + lambda m``; ``m <- lambda m + sum_i p_i (w_{i,E} - w_hat)``,
-    ``w^{t+1} = w^t + eta_g m`` (the paper has no ``eta_g``: its default 1 gives the paper's rule)."""
+    r"""Broadcast :math:`\hat{w} = w^t + \lambda m`; :math:`m \leftarrow \lambda m + \sum_i p_i (w_{i,E} - \hat{w})`,
+    :math:`w^{t+1} = w^t + \eta_g m` (the paper has no :math:`\eta_g`: its default 1 gives the paper's rule)."""
 
     name = "acg"
     summary = "FedACG: broadcast w + lambda m, m <- lambda m + mean (w_i - w_hat), w <- w + m"

@@ -1,7 +1,7 @@
-"""Server optimizers on the averaged update: FedAdam (Reddi et al., ICLR 2021) and FedAvgM (Hsu et al., 2019).
+r"""Server optimizers on the averaged update: FedAdam (Reddi et al., ICLR 2021) and FedAvgM (Hsu et al., 2019).
 
-The clients run FedAvg's local SGD; the server treats ``Dbar = sum_i p_i Delta_i`` as a (negative)
-pseudo-gradient and keeps optimizer state (``m``, ``v``) in ``ctx.server``.
+The clients run FedAvg's local SGD; the server treats :math:`\bar{\Delta} = \sum_i p_i \Delta_i` as a (negative)
+pseudo-gradient and keeps optimizer state (:math:`m`, :math:`v`) in ``ctx.server``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def first_moment(w0: torch.Tensor, settings: TrainSettings, params: AdamParams) 
 
 
 class Adam(ServerUpdate):
-    """``m <- b1 m + (1 - b1) Dbar``, ``v <- b2 v + (1 - b2) Dbar^2``, ``w^{t+1} = w^t + eta_g m / (sqrt(v) + tau)``
+    r""":math:`m \leftarrow \beta_1 m + (1 - \beta_1) \bar{\Delta}`, :math:`v \leftarrow \beta_2 v + (1 - \beta_2) \bar{\Delta}^2`, :math:`w^{t+1} = w^t + \eta_g\, m / (\sqrt{v} + \tau)`
     (no bias correction, as in the paper's Algorithm 2)."""
 
     name = "adam"
@@ -58,7 +58,7 @@ class AvgMParams(PartParams):
 
 
 class AvgM(ServerUpdate):
-    """``m <- beta m + Dbar``, ``w^{t+1} = w^t + eta_g m`` (server momentum, Hsu et al. 2019)."""
+    r""":math:`m \leftarrow \beta m + \bar{\Delta}`, :math:`w^{t+1} = w^t + \eta_g m` (server momentum, Hsu et al. 2019)."""
 
     name = "avgm"
     summary = "FedAvgM: heavy-ball momentum on the averaged update"

@@ -1,4 +1,4 @@
-"""FedALA (Zhang, Hua, Wang, Song, Xue, Ma and Guan, *FedALA: Adaptive Local Aggregation for Personalized Federated
+r"""FedALA (Zhang, Hua, Wang, Song, Xue, Ma and Guan, *FedALA: Adaptive Local Aggregation for Personalized Federated
 Learning*, AAAI 2023; code github.com/TsingZ0/FedALA, and TsingZ0/PFLlib's ``utils/ALA.py``): each client starts
 its local training from an element-wise learned mix of its previous local model and the global model.
 
@@ -6,9 +6,13 @@ Client ``i`` keeps its last local model ``theta_i`` and its aggregation weights 
 ``w^t`` it sets the lower layers to ``w^t`` and, on the higher ones (the model's last ``ala_tensors`` parameter
 tensors; 0: all of them, as the code's ``layer_idx = 0``), learns
 
-    theta^ = theta_i + (w^t - theta_i) * W_i,    W_i <- clip_[0,1](W_i - eta grad_theta^ L(theta^; b) * (w^t - theta_i))
+.. math::
 
-batch by batch over ``ceil(s n_i / B)`` batches of its data (``s = rand_percent / 100``, the batches drawn from its
+    \hat{\theta} = \theta_i + (w^t - \theta_i) \odot W_i,
+
+    W_i \leftarrow \mathrm{clip}_{[0,1]}\Big(W_i - \eta\, \nabla_{\hat{\theta}} L(\hat{\theta}; b) \odot (w^t - \theta_i)\Big)
+
+batch by batch over :math:`\lceil s\, n_i / B \rceil` batches of its data (``s = rand_percent / 100``, the batches drawn from its
 stream ``ala``, the same every epoch): one epoch, or at its first adaptation epochs until the standard deviation of the
 last ``num_pre_loss`` epochs' last-batch losses is below ``threshold`` (at most ``ala_max_epochs``). Local training
 (the recipe's: SGD) starts from ``theta^``; the server averages (``weighting: samples``, as the code). A client's
@@ -70,7 +74,8 @@ def ala_converged(losses: list[torch.Tensor], window: int, threshold: float) -> 
 
 
 class AdaptiveLocalAggregation(OwnModel):
-    """FedALA's start model ``theta^ = theta_i + (w^t - theta_i) * W_i`` on the adapted tensors, ``w^t`` below."""
+    r"""FedALA's start model :math:`\hat{\theta} = \theta_i + (w^t - \theta_i) \odot W_i` on the adapted tensors,
+    :math:`w^t` below."""
 
     name = "ala"
     summary = "FedALA: local training starts from theta_i + (w - theta_i) * W_i, W_i learned on local data"

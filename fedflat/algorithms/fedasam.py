@@ -1,14 +1,16 @@
-"""FedASAM (Caldarola, Caputo and Ciccone, *Improving Generalization in Federated Learning by Seeking Flat Minima*,
+r"""FedASAM (Caldarola, Caputo and Ciccone, *Improving Generalization in Federated Learning by Seeking Flat Minima*,
 ECCV 2022): FedAvg with Adaptive SAM (Kwon et al., ICML 2021) on the clients.
 
-ASAM makes SAM's ascent scale-invariant with the normalization operator ``T_w = |w| + eta`` (elementwise):
+ASAM makes SAM's ascent scale-invariant with the normalization operator :math:`T_w = \lvert w \rvert + \eta` (elementwise), Kwon et al. 2021, eq. 6:
 
-    eps = rho T_w^2 g(w) / ||T_w g(w)||                                  (Kwon et al. 2021, eq. 6)
+.. math::
 
-then descends along ``g(w + eps)``, one extra backprop per step as SAM. ``normalize`` says which entries ``T_w``
+    \epsilon = \rho\, \frac{T_w^2\, g(w)}{\lVert T_w\, g(w) \rVert}
+
+then descends along :math:`g(w + \epsilon)`, one extra backprop per step as SAM. ``normalize`` says which entries ``T_w``
 scales: ``weights`` (default), the tensors whose name holds ``weight``, with ``T = 1`` on the others (biases), as
 both public codes do (debcaldarola/fedsam ``models/clients/minimizers.py`` and Kwon et al.'s ASAM); ``all``, every
-entry, as the equation reads; ``none``, ``T = I``: FedSAM's ``eps = rho g / ||g||`` exactly.
+entry, as the equation reads; ``none``, :math:`T = I`: FedSAM's :math:`\epsilon = \rho\, g / \lVert g \rVert` exactly.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def weight_mask(settings: TrainSettings, like: torch.Tensor) -> torch.Tensor | N
 
 
 class AdaptiveSAM(LocalSAM):
-    """``eps = rho T^2 g / ||T g||``, ``T = |w| + eta`` on the entries ``normalize`` names (1 elsewhere), one L2
+    r""":math:`\epsilon = \rho\, T^2 g / \lVert T g \rVert`, :math:`T = \lvert w \rvert + \eta` on the entries ``normalize`` names (1 elsewhere), one L2
     norm per client over all parameters (Kwon et al. 2021, eq. 6)."""
 
     name = "asam"
@@ -47,7 +49,7 @@ class AdaptiveSAM(LocalSAM):
     Params = ASAMParams
 
     def scaling(self, ctx: ClientContext, W: torch.Tensor) -> torch.Tensor:
-        """``T_w`` ``[C, P]``: ``|w| + eta`` where ``normalize`` says, 1 elsewhere."""
+        r""":math:`T_w` ``[C, P]``: :math:`\lvert w \rvert + \eta` where ``normalize`` says, 1 elsewhere."""
         T = W.abs() + self.p.eta
         mask = weight_mask(ctx.settings, W) if self.p.normalize == "weights" else None
         return T if mask is None else torch.where(mask, T, torch.ones_like(T))

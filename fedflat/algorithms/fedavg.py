@@ -1,6 +1,6 @@
-"""FedAvg (McMahan et al., AISTATS 2017) and the neutral part of every role.
+r"""FedAvg (McMahan et al., AISTATS 2017) and the neutral part of every role.
 
-Local ``w <- w - eta_l (g(w) + wd w)``; server ``w^{t+1} = w^t + eta_g sum_i p_i Delta_i``.
+Local :math:`w \leftarrow w - \eta_l (g(w) + \lambda_{wd} w)`; server :math:`w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class MeanParams(PartParams):
 
 
 class Mean(Aggregation):
-    """``p_i = 1/K`` (uniform, the SAM papers' default) or ``p_i = n_i / sum_j n_j`` (sample-weighted)."""
+    r""":math:`p_i = 1/K` (uniform, the SAM papers' default) or :math:`p_i = n_i / \sum_j n_j` (sample-weighted)."""
 
     name = "mean"
     summary = "uniform (1/K) or sample-weighted (n_i / sum n_j) average"
@@ -47,7 +47,7 @@ class Mean(Aggregation):
 
 
 class Average(ServerUpdate):
-    """FedAvg's server: ``w^{t+1} = w^t + eta_g sum_i p_i Delta_i``."""
+    r"""FedAvg's server: :math:`w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i`."""
 
     name = "avg"
     summary = "w <- w + eta_g sum_i p_i Delta_i"

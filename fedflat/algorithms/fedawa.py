@@ -1,14 +1,16 @@
-"""FedAWA (Shi et al., CVPR 2025): aggregation weights optimized on the server from the client vectors.
+r"""FedAWA (Shi et al., CVPR 2025): aggregation weights optimized on the server from the client vectors.
 
-The client vector of round ``t`` is ``tau_i = w_{i,E} - w^t`` (``Delta_i``). The server keeps one logit ``T_i``
+The client vector of round :math:`t` is :math:`\tau_i = w_{i,E} - w^t` (:math:`\Delta_i`). The server keeps one logit :math:`T_i`
 per client and, each round, takes ``awa_steps`` optimizer steps on the sampled clients' logits, with
-``lambda = softmax(T_S)``, on
+:math:`\lambda = \mathrm{softmax}(T_S)`, on
 
-    L(lambda) = sum_i lambda_i ||tau_i - sum_j lambda_j tau_j||_2 + sum_i lambda_i d(w^t, w_{i,E})
+.. math::
 
-where ``d = 1 - cos`` (``awa_distance: cos``) or the mean squared difference (``euc``): the first term weights up
+    L(\lambda) = \sum_i \lambda_i \Big\lVert \tau_i - \sum_j \lambda_j \tau_j \Big\rVert_2 + \sum_i \lambda_i\, d(w^t, w_{i,E})
+
+where :math:`d = 1 - \cos` (``awa_distance: cos``) or the mean squared difference (``euc``): the first term weights up
 clients whose update agrees with the weighted aggregate, the second those whose model stays near the global one.
-The server then averages with ``lambda`` (``w^{t+1} = w^t + eta_g sum_i lambda_i tau_i``; FedAvg's server).
+The server then averages with :math:`\lambda` (:math:`w^{t+1} = w^t + \eta_g \sum_i \lambda_i \tau_i`; FedAvg's server).
 
 As the authors' code (github.com/ChanglongShi/FedAWA, ``server_funct.py``) runs it, which fedflat follows:
 
@@ -38,14 +40,14 @@ DEFAULT_LR = {"adam": 1e-3, "sgd": 1e-2}  # the authors' code
 
 
 def distance_to_global(w: torch.Tensor, W: torch.Tensor, kind: str) -> torch.Tensor:
-    """``d(w^t, w_{i,E})`` for every row of ``W[K, P]``: ``1 - cos`` or the mean squared difference, ``[K]``."""
+    r""":math:`d(w^t, w_{i,E})` for every row of ``W[K, P]``: :math:`1 - \cos` or the mean squared difference, ``[K]``."""
     if kind == "cos":
         return 1 - F.cosine_similarity(W, w.unsqueeze(0), dim=1, eps=1e-8)
     return (W - w).pow(2).mean(dim=1)
 
 
 def client_vector_objective(lam: torch.Tensor, tau: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """``L(lambda) = sum_i lambda_i ||tau_i - lambda^T tau||_2 + sum_i lambda_i d_i`` (``tau[K, P]``, ``d[K]``)."""
+    r""":math:`L(\lambda) = \sum_i \lambda_i \lVert \tau_i - \lambda^\top \tau \rVert_2 + \sum_i \lambda_i d_i` (``tau[K, P]``, ``d[K]``)."""
     spread = (tau - lam @ tau).norm(dim=1)
     return (lam * spread).sum() + (lam * distance).sum()
 

@@ -1,4 +1,4 @@
-"""FedBABU (Oh, Kim and Yun, *FedBABU: Toward Enhanced Representation for Federated Image Classification*, ICLR
+r"""FedBABU (Oh, Kim and Yun, *FedBABU: Toward Enhanced Representation for Federated Image Classification*, ICLR
 2022; code github.com/jhoon-oh/FedBABU, and TsingZ0/PFLlib's ``clientbabu.py``): only the body is federated; the
 head stays at its random initialization during training, and each client fine-tunes the model for its own use.
 
@@ -7,7 +7,7 @@ head stays at its random initialization during training, and each client fine-tu
   initial head and the global head never changes (the paper's "body update, head frozen"; PFLlib's
   ``requires_grad = False`` on ``model.head``).
 - **Personalization** (``babu``): at each participation, after its local training, a client fine-tunes a copy of
-  the received global model ``w^t`` for ``finetune_epochs`` epochs of its own data (plain SGD at ``eta_l^t`` with
+  the received global model :math:`w^t` for ``finetune_epochs`` epochs of its own data (plain SGD at :math:`\eta_l^t` with
   the weight decay; ``finetune=full`` trains body and head, as the paper's evaluation and PFLlib's default
   ``fine_tune(['base', 'head'])``; ``head`` only the head) and keeps it as its personal model. Evaluation is
   personalized: each client's latest fine-tuned model on its own test share (the global model before its first
@@ -15,7 +15,7 @@ head stays at its random initialization during training, and each client fine-tu
 
 Difference with PFLlib (docs/algorithms.md): PFLlib fine-tunes every client once, after the last round, from the
 final global body; fedflat, whose personalized models are those clients keep from their participations (as Ditto's
-and APFL's), fine-tunes at every participation from the ``w^t`` received that round.
+and APFL's), fine-tunes at every participation from the :math:`w^t` received that round.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class FrozenHeadParams(PartParams):
 
 
 class FrozenHead(Correction):
-    """``d = mask_body (g + wd w)``: the body's direction, the head frozen at its initialization (clipped whole)."""
+    r""":math:`d = M_{body} \odot (g + \lambda_{wd} w)`: the body's direction, the head frozen at its initialization (clipped whole)."""
 
     name = "babu"
     summary = "FedBABU: only the body moves; the head stays at its random initialization"
@@ -68,14 +68,14 @@ class FineTuneParams(PartParams):
 
 
 def epochs_of(cohort: Cohort, batch_size: int, epochs: int) -> list[int]:
-    """The steps of ``epochs`` epochs of each client's data, ``epochs ceil(n_i / B)``."""
+    r"""The steps of ``epochs`` epochs of each client's data, :math:`\mathrm{epochs} \cdot \lceil n_i / B \rceil`."""
     return [epochs * -(-int(n) // batch_size) for n in cohort.num_samples.tolist()]
 
 
 def finetune(ctx: ClientContext, cohort: Cohort, start: torch.Tensor, steps: list[int],
              trained: torch.Tensor | None, lr: float | None = None, stream: str = "finetune") -> torch.Tensor:
-    """Each client's ``start`` after its ``steps`` of plain SGD on its own data, ``w <- w - lr (g + wd w)`` (``lr``:
-    ``eta_l^t`` unless given; only the ``trained`` entries move, when given), ``[C, P]``; batches from each client's
+    r"""Each client's ``start`` after its ``steps`` of plain SGD on its own data, :math:`w \leftarrow w - \mathrm{lr}\, (g + \lambda_{wd} w)` (``lr``:
+    :math:`\eta_l^t` unless given; only the ``trained`` entries move, when given), ``[C, P]``; batches from each client's
     stream ``stream``."""
     lr = ctx.lr if lr is None else lr
     schedules = [ctx.batches.extra(ctx.round, int(i), e, stream) for i, e in zip(cohort.ids.tolist(), steps)]
@@ -113,7 +113,7 @@ class OwnModel(Personalization):
 
 
 class FineTune(OwnModel):
-    """Each client's personal model: ``w^t`` fine-tuned on its data at each participation (FedBABU's evaluation)."""
+    """Each client's personal model: :math:`w^t` fine-tuned on its data at each participation (FedBABU's evaluation)."""
 
     name = "babu"
     summary = "FedBABU: each client fine-tunes the received global model and keeps it as its personal model"

@@ -1,7 +1,7 @@
-"""FedCM (Xu et al., 2021, arXiv:2106.10874): client-level momentum from the server's last average.
+r"""FedCM (Xu et al., 2021, arXiv:2106.10874): client-level momentum from the server's last average.
 
-The server keeps ``m = Gbar`` of the previous round (0 at round 0), the average update in gradient
-scale, and sends it with the model (2 vectors down). Local direction ``a g(w) + (1 - a) m + wd w``
+The server keeps :math:`m = \bar{G}` of the previous round (0 at round 0), the average update in gradient
+scale, and sends it with the model (2 vectors down). Local direction :math:`a\, g(w) + (1 - a)\, m + \lambda_{wd} w`
 (weight decay unscaled, as FL-Simulator's FedCM adds it through ``torch.optim.SGD``).
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ class MomentumParams(PartParams):
 
 
 class Momentum(Correction):
-    """``d = a g + (1 - a) m + wd w`` with ``m = sum_i p_i G_i`` of the previous round,
-    ``G_i = -Delta_i / (E_i eta_l^t)`` (uniform ``p_i``: the spec's ``Gbar``); ``decay = inside``:
-    ``a (g + wd w) + (1 - a) m`` (:func:`momentum_direction`)."""
+    r""":math:`d = a\, g + (1 - a)\, m + \lambda_{wd} w` with :math:`m = \sum_i p_i G_i` of the previous round,
+    :math:`G_i = -\Delta_i / (E_i \eta_l^t)` (uniform :math:`p_i`: the spec's :math:`\bar{G}`); ``decay = inside``:
+    :math:`a (g + \lambda_{wd} w) + (1 - a)\, m` (:func:`momentum_direction`)."""
 
     name = "momentum"
     summary = "FedCM: a grad + (1 - a) m, m the previous round's average update (gradient scale)"

@@ -1,24 +1,38 @@
-"""FedDC (Gao, Xu, Xu, Zhou, Shi and Wang, *FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling
+r"""FedDC (Gao, Xu, Xu, Zhou, Shi and Wang, *FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling
 and Correction*, CVPR 2022; code github.com/gaoliang13/FedDC): a local drift variable ``h_i`` bridges each local
 model and the global one, and SCAFFOLD-like gradient variates correct the local direction.
 
-Client ``i`` keeps its drift ``h_i`` and its variate ``g_i`` (both 0 at first participation); the server keeps the
-global variate ``g`` (sent) and ``hbar = (1/N) sum_{all i} h_i``. With ``s_i = 1`` (or, ``algo.size_scaled=true``,
-the code's ``s_i = n_i N / n``), the local objective is
+Client :math:`i` keeps its drift :math:`h_i` and its variate :math:`g_i` (both 0 at first participation); the server keeps the
+global variate :math:`g` (sent) and :math:`\bar{h} = \frac{1}{N} \sum_{\text{all } i} h_i`. With :math:`s_i = 1` (or, ``algo.size_scaled=true``,
+the code's :math:`s_i = n_i N / n`), the local objective is
 
-    F_i(theta) + (alpha / s_i) / 2 ||theta + h_i - w^t||^2 + <theta, g / s_i - g_i>
+.. math::
+
+    F_i(\theta) + \frac{\alpha / s_i}{2} \lVert \theta + h_i - w^t \rVert^2 + \langle \theta, g / s_i - g_i \rangle
 
 (its gradient is the local direction, clipped together, weight decay added after: the code's loss and
-``torch.optim.SGD``). After ``E_i`` steps, ``Delta_i = theta_i - w^t``:
+``torch.optim.SGD``). After :math:`E_i` steps, :math:`\Delta_i = \theta_i - w^t`, the client updates and uploads
 
-    h_i <- h_i + Delta_i,    g_i <- g_i - g / s_i - Delta_i / (E_i eta_l),    uploads dg_i = s_i (g_i^+ - g_i)
+.. math::
 
-and the server ``g <- g + (1/N) sum_{i in S} dg_i``, ``hbar <- hbar + (1/N) sum_{i in S} Delta_i`` and
-``w^{t+1} = w^t + eta_g sum_i p_i Delta_i + hbar`` (the code's ``mean_S theta_i + mean_all h_i``).
+    h_i \leftarrow h_i + \Delta_i, \qquad g_i^+ = g_i - g / s_i - \frac{\Delta_i}{E_i \eta_l}, \qquad
+    \mathrm{d}g_i = s_i (g_i^+ - g_i)
+
+and the server
+
+.. math::
+
+    g \leftarrow g + \frac{1}{N} \sum_{i \in S} \mathrm{d}g_i,
+
+    \bar{h} \leftarrow \bar{h} + \frac{1}{N} \sum_{i \in S} \Delta_i,
+
+    w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i + \bar{h}
+
+(the code's ``mean_S theta_i + mean_all h_i``).
 
 Differences with the code (``utils_methods_FedDC.py``): its variate divides by ``n_minibatch * learning_rate``, a
-step count common to all clients (equal to ``E_i`` on its equal-size splits) and the *initial* local rate (equal to
-``eta_l^t`` without a decaying schedule); fedflat uses each client's ``E_i`` and the round's ``eta_l^t``, as
+step count common to all clients (equal to :math:`E_i` on its equal-size splits) and the *initial* local rate (equal to
+:math:`\eta_l^t` without a decaying schedule); fedflat uses each client's :math:`E_i` and the round's :math:`\eta_l^t`, as
 SCAFFOLD's option II does.
 """
 from __future__ import annotations
@@ -55,12 +69,12 @@ def size_scale(cohort: Cohort, ctx: ClientContext, scaled: bool) -> torch.Tensor
 
 def feddc_variate(g_i: torch.Tensor, g: torch.Tensor, s: torch.Tensor, delta: torch.Tensor, steps: torch.Tensor,
                   lr: float) -> torch.Tensor:
-    """``g_i^+ = g_i - g / s_i - Delta_i / (E_i eta_l)``, row by row."""
+    r""":math:`g_i^+ = g_i - g / s_i - \Delta_i / (E_i \eta_l)`, row by row."""
     return g_i - g / s - delta / (steps.to(delta.dtype)[:, None] * lr)
 
 
 class DriftCorrection(Correction):
-    """``d = grad + (alpha / s_i) (w + h_i - w^t) + g / s_i - g_i`` with FedDC's drift and variates."""
+    r""":math:`d = \nabla F_i(w) + (\alpha / s_i) (w + h_i - w^t) + g / s_i - g_i` with FedDC's drift and variates."""
 
     name = "feddc"
     summary = "FedDC: grad + alpha (w + h_i - w^t) + g - g_i; drift h_i += Delta_i, SCAFFOLD-like variates"
@@ -97,7 +111,7 @@ class DriftCorrection(Correction):
 
 
 class DriftServer(ServerUpdate):
-    """``w^{t+1} = w^t + eta_g sum_i p_i Delta_i + hbar`` (FedDC's ``mean_S theta_i + mean_all h_i``)."""
+    r""":math:`w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i + \bar{h}` (FedDC's ``mean_S theta_i + mean_all h_i``)."""
 
     name = "feddc"
     summary = "FedDC: w <- w + eta_g sum_i p_i Delta_i + (1/N) sum_all h_i"

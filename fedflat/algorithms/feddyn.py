@@ -1,11 +1,16 @@
-"""FedDyn (Acar et al., ICLR 2021): dynamic regularization aligns local and global stationary points.
+r"""FedDyn (Acar et al., ICLR 2021): dynamic regularization aligns local and global stationary points.
 
-Client dual ``h_i`` (0 at first participation) and server ``h`` (0), coefficient ``alpha``.
-Local direction ``g(w) - h_i + alpha (w - w^t)``; after training ``h_i <- h_i - alpha (w_{i,E} - w^t)``.
-Server ``h <- h - alpha (1/N) sum_{i in S} (w_{i,E} - w^t)``, ``w^{t+1} = mean_{i in S} w_{i,E} - h / alpha``.
+Client dual :math:`h_i` (0 at first participation) and server :math:`h` (0), coefficient :math:`\alpha`.
+Local direction :math:`g(w) - h_i + \alpha (w - w^t)`; after training :math:`h_i \leftarrow h_i - \alpha (w_{i,E} - w^t)`.
+Server
 
-The ``dyn`` correction owns both duals (``h`` is the running mean of the ``h_i``, as SCAFFOLD's ``c``
-is of the ``c_i``); the ``dyn`` server reads ``h`` from ``ctx.server`` and so requires the correction.
+.. math::
+
+    h \leftarrow h - \alpha \frac{1}{N} \sum_{i \in S} (w_{i,E} - w^t), \qquad
+    w^{t+1} = \frac{1}{K} \sum_{i \in S} w_{i,E} - \frac{h}{\alpha} .
+
+The ``dyn`` correction owns both duals (:math:`h` is the running mean of the :math:`h_i`, as SCAFFOLD's :math:`c`
+is of the :math:`c_i`); the ``dyn`` server reads :math:`h` from ``ctx.server`` and so requires the correction.
 """
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ CLIENT_DUAL = "dyn.h_i"  # client state: h_i
 
 
 def feddyn_client_dual(h_i: torch.Tensor, alpha: float, w_start: torch.Tensor, w_final: torch.Tensor) -> torch.Tensor:
-    """``h_i <- h_i - alpha (w_{i,E} - w^t)`` (FedDyn Algorithm 1), row by row."""
+    r""":math:`h_i \leftarrow h_i - \alpha (w_{i,E} - w^t)` (FedDyn Algorithm 1), row by row."""
     return h_i - alpha * (w_final - w_start)
 
 
 def feddyn_server_dual(h: torch.Tensor, alpha: float, sum_delta: torch.Tensor, num_clients: int) -> torch.Tensor:
-    """``h <- h - alpha (1/N) sum_{i in S} (w_{i,E} - w^t)`` (``sum_delta`` the sum over the sampled clients)."""
+    r""":math:`h \leftarrow h - \alpha \frac{1}{N} \sum_{i \in S} (w_{i,E} - w^t)` (``sum_delta`` the sum over the sampled clients)."""
     return h - alpha * sum_delta / num_clients
 
 
@@ -33,7 +38,7 @@ class DynParams(PartParams):
 
 
 class DynCorrection(Correction):
-    """``d = grad - h_i + alpha (w - w^t)``; keeps ``h_i`` per client and ``h`` on the server."""
+    r""":math:`d = g - h_i + \alpha (w - w^t)`; keeps :math:`h_i` per client and :math:`h` on the server."""
 
     name = "dyn"
     summary = "FedDyn: grad - h_i + alpha (w - w^t), client dual h_i and server dual h"
@@ -42,8 +47,8 @@ class DynCorrection(Correction):
     keeps = (CLIENT_DUAL,)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """``(g - (h_i + alpha w^t), wd + alpha)``: FL-Simulator's FedDyn, FedSMOO and FedSpeed put
-        ``<w, -h_i - alpha w^t>`` in the loss and ``alpha`` in SGD's weight decay (``client/feddyn.py:10``,
+        r""":math:`\big(g - (h_i + \alpha w^t),\ \lambda_{wd} + \alpha\big)`: FL-Simulator's FedDyn, FedSMOO and FedSpeed put
+        :math:`\langle w, -h_i - \alpha w^t \rangle` in the loss and :math:`\alpha` in SGD's weight decay (``client/feddyn.py:10``,
         ``fedsmoo.py:12``, ``fedspeed.py:12``); the pull is formed once per chunk."""
         own = cohort.own(self)
         if "pull" not in own:
@@ -60,8 +65,8 @@ class DynCorrection(Correction):
 
 
 class DynServer(ServerUpdate):
-    """``w^{t+1} = w^t + eta_g sum_i p_i Delta_i - h / alpha`` (with ``eta_g = 1`` and uniform ``p_i``,
-    FedDyn's ``mean_i w_{i,E} - h / alpha``)."""
+    r""":math:`w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i - h / \alpha` (with :math:`\eta_g = 1` and uniform :math:`p_i`,
+    FedDyn's :math:`\frac{1}{K} \sum_{i \in S} w_{i,E} - h / \alpha`)."""
 
     name = "dyn"
     summary = "FedDyn: w <- mean_i w_{i,E} - h / alpha"

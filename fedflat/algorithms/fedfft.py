@@ -223,10 +223,10 @@ class L2Params(PartParams):
 
 
 class L2Filter(Filter):
-    """Ablation (seed 004 Table 3): project ``eps`` back onto the ball of radius ``rho`` when its norm
-    exceeds it. ``rho`` is the perturbation's own radius (shared hyperparameter), so on a plain SAM
-    perturbation (norm exactly ``rho``) this is the identity; it bites after other filters or on
-    perturbations whose norm is not ``rho``."""
+    r"""Ablation (seed 004 Table 3): project :math:`\epsilon` back onto the ball of radius :math:`\rho` when its norm
+    exceeds it, :math:`\epsilon \min(1, \rho / \lVert \epsilon \rVert)`. :math:`\rho` is the perturbation's own radius (shared hyperparameter), so on a plain SAM
+    perturbation (norm exactly :math:`\rho`) this is the identity; it bites after other filters or on
+    perturbations whose norm is not :math:`\rho`."""
 
     name = "l2"
     summary = "ablation: eps * min(1, rho/||eps||) (project to the SAM radius)"

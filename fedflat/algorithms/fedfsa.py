@@ -1,17 +1,21 @@
-"""FedFSA (Xing, Zhan, Xie, Yang, Wang and Liu, *Flexible Sharpness-Aware Personalized Federated Learning*, AAAI 2025;
+r"""FedFSA (Xing, Zhan, Xie, Yang, Wang and Liu, *Flexible Sharpness-Aware Personalized Federated Learning*, AAAI 2025;
 code github.com/xxdznl/FedFSA): SAM with a larger radius on the layers whose weights a client's last local training
 changed most, on MoFedSAM's momentum-corrected local steps.
 
 Each client keeps the layers it perturbs more (``fsa.larger``, a mask over the parameter vector: the entries of its
-top-``C`` tensors, none before its first round). A step perturbs tensor ``l`` by its own radius with one norm over
-all parameters, ``eps_l = rho_l g_l / ||g||``, ``rho_l = rho_larger`` on those tensors and ``rho`` elsewhere (the
-code's ``FSA.first_step``), and descends along ``a g(w + eps) + (1 - a) m`` (MoFedSAM's correction ``momentum``). After
-the round, each weight tensor's *perturbation sensitivity*
+top-:math:`C` tensors, none before its first round). A step perturbs tensor :math:`l` by its own radius with one norm over
+all parameters, :math:`\epsilon_l = \rho_l g_l / \lVert g \rVert`, :math:`\rho_l = \rho_{larger}` on those tensors and :math:`\rho` elsewhere (the
+code's ``FSA.first_step``), and descends along :math:`a\, g(w + \epsilon) + (1 - a)\, m` (MoFedSAM's correction ``momentum``). After
+the round, each weight tensor's *perturbation sensitivity* (:math:`J_l` entries)
 
-    s_l = mean_j (mm(w_{l,E})_j - mm(w_{l,0})_j)^2,   mm(v) = (v - min v) / (max v - min v)
+.. math::
 
-(``s_l = 0`` for tensors named ``bn``, ``downsample``, ``shortcut``, ``norm`` or ``bias``), min-max normalized over
-the layers, ranks the tensors; the top ``C`` become the next round's (``FSA.nextDisruptLayer``).
+    s_l = \frac{1}{J_l} \sum_{j=1}^{J_l} \big(\mathrm{mm}(w_{l,E})_j - \mathrm{mm}(w_{l,0})_j\big)^2,
+
+    \mathrm{mm}(v) = \frac{v - \min v}{\max v - \min v}
+
+(:math:`s_l = 0` for tensors named ``bn``, ``downsample``, ``shortcut``, ``norm`` or ``bias``), min-max normalized over
+the layers, ranks the tensors; the top :math:`C` become the next round's (``FSA.nextDisruptLayer``).
 
 The code's personalization is its evaluation: each client's own model after its local training, clients syncing to
 the global model every round (``--sync``), and in the last round every client fine-tunes its head. fedflat evaluates
@@ -39,7 +43,7 @@ class FlexibleSAMParams(SAMParams):
 
 
 def min_max(v: torch.Tensor) -> torch.Tensor:
-    """``(v - min v) / (max v - min v)`` (NaN where ``v`` is constant, as the code's)."""
+    r""":math:`(v - \min v) / (\max v - \min v)` (NaN where :math:`v` is constant, as the code's)."""
     return (v - v.min()) / (v.max() - v.min())
 
 
@@ -55,7 +59,7 @@ def sensitive_tensors(names, after: list[torch.Tensor], before: list[torch.Tenso
 
 
 class FlexibleSAM(LocalSAM):
-    """``eps_l = rho_l g_l / ||g||`` with ``rho_larger`` on the client's kept tensors (module docstring)."""
+    r""":math:`\epsilon_l = \rho_l g_l / \lVert g \rVert` with :math:`\rho_{larger}` on the client's kept tensors (module docstring)."""
 
     name = "fsa"
     summary = "FedFSA: SAM with rho_larger on each client's top-C most sensitive layers of its last round"

@@ -1,8 +1,8 @@
-"""FedGAMMA (Dai et al., IEEE TNNLS 2024): SCAFFOLD with local SAM.
+r"""FedGAMMA (Dai et al., IEEE TNNLS 2024): SCAFFOLD with local SAM.
 
-Local direction ``g(w + eps) + c - c_i`` with SCAFFOLD's variates, state and server; ``eps = rho u/||u||``
-from the uncorrected ``u = g(w)`` (default), or from the corrected ``u = g(w) + c - c_i`` with
-``algo.perturbation=sam_corrected``. Default ``rho = 0.01`` (FL-Simulator's tuned value).
+Local direction :math:`g(w + \epsilon) + c - c_i` with SCAFFOLD's variates, state and server; :math:`\epsilon = \rho\, u / \lVert u \rVert`
+from the uncorrected :math:`u = g(w)` (default), or from the corrected :math:`u = g(w) + c - c_i` with
+``algo.perturbation=sam_corrected``. Default :math:`\rho = 0.01` (FL-Simulator's tuned value).
 """
 from __future__ import annotations
 

@@ -1,18 +1,24 @@
-"""FedGF (Lee & Yoon, *Rethinking the Flat Minima Searching in Federated Learning*, ICML 2024).
+r"""FedGF (Lee & Yoon, *Rethinking the Flat Minima Searching in Federated Learning*, ICML 2024).
 
 Clients evaluate their gradient at an interpolation of two perturbed models: the global one the server builds
-from its last update, ``w~_g = w^t + rho_g (w^{t-1} - w^t) / ||w^{t-1} - w^t||`` (an ascent along the global
-pseudo-gradient, a point fixed for the round), and the local SAM one, ``w + rho g(w)/||g(w)||``:
-``w_bar = c w~_g + (1 - c) (w + rho g(w)/||g(w)||)``, i.e. ``eps = c (w~_g - w) + (1 - c) rho g(w)/||g(w)||``.
-The weight ``c`` is the share of the last ``W`` rounds whose divergence ``D_t = mean_i ||w_{i,E} - w^t||``
-exceeded the threshold ``T_D``: the more clients drift apart, the more the global perturbation counts.
-Round 0 (no global perturbation yet, ``c = 0``) is FedSAM; ``c = 0`` throughout (a threshold never exceeded) is
-FedSAM exactly. Two backprops per step; two model-sized vectors down (``w^t`` and ``w~_g - w^t``) and ``c``.
+from its last update, :math:`\tilde{w}_g = w^t + \rho_g (w^{t-1} - w^t) / \lVert w^{t-1} - w^t \rVert` (an ascent along the global
+pseudo-gradient, a point fixed for the round), and the local SAM one, :math:`w + \rho\, g(w) / \lVert g(w) \rVert`:
+
+.. math::
+
+    \bar{w} = c\, \tilde{w}_g + (1 - c) \Big(w + \rho \frac{g(w)}{\lVert g(w) \rVert}\Big),
+
+    \text{i.e.} \quad \epsilon = c\, (\tilde{w}_g - w) + (1 - c)\, \rho \frac{g(w)}{\lVert g(w) \rVert} .
+
+The weight :math:`c` is the share of the last :math:`W` rounds whose divergence :math:`D_t = \frac{1}{K} \sum_i \lVert w_{i,E} - w^t \rVert`
+exceeded the threshold :math:`T_D`: the more clients drift apart, the more the global perturbation counts.
+Round 0 (no global perturbation yet, :math:`c = 0`) is FedSAM; :math:`c = 0` throughout (a threshold never exceeded) is
+FedSAM exactly. Two backprops per step; two model-sized vectors down (:math:`w^t` and :math:`\tilde{w}_g - w^t`) and :math:`c`.
 
 Source of the rules and defaults: the authors' code (github.com/hwan-sig/Official-FedGF,
-``fedlab/contrib/algorithm/fedgf.py``): ``rho_g = rho`` unless given, ``W = 30``; its CIFAR script grids
-``rho in {0.02, 0.05, 0.1}`` and passes ``{0.2, 0.3}`` as ``--c_o``, a flag its argument parser does not define; we
-read them as the threshold ``T_D`` it needs (the paper's text was not reachable here).
+``fedlab/contrib/algorithm/fedgf.py``): :math:`\rho_g = \rho` unless given, :math:`W = 30`; its CIFAR script grids
+:math:`\rho \in \{0.02, 0.05, 0.1\}` and passes :math:`\{0.2, 0.3\}` as ``--c_o``, a flag its argument parser does not define; we
+read them as the threshold :math:`T_D` it needs (the paper's text was not reachable here).
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ def flatness_weight(window: torch.Tensor, seen: int, divergence: float, threshol
 
 
 class GlobalFlatness(LocalSAM):
-    """FedGF's perturbation: ``eps = c (w~_g - w) + (1 - c) rho g(w)/||g(w)||``, the server's part of it."""
+    r"""FedGF's perturbation: :math:`\epsilon = c\, (\tilde{w}_g - w) + (1 - c)\, \rho\, g(w) / \lVert g(w) \rVert`, the server's part of it."""
 
     name = "gf"
     summary = "FedGF: interpolates the global perturbed model and the local SAM one with a drift-adaptive c"
@@ -63,7 +69,7 @@ class GlobalFlatness(LocalSAM):
         return toward_global if local is None else toward_global + (1 - c) * local
 
     def finish(self, ctx: RoundContext) -> None:
-        """Records the round's divergence ``D_t = mean_i ||w_{i,E} - w^t||`` and updates ``c``."""
+        r"""Records the round's divergence :math:`D_t = \frac{1}{K} \sum_i \lVert w_{i,E} - w^t \rVert` and updates :math:`c`."""
         divergence = float(ctx.deltas.norm(dim=1).mean())
         seen = int(ctx.server[SEEN])
         window, c = flatness_weight(ctx.server[WINDOW], seen, divergence, self.p.threshold)
@@ -72,7 +78,7 @@ class GlobalFlatness(LocalSAM):
         ctx.log.update(gf_divergence=divergence, gf_c=c)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
-        """``w~_g - w^{t+1} = rho_g (w^t - w^{t+1}) / ||w^t - w^{t+1}||``: an ascent along the pseudo-gradient."""
+        r""":math:`\tilde{w}_g - w^{t+1} = \rho_g (w^t - w^{t+1}) / \lVert w^t - w^{t+1} \rVert`: an ascent along the pseudo-gradient."""
         step = ctx.w - w_new
         rho_g = self.p.rho if self.p.rho_g is None else self.p.rho_g
         ctx.server[GLOBAL_PERTURBATION] = rho_g * step / (step.norm() + NORM_EPS)

@@ -1,14 +1,18 @@
-"""FedGloSS (Caldarola et al., CVPR 2025): server-side SAM on the global model, local SAM + ADMM on clients.
+r"""FedGloSS (Caldarola et al., CVPR 2025): server-side SAM on the global model, local SAM + ADMM on clients.
 
-The server sends ``w~ = w^t + rho_s d / ||d||`` with ``d = -Dbar`` of the previous round (the last
-pseudo-gradient; no perturbation at round 0). Clients start from ``w~`` and run local SAM (radius
-``rho_l = algo.rho``) on the ADMM direction ``g(w + eps) - lambda_i + (w - w~) / beta``, then
-``lambda_i <- lambda_i - (w_{i,E} - w~) / beta``. The server: ``sigma <- sigma - sum_i (w_{i,E} - w~) / (beta N)``;
-remove the perturbation; ``w^{t+1} = w^t + eta_g sum_i p_i (w_{i,E} - w~) - beta sigma``.
+The server sends :math:`\tilde{w} = w^t + \rho_s\, d / \lVert d \rVert` with :math:`d = -\bar{\Delta}` of the previous round (the last
+pseudo-gradient; no perturbation at round 0). Clients start from :math:`\tilde{w}` and run local SAM (radius
+:math:`\rho_l` = ``algo.rho``) on the ADMM direction :math:`g(w + \epsilon) - \lambda_i + (w - \tilde{w}) / \beta`, then
+:math:`\lambda_i \leftarrow \lambda_i - (w_{i,E} - \tilde{w}) / \beta`. The server removes the perturbation:
 
-``algo.warmup_rounds`` warms up both radii, ``rho_s`` and the local ``rho``, linearly from 0.001 (0: off; the
+.. math::
+
+    \sigma \leftarrow \sigma - \sum_i \frac{w_{i,E} - \tilde{w}}{\beta N}, \qquad
+    w^{t+1} = w^t + \eta_g \sum_i p_i (w_{i,E} - \tilde{w}) - \beta \sigma .
+
+``algo.warmup_rounds`` warms up both radii, :math:`\rho_s` and the local :math:`\rho`, linearly from 0.001 (0: off; the
 authors' scripts use a fifth of the rounds, and aggregate sample-weighted: ``algo.weighting=samples``). The
-public code divides the ``sigma`` update by a further ``|S|``; the spec's rule is followed here.
+public code divides the :math:`\sigma` update by a further :math:`\lvert S \rvert`; the spec's rule is followed here.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ class ADMMParams(PartParams):
 
 
 class ADMMCorrection(Correction):
-    """``d = grad - lambda_i + (w - w~)/beta`` (FedDyn's form with ``alpha = 1/beta``, anchored at ``w~``)."""
+    r""":math:`d = g - \lambda_i + (w - \tilde{w})/\beta` (FedDyn's form with :math:`\alpha = 1/\beta`, anchored at :math:`\tilde{w}`)."""
 
     name = "gloss"
     summary = "FedGloSS ADMM: grad - lambda_i + (w - w~)/beta, lambda_i <- lambda_i - (w_E - w~)/beta"
@@ -40,7 +44,7 @@ class ADMMCorrection(Correction):
     keeps = (CLIENT_DUAL,)
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """``(g - (lambda_i + w~/beta) + w/beta, wd)``, the pull formed once per chunk (the whole term is the
+        r""":math:`\big(g - (\lambda_i + \tilde{w}/\beta) + w/\beta,\ \lambda_{wd}\big)`, the pull formed once per chunk (the whole term is the
         loss's)."""
         own = cohort.own(self)
         if "pull" not in own:
@@ -58,7 +62,7 @@ class GlobalSAMParams(ADMMParams):
 
 
 class GlobalSAMServer(ServerUpdate):
-    """Broadcasts ``w~ = w^t + rho_s d/||d||``; steps ``w^{t+1} = w^t + eta_g sum_i p_i (w_{i,E} - w~) - beta sigma``."""
+    r"""Broadcasts :math:`\tilde{w} = w^t + \rho_s\, d / \lVert d \rVert`; steps :math:`w^{t+1} = w^t + \eta_g \sum_i p_i (w_{i,E} - \tilde{w}) - \beta \sigma`."""
 
     name = "gloss"
     summary = "FedGloSS: send w~ = w + rho_s d/||d|| (d = last pseudo-gradient), ADMM server dual sigma"

@@ -1,25 +1,25 @@
-"""FedGMT (*One Arrow, Two Hawks: Sharpness-aware Minimization for Federated Learning via Global Model
+r"""FedGMT (*One Arrow, Two Hawks: Sharpness-aware Minimization for Federated Learning via Global Model
 Trajectory*, ICML 2025; seed 000 [40]): flatness from the global model's trajectory, consistency from ADMM duals,
 with one backprop per step and one model uploaded.
 
 - **Global trajectory.** The server keeps an exponential moving average of its models,
-  ``e^{t+1} = ema e^t + (1 - ema) w^{t+1}`` (``e^0 = w^0``), and sends it with the model. A client adds
-  ``gamma tau^2 KL(softmax(f(e, x)/tau) || softmax(f(w, x)/tau))`` to its mini-batch loss: distillation from the
+  :math:`e^{t+1} = \mathrm{ema}\, e^t + (1 - \mathrm{ema})\, w^{t+1}` (:math:`e^0 = w^0`), and sends it with the model. A client adds
+  :math:`\gamma \tau^2\, \mathrm{KL}\big(\mathrm{softmax}(f(e, x)/\tau) \,\Vert\, \mathrm{softmax}(f(w, x)/\tau)\big)` to its mini-batch loss: distillation from the
   trajectory, which the paper uses in place of SAM's ascent step to measure sharpness along the global path
   (one extra forward pass, no extra backprop).
 - **ADMM duals.** FedDyn's dual pair without its proximal term (correction ``admm``, server ``dyn``): client
-  ``i`` keeps ``h_i = -alpha sum of its past updates Delta_i = w_{i,E} - w^t`` and descends ``g - h_i``; the server
-  keeps ``h``, the mean of all clients' ``h_i``, and steps ``w^{t+1} = w^t + eta_g sum_i p_i Delta_i - h / alpha``
-  (with ``eta_g = 1`` and uniform ``p_i``: ``mean_S w_{i,E}`` plus the mean of all clients' summed updates). In the
-  paper's notation ``alpha = 1/beta`` and ``lambda_i = -h_i/alpha``: clients descend ``g + lambda_i / beta``.
+  :math:`i` keeps :math:`h_i = -\alpha \sum \Delta_i`, the sum over its past updates :math:`\Delta_i = w_{i,E} - w^t`, and descends :math:`g - h_i`; the server
+  keeps :math:`h`, the mean of all clients' :math:`h_i`, and steps :math:`w^{t+1} = w^t + \eta_g \sum_i p_i \Delta_i - h / \alpha`
+  (with :math:`\eta_g = 1` and uniform :math:`p_i`: :math:`\frac{1}{K} \sum_{i \in S} w_{i,E}` plus the mean of all clients' summed updates). In the
+  paper's notation :math:`\alpha = 1/\beta` and :math:`\lambda_i = -h_i/\alpha`: clients descend :math:`g + \lambda_i / \beta`.
 
 Sources. Neither the paper's text nor its authors' code was reachable here; the rules are those every public
-implementation found agrees on — a third-party restatement of the paper (``u_m <- u_m - (1/beta)(w_K - w_t)``,
-local step ``g - u_m``, ``w^{t+1} = mean(w_K - beta u_m)``), the PFLlib-based ``clientgmt.py``/``servergmt.py`` of
+implementation found agrees on — a third-party restatement of the paper (:math:`u_m \leftarrow u_m - \frac{1}{\beta}(w_K - w_t)`,
+local step :math:`g - u_m`, :math:`w^{t+1} = \mathrm{mean}(w_K - \beta u_m)`), the PFLlib-based ``clientgmt.py``/``servergmt.py`` of
 github.com/Ultraman6/FedScar, and an FL-Simulator port. The defaults are that repository's FedGMT run
 (``alpha=0.95, beta=0.01, gama=1.0, tau=3.0``, CIFAR-10): its ``alpha`` is our ``ema``, and its ``beta``, set on
-the client after construction, multiplies the dual term directly, i.e. it is our ``alpha = 1/beta`` (``0.01``).
-Its server averages ``lambda_i`` over all clients (as here; the port averages the sampled ones) and weights
+the client after construction, multiplies the dual term directly, i.e. it is our :math:`\alpha = 1/\beta` (``0.01``).
+Its server averages :math:`\lambda_i` over all clients (as here; the port averages the sampled ones) and weights
 models by sample counts (``algo.weighting=samples``); its clients use SGD momentum 0.9, which no fedflat
 method's local step has.
 """
@@ -42,7 +42,7 @@ class TrajectoryParams(PartParams):
 
 
 def trajectory_step(e: torch.Tensor, w_new: torch.Tensor, ema: float) -> torch.Tensor:
-    """``e^{t+1} = ema e^t + (1 - ema) w^{t+1}``."""
+    r""":math:`e^{t+1} = \mathrm{ema}\, e^t + (1 - \mathrm{ema})\, w^{t+1}`."""
     return ema * e + (1 - ema) * w_new
 
 

@@ -1,27 +1,27 @@
 r"""FedLESAM (Fan et al., ICML 2024; seed 002): a locally estimated global perturbation, one backprop per step.
 
-Seed 002 Algorithm 1: client ``i`` remembers ``w_i^old``, the global model it received at its
+Seed 002 Algorithm 1: client :math:`i` remembers :math:`w_i^{old}`, the global model it received at its
 previous participation, and perturbs every local step of round ``t`` by the same
 
 .. math::
 
     \epsilon_i = \rho \, \frac{w_i^{old} - w^t}{\lVert w_i^{old} - w^t \rVert},
 
-then stores ``w_i^old = w^t``. No gradient is needed for the perturbation, so a step costs one
+then stores :math:`w_i^{old} = w^t`. No gradient is needed for the perturbation, so a step costs one
 backprop. FedLESAM-S (Algorithm 3) and FedLESAM-D (Algorithm 4) put the same perturbation on
 SCAFFOLD's and FedDyn's correction, state and server.
 
 Options (``algo.first``, ``algo.reference``):
 
-- ``first: none`` (default): a client's first participation has no perturbation (``eps = 0``), as the
-  public code does at round 0; ``first: zero`` takes the pseudo-code's initialisation ``w_i^old = 0``
-  literally (``eps = -rho w^t / ||w^t||``).
-- ``reference: own`` (default, the paper): ``w_i^old`` is the client's own memory;
-  ``reference: previous_round`` uses ``w^{t-1}`` for every client, as the public code does (equal to
+- ``first: none`` (default): a client's first participation has no perturbation (:math:`\epsilon = 0`), as the
+  public code does at round 0; ``first: zero`` takes the pseudo-code's initialisation :math:`w_i^{old} = 0`
+  literally (:math:`\epsilon = -\rho\, w^t / \lVert w^t \rVert`).
+- ``reference: own`` (default, the paper): :math:`w_i^{old}` is the client's own memory;
+  ``reference: previous_round`` uses :math:`w^{t-1}` for every client, as the public code does (equal to
   ``own`` under full participation; no client memory).
 
 The public code computes the norm and the shift with ``g_update[idx]`` on a FLAT vector, i.e. it
-shifts each parameter tensor by one scalar; here ``eps`` is the full vector, as the paper writes.
+shifts each parameter tensor by one scalar; here :math:`\epsilon` is the full vector, as the paper writes.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Loss-based aggregation weights: FedLW (Yao & Wang, ICCAI 2025) and FedNoLoWe (Le et al., PLOS ONE 2025).
+r"""Loss-based aggregation weights: FedLW (Yao & Wang, ICCAI 2025) and FedNoLoWe (Le et al., PLOS ONE 2025).
 
-Both are RECONSTRUCTIONS from the FedSCAM paper's description (seed 003, refs. [9], [10]), with ``F_i`` the
+Both are RECONSTRUCTIONS from the FedSCAM paper's description (seed 003, refs. [9], [10]), with :math:`F_i` the
 client's mean training loss of the round:
-FedLW ``p_i ∝ n_i / (F_i + 1e-8)``; FedNoLoWe ``l_i = F_i / sum_j F_j``, ``p_i = (1 - l_i) / (K - 1)``.
+FedLW :math:`p_i \propto n_i / (F_i + 10^{-8})`; FedNoLoWe :math:`l_i = F_i / \sum_j F_j`, :math:`p_i = (1 - l_i) / (K - 1)`.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from fedflat.core import Aggregation, Recipe, RoundContext, register_recipe
 
 
 def fedlw_weights(num_samples: torch.Tensor, losses: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``p_i = (n_i / (F_i + eps)) / sum_j (n_j / (F_j + eps))``."""
+    r""":math:`p_i = \frac{n_i / (F_i + \varepsilon)}{\sum_j n_j / (F_j + \varepsilon)}`."""
     score = num_samples.to(losses.dtype) / (losses + eps)
     return score / score.sum()
 
 
 def fednolowe_weights(losses: torch.Tensor) -> torch.Tensor:
-    """``p_i = (1 - F_i / sum_j F_j) / (K - 1)``: lower loss, larger weight; sums to one.
+    r""":math:`p_i = (1 - F_i / \sum_j F_j) / (K - 1)`: lower loss, larger weight; sums to one.
     One client gets weight 1; all-zero losses give uniform weights."""
     K = losses.shape[0]
     total = losses.sum()

@@ -1,11 +1,13 @@
-"""FedMAN (Yashwanth, Nayak, Rangwani, Singh, Babu and Chakraborty, *Minimizing Layerwise Activation Norm Improves
+r"""FedMAN (Yashwanth, Nayak, Rangwani, Singh, Babu and Chakraborty, *Minimizing Layerwise Activation Norm Improves
 Generalization in Federated Learning*, WACV 2024, arXiv 2512.08314; code github.com/vcl-iisc/fedMAN): a flatness
 regularizer on any method's local objective, the mean squared activation of every hidden layer,
 
-    f_i(w) + mu/2 sum_l mean_{x in B} mean_j a_{l,j}(w, x)^2
+.. math::
 
-(``a_l`` the output of layer ``l``'s nonlinearity), whose minimization bounds the top eigenvalue of the loss's
-Hessian. fedflat reads ``a_l`` with forward hooks on the model's activation modules (``nn.ReLU``, ``nn.Tanh``, ...:
+    f_i(w) + \frac{\mu}{2} \sum_l \frac{1}{\lvert B \rvert} \sum_{x \in B} \frac{1}{J_l} \sum_{j=1}^{J_l} a_{l,j}(w, x)^2
+
+(:math:`a_l` the output of layer :math:`l`'s nonlinearity, :math:`J_l` entries), whose minimization bounds the top eigenvalue of the loss's
+Hessian. fedflat reads :math:`a_l` with forward hooks on the model's activation modules (``nn.ReLU``, ``nn.Tanh``, ...:
 :data:`fedflat.engine.oracle.ACTIVATIONS`), so it needs no change to the model, where the authors' models return
 their activations from ``forward`` (``code/utils_models.py``: ``act = mean(x**2)`` after each hidden ReLU, the
 logits excluded). The penalty enters every gradient of the round's local objective: under SAM both the ascent and
@@ -26,7 +28,7 @@ class ActivationNormParams(PartParams):
 
 
 class ActivationNorm(Filter):
-    """FedMAN's penalty ``mu/2 sum_l mean |a_l|^2`` on the local objective (module docstring); filters nothing."""
+    r"""FedMAN's penalty :math:`\frac{\mu}{2} \sum_l \mathrm{mean}\, a_l^2` on the local objective (module docstring); filters nothing."""
 
     name = "man"
     summary = "FedMAN: adds mu/2 sum_l mean |a_l|^2 (layerwise activation norms) to the local objective"

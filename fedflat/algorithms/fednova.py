@@ -1,21 +1,24 @@
-"""FedNova (Wang, Liu, Liang, Joshi and Poor, *Tackling the Objective Inconsistency Problem in Heterogeneous Federated
+r"""FedNova (Wang, Liu, Liang, Joshi and Poor, *Tackling the Objective Inconsistency Problem in Heterogeneous Federated
 Optimization*, NeurIPS 2020): normalized averaging by each client's number of local steps.
 
-Client ``i`` takes ``tau_i`` local steps (``E_i`` here); its update is normalized by ``||a_i||_1``, the sum of the
-coefficients its local optimizer gives the step gradients: ``tau_i`` for plain SGD,
-``(tau_i - rho (1 - rho^tau_i) / (1 - rho)) / (1 - rho)`` for SGD with heavy-ball momentum ``rho`` (paper §4,
+Client :math:`i` takes :math:`\tau_i` local steps (:math:`E_i` here); its update is normalized by :math:`\lVert a_i \rVert_1`, the sum of the
+coefficients its local optimizer gives the step gradients: :math:`\tau_i` for plain SGD,
+:math:`\big(\tau_i - \rho (1 - \rho^{\tau_i}) / (1 - \rho)\big) / (1 - \rho)` for SGD with heavy-ball momentum :math:`\rho` (paper §4,
 eq. (11); the authors' ``distoptim/FedNova.py`` accumulates the same sum step by step). The server steps
 
-    w^{t+1} = w^t + eta_g tau_eff sum_i p_i Delta_i / ||a_i||_1,    tau_eff = sum_i p_i ||a_i||_1
+.. math::
 
-(paper eq. (7), ``d_i = -Delta_i / (eta_l ||a_i||_1)``), with the sample-size weights ``p_i = n_i / sum_{j in S} n_j``
-of the paper and of both public codes (the recipe's ``weighting: samples``). With equal ``tau_i`` it is FedAvg with
+    w^{t+1} = w^t + \eta_g \tau_{\mathrm{eff}} \sum_i p_i \frac{\Delta_i}{\lVert a_i \rVert_1}, \qquad
+    \tau_{\mathrm{eff}} = \sum_i p_i \lVert a_i \rVert_1
+
+(paper eq. (7), :math:`d_i = -\Delta_i / (\eta_l \lVert a_i \rVert_1)`), with the sample-size weights :math:`p_i = n_i / \sum_{j \in S} n_j`
+of the paper and of both public codes (the recipe's ``weighting: samples``). With equal :math:`\tau_i` it is FedAvg with
 the same weights.
 
 Public codes. github.com/JYWa/FedNova (the authors') and Lee-Gihun/FedSOL's ``algorithms/fednova`` compute the same
-step (FedSOL's as ``c w^t + sum_i c_1 p_i w_i / a_i``, ``c = 1 - c_1 c_2``). Not here: the authors' optional server
-momentum ``gmf`` (the ``avgm`` server is FedAvgM's momentum, not normalized), their FedProx normalizer ``a_i =
-sum_k (1 - eta mu)^k`` with ``tau_eff = sum p_i tau_i`` (the ``nova`` server sees no proximal coefficient: a
+step (FedSOL's as :math:`c\, w^t + \sum_i c_1 p_i w_i / a_i`, :math:`c = 1 - c_1 c_2`). Not here: the authors' optional server
+momentum ``gmf`` (the ``avgm`` server is FedAvgM's momentum, not normalized), their FedProx normalizer :math:`a_i =
+\sum_k (1 - \eta \mu)^k` with :math:`\tau_{\mathrm{eff}} = \sum_i p_i \tau_i` (the ``nova`` server sees no proximal coefficient: a
 ``correction=prox`` run is normalized as plain SGD), and FedSOL's ``nova_ccvr`` control variate.
 """
 from __future__ import annotations
@@ -26,8 +29,8 @@ from fedflat.core import AlgorithmError, Recipe, RoundContext, ServerUpdate, Tra
 
 
 def normalizer(steps: torch.Tensor, settings: TrainSettings) -> torch.Tensor:
-    """``||a_i||_1`` per client from its local step counts ``steps[K]``: ``tau_i`` under plain SGD, eq. (11)'s
-    ``(tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho)`` under heavy-ball momentum ``rho`` (fresh every round)."""
+    r""":math:`\lVert a_i \rVert_1` per client from its local step counts ``steps[K]``: :math:`\tau_i` under plain SGD, eq. (11)'s
+    :math:`\big(\tau - \rho (1 - \rho^\tau) / (1 - \rho)\big) / (1 - \rho)` under heavy-ball momentum :math:`\rho` (fresh every round)."""
     tau = steps.to(torch.float64)
     opt = settings.optimizer
     if opt.plain:
@@ -41,7 +44,7 @@ def normalizer(steps: torch.Tensor, settings: TrainSettings) -> torch.Tensor:
 
 
 class NormalizedAverage(ServerUpdate):
-    """``w^{t+1} = w^t + eta_g tau_eff sum_i p_i Delta_i / ||a_i||_1`` (FedNova eq. (7))."""
+    r""":math:`w^{t+1} = w^t + \eta_g \tau_{\mathrm{eff}} \sum_i p_i \Delta_i / \lVert a_i \rVert_1` (FedNova eq. (7))."""
 
     name = "nova"
     summary = "FedNova: w <- w + eta_g tau_eff sum_i p_i Delta_i / ||a_i||_1, tau_eff = sum_i p_i ||a_i||_1"

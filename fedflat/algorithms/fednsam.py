@@ -1,23 +1,25 @@
-"""FedNSAM (Liu, Shang, Tian, Liu and Liu, *FedNSAM: Consistency of Local and Global Flatness for Federated
+r"""FedNSAM (Liu, Shang, Tian, Liu and Liu, *FedNSAM: Consistency of Local and Global Flatness for Federated
 Learning*, arXiv 2602.23827, 2026; code github.com/junkangLiu0/FedNSAM): SAM whose perturbation and starting point
 come from the server's global Nesterov momentum.
 
-The server keeps the momentum of the global updates (FedACG's server: ``m <- lambda m + mean_i (w_{i,E} - w_hat)``,
-``w^{t+1} = w^t + m``) and broadcasts the Nesterov extrapolation ``w_hat = w^t + lambda m``; clients start from it and
-take their gradient at a point perturbed along the momentum, the clients' estimate of the global ascent direction:
+The server keeps the momentum of the global updates (FedACG's server: :math:`m \leftarrow \lambda m + \frac{1}{K} \sum_{i \in S} (w_{i,E} - \hat{w})`,
+:math:`w^{t+1} = w^t + m`) and broadcasts the Nesterov extrapolation :math:`\hat{w} = w^t + \lambda m`; clients start from it and
+take their gradient at a point perturbed along the momentum, the clients' estimate of the global ascent direction (perturbation ``nsam``; :math:`m = 0`, round 0: no perturbation):
 
-    eps = -rho m / ||m||                 (perturbation ``nsam``; ``m = 0``, round 0: no perturbation)
+.. math::
+
+    \epsilon = -\rho\, \frac{m}{\lVert m \rVert}
 
 one backprop per step (the perturbation is the round's, not the batch's). The paper's abstract: "FedNSAM uses the
 global Nesterov momentum as the direction of local estimation of client global perturbations and extrapolation"; its
-text was not read here, so the form above (the sign that makes ``eps`` an ascent: ``m`` is the accumulated descent)
+text was not read here, so the form above (the sign that makes :math:`\epsilon` an ascent: :math:`m` is the accumulated descent)
 is fedflat's reading of it.
 
 The authors' code (``main_FedNSAM.py`` at c3c9e90, ``update_NSAM`` l.1082, ``apply_weights_avgACG`` l.1355) runs
-something else, offered as ``fednsam-code``: clients start from ``w^t + gamma m`` (``gamma = 0.85`` hard-coded) and
-take local SAM steps (``eps = rho g/||g||``, ``rho = 0.05`` hard-coded, no pull toward ``w_hat``), and its server's
+something else, offered as ``fednsam-code``: clients start from :math:`w^t + \gamma m` (:math:`\gamma = 0.85` hard-coded) and
+take local SAM steps (:math:`\epsilon = \rho\, g / \lVert g \rVert`, :math:`\rho = 0.05` hard-coded, no pull toward :math:`\hat{w}`), and its server's
 loop ``for k, v in sum_weights.items(): momen_m[k] = gamma * v + sum_weights[k]`` reads the update where the
-momentum is meant, so ``m = (1 + gamma) mean Delta_i`` after round 0 (``m = mean Delta`` in it): no memory of earlier
+momentum is meant, so :math:`m = (1 + \gamma) \frac{1}{K} \sum_{i \in S} \Delta_i` after round 0 (:math:`m = \frac{1}{K} \sum_{i \in S} \Delta_i` in it): no memory of earlier
 rounds (its ``apply_weights_avgACG2``, l.1332, has the momentum, unused). ``algo.momentum=code`` is that rule,
 ``nesterov`` (default) the momentum.
 """
@@ -38,7 +40,7 @@ class NesterovPerturbationParams(PartParams):
 
 
 class NesterovPerturbation(Perturbation):
-    """``eps = -rho m / ||m||``, ``m`` the server's momentum of global updates (0: no perturbation)."""
+    r""":math:`\epsilon = -\rho\, m / \lVert m \rVert`, :math:`m` the server's momentum of global updates (0: no perturbation)."""
 
     name = "nsam"
     summary = "FedNSAM: eps = -rho m/||m||, the server's Nesterov momentum as the global ascent estimate (no backprop)"
@@ -61,7 +63,7 @@ class NesterovServerParams(ACGServerParams):
 
 
 class NesterovServer(ACGServer):
-    """FedACG's server (broadcast ``w + lambda m``, ``m <- lambda m + mean Delta``, ``w <- w + eta_g m``), or with
+    r"""FedACG's server (broadcast :math:`w + \lambda m`, :math:`m \leftarrow \lambda m + \bar{\Delta}`, :math:`w \leftarrow w + \eta_g m`), or with
     ``momentum=code`` the authors' FedNSAM server (module docstring)."""
 
     name = "nsam"

@@ -1,10 +1,17 @@
-"""FedNTD (Lee, Jeong, Shin, Kim, Yun and Yun, *Preservation of the Global Knowledge by Not-True Distillation in
+r"""FedNTD (Lee, Jeong, Shin, Kim, Yun and Yun, *Preservation of the Global Knowledge by Not-True Distillation in
 Federated Learning*, NeurIPS 2022; code github.com/Lee-Gihun/FedNTD, and Lee-Gihun/FedSOL's ``algorithms/fedntd``):
 each client distills from the global model it received on the classes other than each sample's label.
 
-The local objective (paper eq. 4) is ``CE(f(w, x), y) + beta tau^2 KL(q~ || p~)``, ``q~ = softmax(f(w^t, x)_{-y} /
-tau)`` and ``p~ = softmax(f(w, x)_{-y} / tau)`` over the ``K - 1`` not-true classes, the KL averaged over the batch
-(``nn.KLDivLoss(reduction="batchmean")``, as the code). The teacher is the broadcast model ``w^t``, evaluated
+The local objective (paper eq. 4) is
+
+.. math::
+
+    \mathrm{CE}\big(f(w, x), y\big) + \beta \tau^2\, \mathrm{KL}(\tilde{q} \,\Vert\, \tilde{p}),
+
+    \tilde{q} = \mathrm{softmax}\big(f(w^t, x)_{-y} / \tau\big), \quad \tilde{p} = \mathrm{softmax}\big(f(w, x)_{-y} / \tau\big)
+
+over the :math:`C - 1` not-true classes (:math:`C` classes), the KL averaged over the batch
+(``nn.KLDivLoss(reduction="batchmean")``, as the code). The teacher is the broadcast model :math:`w^t`, evaluated
 without gradient (in ``eval()`` mode for a module with batch statistics; the code's ``dg_model`` runs in whatever
 mode it was left, see docs/algorithms.md). A correction part, so that it goes on top of a perturbation
 (``algo=fedsam algo.correction=ntd``); the client's direction is then the gradient of this objective.
@@ -22,7 +29,7 @@ class NTDParams(PartParams):
 
 
 class NotTrueDistillation(Correction):
-    """``grad [CE + beta tau^2 KL(q~(w^t) || p~(w))]``: FedNTD's local objective, the KL on the not-true classes."""
+    r""":math:`\nabla \big[\mathrm{CE} + \beta \tau^2\, \mathrm{KL}\big(\tilde{q}(w^t) \,\Vert\, \tilde{p}(w)\big)\big]`: FedNTD's local objective, the KL on the not-true classes."""
 
     name = "ntd"
     summary = "FedNTD: CE + beta tau^2 KL over the not-true classes, from the global model w^t"
@@ -30,7 +37,7 @@ class NotTrueDistillation(Correction):
     Params = NTDParams
 
     def distillation(self, ctx: ClientContext) -> Distillation | None:
-        """FedNTD's term, the received model ``w^t`` as the teacher (None with ``beta = 0``)."""
+        r"""FedNTD's term, the received model :math:`w^t` as the teacher (None with :math:`\beta = 0`)."""
         if not self.p.beta:
             return None
         return Distillation(ctx.w_broadcast, self.p.beta, self.p.tau, not_true=True)

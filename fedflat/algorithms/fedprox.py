@@ -12,9 +12,9 @@ class ProxParams(PartParams):
 
 
 class Prox(Correction):
-    """``d = grad + mu (w - w_start)``: the gradient of ``F_i(w) + mu/2 ||w - w^t||^2``.
+    r""":math:`d = g + \mu (w - w_{start})`: the gradient of :math:`F_i(w) + \frac{\mu}{2} \lVert w - w^t \rVert^2`.
 
-    The anchor is the model the client received, ``ctx.w_start`` (``w^t`` unless the server
+    The anchor is the model the client received, ``ctx.w_start`` (:math:`w^t` unless the server
     broadcasts another point, as FedACG's lookahead). Subclasses rename the coefficient.
     """
 
@@ -26,8 +26,8 @@ class Prox(Correction):
         return self.p.mu
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """``(g - mu w^t, wd + mu)``: FL-Simulator's FedProx puts ``-mu <w, w^t>`` in the loss and ``mu`` in SGD's
-        weight decay (``client/fedprox.py:10, 26-28``), so ``mu w`` is added after the clip."""
+        r""":math:`(g - \mu w^t,\ \lambda_{wd} + \mu)`: FL-Simulator's FedProx puts :math:`-\mu \langle w, w^t \rangle` in the loss and :math:`\mu` in SGD's
+        weight decay (``client/fedprox.py:10, 26-28``), so :math:`\mu w` is added after the clip."""
         mu = self.coefficient()
         return Direction(grad.sub_(ctx.w_start, alpha=mu) if mu else grad, ctx.settings.weight_decay + mu)
 

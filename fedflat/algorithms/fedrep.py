@@ -1,12 +1,16 @@
-"""FedRep (Collins, Hassani, Mokhtari and Shakkottai, *Exploiting Shared Representations for Personalized Federated
+r"""FedRep (Collins, Hassani, Mokhtari and Shakkottai, *Exploiting Shared Representations for Personalized Federated
 Learning*, ICML 2021): the head stays on each client (FedPer's mechanics) and the local update alternates.
 
 A client first trains its head with the representation (the body) frozen, then the body with the head frozen
 (FedRep's Algorithm 1; its code: the first ``local_epochs - rep_epochs`` epochs the head, the last ``rep_epochs``
-the body). With ``E_i`` steps of ``ceil(n_i / B)`` per epoch, step ``k`` of client ``i`` moves::
+the body). With :math:`E_i` steps of :math:`\lceil n_i / B \rceil` per epoch, step :math:`k` of client :math:`i` moves
 
-    the head  where k <  E_i - min(E_i, rep_epochs ceil(n_i / B))
-    the body  otherwise
+.. math::
+
+    \begin{cases}
+    \text{the head} & \text{if } k < E_i - \min\big(E_i,\ \mathrm{rep\_epochs} \lceil n_i / B \rceil\big), \\
+    \text{the body} & \text{otherwise}
+    \end{cases}
 
 (the direction of the method's local step, masked; the frozen entries keep their values, weight decay included).
 The server aggregates the bodies; each client keeps its head; evaluation is personalized, as FedPer's.

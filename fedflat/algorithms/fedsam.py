@@ -13,7 +13,7 @@ WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 
 
 def scale_rows_(X: torch.Tensor, radius: float | torch.Tensor) -> torch.Tensor:
-    """:func:`~fedflat.core.normalize_rows` in place, bit for bit: ``(radius X) / (||X|| + 1e-12)``, the norm of the
+    r""":func:`~fedflat.core.normalize_rows` in place, bit for bit: :math:`(\mathrm{radius}\, X) / (\lVert X \rVert + 10^{-12})`, the norm of the
     ``X`` given, the product and the quotient each rounded as the out-of-place expression rounds them (two passes over
     ``X``, no fresh tensor). For a tensor the caller made in this call."""
     norm = row_norm(X) + NORM_EPS

@@ -1,40 +1,47 @@
-"""FedSCAM (seed 003, Algorithm 1): heterogeneity-adaptive SAM radius and alignment-aware aggregation.
+r"""FedSCAM (seed 003, Algorithm 1): heterogeneity-adaptive SAM radius and alignment-aware aggregation.
 
-Per selected client, before local training (at the received model ``w^t``):
+Per selected client, before local training (at the received model :math:`w^t`):
 
-- heterogeneity ``h_i`` = mean of ``||g(w^t)||`` over ``B = 3`` batches;
-- pilot direction = the one-step SAM update ``-g(w^t + rho_pilot g/||g||)`` on one batch (the first of those
-  ``B``; one more backprop) at the pilot radius ``rho_pilot = 0.5 rho_max / (1 + alpha_rho h_i)`` (§2.2),
-  summary ``s_i = P_d(normalize(pilot))`` with a fixed seeded Gaussian random projection ``P_d`` (d = 256);
-- alignment ``c_i = cos(s_i, u_{t-1})`` (0 at t = 0, where ``u`` is still zero);
-- ``h_adj = h_i max(0, 1 - kappa c_i)``, radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``; local SAM with ``rho_i``.
+- heterogeneity :math:`h_i` = mean of :math:`\lVert g(w^t) \rVert` over :math:`B = 3` batches;
+- pilot direction = the one-step SAM update :math:`-g(w^t + \rho_{pilot}\, g / \lVert g \rVert)` on one batch (the first of those
+  :math:`B`; one more backprop) at the pilot radius :math:`\rho_{pilot} = 0.5\, \rho_{max} / (1 + \alpha_\rho h_i)` (§2.2),
+  summary :math:`s_i = P_d(\mathrm{normalize}(\text{pilot}))` with a fixed seeded Gaussian random projection :math:`P_d` (:math:`d = 256`);
+- alignment :math:`c_i = \cos(s_i, u_{t-1})` (0 at :math:`t = 0`, where :math:`u` is still zero);
+- :math:`h_{adj} = h_i \max(0, 1 - \kappa c_i)`, radius :math:`\rho_i = \rho_{max} / (1 + \alpha_\rho h_{adj})`; local SAM with :math:`\rho_i`.
 
-After training: ``z_i = P_d(normalize(Delta_i))``; optional clustered dampening (k-means with ``clusters``
-clusters on ``z``; inside a cluster, for every pair with negative cosine, the smaller-norm update's weight is
-multiplied by ``dampening`` = lambda); weights ``S_i ∝ n_i / (1 + gamma h_adj) max(0, 1 + beta c_i)``;
-``w^{t+1} = w^t + eta_g sum_i S_i Delta_i / sum_j S_j``; ``u_t = P_d(normalize(w^{t+1} - w^t))``.
+After training: :math:`z_i = P_d(\mathrm{normalize}(\Delta_i))`; optional clustered dampening (k-means with ``clusters``
+clusters on :math:`z`; inside a cluster, for every pair with negative cosine, the smaller-norm update's weight is
+multiplied by ``dampening`` = :math:`\lambda`); then
+
+.. math::
+
+    S_i \propto \frac{n_i}{1 + \gamma h_{adj}} \max(0, 1 + \beta c_i),
+
+    w^{t+1} = w^t + \eta_g \frac{\sum_i S_i \Delta_i}{\sum_j S_j},
+
+    u_t = P_d\big(\mathrm{normalize}(w^{t+1} - w^t)\big) .
 
 Variants: ``fedscam`` (both), ``fedscam-wa`` (local SGD, FedSCAM weights), ``fedscam-sam`` (adaptive
 radius, uniform weights); ``fedlwsam`` is local SAM with FedLW's loss-based weights.
 The pilot is a one-step update direction (one of the two options Algorithm 1 names), not the raw gradient:
-``u`` summarizes an update ``w^{t+1} - w^t``, so only an update-direction pilot gives ``c_i > 0`` to the
+:math:`u` summarizes an update :math:`w^{t+1} - w^t`, so only an update-direction pilot gives :math:`c_i > 0` to the
 clients that agree with the global progress, as the paper intends. It is a SAM step at the pilot radius the
-paper's implementation sets (§2.2); FedSCAM-WA, without SAM, takes the plain step ``-g``. ``algo.pilot=update``
-takes ``-g(w^t)`` for every variant (fedflat's rule before the pilot radius, one backprop less);
-``algo.pilot=gradient`` takes ``+g``, which flips the sign of every ``c_i``.
+paper's implementation sets (§2.2); FedSCAM-WA, without SAM, takes the plain step :math:`-g`. ``algo.pilot=update``
+takes :math:`-g(w^t)` for every variant (fedflat's rule before the pilot radius, one backprop less);
+``algo.pilot=gradient`` takes :math:`+g`, which flips the sign of every :math:`c_i`.
 ``P_d`` (``algo.projection``): the paper asks for a "random projection" of the summaries (Algorithm 1, §5: "random
 projection with d in {256, 512}") and uses them only through cosines and k-means, which any Johnson-Lindenstrauss
-map keeps in expectation; the spec names a Gaussian one. ``gaussian``: ``R X / sqrt(d)``, ``R[d, P]`` seeded standard
+map keeps in expectation; the spec names a Gaussian one. ``gaussian``: :math:`R X / \sqrt{d}`, ``R[d, P]`` seeded standard
 normals (one matmul with a cached matrix on small models; beyond 2^24 entries its blocks are drawn again or kept,
 and each summary reads all of ``R``: on the CNN of the W2 bench 205 M entries a client). ``countsketch``: each
 coordinate ``j`` added, with a seeded random sign ``s_j``, to one seeded random bucket ``b_j`` of the ``d`` (Charikar
-et al. 2002; ``E <S x, S y> = <x, y>``, and for vectors without dominant coordinates the same ``(||x||^2 ||y||^2 +
-<x, y>^2)/d`` variance as the Gaussian's), two passes over ``X`` whatever ``d``. ``auto`` (default): the Gaussian
+et al. 2002; :math:`\mathbb{E} \langle S x, S y \rangle = \langle x, y \rangle`, and for vectors without dominant coordinates the same
+:math:`(\lVert x \rVert^2 \lVert y \rVert^2 + \langle x, y \rangle^2)/d` variance as the Gaussian's), two passes over ``X`` whatever ``d``. ``auto`` (default): the Gaussian
 where ``R`` is a cached matrix of at most 2^24 entries (``P d``), the count sketch above.
 The scores are computed on the client, once per round, by whichever FedSCAM part begins first and shared
-through the channel (``scam.scores``); the aggregation part uploads ``h_adj`` and ``c`` (two scalars), the radius part
-uploads ``rho_i`` (logged as the round's mean radius, seed 003 Fig. 1). The direction memory ``u``
-(``d`` numbers) lives on the server and goes down with the model.
+through the channel (``scam.scores``); the aggregation part uploads :math:`h_{adj}` and :math:`c_i` (two scalars), the radius part
+uploads :math:`\rho_i` (logged as the round's mean radius, seed 003 Fig. 1). The direction memory :math:`u`
+(:math:`d` numbers) lives on the server and goes down with the model.
 """
 from __future__ import annotations
 
@@ -79,7 +86,7 @@ def _cached_blocks(seed: int, P: int, d: int, device: str, columns: int) -> tupl
 
 
 def random_projection(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
-    """``P_d X = R X / sqrt(d)`` row by row, ``R[d, P]`` a fixed Gaussian matrix drawn from ``seed``
+    r""":math:`P_d X = R X / \sqrt{d}` row by row, ``R[d, P]`` a fixed Gaussian matrix drawn from ``seed``
     (generated block by block, so the largest models never hold all of ``R``)."""
     P = X.shape[-1]
     if P * d <= _CACHE_LIMIT:
@@ -104,7 +111,7 @@ def _sketch(seed: int, P: int, d: int, device: str) -> tuple[torch.Tensor, torch
 
 
 def count_sketch(X: torch.Tensor, d: int, seed: int) -> torch.Tensor:
-    """``S X`` row by row: ``(S x)_k = sum_{j: b_j = k} s_j x_j`` (:func:`_sketch`), ``E <S x, S y> = <x, y>``."""
+    r""":math:`S X` row by row: :math:`(S x)_k = \sum_{j:\, b_j = k} s_j x_j` (:func:`_sketch`), :math:`\mathbb{E} \langle S x, S y \rangle = \langle x, y \rangle`."""
     buckets, signs = _sketch(seed, X.shape[-1], d, str(X.device))
     out = torch.zeros(*X.shape[:-1], d, device=X.device, dtype=X.dtype)
     return out.index_add_(-1, buckets, X * signs.to(X.dtype))
@@ -172,10 +179,10 @@ def client_scores(ctx: ClientContext, cohort: Cohort, p: ScoreParams, rho_max: f
 
 def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad: torch.Tensor, h: torch.Tensor,
                     rho_max: float, alpha_rho: float) -> torch.Tensor:
-    """The pilot ``v_i`` on the first batch (Algorithm 1, "Pilot direction"): ``sam``, the one-step SAM update
-    ``-g(w^t + rho_pilot g/||g||)`` at the pilot radius ``rho_pilot = 0.5 rho_max / (1 + alpha_rho h_i)``
-    (§2.2: "a conservative per-client initialization before full client-wise modulation"), or ``-g`` where
-    the method has no SAM radius (FedSCAM-WA); ``update``, ``-g``; ``gradient``, ``+g``."""
+    r"""The pilot :math:`v_i` on the first batch (Algorithm 1, "Pilot direction"): ``sam``, the one-step SAM update
+    :math:`-g(w^t + \rho_{pilot}\, g / \lVert g \rVert)` at the pilot radius :math:`\rho_{pilot} = 0.5\, \rho_{max} / (1 + \alpha_\rho h_i)`
+    (§2.2: "a conservative per-client initialization before full client-wise modulation"), or :math:`-g` where
+    the method has no SAM radius (FedSCAM-WA); ``update``, :math:`-g`; ``gradient``, :math:`+g`."""
     if kind == "gradient":
         return grad
     if kind == "sam" and rho_max > 0:
@@ -185,7 +192,7 @@ def pilot_direction(ctx: ClientContext, kind: str, W0: torch.Tensor, batch, grad
 
 
 def remember_direction(ctx: RoundContext, w_new: torch.Tensor, p: ScoreParams) -> None:
-    """``u_t = P_d(normalize(w^{t+1} - w^t))``. Both FedSCAM parts keep ``u`` (either runs alone); with both, the
+    r""":math:`u_t = P_d(\mathrm{normalize}(w^{t+1} - w^t))`. Both FedSCAM parts keep :math:`u` (either runs alone); with both, the
     second write is the same value (the summary is a deterministic function of the update)."""
     ctx.server[DIRECTION_MEMORY] = summarize((w_new - ctx.w)[None], p.summary_dim, ctx.settings.seed, p.projection)[0]
 
@@ -196,7 +203,7 @@ class RadiusParams(ScoreParams):
 
 
 class AdaptiveRadiusSAM(LocalSAM):
-    """Local SAM with the client radius ``rho_i = rho_max / (1 + alpha_rho h_adj)``."""
+    r"""Local SAM with the client radius :math:`\rho_i = \rho_{max} / (1 + \alpha_\rho h_{adj})`."""
 
     name = "scam"
     summary = "FedSCAM: SAM with radius rho_max/(1 + alpha_rho h_adj), h_adj from pilot gradient norms and alignment"

@@ -1,16 +1,21 @@
-"""FedSMOO (Sun et al., ICML 2023): FedDyn's correction plus a globally corrected SAM perturbation.
+r"""FedSMOO (Sun et al., ICML 2023): FedDyn's correction plus a globally corrected SAM perturbation.
 
-Client dual ``mu_i`` (0 at first participation), server correction ``s`` (0). Every local step:
-``u = g(w) - mu_i - s``, ``eps = rho u / ||u||``, ``mu_i <- mu_i + eps - s``; the descent gradient is
-``g(w + eps)`` inside FedDyn's direction. After the round the server sets
-``s = rho mean_S(mu_i) / ||mean_S(mu_i)||`` (the clients upload ``mu_i``: 2 vectors up; ``s`` goes down
-with the model: 2 down), then takes FedDyn's step. Default ``rho = 0.1``.
+Client dual :math:`\mu_i` (0 at first participation), server correction :math:`s` (0). Every local step:
 
-That ``s`` is the authors' code's (FL-Simulator, ``server/FedSMOO.py``: "we simplify the solution of
-global_dynamic_dual as s / ||average_s(mu_i)|| * rho by ignoring the \\hat{s}_{i,K} term"). ``s_update=full`` keeps
-the term: ``s = rho m / ||m||`` with ``m = mean_S(mu_i + s_hat_{i,K})``, ``s_hat_{i,K}`` the client's last
-perturbation (uploaded too: 3 vectors up), the consensus step of the ADMM the duals come from (``mu_i`` is the
-scaled dual of ``s_i = s``). The paper's text was not reachable here: this form is reconstructed from that comment.
+.. math::
+
+    u = g(w) - \mu_i - s, \qquad \epsilon = \rho\, \frac{u}{\lVert u \rVert}, \qquad \mu_i \leftarrow \mu_i + \epsilon - s;
+
+the descent gradient is
+:math:`g(w + \epsilon)` inside FedDyn's direction. After the round the server sets
+:math:`s = \rho\, \bar{\mu} / \lVert \bar{\mu} \rVert`, :math:`\bar{\mu} = \frac{1}{K} \sum_{i \in S} \mu_i` (the clients upload :math:`\mu_i`: 2 vectors up; :math:`s` goes down
+with the model: 2 down), then takes FedDyn's step. Default :math:`\rho = 0.1`.
+
+That :math:`s` is the authors' code's (FL-Simulator, ``server/FedSMOO.py``: "we simplify the solution of
+global_dynamic_dual as s / ||average_s(mu_i)|| * rho by ignoring the \hat{s}_{i,K} term"). ``s_update=full`` keeps
+the term: :math:`s = \rho\, m / \lVert m \rVert` with :math:`m = \frac{1}{K} \sum_{i \in S} (\mu_i + \hat{s}_{i,K})`, :math:`\hat{s}_{i,K}` the client's last
+perturbation (uploaded too: 3 vectors up), the consensus step of the ADMM the duals come from (:math:`\mu_i` is the
+scaled dual of :math:`s_i = s`). The paper's text was not reachable here: this form is reconstructed from that comment.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ class SMOOParams(SAMParams):
 
 
 class CorrectedPerturbation(LocalSAM):
-    """``eps = rho (g - mu_i - s) / ||g - mu_i - s||``, then ``mu_i <- mu_i + eps - s`` (active rows only)."""
+    r""":math:`\epsilon = \rho (g - \mu_i - s) / \lVert g - \mu_i - s \rVert`, then :math:`\mu_i \leftarrow \mu_i + \epsilon - s` (active rows only)."""
 
     name = "smoo"
     summary = "FedSMOO: eps = rho u/||u||, u = g(w) - mu_i - s, mu_i <- mu_i + eps - s; s from the mean mu_i"

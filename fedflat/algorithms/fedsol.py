@@ -1,21 +1,25 @@
-"""FedSOL (Lee, Jeong, Kim, Oh and Yun, *FedSOL: Stabilized Orthogonal Learning with Proximal Restrictions in
+r"""FedSOL (Lee, Jeong, Kim, Oh and Yun, *FedSOL: Stabilized Orthogonal Learning with Proximal Restrictions in
 Federated Learning*, CVPR 2024; code github.com/Lee-Gihun/FedSOL): the local step descends the task loss at a point
-perturbed along the gradient of a proximal objective, the distillation from the global model
+perturbed along the gradient of a proximal objective, the distillation from the global model (``KLDivLoss(batchmean)``, :math:`\tau = 3`)
 
-    L_p(w) = KL(softmax(f(w_g, x)/tau) || softmax(f(w, x)/tau))        (``KLDivLoss(batchmean)``, tau = 3)
+.. math::
+
+    L_p(w) = \mathrm{KL}\big(\mathrm{softmax}(f(w_g, x)/\tau) \,\Vert\, \mathrm{softmax}(f(w, x)/\tau)\big)
 
 so that local learning is robust to moves that change the proximal objective:
 
-    eps = rho s(w) * grad L_p(w) / ||grad L_p(w)||,     g = grad CE(w + eps)
+.. math::
 
-``strength=fixed``: ``s = 1`` (the code's ``fedsol_fixed``, a SAM step on ``L_p``); ``strength=adaptive`` (default,
-the code's ``fedsol_adaptive``, ``ExpSAM.first_step``): ``s = normalize(|w - w_g|)``, each parameter tensor's
-``|w - w_g|`` divided by its L2 norm along the tensor's first dimension (``F.normalize(.., 2, dim=0)``: per column of
-a linear layer's weight, the whole of a bias), so the first local step (``w = w_g``) is unperturbed and entries that
-moved more from the global model are perturbed more. ``||grad L_p||`` is one norm over all parameters. Two backprops
+    \epsilon = \rho\, s(w) \odot \frac{\nabla L_p(w)}{\lVert \nabla L_p(w) \rVert}, \qquad g = \nabla \mathrm{CE}(w + \epsilon)
+
+``strength=fixed``: :math:`s = 1` (the code's ``fedsol_fixed``, a SAM step on :math:`L_p`); ``strength=adaptive`` (default,
+the code's ``fedsol_adaptive``, ``ExpSAM.first_step``): :math:`s = \mathrm{normalize}(\lvert w - w_g \rvert)`, each parameter tensor's
+:math:`\lvert w - w_g \rvert` divided by its L2 norm along the tensor's first dimension (``F.normalize(.., 2, dim=0)``: per column of
+a linear layer's weight, the whole of a bias), so the first local step (:math:`w = w_g`) is unperturbed and entries that
+moved more from the global model are perturbed more. :math:`\lVert \nabla L_p \rVert` is one norm over all parameters. Two backprops
 per step; the global model is the broadcast, so nothing is kept.
 
-At a round's first step ``w = w_g`` and ``grad L_p = 0``: fedflat takes ``eps = 0`` there (and saves the backprop),
+At a round's first step :math:`w = w_g` and :math:`\nabla L_p = 0`: fedflat takes :math:`\epsilon = 0` there (and saves the backprop),
 where the code's ``fedsol_fixed`` divides the rounding residue of that zero gradient (about 1e-9) by its norm and so
 perturbs by ``rho`` along a direction rounding decides (its adaptive variant multiplies it by ``s = 0``).
 """
@@ -48,7 +52,7 @@ def column_normalized(D: torch.Tensor, layout) -> torch.Tensor:
 
 
 class ProximalPerturbation(Perturbation):
-    """``eps = rho s * grad KL(p_g || p_w) / ||grad KL||`` with ``s`` 1 or ``normalize(|w - w_g|)`` (module
+    r""":math:`\epsilon = \rho\, s \odot \nabla \mathrm{KL}(p_g \Vert p_w) / \lVert \nabla \mathrm{KL} \rVert` with :math:`s` 1 or :math:`\mathrm{normalize}(\lvert w - w_g \rvert)` (module
     docstring)."""
 
     name = "sol"

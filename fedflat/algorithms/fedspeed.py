@@ -1,10 +1,15 @@
-"""FedSpeed (Sun et al., ICLR 2023): FedDyn's prox-correction with a merged SAM gradient.
+r"""FedSpeed (Sun et al., ICLR 2023): FedDyn's prox-correction with a merged SAM gradient.
 
-Local direction ``g~ - h_i + alpha (w - w^t)`` with FedDyn's duals and server, where the quasi-gradient merges
-the plain and the perturbed minibatch gradients (Algorithm 1, lines 7-10):
-``g~ = (1 - merge) g(w) + merge g(w + eps)``, ``eps = rho g(w)/||g(w)||``, both on the step's batch.
-``merge = 1`` (the default) is the plain SAM gradient, as the authors' code (FL-Simulator) runs FedSpeed.
-Defaults ``rho = 0.1``, ``alpha = 0.1``, ``merge = 1``.
+Local direction :math:`\tilde{g} - h_i + \alpha (w - w^t)` with FedDyn's duals and server, where the quasi-gradient merges
+the plain and the perturbed minibatch gradients (Algorithm 1, lines 7-10), with :math:`\mu` = ``merge``:
+
+.. math::
+
+    \tilde{g} = (1 - \mu)\, g(w) + \mu\, g(w + \epsilon), \qquad \epsilon = \rho\, \frac{g(w)}{\lVert g(w) \rVert},
+
+both on the step's batch.
+:math:`\mu = 1` (the default) is the plain SAM gradient, as the authors' code (FL-Simulator) runs FedSpeed.
+Defaults :math:`\rho = 0.1`, :math:`\alpha = 0.1`, :math:`\mu = 1`.
 """
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ class QuasiGradientParams(SAMParams):
 
 
 class QuasiGradient(LocalSAM):
-    """FedSpeed's gradient merging: the SAM ascent, and a descent along ``(1 - merge) g(w) + merge g(w + eps)``.
+    r"""FedSpeed's gradient merging: the SAM ascent, and a descent along :math:`(1 - \mu)\, g(w) + \mu\, g(w + \epsilon)` (:math:`\mu` = ``merge``).
 
-    Both gradients exist in a SAM step already (``g(w)`` gives the ascent), so merging costs no backprop."""
+    Both gradients exist in a SAM step already (:math:`g(w)` gives the ascent), so merging costs no backprop."""
 
     name = "speed"
     summary = "FedSpeed's quasi-gradient (1 - merge) g(w) + merge g(w + eps), eps = rho g(w)/||g(w)||"

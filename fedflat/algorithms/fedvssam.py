@@ -1,20 +1,20 @@
-"""FedVSSAM (seed 000): one variance-suppressed direction ``v`` shared by the local flatness search, the
+r"""FedVSSAM (seed 000): one variance-suppressed direction :math:`v` shared by the local flatness search, the
 local update and the global update.
 
 RECONSTRUCTED: the paper's equations 14-16 were lost in text extraction; the rules below are rebuilt
 from the surrounding text (convex combinations with mixing coefficients, an EMA on the server, the
-``1/(E eta_l)`` scaling that makes the aggregate comparable with ``v``), as the project spec states them.
+:math:`1/(E \eta_l)` scaling that makes the aggregate comparable with :math:`v`), as the project spec states them.
 
-Server state ``v`` (gradient scale, init 0), sent with the model (download 2x, upload 1x).
+Server state :math:`v` (gradient scale, init 0), sent with the model (download 2x, upload 1x).
 
-- (14) local flatness search: ``d_k = alpha g(w_{i,k}) + (1 - alpha) v``, ``eps_k = rho d_k / ||d_k||``.
-- (15) local update: ``w_{i,k+1} = w_{i,k} - eta_l (beta g(w_{i,k} + eps_k) + (1 - beta) v)``.
-- (16) global update: ``v <- (1 - gamma) v + gamma Gbar``; ``w^{t+1} = w^t - eta_g eta_l^t Ebar v``, ``Ebar = mean E_i``,
-  with ``Gbar = -sum_i p_i Delta_i / (eta_l^t Ebar)``: the round's averaged model change in gradient units.
+- (14) local flatness search: :math:`d_k = \alpha\, g(w_{i,k}) + (1 - \alpha)\, v`, :math:`\epsilon_k = \rho\, d_k / \lVert d_k \rVert`.
+- (15) local update: :math:`w_{i,k+1} = w_{i,k} - \eta_l \big(\beta\, g(w_{i,k} + \epsilon_k) + (1 - \beta)\, v\big)`.
+- (16) global update: :math:`v \leftarrow (1 - \gamma)\, v + \gamma \bar{G}`; :math:`w^{t+1} = w^t - \eta_g \eta_l^t \bar{E}\, v`, :math:`\bar{E} = \frac{1}{K} \sum_i E_i`,
+  with :math:`\bar{G} = -\sum_i p_i \Delta_i / (\eta_l^t \bar{E})`: the round's averaged model change in gradient units.
 
-With ``alpha = beta = gamma = 1`` it is FedSAM (seed 000 §4.2), for any local step counts ``E_i``: the step is
-then ``w^t + eta_g sum_i p_i Delta_i``. (The first reconstruction, ``algo.scale=client``, averaged each client's
-own ``G_i = -Delta_i / (E_i eta_l)`` and so weighted client ``i`` by ``Ebar / E_i``: on a Dirichlet 0.1 split the
+With :math:`\alpha = \beta = \gamma = 1` it is FedSAM (seed 000 §4.2), for any local step counts :math:`E_i`: the step is
+then :math:`w^t + \eta_g \sum_i p_i \Delta_i`. (The first reconstruction, ``algo.scale=client``, averaged each client's
+own :math:`G_i = -\Delta_i / (E_i \eta_l)` and so weighted client :math:`i` by :math:`\bar{E} / E_i`: on a Dirichlet 0.1 split the
 weights summed to a median 2.6 and ``fedvssam-base`` fell 8 points below FedSAM. It is kept as that option.)
 Ablations (seed 000 Fig. 3): ``fedvssam-base`` (all 1), ``-lf``, ``-lu``, ``-gu`` (one mixing on).
 The defaults are not in the text; they come from the sweep in docs/fedvssam_sweep.md.

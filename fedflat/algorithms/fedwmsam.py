@@ -1,33 +1,33 @@
-"""FedWMSAM (Li et al., NeurIPS 2025; seed 001): personalized momentum, momentum-guided single-backprop
+r"""FedWMSAM (Li et al., NeurIPS 2025; seed 001): personalized momentum, momentum-guided single-backprop
 SAM, and a cosine-adaptive momentum factor.
 
-Server state: momentum ``m`` (``lr_decay Gbar`` of the previous round, 0 at round 0), SCAFFOLD variates ``c``,
-``c_i`` and the momentum factor ``a`` (init 0.1).
+Server state: momentum :math:`m` (:math:`\mathrm{lr\_decay}\, \bar{G}` of the previous round, 0 at round 0), SCAFFOLD variates :math:`c`,
+:math:`c_i` and the momentum factor :math:`a` (init 0.1).
 
-- Personalized momentum (seed 001 eq. 1-2): ``m_i = m + (c - c_i) a / (1 - a)``.
-- Momentum-guided perturbation (the authors' formula, README/poster C1: ``delta = (x_r + b Delta_r^(k)) - x_{b,k}``,
-  ``g = grad L(x + rho delta/||delta||)``; §4.1(b): the global model's position is inferred "by adding the momentum
-  to the received model"): ``xhat_k = w^t + k m_i``, ``d_k = xhat_k - w_{i,k}``, ``eps_k = rho d_k / ||d_k||``
-  (``eps_0 = 0``); no extra backprop. Since ``m_i`` is gradient-scale, ``eps_k`` points almost along ``+m_i``: the
+- Personalized momentum (seed 001 eq. 1-2): :math:`m_i = m + (c - c_i)\, a / (1 - a)`.
+- Momentum-guided perturbation (the authors' formula, README/poster C1: :math:`\delta = (x_r + b\, \Delta_r^{(k)}) - x_{b,k}`,
+  :math:`g = \nabla L(x + \rho\, \delta / \lVert \delta \rVert)`; §4.1(b): the global model's position is inferred "by adding the momentum
+  to the received model"): :math:`\hat{x}_k = w^t + k\, m_i`, :math:`d_k = \hat{x}_k - w_{i,k}`, :math:`\epsilon_k = \rho\, d_k / \lVert d_k \rVert`
+  (:math:`\epsilon_0 = 0`); no extra backprop. Since :math:`m_i` is gradient-scale, :math:`\epsilon_k` points almost along :math:`+m_i`: the
   SAM ascent along the momentum's estimate of the global gradient.
-- Local direction ``a g(w_{i,k} + eps_k) + (1 - a) m_i`` (``= a (g + c - c_i) + (1 - a) m``).
-- After the round: ``c_i``, ``c`` as SCAFFOLD (from ``Delta_i``, computed and kept by the server: no extra upload);
-  ``s_i = cos(Delta_i, m) + 1`` (the authors' code; eq. 3's formula is lost in our text, and this is the quantity
-  that rises and settles as App. B describes), ``s_i = 0`` where ``m`` (round 0) or ``Delta_i`` is zero, as the
-  code's ``cosine_similarity`` returns (``server/FedWMSAM.py:77-84``); ``a <- (1 - tau) a + tau clip(mean_i s_i,
-  a_min, a_max)`` (eq. 3-4); FedAvg server, then ``m = lr_decay Gbar``: the code divides the round's average update
-  by ``E eta_l^t`` and multiplies by ``lr_decay`` before the scheduler steps (``server/FedWMSAM.py:57``), where
+- Local direction :math:`a\, g(w_{i,k} + \epsilon_k) + (1 - a)\, m_i` (:math:`= a (g + c - c_i) + (1 - a)\, m`).
+- After the round: :math:`c_i`, :math:`c` as SCAFFOLD (from :math:`\Delta_i`, computed and kept by the server: no extra upload);
+  :math:`s_i = \cos(\Delta_i, m) + 1` (the authors' code; eq. 3's formula is lost in our text, and this is the quantity
+  that rises and settles as App. B describes), :math:`s_i = 0` where :math:`m` (round 0) or :math:`\Delta_i` is zero, as the
+  code's ``cosine_similarity`` returns (``server/FedWMSAM.py:77-84``); :math:`a \leftarrow (1 - \tau)\, a + \tau\, \mathrm{clip}\big(\frac{1}{K} \sum_i s_i, a_{min}, a_{max}\big)` (eq. 3-4);
+  FedAvg server, then :math:`m = \mathrm{lr\_decay}\, \bar{G}`: the code divides the round's average update
+  by :math:`E \eta_l^t` and multiplies by ``lr_decay`` before the scheduler steps (``server/FedWMSAM.py:57``), where
   FL-Simulator's FedCM, dividing by the next round's rate, cancels the factor.
 
-Ablations (seed 001 Table 5): ``personalized`` (off: ``m_i = m``), ``guided`` (off: ``eps = 0``),
-``adaptive`` (off: ``a`` fixed). With all three off FedWMSAM is FedCM with ``a`` = ``algo.a``.
+Ablations (seed 001 Table 5): ``personalized`` (off: :math:`m_i = m`), ``guided`` (off: :math:`\epsilon = 0`),
+``adaptive`` (off: :math:`a` fixed). With all three off FedWMSAM is FedCM with :math:`a` = ``algo.a``.
 
 Options kept from earlier readings (where the paper's text is silent the authors' code is the default):
-``similarity_at_zero: 1`` gives round 0 the similarity ``0 + 1`` (``a`` then moves to ``0.99 a + 0.01 a_max``
-after round 0); ``momentum_lr_decay: false`` keeps ``m = Gbar``; ``target: descent`` is the first reconstruction's
-trajectory ``xhat_k = w^t - k eta_l m_i`` (the spec's; ``eps`` then has cos -0.40 with ``m_i`` where the authors'
-has +0.99); ``sign: code`` perturbs along ``-d_k``, as the public code's ``e_w = -g_update * scale`` does against its
-own README; ``similarity: gradient`` uses ``cos(G_i, m) = 1 - (cos(Delta_i, m) + 1)``, which falls over training.
+``similarity_at_zero: 1`` gives round 0 the similarity :math:`0 + 1` (:math:`a` then moves to :math:`0.99\, a + 0.01\, a_{max}`
+after round 0); ``momentum_lr_decay: false`` keeps :math:`m = \bar{G}`; ``target: descent`` is the first reconstruction's
+trajectory :math:`\hat{x}_k = w^t - k\, \eta_l m_i` (the spec's; :math:`\epsilon` then has cos -0.40 with :math:`m_i` where the authors'
+has +0.99); ``sign: code`` perturbs along :math:`-d_k`, as the public code's ``e_w = -g_update * scale`` does against its
+own README; ``similarity: gradient`` uses :math:`\cos(G_i, m) = 1 - (\cos(\Delta_i, m) + 1)`, which falls over training.
 Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
 """
@@ -64,7 +64,7 @@ def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: 
 
 
 def adapt_factor(a: torch.Tensor, similarity: torch.Tensor, tau: float, a_min: float, a_max: float) -> torch.Tensor:
-    """Seed 001 eq. 3-4: ``a <- (1 - tau) a + tau clip(mean_i s_i, a_min, a_max)``."""
+    r"""Seed 001 eq. 3-4: :math:`a \leftarrow (1 - \tau)\, a + \tau\, \mathrm{clip}\big(\frac{1}{K} \sum_i s_i, a_{min}, a_{max}\big)`."""
     return (1 - tau) * a + tau * similarity.mean().clamp(a_min, a_max)
 
 
@@ -92,7 +92,7 @@ class WMSAMParams(PartParams):
 
 
 class WeightedMomentum(Correction):
-    """``d = a g + (1 - a) m_i + wd w`` with FedWMSAM's personalized momentum and adaptive factor ``a``
+    r""":math:`d = a\, g + (1 - a)\, m_i + \lambda_{wd} w` with FedWMSAM's personalized momentum and adaptive factor ``a``
     (weight decay unscaled, as in the authors' optimizer; ``decay = inside``: ``a (g + wd w) + (1 - a) m_i``).
 
     As seed 001 §4 describes the protocol, the server keeps the correctors: ``c`` and every client's

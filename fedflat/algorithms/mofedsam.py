@@ -1,7 +1,7 @@
-"""MoFedSAM (Qu et al., ICML 2022): FedCM's client momentum with local SAM.
+r"""MoFedSAM (Qu et al., ICML 2022): FedCM's client momentum with local SAM.
 
-Local direction ``a g(w + eps) + (1 - a) m``, ``eps = rho g(w)/||g(w)||``, ``m`` the previous round's
-``Gbar``; FedAvg server. Defaults ``rho = 0.1``, ``a = 0.1``.
+Local direction :math:`a\, g(w + \epsilon) + (1 - a)\, m`, :math:`\epsilon = \rho\, g(w) / \lVert g(w) \rVert`, :math:`m` the previous round's
+:math:`\bar{G}`; FedAvg server. Defaults :math:`\rho = 0.1`, :math:`a = 0.1`.
 """
 from __future__ import annotations
 

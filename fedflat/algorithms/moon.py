@@ -1,19 +1,24 @@
-"""MOON (Li, He and Song, *Model-Contrastive Federated Learning*, CVPR 2021; code github.com/QinbinLi/MOON, and
+r"""MOON (Li, He and Song, *Model-Contrastive Federated Learning*, CVPR 2021; code github.com/QinbinLi/MOON, and
 Lee-Gihun/FedSOL's ``algorithms/moon``): a contrastive term pulls each local representation toward the global
 model's and away from the client's previous local model's.
 
-The local objective (eq. 3-4) is ``CE + mu l_con``, ``l_con = -log(exp(sim(z, z_glob)/T) / (exp(sim(z, z_glob)/T) +
-exp(sim(z, z_prev)/T)))`` averaged over the batch, ``sim`` the cosine similarity, ``z`` the representation at the
-local model, ``z_glob`` at the received global model ``w^t`` and ``z_prev`` at the client's own last local model
-``w_i^prev``, both without gradient. The representation is the model's ``features(x)`` (the input of its linear
+The local objective (eq. 3-4) is :math:`\mathrm{CE} + \mu\, \ell_{con}`,
+
+.. math::
+
+    \ell_{con} = -\log \frac{\exp\big(\mathrm{sim}(z, z^{glob})/T\big)}{\exp\big(\mathrm{sim}(z, z^{glob})/T\big) + \exp\big(\mathrm{sim}(z, z^{prev})/T\big)}
+
+averaged over the batch, :math:`\mathrm{sim}` the cosine similarity, :math:`z` the representation at the
+local model, :math:`z^{glob}` at the received global model :math:`w^t` and :math:`z^{prev}` at the client's own last local model
+:math:`w_i^{prev}`, both without gradient. The representation is the model's ``features(x)`` (the input of its linear
 head, :class:`fedflat.models.base.FedModel`): the paper adds a projection head (two linear layers) on top of the
 base encoder and uses its output; PFLlib's MOON, like fedflat, uses the base's output (docs/algorithms.md). A client
 with no previous model yet (its first participation) has no negative: its term is 0, as in the authors' code's first
-round, where the pool of previous models is empty (FedSOL's code takes the initial model ``w^0`` instead).
+round, where the pool of previous models is empty (FedSOL's code takes the initial model :math:`w^0` instead).
 
 A correction part (``moon``): its term enters the oracle's one backward pass through the chunk's
 :data:`~fedflat.core.OBJECTIVE_TERM` slot (two extra forward passes per step, no extra backprop), so it composes with
-a perturbation (``algo=fedsam algo.correction=moon``). Each client keeps ``w_i^prev`` (one model-sized vector).
+a perturbation (``algo=fedsam algo.correction=moon``). Each client keeps :math:`w_i^{prev}` (one model-sized vector).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ class MoonParams(PartParams):
 
 
 class ModelContrast(Correction):
-    """``grad [CE + mu l_con]`` with MOON's model-contrastive loss; keeps each client's last local model."""
+    r""":math:`\nabla [\mathrm{CE} + \mu\, \ell_{con}]` with MOON's model-contrastive loss; keeps each client's last local model."""
 
     name = "moon"
     summary = "MOON: CE + mu l_con, the representation pulled to the global model's, pushed from the previous local's"

@@ -1,19 +1,26 @@
-"""Per-FedAvg (Fallah, Mokhtari and Ozdaglar, *Personalized Federated Learning with Theoretical Guarantees: A
+r"""Per-FedAvg (Fallah, Mokhtari and Ozdaglar, *Personalized Federated Learning with Theoretical Guarantees: A
 Model-Agnostic Meta-Learning Approach*, NeurIPS 2020; first-order and Hessian-free variants; TsingZ0/PFLlib's
-``clientperavg.py`` runs the first-order one): FedAvg of MAML's meta-objective ``F_i(w - alpha grad F_i(w))``.
+``clientperavg.py`` runs the first-order one): FedAvg of MAML's meta-objective :math:`F_i\big(w - \alpha \nabla F_i(w)\big)`.
 
-At local step ``k`` a client takes an inner step on an independent batch ``D`` and descends, at rate ``beta``
-(``train.lr``), along the gradient at the adapted point on the step's batch ``D'`` (Algorithm 1)::
+At local step :math:`k` a client takes an inner step on an independent batch :math:`D` and descends, at rate :math:`\beta`
+(``train.lr``), along the gradient at the adapted point on the step's batch :math:`D'` (Algorithm 1; the Hessian-vector
+product by the paper's §5 estimate):
 
-    FO:  d = g(w - alpha g(w; D); D')
-    HF:  d = (I - alpha H(w; D'')) g(w - alpha g(w; D); D'),
-         H(w; D'') v ~ (g(w + delta v; D'') - g(w - delta v; D'')) / (2 delta)     (the paper's §5 estimate)
+.. math::
 
-``D`` and ``D''`` are drawn from each client's own streams (``perfedavg.inner``, ``perfedavg.hessian``), one batch
-per local step. The perturbation ``perfedavg`` (``eps = -alpha g(w; D)``, the HF correction in its descent gradient)
+    \text{FO:}\quad d = g\big(w - \alpha\, g(w; D);\, D'\big)
+
+.. math::
+
+    \text{HF:}\quad d = \big(I - \alpha H(w; D'')\big)\, g\big(w - \alpha\, g(w; D);\, D'\big),
+
+    H(w; D'')\, v \approx \frac{g(w + \delta v;\, D'') - g(w - \delta v;\, D'')}{2 \delta}
+
+:math:`D` and :math:`D''` are drawn from each client's own streams (``perfedavg.inner``, ``perfedavg.hessian``), one batch
+per local step. The perturbation ``perfedavg`` (:math:`\epsilon = -\alpha\, g(w; D)`, the HF correction in its descent gradient)
 carries the meta-gradient, so the rest of a recipe composes with it (1 extra backprop per step for FO, 3 for HF).
-The personalization ``perfedavg`` gives each client its personalized model, the received ``w^t`` after
-``adapt_steps`` steps ``w <- w - alpha (g + wd w)`` on its own data (the paper's evaluation: one step), and the
+The personalization ``perfedavg`` gives each client its personalized model, the received :math:`w^t` after
+``adapt_steps`` steps :math:`w \leftarrow w - \alpha (g + \lambda_{wd} w)` on its own data (the paper's evaluation: one step), and the
 evaluation is personalized. PFLlib differences (docs/algorithms.md): it splits one batch of ``2B`` into ``D`` and
 ``D'`` (an epoch has half as many steps), and its one-step adaptation before evaluation takes a batch of the
 client's *test* data; fedflat adapts on training data.
@@ -41,7 +48,7 @@ class MetaParams(PartParams):
 
 
 class MetaGradient(Perturbation):
-    """``eps = -alpha g(w; D)``; HF: the descent gradient ``v - alpha H(w; D'') v`` of ``v = g(w + eps; D')``."""
+    r""":math:`\epsilon = -\alpha\, g(w; D)`; HF: the descent gradient :math:`v - \alpha H(w; D'')\, v` of :math:`v = g(w + \epsilon; D')`."""
 
     name = "perfedavg"
     summary = "Per-FedAvg: the gradient at w - alpha g(w; D) (FO), with the Hessian-free correction (HF)"
@@ -87,7 +94,8 @@ class AdaptParams(PartParams):
 
 
 class Adapted(OwnModel):
-    """Each client's personalized model: ``w^t`` after ``adapt_steps`` steps ``w <- w - alpha (g + wd w)``."""
+    r"""Each client's personalized model: :math:`w^t` after ``adapt_steps`` steps
+    :math:`w \leftarrow w - \alpha (g + \lambda_{wd} w)`."""
 
     name = "perfedavg"
     summary = "Per-FedAvg: each client's model is w^t adapted by adapt_steps gradient steps of size alpha"

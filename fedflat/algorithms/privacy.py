@@ -1,22 +1,22 @@
-"""Client-level differential privacy: the Gaussian mechanism on each client's release (DP-FedAvg, McMahan et al.,
+r"""Client-level differential privacy: the Gaussian mechanism on each client's release (DP-FedAvg, McMahan et al.,
 ICLR 2018), with a fixed or an adaptive clip (Andrew et al., NeurIPS 2021).
 
-Each client's release ``x_i = (Delta_i, extra_i)`` (:mod:`fedflat.core.upload`) is clipped to ``C``,
-``x_i <- x_i min(1, C / ||x_i||)``, and Gaussian noise of standard deviation ``z C`` is added:
+Each client's release :math:`x_i = (\Delta_i, \mathrm{extra}_i)` (:mod:`fedflat.core.upload`) is clipped to :math:`C`,
+:math:`x_i \leftarrow x_i \min(1, C / \lVert x_i \rVert)`, and Gaussian noise of standard deviation :math:`z C` is added:
 
-- ``mode: central`` (DP-FedAvg): to the sum, by the server, which releases ``(sum_i x_i + N(0, z^2 C^2 I)) / m``
-  with ``m`` the *expected* number of clients per round (``K`` for fixed-size sampling, ``q N`` for Poisson
+- ``mode: central`` (DP-FedAvg): to the sum, by the server, which releases :math:`\big(\sum_i x_i + \mathcal{N}(0, z^2 C^2 I)\big) / m`
+  with :math:`m` the *expected* number of clients per round (:math:`K` for fixed-size sampling, :math:`q N` for Poisson
   sampling; never the realized count, which would leak). Every row the method's server side reads is this one
   private mean, so whatever it computes from the uploads is post-processing of the mechanism's output. A method
   that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused (fedflat.config).
 - ``mode: local``: by each client to its own clipped release, so that what leaves the client is private by itself.
 
 Adaptive clipping (Andrew et al. 2021, Algorithm 1 with the geometric update): each client also reports
-``b_i = 1[||x_i|| <= C]``; the server releases ``b~ = (sum_i b_i + N(0, sigma_b^2)) / m`` and sets
-``C <- C exp(-eta_C (b~ - gamma))``, so ``C`` tracks the ``gamma`` quantile of the update norms. The pair of
-mechanisms (update noise ``z_Delta``, count noise ``sigma_b``) is as private as one Gaussian mechanism of
-multiplier ``z`` when ``z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` (their Theorem 1): ``noise_multiplier`` is that
-``z``, the one the accountant composes.
+:math:`b_i = \mathbb{1}[\lVert x_i \rVert \le C]`; the server releases :math:`\tilde{b} = \big(\sum_i b_i + \mathcal{N}(0, \sigma_b^2)\big) / m` and sets
+:math:`C \leftarrow C \exp\big(-\eta_C (\tilde{b} - \gamma)\big)`, so :math:`C` tracks the :math:`\gamma` quantile of the update norms. The pair of
+mechanisms (update noise :math:`z_\Delta`, count noise :math:`\sigma_b`) is as private as one Gaussian mechanism of
+multiplier :math:`z` when :math:`z_\Delta = \big(z^{-2} - (2 \sigma_b)^{-2}\big)^{-1/2}` (their Theorem 1): ``noise_multiplier`` is that
+:math:`z`, the one the accountant composes.
 
 Noise comes from the keyed streams (a reproducible simulation), or with ``secure: true`` from the operating
 system's cryptographically secure source (:func:`secure_normal`), which a deployment must use.
@@ -67,7 +67,7 @@ class GaussianParams(PartParams):
 
     @property
     def update_noise(self) -> float:
-        """``z_Delta``: the update's own noise multiplier (``z`` itself with a fixed clip)."""
+        r""":math:`z_\Delta`: the update's own noise multiplier (:math:`z` itself with a fixed clip)."""
         z = self.noise_multiplier
         if not self.adaptive or z == 0:
             return z
@@ -87,7 +87,7 @@ def secure_normal(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 def gaussian_like(release: Release, std: float, generator: torch.Generator | None) -> Release:
-    """``N(0, std^2)`` draws shaped like each entry of ``release`` (one row), in the entries' sorted order; from
+    r""":math:`\mathcal{N}(0, \mathrm{std}^2)` draws shaped like each entry of ``release`` (one row), in the entries' sorted order; from
     ``generator``, or from :func:`secure_normal` when it is None."""
     noise = {}
     for name in sorted(release):
@@ -144,7 +144,7 @@ class GaussianMechanism(UploadStage):
         return {name: ((rows.sum(0) + noise[name]) / m).expand_as(rows) for name, rows in release.items()}
 
     def _adapt(self, ctx: RoundContext, C: float) -> None:
-        """``C <- C exp(-eta_C (b~ - gamma))`` from the noised fraction of unclipped releases ``b~``."""
+        r""":math:`C \leftarrow C \exp\big(-\eta_C (\tilde{b} - \gamma)\big)` from the noised fraction of unclipped releases :math:`\tilde{b}`."""
         generator = self._generator(ctx.settings.seed, ctx.round, SERVER, torch.device("cpu"))
         count = ctx.uploads[UNCLIPPED].double().sum().cpu()
         draw = (torch.randn((), generator=generator, dtype=torch.float64) if generator is not None

@@ -1,8 +1,16 @@
-"""q-FedAvg (Li et al., ICLR 2020, "Fair Resource Allocation in Federated Learning").
+r"""q-FedAvg (Li et al., ICLR 2020, "Fair Resource Allocation in Federated Learning").
 
-With ``L = 1 / eta_l`` and ``F_i`` client i's loss at ``w^t`` over its local data (before training):
-``dw_i = L (w^t - w_{i,E})``, ``D_i = F_i^q dw_i``, ``h_i = q F_i^(q-1) ||dw_i||^2 + L F_i^q``,
-``w^{t+1} = w^t - sum_i D_i / sum_i h_i``. ``q = 0`` is FedAvg with uniform weights and ``eta_g = 1``.
+With :math:`L = 1 / \eta_l` and :math:`F_i` client :math:`i`'s loss at :math:`w^t` over its local data (before training):
+
+.. math::
+
+    \Delta w_i = L (w^t - w_{i,E}), \quad \Delta_i^q = F_i^q\, \Delta w_i,
+
+    h_i = q F_i^{q-1} \lVert \Delta w_i \rVert^2 + L F_i^q,
+
+    w^{t+1} = w^t - \frac{\sum_i \Delta_i^q}{\sum_i h_i} .
+
+:math:`q = 0` is FedAvg with uniform weights and :math:`\eta_g = 1`.
 """
 from __future__ import annotations
 
@@ -27,8 +35,8 @@ def client_objective(ctx: ClientContext, client: int, w: torch.Tensor) -> torch.
 
 
 def qfedavg_step(w: torch.Tensor, w_final: torch.Tensor, F: torch.Tensor, q: float, lr: float) -> torch.Tensor:
-    """``w - sum_i D_i / sum_i h_i`` with ``D_i = F_i^q L (w - w_{i,E})``,
-    ``h_i = q F_i^(q-1) ||L (w - w_{i,E})||^2 + L F_i^q``, ``L = 1/lr``."""
+    r""":math:`w - \sum_i \Delta_i^q / \sum_i h_i` with :math:`\Delta_i^q = F_i^q L (w - w_{i,E})`,
+    :math:`h_i = q F_i^{q-1} \lVert L (w - w_{i,E}) \rVert^2 + L F_i^q`, :math:`L = 1/\mathrm{lr}`."""
     L = 1.0 / lr
     dw = L * (w - w_final)
     Fq = F.pow(q)

@@ -1,30 +1,31 @@
-"""Robust aggregation: server-side stages of the upload path (:mod:`fedflat.core.upload`, kind ``robust``) that
+r"""Robust aggregation: server-side stages of the upload path (:mod:`fedflat.core.upload`, kind ``robust``) that
 bound what a few malicious clients can do to the round's aggregate.
 
-Each rule reads the round's received release, one row per answering client: ``x_i = (Delta_i, extra_i)``, the
-model update and every other entry the method uploads (SCAFFOLD's ``Delta c_i``, ...), and treats the clients
+Each rule reads the round's received release, one row per answering client: :math:`x_i = (\Delta_i, \mathrm{extra}_i)`, the
+model update and every other entry the method uploads (SCAFFOLD's :math:`\Delta c_i`, ...), and treats the clients
 alike (the rules are unweighted):
 
-- **coordinate-wise median**: ``x = median_i x_i`` in every coordinate (the mean of the two middle values for an
+- **coordinate-wise median**: :math:`x = \mathrm{median}_i\, x_i` in every coordinate (the mean of the two middle values for an
   even count, as ``numpy.median``; Yin et al., ICML 2018);
-- **trimmed mean** (Yin et al. 2018): in every coordinate the ``b = floor(beta K)`` largest and ``b`` smallest
+- **trimmed mean** (Yin et al. 2018): in every coordinate the :math:`b = \lfloor \beta K \rfloor` largest and :math:`b` smallest
   values are dropped and the rest averaged;
-- **Krum / multi-Krum** (Blanchard et al., NeurIPS 2017): with ``f`` assumed attackers, client ``i``'s score is
-  ``s(i) = sum_{j in N_i} ||x_i - x_j||^2`` over its ``K - f - 2`` nearest other clients ``N_i``; Krum takes the
-  row of the lowest score, multi-Krum the mean of the ``m`` rows of the lowest scores;
+- **Krum / multi-Krum** (Blanchard et al., NeurIPS 2017): with :math:`f` assumed attackers, client :math:`i`'s score is
+  :math:`s(i) = \sum_{j \in N_i} \lVert x_i - x_j \rVert^2` over its :math:`K - f - 2` nearest other clients :math:`N_i`; Krum takes the
+  row of the lowest score, multi-Krum the mean of the :math:`m` rows of the lowest scores;
 - **Bulyan** (El Mhamdi, Guerraoui and Rouault, ICML 2018, "The hidden vulnerability of distributed learning in
-  Byzantium"), with ``f`` assumed attackers and ``K >= 4f + 3``: Krum applied recursively selects
-  ``theta = K - 2f`` rows (each time Krum's row of the remaining set ``R``, its score over the ``|R| - f - 2``
-  nearest others of ``R``, then removed from ``R``); then in every coordinate the ``beta = theta - 2f`` selected
+  Byzantium"), with :math:`f` assumed attackers and :math:`K \ge 4f + 3`: Krum applied recursively selects
+  :math:`\theta = K - 2f` rows (each time Krum's row of the remaining set :math:`R`, its score over the :math:`\lvert R \rvert - f - 2`
+  nearest others of :math:`R`, then removed from :math:`R`); then in every coordinate the :math:`\beta = \theta - 2f` selected
   values closest to the selected rows' coordinate-wise median are averaged;
 - **norm bounding** (Sun et al. 2019, "Can you really backdoor federated learning?"): every row clipped to the
-  bound ``M``, ``x_i <- x_i min(1, M / ||x_i||)``;
-- **centered clipping** (Karimireddy, He and Jaggi, ICML 2021): from the previous round's aggregate ``v_0`` (server
-  state, zero before the first round), ``L`` iterations of ``v <- v + (1/K) sum_i (x_i - v) min(1, tau / ||x_i - v||)``.
+  bound :math:`M`, :math:`x_i \leftarrow x_i \min(1, M / \lVert x_i \rVert)`;
+- **centered clipping** (Karimireddy, He and Jaggi, ICML 2021): from the previous round's aggregate :math:`v_0` (server
+  state, zero before the first round), :math:`L` iterations of
+  :math:`v \leftarrow v + \frac{1}{K} \sum_i (x_i - v) \min\big(1, \tau / \lVert x_i - v \rVert\big)`.
 
 A rule that gives one aggregate (median, trimmed mean, Krum, Bulyan, centered clipping) returns every row equal to it, as
 central differential privacy does, so whatever the method's server side computes from the rows (a weighted mean,
-FedAvg's ``sum_i p_i x_i``) reads exactly the robust aggregate; norm bounding returns the clipped rows, which the
+FedAvg's :math:`\sum_i p_i x_i`) reads exactly the robust aggregate; norm bounding returns the clipped rows, which the
 method then aggregates as usual. Norms and distances are over the whole release, as one vector per client.
 
 A rule needs each client's own update (:attr:`~fedflat.core.Part.individual`): it is refused with central
@@ -111,7 +112,7 @@ class KrumParams(PartParams):
 
 
 def squared_distances(release: Release) -> torch.Tensor:
-    """``||x_i - x_j||^2`` over the whole release, ``[K, K]`` (float64 sums)."""
+    r""":math:`\lVert x_i - x_j \rVert^2` over the whole release, ``[K, K]`` (float64 sums)."""
     K = rows_of(release)
     D = torch.zeros(K, K, dtype=torch.float64, device=next(iter(release.values())).device)
     for rows in release.values():
@@ -153,8 +154,8 @@ class BulyanParams(PartParams):
 
 
 def bulyan_selection(D: torch.Tensor, f: int) -> list[int]:
-    """El Mhamdi et al.'s selection: ``theta = K - 2f`` rows, each Krum's choice (lowest score, the first on ties)
-    among the rows not yet selected, its score over the ``|R| - f - 2`` nearest of the remaining ``R``."""
+    r"""El Mhamdi et al.'s selection: :math:`\theta = K - 2f` rows, each Krum's choice (lowest score, the first on ties)
+    among the rows not yet selected, its score over the :math:`\lvert R \rvert - f - 2` nearest of the remaining :math:`R`."""
     remaining = list(range(D.shape[0]))
     chosen = []
     for _ in range(D.shape[0] - 2 * f):
@@ -167,7 +168,7 @@ def bulyan_selection(D: torch.Tensor, f: int) -> list[int]:
 
 
 def closest_to_median(rows: torch.Tensor, beta: int) -> torch.Tensor:
-    """Per coordinate of ``rows[theta, ...]``, the mean of the ``beta`` values closest to the coordinate-wise median
+    r"""Per coordinate of ``rows[theta, ...]``, the mean of the :math:`\beta` values closest to the coordinate-wise median
     (Bulyan's second step)."""
     distance = (rows - coordinate_median(rows)).abs()
     nearest = distance.argsort(dim=0, stable=True)[:beta]
@@ -237,7 +238,7 @@ def unflatten(v: torch.Tensor, release: Release) -> dict[str, torch.Tensor]:
 
 
 def centered_clip(X: torch.Tensor, v: torch.Tensor, tau: float, iterations: int) -> torch.Tensor:
-    """Karimireddy et al.'s ``v <- v + (1/K) sum_i (x_i - v) min(1, tau / ||x_i - v||)``, ``iterations`` times."""
+    r"""Karimireddy et al.'s :math:`v \leftarrow v + \frac{1}{K} \sum_i (x_i - v) \min\big(1, \tau / \lVert x_i - v \rVert\big)`, ``iterations`` times."""
     for _ in range(iterations):
         diff = X - v
         scale = torch.clamp(tau / diff.double().norm(dim=1).clamp(min=1e-300), max=1.0).to(X.dtype)

@@ -1,16 +1,20 @@
-"""SCAFFOLD (Karimireddy et al., ICML 2020), option II: control variates correct client drift.
+r"""SCAFFOLD (Karimireddy et al., ICML 2020), option II: control variates correct client drift.
 
-Client ``i`` keeps ``c_i`` (0 at first participation), the server keeps ``c``. Local direction
-``g(w) + c - c_i``; after training ``c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i eta_l)``; the server
-``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` and FedAvg's model update. Uploads ``Delta_i`` and
-``c_i^+ - c_i``, downloads ``w^t`` and ``c``.
+Client :math:`i` keeps :math:`c_i` (0 at first participation), the server keeps :math:`c`. Local direction
+:math:`g(w) + c - c_i`; after training and on the server (with FedAvg's model update)
+
+.. math::
+
+    c_i^+ = c_i - c + \frac{w^t - w_{i,E}}{E_i \eta_l}, \qquad c \leftarrow c + \frac{1}{N} \sum_{i \in S} (c_i^+ - c_i) .
+
+Uploads :math:`\Delta_i` and :math:`c_i^+ - c_i`, downloads :math:`w^t` and :math:`c`.
 
 The two update rules are plain functions so methods that keep the same variates (FedGAMMA,
 FedLESAM-S, FedFFT-S through the ``scaffold`` correction; FedWMSAM on the server) share them.
-Client ``i`` keeps ``c_i``; ``c`` goes down with the model; ``c_i^+ - c_i`` goes up.
+Client :math:`i` keeps :math:`c_i`; :math:`c` goes down with the model; :math:`c_i^+ - c_i` goes up.
 
-``lamb`` scales the correction in the local direction, ``g + lamb (c - c_i)``, and nothing else (the variates
-update as above): FedLESAM's public FedLESAM-S adds ``lamb <w, c - c_i>`` to its loss with ``--lamb`` 0.1 by
+``lamb`` (:math:`\lambda`) scales the correction in the local direction, :math:`g + \lambda (c - c_i)`, and nothing else (the variates
+update as above): FedLESAM's public FedLESAM-S adds :math:`\lambda \langle w, c - c_i \rangle` to its loss with ``--lamb`` 0.1 by
 default (github.com/MediaBrain-SJTU/FedLESAM, ``client/fedlesam_s.py:5-6``, ``train.py:48``), where the paper's
 Algorithm 3 and SCAFFOLD have coefficient 1, the default.
 """
@@ -30,14 +34,14 @@ VARIATE_CHANGE = "scaffold.dc"  # upload: c_i^+ - c_i
 
 def scaffold_client_variate(c_i: torch.Tensor, c: torch.Tensor, w_start: torch.Tensor, w_final: torch.Tensor,
                             steps: torch.Tensor, lr: float) -> torch.Tensor:
-    """Option II of SCAFFOLD's Algorithm 1: ``c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i eta_l)``, row by row
+    r"""Option II of SCAFFOLD's Algorithm 1: :math:`c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i \eta_l)`, row by row
     (``c_i, w_final [C, P]``, ``c, w_start [P]``, ``steps [C]``)."""
     drift = torch.sub(w_start, w_final).div_(steps.to(w_final.dtype)[:, None] * lr)  # (in place: the same bits)
     return torch.sub(c_i, c).add_(drift)
 
 
 def scaffold_server_variate(c: torch.Tensor, sum_dc: torch.Tensor, num_clients: int) -> torch.Tensor:
-    """``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` (``sum_dc`` the sum over the sampled clients)."""
+    r""":math:`c \leftarrow c + \frac{1}{N} \sum_{i \in S} (c_i^+ - c_i)` (``sum_dc`` the sum over the sampled clients)."""
     return c + sum_dc / num_clients
 
 

@@ -1,27 +1,29 @@
-"""Server-side SWA (Caldarola, Caputo and Ciccone, *Improving Generalization in Federated Learning by Seeking Flat
+r"""Server-side SWA (Caldarola, Caputo and Ciccone, *Improving Generalization in Federated Learning by Seeking Flat
 Minima*, ECCV 2022; after Izmailov et al.'s stochastic weight averaging, UAI 2018): late in training the server
 averages the global models of successive rounds, while clients keep training from FedAvg's iterate with a cyclic
 local rate. ``algo.server=swa`` on any method (FedAvg, FedSAM, FedASAM: the recipes ``fedavg-swa``, ``fedsam-swa``,
 ``fedasam-swa``).
 
-The server keeps FedAvg's iterate ``x^t`` (``swa.x``; clients start from it) and the SWA model ``w_SWA``, which is
-the run's global model ``w^t`` (evaluated, checkpointed, returned) from the start round ``s`` on; before ``s``
-``w^t = x^t`` and the method is its base method bit for bit. With ``c`` the cycle length (rounds) and
-``alpha_1 = eta_l^t`` the run's rate, ``alpha_2`` the SWA rate, each round ``t >= s`` trains at
+The server keeps FedAvg's iterate :math:`x^t` (``swa.x``; clients start from it) and the SWA model :math:`w_{SWA}`, which is
+the run's global model :math:`w^t` (evaluated, checkpointed, returned) from the start round :math:`s` on; before :math:`s`
+:math:`w^t = x^t` and the method is its base method bit for bit. With :math:`c` the cycle length (rounds) and
+:math:`\alpha_1 = \eta_l^t` the run's rate, :math:`\alpha_2` the SWA rate, each round :math:`t \ge s` trains at (Izmailov et al., eq. 2)
 
-    eta(t) = (1 - tau) alpha_1 + tau alpha_2,   tau = (mod(t', c) + 1) / c          (Izmailov et al., eq. 2)
+.. math::
 
-when ``c > 1`` (a constant ``alpha_1`` when ``c = 1``), and ``x^{t+1} = x^t + eta_g sum_i p_i (w_{i,E} - x^t)``.
-Two rules for when a model is collected into ``w_SWA <- (n w_SWA + x^{t+1}) / (n + 1)``, ``n <- n + 1``:
+    \eta(t) = (1 - \tau)\, \alpha_1 + \tau\, \alpha_2, \qquad \tau = \frac{\mathrm{mod}(t', c) + 1}{c}
+
+when :math:`c > 1` (a constant :math:`\alpha_1` when :math:`c = 1`), and :math:`x^{t+1} = x^t + \eta_g \sum_i p_i (w_{i,E} - x^t)`.
+Two rules for when a model is collected into :math:`w_{SWA} \leftarrow (n\, w_{SWA} + x^{t+1}) / (n + 1)`, :math:`n \leftarrow n + 1`:
 
 - ``rule=code`` (default; github.com/debcaldarola/fedsam, ``models/main.py:137-180``, ``main_utils.py:97``):
-  ``t' = t`` (the absolute round); ``w_SWA = x^s`` at round ``s`` with ``n = 0``, so the first collection replaces
-  it; a model is collected after every round ``t > s`` with ``mod(t - s, c) = 0``;
-- ``rule=izmailov`` (Izmailov et al.'s Algorithm 1): ``t' = t - s``; ``w_SWA = x^s`` counts as one model (``n =
-  1``); a model is collected at the end of every cycle, after rounds with ``mod(t - s + 1, c) = 0``, where the rate is
-  ``alpha_2``.
+  :math:`t' = t` (the absolute round); :math:`w_{SWA} = x^s` at round :math:`s` with :math:`n = 0`, so the first collection replaces
+  it; a model is collected after every round :math:`t > s` with :math:`\mathrm{mod}(t - s, c) = 0`;
+- ``rule=izmailov`` (Izmailov et al.'s Algorithm 1): :math:`t' = t - s`; :math:`w_{SWA} = x^s` counts as one model (:math:`n = 1`);
+  a model is collected at the end of every cycle, after rounds with :math:`\mathrm{mod}(t - s + 1, c) = 0`, where the rate is
+  :math:`\alpha_2`.
 
-``s = start_round``, or ``floor(start * T)`` of the run's ``T`` rounds (the code's default 0.75).
+:math:`s` = ``start_round``, or :math:`\lfloor \mathrm{start} \cdot T \rfloor` of the run's :math:`T` rounds (the code's default 0.75).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class SWAServer(ServerUpdate):
         return math.floor(self.p.start * ctx.settings.rounds)
 
     def cycle_position(self, ctx: RoundContext) -> int:
-        """``mod(t', c)``: the round's place in its cycle."""
+        r""":math:`\mathrm{mod}(t', c)`: the round's place in its cycle."""
         offset = 0 if self.p.rule == "code" else self.start_round(ctx)
         return (ctx.round - offset) % self.p.cycle
 
