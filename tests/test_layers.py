@@ -5,7 +5,7 @@ included), so a lazy import that would close a cycle at run time is caught too.
 """
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 import fedflat
@@ -28,32 +28,17 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+# How a source file's imports are read is scripts/architecture_diagram.py's (its layer picture is drawn from them):
+# one reader for the picture and for this check.
+_spec = importlib.util.spec_from_file_location("architecture_diagram",
+                                               ROOT.parent / "scripts" / "architecture_diagram.py")
+diagram = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(diagram)
+module_name, imports = diagram.module_name, diagram.imported
 
 
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in ROOT.rglob("*.py")}
-
-
-def imports(path: Path, known: set[str]) -> set[str]:
-    """The fedflat modules ``path`` imports (``from pkg import mod`` counts as importing ``pkg.mod``)."""
-    found = set()
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "fedflat")
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parents = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parents + ([base] if base else []))
-            if base.split(".")[0] != "fedflat":
-                continue
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
-    return found - {module_name(path)}
 
 
 def layer_of(module: str) -> int:
