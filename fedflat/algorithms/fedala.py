@@ -84,7 +84,6 @@ class AdaptiveLocalAggregation(OwnModel):
     own_entry = PERSONAL
     beyond_batch = "it learns its aggregation weights on the client's data beyond the local steps' batches"
 
-
     def initialize(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor:
         w = ctx.w_broadcast
         mask = adapted_mask(ctx.settings, self.p.ala_tensors).to(w.device)

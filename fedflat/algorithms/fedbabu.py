@@ -122,7 +122,6 @@ class FineTune(OwnModel):
     own_entry = PERSONAL
     beyond_batch = "it fine-tunes on the client's data beyond the local steps' batches"
 
-
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         trained = head_mask(ctx.settings, self.p.head_layers).to(W.device) if self.p.finetune == "head" else None
         steps = epochs_of(cohort, ctx.settings.batch_size, self.p.finetune_epochs)

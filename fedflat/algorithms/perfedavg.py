@@ -104,7 +104,6 @@ class Adapted(OwnModel):
     own_entry = PERSONAL
     beyond_batch = "it adapts on the client's data beyond the local steps' batches"
 
-
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         steps = [self.p.adapt_steps] * cohort.size
         cohort.new_state[PERSONAL] = finetune(ctx, cohort, ctx.w_broadcast, steps, None, self.p.alpha,
