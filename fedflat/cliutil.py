@@ -36,6 +36,11 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def workers_count(text: str) -> int | str:
+    """An argparse type: ``auto`` or a whole number >= 1."""
+    return "auto" if text == "auto" else at_least_one(text)
+
+
 def at_least_one(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     try:

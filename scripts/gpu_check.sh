@@ -16,6 +16,12 @@
 #             sequential beside the bare loop, then the vectorized engine (FedAvg and FedSAM)
 #   lease3    the third lease's batch: graphs3 alone on the GPU, then tests and memory side by side, all packed into
 #             $OUT/session.tgz (as session does)
+#   streams3  W3 in bf16 with CUDA graphs: the sequential engine beside the streams engine (FedAvg, FedSAM), then one
+#             profiled streams round of 5 local steps (what bounds it)
+#   pack      the FedWMSAM Table 1 FMNIST sweep's gpu-pack variant (7 cells) one cell at a time, then --workers auto
+#             (data.root: $FMNIST, default .gpu/fmnist); cells per hour by scripts/pack_report.py
+#   pack3     the W3-sized sweep (configs/gpu_w3_sweep.yaml, 4 cells) one cell at a time, then --workers auto
+#   lease4    the fourth lease's first call: streams3, pack, and the streams and footprint tests on the GPU
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
@@ -73,6 +79,39 @@ for stage in "$@"; do
       timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines vectorized --rounds 1 \
         --quiet --json "$OUT/bench_w3_graphs_vectorized_bf16.json" tf32=true cuda_graphs=true precision=bf16 \
         ${GPU_CHECK_OVERRIDES:-} ;;
+    streams3)
+      timeout 240 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines sequential,streams \
+        --rounds 1 --quiet --json "$OUT/bench_w3_streams_bf16.json" tf32=true cuda_graphs=true precision=bf16 \
+        ${GPU_CHECK_OVERRIDES:-}
+      timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --engines streams --workload W3 --rounds 1 --quiet \
+        --json "$OUT/bench_w3_streams_profile.json" --profile /tmp/profiles_streams tf32=true cuda_graphs=true \
+        precision=bf16 train.local_steps=5 ${GPU_CHECK_OVERRIDES:-}
+      tar czf "$OUT/profiles_streams.tgz" -C /tmp profiles_streams ;;
+    pack|pack3)
+      if [ $stage = pack ]; then
+        sweep=(configs/papers/fedwmsam_table1_fmnist.yaml --variant gpu-pack data.root="${FMNIST:-.gpu/fmnist}")
+      else
+        sweep=(configs/gpu_w3_sweep.yaml)
+      fi
+      for workers in 1 auto; do
+        rm -rf /tmp/$stage-$workers; start=$EPOCHREALTIME
+        timeout "${PACK_SECONDS:-300}" $FEDFLAT sweep "${sweep[@]}" device=$DEVICE ${GPU_CHECK_OVERRIDES:-} \
+          --workers $workers --no-progress --out /tmp/$stage-$workers > "$OUT/${stage}_$workers.txt" 2>&1
+        rc=$?; wall=$(python3 -c "print(round($EPOCHREALTIME - $start, 2))")
+        echo "sweep --workers $workers rc $rc in $wall s" | tee -a "$OUT/${stage}_$workers.txt"
+        eval "wall_$workers=$wall"
+        grep "sweep:" "$OUT/${stage}_$workers.txt"
+      done
+      at_once=$(grep -o "[0-9]* cell(s) at once" "$OUT/${stage}_auto.txt" | head -n 1 | cut -d' ' -f1)
+      python3 scripts/pack_report.py /tmp/$stage-1 "$wall_1" /tmp/$stage-auto "$wall_auto" "${at_once:-1}" \
+        | tee "$OUT/${stage}_report.txt"
+      (cd /tmp && find $stage-1 $stage-auto -type f ! -name '*.pt' -print0 | tar czf "$OUT/${stage}_runs.tgz" --null -T -) ;;
+    lease4)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      "$0" streams3; "$0" pack
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --device $DEVICE -n 4 --tb=short -rfE \
+        tests/test_cuda_graphs.py tests/test_packing.py tests/test_engines.py -k "streams or footprint or graphed" \
+        > "$OUT/pytest_streams.txt" 2>&1; echo "pytest rc $?"; tail -n 15 "$OUT/pytest_streams.txt" ;;
     lease3)
       results=/tmp/gpu-session; mkdir -p $results
       pack() { tar czf "$OUT/session.tgz.tmp" -C /tmp gpu-session && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }

@@ -61,3 +61,23 @@ def test_graphed_local_steps_never_wait_for_the_gpu(tiny):
         sim.run_round(0)  # warm-up: the graphs captured
         counts.append(_synchronisations(sim, 1))
     assert counts[1] <= counts[0] + 1, counts
+
+
+@needs_gpu
+@pytest.mark.parametrize("graphs", ["false", "true"])
+@pytest.mark.parametrize("name", ["fedavg", "fedsam"])
+def test_streams_engine_on_cuda_lanes_equals_the_sequential_engine(tiny, name, graphs):
+    """engine=streams on a GPU: each client's pass on a CUDA stream of its own (a graph each under cuda_graphs), the
+    lanes side by side; the clients' passes are the sequential engine's kernels, so the models agree to the float32
+    rounding of the cohort's row reductions (norms of C rows at once)."""
+    common = (f"algo={name}", "device=cuda", "rounds=3", "train.local_epochs=2", "data.partition=iid",
+              f"cuda_graphs={graphs}")
+    sequential = Simulation(tiny(*common, "engine=sequential"))
+    streams = Simulation(tiny(*common, "engine=streams"))
+    for t in range(3):
+        sequential.run_round(t)
+        streams.run_round(t)
+    lanes = streams.runtime.oracle.lanes
+    assert len({id(s) for s in lanes.streams}) == len(lanes.streams) == 3  # a stream per client of the cohort
+    assert (lanes.replays > 0) == (graphs == "true")
+    torch.testing.assert_close(streams.w, sequential.w, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
 from fedflat.engine.batches import stack_batches
 from fedflat.engine.oracle import Oracle
-from fedflat.engine.runtime import auto_chunk_size, resolve_engine
+from fedflat.engine.runtime import auto_chunk_size, engine_choice, resolve_engine
 from fedflat.engine.simulation import Simulation
 from fedflat.params import FlatModel
 
@@ -50,12 +50,47 @@ def test_engines_agree_for_every_method(tiny, name):
     model = model_for(name)
     sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=sequential"), save=False, progress=False)
     if not _vectorizable(name):
-        with pytest.raises(ConfigError, match="does not support the vectorized engine"):
+        with pytest.raises(ConfigError, match="does not support training a cohort at once"):
             Simulation(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"))
         return
     vectorized = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"), save=False, progress=False)
     assert vectorized.summary["engine"] == "vectorized" and sequential.summary["engine"] == "sequential"
     _assert_runs_agree(sequential, vectorized)
+
+
+# Methods whose parts multiply a whole cohort's rows in one matrix product (FedSCAM's projection of the clients'
+# summaries): a product of C rows sums in another order than C products of one row, so these agree to rounding.
+COHORT_PRODUCTS = ("fedscam", "fedscam-wa")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_streams_engine_equals_the_sequential_engine_bit_for_bit(tiny, name):
+    """engine=streams trains a cohort's clients at once with each client's own pass (the sequential engine's
+    kernels, on lanes that run side by side on a GPU and one after another here): every method's run is the
+    sequential run exactly, padded cohorts included (clients of 2 to 18 steps, short last batches)."""
+    from agreement import on_cuda
+
+    model = model_for(name)
+    sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=sequential"), save=False, progress=False)
+    if not _vectorizable(name):
+        with pytest.raises(ConfigError, match="does not support training a cohort at once"):
+            Simulation(tiny(f"algo={name}", *UNEQUAL, *model, "engine=streams"))
+        return
+    streams = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=streams"), save=False, progress=False)
+    assert streams.summary["engine"] == "streams"
+    if name in COHORT_PRODUCTS or on_cuda():  # (a GPU's reductions of C rows are blocked by C)
+        _assert_runs_agree(sequential, streams)
+    else:
+        assert torch.equal(streams.final_parameters, sequential.final_parameters)
+        assert _metrics(streams) == _metrics(sequential)
+
+
+def test_streams_engine_runs_each_client_of_a_cohort_on_its_own_lane(tiny):
+    """The round's three clients are one cohort with a lane (and a pass) each, not three cohorts of one."""
+    sim = Simulation(tiny("engine=streams", "device=cpu"))
+    assert sim.chunk_size(3) == 3
+    sim.run_round(0)
+    assert len(sim.runtime.oracle.lanes.passes) == 3
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -176,7 +211,7 @@ def test_auto_chunk_size_follows_the_memory_budget(tiny, monkeypatch):
 def test_a_part_without_vectorized_support_is_refused_by_name(tiny, monkeypatch):
     part = type(build_algorithm({"name": "fedsam"}).parts["perturbation"])
     monkeypatch.setattr(part, "supports_vectorized", False, raising=False)
-    with pytest.raises(ConfigError, match="perturbation 'sam' of 'fedsam' does not support the vectorized engine"):
+    with pytest.raises(ConfigError, match="perturbation 'sam' of 'fedsam' does not support training a cohort at once"):
         Simulation(tiny("algo=fedsam", "engine=vectorized"))
     Simulation(tiny("algo=fedsam", "engine=sequential"))  # the sequential engine runs it
 
@@ -194,6 +229,16 @@ def test_auto_engine_on_a_gpu_follows_the_step_size():
     assert resolve_engine("auto", cuda, 166e9) == "sequential"
     assert resolve_engine("auto", torch.device("cpu"), 0.8e9) == "sequential"
     assert resolve_engine("vectorized", cuda, 166e9) == "vectorized"
+    # with CUDA graphs the launches are gone and the streams engine overlaps the clients' kernels (W3 on an H100)
+    assert resolve_engine("auto", cuda, 166e9, cuda_graphs=True) == "streams"
+    assert resolve_engine("auto", cuda, 0.8e9, cuda_graphs=True) == "vectorized"
+    assert "engine=auto on CPU" in engine_choice("auto", torch.device("cpu"))[1]
+
+
+def test_a_run_records_its_engine_and_why(tiny):
+    history = fedflat.run(tiny("engine=auto", "device=cpu", "rounds=1"), save=False, progress=False)
+    assert history.summary["engine"] == "sequential"
+    assert history.summary["engine_reason"].startswith("engine=auto on CPU: the sequential engine")
 
 
 def test_an_out_of_memory_chunk_is_halved_and_retried_with_the_same_numbers(tiny, monkeypatch):

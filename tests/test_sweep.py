@@ -65,7 +65,7 @@ def test_bad_sweeps_are_clear_errors(tmp_path):
         load_sweep(write_sweep(tmp_path, {"grdi": {}}))
     with pytest.raises(ConfigError, match="variant 'small': unknown key 'overides' \\(did you mean 'overrides'"):
         load_sweep(write_sweep(tmp_path, {"variants": {"small": {"overides": []}}}), variant="small")
-    with pytest.raises(ConfigError, match="workers must be at least 1"):
+    with pytest.raises(ConfigError, match="workers must be a whole number at least 1 or auto"):
         run_sweep(load_sweep(write_sweep(tmp_path, {"grid": {"seed": [0]}})), workers=0)
     with pytest.raises(ConfigError, match="no values"):
         load_sweep(write_sweep(tmp_path, {"grid": {"seed": []}}))

@@ -258,13 +258,14 @@ class Contestant:
     def row(self) -> Row:
         eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
-        chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if self.engine == "vectorized" else None
+        cohort = self.engine in ("vectorized", "streams")
+        chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
         extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
                                  "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
                                  "cuda_graphs": self.cfg.cuda_graphs}
-        if self.engine == "vectorized" and self.executor == "local":
+        if cohort and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round
             extra["startup_seconds"] = self.sim.executor.startup_seconds  # the workers' start and data

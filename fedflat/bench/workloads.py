@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ENGINES = ("sequential", "vectorized", "bare")
+ENGINES = ("sequential", "vectorized", "streams", "bare")
 
 
 @dataclass(frozen=True)

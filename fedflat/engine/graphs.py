@@ -1,4 +1,4 @@
-"""CUDA graphs of the clients' training passes (``cuda_graphs: true``).
+"""CUDA graphs of the clients' training passes (``cuda_graphs: true``), and their lanes (``engine: streams``).
 
 A local step of a mid-sized network on a fast GPU is bound by the host, not the GPU: ResNet-18-GN at batch 50
 launches about 13 ms of kernels a step for 3.8 ms of GPU work in bf16 (docs/benchmarks.md, "GPU, second session").
@@ -11,9 +11,15 @@ replays, and returns copies of the static outputs (the next replay overwrites th
 across passes: SAM's ascent gradient). The kernels are those the eager pass runs, so the numbers are the eager
 pass's (tests/test_cuda.py compares them); a pass a graph cannot hold (a new shape beyond ``max_shapes``) runs
 eagerly.
+
+:class:`ClientLanes` runs a cohort's clients' passes side by side (``engine: streams``): each client's pass, the
+sequential engine's own kernels, on a CUDA stream of its own, so the GPU overlaps the small kernels of several
+clients' batches that one client alone leaves it waiting between; with ``cuda_graphs`` each lane replays its own
+graph (its own memory pool: graphs sharing a pool may not run at once). Off CUDA the lanes run one after another.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,6 +80,48 @@ class GraphedPass:
             loss, grad = self.f(*inputs)
         self.pool = graph.pool()
         return _Captured(graph, inputs, loss, grad)
+
+
+class ClientLanes:
+    """Up to as many CUDA streams as a cohort has clients, each with its client's pass (a :class:`GraphedPass` of its
+    own under ``cuda_graphs``). :meth:`run` forks every client's pass from the current stream onto its lane and joins
+    them back: the results are those of the passes run one after another (each lane's kernels are one client's,
+    in the order the sequential engine runs them)."""
+
+    def __init__(self, f: Pass, device: torch.device, graphs: bool = False):
+        self.f, self.device, self.graphs = f, device, graphs
+        self.streams: list = []
+        self.passes: list[Pass] = []
+
+    def _lane(self, c: int) -> tuple:
+        while len(self.passes) <= c:
+            self.passes.append(GraphedPass(self.f) if self.graphs else self.f)
+            self.streams.append(torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None)
+        return self.streams[c], self.passes[c]
+
+    def run(self, calls: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], grad[C, P])``: client ``c``'s pass ``f(*calls[c])`` on lane ``c``."""
+        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        losses, grads = [], []
+        for c, inputs in enumerate(calls):
+            stream, f = self._lane(c)
+            if stream is not None:
+                stream.wait_stream(main)  # the inputs were written on the main stream
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                loss, grad = f(*inputs)
+            losses.append(loss)
+            grads.append(grad)
+        if main is not None:
+            for c in range(len(calls)):
+                main.wait_stream(self.streams[c])
+                # (each lane's outputs are read on the main stream: their memory waits for it before reuse)
+                losses[c].record_stream(main)
+                grads[c].record_stream(main)
+        return torch.stack(losses), torch.stack(grads)
+
+    @property
+    def replays(self) -> int:
+        return sum(getattr(f, "replays", 0) for f in self.passes)
 
 
 def check_cuda_graphs(device: torch.device) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from fedflat.core import Batch, Contrast, Distillation, stream_seed, torch_stream
-from fedflat.engine.graphs import GraphedPass, check_cuda_graphs
+from fedflat.engine.graphs import ClientLanes, GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import DropoutCall, ModelTraits, Replay, draw_keep, drawing, recording
@@ -158,7 +158,7 @@ class Oracle:
 
     def __init__(self, model: FlatModel, vectorized: bool = False, precision: str = "float32",
                  channels_last: bool = False, traits: ModelTraits | None = None, loss: LossFn | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, streams: bool = False):
         self.model = model
         self.loss_fn = loss  # per-sample losses (None: cross-entropy), fedflat/engine/losses.py
         self.vectorized = vectorized
@@ -188,6 +188,8 @@ class Oracle:
             check_cuda_graphs(model.initial.device)
             self.graphed = GraphedPass(self._vector_pass if vectorized else self._loss_grad_one)
             self.graphed_weighted = GraphedPass(self._vector_pass_weighted) if vectorized else None
+        # engine=streams: a cohort's full batches, each client's pass on a CUDA stream of its own (graphs.py)
+        self.lanes = ClientLanes(self._loss_grad_one, model.initial.device, cuda_graphs) if streams else None
 
     def _logits(self, views: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
         """The model's forward pass at ``views``; with ``precision: bf16`` under ``torch.autocast`` (matrix
@@ -440,6 +442,8 @@ class Oracle:
             if batch.weight is None:
                 return (self.graphed or self._vector_pass)(W, batch.x, batch.y)
             return (self.graphed_weighted or self._vector_pass_weighted)(W, batch.x, batch.y, batch.weight)
+        if self.lanes is not None:
+            return self.lanes.run([(W[c], *batch.row(c)) for c in range(C)])
         one = self.graphed or self._loss_grad_one
         if C == 1 and batch.weight is None:
             loss, grad = one(W[0], batch.x[0], batch.y[0])

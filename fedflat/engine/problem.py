@@ -19,7 +19,7 @@ from fedflat.engine.losses import LossFn, check_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
 from fedflat.engine.oracle import Oracle
-from fedflat.engine.runtime import resolve_engine
+from fedflat.engine.runtime import engine_choice
 from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -127,6 +127,7 @@ class ModelReport:
     threads: int | None
     vmap_problem: str | None
     engine: str
+    engine_reason: str = ""  # why this engine (engine=auto's measured rule, or the config)
 
 
 def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn | None) -> ModelReport:
@@ -139,13 +140,18 @@ def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn 
     share = core_share() / cfg.executor.workers if cfg.executor.name == "threads" else None
     threads = choose_threads(cfg.threads, flops, cores=share)
     traits = _traits(problem, model)
-    engine = resolve_engine(cfg.engine, model.initial.device, flops)
+    engine, why = engine_choice(cfg.engine, model.initial.device, flops, cfg.cuda_graphs)
+    if cfg.engine == "auto" and engine == "streams" and traits.random is not None:
+        engine, why = "sequential", f"engine=auto: the model draws random numbers ({traits.random}): one client at a time"
     # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused
     may_vectorize = engine == "vectorized" or (cfg.engine == "auto" and cfg.executor.gpus_per_worker > 0)
     _check_loss(problem, model, loss)
     problem_ = vmap_problem(model, traits, problem.probe_inputs(), problem.dataset.y_train, cfg.precision,
                             loss) if may_vectorize else None
-    return ModelReport(traits, flops, threads, problem_, choose_engine(cfg.engine, engine, problem_, model.module))
+    chosen = choose_engine(cfg.engine, engine, problem_, model.module)
+    if chosen != engine:
+        why = f"engine=auto: the model cannot run under torch.func.vmap ({problem_}): one client at a time"
+    return ModelReport(traits, flops, threads, problem_, chosen, why)
 
 
 def _step_flops(cfg: Config, problem: Problem, model: FlatModel) -> float:

@@ -32,6 +32,7 @@ from fedflat.params import FlatModel
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
 # per-tensor gradients and their flat copy, the direction and the step's temporaries.
 LOOP_VECTORS = 8
+ENGINES = ("sequential", "vectorized", "streams")
 DEFAULT_CPU_BUDGET = 2 << 30  # bytes for one vectorized chunk on CPU
 
 StateLoader = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
@@ -42,17 +43,31 @@ StateLoader = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, 
 GPU_BUSY_STEP_FLOPS = 1e10
 
 
-def resolve_engine(name: str, device: torch.device, step_flops: float = 0.0) -> str:
-    """``auto``, as measured (docs/benchmarks.md): on CPU the sequential engine (the vectorized one was
-    slower on every standard workload: vmap over convolutions becomes grouped convolutions, and clients
-    with fewer steps are padded); on a GPU the vectorized engine for small steps, which leave the GPU
-    waiting for kernel launches, and the sequential one where one client's step (``step_flops``, forward
-    and backward of a batch) already fills it."""
+def engine_choice(name: str, device: torch.device, step_flops: float = 0.0,
+                  cuda_graphs: bool = False) -> tuple[str, str]:
+    """``(engine, why)``: the engine ``name`` asks for, or ``auto``'s choice as measured (docs/benchmarks.md). On
+    CPU the sequential engine (the vectorized one was slower on every standard workload: vmap over convolutions
+    becomes grouped convolutions, and clients with fewer steps are padded); on a GPU the vectorized engine for small
+    steps, which leave the GPU waiting for kernel launches, and for steps that fill it by themselves
+    (``step_flops``, forward and backward of a batch) the streams engine when the passes are CUDA graphs (its
+    lanes overlap the clients' small kernels once the launches are gone), else the sequential one."""
     if name != "auto":
-        return name
+        return name, f"engine={name} as configured"
     if device.type != "cuda":
-        return "sequential"
-    return "sequential" if step_flops >= GPU_BUSY_STEP_FLOPS else "vectorized"
+        return "sequential", "engine=auto on CPU: the sequential engine (the fastest on every measured workload)"
+    if step_flops < GPU_BUSY_STEP_FLOPS:
+        return "vectorized", (f"engine=auto on a GPU: a local step of {step_flops:.2g} FLOPs leaves the GPU waiting "
+                              "on kernel launches, so a cohort's steps run at once under vmap (W2: 10x)")
+    if cuda_graphs:
+        return "streams", (f"engine=auto on a GPU with cuda_graphs: steps of {step_flops:.2g} FLOPs, each client's "
+                           "graph on a stream of its own so the GPU overlaps their kernels (W3 on an H100)")
+    return "sequential", (f"engine=auto on a GPU: a local step of {step_flops:.2g} FLOPs fills the GPU's launch queue "
+                          "one client at a time (with cuda_graphs=true auto takes the faster streams engine)")
+
+
+def resolve_engine(name: str, device: torch.device, step_flops: float = 0.0, cuda_graphs: bool = False) -> str:
+    """The engine of :func:`engine_choice`."""
+    return engine_choice(name, device, step_flops, cuda_graphs)[0]
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
@@ -65,13 +80,14 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
         torch.backends.cudnn.allow_tf32 = enabled
 
 
-def check_vectorizable(algorithm: Algorithm) -> None:
+def check_vectorizable(algorithm: Algorithm, engine: str = "vectorized") -> None:
     """Refuses, naming the part, a method with a part that declares ``supports_vectorized = False``
-    (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort)."""
+    (a part whose per-client work cannot run on ``[C, P]`` tensors of a whole cohort, as the vectorized and the
+    streams engines run it)."""
     for role, part in algorithm.parts.items():
         if not part.supports_vectorized:
-            raise ConfigError(f"engine=vectorized: {role} '{part.name}' of '{algorithm.name}' does not support the "
-                             f"vectorized engine yet; use engine=sequential")
+            raise ConfigError(f"engine={engine}: {role} '{part.name}' of '{algorithm.name}' does not support "
+                             f"training a cohort at once yet; use engine=sequential")
 
 
 def activation_bytes(model: FlatModel, w: torch.Tensor, x: torch.Tensor) -> int:
@@ -157,19 +173,19 @@ class ClientRuntime:
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
                  engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False,
                  traits: ModelTraits | None = None, cuda_graphs: bool = False):
-        if engine not in ("sequential", "vectorized"):
-            raise ConfigError(f"engine must be sequential or vectorized here, got {engine!r}")
-        if engine == "vectorized":
-            check_vectorizable(algorithm)
+        if engine not in ENGINES:
+            raise ConfigError(f"engine must be sequential, vectorized or streams here, got {engine!r}")
+        if engine != "sequential":
+            check_vectorizable(algorithm, engine)
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
         self.engine = engine
         batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
         self.fixed_chunk = chunk_size
         self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
-                             traits=traits, loss=settings.loss, cuda_graphs=cuda_graphs)
+                             traits=traits, loss=settings.loss, cuda_graphs=cuda_graphs, streams=engine == "streams")
         self.oracle.dp_sgd = settings.dp_sgd
-        if engine == "vectorized" and self.oracle.traits.random is not None:
-            raise ConfigError(f"engine=vectorized: model {module_name(model.module)} draws random numbers "
+        if engine != "sequential" and self.oracle.traits.random is not None:
+            raise ConfigError(f"engine={engine}: model {module_name(model.module)} draws random numbers "
                               f"({self.oracle.traits.random}) outside dropout; use engine=sequential")
         self._client_bytes: int | None = None
         self.oom_retries = 0
@@ -207,7 +223,7 @@ class ClientRuntime:
         broadcast = broadcast.to(self.device)
         ctx = ClientContext.of(broadcast, self.settings, self.oracle, self.batches)
         order = torch.arange(len(task))
-        if self.engine == "vectorized":
+        if self.engine != "sequential":
             order = torch.as_tensor(sorted(range(len(task)), key=lambda i: (-int(task.steps[i]), i)))
         size, lo, results = self.chunk_size(len(task)), 0, []
         while lo < len(task):
@@ -286,7 +302,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
-    engine = resolve_engine(spec.engine, device, spec.step_flops)
+    engine = resolve_engine(spec.engine, device, spec.step_flops, spec.cuda_graphs)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings, engine, spec.chunk_size,
                          spec.precision, spec.channels_last, spec.traits, spec.cuda_graphs)
 

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedflat.cliutil import add_loggers_option, at_least_one, loggers_override, print_outcome
+from fedflat.cliutil import add_loggers_option, loggers_override, print_outcome, workers_count
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -186,7 +186,9 @@ def register(sub) -> None:
 
 def _cell_options(p) -> None:
     """Where and how the cells of a sweep or a tune run: processes or Ray, the file's variant and folder."""
-    p.add_argument("--workers", type=at_least_one, default=1, help="cells run at once, each in its own process")
+    p.add_argument("--workers", type=workers_count, default=1,
+                   help="cells run at once, each in its own process; auto: one a core on CPU, on a GPU as many as "
+                        "its memory holds, measured on the first cell (docs/experiments.md, \"Packing a sweep\")")
     p.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="ray: every cell a Ray task on a cluster (docs/distributed.md)")
     p.add_argument("--ray-address", default=None, help="with --backend ray: auto or HOST:PORT (default: a local Ray)")

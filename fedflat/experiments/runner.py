@@ -240,7 +240,8 @@ class Runner:
             "data_source": sim.dataset.source or None, "data_files": list(sim.dataset.files),  # what it read
             "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
-            "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "device": str(sim.device),
+            "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "engine_reason": sim.report.engine_reason,
+            "device": str(sim.device),
             "gradient": sim.oracle.gradient,  # native, python (hand-derived) or autograd: docs/benchmarks.md
             "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
             "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,

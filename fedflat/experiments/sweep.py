@@ -44,6 +44,7 @@ from fedflat.config import (Config, apply_override, base_file, config_file, file
                             parse_override, read_yaml_file, resolve, suggest, wrong_kind)
 from fedflat.core import ConfigError
 from fedflat.engine.threads import available_cores
+from fedflat.experiments.packing import Footprint, Packing
 from fedflat.experiments.report import flatten
 from fedflat.experiments.rundir import FINISHED, LOCK, TRACKING_FILE, RunFolderBusy, hold
 from fedflat.files import atomic_write_text, json_safe, read_jsonl
@@ -320,7 +321,7 @@ def cell_state(folder: Path, cfg: Config | None) -> tuple[str, str | None]:
 
 
 def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads: int | None = None,
-             group: str | None = None, job: str | None = None) -> dict[str, Any]:
+             group: str | None = None, job: str | None = None, callbacks: tuple = ()) -> dict[str, Any]:
     """Runs, resumes or skips one cell; never raises (errors are recorded in the result and
     ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes); ``group``
     (the sweep's name) and ``job`` group its tracked runs."""
@@ -332,13 +333,13 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     folder_path.mkdir(parents=True, exist_ok=True)
     try:
         with hold(folder_path):  # one writer per cell: a second sweep over the same cells is refused here
-            return _run_held_cell(tree, folder_path, progress, group, job)
+            return _run_held_cell(tree, folder_path, progress, group, job, callbacks)
     except RunFolderBusy as err:
         return {"status": "busy", "reason": str(err), "action": "none"}
 
 
 def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, group: str | None,
-                   job: str | None) -> dict[str, Any]:
+                   job: str | None, callbacks: tuple = ()) -> dict[str, Any]:
     from fedflat.experiments.checkpoint import resume
     from fedflat.experiments.runner import run_experiment
 
@@ -354,9 +355,9 @@ def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, grou
             for leftover in folder_path.iterdir():  # (the tracked runs' ids stay: the start continues them)
                 if leftover.name not in (LOCK, TRACKING_FILE):
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            run_experiment(cfg, run_dir=folder_path, progress=progress, group=group, job=job)
+            run_experiment(cfg, run_dir=folder_path, progress=progress, group=group, job=job, callbacks=callbacks)
         else:
-            resume(folder_path, config=cfg, progress=progress, group=group, job=job)
+            resume(folder_path, config=cfg, progress=progress, group=group, job=job, callbacks=callbacks)
         return _result(folder_path, "resumed" if state == "resume" else "ran", time.perf_counter() - start)
     except BaseException as err:  # noqa: BLE001 - a cell's failure must not stop the sweep
         if isinstance(err, KeyboardInterrupt):
@@ -409,15 +410,16 @@ class RayCells:
     gpus: float = 0.0
 
 
-def run_sweep(sweep: Sweep, workers: int = 1, progress: bool = True, ray: RayCells | None = None) -> SweepResult:
-    """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time, or as Ray tasks."""
+def run_sweep(sweep: Sweep, workers: int | str = 1, progress: bool = True, ray: RayCells | None = None) -> SweepResult:
+    """Runs every cell of ``sweep`` (skipping finished ones), ``workers`` at a time (``auto``: as many as fit,
+    :mod:`fedflat.experiments.packing`), or as Ray tasks."""
     cells = sweep.cells()
     results = run_cells(cells, sweep.out, workers, progress, ray,
                         on_record=lambda done: _write_index(sweep, cells, done), group=sweep.out.name)
     return SweepResult(folder=sweep.out, cells=[{"name": c.name, **results[c.name]} for c in cells])
 
 
-def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = True, ray: RayCells | None = None,
+def run_cells(cells: list[Cell], out: Path, workers: int | str = 1, progress: bool = True, ray: RayCells | None = None,
               on_record: Callable[[dict[str, dict[str, Any]]], None] | None = None, group: str | None = None,
               job: str | None = None) -> dict[str, dict[str, Any]]:
     """Runs, resumes or skips each cell in ``out/<cell name>``, ``workers`` at a time or as Ray tasks; a cell
@@ -425,15 +427,15 @@ def run_cells(cells: list[Cell], out: Path, workers: int = 1, progress: bool = T
     results so far after every cell (and once before the first). The cells' loggers are checked first (a
     logger that cannot start stops the sweep before any cell runs, unless optional); their tracked runs are
     grouped by ``group`` and ``job``."""
-    if workers < 1:
-        raise ConfigError(f"sweep workers must be at least 1, got {workers}")
+    if workers != "auto" and (not isinstance(workers, int) or workers < 1):
+        raise ConfigError(f"sweep workers must be a whole number at least 1 or auto, got {workers!r}")
     out.mkdir(parents=True, exist_ok=True)
     # one sweep per folder: two at once each found the other's live cells busy and wrote that in sweep.json
     with hold(out, "sweep folder"):
         return _run_held_cells(cells, out, workers, progress, ray, on_record, group, job)
 
 
-def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, ray: RayCells | None,
+def _run_held_cells(cells: list[Cell], out: Path, workers: int | str, progress: bool, ray: RayCells | None,
                     on_record: Callable[[dict[str, dict[str, Any]]], None] | None, group: str | None,
                     job: str | None) -> dict[str, dict[str, Any]]:
     from fedflat.progress import progress_bar
@@ -463,7 +465,7 @@ def _run_held_cells(cells: list[Cell], out: Path, workers: int, progress: bool, 
     try:
         if ray is not None:
             _run_on_ray(out, todo, ray, record, bar, group, job)
-        elif workers <= 1:
+        elif workers == 1:
             for cell in todo:
                 bar.set_postfix_str(cell.name)
                 try:
@@ -537,22 +539,38 @@ def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, 
         return
     signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
-        results.put((folder, run_cell(tree, folder, False, threads, group, job)))
+        results.put((folder, run_cell(tree, folder, False, threads, group, job, (Footprint(folder),))))
     except KeyboardInterrupt:
         results.put((folder, interrupted_cell(Path(folder))))
 
 
-def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar, group: str | None = None,
+def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, bar, group: str | None = None,
                       job: str | None = None) -> None:
-    """At most ``workers`` cells at a time, each in its own process that dies with the sweep. Ctrl-C (or SIGTERM
-    through the command line) stops the running cells, which record a checkpoint, and starts no new one."""
+    """At most ``workers`` cells at a time (``auto``: :class:`~fedflat.experiments.packing.Packing`), each in its own
+    process that dies with the sweep. Ctrl-C (or SIGTERM through the command line) stops the running cells, which
+    record a checkpoint, and starts no new one."""
     context = get_context("spawn")
     queue = context.Queue()
-    threads = max(1, available_cores() // workers)
+    packing = Packing.of([c.config.device for c in todo], available_cores(), time.time()) if workers == "auto" else None
+    threads = packing.threads if packing else max(1, available_cores() // workers)
+    if packing is not None:
+        bar.write(f"sweep: {packing.reason}" if packing.limit else "sweep: the first cell runs alone for a round, "
+                  "then as many cells as its GPU memory leaves room for")
     pending, running = list(todo), {}
+    started: list[Path] = []  # the cells' folders, in the order they started (the first one's footprint decides)
+
+    def room() -> int:
+        if packing is None:
+            return workers
+        decided = packing.limit is not None
+        limit = packing.workers(started)
+        if not decided and packing.limit is not None:
+            bar.write(f"sweep: {packing.reason}")
+        return limit
+
     try:
         while pending or running:
-            while pending and len(running) < workers:
+            while pending and len(running) < room():
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
                 process = context.Process(target=_cell_process, daemon=True,
@@ -560,6 +578,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int, record, bar, gr
                                                 group, job))
                 _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
+                started.append(Path(folder))
             _collect(queue, running, record)
             live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
             bar.set_postfix_str("; ".join(live)[:200])

@@ -1,0 +1,87 @@
+"""``fedflat sweep --workers auto`` (fedflat/experiments/packing.py): how many cells run at once, measured.
+
+On a GPU the first cell runs alone for a round and writes its footprint; the sweep then starts as many cells as the
+memory left holds, at most one a core. The decision's arithmetic is checked on numbers computed by hand; the footprint
+a real cell writes, on a GPU (``pytest --device cuda``)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from test_sweep import write_sweep
+
+from fedflat.experiments.packing import FOOTPRINT_FILE, HEADROOM, RESERVE, Footprint, Packing, cells_that_fit
+from fedflat.experiments.sweep import load_sweep, run_sweep
+from fedflat.files import read_jsonl
+
+GIB = 2 ** 30
+
+
+def test_cells_that_fit_leave_the_reserve_and_the_headroom():
+    # 80 GiB card, the first cell holds 2 GiB and 60 GiB are free: (60 - 0.05 * 80) / (1.25 * 2) = 56 / 2.5 = 22.4
+    assert (RESERVE, HEADROOM) == (0.05, 1.25)
+    assert cells_that_fit(60 * GIB, 80 * GIB, 2 * GIB) == 22
+    assert cells_that_fit(3 * GIB, 80 * GIB, 2 * GIB) == 0  # less free than the reserve: none beside it
+    assert cells_that_fit(int(6.5 * GIB), 80 * GIB, 2 * GIB) == 1  # (6.5 - 4) / 2.5 = 1.0
+
+
+def _footprint(folder, used, free, total) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"used_bytes": used, "free_bytes": free, "total_bytes": total, "peak_reserved_bytes": used, "round": 0}
+    (folder / FOOTPRINT_FILE).write_text(json.dumps(record))
+
+
+def test_on_a_gpu_one_cell_runs_until_its_footprint_then_as_many_as_fit(tmp_path):
+    packing = Packing.of(["cuda"] * 40, cores=16, since=time.time() - 1)
+    first = tmp_path / "cell0"
+    assert packing.gpu and packing.workers([first]) == 1  # no footprint yet: the first cell alone
+    _footprint(first, used=2 * GIB, free=60 * GIB, total=80 * GIB)
+    assert packing.workers([first]) == 16  # 1 + 22 fit, 16 cores: one cell a core
+    assert "16 cell(s) at once on the GPU" in packing.reason and "room for 23" in packing.reason
+    assert packing.threads == 1
+
+    few = Packing.of(["cuda"] * 5, cores=16, since=time.time() - 1)
+    _footprint(tmp_path / "a", used=20 * GIB, free=50 * GIB, total=80 * GIB)  # (50 - 4) / 25 = 1.84: one more
+    assert few.workers([tmp_path / "a"]) == 2
+    assert few.threads == 3  # 16 cores over the 5 cells that might run at once
+
+
+def test_an_earlier_sweeps_footprint_is_not_this_machines_measurement(tmp_path):
+    folder = tmp_path / "cell0"
+    _footprint(folder, used=GIB, free=70 * GIB, total=80 * GIB)
+    old = time.time() - 3600
+    os.utime(folder / FOOTPRINT_FILE, (old, old))
+    assert Packing.of(["cuda"] * 8, cores=8, since=time.time() - 1).workers([folder]) == 1
+
+
+def test_on_cpu_auto_runs_one_cell_a_core():
+    packing = Packing.of(["cpu"] * 5, cores=2)
+    assert not packing.gpu and packing.workers([]) == 2 and packing.threads == 1
+    assert Packing.of(["cpu"], cores=4).workers([]) == 1
+
+
+def test_auto_workers_give_the_serial_sweeps_results(tmp_path):
+    path = write_sweep(tmp_path, {"overrides": ["rounds=2", "device=cpu"], "grid": {"seed": [0, 1]}})
+    packed = run_sweep(load_sweep(path, out=tmp_path / "auto"), workers="auto", progress=False)
+    serial = run_sweep(load_sweep(path, out=tmp_path / "ser"), progress=False)
+    assert [c["status"] for c in packed.cells] == [c["status"] for c in serial.cells] == ["completed", "completed"]
+    for name in ("seed0", "seed1"):
+        a = read_jsonl(tmp_path / "auto" / name / "metrics.jsonl")
+        b = read_jsonl(tmp_path / "ser" / name / "metrics.jsonl")
+        assert [m["test_acc"] for m in a] == [m["test_acc"] for m in b]
+        assert not (tmp_path / "auto" / name / FOOTPRINT_FILE).exists()  # CPU cells measure nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cell_on_a_gpu_writes_its_footprint_after_its_first_round(tiny, tmp_path):
+    import fedflat
+
+    fedflat.run(tiny("device=cuda", "rounds=2"), save=False, progress=False, callbacks=[Footprint(tmp_path)])
+    record = json.loads((tmp_path / FOOTPRINT_FILE).read_text())
+    free, total = torch.cuda.mem_get_info()
+    assert record["round"] == 0 and record["total_bytes"] == total
+    assert record["used_bytes"] >= record["peak_reserved_bytes"] > 0  # the context besides the allocator's blocks
+    assert record["used_bytes"] + record["free_bytes"] == total
