@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from fedflat import plugins
 from fedflat.config.schema import CALLBACK_CONFIGS, LOGGER_CONFIGS, AlgoSpec, Config, PrivacyConfig, suggest
 from fedflat.core.errors import ConfigError
+from fedflat.privacy import check_upload_path
 
 
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -148,7 +149,7 @@ def _check_method(cfg: Config) -> None:
         raise ConfigError(str(err)) from None
     _check_robust(cfg, algorithm)
     _check_colluding(cfg, algorithm)
-    _check_upload_path(cfg, algorithm)
+    check_upload_path(cfg.privacy, cfg.sampling.participation, algorithm)
     _check_secure_aggregation(cfg, algorithm)
     cfg.algo.remember(algorithm.resolved(), key, method)
 
@@ -193,31 +194,6 @@ def _check_colluding(cfg: Config, algorithm) -> None:
         raise ConfigError(f"attack={forged[0].name} forges the malicious uploads from the round's benign ones on the "
                           "server side, where they would skip the clients' compression and DP clip; drop privacy and "
                           "compression to run it")
-
-
-def _check_upload_path(cfg: Config, algorithm) -> None:
-    """What the upload path cannot give a method: each client's own upload under central DP (which releases only
-    the noised sum), compression under local DP (whose noise is dense), a Poisson accountant for fixed sampling."""
-    p = cfg.privacy
-    if p is None:
-        return
-    if p.level == "instance":
-        beyond = algorithm.beyond_batch_needs()
-        if beyond:
-            raise ConfigError(f"privacy.level=instance privatizes each local step's gradients of its batch, but "
-                              f"{'; '.join(beyond)}: DP-SGD cannot account that; use privacy.level=client")
-        return
-    needs = algorithm.individual_needs()
-    if p.mode == "central" and needs:
-        raise ConfigError(f"privacy.mode=central releases only the noised sum of the clients' updates, but "
-                          f"{'; '.join(needs)}: this method would read what central DP hides. Use privacy.mode=local "
-                          "(each client noises its own update) or another method")
-    if p.mode == "local" and algorithm.encoder is not None:
-        raise ConfigError(f"compression ({algorithm.encoder.name}) with privacy.mode=local: local noise makes the "
-                          "update dense; compress under privacy.mode=central")
-    if p.accountant == "pld" and p.mode == "central" and cfg.sampling.participation != "bernoulli":
-        raise ConfigError("privacy.accountant=pld accounts Poisson sampling: set sampling.participation=bernoulli, "
-                          "or use privacy.accountant=rdp (fixed-size sampling)")
 
 
 def _check_secure_aggregation(cfg: Config, algorithm) -> None:

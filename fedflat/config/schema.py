@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from fedflat.privacy import Mechanism, PrivacyConfig, calibrated_noise, client_mechanism, dp_stage, delta_of
+
 
 def suggest(word: str, options: list[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``options``, or nothing."""
@@ -229,44 +231,6 @@ def _logger_entries(tree: dict[str, Any]) -> dict[str, Any]:
         entries.append({"name": "tensorboard"})
     tree = {k: v for k, v in tree.items() if k != "tensorboard"}
     return {**tree, "loggers": entries} if entries or "loggers" in tree else tree
-
-
-class PrivacyConfig(Section):
-    """Client-level differential privacy (docs/privacy.md): each client's update clipped to ``clip``, Gaussian noise
-    of std ``noise_multiplier * clip`` on the sum (central) or on each update (local), accounted with dp-accounting."""
-
-    level: Literal["client", "instance"] = Field("client", description="client: a client's whole data (DP-FedAvg); "
-                                                                        "instance: each example, by DP-SGD on the client")
-    mode: Literal["central", "local"] = Field("central", description="central: the server noises the sum "
-                                                                      "(DP-FedAvg); local: each client its update")
-    clip: float = Field(1.0, gt=0, description="C, the L2 bound of a client's update (the first C when adaptive), or "
-                                                "of one example's gradient (level: instance)")
-    noise_multiplier: float | None = Field(None, ge=0, description="z (noise std z C); with target_epsilon unset "
-                                                                   "it must be given")
-    target_epsilon: float | None = Field(None, gt=0, description="calibrate z before round 0 so that `rounds` "
-                                                                 "rounds spend at most this epsilon; the budget")
-    delta: float | None = Field(None, gt=0, lt=1, description="delta of (epsilon, delta) (default 1 / num_clients)")
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting's RDP (both samplings) or PLD "
-                                                                  "(Poisson sampling, tighter)")
-    adaptive: bool = Field(False, description="adapt the clip to a quantile of the update norms (Andrew et al. 2021)")
-    quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: the target fraction of unclipped updates")
-    clip_lr: float = Field(0.2, gt=0, description="adaptive: eta_C of C <- C exp(-eta_C (b - quantile))")
-    count_noise: float | None = Field(None, gt=0, description="adaptive: std of the noise on the unclipped count "
-                                                              "(default clients_per_round / 20)")
-    noise: Literal["keyed", "secure"] = Field("keyed", description="keyed: reproducible streams (simulation); "
-                                                                    "secure: the OS's CSPRNG (a deployment)")
-
-    @model_validator(mode="after")
-    def _noise_given(self) -> "PrivacyConfig":
-        if self.noise_multiplier is None and self.target_epsilon is None:
-            raise ValueError("privacy: set noise_multiplier (z) or target_epsilon (z is then calibrated)")
-        if self.level == "instance" and (self.adaptive or self.mode != "central"):
-            raise ValueError("privacy.level=instance runs DP-SGD inside each client's local steps: mode and adaptive "
-                             "are client-level settings; leave them unset")
-        if self.level == "instance" and self.noise_multiplier is None:
-            raise ValueError("privacy.level=instance: give noise_multiplier (the per-client accounting depends on the "
-                             "split, known only when the run starts); target_epsilon is then the budget")
-        return self
 
 
 class SecureAggregationConfig(Section):
@@ -506,32 +470,19 @@ class Config(Section):
     def _loggers(cls, data: Any) -> Any:
         return _callback_entries(_logger_entries(data)) if isinstance(data, dict) else data
 
-    def privacy_mechanism(self):
-        """The mechanism the accountant composes each round (:class:`fedflat.accounting.Mechanism`), or None."""
-        from fedflat.accounting import Mechanism
-
-        p = self.privacy
-        if p is None or p.level != "client":
-            return None
-        sampling = "poisson" if self.sampling.participation == "bernoulli" else "fixed"
-        return Mechanism(sampling, self.data.num_clients, self.sampling.clients_per_round,
-                         p.noise_multiplier if p.noise_multiplier is not None else 1.0, p.mode, p.accountant)
+    def privacy_mechanism(self) -> Mechanism | None:
+        """The mechanism the accountant composes each round (:func:`fedflat.privacy.client_mechanism`), or None."""
+        return client_mechanism(self.privacy, self.data.num_clients, self.sampling.clients_per_round,
+                                self.sampling.participation)
 
     @property
     def privacy_delta(self) -> float:
-        return self.privacy.delta if self.privacy.delta is not None else 1.0 / self.data.num_clients
+        return delta_of(self.privacy, self.data.num_clients)
 
     def noise_multiplier(self) -> float:
-        """``z``: the given one, or the one calibrated so that ``rounds`` rounds spend ``target_epsilon``."""
-        from dataclasses import replace
-
-        from fedflat.accounting import calibrate
-
-        p = self.privacy
-        if p.noise_multiplier is not None or p.level != "client":
-            return p.noise_multiplier
-        return calibrate(replace(self.privacy_mechanism(), noise_multiplier=1.0), self.rounds, self.privacy_delta,
-                         p.target_epsilon)
+        """``z``: the given one, or the one calibrated so that ``rounds`` rounds spend ``target_epsilon``
+        (:func:`fedflat.privacy.calibrated_noise`)."""
+        return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta)
 
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for (``compression``, ``privacy``, then ``upload``), each
@@ -540,11 +491,8 @@ class Config(Section):
         specs = [dict(self.compression)] if self.compression else []
         p = self.privacy
         if p is not None and p.level == "client":
-            expected = self.sampling.clients_per_round  # K, or q N = K under Poisson sampling
             z = self.noise_multiplier() if calibrate or p.noise_multiplier is not None else 1.0
-            specs.append({"name": "dp", "mode": p.mode, "clip": p.clip, "noise_multiplier": z,
-                          "expected_clients": float(expected), "adaptive": p.adaptive, "quantile": p.quantile,
-                          "clip_lr": p.clip_lr, "count_noise": p.count_noise, "secure": p.noise == "secure"})
+            specs.append(dp_stage(p, self.sampling.clients_per_round, z))
         return specs + [dict(s) for s in self.upload] + [dict(s) for s in (self.attack, self.robust) if s]
 
     @model_validator(mode="after")
