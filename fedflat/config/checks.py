@@ -28,7 +28,6 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
-
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -240,7 +239,8 @@ def _signature_defaults(fn: Callable, skip: tuple[str, ...]) -> dict[str, Any]:
 
 
 def resolve(cfg: Config) -> dict[str, Any]:
-    """The config as a plain tree with every default filled in (what ``config.yaml`` holds)."""
+    """The config as a plain tree with every default filled in (what ``config.yaml`` holds); its plugins imported
+    (a config from :func:`fedflat.config.load_config` or :func:`fedflat.config.as_config`)."""
     from fedflat.algorithms.compose import build_stages
     from fedflat.data import PARTITIONS
     from fedflat.models import MODELS

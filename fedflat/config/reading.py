@@ -45,7 +45,6 @@ def read_yaml_file(path: str | Path) -> Any:
         raise ConfigError(f"{path}{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
 
 
-
 def dump_yaml(tree: dict[str, Any]) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
 

@@ -24,7 +24,6 @@ def suggest(word: str, options: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
