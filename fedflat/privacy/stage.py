@@ -8,7 +8,8 @@ Each client's release :math:`x_i = (\Delta_i, \mathrm{extra}_i)` (:mod:`fedflat.
   with :math:`m` the *expected* number of clients per round (:math:`K` for fixed-size sampling, :math:`q N` for Poisson
   sampling; never the realized count, which would leak). Every row the method's server side reads is this one
   private mean, so whatever it computes from the uploads is post-processing of the mechanism's output. A method
-  that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused (:func:`fedflat.privacy.config.check_upload_path`).
+  that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused
+  (:func:`fedflat.privacy.config.check_upload_path`).
 - ``mode: local``: by each client to its own clipped release, so that what leaves the client is private by itself.
 
 Adaptive clipping (Andrew et al. 2021, Algorithm 1 with the geometric update): each client also reports
