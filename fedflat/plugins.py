@@ -82,6 +82,11 @@ def load(plugins: list[str] | tuple[str, ...], base: str | Path | None = None) -
     return modules
 
 
+def not_imported(plugins: list[str] | tuple[str, ...]) -> list[str]:
+    """Those of ``plugins`` this process has not imported (:func:`load`)."""
+    return [plugin for plugin in plugins if plugin not in _loaded]
+
+
 def _import(plugin: str, module: str) -> None:
     imported_before = module in sys.modules
     before = _registrations()

@@ -127,6 +127,31 @@ def test_a_plugin_that_registers_nothing_says_so_and_the_install_hint_follows_on
         load_config(None, [f"plugins=[{tmp_path / 'needs_dep.py'}]"])
 
 
+def test_validating_a_config_imports_no_plugin_and_edits_no_environment(tmp_path):
+    """fedflat.config.validate reads the registries as they stand: a config naming a plugin this process has not
+    imported leaves sys.path, PYTHONPATH and sys.modules as they were, and its unknown model says the plugin is not
+    imported; load_config (reading the config for a run) imports it, and the same tree then validates."""
+    from fedflat.config import validate
+
+    folder = tmp_path / "lab"
+    folder.mkdir()
+    (folder / "validation_probe_models.py").write_text(
+        "import math\n\nfrom torch import nn\n\nfrom fedflat.models import register_model\n\n\n"
+        "def linear(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))\n\n\n"
+        "register_model('validation_probe_linear', linear, 'a linear model (test plugin)')\n")
+    plugin = str(folder / "validation_probe_models.py")
+    tree = {**tiny_tree(), "plugins": [plugin], "model": {"name": "validation_probe_linear"}}
+    path, environ = list(sys.path), dict(os.environ)
+    with pytest.raises(fedflat.ConfigError, match=r"model.name: unknown name 'validation_probe_linear'.*plugins "
+                                                  r".*validation_probe_models.py are not imported in this process"):
+        validate(tree)
+    assert sys.path == path and dict(os.environ) == environ and "validation_probe_models" not in sys.modules
+    assert load_config(None, [], base=tree).model["name"] == "validation_probe_linear"
+    assert "validation_probe_models" in sys.modules
+    assert validate(tree).model["name"] == "validation_probe_linear"  # now in the registry: valid, still no import
+
+
 def test_an_unknown_part_or_recipe_says_how_a_plugins_names_arrive():
     from fedflat.algorithms import AlgorithmError, build_algorithm
 

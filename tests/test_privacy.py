@@ -20,20 +20,38 @@ from dp_accounting.rdp import RdpAccountant
 from scipy.stats import chi2
 
 import fedflat
-from fedflat.accounting import Mechanism, calibrate, epsilon
 from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.compression import qsgd_levels, top_k
-from fedflat.algorithms.privacy import CLIP, GaussianMechanism, GaussianParams, secure_normal
 from fedflat.core import SERVER, ConfigError, RoundContext, TrainSettings, torch_stream
 from fedflat.core.upload import release_norms
 from fedflat.engine.simulation import Simulation
 from fedflat.experiments.checkpoint import resume
+from fedflat.privacy import CLIP, GaussianMechanism, GaussianParams, Mechanism, calibrate, epsilon, secure_normal
 
 from agreement import assert_identical, bitwise, trajectory
 from conftest import tiny_tree
 from test_sam_family import FULL_BATCH, STEPS, Hand, _sampled
 
 DP = ("privacy.clip=0.5", "privacy.noise_multiplier=1.0")
+
+
+def test_privacy_is_one_package_whose_torch_modules_load_on_first_use():
+    """fedflat.privacy's surface: every name it exports resolves; the `dp` stage the methods register and the config's
+    `privacy` section are the package's; importing it (the config does) loads no torch until a torch name is read."""
+    import subprocess
+    import sys
+
+    import fedflat.privacy as privacy
+    from fedflat.config import Config, PrivacyConfig
+    from fedflat.core import STAGES
+
+    assert all(getattr(privacy, name) is not None for name in privacy.__all__)
+    assert STAGES["dp"] is privacy.GaussianMechanism and PrivacyConfig is privacy.PrivacyConfig
+    assert Config.model_fields["privacy"].annotation == PrivacyConfig | None
+    code = ("import sys, fedflat.privacy as p; print('torch' in sys.modules); p.PrivacyLedger; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
 
 
 # -- the accountant, against dp-accounting's own API -----------------------------------------------------------------
@@ -111,21 +129,21 @@ def test_unconverged_rdp_orders_are_said_where_they_make_epsilon_conservative(ca
     order is above them, nothing. The epsilon itself stays dp-accounting's."""
     import logging
 
-    from fedflat.accounting import unconverged_orders
+    from fedflat.privacy import unconverged_orders
 
     large = Mechanism("poisson", 100, 10, 0.5)
     assert unconverged_orders(large)[:3] == (1.1, 1.2, 1.3)
-    with caplog.at_level(logging.WARNING, logger="fedflat.accounting"):
+    with caplog.at_level(logging.WARNING, logger="fedflat.privacy.accounting"):
         eps = epsilon(large, 50, 1e-3)
     accountant = RdpAccountant()
     accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(0.5)), 50))
     assert eps == pytest.approx(accountant.get_epsilon(1e-3), rel=1e-12)
-    said = [r.getMessage() for r in caplog.records if r.name == "fedflat.accounting"]
+    said = [r.getMessage() for r in caplog.records if r.name == "fedflat.privacy.accounting"]
     assert len(said) == 1 and "does not converge at orders 1.1, 1.2" in said[0] and "accountant=pld" in said[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fedflat.accounting"):
+    with caplog.at_level(logging.WARNING, logger="fedflat.privacy.accounting"):
         epsilon(Mechanism("poisson", 100, 10, 1.5), 50, 1e-3)  # best order well above 1.7
-    assert not [r for r in caplog.records if r.name == "fedflat.accounting"]
+    assert not [r for r in caplog.records if r.name == "fedflat.privacy.accounting"]
 
 
 @pytest.mark.slow  # a calibration, then the run

@@ -9,6 +9,7 @@ import pkgutil
 
 from fedflat.algorithms.compose import Algorithm, build_algorithm, renamed_state
 from fedflat.core import PARTS, RECIPES, ROLES, AlgorithmError, Part, Recipe, register_part, register_recipe
+from fedflat.privacy import stage as dp_stage
 
 _INFRASTRUCTURE = {"compose"}
 
@@ -27,6 +28,7 @@ def _load_methods() -> None:
 
 
 _load_methods()
+register_parts_of(dp_stage)  # the upload path's `dp` stage lives with its accounting, in fedflat.privacy
 
 __all__ = ["Algorithm", "AlgorithmError", "PARTS", "RECIPES", "ROLES", "Recipe", "build_algorithm", "register_part",
            "register_recipe", "renamed_state"]

@@ -5,7 +5,7 @@ smaller, more noise-robust updates.
 A client runs local SAM steps — ASAM's (Kwon et al., ICML 2021) adaptive ascent with :math:`T_w = \lvert w \rvert`, as the public
 code runs it (``sam.py``, ``adaptive=True`` by default): :math:`\epsilon = \rho\, T_w^2 g / \lVert T_w g \rVert` — and its update
 :math:`\Delta_i` is clipped to :math:`C` and noised, :math:`\mathcal{N}(0, \sigma^2 C^2 I)` on the sum of the round's updates, averaged over the
-:math:`m` sampled clients: the upload path's ``dp`` stage (:mod:`fedflat.algorithms.privacy`) with the code's defaults
+:math:`m` sampled clients: the upload path's ``dp`` stage (:mod:`fedflat.privacy.stage`) with the code's defaults
 :math:`C = 0.2`, :math:`\sigma = 0.95`, :math:`\rho = 0.5`. DP-FedSAM-top_k sparsifies each update to its largest entries before
 the clip (:mod:`fedflat.algorithms.compression`), so the same noise covers a smaller update.
 

@@ -23,11 +23,11 @@ from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, Diverged, No
                           numpy_stream, payload_size)
 from fedflat.engine.batches import local_steps
 from fedflat.engine.optim import round_lr, state_keys, state_widths
-from fedflat.engine.privacy import PrivacyLedger
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.store import ClientStore
 from fedflat.engine.validation import checked
 from fedflat.params import FlatModel
+from fedflat.privacy import PrivacyLedger
 
 
 def all_finite(x: torch.Tensor) -> bool:

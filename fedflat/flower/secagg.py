@@ -21,7 +21,7 @@ the mean gives both what the aggregation reads (``sum_i p_i x_i``) and the plain
 ``sum_i Delta c_i``, FedDyn's ``sum_i Delta_i``: ``K`` times the mean). Under other weights those two differ and no
 rows equal to one mean give both, so sample weights are refused (fedflat.config, and here for a plugin's part).
 
-The round is finished from that mean alone, as central DP does (:mod:`fedflat.algorithms.privacy`): every client that
+The round is finished from that mean alone, as central DP does (:mod:`fedflat.privacy.stage`): every client that
 answered gets the mean as its row, so that a method whose server reads only the mean and sums of the uploads (no
 part declares :attr:`~fedflat.core.Part.individual`, which fedflat.config refuses) computes what it computes from the
 plain uploads. The training loss travels the same way (the metrics' ``train_loss`` is the clients' mean, as without
