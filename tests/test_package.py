@@ -88,7 +88,7 @@ def test_list_configs_names_every_shipped_file_with_its_command(capsys):
     assert sorted(rows) == packaged_names() == [name.removesuffix(".yaml") for name in SHIPPED]
     assert rows["fmnist_mlp"].split()[1] == "run"
     assert rows["tune_fmnist"].split()[1] == "tune,"
-    assert ("variants: short, evidence, protocol, weak, small, fidelity, fidelity-control"
+    assert ("variants: short, evidence, protocol, weak, gpu-pack, small, fidelity, fidelity-control"
             in rows["papers/fedwmsam_table1_fmnist"])
     assert "Table 1, Fashion-MNIST columns" in out  # the file's first comment line, under its name
 

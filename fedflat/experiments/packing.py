@@ -41,7 +41,7 @@ class Footprint(Callback):
         self.written = False
 
     def on_round_end(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
-        if self.written or not torch.cuda.is_initialized():
+        if self.written or not on_gpu(str(run.config.get("device", "cpu"))) or not torch.cuda.is_initialized():
             return
         free, total = torch.cuda.mem_get_info()
         record = {"used_bytes": total - free, "free_bytes": free, "total_bytes": total,
