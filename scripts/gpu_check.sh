@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # fedflat's GPU checks and benchmarks (issues 14, 48), results under OUT (default: gpu-results).
 # Run from the repository root on a CUDA machine:  scripts/gpu_check.sh STAGE...
-#   tests     the test suite with --device cuda (tests/test_cuda.py included), $PYTEST_N processes (default 8)
+#   tests     the test suite with --device cuda (tests/test_cuda.py included), $PYTEST_N processes (default 8);
+#             $PYTEST_ARGS: other test files or node ids
 #   bench     fedflat bench on W1 and W2: sequential, vectorized, bare loop
 #   bench3    W3 (ResNet-18-GN, FL-Simulator's setting) in TF32 with torch.profiler tables, FedAvg in float32
 #   fast3     W3 in TF32, then with channels-last, bf16 autocast, and both, beside the bare loop doing the same
@@ -19,7 +20,8 @@
 #   streams3  W3 in bf16 with CUDA graphs: the sequential engine beside the streams engine (FedAvg, FedSAM), then one
 #             profiled streams round of 5 local steps (what bounds it)
 #   pack      the FedWMSAM Table 1 FMNIST sweep's gpu-pack variant (7 cells) one cell at a time, then --workers auto
-#             (data.root: $FMNIST, default .gpu/fmnist); cells per hour by scripts/pack_report.py
+#             (data.root: $FMNIST, default .gpu/fmnist; $PACK_ORDER, default "1 auto"; $PACK_OVERRIDES, e.g.
+#             rounds=100; $PACK_SECONDS a sweep); cells per hour by scripts/pack_report.py
 #   pack3     the W3-sized sweep (configs/gpu_w3_sweep.yaml, 4 cells) one cell at a time, then --workers auto
 #   lease4    the fourth lease's first call: streams3, pack, and the streams and footprint tests on the GPU
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
@@ -45,7 +47,7 @@ for stage in "$@"; do
     tests)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       timeout "${PYTEST_SECONDS:-330}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark --device $DEVICE -n "${PYTEST_N:-8}" \
-        --tb=short -rfE tests/ \
+        --tb=short -rfE ${PYTEST_ARGS:-tests/} \
         > "$OUT/pytest_cuda.txt" 2>&1
       echo "pytest rc $?"; tail -n 25 "$OUT/pytest_cuda.txt" ;;
     bench)
@@ -93,17 +95,17 @@ for stage in "$@"; do
       else
         sweep=(configs/gpu_w3_sweep.yaml)
       fi
-      for workers in 1 auto; do
+      for workers in ${PACK_ORDER:-1 auto}; do
         rm -rf /tmp/$stage-$workers; start=$EPOCHREALTIME
         timeout "${PACK_SECONDS:-300}" $FEDFLAT sweep "${sweep[@]}" device=$DEVICE ${GPU_CHECK_OVERRIDES:-} \
-          --workers $workers --no-progress --out /tmp/$stage-$workers > "$OUT/${stage}_$workers.txt" 2>&1
+          ${PACK_OVERRIDES:-} --workers $workers --no-progress --out /tmp/$stage-$workers > "$OUT/${stage}_$workers.txt" 2>&1
         rc=$?; wall=$(python3 -c "print(round($EPOCHREALTIME - $start, 2))")
         echo "sweep --workers $workers rc $rc in $wall s" | tee -a "$OUT/${stage}_$workers.txt"
-        eval "wall_$workers=$wall"
+        eval "start_$workers=$start"
         grep "sweep:" "$OUT/${stage}_$workers.txt"
       done
       at_once=$(grep -o "[0-9]* cell(s) at once" "$OUT/${stage}_auto.txt" | head -n 1 | cut -d' ' -f1)
-      python3 scripts/pack_report.py /tmp/$stage-1 "$wall_1" /tmp/$stage-auto "$wall_auto" "${at_once:-1}" \
+      python3 scripts/pack_report.py /tmp/$stage-1 "$start_1" /tmp/$stage-auto "$start_auto" "${at_once:-1}" \
         | tee "$OUT/${stage}_report.txt"
       (cd /tmp && find $stage-1 $stage-auto -type f ! -name '*.pt' -print0 | tar czf "$OUT/${stage}_runs.tgz" --null -T -) ;;
     lease4)

@@ -423,7 +423,7 @@ class Config(Section):
     engine: Literal["auto", "sequential", "vectorized", "streams"] = Field(
         "auto", description="sequential (one client at a time), vectorized (a cohort's clients under torch.func.vmap), "
                             "streams (a cohort's clients side by side, each its own pass on a CUDA stream of its own) "
-                            "or auto (docs/models.md, \"The engines\")")
+                            "or auto (docs/models.md, \"The streams engine\")")
     chunk_size: int | None = Field(None, ge=1, description="clients per vectorized chunk (auto from memory if unset)")
     device: str = Field(default_factory=lambda: os.environ.get(DEVICE_ENV, "cpu"),
                         description=f"cpu, cuda, cuda:N or auto (default: ${DEVICE_ENV}, else cpu)")
