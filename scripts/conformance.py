@@ -158,6 +158,8 @@ def _with_clip(client, clip: float):
 
 
 def fedflat_run(overrides: list[str], x, y, model_fn, clip: float, scope: str) -> list[torch.Tensor]:
+    """The global model after each round of fedflat's run of the problem, on the CPU where the codes' models are
+    (fedflat's run on its configured device: ``pytest --device cuda`` compares a GPU run with the codes)."""
     tree = {"seed": 0, "rounds": ROUNDS, "data": {"name": "synthetic", "num_clients": CLIENTS},
             "model": {"name": "mlp"}, "algo": {"name": "fedavg"}, "sampling": {"clients_per_round": CLIENTS},
             "train": {"local_epochs": STEPS, "batch_size": SAMPLES, "lr": LR, "lr_decay": LR_DECAY,
@@ -169,7 +171,7 @@ def fedflat_run(overrides: list[str], x, y, model_fn, clip: float, scope: str) -
     models = []
     for t in range(ROUNDS):
         sim.run_round(t)
-        models.append(sim.w.clone())
+        models.append(sim.w.to("cpu", copy=True))
     return models
 
 

@@ -28,18 +28,26 @@ def test_every_anchor_names_a_symbol_that_exists():
     assert anchors and [a for a, *_ in anchors] == [f"A{i}" for i in range(1, len(anchors) + 1)]
     cited = set(re.findall(r"\[(A\d+)\]", PAGE))
     assert cited == {a for a, *_ in anchors}, "every anchor is cited, and every citation listed"
-    stale = []
+    stale, unchecked = [], []
     for label, module, qualname, call in anchors:
         try:
             target = importlib.import_module(module)
             for name in qualname.split("."):
                 target = getattr(target, name)
+        except ModuleNotFoundError as err:
+            if err.name and err.name.split(".")[0] != "fedflat":  # fedflat's module is there: an extra's is not
+                unchecked.append(f"{label} {module}:{qualname} needs {err.name}, which is not installed")
+            else:
+                stale.append(f"{label} {module}:{qualname}: {err}")
+            continue
         except (ImportError, AttributeError) as err:
             stale.append(f"{label} {module}:{qualname}: {err}")
             continue
         if call and call not in inspect.getsource(target):
             stale.append(f"{label} {module}:{qualname} no longer calls {call!r}")
     assert not stale, "docs/architecture.md's anchors name code that moved or went; update them:\n" + "\n".join(stale)
+    if unchecked:
+        pytest.skip("; ".join(unchecked) + " (an optional dependency: `make setup` installs the dev extra)")
 
 
 def test_the_hand_check_recipe_gives_the_rounds_per_client_updates():

@@ -161,14 +161,14 @@ def test_ipm_uploads_minus_epsilon_times_the_benign_mean_on_every_malicious_row(
 
 @pytest.mark.parametrize("attack", ["alie", "ipm"])
 def test_colluding_attacks_run_alike_on_threads_and_are_refused_with_dp_or_compression(attack):
-    spec = (f"attack.name={attack}", "attack.fraction=0.34")
+    spec = bitwise(f"attack.name={attack}", "attack.fraction=0.34")  # (on CUDA the sequential engine: see bitwise)
     local = Simulation(tiny_config(*ATTACKED, *spec))
     expected = trajectory(local, 2)
     assert any(log["attackers"] > 0 for *_, log, _ in expected)
     threads = Simulation(tiny_config(*ATTACKED, *spec, "executor=threads", "executor.workers=2"))
     assert trajectory(threads, 2) == expected
-    plain = fedflat.run(tiny_config(*ATTACKED), save=False, progress=False).final_parameters
-    assert relative_gap(local.w, plain) > 1e-4  # the attack changed the run
+    plain = fedflat.run(tiny_config(*ATTACKED, *bitwise()), save=False, progress=False).final_parameters
+    assert relative_gap(local.w.cpu(), plain) > 1e-4  # the attack changed the run (final_parameters: on the CPU)
     with pytest.raises(ConfigError, match=f"attack={attack} forges the malicious uploads"):
         tiny_config(*spec, "privacy.noise_multiplier=1.0", "privacy.clip=1.0", "privacy.mode=local")
     with pytest.raises(ConfigError, match=f"attack={attack} forges"):

@@ -276,16 +276,17 @@ def test_feddc_conforms_to_the_authors_code():
     base["sampling"] = {"clients_per_round": 4}
     sim = Simulation(load_config(None, base=base), dataset=_toy_data())
     code = _feddc_code()
-    X, Y = sim.dataset.x_train.numpy(), sim.dataset.y_train.numpy()
-    clnt_x = [X[ix.numpy()] for ix in sim.client_indices]
-    clnt_y = [Y[ix.numpy()] for ix in sim.client_indices]
+    # (the authors' code runs on the CPU: fedflat's run on any device, its numbers compared there)
+    X, Y = sim.dataset.x_train.cpu().numpy(), sim.dataset.y_train.cpu().numpy()
+    clnt_x = [X[ix.cpu().numpy()] for ix in sim.client_indices]
+    clnt_y = [Y[ix.cpu().numpy()] for ix in sim.client_indices]
     n_clnt, n_par = len(clnt_y), sim.w.numel()
     assert len({len(c) for c in clnt_y}) > 1  # unequal sizes: the code's weight_list matters
     model_func = lambda: torch.nn.Linear(X.shape[1], sim.dataset.num_classes)  # fedflat's logreg: weight, then bias
     weight_list = np.asarray([len(clnt_y[i]) for i in range(n_clnt)])
     weight_list = weight_list / np.sum(weight_list) * n_clnt
     parameter_drifts = np.zeros((n_clnt, n_par)).astype('float32')
-    cld_mdl_param = sim.w.numpy().copy()
+    cld_mdl_param = sim.w.cpu().numpy().copy()
     clnt_params_list = np.ones(n_clnt).astype('float32').reshape(-1, 1) * cld_mdl_param.reshape(1, -1)
     state_gadient_diffs = np.zeros((n_clnt + 1, n_par)).astype('float32')
     n_minibatch = epochs
@@ -318,8 +319,8 @@ def test_feddc_conforms_to_the_authors_code():
         cld_mdl_param = avg_mdl_param_sel + np.mean(parameter_drifts, axis=0)
 
         sim.run_round(t)
-        np.testing.assert_allclose(sim.w.numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
-        np.testing.assert_allclose(sim.server["feddc.g"].numpy(), state_gadient_diffs[-1], rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(sim.w.cpu().numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(sim.server["feddc.g"].cpu().numpy(), state_gadient_diffs[-1], rtol=1e-5, atol=2e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +632,7 @@ def test_perfedavg_three_rounds_equal_hand_computation(name, engine):
     ids = sorted(personal)
     values, present = sim.store.get("perfedavg.w_i", torch.tensor(ids))
     assert present.all()
-    np.testing.assert_allclose(values.numpy(), np.stack([personal[i] for i in ids]), **tol)
+    np.testing.assert_allclose(values.cpu().numpy(), np.stack([personal[i] for i in ids]), **tol)
     other, _ = perfedavg_reference(_simulation(algo, engine), 0.3, "hf" if variant == "fo" else "fo", 0.1)
     assert np.abs(expected - other).max() > 1e-3  # the two variants differ here
 
@@ -691,7 +692,7 @@ def fedala_reference(sim: Simulation, p: dict) -> tuple[torch.Tensor, dict]:
                 wk = wk - lr * (_mlp_grad(wk, X[idx], y[idx], classes) + TRAIN["weight_decay"] * wk)
             theta_i[i], personal[i] = wk, start
             finals.append(wk)
-        pw = torch.tensor(n / n.sum(), dtype=torch.float64)
+        pw = torch.tensor(n / n.sum(), dtype=torch.float64, device=w.device)
         w = pw @ torch.stack(finals)
     return w, personal
 

@@ -45,7 +45,8 @@ def test_fedasam_two_rounds_by_hand(tiny, normalize):
                           f"algo.normalize={normalize}"))
     hand = Hand(sim)
     layout = sim.settings.layout
-    mask = torch.cat([torch.full((n,), "weight" in name) for name, n in zip(layout.names, layout.numels)])
+    mask = torch.cat([torch.full((n,), "weight" in name, device=sim.w.device)
+                      for name, n in zip(layout.names, layout.numels)])
     assert mask.any() and not mask.all(), "the model needs weights and biases for the test to tell them apart"
     w = sim.w.clone()
     for t in range(2):
