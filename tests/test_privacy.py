@@ -167,7 +167,7 @@ def test_a_run_that_reaches_its_budget_ends_with_budget_spent_and_is_a_finished_
     assert history.summary["status"] == "budget spent"
     assert history.summary["rounds"] == 2 and history.summary["epsilon"] == budget
     assert "round 3 would reach epsilon" in history.summary["reason"]
-    from fedflat.experiments.sweep import FINISHED
+    from fedflat.experiments.rundir import FINISHED
     assert "budget spent" in FINISHED
 
 

@@ -229,7 +229,7 @@ def test_a_stopping_sweep_takes_a_result_that_arrives_after_its_cell_was_recorde
     cell was still stopping. Each cell is recorded once, and the stop ends cleanly."""
     import queue as queues
 
-    from fedflat.experiments import sweep
+    from fedflat.experiments import cells as sweep
 
     class Cell:
         pid, exitcode = 0, 0

@@ -37,7 +37,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _ray_cells(args: argparse.Namespace):
-    from fedflat.experiments.sweep import RayCells
+    from fedflat.experiments.cells import RayCells
 
     return RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell) if args.backend == "ray" else None
 

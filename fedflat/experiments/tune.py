@@ -44,8 +44,9 @@ import numpy as np
 
 from fedflat.config import config_file, parse_override
 from fedflat.core import ConfigError
-from fedflat.experiments.sweep import (Cell, RayCells, _option_name, _parse_axis, _parse_overrides, _refuse_unknown,
-                                       config_from, pick_variant, read_experiment_file, run_cells)
+from fedflat.experiments.cells import Cell, RayCells, run_cells
+from fedflat.experiments.sweep import (_option_name, _parse_axis, _parse_overrides, _refuse_unknown, config_from,
+                                       pick_variant, read_experiment_file)
 from fedflat.experiments.rundir import SUCCEEDED
 from fedflat.files import atomic_write_text, json_safe
 
