@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 # The site: README, docs/ and the API reference from the docstrings, into docs/_build/html (warnings are errors).
 docs: $(STAMP)
+	rm -rf docs/reference/generated  # (autosummary's pages of modules since renamed or removed would fail the build)
 	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
 	@echo "site: docs/_build/html/index.html"
 
