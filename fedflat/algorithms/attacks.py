@@ -31,8 +31,9 @@ local noise): they are refused with ``privacy`` and ``compression`` (fedflat.con
 
 Upload attacks are stages of the upload path (:mod:`fedflat.core.upload`, kind ``attack``: first on the client,
 before compression or a DP clip) that change only the malicious clients' rows, and only ``Delta_i`` (a method's
-other entries travel as they are). Data attacks define :meth:`Attack.poison`, which the engine calls on every step's
-batch (``fedflat/engine/client.py``) and which changes only the malicious clients' rows.
+other entries travel as they are). Data attacks (:class:`DataAttack`) define :meth:`DataAttack.poison`, which the
+engine calls on every step's batch (:class:`fedflat.engine.client.LocalLoop`) and which changes only the malicious
+clients' rows.
 """
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ class Attack(UploadStage):
         return release
 
 
+class DataAttack(Attack):
+    """Base of the data attacks: :meth:`poison`, which the engine calls on every step's batch (the local loop picks the
+    stages that are data attacks, ``isinstance``), changes only the malicious clients' rows."""
+
+    def poison(self, ctx: ClientContext, cohort: Cohort, batch: Batch) -> Batch:
+        """The step's ``batch`` as the chunk's clients train on it (rows ``cohort.ids``)."""
+        raise NotImplementedError
+
+
 def rows_where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` in the rows ``mask[C]`` marks, ``old`` elsewhere."""
     return torch.where(mask.reshape(-1, *([1] * (old.dim() - 1))), new, old)
@@ -139,7 +149,7 @@ class LabelFlipParams(AttackParams):
     num_classes: int | None = Field(None, ge=2, description="C, the dataset's classes (fedflat sets it from the data)")
 
 
-class LabelFlip(Attack):
+class LabelFlip(DataAttack):
     """The malicious clients train on labels ``C - 1 - y`` (module docstring)."""
 
     name = "label_flip"
@@ -164,7 +174,7 @@ class BackdoorParams(AttackParams):
     num_classes: int | None = Field(None, ge=2, description="C, the dataset's classes (fedflat sets it from the data)")
 
 
-class Backdoor(Attack):
+class Backdoor(DataAttack):
     """Pixel-trigger backdoor with a boosted update: model replacement (module docstring)."""
 
     name = "backdoor"
@@ -287,4 +297,4 @@ def spec_params(spec: dict[str, Any]) -> dict[str, Any]:
 
 def backdoor_of(stages: list[UploadStage]) -> Backdoor | None:
     """The run's backdoor attack among its upload ``stages`` (what ``backdoor_acc`` is measured for), or None."""
-    return next((s for s in stages if s.name == Backdoor.name and hasattr(s, "trigger")), None)
+    return next((s for s in stages if isinstance(s, Backdoor)), None)

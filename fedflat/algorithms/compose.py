@@ -22,8 +22,9 @@ import torch
 from pydantic import ValidationError
 
 from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, AlgorithmError, Broadcast, ClientContext,
-                          ClientResult, Cohort, Part, Perturbation, Recipe, RoundContext, Shared, Slot, TrainSettings,
-                          closest, composition_label, contract)
+                          ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
+                          TrainSettings, closest, composition_label, contract)
+from fedflat.algorithms.attacks import DataAttack
 from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
 
 
@@ -331,6 +332,9 @@ def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
         if name not in STAGES:
             raise AlgorithmError(f"upload stage '{name}'{closest(str(name), STAGES)}; "
                                  f"allowed: {', '.join(sorted(STAGES))}")
+        if callable(getattr(STAGES[name], "poison", None)) and not issubclass(STAGES[name], DataAttack):
+            raise AlgorithmError(f"upload stage '{name}' defines poison but is no data attack: subclass "
+                                 "fedflat.algorithms.attacks.DataAttack, whose poison the engine calls every step")
         stages.append(STAGES[name](_params(STAGES[name], f"upload.{name}", spec)))
     stages.sort(key=lambda s: STAGE_ORDER[s.kind])
     encoders = [s.name for s in stages if s.encodes]
@@ -364,7 +368,7 @@ def _check_shared(parts: dict[str, Part]) -> None:
 def _check_composition(parts: dict[str, Part]) -> None:
     """Every slot and server entry a part requires has a provider; an entry two parts declare has one init; at most
     one distillation term (the perturbation's or the correction's, fedflat.engine.client.objective_term)."""
-    if hasattr(parts["correction"], "distillation") and \
+    if type(parts["correction"]).distillation is not Correction.distillation and \
             type(parts["perturbation"]).distillation is not Perturbation.distillation:
         raise AlgorithmError(f"{parts['perturbation']!r} and {parts['correction']!r} each add a distillation term "
                              "to the local objective, which needs at most one: choose another correction")

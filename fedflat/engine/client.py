@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
+from fedflat.algorithms.attacks import DataAttack
 from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
                           ContractError, Correction, Direction, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
@@ -233,8 +234,7 @@ def objective_term(algorithm: Algorithm, ctx: ClientContext) -> Any:
     correction's (FedNTD's not-true distillation); :func:`fedflat.algorithms.compose.build_parts` refuses a method
     whose perturbation and correction each have one."""
     term = algorithm.parts["perturbation"].distillation(ctx)
-    correction = algorithm.parts["correction"]
-    return term if term is not None or not hasattr(correction, "distillation") else correction.distillation(ctx)
+    return term if term is not None else algorithm.parts["correction"].distillation(ctx)
 
 
 @dataclass
@@ -249,7 +249,7 @@ class LocalLoop:
     session: ClientSession | None
     schedules: list[list[torch.Tensor]]  # each client's batch indices, step by step
     generators: list[torch.Generator] | None  # each client's augmentation stream (None: no augmentation)
-    poisoners: list[Any]  # the data attacks' stages (fedflat.algorithms.attacks)
+    poisoners: list[DataAttack]  # the data attacks' stages
     personal: Any  # a personalization that steps locally (Ditto, APFL), else None
     direction_ctx: ClientContext  # the context the correction sees (without AdamW's decoupled decay)
     decay: float  # AdamW's decoupled weight decay (0 otherwise)
@@ -271,7 +271,7 @@ class LocalLoop:
         direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
-                   [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
+                   [s for s in algorithm.stages if isinstance(s, DataAttack)], personal if personal.steps_locally else None,
                    direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 
