@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -81,6 +81,8 @@ class Attack(UploadStage):
 
     kind = "attack"
     Params = AttackParams
+    forges: ClassVar[bool] = False  # its rows are forged on the server side (ColludingAttack), skipping the clients'
+    # compression and DP clip: fedflat.config refuses it with either
 
     def malicious(self, settings: Any, ids: torch.Tensor) -> torch.Tensor:
         """``[C]``: whether each client of ``ids`` is malicious (:func:`attackers` of the run's seed and ``N``)."""
@@ -210,7 +212,7 @@ class ColludingAttack(Attack):
     """Base of the colluding attacks: in the server hook, the malicious rows of the round's release replaced by
     :meth:`forge` of the benign rows' updates (module docstring)."""
 
-    forges = True  # its rows skip the clients' stages: refused with compression and privacy (fedflat.config)
+    forges = True
 
     def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
         """The one update every malicious client uploads, from the benign updates ``benign[n - f, P]``."""

@@ -25,7 +25,7 @@ from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, Algo
                           ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
                           TrainSettings, closest, composition_label, contract)
 from fedflat.algorithms.attacks import DataAttack
-from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
+from fedflat.core.upload import NOT_RELEASED, UploadStage, order_problem, release_of, upload_of
 
 
 @dataclass
@@ -323,8 +323,8 @@ def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
 
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
-    """The upload stages of ``specs``, sorted by their kind (:data:`fedflat.core.upload.STAGE_ORDER`); at most one
-    stage changes what travels."""
+    """The upload stages of ``specs``, in their order, which must make sense (:func:`fedflat.core.upload.order_problem`);
+    at most one stage changes what travels."""
     stages = []
     for spec in specs:
         spec = dict(spec)
@@ -336,7 +336,10 @@ def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
             raise AlgorithmError(f"upload stage '{name}' defines poison but is no data attack: subclass "
                                  "fedflat.algorithms.attacks.DataAttack, whose poison the engine calls every step")
         stages.append(STAGES[name](_params(STAGES[name], f"upload.{name}", spec)))
-    stages.sort(key=lambda s: STAGE_ORDER[s.kind])
+    problem = order_problem(stages)
+    if problem is not None:
+        raise AlgorithmError(f"{problem}; a config's upload path runs attack, compression, privacy, the upload list in "
+                             "its order, then robust (docs/extending.md#the-upload-path)")
     encoders = [s.name for s in stages if s.encodes]
     if len(encoders) > 1:
         raise AlgorithmError(f"upload stages {encoders} each encode the upload: choose one compression")
