@@ -40,7 +40,7 @@ import torch
 from pydantic import Field
 
 from fedflat.core import PartParams, RoundContext, init, release_norms, scale_release
-from fedflat.core.upload import Release, UploadStage
+from fedflat.core.upload import Release, UploadStage, repeated
 
 CENTER = "cclip.v"  # server state of centered clipping: the previous round's aggregate, the release's entries flat
 INDIVIDUAL = ("a robust rule reads every client's own update, where central DP's noise is calibrated to the "
@@ -48,8 +48,10 @@ INDIVIDUAL = ("a robust rule reads every client's own update, where central DP's
 
 
 def every_row(release: Release, rows: int, aggregate: dict[str, torch.Tensor]) -> Release:
-    """Each entry of ``release`` with all its ``rows`` equal to ``aggregate[name]`` (one row, the robust aggregate)."""
-    return {name: aggregate[name].to(release[name].dtype).expand(rows, *release[name].shape[1:]) for name in release}
+    """Each entry of ``release`` with all its ``rows`` equal to ``aggregate[name]`` (one row, the robust aggregate,
+    computed once: :func:`fedflat.core.upload.repeated`)."""
+    return {name: repeated(aggregate[name].to(release[name].dtype).reshape(release[name].shape[1:]), rows)
+            for name in release}
 
 
 def rows_of(release: Release) -> int:

@@ -117,7 +117,24 @@ def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:
 def upload_of(release: Release, w: torch.Tensor, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The upload the method's server side reads: the ``release`` with the model back at ``w + Delta_i``, plus the
     entries the path leaves as they are (``kept``: the training loss, the buffers)."""
-    return {**kept, **{name: (w + rows if name == MODEL else rows) for name, rows in release.items()}}
+    return {**kept, **{name: (moved(w, rows) if name == MODEL else rows) for name, rows in release.items()}}
+
+
+def one_row(rows: torch.Tensor) -> bool:
+    """Whether ``rows[K, ...]`` is one row seen ``K`` times (a broadcast view, stride 0: central DP's noised mean, a
+    robust rule's aggregate: :func:`repeated`)."""
+    return rows.shape[0] > 1 and rows.stride(0) == 0
+
+
+def repeated(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """``value[...]`` as ``rows`` rows, one tensor seen ``rows`` times (a view: the value is computed once)."""
+    return value.expand(rows, *value.shape)
+
+
+def moved(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``w + rows``, computed once for a release that is one row seen ``K`` times (:func:`one_row`): the same numbers,
+    without ``K`` copies of one sum."""
+    return repeated(w + rows[0], rows.shape[0]) if one_row(rows) else w + rows
 
 
 def release_norms(release: Release) -> torch.Tensor:
