@@ -39,7 +39,7 @@ import math
 import torch
 from pydantic import Field
 
-from fedflat.core import PartParams, RoundContext, init, release_norms, scale_release
+from fedflat.core import PartParams, RoundContext, clip_factors, init, release_norms, scale_release
 from fedflat.core.upload import Release, UploadStage, repeated
 
 CENTER = "cclip.v"  # server state of centered clipping: the previous round's aggregate, the release's entries flat
@@ -214,7 +214,7 @@ class NormBound(RobustRule):
     def server(self, ctx: RoundContext, release: Release) -> Release:
         norms = release_norms(release)
         ctx.log["norm_bounded"] = float((norms > self.p.bound).sum())
-        return scale_release(release, torch.clamp(self.p.bound / norms.clamp(min=1e-300), max=1.0))
+        return scale_release(release, clip_factors(norms, self.p.bound))
 
 
 class CenteredClipParams(PartParams):
@@ -243,7 +243,7 @@ def centered_clip(X: torch.Tensor, v: torch.Tensor, tau: float, iterations: int)
     r"""Karimireddy et al.'s :math:`v \leftarrow v + \frac{1}{K} \sum_i (x_i - v) \min\big(1, \tau / \lVert x_i - v \rVert\big)`, ``iterations`` times."""
     for _ in range(iterations):
         diff = X - v
-        scale = torch.clamp(tau / diff.double().norm(dim=1).clamp(min=1e-300), max=1.0).to(X.dtype)
+        scale = clip_factors(diff.double().norm(dim=1), tau).to(X.dtype)
         v = v + (diff * scale[:, None]).mean(0)
     return v
 

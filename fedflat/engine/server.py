@@ -20,7 +20,7 @@ import torch
 from fedflat.algorithms import Algorithm, renamed_state
 from fedflat.config import Config
 from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, Diverged, NoClients, RoundContext, TrainSettings,
-                          numpy_stream, payload_size)
+                          all_finite, numpy_stream, payload_size)
 from fedflat.engine.batches import local_steps
 from fedflat.engine.optim import round_lr, state_keys, state_widths
 from fedflat.engine.runtime import RoundTask
@@ -28,14 +28,6 @@ from fedflat.engine.store import ClientStore
 from fedflat.engine.validation import checked
 from fedflat.params import FlatModel
 from fedflat.privacy import PrivacyLedger
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every entry of ``x`` is finite, in one reading pass (``aminmax`` propagates NaN; no ``[K, P]`` mask)."""
-    if not x.numel() or not x.is_floating_point():
-        return True
-    low, high = torch.aminmax(x)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 @contextmanager

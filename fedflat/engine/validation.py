@@ -14,24 +14,13 @@ import torch
 
 from fedflat.algorithms import Algorithm
 from fedflat.config import ValidationConfig
-from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, release_norms
+from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, non_finite_rows, release_norms
 
 logger = logging.getLogger(__name__)
 
 
 class UploadRejected(ConfigError):
     """An invalid upload under ``validation.invalid: fail``, or a round whose every upload was invalid."""
-
-
-def non_finite_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``[C]``: whether each row of a float entry holds a NaN or an infinity (one pass when all are finite)."""
-    flat = rows.reshape(rows.shape[0], -1)
-    if not flat.numel() or not flat.is_floating_point():
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    low, high = torch.aminmax(flat)
-    if bool(torch.isfinite(low) & torch.isfinite(high)):
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    return ~torch.isfinite(flat).all(1)
 
 
 def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,

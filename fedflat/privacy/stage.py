@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.core import (SERVER, ClientContext, Cohort, PartParams, RoundContext, init, torch_stream)
+from fedflat.core import SERVER, ClientContext, Cohort, PartParams, RoundContext, clip_factors, init, torch_stream
 from fedflat.core.upload import Release, UploadStage, release_norms, repeated, scale_release
 from fedflat.privacy.mechanism import gaussian_like, secure_normal
 
@@ -99,7 +99,7 @@ class GaussianMechanism(UploadStage):
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
         C = ctx.server[CLIP].double()
         norms = release_norms(release)
-        clipped = scale_release(release, torch.clamp(C / norms.clamp(min=1e-300), max=1.0))
+        clipped = scale_release(release, clip_factors(norms, C))
         if self.p.adaptive:
             cohort.upload[UNCLIPPED] = (norms <= C).to(torch.float32)
         if self.p.mode != "local" or self.p.update_noise == 0:
