@@ -576,3 +576,24 @@ def test_the_servers_norm_check_reads_the_clipped_update_that_travelled(tiny):
     history = fedflat.run(tiny("privacy.clip=0.5", "privacy.mode=local",
                                "validation.max_norm=0.5001", "privacy.noise_multiplier=0.0"), save=False, progress=False)
     assert history.summary["status"] == "completed" and "rejected_clients" not in history.summary
+
+
+def test_a_compressed_payload_is_decoded_once_a_round_under_the_norm_check(tiny, monkeypatch):
+    """validation.max_norm reads the decoded release; the aggregation takes that release (the kept rows of it) instead
+    of decoding the payload again: one decode a round, with or without the check, the same model where the bound
+    rejects nobody, and the kept rows' release where it rejects some."""
+    from fedflat.algorithms.compression import TopK
+
+    calls = []
+    decode = TopK.decode
+    monkeypatch.setattr(TopK, "decode", lambda self, ctx, payload, size: calls.append(1) or decode(self, ctx, payload,
+                                                                                                      size))
+    compressed = ("compression.name=topk", "compression.ratio=0.5", "rounds=3")
+    checked = fedflat.run(tiny(*compressed, "validation.max_norm=1e9"), save=False, progress=False)
+    assert len(calls) == 3
+    calls.clear()
+    plain = fedflat.run(tiny(*compressed), save=False, progress=False)
+    assert len(calls) == 3 and torch.equal(checked.final_parameters, plain.final_parameters)
+    calls.clear()
+    bound = fedflat.run(tiny(*compressed, "validation.max_norm=0.15"), save=False, progress=False)
+    assert len(calls) == 3 and bound.summary.get("rejected_clients")  # some rows left out of the decoded release

@@ -147,27 +147,30 @@ class Algorithm:
         encoder = self.encoder
         return encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
 
-    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The upload path's server side: the received ``upload`` decoded into the release, every stage's
-        :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload as received), and the upload the parts read,
-        ``model`` at ``w_start + Delta_i`` again."""
+    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor],
+                release: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The upload path's server side: the received ``upload`` decoded into the release (``release``: already
+        decoded, by the server's checks), every stage's :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload
+        as received), and the upload the parts read, ``model`` at ``w_start + Delta_i`` again."""
         if not self.stages:
             return upload
         kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
-        release = self.received_release(ctx, upload)
+        release = self.received_release(ctx, upload) if release is None else release
         ctx.uploads = upload
         for stage in self.stages:
             release = stage.server(ctx, release)
         return upload_of(release, ctx.w_start, kept)
 
-    def aggregate(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
+    def aggregate(self, ctx: RoundContext, result: ClientResult,
+                  release: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``w^{t+1}`` from the sampled clients' uploads (``result`` holds every sampled client, rows in
-        ascending id order, as :func:`merge_results` makes them): weights, then every part's
-        ``finish``, the server step, every part's ``after_step``. Updates ``ctx.server``."""
+        ascending id order, as :func:`merge_results` makes them; ``release``: their release where the server's
+        checks decoded it already): weights, then every part's ``finish``, the server step, every part's
+        ``after_step``. Updates ``ctx.server``."""
         if not torch.equal(result.ids.cpu(), ctx.sampled.cpu()):
             raise ValueError(f"round {ctx.round}: results for clients {result.ids.tolist()}, "
                              f"expected exactly {ctx.sampled.tolist()} in ascending order")
-        ctx.uploads = self.receive(ctx, result.upload)
+        ctx.uploads = self.receive(ctx, result.upload, release)
         ctx.weights = self.parts["aggregation"].weights(ctx)
         for part in self.ordered:
             part.finish(ctx)

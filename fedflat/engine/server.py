@@ -203,8 +203,8 @@ class Server:
             ctx = ctx.answered(result.ids.to(ctx.sampled.device))
         result = result.to(self.device)
         # NaN/Inf or (validation.max_norm) too large: rejected with a warning naming the client, or the run fails
-        ctx, result, rejected = checked(self.algorithm, ctx, result, self.cfg.validation)
-        w_new = self.algorithm.aggregate(ctx, result)
+        ctx, result, rejected, release = checked(self.algorithm, ctx, result, self.cfg.validation)
+        w_new = self.algorithm.aggregate(ctx, result, release)  # the payload decoded once: by the checks, or here
         if not all_finite(w_new):
             raise Diverged(f"round {round + 1}: the global model became non-finite")
         return Aggregate(ctx, result, w_new, self.aggregate_buffers(ctx, result), dropped, rejected)
