@@ -326,8 +326,8 @@ def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
 
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
-    """The upload stages of ``specs``, in their order, which must make sense (:func:`fedflat.core.upload.order_problem`);
-    at most one stage changes what travels."""
+    """The upload stages of ``specs``, in their order, which must make sense
+    (:func:`fedflat.core.upload.order_problem`); at most one stage changes what travels."""
     stages = []
     for spec in specs:
         spec = dict(spec)

@@ -9,11 +9,12 @@ transaction and the same client code gives the same numbers on every engine and 
 
 A watched hook records the version counter of every tensor it can reach before it runs (PyTorch bumps it on every
 in-place operation, on the tensor or any view of it) and compares after: a change is a :class:`ContractError`
-naming the part, the hook and the tensor. It costs a few microseconds per hook call: 15-20% of a run of the tiny
-test problem (a paired benchmark of watched and unwatched runs of FedAvg and SCAFFOLD, docs/extending.md), far over
-the 2% a default may cost, so fedflat's own parts (whose tests run watched) are watched only with
-``FEDFLAT_CHECK_CONTRACT=1``, and a part defined outside fedflat (a plugin's, a test's) in every run unless
-``FEDFLAT_CHECK_CONTRACT=0``.
+naming the part, the hook and the tensor. A watched part is a twin of the part whose class subclasses the part's own
+(:func:`checked`), so it is still what it is to ``isinstance`` (an attack, a data attack, a robust rule). It costs a
+few microseconds per hook call: 15-20% of a run of the tiny test problem (a paired benchmark of watched and unwatched
+runs of FedAvg and SCAFFOLD, docs/extending.md), far over the 2% a default may cost, so fedflat's own parts (whose
+tests run watched) are watched only with ``FEDFLAT_CHECK_CONTRACT=1``, and a part defined outside fedflat (a
+plugin's, a test's) in every run unless ``FEDFLAT_CHECK_CONTRACT=0``.
 """
 from __future__ import annotations
 
