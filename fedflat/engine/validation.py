@@ -77,12 +77,13 @@ def checked(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
 
 @dataclass
 class Decoded:
-    """The release the checks decoded: of the result's rows ``rows`` (those the encoder could decode), in order."""
+    """The release the checks decoded, of the result's rows :attr:`rows_of` (those the encoder could decode), in
+    order."""
 
     rows_of: list[int]
     release: Release
 
-    def rows(self, rows) -> Release:
+    def rows(self, rows: list[int]) -> Release:
         """The release of the result's ``rows`` (each one of :attr:`rows_of`)."""
         where = {row: i for i, row in enumerate(self.rows_of)}
         index = torch.tensor([where[row] for row in rows], dtype=torch.long)
