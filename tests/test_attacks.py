@@ -50,7 +50,7 @@ def test_attackers_are_round_fraction_n_clients_drawn_from_the_keyed_stream():
 
 
 def _client(stage_spec: dict):
-    stage = contract.Checked(build_stages([stage_spec])[0])  # also: nothing it was given is modified in place
+    stage = contract.checked(build_stages([stage_spec])[0])  # also: nothing it was given is modified in place
     ctx = ClientContext(round=2, lr=0.1, w_start=torch.zeros(5), server={}, settings=SETTINGS, oracle=None,
                         batches=None)
     ids = torch.arange(N)
@@ -118,7 +118,7 @@ ATTACKED = ("threads=1", "rounds=2", "sampling.clients_per_round=4", "train.batc
 def _server(stage_spec: dict, sampled: torch.Tensor):
     from fedflat.core import RoundContext
 
-    stage = contract.Checked(build_stages([stage_spec])[0])
+    stage = contract.checked(build_stages([stage_spec])[0])
     ctx = RoundContext(round=2, lr=0.1, w=torch.zeros(5), sampled=sampled, num_samples=torch.ones(len(sampled)),
                        steps=torch.ones(len(sampled)), server={}, settings=SETTINGS)
     bad = np.isin(sampled.numpy(), attackers(SEED, N, stage_spec["fraction"]))

@@ -391,3 +391,47 @@ def test_a_plugins_part_is_watched_in_every_run_and_fedflats_own_with_the_debug_
     assert all(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())
     monkeypatch.setenv(CHECK_ENV, "0")
     assert not any(isinstance(p, Checked) for p in build_algorithm({"name": "test_memo"}).parts.values())
+
+
+def test_a_watched_part_is_what_it_is(monkeypatch):
+    """Watching keeps isinstance: a watched stage is an instance of its own class (the engine picks data attacks and
+    the backdoor by class), has its options, pickles back to a watched part, and the part itself is left unwatched."""
+    import pickle
+
+    from fedflat.algorithms.attacks import Attack, Backdoor, DataAttack, backdoor_of
+    from fedflat.algorithms.compose import assemble, build_parts
+    from fedflat.core.contract import Checked, checked
+
+    monkeypatch.setenv(CHECK_ENV, "1")
+    parts = build_parts({"name": "fedntd"})
+    algorithm = assemble(*parts, [{"name": "backdoor", "boost": 2.0}, {"name": "median"}])
+    backdoor, median = algorithm.stages
+    assert isinstance(backdoor, Checked) and isinstance(backdoor, Backdoor) and isinstance(backdoor, DataAttack)
+    assert type(backdoor).__qualname__ == "Backdoor" and backdoor.p.boost == 2.0
+    assert backdoor_of(algorithm.stages) is backdoor
+    assert not isinstance(median, Attack) and not any(isinstance(p, Checked) for p in parts[1].values())
+    assert isinstance(algorithm.parts["correction"], type(parts[1]["correction"]))
+    again = pickle.loads(pickle.dumps(backdoor))
+    assert isinstance(again, Checked) and isinstance(again, Backdoor) and again.p == backdoor.p
+    assert checked(backdoor) is backdoor  # watched once
+
+
+def test_a_stage_that_poisons_must_be_a_data_attack():
+    """The engine calls poison on the stages that are data attacks (isinstance): a stage with a poison method outside
+    DataAttack would be silently skipped, so building it is refused."""
+    from fedflat.algorithms.attacks import Attack
+    from fedflat.algorithms.compose import build_stages
+    from fedflat.core import STAGES
+
+    class Loose(Attack):
+        name = "test_loose_poison"
+
+        def poison(self, ctx, cohort, batch):
+            return batch
+
+    STAGES[Loose.name] = Loose
+    try:
+        with pytest.raises(AlgorithmError, match="defines poison but is no data attack: subclass .*DataAttack"):
+            build_stages([{"name": Loose.name}])
+    finally:
+        STAGES.pop(Loose.name)

@@ -40,7 +40,8 @@ def test_every_attack_defines_poison():
     from fedflat.core import STAGES
 
     poisoners = [cls for cls in STAGES.values() if cls.__module__ == attacks.__name__ and "poison" in dir(cls)]
-    assert poisoners and ROLE_HOOKS["attack"] == ("poison",)
+    assert poisoners and all(issubclass(cls, attacks.DataAttack) for cls in poisoners)
+    assert ROLE_HOOKS["attack"] == ("poison",) and "poison" in vars(attacks.DataAttack)
 
 
 def test_the_contract_watches_every_hook():

@@ -216,6 +216,29 @@ def test_central_noise_has_std_z_c_by_the_chi_square_distribution():
     assert chi2.ppf(1e-6, n) <= statistic <= chi2.isf(1e-6, n)
 
 
+def test_the_central_mean_is_computed_once_and_every_row_is_it():
+    """The server releases (sum_i x_i + N(0, z^2 C^2 I)) / m once: every row of every entry is that one tensor (a
+    view, no K copies), equal to the formula with the same noise, and the model the method reads is w + it, added
+    once (fedflat.core.upload.upload_of)."""
+    from fedflat.core.upload import one_row, upload_of
+    from fedflat.privacy.mechanism import gaussian_like
+
+    z, C, K, P, m = 0.8, 0.5, 5, 40, 4.0
+    stage = GaussianMechanism(GaussianParams(clip=C, noise_multiplier=z, expected_clients=m))
+    generator = torch.Generator().manual_seed(1)
+    release = {"model": torch.randn(K, P, generator=generator), "scaffold.dc": torch.randn(K, 3, generator=generator)}
+    ctx = _round_context(P, K, C, round=2, seed=5)
+    released = stage.server(ctx, release)
+    noise = gaussian_like(release, z * C, torch_stream(5, 2, SERVER, "privacy", torch.device("cpu")))
+    for name, rows in released.items():
+        assert one_row(rows) and rows.shape == release[name].shape
+        assert torch.equal(rows[0], (release[name].sum(0) + noise[name]) / m)
+    w = torch.randn(P, generator=generator)
+    model = upload_of(released, w, {})["model"]
+    assert one_row(model) and torch.equal(model[3], w + released["model"][0])
+    assert torch.equal(model, w + released["model"].contiguous())  # the K-fold sum's numbers, computed once
+
+
 def test_secure_noise_is_standard_normal_and_not_reproducible():
     a, b = secure_normal((200_000,), torch.float64, "cpu"), secure_normal((200_000,), torch.float64, "cpu")
     assert not torch.equal(a, b)
@@ -553,3 +576,24 @@ def test_the_servers_norm_check_reads_the_clipped_update_that_travelled(tiny):
     history = fedflat.run(tiny("privacy.clip=0.5", "privacy.mode=local",
                                "validation.max_norm=0.5001", "privacy.noise_multiplier=0.0"), save=False, progress=False)
     assert history.summary["status"] == "completed" and "rejected_clients" not in history.summary
+
+
+def test_a_compressed_payload_is_decoded_once_a_round_under_the_norm_check(tiny, monkeypatch):
+    """validation.max_norm reads the decoded release; the aggregation takes that release (the kept rows of it) instead
+    of decoding the payload again: one decode a round, with or without the check, the same model where the bound
+    rejects nobody, and the kept rows' release where it rejects some."""
+    from fedflat.algorithms.compression import TopK
+
+    calls = []
+    decode = TopK.decode
+    monkeypatch.setattr(TopK, "decode", lambda self, ctx, payload, size: calls.append(1) or decode(self, ctx, payload,
+                                                                                                      size))
+    compressed = ("compression.name=topk", "compression.ratio=0.5", "rounds=3")
+    checked = fedflat.run(tiny(*compressed, "validation.max_norm=1e9"), save=False, progress=False)
+    assert len(calls) == 3
+    calls.clear()
+    plain = fedflat.run(tiny(*compressed), save=False, progress=False)
+    assert len(calls) == 3 and torch.equal(checked.final_parameters, plain.final_parameters)
+    calls.clear()
+    bound = fedflat.run(tiny(*compressed, "validation.max_norm=0.15"), save=False, progress=False)
+    assert len(calls) == 3 and bound.summary.get("rejected_clients")  # some rows left out of the decoded release

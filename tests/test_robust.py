@@ -37,7 +37,7 @@ def _release(model=MODEL_ROWS, extra=EXTRA_ROWS) -> dict[str, torch.Tensor]:
 
 
 def _serve(spec: dict, release: dict, ctx: RoundContext | None = None) -> dict[str, torch.Tensor]:
-    stage = contract.Checked(build_stages([spec])[0])  # also: no tensor it was given is modified in place
+    stage = contract.checked(build_stages([spec])[0])  # also: no tensor it was given is modified in place
     return stage.server(ctx or _context(), release)
 
 

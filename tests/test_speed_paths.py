@@ -1,8 +1,8 @@
 """Each speed path of the local step gives what the plain path gives, bit for bit (docs/benchmarks.md, "Against the
 other simulators").
 
-The clip's shortcut (:func:`fedflat.engine.client.clip_scale`): on CPU a cohort whose norms are below the clip by
-the float32 bound :data:`~fedflat.engine.client.SURELY_UNCLIPPED` skips computing its scales, which are then all
+The clip's shortcut (:func:`fedflat.core.vectors.clip_scale`): on CPU a cohort whose norms are below the clip by
+the float32 bound :data:`~fedflat.core.vectors.SURELY_UNCLIPPED` skips computing its scales, which are then all
 exactly 1; everywhere else the scales are computed as before.
 """
 from __future__ import annotations
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import fedflat
+from fedflat.core import vectors
+from fedflat.core.vectors import SURELY_UNCLIPPED, clip_rows, clip_scale
 from fedflat.engine import client
-from fedflat.engine.client import SURELY_UNCLIPPED, add_decay, clip_rows, clip_scale
+from fedflat.engine.client import add_decay
 from fedflat.testing import TINY
 
 MAX_NORMS = (10.0, 1.0, 0.1, 3.7, 1e-3)  # 0.1, 3.7, 1e-3: not representable in float32
@@ -79,12 +81,13 @@ def test_runs_with_and_without_the_shortcut_agree(monkeypatch, clip_scope):
     the shortcut's only device (a GPU would synchronise to take it)."""
     tree = {**TINY, "rounds": 2, "device": "cpu", "train": {**TINY["train"], "clip": 0.9, "clip_scope": clip_scope}}
     clipped = []
-    real_scale = client.clip_scale
-    monkeypatch.setattr(client, "clip_scale", lambda D, m: clipped.append(real_scale(D, m)) or clipped[-1])
+    real_scale = vectors.clip_scale
+    for module in (client, vectors):  # add_decay's loss-scope clip, clip_rows' step-scope one
+        monkeypatch.setattr(module, "clip_scale", lambda D, m: clipped.append(real_scale(D, m)) or clipped[-1])
     for engine in ("sequential", "vectorized"):
         fast = fedflat.run(tree, overrides=[f"engine={engine}"], save=False, progress=False).final_parameters
         with monkeypatch.context() as m:
-            m.setattr(client, "SURELY_UNCLIPPED", 0.0)
+            m.setattr(vectors, "SURELY_UNCLIPPED", 0.0)
             plain = fedflat.run(tree, overrides=[f"engine={engine}"], save=False, progress=False).final_parameters
         assert torch.equal(fast, plain), engine
     assert any(s is None for s in clipped) and any(s is not None for s in clipped)  # the clip binds sometimes

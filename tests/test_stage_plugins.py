@@ -34,7 +34,7 @@ def _stage(spec: dict):
     from fedflat.algorithms.compose import build_stages
 
     _load_examples()
-    return contract.Checked(build_stages([spec])[0])  # also: nothing it was given is modified in place
+    return contract.checked(build_stages([spec])[0])  # also: nothing it was given is modified in place
 
 
 def _ctx() -> RoundContext:

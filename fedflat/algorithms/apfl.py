@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedflat.algorithms.ditto import clip_personal, own_models
+from fedflat.algorithms.ditto import own_models
 from fedflat.core import (Batch, ClientContext, Cohort, PartParams, Personalization, Recipe, TrainSettings,
-                          register_recipe)
+                          clip_rows, register_recipe)
 
 LOCAL = "apfl.v_i"  # client state: the client's local model v_i
 ALPHA = "apfl.alpha_i"  # client state: its mixing weight alpha_i (a model-sized row; entry 0 is read)
@@ -88,7 +88,7 @@ class APFL(Personalization):
             stepped = (alpha - ctx.lr * ((v - W) * g).sum(dim=-1, keepdim=True)).clamp(0.0, 1.0)
             own["alpha"] = torch.where(active, stepped, alpha)
         d = torch.add(alpha * g, v, alpha=ctx.settings.weight_decay)
-        own["v"] = torch.where(active, v - ctx.lr * clip_personal(d, ctx.settings.clip), v)
+        own["v"] = torch.where(active, v - ctx.lr * clip_rows(d, ctx.settings.clip), v)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:
         own = cohort.own(self)

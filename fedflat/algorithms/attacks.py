@@ -31,15 +31,16 @@ local noise): they are refused with ``privacy`` and ``compression`` (fedflat.con
 
 Upload attacks are stages of the upload path (:mod:`fedflat.core.upload`, kind ``attack``: first on the client,
 before compression or a DP clip) that change only the malicious clients' rows, and only ``Delta_i`` (a method's
-other entries travel as they are). Data attacks define :meth:`Attack.poison`, which the engine calls on every step's
-batch (``fedflat/engine/client.py``) and which changes only the malicious clients' rows.
+other entries travel as they are). Data attacks (:class:`DataAttack`) define :meth:`DataAttack.poison`, which the
+engine calls on every step's batch (:class:`fedflat.engine.client.LocalLoop`) and which changes only the malicious
+clients' rows.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -80,6 +81,8 @@ class Attack(UploadStage):
 
     kind = "attack"
     Params = AttackParams
+    forges: ClassVar[bool] = False  # its rows are forged on the server side (ColludingAttack), skipping the clients'
+    # compression and DP clip: fedflat.config refuses it with either
 
     def malicious(self, settings: Any, ids: torch.Tensor) -> torch.Tensor:
         """``[C]``: whether each client of ``ids`` is malicious (:func:`attackers` of the run's seed and ``N``)."""
@@ -88,6 +91,15 @@ class Attack(UploadStage):
     def server(self, ctx: RoundContext, release: Release) -> Release:
         ctx.log["attackers"] = float(self.malicious(ctx.settings, ctx.sampled).sum())
         return release
+
+
+class DataAttack(Attack):
+    """Base of the data attacks: :meth:`poison`, which the engine calls on every step's batch (the local loop picks the
+    stages that are data attacks, ``isinstance``), changes only the malicious clients' rows."""
+
+    def poison(self, ctx: ClientContext, cohort: Cohort, batch: Batch) -> Batch:
+        """The step's ``batch`` as the chunk's clients train on it (rows ``cohort.ids``)."""
+        raise NotImplementedError
 
 
 def rows_where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -139,7 +151,7 @@ class LabelFlipParams(AttackParams):
     num_classes: int | None = Field(None, ge=2, description="C, the dataset's classes (fedflat sets it from the data)")
 
 
-class LabelFlip(Attack):
+class LabelFlip(DataAttack):
     """The malicious clients train on labels ``C - 1 - y`` (module docstring)."""
 
     name = "label_flip"
@@ -164,7 +176,7 @@ class BackdoorParams(AttackParams):
     num_classes: int | None = Field(None, ge=2, description="C, the dataset's classes (fedflat sets it from the data)")
 
 
-class Backdoor(Attack):
+class Backdoor(DataAttack):
     """Pixel-trigger backdoor with a boosted update: model replacement (module docstring)."""
 
     name = "backdoor"
@@ -200,7 +212,7 @@ class ColludingAttack(Attack):
     """Base of the colluding attacks: in the server hook, the malicious rows of the round's release replaced by
     :meth:`forge` of the benign rows' updates (module docstring)."""
 
-    forges = True  # its rows skip the clients' stages: refused with compression and privacy (fedflat.config)
+    forges = True
 
     def forge(self, benign: torch.Tensor, n: int, f: int) -> torch.Tensor:
         """The one update every malicious client uploads, from the benign updates ``benign[n - f, P]``."""
@@ -287,4 +299,4 @@ def spec_params(spec: dict[str, Any]) -> dict[str, Any]:
 
 def backdoor_of(stages: list[UploadStage]) -> Backdoor | None:
     """The run's backdoor attack among its upload ``stages`` (what ``backdoor_acc`` is measured for), or None."""
-    return next((s for s in stages if s.name == Backdoor.name and hasattr(s, "trigger")), None)
+    return next((s for s in stages if isinstance(s, Backdoor)), None)

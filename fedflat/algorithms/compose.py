@@ -22,9 +22,10 @@ import torch
 from pydantic import ValidationError
 
 from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, AlgorithmError, Broadcast, ClientContext,
-                          ClientResult, Cohort, Part, Perturbation, Recipe, RoundContext, Shared, Slot, TrainSettings,
-                          closest, composition_label, contract)
-from fedflat.core.upload import NOT_RELEASED, STAGE_ORDER, UploadStage, release_of, upload_of
+                          ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
+                          TrainSettings, closest, composition_label, contract)
+from fedflat.algorithms.attacks import DataAttack
+from fedflat.core.upload import NOT_RELEASED, UploadStage, order_problem, release_of, upload_of
 
 
 @dataclass
@@ -146,27 +147,30 @@ class Algorithm:
         encoder = self.encoder
         return encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
 
-    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The upload path's server side: the received ``upload`` decoded into the release, every stage's
-        :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload as received), and the upload the parts read,
-        ``model`` at ``w_start + Delta_i`` again."""
+    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor],
+                release: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The upload path's server side: the received ``upload`` decoded into the release (``release``: already
+        decoded, by the server's checks), every stage's :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload
+        as received), and the upload the parts read, ``model`` at ``w_start + Delta_i`` again."""
         if not self.stages:
             return upload
         kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
-        release = self.received_release(ctx, upload)
+        release = self.received_release(ctx, upload) if release is None else release
         ctx.uploads = upload
         for stage in self.stages:
             release = stage.server(ctx, release)
         return upload_of(release, ctx.w_start, kept)
 
-    def aggregate(self, ctx: RoundContext, result: ClientResult) -> torch.Tensor:
+    def aggregate(self, ctx: RoundContext, result: ClientResult,
+                  release: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``w^{t+1}`` from the sampled clients' uploads (``result`` holds every sampled client, rows in
-        ascending id order, as :func:`merge_results` makes them): weights, then every part's
-        ``finish``, the server step, every part's ``after_step``. Updates ``ctx.server``."""
+        ascending id order, as :func:`merge_results` makes them; ``release``: their release where the server's
+        checks decoded it already): weights, then every part's ``finish``, the server step, every part's
+        ``after_step``. Updates ``ctx.server``."""
         if not torch.equal(result.ids.cpu(), ctx.sampled.cpu()):
             raise ValueError(f"round {ctx.round}: results for clients {result.ids.tolist()}, "
                              f"expected exactly {ctx.sampled.tolist()} in ascending order")
-        ctx.uploads = self.receive(ctx, result.upload)
+        ctx.uploads = self.receive(ctx, result.upload, release)
         ctx.weights = self.parts["aggregation"].weights(ctx)
         for part in self.ordered:
             part.finish(ctx)
@@ -322,8 +326,8 @@ def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
 
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
-    """The upload stages of ``specs``, sorted by their kind (:data:`fedflat.core.upload.STAGE_ORDER`); at most one
-    stage changes what travels."""
+    """The upload stages of ``specs``, in their order, which must make sense
+    (:func:`fedflat.core.upload.order_problem`); at most one stage changes what travels."""
     stages = []
     for spec in specs:
         spec = dict(spec)
@@ -331,8 +335,14 @@ def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
         if name not in STAGES:
             raise AlgorithmError(f"upload stage '{name}'{closest(str(name), STAGES)}; "
                                  f"allowed: {', '.join(sorted(STAGES))}")
+        if callable(getattr(STAGES[name], "poison", None)) and not issubclass(STAGES[name], DataAttack):
+            raise AlgorithmError(f"upload stage '{name}' defines poison but is no data attack: subclass "
+                                 "fedflat.algorithms.attacks.DataAttack, whose poison the engine calls every step")
         stages.append(STAGES[name](_params(STAGES[name], f"upload.{name}", spec)))
-    stages.sort(key=lambda s: STAGE_ORDER[s.kind])
+    problem = order_problem(stages)
+    if problem is not None:
+        raise AlgorithmError(f"{problem}; a config's upload path runs attack, compression, privacy, the upload list in "
+                             "its order, then robust (docs/extending.md#the-upload-path)")
     encoders = [s.name for s in stages if s.encodes]
     if len(encoders) > 1:
         raise AlgorithmError(f"upload stages {encoders} each encode the upload: choose one compression")
@@ -364,7 +374,7 @@ def _check_shared(parts: dict[str, Part]) -> None:
 def _check_composition(parts: dict[str, Part]) -> None:
     """Every slot and server entry a part requires has a provider; an entry two parts declare has one init; at most
     one distillation term (the perturbation's or the correction's, fedflat.engine.client.objective_term)."""
-    if hasattr(parts["correction"], "distillation") and \
+    if type(parts["correction"]).distillation is not Correction.distillation and \
             type(parts["perturbation"]).distillation is not Perturbation.distillation:
         raise AlgorithmError(f"{parts['perturbation']!r} and {parts['correction']!r} each add a distillation term "
                              "to the local objective, which needs at most one: choose another correction")

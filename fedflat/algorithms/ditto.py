@@ -23,16 +23,9 @@ import torch
 from pydantic import Field
 
 from fedflat.core import (Batch, ClientContext, Cohort, PartParams, Personalization, Recipe, TrainSettings,
-                          register_recipe)
+                          clip_rows, register_recipe)
 
 PERSONAL = "ditto.v_k"  # client state: the client's personal model v_k
-
-
-def clip_personal(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    r"""``D`` with each row scaled by :math:`\min(1, \mathrm{max\_norm} / (\lVert D_c \rVert + 10^{-6}))` (``clip_grad_norm_``'s rule)."""
-    if max_norm is None:
-        return D
-    return D * (max_norm / (D.norm(dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
 
 
 def own_models(name: str, w: torch.Tensor, state: dict[str, torch.Tensor],
@@ -77,7 +70,7 @@ class Ditto(Personalization):
         v = own["v"]
         _, g = ctx.oracle.loss_grad(v, batch)
         d = g.add_(v, alpha=ctx.settings.weight_decay).add_(v - ctx.w_broadcast, alpha=self.p.lam)
-        stepped = v - ctx.lr * clip_personal(d, ctx.settings.clip)
+        stepped = v - ctx.lr * clip_rows(d, ctx.settings.clip)
         own["v"] = torch.where(cohort.active[:, None], stepped, v)
 
     def end(self, ctx: ClientContext, cohort: Cohort, W: torch.Tensor) -> None:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 from pydantic import Field
 
-from fedflat.core import (AlgorithmError, ClientContext, Cohort, Filter, PartParams, Recipe, register_recipe, row_norm,
-                          torch_stream)
+from fedflat.core import (NORM_EPS, AlgorithmError, ClientContext, Cohort, Filter, PartParams, Recipe, clip_factors,
+                          register_recipe, row_norm, torch_stream)
 
 
 class SpectrumParams(PartParams):
@@ -233,7 +233,7 @@ class L2Filter(Filter):
     Params = L2Params
 
     def apply(self, ctx: ClientContext, cohort: Cohort, eps: torch.Tensor) -> torch.Tensor:
-        return eps * (self.p.rho / (row_norm(eps) + 1e-12)).clamp(max=1.0)
+        return eps * clip_factors(row_norm(eps), self.p.rho, NORM_EPS)
 
 
 class ClipParams(PartParams):

@@ -39,8 +39,8 @@ import math
 import torch
 from pydantic import Field
 
-from fedflat.core import PartParams, RoundContext, init, release_norms, scale_release
-from fedflat.core.upload import Release, UploadStage
+from fedflat.core import PartParams, RoundContext, clip_factors, init, release_norms, scale_release
+from fedflat.core.upload import Release, UploadStage, repeated
 
 CENTER = "cclip.v"  # server state of centered clipping: the previous round's aggregate, the release's entries flat
 INDIVIDUAL = ("a robust rule reads every client's own update, where central DP's noise is calibrated to the "
@@ -48,8 +48,10 @@ INDIVIDUAL = ("a robust rule reads every client's own update, where central DP's
 
 
 def every_row(release: Release, rows: int, aggregate: dict[str, torch.Tensor]) -> Release:
-    """Each entry of ``release`` with all its ``rows`` equal to ``aggregate[name]`` (one row, the robust aggregate)."""
-    return {name: aggregate[name].to(release[name].dtype).expand(rows, *release[name].shape[1:]) for name in release}
+    """Each entry of ``release`` with all its ``rows`` equal to ``aggregate[name]`` (one row, the robust aggregate,
+    computed once: :func:`fedflat.core.upload.repeated`)."""
+    return {name: repeated(aggregate[name].to(release[name].dtype).reshape(release[name].shape[1:]), rows)
+            for name in release}
 
 
 def rows_of(release: Release) -> int:
@@ -212,7 +214,7 @@ class NormBound(RobustRule):
     def server(self, ctx: RoundContext, release: Release) -> Release:
         norms = release_norms(release)
         ctx.log["norm_bounded"] = float((norms > self.p.bound).sum())
-        return scale_release(release, torch.clamp(self.p.bound / norms.clamp(min=1e-300), max=1.0))
+        return scale_release(release, clip_factors(norms, self.p.bound))
 
 
 class CenteredClipParams(PartParams):
@@ -241,7 +243,7 @@ def centered_clip(X: torch.Tensor, v: torch.Tensor, tau: float, iterations: int)
     r"""Karimireddy et al.'s :math:`v \leftarrow v + \frac{1}{K} \sum_i (x_i - v) \min\big(1, \tau / \lVert x_i - v \rVert\big)`, ``iterations`` times."""
     for _ in range(iterations):
         diff = X - v
-        scale = torch.clamp(tau / diff.double().norm(dim=1).clamp(min=1e-300), max=1.0).to(X.dtype)
+        scale = clip_factors(diff.double().norm(dim=1), tau).to(X.dtype)
         v = v + (diff * scale[:, None]).mean(0)
     return v
 

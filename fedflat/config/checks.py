@@ -188,7 +188,9 @@ def _check_robust(cfg: Config, algorithm) -> None:
 def _check_colluding(cfg: Config, algorithm) -> None:
     """A colluding attack (ALIE, IPM) forges its rows on the server side, after the clients' compression, DP clip
     and local noise, which its rows would skip (fedflat/algorithms/attacks.py): refused with them."""
-    forged = [s for s in algorithm.stages if getattr(s, "forges", False)]
+    from fedflat.algorithms.attacks import Attack
+
+    forged = [s for s in algorithm.stages if isinstance(s, Attack) and s.forges]
     if forged and (cfg.privacy is not None or algorithm.encoder is not None):
         raise ConfigError(f"attack={forged[0].name} forges the malicious uploads from the round's benign ones on the "
                           "server side, where they would skip the clients' compression and DP clip; drop privacy and "

@@ -447,7 +447,8 @@ class Config(Section):
     compression: dict[str, Any] | None = Field(None, description="compressed uploads: {name: topk, ratio, "
                                                                  "error_feedback} or {name: qsgd, levels, ...}")
     upload: list[dict[str, Any]] = Field(default_factory=list, description="further upload stages by name "
-                                                                          "(a plugin's), each {name, ...}")
+                                                                          "(a plugin's), each {name, ...}, run in "
+                                                                          "this order after privacy, before robust")
     robust: dict[str, Any] | None = Field(None, description="robust aggregation: {name: median, trimmed_mean, "
                                                             "krum, bulyan, norm_bound or centered_clip, ...} "
                                                             "(docs/security.md)")
@@ -487,15 +488,17 @@ class Config(Section):
         return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta)
 
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
-        """The upload stages this config asks for (``compression``, ``privacy``, then ``upload``), each
-        ``{name, **hyperparameters}``, the noise multiplier calibrated where ``privacy.target_epsilon`` asks (seconds
-        of dp-accounting: with ``calibrate=False``, for checking the stages' shape only, ``z = 1`` stands in)."""
-        specs = [dict(self.compression)] if self.compression else []
+        """The upload stages this config asks for, in the order they run: ``attack``, ``compression``, ``privacy``,
+        the ``upload`` list in its order, then ``robust``, each ``{name, **hyperparameters}`` (the order is checked
+        when the method is built: :func:`fedflat.core.upload.order_problem`), the noise multiplier calibrated where
+        ``privacy.target_epsilon`` asks (seconds of dp-accounting: with ``calibrate=False``, for checking the stages'
+        shape only, ``z = 1`` stands in)."""
+        specs = [dict(s) for s in (self.attack, self.compression) if s]
         p = self.privacy
         if p is not None and p.level == "client":
             z = self.noise_multiplier() if calibrate or p.noise_multiplier is not None else 1.0
             specs.append(dp_stage(p, self.sampling.clients_per_round, z))
-        return specs + [dict(s) for s in self.upload] + [dict(s) for s in (self.attack, self.robust) if s]
+        return specs + [dict(s) for s in self.upload] + ([dict(self.robust)] if self.robust else [])
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":

@@ -9,18 +9,19 @@ transaction and the same client code gives the same numbers on every engine and 
 
 A watched hook records the version counter of every tensor it can reach before it runs (PyTorch bumps it on every
 in-place operation, on the tensor or any view of it) and compares after: a change is a :class:`ContractError`
-naming the part, the hook and the tensor. It costs a few microseconds per hook call: 15-20% of a run of the tiny
-test problem (a paired benchmark of watched and unwatched runs of FedAvg and SCAFFOLD, docs/extending.md), far over
-the 2% a default may cost, so fedflat's own parts (whose tests run watched) are watched only with
-``FEDFLAT_CHECK_CONTRACT=1``, and a part defined outside fedflat (a plugin's, a test's) in every run unless
-``FEDFLAT_CHECK_CONTRACT=0``.
+naming the part, the hook and the tensor. A watched part is a twin of the part whose class subclasses the part's own
+(:func:`checked`), so it is still what it is to ``isinstance`` (an attack, a data attack, a robust rule). It costs a
+few microseconds per hook call: 15-20% of a run of the tiny test problem (a paired benchmark of watched and unwatched
+runs of FedAvg and SCAFFOLD, docs/extending.md), far over the 2% a default may cost, so fedflat's own parts (whose
+tests run watched) are watched only with ``FEDFLAT_CHECK_CONTRACT=1``, and a part defined outside fedflat (a
+plugin's, a test's) in every run unless ``FEDFLAT_CHECK_CONTRACT=0``.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -39,11 +40,11 @@ def checking() -> bool:
 
 
 def watched(part: Any) -> Any:
-    """``part`` watched (:class:`Checked`) where the mode says so: every part with ``FEDFLAT_CHECK_CONTRACT=1``, a part
+    """``part`` watched (:func:`checked`) where the mode says so: every part with ``FEDFLAT_CHECK_CONTRACT=1``, a part
     defined outside fedflat unless it is ``0``."""
     setting = os.environ.get(CHECK_ENV, "")
     if checking() or (setting == "" and not type(part).__module__.startswith("fedflat.")):
-        return Checked(part)
+        return checked(part)
     return part
 
 
@@ -90,33 +91,57 @@ def _shares_memory(result: Any, tensor: torch.Tensor) -> bool:
 
 
 class Checked:
-    """A part whose hooks are watched for in-place changes of what they do not own (everything else forwarded)."""
+    """The base a watched part's class adds (:func:`checked`): the part's own class stays its base, so
+    ``isinstance`` sees the part as what it is (an attack, a backdoor, a robust rule), and every hook the class has is
+    overridden by one that watches it for in-place changes of what it does not own."""
 
-    def __init__(self, part: Any):
-        object.__setattr__(self, "_part", part)
+    __slots__ = ()
+    __unwatched__: type  # the part's own class
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._part, name)
-        if name not in HOOKS or not callable(value):
-            return value
-        owner = id(self._part)
+    def __reduce__(self) -> tuple:
+        plain = object.__new__(self.__unwatched__)
+        plain.__dict__.update(self.__dict__)
+        return checked, (plain,)
 
-        @functools.wraps(value)
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            before = _versions(value, args, kwargs, owner, OWNED_ARGUMENTS.get(name, frozenset()))
-            result = value(*args, **kwargs)
-            for what, (tensor, version) in before.items():
-                if tensor._version != version:
-                    raise ContractError(f"{self._part!r}.{name} modified {what} in place; a part assigns new "
-                                        "tensors instead (the contract's rule 1, fedflat/core/part.py)")
-                if name in OWNED_ARGUMENTS and _shares_memory(result, tensor):
-                    raise ContractError(f"{self._part!r}.{name} returned {what}, which the engine then overwrites; "
-                                        "it returns its grad argument or a new tensor (fedflat/core/part.py)")
-            return result
-        return watched
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._part, name, value)
+def _watching(cls: type, name: str) -> Callable[..., Any]:
+    """The hook ``name`` of the watched class ``cls``: the part's own hook (looked up at each call, so that a hook
+    patched on the part's class is the one watched), its reachable tensors' versions compared before and after."""
+    owned = OWNED_ARGUMENTS.get(name, frozenset())
 
-    def __repr__(self) -> str:
-        return repr(self._part)
+    def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+        own = getattr(super(cls, self), name)
+        before = _versions(own, args, kwargs, id(self), owned)
+        result = own(*args, **kwargs)
+        for what, (tensor, version) in before.items():
+            if tensor._version != version:
+                raise ContractError(f"{self!r}.{name} modified {what} in place; a part assigns new "
+                                    "tensors instead (the contract's rule 1, fedflat/core/part.py)")
+            if owned and _shares_memory(result, tensor):
+                raise ContractError(f"{self!r}.{name} returned {what}, which the engine then overwrites; "
+                                    "it returns its grad argument or a new tensor (fedflat/core/part.py)")
+        return result
+    hook.__name__ = hook.__qualname__ = name
+    return hook
+
+
+@functools.cache
+def _watched_class(part_class: type) -> type:
+    """``part_class`` with every hook it has watched (:class:`Checked` first in its bases)."""
+    cls = type(part_class.__name__, (Checked, part_class), {"__module__": part_class.__module__,
+                                                             "__qualname__": part_class.__qualname__,
+                                                             "__unwatched__": part_class})
+    for name in HOOKS:
+        if callable(getattr(part_class, name, None)):
+            setattr(cls, name, _watching(cls, name))
+    return cls
+
+
+def checked(part: Any) -> Any:
+    """``part`` watched: a twin of it (the same attributes) whose class is a subclass of the part's own
+    (:class:`Checked`), the part itself left as it is. A part already watched is returned as it is."""
+    if isinstance(part, Checked):
+        return part
+    twin = object.__new__(_watched_class(type(part)))
+    twin.__dict__.update(part.__dict__)
+    return twin

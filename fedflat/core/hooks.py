@@ -4,7 +4,7 @@ are :func:`hook_table` of them (tests/test_contract.py checks all three against 
 
 A hook's ``role`` is the role whose base class defines it; ``any`` is :class:`~fedflat.core.part.Part` itself
 (every role inherits it), ``upload`` an upload stage (:class:`~fedflat.core.upload.UploadStage`) and ``attack`` a
-data attack's stage (``poison``, :mod:`fedflat.algorithms.attacks`).
+data attack (``poison``, :class:`fedflat.algorithms.attacks.DataAttack`).
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ HOOKS: tuple[Hook, ...] = (
          "`ctx.w_start`, `ctx.server` (broadcast), `cohort.state/known/personal`",
          "`cohort.shared.put(slot, ...)`, `cohort.own(self)[...]`, `cohort.upload[...]`"),
     Hook("distillation(ctx)", "perturbation", "client, once per chunk", "the broadcast",
-         "a `Distillation` term added to every mini-batch loss, or None (FedGMT; a correction may define it too: "
-         "FedNTD)"),
+         "a `Distillation` term added to every mini-batch loss, or None (FedGMT)"),
     Hook("perturb(ctx, cohort, k, W, batch)", "perturbation", "client, every step `k`",
          "`W[C, P]`, `batch.x[C, B, ...]`, `ctx.oracle`", "`eps[C, P]` or None"),
     Hook("apply(ctx, cohort, X)", "filter", "client, every step",
@@ -55,6 +54,9 @@ HOOKS: tuple[Hook, ...] = (
          "`grad[C, P]` without weight decay, which it may overwrite and return; `W`",
          "`Direction(L, c)`, the local direction `d = L + c W` (default `(grad, wd)`); the engine clips `L` and adds "
          "`c W` (`train.clip_scope=loss`) or clips `L + c W` (`step`)"),
+    Hook("distillation(ctx)", "correction", "client, once per chunk", "the broadcast",
+         "a `Distillation` term, or None (FedNTD's); a method has at most one, the perturbation's or the "
+         "correction's"),
     Hook("end(ctx, cohort, W)", "any", "client, once per chunk", "final `W[C, P]`",
          "`cohort.new_state[name] = [C, P]`, `cohort.upload[name] = [C, ...]`"),
     Hook("weights(ctx)", "aggregation", "server, after training", "`ctx.uploads[name][K, ...]`, `ctx.num_samples`",

@@ -263,6 +263,11 @@ class Correction(Part):
         optimizer more (FedProx's ``wd + mu``) or less (FedRep's 0: the whole direction is clipped)."""
         return Direction(grad, ctx.settings.weight_decay)
 
+    def distillation(self, ctx: ClientContext) -> Distillation | None:
+        """A distillation term of this round's local objective (FedNTD's not-true distillation), or None; a method has
+        at most one, the perturbation's or the correction's (:func:`fedflat.algorithms.compose.build_parts`)."""
+        return None
+
 
 class Personalization(Part):
     """Which parameters stay with the client (personalized FL): a client starts from the broadcast model with its

@@ -63,7 +63,7 @@ def register_part(cls: type[Part]) -> type[Part]:
     if cls.role == UploadStage.role and cls.kind not in STAGE_ORDER:
         raise AlgorithmError(f"upload stage {cls.__qualname__}: kind {cls.kind!r} is not one of "
                              f"{', '.join(STAGE_ORDER)}")
-    names = [*cls.server_state, *cls.sends, *cls.keeps, *cls.holds, *getattr(cls, "side", ()),
+    names = [*cls.server_state, *cls.sends, *cls.keeps, *cls.holds, *(cls.side if issubclass(cls, UploadStage) else ()),
              *(s.name for s in (*cls.provides, *cls.requires) if isinstance(s, Slot))]
     unscoped = [n for n in names if "." not in n.strip(".")]
     if unscoped:

@@ -9,7 +9,8 @@ buffers (a method with buffers is refused where that matters, e.g. under differe
 
 An :class:`UploadStage` is a part of role ``upload``: it declares its server state, the entries it ``sends`` and
 the vectors each client ``keeps`` (error feedback's residual) exactly as the method's parts do, so fedflat creates,
-ships, stores and checkpoints them. Its hooks, in the order the stages are listed (:data:`STAGE_ORDER`):
+ships, stores and checkpoints them. Its hooks, in the order the config lists the stages (checked by
+:func:`order_problem`: an order that makes no sense is refused with its reason):
 
 - client side, after the parts' ``end``: :meth:`UploadStage.client` transforms the release (clip, add local noise,
   sparsify, quantize); the one stage that :attr:`~UploadStage.encodes` then turns the release into what travels
@@ -34,10 +35,26 @@ from fedflat.core.round import BUFFERS, MODEL, TRAIN_LOSS, ClientContext, Cohort
 
 Release = dict[str, torch.Tensor]  # entry name -> rows [C, ...] (client side) or [K, ...] (server side)
 
-# Where each kind of stage runs, smallest first (the server's hooks in the same order): a malicious client's update
-# first, then compression (so that the clip after it bounds what is sent, sparse or quantized), the clip and its
-# noise (differential privacy), and last the server's robust rules.
+# The kinds of stage in the only order across kinds that means something (stages of one kind run in the order given):
+# a malicious client's update first, then compression (so that the clip after it bounds what is sent, sparse or
+# quantized), the clip and its noise (differential privacy), and last the server's robust rules. The path runs the
+# stages in the order the config gives them; :func:`order_problem` refuses one that puts a kind after a kind it must
+# precede, with the reason (:data:`MUST_PRECEDE`).
 STAGE_ORDER = {"attack": 0, "compress": 10, "clip": 20, "robust": 30}
+MUST_PRECEDE: dict[tuple[str, str], str] = {
+    ("attack", "compress"): "the compressor sends the entries (top-k's indices, QSGD's levels) it chose from the "
+                            "update before the attack, so the attack's change would be lost or garbled",
+    ("attack", "clip"): "the DP clip bounds what every client sends, a malicious one's too (docs/security.md: an "
+                        "attacker that skips the clip is not simulated)",
+    ("compress", "clip"): "compression after the clip would change the clipped release (QSGD's rounding can raise "
+                          "its norm above C), so the clip would no longer bound what is sent",
+    ("attack", "robust"): "a robust rule defends against the attacks before it (a colluding attack forges its rows "
+                          "in its server hook, which would run after the rule)",
+    ("compress", "robust"): "a robust rule aggregates the release as the server receives it, decoded, after every "
+                            "client-side stage",
+    ("clip", "robust"): "central DP's noise is calibrated to the clipped releases themselves, and a robust rule is "
+                        "post-processing of the released mean only after it",
+}
 NOT_RELEASED = (TRAIN_LOSS, BUFFERS)
 
 
@@ -45,7 +62,7 @@ class UploadStage(Part):
     """Base of the stages of the upload path (module docstring). Hooks default to doing nothing."""
 
     role = "upload"
-    kind: ClassVar[str] = "clip"  # its place in the path (:data:`STAGE_ORDER`)
+    kind: ClassVar[str] = "clip"  # what it is, which says where in the path it may run (:data:`MUST_PRECEDE`)
     source: ClassVar[str] = ""  # the paper it follows (`fedflat list` shows it beside the summary)
     encodes: ClassVar[bool] = False  # it changes what travels (:meth:`encode` / :meth:`decode`)
     side: ClassVar[tuple[str, ...]] = ()  # entries it adds to the upload beside the release (adaptive clip's count)
@@ -79,6 +96,18 @@ class UploadStage(Part):
         return 1
 
 
+def order_problem(stages: list[UploadStage]) -> str | None:
+    """Why the upload path ``stages`` (in the config's order) makes no sense, or None: the first stage that comes
+    after a stage of a kind it must precede (:data:`MUST_PRECEDE`)."""
+    for i, later in enumerate(stages):
+        for earlier in stages[:i]:
+            reason = MUST_PRECEDE.get((later.kind, earlier.kind))
+            if reason is not None:
+                return (f"upload stage {later.kind} '{later.name}' comes after {earlier.kind} '{earlier.name}', but "
+                        f"must run before it: {reason}")
+    return None
+
+
 def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:
     """The release of an ``upload`` whose model rows started from ``w``: ``Delta_i`` for the model, the other
     released entries as they are (:data:`NOT_RELEASED` left out)."""
@@ -88,7 +117,24 @@ def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:
 def upload_of(release: Release, w: torch.Tensor, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The upload the method's server side reads: the ``release`` with the model back at ``w + Delta_i``, plus the
     entries the path leaves as they are (``kept``: the training loss, the buffers)."""
-    return {**kept, **{name: (w + rows if name == MODEL else rows) for name, rows in release.items()}}
+    return {**kept, **{name: (moved(w, rows) if name == MODEL else rows) for name, rows in release.items()}}
+
+
+def one_row(rows: torch.Tensor) -> bool:
+    """Whether ``rows[K, ...]`` is one row seen ``K`` times (a broadcast view, stride 0: central DP's noised mean, a
+    robust rule's aggregate: :func:`repeated`)."""
+    return rows.shape[0] > 1 and rows.stride(0) == 0
+
+
+def repeated(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """``value[...]`` as ``rows`` rows, one tensor seen ``rows`` times (a view: the value is computed once)."""
+    return value.expand(rows, *value.shape)
+
+
+def moved(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``w + rows``, computed once for a release that is one row seen ``K`` times (:func:`one_row`): the same numbers,
+    without ``K`` copies of one sum."""
+    return repeated(w + rows[0], rows.shape[0]) if one_row(rows) else w + rows
 
 
 def release_norms(release: Release) -> torch.Tensor:

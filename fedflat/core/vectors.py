@@ -15,6 +15,12 @@ import torch
 from torch import nn
 
 NORM_EPS = 1e-12
+CLIP_GRAD_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (||g|| + 1e-6)
+# float32's unit roundoff u = 2^-24: clip_scale's arithmetic rounds max_norm and 1e-6 to float32, then n + 1e-6, its
+# reciprocal and the product (Tensor.__rtruediv__ is reciprocal() * other), so its result is at least
+# max_norm (1 - u)^3 / ((n + 1e-6)(1 + u)^2) > max_norm (1 - 5u) / (n + 1e-6): a row with n + 1e-6 <= max_norm (1 - 8u)
+# gets a scale >= 1, clamped to exactly 1
+SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:
@@ -32,6 +38,69 @@ def normalize_rows_(X: torch.Tensor, radius: float | torch.Tensor = 1.0) -> torc
     """:func:`normalize_rows` in place, for a part's own fresh tensor: ``X <- X (radius / (||X|| + 1e-12))``, one
     pass over ``X`` after its norm (the value of :func:`normalize_rows` up to the last bit)."""
     return X.mul_(radius / (row_norm(X) + NORM_EPS))
+
+
+def clip_factors(norms: torch.Tensor, bound: float | torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """``min(1, bound / (||x_i|| + offset))`` from the rows' ``norms``: the factor that clips each row to L2 norm
+    ``bound``, every row clip of fedflat. The ``offset`` is its rule, kept per use because each moves numbers:
+
+    - 0, the exact rule (a row of norm 0 keeps factor 1): the DP clip, DP-SGD's per-example clip, norm bounding and
+      centered clipping, whose guarantees (a sensitivity, a bound) need ``||x_i|| min(1, C / ||x_i||) <= C``;
+    - :data:`CLIP_GRAD_EPS`, ``torch.nn.utils.clip_grad_norm_``'s: ``train.clip`` on the local direction and a
+      personal model's step (Ditto, APFL), as the methods' public code clips with torch;
+    - :data:`NORM_EPS`, :func:`normalize_rows`'s: FedFFT's L2 ablation filter (``rho = 0`` on a zero row gives 0, not
+      ``0 / 0``)."""
+    return (bound / (norms + offset if offset else norms)).clamp(max=1.0)
+
+
+def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """``min(1, max_norm / (||D_c|| + 1e-6))`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule,
+    :func:`clip_factors`), or None where no row is clipped (every scale exactly 1; checked only on CPU, where a GPU
+    would synchronise).
+
+    On CPU a cohort whose largest norm is below ``max_norm`` by the float32 bound of :data:`SURELY_UNCLIPPED`
+    skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
+    step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
+    decision and every scale are the full arithmetic's bit for bit."""
+    norms = row_norm(D)
+    if D.device.type == "cpu" and norms.numel() and float(norms.max()) + CLIP_GRAD_EPS <= max_norm * SURELY_UNCLIPPED:
+        return None
+    scale = clip_factors(norms, max_norm, CLIP_GRAD_EPS)
+    return None if unclipped(scale) else scale
+
+
+def unclipped(scale: torch.Tensor | None) -> bool:
+    """Whether no row is clipped (``None``: :func:`clip_scale` found none), checked only on CPU (on a GPU the check
+    would cost a synchronisation)."""
+    return scale is None or (scale.device.type == "cpu" and bool((scale == 1.0).all()))
+
+
+def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """Each row of ``D[C, P]`` clipped to L2 norm ``max_norm`` by ``clip_grad_norm_``'s rule (:func:`clip_scale`;
+    None: ``D`` as it is): ``train.clip_scope=step``, a personal model's step."""
+    if max_norm is None:
+        return D
+    scale = clip_scale(D, max_norm)
+    if scale is None:  # D * 1.0 is D bit for bit: skip the full-size multiply
+        return D
+    return D * scale
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, in one reading pass (``aminmax`` propagates NaN; no mask of ``x``'s
+    size); an integer or empty tensor is."""
+    if not x.numel() or not x.is_floating_point():
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def non_finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[C]``: whether each row of ``rows[C, ...]`` holds a NaN or an infinity (one pass, :func:`all_finite`, when
+    all are finite)."""
+    if all_finite(rows):
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    return ~torch.isfinite(rows.reshape(rows.shape[0], -1)).all(1)
 
 
 class Packed:

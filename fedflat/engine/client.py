@@ -12,49 +12,12 @@ from typing import Any, Iterator
 import torch
 
 from fedflat.algorithms import Algorithm
+from fedflat.algorithms.attacks import DataAttack
 from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
-                          ContractError, Correction, Direction, torch_stream)
+                          ContractError, Correction, Direction, clip_rows, clip_scale, torch_stream)
 from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
 from fedflat.engine.optim import OptimizerState
 from fedflat.engine.oracle import ClientSession, PenalizedOracle
-
-
-# float32's unit roundoff u = 2^-24: clip_scale's arithmetic rounds max_norm and 1e-6 to float32, then n + 1e-6, its
-# reciprocal and the product (Tensor.__rtruediv__ is reciprocal() * other), so its result is at least
-# max_norm (1 - u)^3 / ((n + 1e-6)(1 + u)^2) > max_norm (1 - 5u) / (n + 1e-6): a row with n + 1e-6 <= max_norm (1 - 8u)
-# gets a scale >= 1, clamped to exactly 1
-SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
-
-
-def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
-    """``min(1, max_norm / (||D_c|| + 1e-6))`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule), or
-    None where no row is clipped (every scale exactly 1; checked only on CPU, where a GPU would synchronise).
-
-    On CPU a cohort whose largest norm is below ``max_norm`` by the float32 bound of :data:`SURELY_UNCLIPPED`
-    skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
-    step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
-    decision and every scale are the full arithmetic's bit for bit."""
-    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)  # (Tensor.norm calls it, through more Python)
-    if D.device.type == "cpu" and norms.numel() and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
-        return None
-    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    return None if unclipped(scale) else scale
-
-
-def unclipped(scale: torch.Tensor | None) -> bool:
-    """Whether no row is clipped (``None``: :func:`clip_scale` found none), checked only on CPU (on a GPU the check
-    would cost a synchronisation)."""
-    return scale is None or (scale.device.type == "cpu" and bool((scale == 1.0).all()))
-
-
-def clip_rows(D: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """Clips each row of ``D[C, P]`` to L2 norm ``max_norm`` (``train.clip_scope=step``)."""
-    if max_norm is None:
-        return D
-    scale = clip_scale(D, max_norm)
-    if scale is None:  # D * 1.0 is D bit for bit: skip the full-size multiply
-        return D
-    return D * scale
 
 
 def local_direction(correction: Correction, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
@@ -233,8 +196,7 @@ def objective_term(algorithm: Algorithm, ctx: ClientContext) -> Any:
     correction's (FedNTD's not-true distillation); :func:`fedflat.algorithms.compose.build_parts` refuses a method
     whose perturbation and correction each have one."""
     term = algorithm.parts["perturbation"].distillation(ctx)
-    correction = algorithm.parts["correction"]
-    return term if term is not None or not hasattr(correction, "distillation") else correction.distillation(ctx)
+    return term if term is not None else algorithm.parts["correction"].distillation(ctx)
 
 
 @dataclass
@@ -249,7 +211,7 @@ class LocalLoop:
     session: ClientSession | None
     schedules: list[list[torch.Tensor]]  # each client's batch indices, step by step
     generators: list[torch.Generator] | None  # each client's augmentation stream (None: no augmentation)
-    poisoners: list[Any]  # the data attacks' stages (fedflat.algorithms.attacks)
+    poisoners: list[DataAttack]  # the data attacks' stages
     personal: Any  # a personalization that steps locally (Ditto, APFL), else None
     direction_ctx: ClientContext  # the context the correction sees (without AdamW's decoupled decay)
     decay: float  # AdamW's decoupled weight decay (0 otherwise)
@@ -271,7 +233,7 @@ class LocalLoop:
         direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
-                   [s for s in algorithm.stages if hasattr(s, "poison")], personal if personal.steps_locally else None,
+                   [s for s in algorithm.stages if isinstance(s, DataAttack)], personal if personal.steps_locally else None,
                    direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 

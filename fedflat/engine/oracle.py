@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from fedflat.core import Batch, Contrast, Distillation, stream_seed, torch_stream
+from fedflat.core import Batch, Contrast, Distillation, clip_factors, stream_seed, torch_stream
 from fedflat.engine.graphs import ClientLanes, GraphedPass, check_cuda_graphs
 from fedflat.engine.losses import LossFn, mean_loss, per_sample
 from fedflat.engine.mlp_gradient import MLPGradient
@@ -487,7 +487,7 @@ class Oracle:
             views = tuple(v.unsqueeze(0).expand(len(y), *v.shape) for v in self.model.layout.views(W[c].detach()))
             g, loss = self._per_example(views, x.unsqueeze(1), y.unsqueeze(1))
             G = self._flat(g, (len(y),))
-            scale = torch.clamp(clip / G.double().norm(dim=1).clamp(min=1e-300), max=1.0).to(G.dtype)
+            scale = clip_factors(G.double().norm(dim=1), clip).to(G.dtype)
             noise = torch.randn(G.shape[1], generator=self._dp_noise[c], dtype=G.dtype, device=G.device)
             grads.append((scale @ G + noise * (z * clip)) / len(y))
             losses.append(loss.mean())

@@ -20,7 +20,7 @@ import torch
 from fedflat.algorithms import Algorithm, renamed_state
 from fedflat.config import Config
 from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, Diverged, NoClients, RoundContext, TrainSettings,
-                          numpy_stream, payload_size)
+                          all_finite, numpy_stream, payload_size)
 from fedflat.engine.batches import local_steps
 from fedflat.engine.optim import round_lr, state_keys, state_widths
 from fedflat.engine.runtime import RoundTask
@@ -28,14 +28,6 @@ from fedflat.engine.store import ClientStore
 from fedflat.engine.validation import checked
 from fedflat.params import FlatModel
 from fedflat.privacy import PrivacyLedger
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every entry of ``x`` is finite, in one reading pass (``aminmax`` propagates NaN; no ``[K, P]`` mask)."""
-    if not x.numel() or not x.is_floating_point():
-        return True
-    low, high = torch.aminmax(x)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 @contextmanager
@@ -211,8 +203,8 @@ class Server:
             ctx = ctx.answered(result.ids.to(ctx.sampled.device))
         result = result.to(self.device)
         # NaN/Inf or (validation.max_norm) too large: rejected with a warning naming the client, or the run fails
-        ctx, result, rejected = checked(self.algorithm, ctx, result, self.cfg.validation)
-        w_new = self.algorithm.aggregate(ctx, result)
+        ctx, result, rejected, release = checked(self.algorithm, ctx, result, self.cfg.validation)
+        w_new = self.algorithm.aggregate(ctx, result, release)  # the payload decoded once: by the checks, or here
         if not all_finite(w_new):
             raise Diverged(f"round {round + 1}: the global model became non-finite")
         return Aggregate(ctx, result, w_new, self.aggregate_buffers(ctx, result), dropped, rejected)

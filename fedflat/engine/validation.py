@@ -9,12 +9,13 @@ the reason, and the run's summary keeps them (``rejected_clients``). With ``inva
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from fedflat.algorithms import Algorithm
 from fedflat.config import ValidationConfig
-from fedflat.core import ClientResult, ConfigError, Diverged, RoundContext, release_norms
+from fedflat.core import ClientResult, ConfigError, Diverged, Release, RoundContext, non_finite_rows, release_norms
 
 logger = logging.getLogger(__name__)
 
@@ -23,21 +24,12 @@ class UploadRejected(ConfigError):
     """An invalid upload under ``validation.invalid: fail``, or a round whose every upload was invalid."""
 
 
-def non_finite_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``[C]``: whether each row of a float entry holds a NaN or an infinity (one pass when all are finite)."""
-    flat = rows.reshape(rows.shape[0], -1)
-    if not flat.numel() or not flat.is_floating_point():
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    low, high = torch.aminmax(flat)
-    if bool(torch.isfinite(low) & torch.isfinite(high)):
-        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    return ~torch.isfinite(flat).all(1)
-
-
 def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
-                    check: ValidationConfig) -> dict[int, str]:
-    """``{client: reason}`` for every invalid upload of ``result`` (module docstring)."""
+                    check: ValidationConfig) -> tuple[dict[int, str], Decoded | None]:
+    """``{client: reason}`` for every invalid upload of ``result`` (module docstring), and the release of the
+    decodable rows where ``validation.max_norm`` needed it decoded (else None)."""
     problems: dict[int, str] = {}
+    decoded = None
     ids = result.ids.tolist()
     malformed = algorithm.malformed(result.upload, ctx.w.numel()).cpu()
     for row in malformed.nonzero().flatten().tolist():
@@ -48,20 +40,22 @@ def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResul
     if check.max_norm is not None:
         decodable = (~malformed).nonzero().flatten()
         upload = {k: v[decodable.to(v.device)] for k, v in result.upload.items()}
-        norms = release_norms(algorithm.received_release(ctx, upload)).tolist()
+        decoded = Decoded(decodable.tolist(), algorithm.received_release(ctx, upload))
+        norms = release_norms(decoded.release).tolist()
         for client, norm in zip(result.ids[decodable].tolist(), norms):
             if norm > check.max_norm and client not in problems:
                 problems[client] = f"its update's norm {norm:.4g} exceeds validation.max_norm={check.max_norm:g}"
-    return problems
+    return problems, decoded
 
 
 def checked(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
-            check: ValidationConfig) -> tuple[RoundContext, ClientResult, dict[int, str]]:
-    """The round's context and result without the invalid uploads, and ``{client: reason}`` of those rejected
-    (``invalid: fail`` raises :class:`UploadRejected` instead)."""
-    problems = upload_problems(algorithm, ctx, result, check)
+            check: ValidationConfig) -> tuple[RoundContext, ClientResult, dict[int, str], Release | None]:
+    """The round's context and result without the invalid uploads, ``{client: reason}`` of those rejected
+    (``invalid: fail`` raises :class:`UploadRejected` instead), and the kept rows' release where the checks decoded
+    it (``validation.max_norm``: :meth:`Algorithm.aggregate` then does not decode the payload again), else None."""
+    problems, decoded = upload_problems(algorithm, ctx, result, check)
     if not problems:
-        return ctx, result, {}
+        return ctx, result, {}, decoded.release if decoded is not None else None  # every row decodable: all of them
     said = "; ".join(f"client {c}: {why}" for c, why in sorted(problems.items()))
     where = f"round {ctx.round + 1}"
     if check.invalid == "fail":
@@ -75,6 +69,22 @@ def checked(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
                              "(or the method's radius) or raise validation.max_norm")
     for client, why in sorted(problems.items()):
         logger.warning("%s: the upload of client %d is rejected: %s", where, client, why)
-    keep = torch.tensor([row for row, c in enumerate(result.ids.tolist()) if c not in problems], dtype=torch.long)
-    result = result.rows(keep)
-    return ctx.answered(result.ids.to(ctx.sampled.device)), result, problems
+    kept = [row for row, c in enumerate(result.ids.tolist()) if c not in problems]
+    result = result.rows(torch.tensor(kept, dtype=torch.long))
+    release = decoded.rows(kept) if decoded is not None else None
+    return ctx.answered(result.ids.to(ctx.sampled.device)), result, problems, release
+
+
+@dataclass
+class Decoded:
+    """The release the checks decoded, of the result's rows :attr:`rows_of` (those the encoder could decode), in
+    order."""
+
+    rows_of: list[int]
+    release: Release
+
+    def rows(self, rows: list[int]) -> Release:
+        """The release of the result's ``rows`` (each one of :attr:`rows_of`)."""
+        where = {row: i for i, row in enumerate(self.rows_of)}
+        index = torch.tensor([where[row] for row in rows], dtype=torch.long)
+        return {name: v[index.to(v.device)] for name, v in self.release.items()}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedflat.core import BUFFERS, MODEL, Broadcast, ClientResult
+from fedflat.core import BUFFERS, MODEL, Broadcast, ClientResult, all_finite
 from fedflat.engine.runtime import RoundTask, rows_loader
 from fedflat.engine.simulation import ClientScores, OpenRound, Simulation
 
@@ -206,7 +206,7 @@ def _read_result(content, expected: list[int], layout: UploadLayout, round: int)
         raise BadReply(f"the upload {' and '.join(said)} (expected {layout})")
     upload = {name: checked_array(name, record[name], (len(expected), *shape), dtype)
               for name, shape, dtype in layout.entries}
-    broken = [k for k, v in upload.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    broken = [k for k, v in upload.items() if not all_finite(v)]
     if broken:
         raise BadReply(f"upload entries {broken} hold NaN or infinite values")
     return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {}, backprops[0])

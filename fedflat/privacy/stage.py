@@ -6,8 +6,11 @@ Each client's release :math:`x_i = (\Delta_i, \mathrm{extra}_i)` (:mod:`fedflat.
 
 - ``mode: central`` (DP-FedAvg): to the sum, by the server, which releases :math:`\big(\sum_i x_i + \mathcal{N}(0, z^2 C^2 I)\big) / m`
   with :math:`m` the *expected* number of clients per round (:math:`K` for fixed-size sampling, :math:`q N` for Poisson
-  sampling; never the realized count, which would leak). Every row the method's server side reads is this one
-  private mean, so whatever it computes from the uploads is post-processing of the mechanism's output. A method
+  sampling; never the realized count, which would leak). The mean is computed once, and every row the method's
+  server side reads is that one tensor (a view, :func:`fedflat.core.upload.repeated`; ``w^t`` plus it, once, for the
+  model), so whatever it computes from the uploads is post-processing of the mechanism's output. (Its aggregation
+  weights still act on those rows: they sum to one, so it reads the mean up to the last bits, which a shortcut
+  around them would move.) A method
   that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused
   (:func:`fedflat.privacy.config.check_upload_path`).
 - ``mode: local``: by each client to its own clipped release, so that what leaves the client is private by itself.
@@ -31,8 +34,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.core import (SERVER, ClientContext, Cohort, PartParams, RoundContext, init, torch_stream)
-from fedflat.core.upload import Release, UploadStage, release_norms, scale_release
+from fedflat.core import SERVER, ClientContext, Cohort, PartParams, RoundContext, clip_factors, init, torch_stream
+from fedflat.core.upload import Release, UploadStage, release_norms, repeated, scale_release
 from fedflat.privacy.mechanism import gaussian_like, secure_normal
 
 CLIP = "dp.clip"  # server state, broadcast: the round's clip C (fixed, or adapted by the server)
@@ -96,7 +99,7 @@ class GaussianMechanism(UploadStage):
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
         C = ctx.server[CLIP].double()
         norms = release_norms(release)
-        clipped = scale_release(release, torch.clamp(C / norms.clamp(min=1e-300), max=1.0))
+        clipped = scale_release(release, clip_factors(norms, C))
         if self.p.adaptive:
             cohort.upload[UNCLIPPED] = (norms <= C).to(torch.float32)
         if self.p.mode != "local" or self.p.update_noise == 0:
@@ -116,8 +119,8 @@ class GaussianMechanism(UploadStage):
             return release
         generator = self._generator(ctx.settings.seed, ctx.round, SERVER, ctx.w.device)
         noise = gaussian_like(release, self.p.update_noise * C, generator)
-        m = self.p.expected_clients
-        return {name: ((rows.sum(0) + noise[name]) / m).expand_as(rows) for name, rows in release.items()}
+        m = self.p.expected_clients  # the noised mean, once: every row the method reads is this one tensor
+        return {name: repeated((rows.sum(0) + noise[name]) / m, rows.shape[0]) for name, rows in release.items()}
 
     def _adapt(self, ctx: RoundContext, C: float) -> None:
         r""":math:`C \leftarrow C \exp\big(-\eta_C (\tilde{b} - \gamma)\big)` from the noised fraction of unclipped releases :math:`\tilde{b}`."""
