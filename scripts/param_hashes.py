@@ -5,6 +5,8 @@ same machine (the hashes depend on the CPU's arithmetic, so they are a developme
 
     python scripts/param_hashes.py --out before.json           # record
     python scripts/param_hashes.py --check before.json         # compare; exit 1 naming every run that moved
+    python scripts/param_hashes.py --stages --out before.json  # also the upload path: DP, compression, attacks,
+                                                                # robust rules, validation (every recipe under some)
 
 scripts/param_hashes.json holds the hashes of the last change that moved numbers on purpose, with the machine they
 were recorded on (its "_machine" entry): on that machine, the check of a refactor against it.
@@ -47,10 +49,45 @@ CNN = ["model=cnn", "model.padding=2", "data.options.shape=[1,8,8]", "rounds=2"]
 CNN_METHODS = ["fedavg", "fedsam", "scaffold", "fedlesam", "feddyn", "fedwmsam"]
 
 
-def runs() -> list[list[str]]:
-    """Every recipe and composition, and the CNN's methods, on both engines."""
+# The upload path's stages, alone and together (``--stages``): the runs none of the above has.
+FIVE = ["sampling.clients_per_round=5"]
+CENTRAL = ["privacy.mode=central", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"]
+LOCAL = ["privacy.mode=local", "privacy.noise_multiplier=0.1", "privacy.clip=0.3"]
+TOPK, QSGD = ["compression.name=topk", "compression.ratio=0.3"], ["compression.name=qsgd", "compression.levels=4"]
+STAGES = [
+    CENTRAL, LOCAL, [*CENTRAL, "privacy.adaptive=true", "privacy.count_noise=1.0"],
+    ["privacy.level=instance", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"],
+    ["algo=scaffold", *CENTRAL], ["algo=fedsam", *CENTRAL], ["algo=feddyn", *LOCAL],
+    TOPK, [*TOPK, "compression.error_feedback=true"], QSGD, [*TOPK, *CENTRAL], [*QSGD, *CENTRAL],
+    ["attack.name=sign_flip", "attack.fraction=0.3"], ["attack.name=gaussian", "attack.fraction=0.3"],
+    ["attack.name=label_flip", "attack.fraction=0.3"],
+    ["attack.name=backdoor", "attack.fraction=0.3", "attack.boost=3", "attack.trigger_size=1"],
+    ["attack.name=alie", "attack.fraction=0.3", *FIVE], ["attack.name=ipm", "attack.fraction=0.3", *FIVE],
+    ["attack.name=sign_flip", "robust.name=median", *FIVE],
+    ["attack.name=sign_flip", "robust.name=trimmed_mean", "robust.beta=0.2", *FIVE],
+    ["attack.name=sign_flip", "robust.name=krum", *FIVE],
+    ["attack.name=sign_flip", "robust.name=bulyan", "robust.f=0", *FIVE],
+    ["attack.name=sign_flip", "robust.name=norm_bound", "robust.bound=0.2", *FIVE],
+    ["attack.name=sign_flip", "robust.name=centered_clip", "robust.tau=0.1", "robust.iterations=2", *FIVE],
+    ["attack.name=gaussian", "attack.fraction=0.3", "robust.name=norm_bound", "robust.bound=0.2", *LOCAL, *FIVE],
+    ["attack.name=sign_flip", *TOPK, *CENTRAL],
+    ["validation.max_norm=0.12"], ["validation.max_norm=0.12", *TOPK],
+    ["validation.max_norm=0.12", *QSGD, "attack.name=gaussian", "attack.std=5"],
+    ["algo=fedsam", "algo.filter=l2", "algo.filter.rho=0.03"], ["algo=ditto"],
+]
+
+
+def runs(stages: bool = False) -> list[list[str]]:
+    """Every recipe and composition, and the CNN's methods, on both engines; with ``stages`` also :data:`STAGES`,
+    every recipe under central DP and under a median against sign flips, and compressed, checked uploads."""
     methods = ([[f"algo={name}"] for name in sorted(RECIPES)] + COMPOSITIONS
                + [[f"algo={name}", *CNN] for name in CNN_METHODS])
+    if stages:
+        dp = ["privacy.mode=central", "privacy.noise_multiplier=0.3", "privacy.clip=0.3"]
+        methods += (STAGES + [[f"algo={n}", *dp] for n in sorted(RECIPES)]
+                    + [[f"algo={n}", "robust.name=median", "attack.name=sign_flip", *FIVE] for n in sorted(RECIPES)]
+                    + [[f"algo={n}", *QSGD, "validation.max_norm=0.2", *FIVE]
+                       for n in ("scaffold", "feddyn", "fedsmoo", "fedspeed")])
     return [m + [f"engine={engine}"] for m in methods for engine in ("sequential", "vectorized")]
 
 
@@ -66,10 +103,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the hashes to this JSON file")
     parser.add_argument("--check", help="compare with the hashes in this JSON file")
+    parser.add_argument("--stages", action="store_true", help="also the upload path's stages (about 480 runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    hashes = {" ".join(o): digest(o) for o in runs()}
+    hashes = {" ".join(o): digest(o) for o in runs(args.stages)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(hashes, f, indent=1)
