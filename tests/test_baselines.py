@@ -392,7 +392,7 @@ def test_fedntd_loss_conforms_to_the_authors_criterion():
     (transcribed unmodified, tests/authors/fedsol_ntd.py): value and gradient in the logits, 10 classes, tau 3."""
     from authors.fedsol_ntd import NTD_Loss
 
-    from fedflat.engine.oracle import distilled_objective
+    from fedflat.engine.gradients import distilled_objective
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 10, generator=gen, dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(7, 10, generator=gen, dtype=torch.float64)
@@ -500,7 +500,7 @@ def test_moon_loss_conforms_to_the_authors_criterion():
     (transcribed unmodified, tests/authors/fedsol_moon.py): value, and gradient in the logits and the representation."""
     from authors.fedsol_moon import ModelContrastiveLoss
 
-    from fedflat.engine.oracle import contrastive_objective
+    from fedflat.engine.gradients import contrastive_objective
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     z = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)

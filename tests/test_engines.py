@@ -17,6 +17,7 @@ from fedflat.core import Batch, ConfigError
 from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
 from fedflat.engine.batches import stack_batches
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.runtime import auto_chunk_size, engine_choice, resolve_engine
 from fedflat.engine.simulation import Simulation
@@ -90,7 +91,7 @@ def test_streams_engine_runs_each_client_of_a_cohort_on_its_own_lane(tiny):
     sim = Simulation(tiny("engine=streams", "device=cpu"))
     assert sim.chunk_size(3) == 3
     sim.run_round(0)
-    assert len(sim.runtime.oracle.lanes.passes) == 3
+    assert len(sim.runtime.oracle.backend.lanes.passes) == 3
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -163,7 +164,7 @@ def _toy_oracle(vectorized: bool) -> tuple[Oracle, torch.Tensor]:
     torch.manual_seed(0)
     model = FlatModel(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)))
     W = model.initial + 0.1 * torch.randn(2, model.layout.size)
-    return Oracle(model, vectorized=vectorized), W
+    return Oracle(model, ComputeOptions(engine="vectorized" if vectorized else "sequential")), W
 
 
 @pytest.mark.parametrize("vectorized", [False, True])
@@ -274,7 +275,7 @@ def _conv_oracle(vectorized: bool, **options) -> tuple[Oracle, torch.Tensor, Bat
                                  torch.nn.Linear(4 * 4 * 4, 3))
     model = FlatModel(module)
     W = model.initial + 0.1 * torch.randn(2, model.layout.size)
-    return Oracle(model, vectorized=vectorized, **options), W, Batch(torch.randn(2, 5, 3, 6, 6),
+    return Oracle(model, ComputeOptions(engine="vectorized" if vectorized else "sequential", **options)), W, Batch(torch.randn(2, 5, 3, 6, 6),
                                                                       torch.randint(0, 3, (2, 5)))
 
 
@@ -341,5 +342,5 @@ def test_ray_workers_build_their_oracle_in_the_runs_precision_and_layout(tiny):
 
     sim = Simulation(tiny("precision=bf16", "channels_last=true"))
     oracle = build_runtime(sim.worker_spec(), sim.worker_data()).oracle
-    assert oracle.autocast is torch.bfloat16 and oracle.channels_last
-    assert sim.oracle.autocast is torch.bfloat16 and sim.oracle.channels_last
+    assert oracle.forward.autocast is torch.bfloat16 and oracle.forward.channels_last
+    assert sim.oracle.forward.autocast is torch.bfloat16 and sim.oracle.forward.channels_last

@@ -11,6 +11,7 @@ from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.feddyn import CLIENT_DUAL, SERVER_DUAL
 from fedflat.algorithms.fedgmt import TRAJECTORY
 from fedflat.core import Batch, Distillation
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation
 
@@ -31,7 +32,7 @@ def _reference(model, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, teacher
 @pytest.mark.parametrize("vectorized", [False, True])
 def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vectorized):
     sim = Simulation(tiny("algo=fedgmt"))
-    oracle = Oracle(sim.model, vectorized=vectorized)
+    oracle = Oracle(sim.model, ComputeOptions(engine="vectorized" if vectorized else "sequential"))
     P = sim.w.numel()
     gen = torch.Generator().manual_seed(1)
     W = sim.w + 0.3 * torch.randn(2, P, generator=gen).to(sim.device)  # CPU draws, on the run's device

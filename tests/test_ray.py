@@ -159,14 +159,42 @@ def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
     assert ray.is_initialized()  # a Ray the caller started is left running
 
 
-def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session):
-    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3")
+# A plugin part that keeps a worker busy: the plain perturbation (none), whose clients wait ``seconds`` before their
+# local steps of round 0, so a test can kill a worker mid-round (workers import the config's plugins)
+PAUSING_PLUGIN = """
+import time
+
+from fedflat.algorithms.fedavg import NoPerturbation
+from fedflat.core import PartParams, register_part
+
+
+class PauseParams(PartParams):
+    seconds: float = 0.0
+
+
+@register_part
+class Pausing(NoPerturbation):
+    name = "pausing"
+    summary = "none, each client of round 0 waiting `seconds` first"
+    Params = PauseParams
+
+    def begin(self, ctx, cohort):
+        if ctx.round == 0:
+            time.sleep(self.p.seconds)
+"""
+
+
+def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session, tmp_path):
+    (tmp_path / "pausing.py").write_text(PAUSING_PLUGIN)
+    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3", f"plugins=[{tmp_path / 'pausing.py'}]",
+                      "algo.perturbation=pausing")
     expected = trajectory(Simulation(cfg), 3)
     sim = Simulation(cfg)
-    executor = sim.executor = RayExecutor(sim.worker_spec(pause_s=1.5), sim.worker_data(),
+    spec = sim.worker_spec(algo={**sim.worker_spec().algo, "perturbation": {"name": "pausing", "seconds": 1.5}})
+    executor = sim.executor = RayExecutor(spec, sim.worker_data(),
                                           ExecutorConfig(name="ray", workers=2, max_restarts=1, cpus_per_worker=0.5))
     victim = executor.pids()[0]
-    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: workers pause 1.5 s
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: its clients wait 1.5 s
     killer.start()
     try:
         got = trajectory(sim, 3)

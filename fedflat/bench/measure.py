@@ -261,7 +261,7 @@ class Contestant:
         cohort = self.engine in ("vectorized", "streams")
         chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
-        extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
+        extra: dict[str, Any] = {"executor": self.executor, "threads": spec.compute.threads if spec else self.sim.threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
                                  "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
                                  "cuda_graphs": self.cfg.cuda_graphs}

@@ -25,6 +25,7 @@ from fedflat.config import Config
 from fedflat.core import BUFFERS, SERVER, ClientResult, ConfigError, TrainSettings, stream_seed
 from fedflat.data import Dataset, augmentation_fn, client_test_split
 from fedflat.engine.client import ClientBatches, own_buffers
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.losses import LossFn, configured_loss, summed_loss
 from fedflat.engine.optim import check_recipe
@@ -139,6 +140,7 @@ class Simulation:
     def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
                  clients: Sequence[Sequence[int]] | None = None, loss_fn: LossFn | None = None):
         self.cfg, self.model_fn = cfg, model_fn
+        self.compute = ComputeOptions.of(cfg)
         self.device = prepare_process(cfg)
         self.problem = build_problem(cfg, self.device, dataset, clients)
         self.dataset, self.client_indices_np = self.problem.dataset, self.problem.client_indices_np
@@ -175,8 +177,8 @@ class Simulation:
         cfg, data = self.cfg, self.dataset
         self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
                                      augmentation_fn(data.augmentation), data.standardize)
-        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine, cfg.chunk_size,
-                             cfg.precision, cfg.channels_last, self.traits, cfg.cuda_graphs)
+        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
+                             replace(self.compute, engine=self.report.engine), self.report.traits)
 
     # -- the model's report ---------------------------------------------------------------------------------------
     @property
@@ -204,7 +206,7 @@ class Simulation:
         ``clients`` (the local training, or each Ray worker's; None: the worker's own default)."""
         server = torch.get_num_threads()
         spec = getattr(self.executor, "spec", None)
-        return {"server": server, "clients": spec.threads if spec is not None else server}
+        return {"server": server, "clients": spec.compute.threads if spec is not None else server}
 
     def worker_spec(self, **options) -> WorkerSpec:
         """What a Ray or thread worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
@@ -212,14 +214,13 @@ class Simulation:
         from fedflat.engine.ray_executor import default_cpus
 
         cfg, ex, data = self.cfg, self.cfg.executor, self.dataset
-        threads = choose_threads(cfg.threads, self.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
+        threads = choose_threads(cfg.threads, self.report.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
+        compute = replace(self.compute, threads=threads,
+                          engine="sequential" if self.report.vmap_problem else self.compute.engine)
         spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
                           input_shape=data.input_shape, num_classes=data.num_classes, settings=self.settings,
-                          chunk_size=cfg.chunk_size, threads=threads,
-                          engine="sequential" if self.vmap_problem else cfg.engine, traits=self.traits,
-                          augmentation=data.augmentation, use_gpu=ex.gpus_per_worker > 0, tf32=cfg.tf32,
-                          precision=cfg.precision, channels_last=cfg.channels_last, cuda_graphs=cfg.cuda_graphs,
-                          step_flops=self.step_flops,
+                          compute=compute, traits=self.report.traits, augmentation=data.augmentation,
+                          use_gpu=ex.gpus_per_worker > 0, step_flops=self.report.step_flops,
                           standardize=data.standardize, plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs))
         return replace(spec, **options)
 
