@@ -54,7 +54,7 @@ def main() -> None:
         print(f"round {t}: on {cpu['on'][-1]:.3f} s, off {cpu['off'][-1]:.3f} s, "
               f"ratio {cpu['on'][-1] / cpu['off'][-1]:.3f}", flush=True)
     ratios = [x / y for x, y in zip(cpu["on"], cpu["off"])]
-    same = torch.equal(on.w, off.w)
+    same = torch.equal(on.server.w, off.server.w)
     print(f"CPU s/round (median): on {statistics.median(cpu['on']):.3f}, off {statistics.median(cpu['off']):.3f}; "
           f"on/off total {sum(cpu['on']) / sum(cpu['off']):.3f}, per round median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f}); same final parameters: {same}")

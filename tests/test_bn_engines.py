@@ -21,7 +21,7 @@ from fedflat.testing import ROUNDINGS_PER_STEP, U32
 
 
 def _one_step(sim: Simulation, vectorized: bool, W: torch.Tensor, batch: Batch):
-    oracle = Oracle(sim.model, ComputeOptions(engine="vectorized" if vectorized else "sequential"), sim.traits)
+    oracle = Oracle(sim.model, ComputeOptions(engine="vectorized" if vectorized else "sequential"), sim.report.traits)
     start = sim.model.initial_buffers.expand(W.shape[0], -1).clone()
     with oracle.clients(list(range(W.shape[0])), 0, 0, start) as session:
         session.step(None)

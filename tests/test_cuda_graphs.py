@@ -37,7 +37,7 @@ def test_graphed_run_equals_eager_run(tiny, name, engine):
         graphed.run_round(t)
     oracle = graphed.runtime.oracle
     assert oracle.backend.replays > 0
-    torch.testing.assert_close(graphed.w, eager.w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(graphed.server.w, eager.server.w, rtol=1e-5, atol=1e-6)
 
 
 @needs_gpu
@@ -80,4 +80,4 @@ def test_streams_engine_on_cuda_lanes_equals_the_sequential_engine(tiny, name, g
     lanes = streams.runtime.oracle.backend.lanes
     assert len({id(s) for s in lanes.streams}) == len(lanes.streams) == 3  # a stream per client of the cohort
     assert (lanes.replays > 0) == (graphs == "true")
-    torch.testing.assert_close(streams.w, sequential.w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(streams.server.w, sequential.server.w, rtol=1e-5, atol=1e-6)

@@ -113,13 +113,13 @@ def test_decided_once_per_model(tiny):
     """The model's report records it: on for fedflat's MLP and LogReg, off for the CNN; the sequential oracle takes
     it only with plain cross-entropy in float32 on the CPU, the vectorized one never."""
     tiny = partial(tiny, "device=cpu")
-    assert Simulation(tiny("engine=sequential")).traits.hand_gradient
+    assert Simulation(tiny("engine=sequential")).report.traits.hand_gradient
     assert Simulation(tiny("engine=sequential")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=vectorized")).oracle.gradient == "autograd"
     assert Simulation(tiny("engine=sequential", "train.label_smoothing=0.1")).oracle.gradient == "autograd"
     cnn = Simulation(tiny("engine=sequential", "model=cnn", "data.options.shape=[3,32,32]"))
-    assert not cnn.traits.hand_gradient and cnn.oracle.gradient == "autograd"
+    assert not cnn.report.traits.hand_gradient and cnn.oracle.gradient == "autograd"
 
 
 class ScaledMLP(MLP):

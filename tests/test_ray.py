@@ -33,7 +33,7 @@ from fedflat.core import ConfigError
 from fedflat.data.dataset import uint8_dataset  # noqa: E402
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
-from fedflat.engine.simulation import Simulation  # noqa: E402
+from fedflat.engine.simulation import Simulation, UserInputs  # noqa: E402
 from fedflat.experiments.checkpoint import metrics_equal, resume  # noqa: E402
 from fedflat.files import read_jsonl  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, nam
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
     assert_identical(local, sim)
-    assert not torch.equal(sim.buffers, sim.model.initial_buffers) or name == "fedbn"
+    assert not torch.equal(sim.server.buffers, sim.model.initial_buffers) or name == "fedbn"
     sim.close()
 
 
@@ -98,9 +98,9 @@ def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):
     x, y = rng.integers(0, 256, (180, 1, 4, 4), dtype=np.uint8), rng.integers(0, 3, 180)
     data = uint8_dataset("pixels", x, y, x[:60], y[:60], 3, augmentation="flip")
     cfg = tiny_config(*UNEQUAL)
-    local = Simulation(cfg, dataset=data)
+    local = Simulation(cfg, UserInputs(dataset=data))
     expected = trajectory(local, 2)
-    sim = Simulation(cfg, dataset=data)
+    sim = Simulation(cfg, UserInputs(dataset=data))
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
@@ -439,15 +439,15 @@ def test_ray_workers_train_with_a_custom_loss_metrics_and_kept_optimizer_state(p
         one_hot = (y[:, None] == torch.arange(logits.shape[-1])).to(logits)
         return (logits.softmax(-1) - one_hot).pow(2).sum(-1)
 
-    local = Simulation(cfg, loss_fn=brier)
+    local = Simulation(cfg, UserInputs(loss_fn=brier))
     expected = trajectory(local, 2)
-    sim = Simulation(cfg, loss_fn=brier)
+    sim = Simulation(cfg, UserInputs(loss_fn=brier))
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
     assert sim.eval_metrics == local.eval_metrics and set(sim.eval_metrics) == {"f1", "auroc"}
     assert_identical(local, sim)
-    assert "optim.exp_avg" in sim.store.names()
+    assert "optim.exp_avg" in sim.server.store.names()
     plain = Simulation(tiny_config(*UNEQUAL, "train.optimizer=adam", "train.optimizer_state=client", "train.lr=0.01"))
     assert trajectory(plain, 2) != expected  # the loss is Brier's, not cross-entropy
     sim.close()
