@@ -75,7 +75,7 @@ def test_a_validation_run_reports_the_test_accuracy_of_the_model_it_selected(tmp
     for file, key in (("best_model.pt", "selected_test"), ("model.pt", "final_test")):
         state = torch.load(tmp_path / "run" / file, weights_only=True)
         w, b = plain.model.vectors(state)
-        plain.w, plain.buffers = w, b
+        plain.server.w, plain.server.buffers = w, b
         acc, loss = plain.evaluate()
         assert s[f"{key}_acc"] == acc and s[f"{key}_loss"] == pytest.approx(loss, rel=1e-12), file
     assert main(["evaluate", str(tmp_path / "run"), "--model", "best_model.pt", "--split", "test"]) == 0
