@@ -16,8 +16,10 @@ class PerExampleDP(Accelerated):
     ``N(0, z^2 C^2 I)`` from the client's own stream ``"dpsgd"`` of the round added, divided by the batch size
     ``B``: ``g~ = (sum_j g_j min(1, C / ||g_j||) + N(0, z^2 C^2 I)) / B``. The loss is the batch's mean.
 
-    Every call is of the data loss (as before this backend existed: a method's term does not enter DP-SGD's
-    gradient); evaluations and the clients' sessions are the general backend's."""
+    Every call is of the data loss: a method whose objective has a term beyond it declares it
+    (``Part.beyond_batch``: FedGMT's, FedNTD's and FedSOL's distillation, MOON's contrast, FedMAN's penalty) and
+    ``privacy.level: instance`` refuses it (:mod:`fedflat.privacy.config`). Evaluations and the clients' sessions
+    are the general backend's."""
 
     def __init__(self, inner: Backend, clip: float, noise_multiplier: float):
         super().__init__(inner)
