@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import BN_DROPOUT_CNN
 from fedflat.core import Batch, Distillation
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.gradients import (Graphed, HandMLP, Lanes, Penalized, PerClient, PerExampleDP, StatefulGroups,
+from fedflat.engine.gradients import (HandMLP, Lanes, Penalized, PerClient, PerExampleDP, StatefulGroups,
                                       StatefulPerClient, Vectorized, objective_of)
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation
