@@ -75,18 +75,25 @@ class Oracle:
 
 
 class PenalizedOracle:
-    """An oracle whose every :meth:`loss_grad` adds FedMAN's activation penalty ``mu/2 sum_l mean |a_l|^2`` to the
-    local objective (:class:`~fedflat.engine.gradients.Penalized`); everything else is the wrapped oracle's."""
+    """``oracle`` with FedMAN's activation penalty ``mu/2 sum_l mean |a_l|^2`` added to every :meth:`loss_grad`'s
+    local objective (:class:`~fedflat.engine.gradients.Penalized`): what a cohort's local steps see as ``ctx.oracle``
+    where a part penalizes activations (:func:`fedflat.engine.client.fit`). Evaluations, the clients' sessions and
+    the backprop count are the oracle's."""
 
     def __init__(self, oracle: Oracle, penalty: float):
-        self.__dict__.update(_inner=oracle, _penalty=penalty)
+        self.oracle, self.penalty = oracle, penalty
 
     def loss_grad(self, W: torch.Tensor, batch: Batch,
                   distill: Distillation | Contrast | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._inner.loss_grad(W, batch, distill, self._penalty)
+        return self.oracle.loss_grad(W, batch, distill, self.penalty)
 
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
+    def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.oracle.loss(W, batch)
 
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._inner, name, value)
+    def clients(self, ids: list[int], round: int, seed: int,
+                buffers: torch.Tensor | None) -> ContextManager[ClientSession | None]:
+        return self.oracle.clients(ids, round, seed, buffers)
+
+    @property
+    def backprops(self) -> int:
+        return self.oracle.backprops
