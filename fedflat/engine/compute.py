@@ -33,7 +33,7 @@ class ComputeOptions:
     threads: int | str | None = "auto"
 
     @classmethod
-    def of(cls, cfg: Any) -> "ComputeOptions":
+    def of(cls, cfg: Any) -> ComputeOptions:
         """The options a :class:`fedflat.config.Config` sets."""
         return cls(engine=cfg.engine, precision=cfg.precision, channels_last=cfg.channels_last,
                    cuda_graphs=cfg.cuda_graphs, tf32=cfg.tf32, chunk_size=cfg.chunk_size, threads=cfg.threads)

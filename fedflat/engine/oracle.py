@@ -22,6 +22,9 @@ from fedflat.engine.modes import ModelTraits
 from fedflat.params import FlatModel
 
 
+DEFAULT_OPTIONS = ComputeOptions()  # the sequential engine in float32
+
+
 class Oracle:
     """Stochastic loss and gradient ``g(w)`` for a cohort, counting backprops.
 
@@ -34,7 +37,7 @@ class Oracle:
     ``(C, z)`` of per-example DP-SGD (``privacy.level: instance``).
     """
 
-    def __init__(self, model: FlatModel, options: ComputeOptions = ComputeOptions(), traits: ModelTraits | None = None,
+    def __init__(self, model: FlatModel, options: ComputeOptions = DEFAULT_OPTIONS, traits: ModelTraits | None = None,
                  loss: LossFn | None = None, dp_sgd: tuple[float, float] | None = None):
         self.model = model
         self.backprops = 0

@@ -40,6 +40,7 @@ from fedflat.params import FlatModel
 __all__ = ["ClientScores", "OpenRound", "RoundResult", "Server", "Simulation", "UserInputs", "all_finite",
            "pooled_accuracy", "resolve_device", "uninterrupted"]
 
+NO_INPUTS = UserInputs()  # the config's data, model, split and loss
 PERSONAL_EVAL_ENTRIES = 2 ** 26  # parameters of the client models a personalized evaluation holds at once (256 MB)
 
 
@@ -118,7 +119,7 @@ class Simulation:
     the client store and the privacy ledger are the :class:`Server`'s (``sim.server``).
     """
 
-    def __init__(self, cfg: Config, inputs: UserInputs = UserInputs()):
+    def __init__(self, cfg: Config, inputs: UserInputs = NO_INPUTS):
         self.cfg, self.inputs = cfg, inputs
         self.compute = ComputeOptions.of(cfg)
         self.device = prepare_process(cfg)

@@ -34,7 +34,7 @@ from fedflat.engine.graphs import check_cuda_graphs
 from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import ModelTraits
 
-__all__ = ["ACTIVATIONS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DATA_LOSS", "DataLoss",
+__all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DataLoss",
            "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
            "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
            "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns", "objective_of"]

@@ -26,7 +26,7 @@ class Backend:
         self.forward = forward
 
     @property
-    def general(self) -> "Backend":
+    def general(self) -> Backend:
         """The backend that computes any objective (a general backend is its own)."""
         return self
 
@@ -47,7 +47,7 @@ class Backend:
 
     @contextmanager
     def clients(self, ids: list[int], round: int, seed: int,
-                buffers: torch.Tensor | None) -> Iterator["ClientSession | None"]:
+                buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
         """The per-client state the calls inside compute with (None: a module that needs none)."""
         yield None
 
