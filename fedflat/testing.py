@@ -117,7 +117,7 @@ def _repeat_participations(tree: dict[str, Any], method: dict[str, Any]) -> int:
     from fedflat.engine.simulation import Simulation
 
     sim = Simulation(load_config(None, [], base={**tree, "algo": method}))
-    seen = [int(c) for t in range(tree["rounds"]) for c in sim.sample_clients(t).tolist()]
+    seen = [int(c) for t in range(tree["rounds"]) for c in sim.server.sample_clients(t).tolist()]
     return len(seen) - len(set(seen))
 
 

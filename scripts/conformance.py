@@ -33,7 +33,7 @@ from torch.utils import data
 
 from fedflat.config import load_config
 from fedflat.data import Dataset
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 
 CLIENTS, SAMPLES, FEATURES, CLASSES, ROUNDS, STEPS = 4, 20, 8, 3, 3, 3
 LR, LR_DECAY, WD = 0.1, 0.9, 0.01
@@ -166,12 +166,12 @@ def fedflat_run(overrides: list[str], x, y, model_fn, clip: float, scope: str) -
                       "weight_decay": WD, "clip": clip, "clip_scope": scope}, "threads": 1}
     cfg = load_config(None, overrides, base=tree)
     dataset = Dataset("conformance", x, y, x, y, CLASSES)
-    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn,
-                     clients=[list(range(i * SAMPLES, (i + 1) * SAMPLES)) for i in range(CLIENTS)])
+    clients = [list(range(i * SAMPLES, (i + 1) * SAMPLES)) for i in range(CLIENTS)]
+    sim = Simulation(cfg, UserInputs(dataset=dataset, model_fn=model_fn, clients=clients))
     models = []
     for t in range(ROUNDS):
         sim.run_round(t)
-        models.append(sim.w.to("cpu", copy=True))
+        models.append(sim.server.w.to("cpu", copy=True))
     return models
 
 

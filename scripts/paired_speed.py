@@ -2,13 +2,11 @@
 and off in the other, their rounds alternated (which goes first alternates too), process CPU seconds per round.
 
     python scripts/paired_speed.py --workload W1 --algo fedavg --rounds 8      # the hand-derived MLP gradient
-    python scripts/paired_speed.py --workload W2 --algo fedavg --rounds 4      # W2's CNN: the oracle before it
     python scripts/paired_speed.py --lever native --algo fedsam --rounds 6     # its native operator vs its Python
 
-``--lever hand`` (default): "off" is the oracle without the hand-derived gradient (``oracle.hand = None``); on W2,
-whose CNN never takes it, "off" is the oracle's autograd path as it was before the gradient existed, so the ratio
-measures what the new check costs. ``--lever native``: "off" is the hand-derived gradient's Python method
-(``oracle.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same
+``--lever hand`` (default): "off" is the oracle with its general backend, autograd client by client, in place of the
+hand-derived gradient's (``oracle.backend = oracle.backend.general``). ``--lever native``: "off" is the hand-derived
+gradient's Python method (``oracle.backend.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same
 parameters (checked). Load changes the absolute times; the pairing keeps the ratio (docs/benchmarks.md, "A
 hand-derived MLP gradient" and "The native MLP gradient").
 """
@@ -22,15 +20,8 @@ import torch
 
 from fedflat.bench.workloads import WORKLOADS
 from fedflat.config import load_config
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.gradients import HandMLP
 from fedflat.engine.simulation import Simulation
-
-
-def autograd_only(self: Oracle, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
-    """``Oracle._loss_grad_one`` before the hand-derived gradient (autograd, then one ``torch.cat``)."""
-    views = [v.detach().requires_grad_(True) for v in self.model.layout.views(w)]
-    loss = self._mean_loss(views, self._arranged(x), y)
-    return loss.detach(), self._flat(torch.autograd.grad(loss, views), ())
 
 
 def main() -> None:
@@ -44,16 +35,15 @@ def main() -> None:
     cfg = load_config(None, ["device=cpu", f"algo={a.algo}", "engine=sequential", "threads=1"],
                       base=WORKLOADS[a.workload].tree)
     on, off = Simulation(cfg), Simulation(cfg)
+    if not isinstance(on.oracle.backend, HandMLP):
+        raise SystemExit(f"{a.workload} {a.algo}: the hand-derived MLP gradient is not taken here")
     if a.lever == "native":
-        if on.oracle.hand is None or on.oracle.hand.native is None:
+        if on.oracle.backend.hand.native is None:
             raise SystemExit(f"{a.workload} {a.algo}: the native MLP gradient is not taken here")
-        off.oracle.hand.native = None
+        off.oracle.backend.hand.native = None
     else:
-        off.oracle.hand = None
-        if on.oracle.hand is None:  # (a model the gradient does not apply to: off is the oracle as it was)
-            off.oracle._loss_grad_one = autograd_only.__get__(off.oracle)
-    print(f"{a.workload} {a.algo}: hand-derived gradient {'taken' if on.oracle.hand is not None else 'not taken'}"
-          + (", native on/off" if a.lever == "native" else ""))
+        off.oracle.backend = off.oracle.backend.general
+    print(f"{a.workload} {a.algo}: {a.lever} on/off")
     cpu = {"on": [], "off": []}
     for t in range(a.rounds):
         for name in (("on", "off") if t % 2 == 0 else ("off", "on")):
@@ -64,7 +54,7 @@ def main() -> None:
         print(f"round {t}: on {cpu['on'][-1]:.3f} s, off {cpu['off'][-1]:.3f} s, "
               f"ratio {cpu['on'][-1] / cpu['off'][-1]:.3f}", flush=True)
     ratios = [x / y for x, y in zip(cpu["on"], cpu["off"])]
-    same = torch.equal(on.w, off.w)
+    same = torch.equal(on.server.w, off.server.w)
     print(f"CPU s/round (median): on {statistics.median(cpu['on']):.3f}, off {statistics.median(cpu['off']):.3f}; "
           f"on/off total {sum(cpu['on']) / sum(cpu['off']):.3f}, per round median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f}); same final parameters: {same}")

@@ -22,13 +22,13 @@ def trajectory(sim: Simulation, rounds: int) -> list:
 
 def assert_identical(local: Simulation, other: Simulation) -> None:
     """The global model, its buffers, the server state and every client's stored state, bit for bit."""
-    assert torch.equal(local.w, other.w) and torch.equal(local.buffers, other.buffers)
-    assert local.server.keys() == other.server.keys()
-    for key in local.server:
-        assert torch.equal(local.server[key], other.server[key]), key
-    for name in local.store.names():
+    assert torch.equal(local.server.w, other.server.w) and torch.equal(local.server.buffers, other.server.buffers)
+    assert local.server.state.keys() == other.server.state.keys()
+    for key in local.server.state:
+        assert torch.equal(local.server.state[key], other.server.state[key]), key
+    for name in local.server.store.names():
         ids = torch.arange(local.cfg.data.num_clients)
-        assert torch.equal(local.store.get(name, ids)[0], other.store.get(name, ids)[0]), name
+        assert torch.equal(local.server.store.get(name, ids)[0], other.server.store.get(name, ids)[0]), name
 
 
 def on_cuda() -> bool:
@@ -91,7 +91,7 @@ def assert_close_runs(expected: list, other: list, local: Simulation, sim: Simul
         close(numbers, their_numbers, f"round {t}")
         close(loss, their_loss, f"round {t} test loss")
         assert abs(accuracy - their_accuracy) <= 1.0 / local.dataset.y_test.numel() + 1e-12, f"round {t} accuracy"
-    scale = local.w.abs().max().item()
-    torch.testing.assert_close(sim.w, local.w, rtol=0, atol=rel * scale)
-    torch.testing.assert_close(sim.buffers, local.buffers, rtol=rel, atol=rel * scale)
-    assert local.server.keys() == sim.server.keys()
+    scale = local.server.w.abs().max().item()
+    torch.testing.assert_close(sim.server.w, local.server.w, rtol=0, atol=rel * scale)
+    torch.testing.assert_close(sim.server.buffers, local.server.buffers, rtol=rel, atol=rel * scale)
+    assert local.server.state.keys() == sim.server.state.keys()

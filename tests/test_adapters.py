@@ -17,7 +17,7 @@ import fedflat
 from fedflat.api import as_config
 from fedflat.data import Dataset, DatasetError, flwr_partitions, load_dataset
 from fedflat.data.dataset import uint8_dataset
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.experiments.checkpoint import metrics_equal
 from tests.conftest import mapped_file
 
@@ -203,7 +203,8 @@ def test_a_memory_mapped_dataset_trains_from_disk_as_in_memory(tmp_path):
                            num_classes=3)
     assert mapped.standardize == loaded.standardize
     same_run(mapped, loaded)
-    sim = Simulation(as_config(CONFIG), dataset=mapped)  # the run trains from the file's pages: nothing copied
+    # the run trains from the file's pages: nothing copied
+    sim = Simulation(as_config(CONFIG), UserInputs(dataset=mapped))
     if sim.device.type == "cpu":
         assert mapped_file(sim.dataset.x_train) == str(folder / "x_train.npy")
     else:  # a GPU run copies the pages to the device once

@@ -63,10 +63,10 @@ def test_the_hand_check_recipe_gives_the_rounds_per_client_updates():
     exec(recipe, scope)  # the documented code, as written
     sim, deltas, w_before, opened = scope["sim"], scope["deltas"], scope["w_before"], scope["opened"]
     assert isinstance(sim, Simulation) and scope["MODEL"] == MODEL and scope["TINY"] is TINY
-    assert deltas.shape == (3, sim.w.numel()) and torch.equal(scope["result"].ids, opened.ctx.sampled.cpu())
+    assert deltas.shape == (3, sim.server.w.numel()) and torch.equal(scope["result"].ids, opened.ctx.sampled.cpu())
     expected = w_before + deltas.mean(0)
-    assert torch.allclose(sim.w, expected, rtol=0, atol=8 * 2.0 ** -24 * float(w_before.abs().max() + 1))
-    assert not torch.equal(sim.w, w_before)
+    assert torch.allclose(sim.server.w, expected, rtol=0, atol=8 * 2.0 ** -24 * float(w_before.abs().max() + 1))
+    assert not torch.equal(sim.server.w, w_before)
 
 
 STAGES = {"none": [], "attack": ["attack.name=sign_flip", "attack.fraction=0.5"],
@@ -105,7 +105,7 @@ def test_the_hand_check_reads_delta_i_under_every_upload_stage(stage):
         expected[bad] = -expected[bad]
     assert torch.equal(deltas, expected)
     w_before = run["w_before"]
-    assert torch.allclose(run["sim"].w, w_before + deltas.mean(0), rtol=0,
+    assert torch.allclose(run["sim"].server.w, w_before + deltas.mean(0), rtol=0,
                           atol=8 * 2.0 ** -24 * float(w_before.abs().max() + 1))
 
 

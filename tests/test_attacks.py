@@ -168,7 +168,7 @@ def test_colluding_attacks_run_alike_on_threads_and_are_refused_with_dp_or_compr
     threads = Simulation(tiny_config(*ATTACKED, *spec, "executor=threads", "executor.workers=2"))
     assert trajectory(threads, 2) == expected
     plain = fedflat.run(tiny_config(*ATTACKED, *bitwise()), save=False, progress=False).final_parameters
-    assert relative_gap(local.w.cpu(), plain) > 1e-4  # the attack changed the run (final_parameters: on the CPU)
+    assert relative_gap(local.server.w.cpu(), plain) > 1e-4  # the attack changed the run (final_parameters: on the CPU)
     with pytest.raises(ConfigError, match=f"attack={attack} forges the malicious uploads"):
         tiny_config(*spec, "privacy.noise_multiplier=1.0", "privacy.clip=1.0", "privacy.mode=local")
     with pytest.raises(ConfigError, match=f"attack={attack} forges"):
@@ -240,7 +240,7 @@ def test_backdoor_accuracy_is_the_triggered_non_target_samples_classified_as_the
     sim.run_round(0)
     data = sim.dataset
     module = build_model("mlp", data.input_shape, data.num_classes, hidden=[8])  # a fresh module, not the engine's
-    module.load_state_dict(sim.model_state())
+    module.load_state_dict(sim.server.model_state())
     module.eval()
     keep = data.y_test != 2
     x = data.features(data.x_test[keep]).cpu().clone()  # the fresh module's device, whatever the run's
@@ -267,7 +267,7 @@ def _rejections_expected(cfg, rounds: int) -> dict[str, dict[str, str]]:
     bad = set(attackers(cfg.seed, cfg.data.num_clients, cfg.attack["fraction"]).tolist())
     out = {}
     for t in range(rounds):
-        hit = sorted(set(sim.sample_clients(t).tolist()) & bad)
+        hit = sorted(set(sim.server.sample_clients(t).tolist()) & bad)
         if hit:
             out[str(t + 1)] = hit
     return out

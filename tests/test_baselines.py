@@ -19,21 +19,21 @@ from fedflat.algorithms import AlgorithmError
 from fedflat.config import load_config
 from fedflat.core import LocalOptimizer, TrainSettings
 from fedflat.engine.batches import local_steps
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 engine against float64 NumPy over three rounds of a few steps
 
 
 def _simulation(algo: dict, engine: str = "sequential", **train) -> Simulation:
     config = load_config(None, base=_toy_config(algo, engine, **train))
-    return Simulation(config, dataset=_toy_data())
+    return Simulation(config, UserInputs(dataset=_toy_data()))
 
 
 def _rounds(sim: Simulation):
     """Yields, per round, ``(t, lr, ids, n_i, E_i, schedules)`` as the engine draws them."""
     for t in range(sim.cfg.rounds):
         lr = TRAIN["lr"] * TRAIN["lr_decay"] ** t
-        ids = sim.sample_clients(t).tolist()
+        ids = sim.server.sample_clients(t).tolist()
         n = np.array([len(sim.client_indices[i]) for i in ids], dtype=float)
         steps = [local_steps(int(ni), TRAIN["batch_size"], TRAIN["local_epochs"], None) for ni in n]
         yield t, lr, ids, n, steps, sim.batches.schedules(t, ids, steps)
@@ -47,7 +47,7 @@ def _data(sim: Simulation):
 def _run(sim: Simulation) -> np.ndarray:
     for t in range(sim.cfg.rounds):
         sim.run_round(t)
-    return sim.w.cpu().numpy()
+    return sim.server.w.cpu().numpy()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def _run(sim: Simulation) -> np.ndarray:
 def fednova_reference(sim: Simulation) -> np.ndarray:
     """FedNova eq. (7) with plain local SGD: ``w <- w + tau_eff sum_i p_i Delta_i / tau_i``, ``p_i = n_i / sum n``."""
     X, y, classes = _data(sim)
-    w = sim.w.double().cpu().numpy().copy()
+    w = sim.server.w.double().cpu().numpy().copy()
     for t, lr, ids, n, steps, schedules in _rounds(sim):
         deltas = []
         for batches in schedules:
@@ -165,17 +165,17 @@ def test_fednova_conforms_to_fedsol_aggregation():
     """One round of fedflat's FedNova against FedSOL's server on the same client models (float64 there)."""
     sim = _simulation({"name": "fednova"})
     for t in range(2):
-        w_t = sim.w.double().clone()
-        opened = sim.begin_round(t)
-        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
-        sim.finish_round(opened, result)
+        w_t = sim.server.w.double().clone()
+        opened = sim.server.begin_round(t)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
+        sim.server.finish_round(opened, result)
         ids = result.ids.tolist()
         steps = dict(zip(ids, opened.ctx.steps.tolist()))
         assert len(set(steps.values())) > 1  # the normalization matters this round
         sizes = {i: len(sim.client_indices[i]) for i in ids}
         local = {i: {"w": result.upload["model"][r].double()} for r, i in enumerate(ids)}
         theirs = FedSOLNovaServer(steps)._nova_aggregation({"w": w_t}, local, sizes)["w"]
-        torch.testing.assert_close(sim.w.double(), theirs, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sim.server.w.double(), theirs, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def feddc_reference(sim: Simulation, alpha: float) -> dict:
     ``hbar += (1/N) sum Delta_i``, ``w <- w + mean Delta_i + hbar``."""
     X, y, classes = _data(sim)
     N = sim.cfg.data.num_clients
-    w = sim.w.double().cpu().numpy().copy()
+    w = sim.server.w.double().cpu().numpy().copy()
     zero = np.zeros_like(w)
     g, hbar, h_i, g_i = zero.copy(), zero.copy(), {}, {}
     for t, lr, ids, n, steps, schedules in _rounds(sim):
@@ -218,11 +218,11 @@ def test_feddc_three_rounds_equal_hand_computation(engine):
     sim = _simulation(algo, engine)
     expected = feddc_reference(_simulation(algo, engine), 0.3)
     np.testing.assert_allclose(_run(sim), expected["w"], **TOL)
-    np.testing.assert_allclose(sim.server["feddc.g"].cpu().numpy(), expected["g"], **TOL)
-    np.testing.assert_allclose(sim.server["feddc.hbar"].cpu().numpy(), expected["hbar"], **TOL)
+    np.testing.assert_allclose(sim.server.state["feddc.g"].cpu().numpy(), expected["g"], **TOL)
+    np.testing.assert_allclose(sim.server.state["feddc.hbar"].cpu().numpy(), expected["hbar"], **TOL)
     for key, ref in (("feddc.h_i", "h_i"), ("feddc.g_i", "g_i")):
         ids = sorted(expected[ref])
-        values, present = sim.store.get(key, torch.tensor(ids))
+        values, present = sim.server.store.get(key, torch.tensor(ids))
         assert present.all()
         np.testing.assert_allclose(values.cpu().numpy(), np.stack([expected[ref][i] for i in ids]), **TOL)
 
@@ -231,14 +231,14 @@ def test_feddc_without_penalty_is_scaffold_plus_the_mean_drift():
     """alpha = 0: the local direction and variates are SCAFFOLD's (option II), so after one round ``g = c`` and the
     model is SCAFFOLD's plus ``hbar = (1/N) sum_S Delta_i``, the drift the server adds."""
     dc, sc = _simulation({"name": "feddc", "alpha": 0.0}), _simulation({"name": "scaffold"})
-    w0 = dc.w.clone()
+    w0 = dc.server.w.clone()
     dc.run_round(0)
     sc.run_round(0)
-    torch.testing.assert_close(dc.server["feddc.g"], sc.server["scaffold.c"], rtol=1e-6, atol=1e-7)
-    hbar = dc.server["feddc.hbar"]
+    torch.testing.assert_close(dc.server.state["feddc.g"], sc.server.state["scaffold.c"], rtol=1e-6, atol=1e-7)
+    hbar = dc.server.state["feddc.hbar"]
     assert hbar.abs().max() > 1e-3
-    torch.testing.assert_close(dc.w, sc.w + hbar, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(hbar * dc.cfg.data.num_clients, (sc.w - w0) * sc.cfg.sampling.clients_per_round,
+    torch.testing.assert_close(dc.server.w, sc.server.w + hbar, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(hbar * dc.cfg.data.num_clients, (sc.server.w - w0) * sc.cfg.sampling.clients_per_round,
                                rtol=1e-5, atol=1e-6)
 
 
@@ -274,19 +274,19 @@ def test_feddc_conforms_to_the_authors_code():
     base = _toy_config({"name": "feddc", "alpha": alpha, "size_scaled": True}, "sequential", batch_size=16,
                        local_epochs=epochs, lr_decay=1.0, lr=lr, clip=10.0)
     base["sampling"] = {"clients_per_round": 4}
-    sim = Simulation(load_config(None, base=base), dataset=_toy_data())
+    sim = Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data()))
     code = _feddc_code()
     # (the authors' code runs on the CPU: fedflat's run on any device, its numbers compared there)
     X, Y = sim.dataset.x_train.cpu().numpy(), sim.dataset.y_train.cpu().numpy()
     clnt_x = [X[ix.cpu().numpy()] for ix in sim.client_indices]
     clnt_y = [Y[ix.cpu().numpy()] for ix in sim.client_indices]
-    n_clnt, n_par = len(clnt_y), sim.w.numel()
+    n_clnt, n_par = len(clnt_y), sim.server.w.numel()
     assert len({len(c) for c in clnt_y}) > 1  # unequal sizes: the code's weight_list matters
     model_func = lambda: torch.nn.Linear(X.shape[1], sim.dataset.num_classes)  # fedflat's logreg: weight, then bias
     weight_list = np.asarray([len(clnt_y[i]) for i in range(n_clnt)])
     weight_list = weight_list / np.sum(weight_list) * n_clnt
     parameter_drifts = np.zeros((n_clnt, n_par)).astype('float32')
-    cld_mdl_param = sim.w.cpu().numpy().copy()
+    cld_mdl_param = sim.server.w.cpu().numpy().copy()
     clnt_params_list = np.ones(n_clnt).astype('float32').reshape(-1, 1) * cld_mdl_param.reshape(1, -1)
     state_gadient_diffs = np.zeros((n_clnt + 1, n_par)).astype('float32')
     n_minibatch = epochs
@@ -319,8 +319,9 @@ def test_feddc_conforms_to_the_authors_code():
         cld_mdl_param = avg_mdl_param_sel + np.mean(parameter_drifts, axis=0)
 
         sim.run_round(t)
-        np.testing.assert_allclose(sim.w.cpu().numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
-        np.testing.assert_allclose(sim.server["feddc.g"].cpu().numpy(), state_gadient_diffs[-1], rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(sim.server.w.cpu().numpy(), cld_mdl_param, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(sim.server.state["feddc.g"].cpu().numpy(), state_gadient_diffs[-1], rtol=1e-5,
+                                   atol=2e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +355,7 @@ def ntd_gradient(w: np.ndarray, teacher: np.ndarray, X: np.ndarray, y: np.ndarra
 
 def fedntd_reference(sim: Simulation, beta: float, tau: float) -> np.ndarray:
     X, y, classes = _data(sim)
-    w = sim.w.double().cpu().numpy().copy()
+    w = sim.server.w.double().cpu().numpy().copy()
     for t, lr, ids, n, steps, schedules in _rounds(sim):
         deltas = []
         for batches in schedules:
@@ -393,7 +394,7 @@ def test_fedntd_loss_conforms_to_the_authors_criterion():
     (transcribed unmodified, tests/authors/fedsol_ntd.py): value and gradient in the logits, 10 classes, tau 3."""
     from authors.fedsol_ntd import NTD_Loss
 
-    from fedflat.engine.oracle import distilled_objective
+    from fedflat.engine.gradients import distilled_objective
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 10, generator=gen, dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(7, 10, generator=gen, dtype=torch.float64)
@@ -448,7 +449,7 @@ def moon_reference(sim: Simulation, mu: float, T: float) -> tuple[torch.Tensor, 
     X = sim.dataset.x_train.double()
     y = sim.dataset.y_train
     classes = sim.dataset.num_classes
-    w = sim.w.double().clone()
+    w = sim.server.w.double().clone()
     previous: dict[int, torch.Tensor] = {}
     for t, lr, ids, n, steps, schedules in _rounds(sim):
         finals = []
@@ -469,7 +470,7 @@ def moon_reference(sim: Simulation, mu: float, T: float) -> tuple[torch.Tensor, 
 def _moon_simulation(engine: str, **algo) -> Simulation:
     base = _toy_config({"name": "moon", **algo}, engine)
     base["model"] = {"name": "mlp", "hidden": [HIDDEN]}
-    return Simulation(load_config(None, base=base), dataset=_toy_data())
+    return Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data()))
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
@@ -478,9 +479,9 @@ def test_moon_three_rounds_equal_hand_computation(engine):
     sim = _moon_simulation(engine, mu=3.0, temperature=0.5)
     expected, previous = moon_reference(_moon_simulation(engine), 3.0, 0.5)
     _run(sim)
-    torch.testing.assert_close(sim.w.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sim.server.w.double(), expected, rtol=1e-4, atol=1e-5)
     ids = sorted(previous)
-    values, present = sim.store.get("moon.w_prev", torch.tensor(ids))
+    values, present = sim.server.store.get("moon.w_prev", torch.tensor(ids))
     assert present.all()
     torch.testing.assert_close(values.double(), torch.stack([previous[i] for i in ids]), rtol=1e-4, atol=1e-5)
     no_term, _ = moon_reference(_moon_simulation(engine), 0.0, 0.5)
@@ -501,7 +502,7 @@ def test_moon_loss_conforms_to_the_authors_criterion():
     (transcribed unmodified, tests/authors/fedsol_moon.py): value, and gradient in the logits and the representation."""
     from authors.fedsol_moon import ModelContrastiveLoss
 
-    from fedflat.engine.oracle import contrastive_objective
+    from fedflat.engine.gradients import contrastive_objective
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     z = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -526,7 +527,7 @@ def test_moon_refuses_a_model_with_batch_statistics(tiny):
 def _mlp_simulation(algo: dict, engine: str = "sequential") -> Simulation:
     base = _toy_config(algo, engine)
     base["model"] = {"name": "mlp", "hidden": [HIDDEN]}
-    return Simulation(load_config(None, base=base), dataset=_toy_data())
+    return Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data()))
 
 
 def _mlp_grad(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tensor:
@@ -539,7 +540,7 @@ def fedbabu_reference(sim: Simulation, finetune_epochs: int) -> tuple[torch.Tens
     mean of the models; each sampled client fine-tunes ``w^t`` (all entries, plain SGD with weight decay) for
     ``finetune_epochs`` epochs of the batches of its stream ``finetune``."""
     X, y, classes = sim.dataset.x_train.double(), sim.dataset.y_train, sim.dataset.num_classes
-    w = sim.w.double().clone()
+    w = sim.server.w.double().clone()
     head = torch.zeros_like(w, dtype=torch.bool)
     head[-(classes * HIDDEN + classes):] = True
     wd, personal = TRAIN["weight_decay"], {}
@@ -562,14 +563,15 @@ def fedbabu_reference(sim: Simulation, finetune_epochs: int) -> tuple[torch.Tens
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_fedbabu_three_rounds_equal_hand_computation(engine):
     sim = _mlp_simulation({"name": "fedbabu", "finetune_epochs": 2}, engine)
-    w0 = sim.w.clone()
+    w0 = sim.server.w.clone()
     expected, personal = fedbabu_reference(_mlp_simulation({"name": "fedbabu"}, engine), 2)
     _run(sim)
-    torch.testing.assert_close(sim.w.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sim.server.w.double(), expected, rtol=1e-4, atol=1e-5)
     head = 3 * HIDDEN + 3
-    assert torch.equal(sim.w[-head:], w0[-head:]) and not torch.equal(sim.w[:-head], w0[:-head])  # head frozen
+    w = sim.server.w
+    assert torch.equal(w[-head:], w0[-head:]) and not torch.equal(w[:-head], w0[:-head])  # head frozen
     ids = sorted(personal)
-    values, present = sim.store.get("babu.w_i", torch.tensor(ids))
+    values, present = sim.server.store.get("babu.w_i", torch.tensor(ids))
     assert present.all()
     torch.testing.assert_close(values.double(), torch.stack([personal[i] for i in ids]), rtol=1e-4, atol=1e-5)
 
@@ -595,7 +597,7 @@ def perfedavg_reference(sim: Simulation, alpha: float, variant: str, delta: floa
     ``perfedavg.adapt``."""
     X, y, classes = _data(sim)
     wd = TRAIN["weight_decay"]
-    w = sim.w.double().cpu().numpy().copy()
+    w = sim.server.w.double().cpu().numpy().copy()
     personal = {}
 
     def grad(v, idx):
@@ -630,7 +632,7 @@ def test_perfedavg_three_rounds_equal_hand_computation(name, engine):
     tol = TOL if variant == "fo" else {"rtol": 1e-4, "atol": 5e-5}
     np.testing.assert_allclose(_run(sim), expected, **tol)
     ids = sorted(personal)
-    values, present = sim.store.get("perfedavg.w_i", torch.tensor(ids))
+    values, present = sim.server.store.get("perfedavg.w_i", torch.tensor(ids))
     assert present.all()
     np.testing.assert_allclose(values.cpu().numpy(), np.stack([personal[i] for i in ids]), **tol)
     other, _ = perfedavg_reference(_simulation(algo, engine), 0.3, "hf" if variant == "fo" else "fo", 0.1)
@@ -659,7 +661,7 @@ def fedala_reference(sim: Simulation, p: dict) -> tuple[torch.Tensor, dict]:
     ``ala``; the start phase (a client's first ALA) repeats epochs until the std of the last ``num_pre_loss`` epochs'
     last losses is below ``threshold`` or ``ala_max_epochs``; local SGD; the sample-weighted mean."""
     X, y, classes = sim.dataset.x_train.double(), sim.dataset.y_train, sim.dataset.num_classes
-    w = sim.w.double().clone()
+    w = sim.server.w.double().clone()
     head = torch.zeros_like(w, dtype=torch.bool)
     head[-(classes * HIDDEN + classes):] = True
     theta_i, W_i, personal, ran = {}, {}, {}, set()
@@ -703,15 +705,17 @@ def test_fedala_three_rounds_equal_hand_computation(engine):
     algo = {"name": "fedala", **ALA}
     base = _toy_config(algo, engine)
     base["model"], base["rounds"] = {"name": "mlp", "hidden": [HIDDEN]}, 4
-    sim = Simulation(load_config(None, base=base), dataset=_toy_data())
-    expected, personal = fedala_reference(Simulation(load_config(None, base=base), dataset=_toy_data()), ALA)
+    sim = Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data()))
+    expected, personal = fedala_reference(Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data())),
+                                          ALA)
     _run(sim)
-    torch.testing.assert_close(sim.w.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sim.server.w.double(), expected, rtol=1e-4, atol=1e-5)
     ids = sorted(personal)
-    values, present = sim.store.get("ala.w_i", torch.tensor(ids))
+    values, present = sim.server.store.get("ala.w_i", torch.tensor(ids))
     assert present.all()
     torch.testing.assert_close(values.double(), torch.stack([personal[i] for i in ids]), rtol=1e-4, atol=1e-5)
-    plain, _ = fedala_reference(Simulation(load_config(None, base=base), dataset=_toy_data()), {**ALA, "eta": 0.0})
+    plain, _ = fedala_reference(Simulation(load_config(None, base=base), UserInputs(dataset=_toy_data())),
+                                {**ALA, "eta": 0.0})
     assert (expected - plain).abs().max() > 1e-4  # the learned weights moved the start models
 
 

@@ -14,13 +14,14 @@ from conftest import BATCH_NORM_CNN
 import fedflat
 from fedflat.core import Batch
 from fedflat.engine.batches import stack_batches
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation
 from fedflat.testing import ROUNDINGS_PER_STEP, U32
 
 
 def _one_step(sim: Simulation, vectorized: bool, W: torch.Tensor, batch: Batch):
-    oracle = Oracle(sim.model, vectorized=vectorized, traits=sim.traits)
+    oracle = Oracle(sim.model, ComputeOptions(engine="vectorized" if vectorized else "sequential"), sim.report.traits)
     start = sim.model.initial_buffers.expand(W.shape[0], -1).clone()
     with oracle.clients(list(range(W.shape[0])), 0, 0, start) as session:
         session.step(None)

@@ -26,7 +26,7 @@ from fedflat.engine.batches import local_schedule
 from fedflat.engine.checkpoint import CHECKPOINT, load_run
 from fedflat.engine.modes import inspect_module
 from fedflat.engine.problem import choose_engine, vmap_problem
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -91,7 +91,7 @@ def test_buffers_are_counted_in_communication_and_load_back_from_model_pt(tmp_pa
     assert history.metrics[-1]["down_bytes"] == 4 * P + 2 * (2 * 64 * 4 + 8)
     (tmp_path / "run" / CHECKPOINT).unlink()  # load_run falls back to model.pt: the buffers come with it
     sim = load_run(tmp_path / "run")
-    assert torch.equal(sim.buffers.cpu(), FlatModel(_loaded(tmp_path / "run")).initial_buffers)
+    assert torch.equal(sim.server.buffers.cpu(), FlatModel(_loaded(tmp_path / "run")).initial_buffers)
     assert sim.evaluate()[0] == history.summary["final_test_acc"]
 
 
@@ -112,8 +112,8 @@ def test_aggregated_running_statistics_equal_a_hand_computation():
     0.09)`` (``m_i``, ``v_i`` its samples' mean and unbiased variance), its count 2; the server's are their average
     with ``p_i = n_i / sum n_j``."""
     sim = Simulation(_cfg("algo.weighting=samples", "train.local_epochs=2", "train.batch_size=1000", "rounds=1"),
-                     model_fn=_bn_logreg)
-    clients = sim.sample_clients(0).tolist()
+                     UserInputs(model_fn=_bn_logreg))
+    clients = sim.server.sample_clients(0).tolist()
     sim.run_round(0)
     n = torch.tensor([len(sim.client_indices[c]) for c in clients], dtype=torch.float64)
     p = n / n.sum()
@@ -124,7 +124,7 @@ def test_aggregated_running_statistics_equal_a_hand_computation():
         variances.append(x.var(0, unbiased=True))
     mean = sum(pi * (0.1 + 0.9 * 0.1) * m for pi, m in zip(p, means))
     var = sum(pi * (0.81 + (0.1 + 0.9 * 0.1) * v) for pi, v in zip(p, variances))
-    state = sim.model_state()
+    state = sim.server.model_state()
     # float32 kernels: a handful of roundings of values of order one per statistic
     assert_close_normwise(state["1.running_mean"], mean, 16 * U32, "running_mean")
     assert_close_normwise(state["1.running_var"], var, 16 * U32, "running_var")
@@ -135,14 +135,14 @@ def test_each_local_step_updates_the_statistics_once_and_counts_average_to_the_n
     """FedSAM takes two forward passes per step (ascent, descent) and the statistics move once per step (the SAM
     authors' ``disable_running_stats`` for the second). With batches of 10, clients take ``E_i = ceil(n_i / 10)``
     steps; the server's count is ``round(sum p_i E_i)`` (uniform weights: the mean, half to even)."""
-    sim = Simulation(_cfg("algo=fedsam", "train.batch_size=10", "rounds=1"), model_fn=_bn_logreg)
-    opened = sim.begin_round(0)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    sim = Simulation(_cfg("algo=fedsam", "train.batch_size=10", "rounds=1"), UserInputs(model_fn=_bn_logreg))
+    opened = sim.server.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     counts = result.upload[BUFFERS][:, -1]  # the layout's last entry: num_batches_tracked
     assert counts.tolist() == opened.task.steps.double().tolist()
-    sim.finish_round(opened, result)
+    sim.server.finish_round(opened, result)
     expected = torch.tensor(opened.task.steps.double().mean().item()).round()
-    assert sim.model_state()["1.num_batches_tracked"] == expected.long()
+    assert sim.server.model_state()["1.num_batches_tracked"] == expected.long()
 
 
 # -- dropout: masks from each client's own stream, the same on both engines ---------------------------------------
@@ -160,20 +160,20 @@ def test_dropout_masks_come_from_the_clients_stream():
     from ``torch_stream(seed, 0, client, "dropout")`` (``rand < 1 - p``, kept values scaled by ``1 / (1 - p)``)."""
     # on CUDA the sequential engine: the hand computation's F.linear is its kernel (agreement.bitwise)
     cfg = _cfg(*bitwise("train.local_steps=1", "train.weight_decay=0", "train.clip=null", "rounds=1"))
-    sim = Simulation(cfg, model_fn=DropoutMLP)
-    opened = sim.begin_round(0)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    sim = Simulation(cfg, UserInputs(model_fn=DropoutMLP))
+    opened = sim.server.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     client = int(opened.task.ids[0])
     (batch,) = local_schedule(sim.client_indices[client], 1, 10, torch_stream(0, 0, client, "batches"))
     x, y = sim.dataset.x_train[batch].flatten(1), sim.dataset.y_train[batch]
-    w = sim.w.clone().requires_grad_(True)
+    w = sim.server.w.clone().requires_grad_(True)
     weight1, bias1, weight2, bias2 = sim.model.layout.views(w)
     keep = torch.rand((len(batch), 12), generator=torch_stream(0, 0, client, "dropout", sim.device),
                       device=sim.device) < 0.5  # the stream on the run's device, as the engine draws it
     hidden = torch.relu(F.linear(x, weight1, bias1)) * keep.float().div(0.5)
     (grad,) = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight2, bias2), y), w)
     # w - eta g as torch.optim.SGD (and fedflat's engine) computes it: one fused add with alpha = -eta
-    assert torch.equal(result.upload["model"][0], torch.add(w, grad, alpha=-sim.lr_at(0)).detach())
+    assert torch.equal(result.upload["model"][0], torch.add(w, grad, alpha=-sim.server.lr_at(0)).detach())
 
 
 def test_dropout_gives_the_same_training_on_both_engines_and_any_chunking():
@@ -205,23 +205,23 @@ def test_other_random_operations_draw_from_the_clients_stream_on_the_sequential_
     """The global generator is seeded from the client's stream ``"forward"`` while it trains (one local step by
     hand); the vectorized engine, which cannot key such draws per client, refuses the module."""
     sim = Simulation(_cfg(*bitwise("train.local_steps=1", "train.weight_decay=0", "train.clip=null")),
-                     model_fn=StochasticDepth)
-    opened = sim.begin_round(0)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+                     UserInputs(model_fn=StochasticDepth))
+    opened = sim.server.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     client = int(opened.task.ids[0])
     (batch,) = local_schedule(sim.client_indices[client], 1, 10, torch_stream(0, 0, client, "batches"))
     reference = StochasticDepth().to(sim.device)
-    reference.load_state_dict(sim.model.state_dict(sim.w))
+    reference.load_state_dict(sim.model.state_dict(sim.server.w))
     with torch.random.fork_rng(devices=[sim.device] if sim.device.type == "cuda" else []):  # the engine's generator
         torch.manual_seed(stream_seed(0, 0, client, "forward"))
         loss = F.cross_entropy(reference(sim.dataset.x_train[batch]), sim.dataset.y_train[batch])
     grads = torch.autograd.grad(loss, list(reference.parameters()))
-    step = torch.cat([torch.add(p, g, alpha=-sim.lr_at(0)).detach().reshape(-1)
+    step = torch.cat([torch.add(p, g, alpha=-sim.server.lr_at(0)).detach().reshape(-1)
                       for p, g in zip(reference.parameters(), grads)])
     assert torch.equal(result.upload["model"][0], step)
     with pytest.raises(ConfigError, match=r"model StochasticDepth cannot run under torch.func.vmap \(its forward draws "
                                           r"random numbers \(bernoulli\) outside PyTorch's dropout functions"):
-        Simulation(_cfg("engine=vectorized"), model_fn=StochasticDepth)
+        Simulation(_cfg("engine=vectorized"), UserInputs(model_fn=StochasticDepth))
 
 
 # -- train() for training, eval() for every evaluation -----------------------------------------------------------
@@ -248,12 +248,13 @@ def test_training_runs_in_train_mode_and_every_evaluation_in_eval_mode(engine):
     from fedflat.metrics.representations import penultimate_features
 
     log: list[bool] = []
-    sim = Simulation(_cfg("algo=qfedavg", f"engine={engine}"), model_fn=lambda: ModeLog(log))
+    sim = Simulation(_cfg("algo=qfedavg", f"engine={engine}"), UserInputs(model_fn=lambda: ModeLog(log)))
     log.clear()
     sim.run_round(0)  # q-FedAvg's F_i(w^t) is an evaluation inside the clients' round
     assert True in log and False in log
-    for evaluation in (sim.evaluate, lambda: global_objective(sim, 30).loss(sim.w),
-                       lambda: client_objective(sim, 0, 10).grad(sim.w), lambda: penultimate_features(sim, samples=20)):
+    for evaluation in (sim.evaluate, lambda: global_objective(sim, 30).loss(sim.server.w),
+                       lambda: client_objective(sim, 0, 10).grad(sim.server.w),
+                       lambda: penultimate_features(sim, samples=20)):
         log.clear()
         evaluation()
         assert log and not any(log)
@@ -311,14 +312,14 @@ class BranchesOnData(nn.Module):
 ])
 def test_what_fedflat_cannot_train_correctly_is_refused_before_round_0(model_fn, says):
     with pytest.raises(ConfigError, match=says):
-        Simulation(_cfg(), model_fn=model_fn)
+        Simulation(_cfg(), UserInputs(model_fn=model_fn))
 
 
 def test_a_module_vmap_cannot_run_is_refused_by_the_vectorized_engine_and_auto_says_why():
     with pytest.raises(ConfigError, match=r"^engine=vectorized: model BranchesOnData cannot run under torch.func.vmap "
                                           r"\(RuntimeError: .*data-dependent control flow.*; use engine=sequential"):
-        Simulation(_cfg("engine=vectorized"), model_fn=BranchesOnData)
-    sim = Simulation(_cfg("engine=sequential"), model_fn=BranchesOnData)  # the loop runs it
+        Simulation(_cfg("engine=vectorized"), UserInputs(model_fn=BranchesOnData))
+    sim = Simulation(_cfg("engine=sequential"), UserInputs(model_fn=BranchesOnData))  # the loop runs it
     sim.run_round(0)
     # BatchNorm's cumulative average (momentum=None) reads its count as a Python number: the loop only
     cumulative = FlatModel(nn.Sequential(nn.Flatten(), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 3)))
@@ -326,7 +327,7 @@ def test_a_module_vmap_cannot_run_is_refused_by_the_vectorized_engine_and_auto_s
     problem = vmap_problem(cumulative, inspect_module(cumulative, x), x, y)
     assert problem and "\n" not in problem
     cnn = Simulation(_cfg(*BN_DROPOUT_CNN))  # BatchNorm with momentum and dropout: vmap runs them
-    assert vmap_problem(cnn.model, cnn.traits, cnn.dataset.x_train[:4], cnn.dataset.y_train[:4]) is None
+    assert vmap_problem(cnn.model, cnn.report.traits, cnn.dataset.x_train[:4], cnn.dataset.y_train[:4]) is None
     with pytest.warns(UserWarning, match="engine=auto: model Sequential cannot run under torch.func.vmap .*: its "
                                          "clients train on the sequential engine"):
         assert choose_engine("auto", "vectorized", problem, cumulative.module) == "sequential"
@@ -391,17 +392,17 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
     private = sim.algorithm.parts["personalization"].private(sim.settings)
     for t in range(2):
         sim.run_round(t)
-    opened = sim.begin_round(2)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
-    w_before = sim.w.clone()
-    sim.finish_round(opened, result)
+    opened = sim.server.begin_round(2)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
+    w_before = sim.server.w.clone()
+    sim.server.finish_round(opened, result)
     shared = ~private
     by_hand = w_before + (result.upload["model"] - w_before).mean(0)  # FedAvg, uniform weights
-    assert_close_normwise(sim.w[shared], by_hand[shared], 4 * U32, "shared parameters")
-    assert torch.equal(sim.w[private], sim.model.initial[private])  # the server never learns a client's BN
-    assert torch.equal(sim.buffers, sim.model.initial_buffers)  # every buffer of this CNN is a BatchNorm's
+    assert_close_normwise(sim.server.w[shared], by_hand[shared], 4 * U32, "shared parameters")
+    assert torch.equal(sim.server.w[private], sim.model.initial[private])  # the server never learns a client's BN
+    assert torch.equal(sim.server.buffers, sim.model.initial_buffers)  # every buffer of this CNN is a BatchNorm's
     ids = torch.arange(6)
-    state, known = sim.load_state(ids)
+    state, known = sim.server.load_state(ids)
     assert known[BUFFERS].all() and known[PERSONAL_MODEL].all()
     own = state[BUFFERS]
     for i in range(6):
@@ -409,7 +410,7 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
             assert not torch.equal(own[i], own[j]) and not torch.equal(state[PERSONAL_MODEL][i][private],
                                                                         state[PERSONAL_MODEL][j][private])
     # each client's model: the global one with its own BatchNorm, in eval mode on its own test share
-    models = sim.algorithm.parts["personalization"].models(sim.w, state, known, sim.settings)
+    models = sim.algorithm.parts["personalization"].models(sim.server.w, state, known, sim.settings)
     correct = 0
     for c in range(6):
         module = build_model("cnn", (1, 8, 8), 3, padding=2, norm="batch")
@@ -418,7 +419,7 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_everything_else():
         correct += _eval_mode_scores(module, sim.dataset.x_test[share], sim.dataset.y_test[share])[0]
     total = sum(len(s) for s in sim.client_tests)
     assert sim.evaluate()[0] == correct / total
-    assert torch.allclose(models[:, shared], sim.w[shared].expand(6, -1), rtol=0, atol=0)
+    assert torch.allclose(models[:, shared], sim.server.w[shared].expand(6, -1), rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from fedflat.config import load_config
 from fedflat.core import ConfigError, RoundContext, TrainSettings
 from fedflat.data import Dataset
 from fedflat.engine.batches import local_steps
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 
 
 def timing_free(metrics: list[dict]) -> list[dict]:
@@ -96,7 +96,7 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
     X, y = sim.dataset.x_train.double().cpu().numpy(), sim.dataset.y_train.cpu().numpy()
     N, classes = sim.cfg.data.num_clients, sim.dataset.num_classes
     wd, clip, scope = train["weight_decay"], train["clip"], train.get("clip_scope", "loss")
-    w = sim.w.double().cpu().numpy().copy()
+    w = sim.server.w.double().cpu().numpy().copy()
     zero = np.zeros_like(w)
     c, h, m, v = zero.copy(), zero.copy(), zero.copy(), zero.copy()
     c_i: dict[int, np.ndarray] = {}
@@ -105,7 +105,7 @@ def reference_run(method: str, hp: dict, sim: Simulation, rounds: int, train: di
     T = n_all / n_all.sum()  # FedAWA's logits start at the sample fractions
     for t in range(rounds):
         lr = train["lr"] * train["lr_decay"] ** t
-        ids = sim.sample_clients(t).tolist()
+        ids = sim.server.sample_clients(t).tolist()
         n = np.array([len(sim.client_indices[i]) for i in ids], dtype=float)
         steps = [local_steps(int(ni), train["batch_size"], train["local_epochs"], None) for ni in n]
         schedules = sim.batches.schedules(t, ids, steps)
@@ -244,20 +244,20 @@ STATE = {
 def _check_against_reference(method: str, engine: str, **train) -> None:
     hp = METHODS[method]
     config = load_config(None, base=_toy_config({"name": method, **hp}, engine, **train))
-    sim = Simulation(config, dataset=_toy_data())
+    sim = Simulation(config, UserInputs(dataset=_toy_data()))
     expected = reference_run(method, hp, sim, config.rounds, {**TRAIN, **train})
-    assert len({int(s) for t in range(3) for s in sim.sample_clients(t)}) == 4  # every client, some twice
+    assert len({int(s) for t in range(3) for s in sim.server.sample_clients(t)}) == 4  # every client, some twice
     for t in range(config.rounds):
         sim.run_round(t)
     tol = {"rtol": 1e-4, "atol": 1e-5}
-    np.testing.assert_allclose(sim.w.cpu().numpy(), expected["w"], **tol)
+    np.testing.assert_allclose(sim.server.w.cpu().numpy(), expected["w"], **tol)
     for where, key, ref in STATE.get(method, []):
         if where == "server":
-            np.testing.assert_allclose(sim.server[key].cpu().numpy(), expected[ref], **tol)
+            np.testing.assert_allclose(sim.server.state[key].cpu().numpy(), expected[ref], **tol)
         else:
             ids = sorted(expected[ref])
-            values, present = sim.store.get(key, torch.tensor(ids))
-            assert present.all() and sim.store.count(key) == len(ids)
+            values, present = sim.server.store.get(key, torch.tensor(ids))
+            assert present.all() and sim.server.store.count(key) == len(ids)
             np.testing.assert_allclose(values.cpu().numpy(), np.stack([expected[ref][i] for i in ids]), **tol)
 
 
@@ -390,9 +390,9 @@ def test_scaffold_and_feddyn_reach_the_global_minimizer_fedavg_does_not():
     FedAvg's fixed point is biased by client drift; SCAFFOLD's and FedDyn's corrections remove the bias.
     """
     data, config = _heterogeneous_logreg()
-    sim = Simulation(load_config(None, base=config), dataset=data)
+    sim = Simulation(load_config(None, base=config), UserInputs(dataset=data))
     assert [len(ix) for ix in sim.client_indices] == [30] * 4
-    w_star = _global_minimizer(data, sim.w.cpu(), 0.01)
+    w_star = _global_minimizer(data, sim.server.w.cpu(), 0.01)
     distance = {}
     for name, rounds in (("fedavg", 50), ("scaffold", 150), ("feddyn", 80)):  # FedAvg's fixed point: ~50 rounds
         run = {**config, "rounds": rounds, "eval": {"every": rounds}, "algo": {"name": name}}
@@ -471,7 +471,7 @@ def test_measured_accounting_in_metrics(tiny):
     SCAFFOLD stores one c_i per client that has participated."""
     hist = fedflat.run(tiny("algo=scaffold", "rounds=4"), save=False, progress=False)
     sim = Simulation(tiny("algo=scaffold"))
-    seen = {int(i) for t in range(4) for i in sim.sample_clients(t)}
+    seen = {int(i) for t in range(4) for i in sim.server.sample_clients(t)}
     assert [m["backprops_per_step"] for m in hist.metrics] == [1.0] * 4
     assert hist.metrics[-1]["store"] == len(seen)
     sam = fedflat.run(tiny("algo=fedsam", "algo.rho=0.05", "rounds=1"), save=False, progress=False)

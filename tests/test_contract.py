@@ -179,7 +179,8 @@ def test_parts():
 
 def test_declared_server_state_is_created_with_its_initial_values_and_checkpointed(tiny, test_parts, tmp_path):
     sim = Simulation(tiny("algo=test_memo", "algo.start=5"))
-    assert float(sim.server["memo.count"]) == 5.0 and torch.equal(sim.server["memo.sum"], torch.zeros_like(sim.w))
+    state = sim.server.state
+    assert float(state["memo.count"]) == 5.0 and torch.equal(state["memo.sum"], torch.zeros_like(sim.server.w))
     history = fedflat.run(tiny("algo=test_memo", "algo.start=5", "rounds=2"), run_dir=tmp_path / "r", progress=False)
     from fedflat.engine.checkpoint import read_checkpoint
 

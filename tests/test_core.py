@@ -7,7 +7,7 @@ import torch
 
 import fedflat
 from fedflat.data import Dataset
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 
 
 def timing_free(metrics: list[dict]) -> list[dict]:
@@ -44,7 +44,7 @@ def test_one_sam_step_equals_hand_computation(rho):
     X, y, data = _linear_problem()
     hist = fedflat.run(_one_client_config({"name": "fedsam", "rho": rho}), dataset=data, save=False, progress=False)
     sim_w0 = Simulation(fedflat.load_config(None, base=_one_client_config({"name": "fedsam", "rho": rho})),
-                        dataset=data).w.cpu().numpy()
+                        UserInputs(dataset=data)).server.w.cpu().numpy()
     W, b = sim_w0[:6].reshape(2, 3), sim_w0[6:]
     gW, gb = softmax_regression_grad(W, b, X, y)
     norm = np.sqrt((gW ** 2).sum() + (gb ** 2).sum())
@@ -67,7 +67,7 @@ def test_full_batch_local_step_equals_centralized_gradient_step(tiny):
     cfg = tiny("rounds=1", "train.local_steps=1", "train.batch_size=1000", "train.clip=null",
                "sampling.clients_per_round=6", "algo.weighting=samples")
     sim = Simulation(cfg)
-    w0 = sim.w.clone()
+    w0 = sim.server.w.clone()
     sim.run_round(0)
     used = torch.cat(sim.client_indices)
     x, y = sim.dataset.x_train[used], sim.dataset.y_train[used]
@@ -75,15 +75,15 @@ def test_full_batch_local_step_equals_centralized_gradient_step(tiny):
     loss = torch.nn.functional.cross_entropy(sim.model(leaf, x), y)
     (grad,) = torch.autograd.grad(loss, leaf)
     expected = w0 - cfg.train.lr * (grad + cfg.train.weight_decay * w0)
-    torch.testing.assert_close(sim.w, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sim.server.w, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_fedavg_round_with_iid_data_averages_local_sgd(tiny):
     """One FedAvg round: the mean of each sampled client's own local gradient descent, by hand."""
     cfg = tiny("rounds=1", "data.partition=iid", "train.local_steps=3", "train.batch_size=1000")
     sim = Simulation(cfg)
-    w0 = sim.w.clone()
-    sampled = sim.sample_clients(0)
+    w0 = sim.server.w.clone()
+    sampled = sim.server.sample_clients(0)
     finals = []
     for i in sampled.tolist():
         w = w0.clone()
@@ -96,7 +96,7 @@ def test_fedavg_round_with_iid_data_averages_local_sgd(tiny):
             w = w - cfg.train.lr * d
         finals.append(w)
     sim.run_round(0)
-    torch.testing.assert_close(sim.w, torch.stack(finals).mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sim.server.w, torch.stack(finals).mean(0), rtol=1e-5, atol=1e-6)
 
 
 def test_iid_fedavg_learns_and_runs_are_reproducible(tiny):
@@ -110,9 +110,9 @@ def test_iid_fedavg_learns_and_runs_are_reproducible(tiny):
 
 def test_bernoulli_participation_samples_about_k_clients(tiny):
     sim = Simulation(tiny("sampling.participation=bernoulli", "data.num_clients=6"))
-    sizes = [len(sim.sample_clients(t)) for t in range(200)]
+    sizes = [len(sim.server.sample_clients(t)) for t in range(200)]
     assert min(sizes) >= 1 and abs(np.mean(sizes) - 3) < 0.3
-    assert len(set(map(len, [sim.sample_clients(t) for t in range(20)]))) > 1
+    assert len(set(map(len, [sim.server.sample_clients(t) for t in range(20)]))) > 1
 
 
 def test_user_dataset_and_model_factory():

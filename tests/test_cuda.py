@@ -33,7 +33,7 @@ def test_cuda_run_equals_cpu_run(tiny, name, engine):
 
 def _synchronisations(sim: Simulation, round: int) -> int:
     """Host-device synchronisations of one round's client work (``torch.cuda.set_sync_debug_mode``)."""
-    ctx = sim.new_context(round)
+    ctx = sim.server.new_context(round)
     broadcast = sim.algorithm.configure(ctx)
     from fedflat.engine.runtime import RoundTask
 
@@ -43,7 +43,7 @@ def _synchronisations(sim: Simulation, round: int) -> int:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            sim.executor.fit(broadcast, task, sim.load_state)
+            sim.executor.fit(broadcast, task, sim.server.load_state)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
@@ -87,7 +87,8 @@ def test_out_of_memory_in_a_chunk_halves_it_and_changes_nothing(tiny):
     # (grouped convolutions of different group counts sum in other orders on a GPU: the float32 bound of
     # tests/agreement.py, relative to the weights' scale for the weights near zero)
     bound = float32_bound(sim, 1)
-    torch.testing.assert_close(sim.w, reference.w, rtol=bound, atol=bound * float(reference.w.abs().max()))
+    w = reference.server.w
+    torch.testing.assert_close(sim.server.w, w, rtol=bound, atol=bound * float(w.abs().max()))
 
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
@@ -100,12 +101,12 @@ def test_bf16_channels_last_gradients_are_float32_ones_rounded(tiny, engine):
     fast, exact = Simulation(tiny(*overrides, "precision=bf16", "channels_last=true")), Simulation(tiny(*overrides))
     x = fast.dataset.features(fast.dataset.x_train[:20]).reshape(2, 10, 3, 32, 32)
     batch = Batch(x, fast.dataset.y_train[:20].reshape(2, 10))
-    W = fast.w.expand(2, -1)
+    W = fast.server.w.expand(2, -1)
     _, g_fast = fast.oracle.loss_grad(W, batch)
     _, g_exact = exact.oracle.loss_grad(W, batch)
     gap = (g_fast - g_exact).norm() / g_exact.norm()
     assert 0 < gap < 0.25, gap
     fast.run_round(0)
     exact.run_round(0)
-    assert torch.isfinite(fast.w).all()
+    assert torch.isfinite(fast.server.w).all()
     assert _synchronisations(fast, 1) <= _synchronisations(exact, 1) + 1

@@ -196,13 +196,13 @@ def test_direction_tracking_error_is_zero_for_the_reference_gradient_and_unavail
     sim = _sim("algo=fedsam")
     missing = direction_tracking(sim, 0)
     assert not missing["available"] and "no global direction" in missing["reason"]
-    reference, _ = reference_gradient(sim, sim.w, batches=2, batch_size=50)
-    sim.server["reference"] = reference
+    reference, _ = reference_gradient(sim, sim.server.w, batches=2, batch_size=50)
+    sim.server.state["reference"] = reference
     server = sim.algorithm.parts["server"]
     monkeypatch.setattr(PARTS[server.role][server.name], "global_direction", ("reference", 1.0))  # its class
     exact = direction_tracking(sim, 0, batches=2, batch_size=50)
     assert exact["available"] and exact["squared_error"] == 0.0 and exact["cosine"] == pytest.approx(1.0)
-    sim.server["reference"] = 2 * reference
+    sim.server.state["reference"] = 2 * reference
     doubled = direction_tracking(sim, 0, batches=2, batch_size=50)
     assert doubled["relative_error"] == pytest.approx(1.0, rel=1e-6)
 
@@ -217,12 +217,12 @@ def test_every_algorithm_gets_an_answer_or_a_reason(algo):
     for rounds in (0, 1):
         if rounds:
             sim.run_round(0)
-        state = sim.state_dict()
+        state = sim.server.state_dict()
         backprops = sim.oracle.backprops
         for kind in ("flatness", "drift", "tracking", "spectra"):
             result = analyze(kind, Target(sim, rounds), options)["result"]
             assert result["available"] or result["reason"]
-        torch.testing.assert_close(sim.state_dict(), state, rtol=0, atol=0)
+        torch.testing.assert_close(sim.server.state_dict(), state, rtol=0, atol=0)
         assert sim.oracle.backprops == backprops
 
 

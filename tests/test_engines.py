@@ -17,6 +17,7 @@ from fedflat.core import Batch, ConfigError
 from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
 from fedflat.engine.batches import stack_batches
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.runtime import auto_chunk_size, engine_choice, resolve_engine
 from fedflat.engine.simulation import Simulation
@@ -88,9 +89,9 @@ def test_streams_engine_equals_the_sequential_engine_bit_for_bit(tiny, name):
 def test_streams_engine_runs_each_client_of_a_cohort_on_its_own_lane(tiny):
     """The round's three clients are one cohort with a lane (and a pass) each, not three cohorts of one."""
     sim = Simulation(tiny("engine=streams", "device=cpu"))
-    assert sim.chunk_size(3) == 3
+    assert sim.runtime.chunk_size(3) == 3
     sim.run_round(0)
-    assert len(sim.runtime.oracle.lanes.passes) == 3
+    assert len(sim.runtime.oracle.backend.lanes.passes) == 3
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -123,7 +124,7 @@ def test_padding_gives_each_client_exactly_its_own_steps(tiny, monkeypatch):
 
     monkeypatch.setattr(cls, "direction", direction)  # on the class: a part keeps nothing on itself
     monkeypatch.setattr(cls, "end", end)
-    round_steps = sim.new_context(0).steps.cpu()
+    round_steps = sim.server.new_context(0).steps.cpu()
     assert round_steps.min() < round_steps.max()  # the round really mixes step counts
     sim.run_round(0)
     # the cohort takes the clients longest-first (less padding when chunked), whatever their ids
@@ -163,7 +164,7 @@ def _toy_oracle(vectorized: bool) -> tuple[Oracle, torch.Tensor]:
     torch.manual_seed(0)
     model = FlatModel(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)))
     W = model.initial + 0.1 * torch.randn(2, model.layout.size)
-    return Oracle(model, vectorized=vectorized), W
+    return Oracle(model, ComputeOptions(engine="vectorized" if vectorized else "sequential")), W
 
 
 @pytest.mark.parametrize("vectorized", [False, True])
@@ -203,9 +204,9 @@ def test_auto_chunk_size_follows_the_memory_budget(tiny, monkeypatch):
     per_client = sim.runtime.client_bytes()
     assert per_client > 8 * sim.num_parameters * 4  # at least the loop's model-sized vectors
     monkeypatch.setattr(runtime_module, "memory_budget", lambda device: 2 * per_client)
-    assert sim.chunk_size(6) == 2
-    assert Simulation(tiny("engine=sequential")).chunk_size(6) == 1
-    assert Simulation(tiny("engine=vectorized", "chunk_size=4")).chunk_size(6) == 4
+    assert sim.runtime.chunk_size(6) == 2
+    assert Simulation(tiny("engine=sequential")).runtime.chunk_size(6) == 1
+    assert Simulation(tiny("engine=vectorized", "chunk_size=4")).runtime.chunk_size(6) == 4
 
 
 def test_a_part_without_vectorized_support_is_refused_by_name(tiny, monkeypatch):
@@ -217,7 +218,7 @@ def test_a_part_without_vectorized_support_is_refused_by_name(tiny, monkeypatch)
 
 
 def test_auto_engine_is_sequential_on_cpu(tiny):
-    assert Simulation(tiny("engine=auto", "device=cpu")).engine == "sequential"
+    assert Simulation(tiny("engine=auto", "device=cpu")).report.engine == "sequential"
     assert np.isfinite(Simulation(tiny("engine=auto", "device=cpu")).run_round(0).train_loss)
 
 
@@ -262,7 +263,7 @@ def test_an_out_of_memory_chunk_is_halved_and_retried_with_the_same_numbers(tiny
     sim = Simulation(cfg)
     got = [sim.run_round(t).train_loss for t in range(2)]
     assert got == pytest.approx(expected, rel=1e-6)
-    torch.testing.assert_close(sim.w, reference.w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sim.server.w, reference.server.w, rtol=1e-5, atol=1e-6)
     assert sizes[:3] == [5, 2, 2] and sim.runtime.oom_retries == 1  # 5 -> halved to 2, and stays there
     assert client_module.fit is original_fit
 
@@ -274,7 +275,7 @@ def _conv_oracle(vectorized: bool, **options) -> tuple[Oracle, torch.Tensor, Bat
                                  torch.nn.Linear(4 * 4 * 4, 3))
     model = FlatModel(module)
     W = model.initial + 0.1 * torch.randn(2, model.layout.size)
-    return Oracle(model, vectorized=vectorized, **options), W, Batch(torch.randn(2, 5, 3, 6, 6),
+    return Oracle(model, ComputeOptions(engine="vectorized" if vectorized else "sequential", **options)), W, Batch(torch.randn(2, 5, 3, 6, 6),
                                                                       torch.randint(0, 3, (2, 5)))
 
 
@@ -331,7 +332,7 @@ def test_a_bf16_run_trains_alike_on_both_engines_and_near_float32(tiny):
     torch.testing.assert_close(runs["vectorized", "bf16"].final_parameters, bf16, rtol=2e-2, atol=2e-3)
     float32 = runs["sequential", "float32"].final_parameters
     assert not torch.equal(bf16, float32)
-    start = Simulation(tiny(*UNEQUAL)).w.cpu()  # beside final_parameters, on the CPU
+    start = Simulation(tiny(*UNEQUAL)).server.w.cpu()  # beside final_parameters, on the CPU
     assert (bf16 - float32).norm() / (float32 - start).norm() < 0.05  # of the distance trained
 
 
@@ -341,5 +342,5 @@ def test_ray_workers_build_their_oracle_in_the_runs_precision_and_layout(tiny):
 
     sim = Simulation(tiny("precision=bf16", "channels_last=true"))
     oracle = build_runtime(sim.worker_spec(), sim.worker_data()).oracle
-    assert oracle.autocast is torch.bfloat16 and oracle.channels_last
-    assert sim.oracle.autocast is torch.bfloat16 and sim.oracle.channels_last
+    assert oracle.forward.autocast is torch.bfloat16 and oracle.forward.channels_last
+    assert sim.oracle.forward.autocast is torch.bfloat16 and sim.oracle.forward.channels_last

@@ -33,25 +33,26 @@ def test_the_weight_is_the_share_of_the_last_w_rounds_above_the_threshold():
 
 def test_server_builds_the_global_perturbation_and_c_from_the_round(tiny):
     sim = Simulation(tiny("algo=fedgf", "algo.rho=0.05", "algo.rho_g=0.2", "algo.threshold=0", "rounds=2"))
-    w0 = sim.w.clone()
-    opened = sim.begin_round(0)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    w0 = sim.server.w.clone()
+    opened = sim.server.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     divergence = (result.upload["model"] - w0).norm(dim=1).mean()
-    sim.finish_round(opened, result)
-    step = w0 - sim.w
-    torch.testing.assert_close(sim.server[GLOBAL_PERTURBATION], 0.2 * step / step.norm())
-    assert float(sim.server[WEIGHT]) == 1.0 and int(sim.server[SEEN]) == 1 and float(sim.server[WINDOW][0]) == 1.0
-    assert sim.last_round.log["gf_divergence"] == pytest.approx(float(divergence))
+    sim.server.finish_round(opened, result)
+    step = w0 - sim.server.w
+    torch.testing.assert_close(sim.server.state[GLOBAL_PERTURBATION], 0.2 * step / step.norm())
+    state = sim.server.state
+    assert float(state[WEIGHT]) == 1.0 and int(state[SEEN]) == 1 and float(state[WINDOW][0]) == 1.0
+    assert sim.server.last_round.log["gf_divergence"] == pytest.approx(float(divergence))
 
 
 def test_the_client_perturbation_interpolates_global_and_local(tiny):
     sim = Simulation(tiny("algo=fedgf", "algo.rho=0.05", "rounds=2"))
     sim.run_round(0)
-    opened = sim.begin_round(1)
+    opened = sim.server.begin_round(1)
     broadcast = opened.broadcast
     broadcast.server[WEIGHT] = torch.tensor(0.3, device=sim.device)  # any c in (0, 1)
     ctx = ClientContext.of(broadcast, sim.settings, sim.oracle, sim.batches)
-    cohort = make_cohort(opened.task, broadcast, sim.load_state, sim.device)
+    cohort = make_cohort(opened.task, broadcast, sim.server.load_state, sim.device)
     W = broadcast.w + 0.01 * torch.randn(cohort.size, broadcast.w.numel(),
                                          generator=torch.Generator().manual_seed(0)).to(sim.device)
     picks = [s[0] for s in sim.batches.schedules(1, cohort.ids.tolist(), cohort.steps.tolist())]

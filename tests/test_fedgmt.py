@@ -11,6 +11,7 @@ from fedflat.algorithms import build_algorithm
 from fedflat.algorithms.feddyn import CLIENT_DUAL, SERVER_DUAL
 from fedflat.algorithms.fedgmt import TRAJECTORY
 from fedflat.core import Batch, Distillation
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation
 
@@ -31,11 +32,11 @@ def _reference(model, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, teacher
 @pytest.mark.parametrize("vectorized", [False, True])
 def test_the_distilled_gradient_is_the_reference_codes_loss_gradient(tiny, vectorized):
     sim = Simulation(tiny("algo=fedgmt"))
-    oracle = Oracle(sim.model, vectorized=vectorized)
-    P = sim.w.numel()
+    oracle = Oracle(sim.model, ComputeOptions(engine="vectorized" if vectorized else "sequential"))
+    P = sim.server.w.numel()
     gen = torch.Generator().manual_seed(1)
-    W = sim.w + 0.3 * torch.randn(2, P, generator=gen).to(sim.device)  # CPU draws, on the run's device
-    teacher = sim.w + 0.3 * torch.randn(P, generator=gen).to(sim.device)
+    W = sim.server.w + 0.3 * torch.randn(2, P, generator=gen).to(sim.device)  # CPU draws, on the run's device
+    teacher = sim.server.w + 0.3 * torch.randn(P, generator=gen).to(sim.device)
     x, y = sim.dataset.x_train[:10].reshape(2, 5, 1, 4, 4), sim.dataset.y_train[:10].reshape(2, 5)
     distill = Distillation(teacher, weight=0.7, temperature=3.0)
     loss, grad = oracle.loss_grad(W, Batch(x, y), distill)
@@ -59,31 +60,31 @@ def test_first_round_without_distillation_is_fedavg_plus_the_mean_dual(tiny):
     -h/alpha = (1/N) sum_S Delta_i (K = 3 of N = 6 sampled: half the mean update) and moves the trajectory."""
     gmt = Simulation(tiny("algo=fedgmt", "algo.gamma=0", "rounds=1"))
     avg = Simulation(tiny("algo=fedavg", "rounds=1"))
-    w0 = gmt.w.clone()
+    w0 = gmt.server.w.clone()
     gmt.run_round(0)
     avg.run_round(0)
-    mean_delta = avg.w - w0
-    torch.testing.assert_close(gmt.w, w0 + 1.5 * mean_delta)
-    torch.testing.assert_close(-gmt.server[SERVER_DUAL] / 0.01, 0.5 * mean_delta)
-    torch.testing.assert_close(gmt.server[TRAJECTORY], 0.95 * w0 + 0.05 * gmt.w)
+    mean_delta = avg.server.w - w0
+    torch.testing.assert_close(gmt.server.w, w0 + 1.5 * mean_delta)
+    torch.testing.assert_close(-gmt.server.state[SERVER_DUAL] / 0.01, 0.5 * mean_delta)
+    torch.testing.assert_close(gmt.server.state[TRAJECTORY], 0.95 * w0 + 0.05 * gmt.server.w)
 
 
 def test_client_duals_sum_their_updates_and_shift_the_local_direction(tiny):
     sim = Simulation(tiny("algo=fedgmt", "algo.alpha=0.25", "rounds=3", "sampling.clients_per_round=4"))
-    updates = {c: torch.zeros_like(sim.w) for c in range(6)}
-    server_dual = torch.zeros_like(sim.w)
+    updates = {c: torch.zeros_like(sim.server.w) for c in range(6)}
+    server_dual = torch.zeros_like(sim.server.w)
     for t in range(3):
-        opened = sim.begin_round(t)
-        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+        opened = sim.server.begin_round(t)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
         for row, c in enumerate(result.ids.tolist()):
             updates[c] = updates[c] + result.upload["model"][row] - opened.broadcast.w
             server_dual = server_dual + (result.upload["model"][row] - opened.broadcast.w) / 6
-        sim.finish_round(opened, result)
-    state, known = sim.load_state(torch.arange(6))
+        sim.server.finish_round(opened, result)
+    state, known = sim.server.load_state(torch.arange(6))
     for c in range(6):
         if known[CLIENT_DUAL][c]:
             torch.testing.assert_close(-state[CLIENT_DUAL][c] / 0.25, updates[c])  # lambda_i = -h_i / alpha
-    torch.testing.assert_close(-sim.server[SERVER_DUAL] / 0.25, server_dual)
+    torch.testing.assert_close(-sim.server.state[SERVER_DUAL] / 0.25, server_dual)
     correction = sim.algorithm.parts["correction"]
     grad, h = torch.randn(2, 5), torch.randn(2, 5)
 
@@ -103,10 +104,10 @@ def test_distillation_pulls_toward_the_trajectory(tiny):
     for gamma in ("0", "5"):
         sim = Simulation(tiny("algo=fedgmt", f"algo.gamma={gamma}", "algo.ema=0.5", "rounds=4"))
         for t in range(4):
-            opened = sim.begin_round(t)
-            result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
-            gap = float((result.upload["model"] - sim.server[TRAJECTORY]).norm(dim=1).mean())  # to e^t
-            sim.finish_round(opened, result)
+            opened = sim.server.begin_round(t)
+            result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
+            gap = float((result.upload["model"] - sim.server.state[TRAJECTORY]).norm(dim=1).mean())  # to e^t
+            sim.server.finish_round(opened, result)
         gaps.append(gap)
     plain, distilled = gaps
     assert distilled < 0.9 * plain

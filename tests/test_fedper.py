@@ -32,8 +32,8 @@ def test_the_private_mask_is_the_last_layers_parameters(tiny):
 
 def _round_results(cfg):
     sim = Simulation(cfg)
-    opened = sim.begin_round(0)
-    return sim, opened, sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    opened = sim.server.begin_round(0)
+    return sim, opened, sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
 
 
 def test_first_round_trains_as_fedavg_keeps_the_model_and_uploads_the_broadcast_head(tiny):
@@ -45,9 +45,9 @@ def test_first_round_trains_as_fedavg_keeps_the_model_and_uploads_the_broadcast_
     assert torch.equal(mine.state[PERSONAL_MODEL], theirs.upload["model"])
     assert torch.equal(mine.upload["model"], torch.where(head, w0, theirs.upload["model"]))
     assert not torch.equal(theirs.upload["model"][:, head], w0[head].expand(len(mine.ids), -1))  # heads did move
-    per.finish_round(opened, mine)
-    avg.finish_round(avg.begin_round(0), theirs)
-    assert torch.equal(per.w[head], w0[head]) and torch.equal(per.w[~head], avg.w[~head])
+    per.server.finish_round(opened, mine)
+    avg.server.finish_round(avg.server.begin_round(0), theirs)
+    assert torch.equal(per.server.w[head], w0[head]) and torch.equal(per.server.w[~head], avg.server.w[~head])
 
 
 def test_a_returning_client_starts_from_its_own_head_and_the_global_base(tiny):
@@ -55,15 +55,15 @@ def test_a_returning_client_starts_from_its_own_head_and_the_global_base(tiny):
     sim = Simulation(cfg)
     sim.run_round(0)
     ids = torch.arange(6)
-    state, known = sim.load_state(ids)
+    state, known = sim.server.load_state(ids)
     assert known[PERSONAL_MODEL].all()
-    start = sim.algorithm.parts["personalization"].models(sim.w, state, known, sim.settings)
+    start = sim.algorithm.parts["personalization"].models(sim.server.w, state, known, sim.settings)
     head = _head(sim)
-    assert torch.equal(start[:, head], state[PERSONAL_MODEL][:, head]) and torch.equal(start[:, ~head],
-                                                                                       sim.w[~head].expand(6, -1))
+    assert torch.equal(start[:, head], state[PERSONAL_MODEL][:, head])
+    assert torch.equal(start[:, ~head], sim.server.w[~head].expand(6, -1))
     # round 2 trained from those starts: FedAvg run from the same points by hand gives the same uploads
-    opened = sim.begin_round(1)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    opened = sim.server.begin_round(1)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     plain = Simulation(tiny("algo=fedavg", "rounds=2", "sampling.clients_per_round=6"))
     from fedflat.core import ClientContext
     from fedflat.engine.client import fit
@@ -72,11 +72,12 @@ def test_a_returning_client_starts_from_its_own_head_and_the_global_base(tiny):
     for c in range(6):
         ctx = ClientContext.of(opened.broadcast, plain.settings, plain.oracle, plain.batches)
         ctx.w_start = start[c]
-        cohort = make_cohort(opened.task.rows(torch.tensor([c])), opened.broadcast, plain.load_state, plain.device)
+        cohort = make_cohort(opened.task.rows(torch.tensor([c])), opened.broadcast, plain.server.load_state,
+                             plain.device)
         rows.append(fit(plain.algorithm, ctx, cohort).upload["model"][0])
     by_hand = torch.stack(rows)
     torch.testing.assert_close(result.state[PERSONAL_MODEL], by_hand, rtol=0, atol=1e-6)
-    torch.testing.assert_close(result.upload["model"], torch.where(head, sim.w, by_hand), rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.upload["model"], torch.where(head, sim.server.w, by_hand), rtol=0, atol=1e-6)
 
 
 def test_personalized_evaluation_tests_each_clients_own_model_on_its_own_share(tiny):
@@ -85,17 +86,17 @@ def test_personalized_evaluation_tests_each_clients_own_model_on_its_own_share(t
         sim.run_round(t)
     acc, loss = sim.evaluate()
     shares, head = sim.client_tests, _head(sim)
-    state, known = sim.load_state(torch.arange(6))
+    state, known = sim.server.load_state(torch.arange(6))
     correct = nll = total = 0
     for c, share in enumerate(shares):
-        w = torch.where(head, state[PERSONAL_MODEL][c], sim.w) if known[PERSONAL_MODEL][c] else sim.w
+        w = torch.where(head, state[PERSONAL_MODEL][c], sim.server.w) if known[PERSONAL_MODEL][c] else sim.server.w
         logits = sim.model(w, sim.dataset.x_test[share])
         correct += int((logits.argmax(1) == sim.dataset.y_test[share]).sum())
         nll += float(torch.nn.functional.cross_entropy(logits, sim.dataset.y_test[share], reduction="sum"))
         total += len(share)
     assert known[PERSONAL_MODEL].sum() < 6  # some client never trained: it is tested with the global model
     assert acc == correct / total and loss == pytest.approx(nll / total, rel=1e-6)
-    assert sim.evaluate(sim.w) != (acc, loss)  # the global model alone is still there to evaluate
+    assert sim.evaluate(sim.server.w) != (acc, loss)  # the global model alone is still there to evaluate
     history = fedflat.run(tiny("algo=fedper-sam", "rounds=2", "sampling.clients_per_round=4"), save=False,
                           progress=False)
     assert history.summary["evaluation"] == "personalized" and history.metrics[-1]["test_acc"] == acc

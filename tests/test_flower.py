@@ -53,12 +53,12 @@ def reference(cfg, dropped: dict[str, list[int]]) -> tuple[list[float], torch.Te
     sim = Simulation(cfg)
     accuracy = []
     for t in range(cfg.rounds):
-        opened = sim.begin_round(t)
-        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+        opened = sim.server.begin_round(t)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
         keep = [r for r, c in enumerate(result.ids.tolist()) if c not in dropped.get(str(t + 1), [])]
-        sim.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
+        sim.server.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
         accuracy.append(sim.evaluate()[0])
-    return accuracy, sim.w
+    return accuracy, sim.server.w
 
 
 # -- the protocol --------------------------------------------------------------------------------------------------
@@ -113,19 +113,20 @@ def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path
         sim.run_round(t)
     nodes = [Node(cfg, p, 2, tmp_path / f"node{p}") for p in range(2)]
     ids = torch.arange(6)
-    state, known = sim.load_state(ids)
+    state, known = sim.server.load_state(ids)
     for c in range(6):  # each node holds its clients' state as training would have saved it
         if known["fedper.w_i"][c]:
             nodes[c % 2].states.save(c, 1, {"fedper.w_i": state["fedper.w_i"][c]})
     rounds = [1 if known["fedper.w_i"][c] else -1 for c in range(6)]
-    scores = [read_scores(node.evaluate(evaluation_content(sim.w, node.clients, [rounds[c] for c in node.clients])),
+    w = sim.server.w
+    scores = [read_scores(node.evaluate(evaluation_content(w, node.clients, [rounds[c] for c in node.clients])),
                           node.clients) for node in nodes]
     merged = scores[1]
     for column in ("clients", "correct", "loss", "samples"):
         getattr(merged, column).extend(getattr(scores[0], column))  # node order does not matter
     assert pooled_accuracy(merged) == sim.evaluate()
     with pytest.raises(BadReply, match="not sent"):
-        read_scores(nodes[0].evaluate(evaluation_content(sim.w, [0, 2], [rounds[0], rounds[2]])), [0])
+        read_scores(nodes[0].evaluate(evaluation_content(sim.server.w, [0, 2], [rounds[0], rounds[2]])), [0])
     with pytest.raises(ConfigError, match="no test sample was scored"):  # e.g. no node answered
         pooled_accuracy(ClientScores([], [], [], []))
 

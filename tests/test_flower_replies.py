@@ -126,11 +126,11 @@ def reference(cfg, dropped: dict[int, list[int]], rounds: int) -> torch.Tensor:
     """fedflat's round loop in one process, leaving out ``dropped[t]`` in round ``t``: the model after ``rounds``."""
     sim = Simulation(cfg)
     for t in range(rounds):
-        opened = sim.begin_round(t)
-        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+        opened = sim.server.begin_round(t)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
         keep = [r for r, c in enumerate(result.ids.tolist()) if c not in dropped.get(t, [])]
-        sim.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
-    return sim.w
+        sim.server.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
+    return sim.server.w
 
 
 # -- the malformations, each as an attacker edits its node's honest reply (Flower records) -------------------------
@@ -242,11 +242,11 @@ def test_only_the_faulty_nodes_clients_are_left_out_and_named(kind, nodes, tmp_p
             assert says in str(stopped.value)
             return
         sim = run_rounds(cfg, grid, 2)
-    assert sim.last_round.dropped == left_out and sim.last_round.clients == N - len(left_out)
+    assert sim.server.last_round.dropped == left_out and sim.server.last_round.clients == N - len(left_out)
     said = [r.getMessage() for r in caplog.records if f"node {faulty}'s clients {left_out} left out" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("round 2: ") and says in said[0], said
     assert not [r for r in caplog.records if "left out" in r.getMessage() and f"node {faulty}" not in r.getMessage()]
-    assert torch.equal(sim.w, reference(cfg, {1: left_out}, 2))
+    assert torch.equal(sim.server.w, reference(cfg, {1: left_out}, 2))
 
 
 def test_the_expected_layout_is_the_methods_own_and_honest_rounds_equal_fedflat_run(tmp_path):
@@ -258,13 +258,13 @@ def test_the_expected_layout_is_the_methods_own_and_honest_rounds_equal_fedflat_
     for algo, extra, names in [("scaffold", (), ["model", "scaffold.dc", "train_loss"]),
                                ("fedavg", (), ["model", "train_loss"])]:
         sim = Simulation(small(algo, *extra))
-        layout = upload_layout(sim, sim.begin_round(0))
+        layout = upload_layout(sim, sim.server.begin_round(0))
         assert layout.names() == names, layout
         assert {n: (s, d) for n, s, d in layout.entries}[MODEL] == ((sim.num_parameters,), "float32")
     cfg = small("scaffold")
     for nodes in (1, 4):
         sim = run_rounds(cfg, Loopback(client_app(cfg, state_dir=tmp_path / f"n{nodes}"), nodes), 2)
-        assert not sim.last_round.dropped and torch.equal(sim.w, reference(cfg, {}, 2))
+        assert not sim.server.last_round.dropped and torch.equal(sim.server.w, reference(cfg, {}, 2))
 
 
 # -- identity before claims ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from sklearn.metrics import balanced_accuracy_score, f1_score, recall_score, roc
 import fedflat
 from fedflat.core import ConfigError
 from fedflat.engine.losses import focal_loss
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.metrics.objective import global_objective
 from fedflat.testing import U32
 
@@ -37,11 +37,11 @@ def test_a_custom_loss_trains_as_plain_sgd_on_it_by_hand(tiny):
     w = model.initial.clone()
     steps = 0
     for t in range(cfg.rounds):
-        for idx in sim.batches.schedules(t, [0], [int(sim.new_context(t).steps[0])])[0]:
+        for idx in sim.batches.schedules(t, [0], [int(sim.server.new_context(t).steps[0])])[0]:
             leaf = w.detach().requires_grad_(True)
             (g,) = torch.autograd.grad(brier(model.call_views(model.layout.views(leaf), sim.dataset.features(x[idx])),
                                              y[idx]).mean(), leaf)
-            w = w - sim.lr_at(t) * g
+            w = w - sim.server.lr_at(t) * g
             steps += 1
     # run.final_parameters is on the CPU, the hand computation on the run's device
     torch.testing.assert_close(run.final_parameters, w.cpu(), rtol=0, atol=16 * U32 * steps * w.abs().max().item())
@@ -83,13 +83,13 @@ def test_label_smoothing_reaches_the_evaluation_and_the_diagnostics(tiny):
     sim.run_round(0)
     acc, loss = sim.evaluate()
     with torch.no_grad():
-        logits = sim.model(sim.w, sim.dataset.features(sim.dataset.x_test))
+        logits = sim.model(sim.server.w, sim.dataset.features(sim.dataset.x_test))
     assert loss == pytest.approx(F.cross_entropy(logits.double(), sim.dataset.y_test, label_smoothing=0.2).item(),
                                  rel=1e-5)
     objective = global_objective(sim, None)
     with torch.no_grad():
-        train_logits = sim.model(sim.w, objective.x)
-    assert objective.loss(sim.w) == pytest.approx(
+        train_logits = sim.model(sim.server.w, objective.x)
+    assert objective.loss(sim.server.w) == pytest.approx(
         F.cross_entropy(train_logits, objective.y, label_smoothing=0.2).item(), rel=1e-5)
 
 
@@ -98,14 +98,14 @@ def test_a_loss_vmap_cannot_run_is_refused_by_the_vectorized_engine(tiny):
         return (logits.softmax(-1) - F.one_hot(y, logits.shape[-1]).to(logits)).pow(2).sum(-1)
 
     with pytest.raises(ConfigError, match="engine=vectorized: .*loss_fn"):
-        Simulation(tiny("engine=vectorized"), loss_fn=one_hot_brier)
+        Simulation(tiny("engine=vectorized"), UserInputs(loss_fn=one_hot_brier))
 
 
 def test_a_loss_without_one_value_per_sample_is_a_clear_error(tiny):
     with pytest.raises(ConfigError, match="one loss per sample.*reduction='none'"):
-        Simulation(tiny(), loss_fn=F.cross_entropy)
+        Simulation(tiny(), UserInputs(loss_fn=F.cross_entropy))
     with pytest.raises(ConfigError, match="loss_fn must be a function"):
-        Simulation(tiny(), loss_fn="mse")
+        Simulation(tiny(), UserInputs(loss_fn="mse"))
 
 
 def _sklearn_metrics(logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -145,8 +145,8 @@ def test_personalized_metrics_pool_every_clients_own_predictions(tiny):
     for client, share in enumerate(sim.client_tests):
         if not share.numel():
             continue
-        state, known = sim.load_state(torch.tensor([client]), list(personalization.kept()))
-        w = personalization.models(sim.w, state, known, sim.settings)[0]
+        state, known = sim.server.load_state(torch.tensor([client]), list(personalization.kept()))
+        w = personalization.models(sim.server.w, state, known, sim.settings)[0]
         with torch.no_grad():
             logits.append(sim.model(w, sim.dataset.features(sim.dataset.x_test[share])))
         targets.append(sim.dataset.y_test[share])

@@ -29,7 +29,7 @@ SHAPES = [((1, 28, 28), (200, 200), 50), ((1, 28, 28), (200, 200), 13), ((1, 4, 
 def autograd_oracle(model: FlatModel) -> Oracle:
     """The sequential oracle with the hand-derived gradient off: autograd through the module's own forward."""
     oracle = Oracle(model, traits=ModelTraits(hand_gradient=False))
-    assert oracle.hand is None
+    assert oracle.gradient == "autograd"
     return oracle
 
 
@@ -60,7 +60,7 @@ def test_a_cohort_with_padded_rows_is_autograds():
     torch.manual_seed(2)
     model = FlatModel(mlp((1, 4, 4), 3, (8,)))
     hand, reference = Oracle(model), autograd_oracle(model)
-    assert hand.hand is not None
+    assert hand.gradient != "autograd"
     W = model.initial + 0.1 * torch.randn(3, model.initial.numel())
     weight = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
     batch = Batch(torch.randn(3, 6, 1, 4, 4), torch.randint(0, 3, (3, 6)), weight, clients=3)
@@ -113,13 +113,13 @@ def test_decided_once_per_model(tiny):
     """The model's report records it: on for fedflat's MLP and LogReg, off for the CNN; the sequential oracle takes
     it only with plain cross-entropy in float32 on the CPU, the vectorized one never."""
     tiny = partial(tiny, "device=cpu")
-    assert Simulation(tiny("engine=sequential")).traits.hand_gradient
-    assert Simulation(tiny("engine=sequential")).oracle.hand is not None
-    assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.hand is not None
-    assert Simulation(tiny("engine=vectorized")).oracle.hand is None
-    assert Simulation(tiny("engine=sequential", "train.label_smoothing=0.1")).oracle.hand is None
+    assert Simulation(tiny("engine=sequential")).report.traits.hand_gradient
+    assert Simulation(tiny("engine=sequential")).oracle.gradient != "autograd"
+    assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.gradient != "autograd"
+    assert Simulation(tiny("engine=vectorized")).oracle.gradient == "autograd"
+    assert Simulation(tiny("engine=sequential", "train.label_smoothing=0.1")).oracle.gradient == "autograd"
     cnn = Simulation(tiny("engine=sequential", "model=cnn", "data.options.shape=[3,32,32]"))
-    assert not cnn.traits.hand_gradient and cnn.oracle.hand is None
+    assert not cnn.report.traits.hand_gradient and cnn.oracle.gradient == "autograd"
 
 
 class ScaledMLP(MLP):
@@ -158,8 +158,8 @@ def test_other_modules_keep_autograd(build):
     model = FlatModel(module)
     assert not hand_derived(model)
     oracle = Oracle(model)
-    assert not oracle.traits.hand_gradient and oracle.hand is None
-    assert Oracle(model, traits=ModelTraits(hand_gradient=True)).hand is None  # (a worker checks its own module)
+    assert not oracle.traits.hand_gradient and oracle.gradient == "autograd"
+    assert Oracle(model, traits=ModelTraits(hand_gradient=True)).gradient == "autograd"  # (a worker checks its own module)
     x, y = torch.randn(5, 1, 4, 4), torch.tensor([0, 1, 2, 1, 0])
     _, g = oracle.loss_grad(model.initial[None], Batch(x[None], y[None]))
     leaf = model.initial.clone().requires_grad_(True)

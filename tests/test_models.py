@@ -334,7 +334,7 @@ def test_a_runs_model_pt_starts_another_run(tmp_path) -> None:
 
     hist = fedflat.run(None, overrides=["rounds=2", "threads=1"], out=tmp_path, progress=False)
     cfg = load_config(None, ["rounds=2", f"model.pretrained={hist.run_dir / 'model.pt'}"])
-    assert torch.equal(Simulation(cfg).w.cpu(), hist.final_parameters)
+    assert torch.equal(Simulation(cfg).server.w.cpu(), hist.final_parameters)
 
 
 def test_a_checkpoint_that_does_not_fit_names_the_parameters(tmp_path) -> None:

@@ -35,12 +35,12 @@ def _reference(sim: Simulation, make_optimizer, keep: str) -> torch.Tensor:
     x, y = sim.dataset.x_train, sim.dataset.y_train
     optimizer = None
     for t in range(sim.cfg.rounds):
-        lr = sim.lr_at(t)
+        lr = sim.server.lr_at(t)
         if optimizer is None or keep == "round":
             optimizer = make_optimizer(params, lr, sim.cfg.train.weight_decay)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        steps = int(sim.new_context(t).steps[0])
+        steps = int(sim.server.new_context(t).steps[0])
         for idx in sim.batches.schedules(t, [0], [steps])[0]:
             optimizer.zero_grad()
             F.cross_entropy(model.call_views(params, sim.dataset.features(x[idx])), y[idx]).backward()
@@ -147,13 +147,13 @@ def test_client_optimizer_state_is_client_state(tiny):
     """``optimizer_state=client`` keeps each trained client's momentum buffer in the client store (so it is
     checkpointed and travels to workers as the methods' state does); ``round`` keeps nothing."""
     kept = Simulation(tiny("train.momentum=0.9", "train.optimizer_state=client"))
-    assert MOMENTUM_BUFFER in kept.client_state_keys()
+    assert MOMENTUM_BUFFER in kept.server.client_state_keys()
     kept.run_round(0)
-    ids = kept.sample_clients(0)
-    state, known = kept.load_state(ids)
+    ids = kept.server.sample_clients(0)
+    state, known = kept.server.load_state(ids)
     assert bool(known[MOMENTUM_BUFFER].all()) and state[MOMENTUM_BUFFER].abs().sum() > 0
     fresh = Simulation(tiny("train.momentum=0.9"))
-    assert MOMENTUM_BUFFER not in fresh.client_state_keys()
+    assert MOMENTUM_BUFFER not in fresh.server.client_state_keys()
 
 
 @pytest.mark.parametrize("algo, options, match", [
@@ -173,7 +173,7 @@ def test_a_plugin_part_reading_pseudo_gradients_is_refused_under_another_optimiz
     from fedflat.core import AlgorithmError
 
     sim = Simulation(tiny("train.momentum=0.5"))
-    ctx = sim.new_context(0)
+    ctx = sim.server.new_context(0)
     ctx.uploads = {"model": ctx.w.expand(ctx.K, -1).clone()}
     with pytest.raises(AlgorithmError, match="only under plain SGD"):
         ctx.pseudo_gradients

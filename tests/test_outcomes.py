@@ -141,9 +141,9 @@ class _TrainsOnlyInTrainMode(nn.Module):
 
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_a_module_without_state_trains_in_train_mode_after_an_evaluation(tiny, engine):
-    from fedflat.engine.simulation import Simulation
+    from fedflat.engine.simulation import Simulation, UserInputs
 
-    sim = Simulation(tiny("rounds=2", f"engine={engine}"), model_fn=_TrainsOnlyInTrainMode)
+    sim = Simulation(tiny("rounds=2", f"engine={engine}"), UserInputs(model_fn=_TrainsOnlyInTrainMode))
     module = sim.model.module
     for t in range(2):
         module.grad_modes.clear()

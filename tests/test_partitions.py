@@ -233,14 +233,15 @@ def test_a_natural_split_sets_the_number_of_clients_and_is_used_as_given():
     batch a client trains on comes from its own samples."""
     import fedflat
     from fedflat.config import load_config
-    from fedflat.engine.simulation import Simulation
+    from fedflat.engine.simulation import Simulation, UserInputs
 
     clients = [list(range(0, 40)), list(range(40, 50)), list(range(100, 400)), [500, 450, 900]]
     hist = fedflat.run(None, overrides=["rounds=2", "sampling.clients_per_round=2", "threads=1"], clients=clients,
                        save=False, progress=False)
     assert hist.summary["rounds"] == 2
-    sim = Simulation(load_config(None, ["data.num_clients=4", "sampling.clients_per_round=4"]), clients=clients)
-    ids = sim.sample_clients(0).tolist()
+    sim = Simulation(load_config(None, ["data.num_clients=4", "sampling.clients_per_round=4"]),
+                     UserInputs(clients=clients))
+    ids = sim.server.sample_clients(0).tolist()
     for i, schedule in zip(ids, sim.batches.schedules(0, ids, [3] * len(ids))):
         assert set(torch.cat(schedule).tolist()) <= set(clients[i])
 
@@ -271,12 +272,14 @@ def test_a_completed_run_of_a_given_split_loads_with_that_split(tmp_path):
 def test_a_bad_given_split_is_refused_with_the_reason(clients, message):
     from fedflat.config import load_config
     from fedflat.core import ConfigError
-    from fedflat.engine.simulation import Simulation
+    from fedflat.engine.simulation import Simulation, UserInputs
 
     with pytest.raises(ConfigError, match=message):
-        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=clients)
+        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]),
+                   UserInputs(clients=clients))
     with pytest.raises(ConfigError, match="3 clients given but data.num_clients=2"):
-        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]), clients=[[0], [1], [2]])
+        Simulation(load_config(None, ["data.num_clients=2", "sampling.clients_per_round=2"]),
+                   UserInputs(clients=[[0], [1], [2]]))
 
 
 def test_natural_split_follows_the_owners_and_samples_a_fraction_by_seed():

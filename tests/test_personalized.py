@@ -21,7 +21,7 @@ HAND = (*FULL_BATCH, "rounds=2", "sampling.clients_per_round=4")
 
 
 def _row(sim: Simulation, name: str, client: int) -> tuple[torch.Tensor, bool]:
-    state, known = sim.store.get(name, torch.tensor([client]))
+    state, known = sim.server.store.get(name, torch.tensor([client]))
     return state[0], bool(known[0])
 
 
@@ -44,9 +44,9 @@ def test_ditto_two_rounds_by_hand(tiny, lam):
     evaluation tests every v_k (w where the client never trained) on its own share."""
     sim = Simulation(tiny(*HAND, "algo=ditto", f"algo.lam={lam}"))
     hand = Hand(sim)
-    w, v = sim.w.clone(), {}
+    w, v = sim.server.w.clone(), {}
     for t in range(2):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             finals.append(hand.local(w, i, lr))
             p = v.get(i, w)
@@ -56,14 +56,14 @@ def test_ditto_two_rounds_by_hand(tiny, lam):
         w = torch.stack(finals).mean(0)
     assert set(_sampled(sim, 0)) & set(_sampled(sim, 1)), "the test needs a returning client"
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
     for i, p in v.items():
         kept, known = _row(sim, PERSONAL, i)
         assert known
         close(kept, p)
     assert len(v) < 6  # a client that never trained is tested with the global model
     acc, loss = sim.evaluate()
-    hand_acc, hand_loss = _pooled(sim, lambda c: _row(sim, PERSONAL, c)[0] if c in v else sim.w)
+    hand_acc, hand_loss = _pooled(sim, lambda c: _row(sim, PERSONAL, c)[0] if c in v else sim.server.w)
     assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
 
 
@@ -100,7 +100,7 @@ def test_a_large_lambda_holds_dittos_personal_model_near_the_global_one(tiny):
     gaps = []
     for lam in (0.0, 5.0):
         sim = Simulation(tiny(*HAND, "rounds=1", "algo=ditto", f"algo.lam={lam}", "train.lr=0.05"))
-        w0 = sim.w.clone()
+        w0 = sim.server.w.clone()
         sim.run_round(0)
         i = _sampled(sim, 0)[0]
         gaps.append(float((_row(sim, PERSONAL, i)[0] - w0).norm()))
@@ -116,9 +116,9 @@ def test_apfl_two_rounds_by_hand(tiny, adaptive):
     alpha0 = 0.4
     sim = Simulation(tiny(*HAND, "algo=apfl", f"algo.alpha={alpha0}", f"algo.adaptive={adaptive}"))
     hand = Hand(sim)
-    w, v, a = sim.w.clone(), {}, {}
+    w, v, a = sim.server.w.clone(), {}, {}
     for t in range(2):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             wk, p, al = w.clone(), v.get(i, w), a.get(i, torch.tensor(alpha0))
             for _ in range(STEPS):
@@ -131,7 +131,7 @@ def test_apfl_two_rounds_by_hand(tiny, adaptive):
             finals.append(wk)
         w = torch.stack(finals).mean(0)
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
     for i in v:
         close(_row(sim, LOCAL, i)[0], v[i])
         if adaptive:
@@ -142,7 +142,7 @@ def test_apfl_two_rounds_by_hand(tiny, adaptive):
     else:
         assert ALPHA not in sim.algorithm.state_keys()
     acc, loss = sim.evaluate()
-    hand_acc, hand_loss = _pooled(sim, lambda c: a[c] * v[c] + (1 - a[c]) * sim.w if c in v else sim.w)
+    hand_acc, hand_loss = _pooled(sim, lambda c: a[c] * v[c] + (1 - a[c]) * sim.server.w if c in v else sim.server.w)
     assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
 
 
@@ -152,9 +152,9 @@ def test_apfl_with_alpha_zero_fixed_is_fedavg_evaluated_on_the_clients_shares(ti
     avg = Simulation(tiny("algo=fedavg"))
     rounds(sim, 3)
     rounds(avg, 3)
-    assert torch.equal(sim.w, avg.w)
+    assert torch.equal(sim.server.w, avg.server.w)
     acc, loss = sim.evaluate()
-    hand_acc, hand_loss = _pooled(avg, lambda c: avg.w)
+    hand_acc, hand_loss = _pooled(avg, lambda c: avg.server.w)
     assert acc == hand_acc and loss == pytest.approx(hand_loss, rel=1e-6)
 
 
@@ -166,11 +166,11 @@ def test_fedrep_two_rounds_by_hand(tiny):
     sim = Simulation(tiny(*HAND, "algo=fedrep"))
     hand = Hand(sim)
     head = private_layers(sim.model.layout, 1).to(sim.device)  # beside the run's tensors
-    w0 = sim.w.clone()
-    w, heads = sim.w.clone(), {}
+    w0 = sim.server.w.clone()
+    w, heads = sim.server.w.clone(), {}
     body_steps = 1  # full batch: one step per epoch, rep_epochs = 1
     for t in range(2):
-        lr, uploads = sim.lr_at(t), []
+        lr, uploads = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             wk = torch.where(head, heads[i], w) if i in heads else w.clone()
             for k in range(STEPS):
@@ -181,12 +181,13 @@ def test_fedrep_two_rounds_by_hand(tiny):
             uploads.append(torch.where(head, w, wk))
         w = torch.stack(uploads).mean(0)
     rounds(sim)
-    close(sim.w, w)
-    assert torch.equal(sim.w[head], w0[head])
+    close(sim.server.w, w)
+    assert torch.equal(sim.server.w[head], w0[head])
     for i, mine in heads.items():
         close(_row(sim, PERSONAL_MODEL, i)[0][head], mine[head])
     acc, loss = sim.evaluate()
-    hand_acc, hand_loss = _pooled(sim, lambda c: torch.where(head, heads[c], sim.w) if c in heads else sim.w)
+    w = sim.server.w
+    hand_acc, hand_loss = _pooled(sim, lambda c: torch.where(head, heads[c], w) if c in heads else w)
     assert acc == pytest.approx(hand_acc, abs=1e-12) and loss == pytest.approx(hand_loss, rel=1e-5)
 
 
@@ -257,9 +258,9 @@ def test_fedflat_evaluate_reproduces_the_reported_personalized_accuracy_from_the
     assert main(["evaluate", str(tmp_path / "run")]) == 0
     assert "(reproduced)" in capsys.readouterr().out
     plain = evaluate_run(tmp_path / "run", personalized=False)
-    sim.w = history.final_parameters.to(sim.device)  # History's tensors are on the CPU
-    sim.buffers = sim.model.vectors(history.state_dict)[1].to(sim.device)
-    assert (plain["accuracy"], plain["loss"]) == sim.evaluate(sim.w) and plain["reported_accuracy"] is None
+    sim.server.w = history.final_parameters.to(sim.device)  # History's tensors are on the CPU
+    sim.server.buffers = sim.model.vectors(history.state_dict)[1].to(sim.device)
+    assert (plain["accuracy"], plain["loss"]) == sim.evaluate(sim.server.w) and plain["reported_accuracy"] is None
     assert plain["loss"] != result["loss"]
 
 

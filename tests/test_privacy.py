@@ -281,9 +281,9 @@ def test_dpfedsam_round_by_hand(tiny):
     sim = Simulation(tiny(*FULL_BATCH, "algo=dpfedsam", f"algo.rho={rho}", f"privacy.clip={C}",
                           f"privacy.noise_multiplier={z}"))
     hand, K = Hand(sim), sim.cfg.sampling.clients_per_round
-    w = sim.w.clone()
+    w = sim.server.w.clone()
     for t in range(2):
-        lr = sim.lr_at(t)
+        lr = sim.server.lr_at(t)
 
         def asam(k, wk, i):
             scaled = wk.abs() * hand.grad(wk, i)
@@ -296,7 +296,7 @@ def test_dpfedsam_round_by_hand(tiny):
         w = w + (clipped.sum(0) + noise) / K
     for t in range(2):
         sim.run_round(t)
-    torch.testing.assert_close(sim.w, w, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(sim.server.w, w, rtol=2e-5, atol=2e-6)
     assert STEPS == 3
 
 
@@ -429,13 +429,13 @@ def test_an_upload_that_cannot_be_decoded_leaves_its_client_out(tiny, caplog):
     for options, entry, value in ((("compression.name=topk", "compression.ratio=0.2"), INDEX, 10 ** 6),
                                   (("compression.name=qsgd", "compression.levels=16"), LEVELS, 127)):
         sim = Simulation(tiny(*options))
-        opened = sim.begin_round(0)
-        result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+        opened = sim.server.begin_round(0)
+        result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
         first = int(result.ids[0])
         rows = result.upload[entry].clone()
         rows[0] = value
         result.upload[entry] = rows
-        round = sim.finish_round(opened, result)
+        round = sim.server.finish_round(opened, result)
         assert list(round.rejected) == [str(first)] and round.clients == len(result.ids) - 1
         assert f"the upload of client {first} is rejected: its upload cannot be decoded" in caplog.text
 
@@ -453,9 +453,9 @@ def test_dp_sgd_rounds_by_hand(tiny):
     B, C, z = 4, 0.8, 1.2
     sim = Simulation(tiny(*INSTANCE, "rounds=2", f"train.batch_size={B}", "train.local_steps=3", "train.clip=null",
                           "train.weight_decay=0.01"))
-    hand, w = Hand(sim), sim.w.clone()
+    hand, w = Hand(sim), sim.server.w.clone()
     for t in range(2):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             picks = independent_schedule(sim.client_indices[i].cpu(), 3, B, torch_stream(0, t, i, "batches"))
             noise, wi = torch_stream(0, t, i, "dpsgd", sim.device), w.clone()  # drawn on the run's device
@@ -469,7 +469,7 @@ def test_dp_sgd_rounds_by_hand(tiny):
         w = torch.stack(finals).mean(0)
     for t in range(2):
         sim.run_round(t)
-    torch.testing.assert_close(sim.w, w, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(sim.server.w, w, rtol=2e-5, atol=2e-6)
 
 
 def test_dp_sgd_epsilon_equals_dp_accountings_for_the_worst_client(tiny):
@@ -480,7 +480,7 @@ def test_dp_sgd_epsilon_equals_dp_accountings_for_the_worst_client(tiny):
         sim = Simulation(tiny(*INSTANCE, f"algo={algo}", "train.batch_size=3"))
         steps = torch.zeros(6, dtype=torch.long, device=sim.device)  # indexed by the run's sampled ids
         for t in range(3):
-            ctx = sim.new_context(t)
+            ctx = sim.server.new_context(t)
             steps[ctx.sampled] += ctx.steps
         n_min, delta = int(sim.num_samples.min()), 1 / int(sim.num_samples.sum())
         accountant = RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)

@@ -33,7 +33,7 @@ from fedflat.core import ConfigError
 from fedflat.data.dataset import uint8_dataset  # noqa: E402
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
-from fedflat.engine.simulation import Simulation  # noqa: E402
+from fedflat.engine.simulation import Simulation, UserInputs  # noqa: E402
 from fedflat.experiments.checkpoint import metrics_equal, resume  # noqa: E402
 from fedflat.files import read_jsonl  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_ray_workers_train_a_batch_norm_dropout_cnn_exactly_as_locally(pool, nam
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
     assert_identical(local, sim)
-    assert not torch.equal(sim.buffers, sim.model.initial_buffers) or name == "fedbn"
+    assert not torch.equal(sim.server.buffers, sim.model.initial_buffers) or name == "fedbn"
     sim.close()
 
 
@@ -98,9 +98,9 @@ def test_uint8_pixels_on_ray_workers_give_the_local_numbers(pool):
     x, y = rng.integers(0, 256, (180, 1, 4, 4), dtype=np.uint8), rng.integers(0, 3, 180)
     data = uint8_dataset("pixels", x, y, x[:60], y[:60], 3, augmentation="flip")
     cfg = tiny_config(*UNEQUAL)
-    local = Simulation(cfg, dataset=data)
+    local = Simulation(cfg, UserInputs(dataset=data))
     expected = trajectory(local, 2)
-    sim = Simulation(cfg, dataset=data)
+    sim = Simulation(cfg, UserInputs(dataset=data))
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
@@ -159,14 +159,42 @@ def test_fedflat_run_with_executor_ray(ray_session, tmp_path):
     assert ray.is_initialized()  # a Ray the caller started is left running
 
 
-def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session):
-    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3")
+# A plugin part that keeps a worker busy: the plain perturbation (none), whose clients wait ``seconds`` before their
+# local steps of round 0, so a test can kill a worker mid-round (workers import the config's plugins)
+PAUSING_PLUGIN = """
+import time
+
+from fedflat.algorithms.fedavg import NoPerturbation
+from fedflat.core import PartParams, register_part
+
+
+class PauseParams(PartParams):
+    seconds: float = 0.0
+
+
+@register_part
+class Pausing(NoPerturbation):
+    name = "pausing"
+    summary = "none, each client of round 0 waiting `seconds` first"
+    Params = PauseParams
+
+    def begin(self, ctx, cohort):
+        if ctx.round == 0:
+            time.sleep(self.p.seconds)
+"""
+
+
+def test_a_worker_killed_mid_round_costs_a_redo_never_a_wrong_number(ray_session, tmp_path):
+    (tmp_path / "pausing.py").write_text(PAUSING_PLUGIN)
+    cfg = tiny_config("algo=scaffold", *UNEQUAL, "rounds=3", f"plugins=[{tmp_path / 'pausing.py'}]",
+                      "algo.perturbation=pausing")
     expected = trajectory(Simulation(cfg), 3)
     sim = Simulation(cfg)
-    executor = sim.executor = RayExecutor(sim.worker_spec(pause_s=1.5), sim.worker_data(),
+    spec = sim.worker_spec(algo={**sim.worker_spec().algo, "perturbation": {"name": "pausing", "seconds": 1.5}})
+    executor = sim.executor = RayExecutor(spec, sim.worker_data(),
                                           ExecutorConfig(name="ray", workers=2, max_restarts=1, cpus_per_worker=0.5))
     victim = executor.pids()[0]
-    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: workers pause 1.5 s
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # round 0 is under way: its clients wait 1.5 s
     killer.start()
     try:
         got = trajectory(sim, 3)
@@ -411,15 +439,15 @@ def test_ray_workers_train_with_a_custom_loss_metrics_and_kept_optimizer_state(p
         one_hot = (y[:, None] == torch.arange(logits.shape[-1])).to(logits)
         return (logits.softmax(-1) - one_hot).pow(2).sum(-1)
 
-    local = Simulation(cfg, loss_fn=brier)
+    local = Simulation(cfg, UserInputs(loss_fn=brier))
     expected = trajectory(local, 2)
-    sim = Simulation(cfg, loss_fn=brier)
+    sim = Simulation(cfg, UserInputs(loss_fn=brier))
     sim.executor = RayExecutor(sim.worker_spec(), sim.worker_data(), ExecutorConfig(name="ray", workers=2),
                                actors=pool[:2])
     assert trajectory(sim, 2) == expected
     assert sim.eval_metrics == local.eval_metrics and set(sim.eval_metrics) == {"f1", "auroc"}
     assert_identical(local, sim)
-    assert "optim.exp_avg" in sim.store.names()
+    assert "optim.exp_avg" in sim.server.store.names()
     plain = Simulation(tiny_config(*UNEQUAL, "train.optimizer=adam", "train.optimizer_state=client", "train.lr=0.01"))
     assert trajectory(plain, 2) != expected  # the loss is Brier's, not cross-entropy
     sim.close()

@@ -180,12 +180,12 @@ def test_load_run_restores_checkpoint_or_model(tiny, tmp_path, stateful_recipe):
     cfg = tiny(f"algo={stateful_recipe}", "rounds=3")
     full = fedflat.run(cfg, run_dir=tmp_path / "run", progress=False)
     sim = load_run(tmp_path / "run")
-    assert sim.rounds_done == 3 and torch.equal(sim.w.cpu(), full.final_parameters)
-    assert float(sim.server["test.rounds_seen"]) == 3 and sim.store.count("test.memory") > 0
+    assert sim.rounds_done == 3 and torch.equal(sim.server.w.cpu(), full.final_parameters)
+    assert float(sim.server.state["test.rounds_seen"]) == 3 and sim.server.store.count("test.memory") > 0
     (tmp_path / "run" / CHECKPOINT).unlink()
     sim = load_run(tmp_path / "run")  # only model.pt: the model, fresh server state
-    assert sim.rounds_done is None and torch.equal(sim.w.cpu(), full.final_parameters)
-    assert float(sim.server["test.rounds_seen"]) == 0
+    assert sim.rounds_done is None and torch.equal(sim.server.w.cpu(), full.final_parameters)
+    assert float(sim.server.state["test.rounds_seen"]) == 0
     assert sim.evaluate()[0] == full.summary["final_test_acc"]
 
 

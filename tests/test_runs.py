@@ -122,9 +122,9 @@ def test_an_interrupt_between_the_commit_and_the_metrics_line_loses_no_round(tin
     of round 3 and owes that line; the resume writes it and ends equal to a run never interrupted."""
     full = fedflat.run(tiny("rounds=5"), save=False, progress=False)
     if where == "evaluation":
-        _interrupt_once(monkeypatch, Simulation, "evaluate", lambda sim: sim.last_round.round == 2)
+        _interrupt_once(monkeypatch, Simulation, "evaluate", lambda sim: sim.server.last_round.round == 2)
     else:
-        _interrupt_once(monkeypatch, Simulation, "run_round", lambda sim: sim.last_round.round == 2)
+        _interrupt_once(monkeypatch, Simulation, "run_round", lambda sim: sim.server.last_round.round == 2)
     with pytest.raises(KeyboardInterrupt):
         fedflat.run(tiny("rounds=5", "checkpoint_every=1"), out=tmp_path, progress=False)
     monkeypatch.undo()

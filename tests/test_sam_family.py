@@ -88,7 +88,7 @@ def test_fedvssam_with_unit_mixing_is_fedsam_for_unequal_local_steps(tiny):
     base = ("data.partition=dirichlet", "data.partition.alpha=0.3", "train.local_epochs=2", "train.batch_size=7",
             "rounds=3")
     sam = run(tiny("algo=fedsam", "algo.rho=0.05", *base))
-    steps = Simulation(tiny("algo=fedsam", *base)).new_context(0).steps
+    steps = Simulation(tiny("algo=fedsam", *base)).server.new_context(0).steps
     assert len(set(steps.tolist())) > 1  # the premise: unequal E_i
     close(run(tiny("algo=fedvssam-base", "algo.rho=0.05", *base)).final_parameters, sam.final_parameters)
     per_client = run(tiny("algo=fedvssam-base", "algo.rho=0.05", "algo.scale=client", *base))
@@ -151,7 +151,7 @@ def test_fedwmsam_with_every_switch_off_is_fedcm(tiny):
 
 
 def _sampled(sim, t):
-    return sim.sample_clients(t).tolist()
+    return sim.server.sample_clients(t).tolist()
 
 
 @pytest.mark.parametrize("first", ["none", "zero"])
@@ -159,20 +159,20 @@ def test_fedlesam_two_rounds_by_hand(tiny, first):
     rho = 0.3
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedlesam", f"algo.rho={rho}", f"algo.first={first}"))
     hand = Hand(sim)
-    w, w_old = sim.w.clone(), {}
+    w, w_old = sim.server.w.clone(), {}
     for t in range(2):
         finals = []
         for i in _sampled(sim, t):
             ref = w_old.get(i, torch.zeros_like(w) if first == "zero" else None)
             eps = None if ref is None else rho * hand.unit(ref - w)
-            finals.append(hand.local(w, i, sim.lr_at(t), perturb=lambda k, _w, e=eps: e))
+            finals.append(hand.local(w, i, sim.server.lr_at(t), perturb=lambda k, _w, e=eps: e))
             w_old[i] = w.clone()
         w = torch.stack(finals).mean(0)
     assert set(_sampled(sim, 0)) & set(_sampled(sim, 1)), "the test needs a returning client"
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
     for i, ref in w_old.items():
-        close(sim.store.get("lesam.w_old", torch.tensor([i]))[0][0], ref)
+        close(sim.server.store.get("lesam.w_old", torch.tensor([i]))[0][0], ref)
 
 
 @pytest.mark.parametrize("lamb", [1.0, 0.1])
@@ -183,9 +183,9 @@ def test_fedlesam_s_two_rounds_by_hand(tiny, lamb):
     rho = 0.3
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedlesam-s", f"algo.rho={rho}", f"algo.lamb={lamb}", "rounds=3"))
     hand = Hand(sim)
-    w, c, w_old, c_i = sim.w.clone(), torch.zeros_like(sim.w), {}, {}
+    w, c, w_old, c_i = sim.server.w.clone(), torch.zeros_like(sim.server.w), {}, {}
     for t in range(3):
-        lr, finals, dc = sim.lr_at(t), [], torch.zeros_like(w)
+        lr, finals, dc = sim.server.lr_at(t), [], torch.zeros_like(w)
         for i in _sampled(sim, t):
             eps = rho * hand.unit(w_old[i] - w) if i in w_old else None
             ci = c_i.get(i, torch.zeros_like(w))
@@ -198,8 +198,8 @@ def test_fedlesam_s_two_rounds_by_hand(tiny, lamb):
         c = c + dc / hand.N
         w = torch.stack(finals).mean(0)
     rounds(sim, 3)
-    close(sim.w, w)
-    close(sim.server["scaffold.c"], c, rtol=1e-4, atol=1e-5)
+    close(sim.server.w, w)
+    close(sim.server.state["scaffold.c"], c, rtol=1e-4, atol=1e-5)
     assert float(c.abs().max()) > 0.01  # the correction acted: c is far from zero by round 2
 
 
@@ -223,11 +223,11 @@ def test_fedwmsam_two_rounds_by_hand(tiny, target, sign, similarity, decay, at_z
     hand = Hand(sim)
     lr_decay = sim.cfg.train.lr_decay if scaled else 1.0
     assert sim.cfg.train.lr_decay < 1  # the premise: the two momenta differ
-    w, m, c, a = sim.w.clone(), torch.zeros_like(sim.w), torch.zeros_like(sim.w), torch.tensor(0.1)
+    w, m, c, a = sim.server.w.clone(), torch.zeros_like(sim.server.w), torch.zeros_like(sim.server.w), torch.tensor(0.1)
     c_i: dict[int, torch.Tensor] = {}
     sgn = -1.0 if sign == "code" else 1.0
     for t in range(3):
-        lr, ids = sim.lr_at(t), _sampled(sim, t)
+        lr, ids = sim.server.lr_at(t), _sampled(sim, t)
         finals, dc = [], torch.zeros_like(w)
         for i in ids:
             ci = c_i.get(i, torch.zeros_like(w))
@@ -253,12 +253,12 @@ def test_fedwmsam_two_rounds_by_hand(tiny, target, sign, similarity, decay, at_z
         c = c + dc / hand.N
         w, m = W.mean(0), lr_decay * G.mean(0)
     rounds(sim, 3)
-    close(sim.w, w)
-    close(sim.server["momentum.m"], m, rtol=1e-4, atol=1e-5)
-    close(sim.server["scaffold.c"], c, rtol=1e-4, atol=1e-5)
-    close(sim.server["wmsam.a"], a.to(sim.server["wmsam.a"].dtype))
+    close(sim.server.w, w)
+    close(sim.server.state["momentum.m"], m, rtol=1e-4, atol=1e-5)
+    close(sim.server.state["scaffold.c"], c, rtol=1e-4, atol=1e-5)
+    close(sim.server.state["wmsam.a"], a.to(sim.server.state["wmsam.a"].dtype))
     assert float(a) != pytest.approx(0.1)  # a moved: m was non-zero in rounds 1 and 2
-    assert torch.equal(tracked_direction(sim)[0], sim.server["momentum.m"])
+    assert torch.equal(tracked_direction(sim)[0], sim.server.state["momentum.m"])
 
 
 def test_fedvssam_two_rounds_by_hand(tiny):
@@ -266,9 +266,9 @@ def test_fedvssam_two_rounds_by_hand(tiny):
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedvssam", f"algo.rho={rho}", f"algo.alpha={alpha}",
                           f"algo.beta={beta}", f"algo.gamma={gamma}"))
     hand = Hand(sim)
-    w, v = sim.w.clone(), torch.zeros_like(sim.w)
+    w, v = sim.server.w.clone(), torch.zeros_like(sim.server.w)
     for t in range(2):
-        lr = sim.lr_at(t)
+        lr = sim.server.lr_at(t)
         W = torch.stack([hand.local(
             w, i, lr,
             perturb=lambda k, wk, i=i: rho * hand.unit(alpha * hand.grad(wk, i) + (1 - alpha) * v),
@@ -276,9 +276,9 @@ def test_fedvssam_two_rounds_by_hand(tiny):
         v = (1 - gamma) * v + gamma * (-(W - w) / (STEPS * lr)).mean(0)
         w = w - lr * STEPS * v
     rounds(sim)
-    close(sim.server["vssam.v"], v, rtol=1e-4, atol=1e-5)
-    close(sim.w, w)
-    assert torch.equal(tracked_direction(sim)[0], sim.server["vssam.v"])
+    close(sim.server.state["vssam.v"], v, rtol=1e-4, atol=1e-5)
+    close(sim.server.w, w)
+    assert torch.equal(tracked_direction(sim)[0], sim.server.state["vssam.v"])
 
 
 @pytest.mark.parametrize("s_update", ["simplified", "full"])
@@ -287,12 +287,12 @@ def test_fedsmoo_two_rounds_by_hand(tiny, s_update):
     rho, alpha = 0.2, 0.1
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedsmoo", f"algo.rho={rho}", f"algo.s_update={s_update}"))
     hand = Hand(sim)
-    w, s, h = sim.w.clone(), torch.zeros_like(sim.w), torch.zeros_like(sim.w)
+    w, s, h = sim.server.w.clone(), torch.zeros_like(sim.server.w), torch.zeros_like(sim.server.w)
     mu: dict[int, torch.Tensor] = {}
     last: dict[int, torch.Tensor] = {}
     h_i: dict[int, torch.Tensor] = {}
     for t in range(2):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             state = {"mu": mu.get(i, torch.zeros_like(w))}
             hi = h_i.get(i, torch.zeros_like(w))
@@ -311,10 +311,10 @@ def test_fedsmoo_two_rounds_by_hand(tiny, s_update):
         s = rho * hand.unit(mean_mu)
         w = W.mean(0) - h / alpha
     rounds(sim)
-    close(sim.w, w, rtol=1e-4, atol=1e-5)
-    close(sim.server["smoo.s"], s, rtol=1e-4, atol=1e-5)
+    close(sim.server.w, w, rtol=1e-4, atol=1e-5)
+    close(sim.server.state["smoo.s"], s, rtol=1e-4, atol=1e-5)
     for i in mu:
-        close(sim.store.get("smoo.mu_i", torch.tensor([i]))[0][0], mu[i], rtol=1e-4, atol=1e-5)
+        close(sim.server.store.get("smoo.mu_i", torch.tensor([i]))[0][0], mu[i], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("merge", [1.0, 0.75])
@@ -324,10 +324,10 @@ def test_fedspeed_two_rounds_by_hand(tiny, merge):
     rho, alpha = 0.2, 0.1
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedspeed", f"algo.rho={rho}", f"algo.merge={merge}"))
     hand = Hand(sim)
-    w, h = sim.w.clone(), torch.zeros_like(sim.w)
+    w, h = sim.server.w.clone(), torch.zeros_like(sim.server.w)
     h_i: dict[int, torch.Tensor] = {}
     for t in range(2):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             hi, wk = h_i.get(i, torch.zeros_like(w)), w.clone()
             for _ in range(STEPS):
@@ -340,7 +340,7 @@ def test_fedspeed_two_rounds_by_hand(tiny, merge):
         h = h - alpha * (W - w).sum(0) / hand.N
         w = W.mean(0) - h / alpha
     rounds(sim)
-    close(sim.w, w, rtol=1e-4, atol=1e-5)
+    close(sim.server.w, w, rtol=1e-4, atol=1e-5)
 
 
 def test_fedspeed_merge_ends_are_feddyn_and_sam_on_feddyn(tiny):
@@ -362,10 +362,10 @@ def test_fedgamma_and_mofedsam_two_rounds_by_hand(tiny):
     for algo in ("fedgamma", "mofedsam"):
         sim = Simulation(tiny(*FULL_BATCH, f"algo={algo}", f"algo.rho={rho}"))
         hand = Hand(sim)
-        w, c, m = sim.w.clone(), torch.zeros_like(sim.w), torch.zeros_like(sim.w)
+        w, c, m = sim.server.w.clone(), torch.zeros_like(sim.server.w), torch.zeros_like(sim.server.w)
         c_i: dict[int, torch.Tensor] = {}
         for t in range(2):
-            lr, finals, dc = sim.lr_at(t), [], torch.zeros_like(w)
+            lr, finals, dc = sim.server.lr_at(t), [], torch.zeros_like(w)
             for i in _sampled(sim, t):
                 ci = c_i.get(i, torch.zeros_like(w))
                 if algo == "fedgamma":
@@ -382,7 +382,7 @@ def test_fedgamma_and_mofedsam_two_rounds_by_hand(tiny):
             m = (-(W - w) / (STEPS * lr)).mean(0)
             w = W.mean(0)
         rounds(sim)
-        close(sim.w, w)
+        close(sim.server.w, w)
 
 
 def test_fedgloss_two_rounds_by_hand(tiny):
@@ -390,11 +390,11 @@ def test_fedgloss_two_rounds_by_hand(tiny):
     rho, rho_s, beta = 0.1, 0.5, 10.0
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedgloss", f"algo.rho={rho}", f"algo.rho_s={rho_s}"))
     hand = Hand(sim)
-    w, sigma, d = sim.w.clone(), torch.zeros_like(sim.w), None
+    w, sigma, d = sim.server.w.clone(), torch.zeros_like(sim.server.w), None
     lam: dict[int, torch.Tensor] = {}
     broadcasts = []
     for t in range(2):
-        lr = sim.lr_at(t)
+        lr = sim.server.lr_at(t)
         w_tilde = w if d is None else w + rho_s * hand.unit(d)
         broadcasts.append(w_tilde)
         finals = []
@@ -411,12 +411,12 @@ def test_fedgloss_two_rounds_by_hand(tiny):
     ctx_broadcast = []
     server = sim.algorithm.parts["server"]
     for t in range(2):
-        ctx_broadcast.append(server.broadcast(sim.new_context(t)))
+        ctx_broadcast.append(server.broadcast(sim.server.new_context(t)))
         sim.run_round(t)
     close(ctx_broadcast[1], broadcasts[1])
     assert not torch.allclose(broadcasts[1], broadcasts[1] - rho_s * hand.unit(d))
-    close(sim.server["gloss.sigma"], sigma, rtol=1e-4, atol=1e-6)
-    close(sim.w, w)
+    close(sim.server.state["gloss.sigma"], sigma, rtol=1e-4, atol=1e-6)
+    close(sim.server.w, w)
 
 
 def test_fedgloss_radii_warm_up_linearly():
@@ -433,10 +433,10 @@ def test_local_radius_warm_up_is_fedsam_at_the_warmed_radius(tiny):
     warm = Simulation(tiny(*FULL_BATCH, "algo=fedsam", f"algo.rho={rho}", "algo.warmup_rounds=4", "rounds=3"))
     plain = Simulation(tiny(*FULL_BATCH, "algo=fedsam", f"algo.rho={0.001 + (rho - 0.001) / 2}", "rounds=3"))
     rounds(warm, 2)
-    plain.load_state_dict(warm.state_dict())
+    plain.server.load_state_dict(warm.server.state_dict())
     warm.run_round(2)
     plain.run_round(2)
-    close(warm.w, plain.w)
+    close(warm.server.w, plain.server.w)
     parts = build_algorithm({"name": "fedgloss", "warmup_rounds": 5}).parts
     assert parts["perturbation"].p.warmup_rounds == parts["server"].p.warmup_rounds == 5
 
@@ -450,10 +450,10 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering, monkeypatch):
                           "sampling.clients_per_round=4"))
     hand = Hand(sim)
     seed = sim.cfg.seed
-    w, u = sim.w.clone(), torch.zeros(d, device=sim.w.device)
+    w, u = sim.server.w.clone(), torch.zeros(d, device=sim.server.w.device)
     x, y = sim.dataset.x_train, sim.dataset.y_train
     for t in range(2):
-        lr, ids = sim.lr_at(t), _sampled(sim, t)
+        lr, ids = sim.server.lr_at(t), _sampled(sim, t)
         radii, weights, finals = [], [], []
         for i in ids:
             batches = sim.batches.extra(t, i, 3, "scam_heterogeneity")
@@ -496,8 +496,8 @@ def test_fedscam_two_rounds_by_hand(tiny, clustering, monkeypatch):
     c = seen["scam.c"]
     assert float(c.abs().max()) > 0  # round 1 is aligned against a non-zero u
     assert float(c.max()) > 1 / kappa and float(c.min()) < 1 / kappa  # max(0, 1 - kappa c) clips some, not all
-    close(sim.server["scam.u"], u)
-    close(sim.w, w)
+    close(sim.server.state["scam.u"], u)
+    close(sim.server.w, w)
 
 
 def test_random_projection_is_linear_seeded_and_keeps_cosines():
@@ -560,7 +560,7 @@ def test_conflict_dampening_downweights_the_smaller_of_each_conflicting_pair():
                                            ("fedvssam", 2), ("fedsmoo", 2), ("fedfft", 2), ("fedavg", 1)])
 def test_backprops_per_local_step(tiny, algo, per_step):
     sim = Simulation(tiny(f"algo={algo}"))
-    ctx_steps = sim.new_context(0).steps
+    ctx_steps = sim.server.new_context(0).steps
     sim.run_round(0)
     assert sim.oracle.backprops == per_step * int(ctx_steps.sum())
     assert sim.algorithm.backprops_per_step == per_step
@@ -570,7 +570,7 @@ def test_backprops_per_local_step(tiny, algo, per_step):
                                                     ("fedscam-wa", "sam", 3)])
 def test_fedscam_pilot_costs_b_backprops_per_client_and_one_for_the_sam_pilot(tiny, algo, pilot, per_client):
     sim = Simulation(tiny(f"algo={algo}", f"algo.pilot={pilot}"))
-    steps = sim.new_context(0).steps
+    steps = sim.server.new_context(0).steps
     sim.run_round(0)
     per_step = 2 if algo == "fedscam" else 1
     assert sim.oracle.backprops == per_step * int(steps.sum()) + per_client * len(steps)
@@ -621,11 +621,11 @@ def test_resume_equals_uninterrupted(tiny):
         rounds(whole, 3)
         first = Simulation(cfg)
         rounds(first, 2)
-        state = first.state_dict()
+        state = first.server.state_dict()
         second = Simulation(cfg)
-        second.load_state_dict(state)
+        second.server.load_state_dict(state)
         second.run_round(2)
-        torch.testing.assert_close(second.w, whole.w, rtol=0, atol=0)
+        torch.testing.assert_close(second.server.w, whole.server.w, rtol=0, atol=0)
 
 
 def test_every_sam_recipe_is_listed_with_source():

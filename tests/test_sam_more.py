@@ -48,15 +48,15 @@ def test_fedasam_two_rounds_by_hand(tiny, normalize):
     mask = torch.cat([torch.full((n,), "weight" in name, device=sim.w.device)
                       for name, n in zip(layout.names, layout.numels)])
     assert mask.any() and not mask.all(), "the model needs weights and biases for the test to tell them apart"
-    w = sim.w.clone()
+    w = sim.server.w.clone()
     for t in range(2):
-        finals = [hand.local(w, i, sim.lr_at(t),
+        finals = [hand.local(w, i, sim.server.lr_at(t),
                              perturb=lambda k, wk, i=i: asam_eps(hand, wk, i, rho, eta,
                                                                  mask if normalize == "weights" else None))
                   for i in _sampled(sim, t)]
         w = torch.stack(finals).mean(0)
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
 
 
 def test_fedasam_with_t_the_identity_is_fedsam(tiny):
@@ -187,9 +187,9 @@ def test_fedasam_equals_the_authors_code_on_the_conformance_problem():
 def swa_by_hand(hand: Hand, sim: Simulation, rounds_: int, s: int, c: int, swa_lr: float, rule: str):
     """The global model after each round: FedAvg's iterate x trained with the cyclic rate from round s, and the
     running mean of the collected iterates (swa.py's docstring, written out)."""
-    x, w_swa, n, out = sim.w.clone(), None, 0, []
+    x, w_swa, n, out = sim.server.w.clone(), None, 0, []
     for t in range(rounds_):
-        lr = sim.lr_at(t)
+        lr = sim.server.lr_at(t)
         if t >= s and c > 1:
             tau = (((t if rule == "code" else t - s) % c) + 1) / c
             lr = (1 - tau) * lr + tau * swa_lr
@@ -212,8 +212,8 @@ def test_swa_five_rounds_by_hand(tiny, rule):
     expected = swa_by_hand(Hand(sim), sim, 5, s, c, swa_lr, rule)
     for t in range(5):
         sim.run_round(t)
-        close(sim.w, expected[t])
-    assert int(sim.host.state["swa.n"]) == (1 if rule == "code" else 3)  # collected after 3; after 2 and 4
+        close(sim.server.w, expected[t])
+    assert int(sim.server.state["swa.n"]) == (1 if rule == "code" else 3)  # collected after 3; after 2 and 4
 
 
 def test_swa_before_its_start_is_its_base_method_and_starts_at_three_quarters(tiny):
@@ -227,11 +227,11 @@ def test_swa_before_its_start_is_its_base_method_and_starts_at_three_quarters(ti
     for t in range(3):
         base.run_round(t)
         swa.run_round(t)
-        assert torch.equal(swa.w, base.w)
-    x3 = swa.w.clone()
+        assert torch.equal(swa.server.w, base.server.w)
+    x3 = swa.server.w.clone()
     base.run_round(3)
     swa.run_round(3)
-    assert torch.equal(swa.w, x3) and torch.equal(swa.host.state["swa.x"], base.w)
+    assert torch.equal(swa.server.w, x3) and torch.equal(swa.server.state["swa.x"], base.server.w)
     assert run(tiny("algo=fedasam-swa", "rounds=4")).summary["algorithm"] == "fedasam-swa"
 
 
@@ -247,10 +247,10 @@ def test_swa_composes_runs_on_both_engines_and_resumes(tiny):
     first = Simulation(cfg)
     rounds(first, 2)
     second = Simulation(cfg)
-    second.load_state_dict(first.state_dict())
+    second.server.load_state_dict(first.server.state_dict())
     second.run_round(2)
     second.run_round(3)
-    assert torch.equal(second.w, whole.w)
+    assert torch.equal(second.server.w, whole.server.w)
 
 
 def schedule_cycling_lr(round, c, lr1, lr2):
@@ -355,13 +355,13 @@ def test_fedsol_two_rounds_by_hand(tiny, strength):
                        for v in layout.views((wk - w_g).abs())])
         return s * e
 
-    w = sim.w.clone()
+    w = sim.server.w.clone()
     for t in range(2):
-        finals = [hand.local(w, i, sim.lr_at(t), perturb=lambda k, wk, i=i, w_g=w: eps(k, wk, w_g, i))
+        finals = [hand.local(w, i, sim.server.lr_at(t), perturb=lambda k, wk, i=i, w_g=w: eps(k, wk, w_g, i))
                   for i in _sampled(sim, t)]
         w = torch.stack(finals).mean(0)
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
 
 
 def test_fedsol_reductions(tiny):
@@ -554,22 +554,22 @@ def test_fedswa_two_rounds_by_hand(tiny):
     rho, scale = 0.2, 2.0
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedswa", f"algo.rho={rho}", f"algo.scale={scale}"))
     hand = Hand(sim)
-    w = sim.w.clone()
+    w = sim.server.w.clone()
     for t in range(2):
-        finals = [hand.local(w, i, sim.lr_at(t), direction=lambda k, wk, g: swa_factor(k, STEPS, rho, scale) * g)
+        finals = [hand.local(w, i, sim.server.lr_at(t), direction=lambda k, wk, g: swa_factor(k, STEPS, rho, scale) * g)
                   for i in _sampled(sim, t)]
         w = torch.stack(finals).mean(0)
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
 
 
 def test_fedmoswa_three_rounds_by_hand(tiny):
     rho, gamma = 0.1, 0.4
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedmoswa", f"algo.rho={rho}", f"algo.gamma={gamma}", "rounds=3"))
     hand = Hand(sim)
-    w, c, c_i = sim.w.clone(), torch.zeros_like(sim.w), {}
+    w, c, c_i = sim.server.w.clone(), torch.zeros_like(sim.server.w), {}
     for t in range(3):
-        lr, finals, gaps = sim.lr_at(t), [], []
+        lr, finals, gaps = sim.server.lr_at(t), [], []
         for i in _sampled(sim, t):
             ci = c_i.get(i, torch.zeros_like(w))
             wf = hand.local(w, i, lr, direction=lambda k, wk, g, ci=ci: swa_factor(k, STEPS, rho, 1.0) * (g + c - ci))
@@ -580,8 +580,8 @@ def test_fedmoswa_three_rounds_by_hand(tiny):
         w = torch.stack(finals).mean(0)
     assert set(_sampled(sim, 1)) & (set(_sampled(sim, 0)) | set(_sampled(sim, 2))), "the test needs a returning client"
     rounds(sim, 3)
-    close(sim.w, w)
-    close(sim.host.state["moswa.c"], c)
+    close(sim.server.w, w)
+    close(sim.server.state["moswa.c"], c)
 
 
 def test_fedswa_without_decay_is_fedavg_and_plain_sgd_is_required(tiny):
@@ -814,12 +814,13 @@ def test_fedman_two_rounds_by_hand(tiny, algo):
     assert [n.split(".")[-1] for n in sim.settings.layout.names] == ["weight", "bias", "weight", "bias"]
     hand.grad = lambda w, i: man_grad(hand, w, i, mu)  # the local objective's gradient, penalty included
     sam = (lambda k, wk, i: hand.sam_eps(wk, i, rho)) if "sam" in algo else (lambda k, wk, i: None)
-    w = sim.w.clone()
+    w = sim.server.w.clone()
     for t in range(2):
-        finals = [hand.local(w, i, sim.lr_at(t), perturb=lambda k, wk, i=i: sam(k, wk, i)) for i in _sampled(sim, t)]
+        lr = sim.server.lr_at(t)
+        finals = [hand.local(w, i, lr, perturb=lambda k, wk, i=i: sam(k, wk, i)) for i in _sampled(sim, t)]
         w = torch.stack(finals).mean(0)
     rounds(sim)
-    close(sim.w, w)
+    close(sim.server.w, w)
 
 
 def test_fedman_with_zero_weight_is_its_base_and_stacks_on_any_method(tiny):
@@ -907,16 +908,16 @@ def test_fednsam_three_rounds_by_hand(tiny, momentum):
     sim = Simulation(tiny(*FULL_BATCH, "algo=fednsam", f"algo.rho={rho}", f"algo.lam={lam}",
                           f"algo.momentum={momentum}", "rounds=3"))
     hand = Hand(sim)
-    w, m = sim.w.clone(), torch.zeros_like(sim.w)
+    w, m = sim.server.w.clone(), torch.zeros_like(sim.server.w)
     for t in range(3):
         w_hat = w + lam * m
         eps = None if t == 0 else -rho * hand.unit(m)
-        mean = torch.stack([hand.local(w_hat, i, sim.lr_at(t), perturb=lambda k, wk: eps)
+        mean = torch.stack([hand.local(w_hat, i, sim.server.lr_at(t), perturb=lambda k, wk: eps)
                             for i in _sampled(sim, t)]).mean(0) - w_hat
         m = lam * m + mean if momentum == "nesterov" else (mean if t == 0 else (1 + lam) * mean)
         w = w + m
     rounds(sim, 3)
-    close(sim.w, w)
+    close(sim.server.w, w)
 
 
 def test_fednsam_reductions_and_composition(tiny):
@@ -1106,9 +1107,9 @@ def test_fedfsa_three_rounds_by_hand(tiny):
     sim = Simulation(tiny(*FULL_BATCH, "algo=fedfsa", f"algo.rho={rho}", f"algo.rho_larger={larger}", "algo.top=1",
                           "rounds=3"))
     hand, layout = Hand(sim), sim.settings.layout
-    w, m, mask = sim.w.clone(), torch.zeros_like(sim.w), {}
+    w, m, mask = sim.server.w.clone(), torch.zeros_like(sim.server.w), {}
     for t in range(3):
-        lr, finals = sim.lr_at(t), []
+        lr, finals = sim.server.lr_at(t), []
         for i in _sampled(sim, t):
             r = rho + (larger - rho) * mask.get(i, torch.zeros_like(w))
             wf = hand.local(w, i, lr, perturb=lambda k, wk, i=i, r=r: r * hand.unit(hand.grad(wk, i)),
@@ -1120,9 +1121,9 @@ def test_fedfsa_three_rounds_by_hand(tiny):
         w = W.mean(0)
     assert set(_sampled(sim, 1)) & set(_sampled(sim, 0)), "the test needs a returning client"
     rounds(sim, 3)
-    close(sim.w, w)
+    close(sim.server.w, w)
     for i, expected in mask.items():
-        assert torch.equal(sim.store.get("fsa.larger", torch.tensor([i]))[0][0], expected)
+        assert torch.equal(sim.server.store.get("fsa.larger", torch.tensor([i]))[0][0], expected)
 
 
 def test_fedfsa_with_equal_radii_is_mofedsam_and_runs_on_both_engines(tiny):

@@ -107,11 +107,11 @@ def secure_round(cfg, tmp_path, drop: dict[int, str] | None = None, partitions: 
 def plain_round(cfg, leave_out: tuple[int, ...] = ()):
     """The same round in one process, without secure aggregation, leaving out the clients of ``leave_out``."""
     sim = Simulation(cfg.model_copy(update={"secure_aggregation": None}))
-    sim.w_before = sim.w.clone()
-    opened = sim.begin_round(0)
-    result = sim.executor.fit(opened.broadcast, opened.task, sim.load_state)
+    sim.w_before = sim.server.w.clone()
+    opened = sim.server.begin_round(0)
+    result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
     keep = [r for r, c in enumerate(result.ids.tolist()) if c not in leave_out]
-    sim.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
+    sim.server.finish_round(opened, result.rows(torch.tensor(keep, dtype=torch.long)))
     return sim
 
 
@@ -150,14 +150,14 @@ def test_a_secure_round_equals_the_plain_round_within_the_quantization_bound(alg
     plain = plain_round(cfg)
     assert grid.stages == [Stage.SETUP] * 3 + [Stage.SHARE_KEYS] * 3 + [Stage.COLLECT_MASKED_VECTORS] * 3 + \
         [Stage.UNMASK] * 3  # Flower's four stages, every node in each
-    bound = quantization_bound(3, clients_per_node(3, list(range(N))), plain.w, levels)
-    assert (secure.w - plain.w).abs().max().item() <= bound
-    for name, value in plain.server.items():  # SCAFFOLD's c: (1/N) sum_i Delta c_i from K times the mean
-        if value.is_floating_point() and value.numel() == plain.w.numel():
-            assert (secure.server[name] - value).abs().max().item() <= bound, name
-    assert secure.last_round.clients == N and not secure.last_round.dropped
+    bound = quantization_bound(3, clients_per_node(3, list(range(N))), plain.server.w, levels)
+    assert (secure.server.w - plain.server.w).abs().max().item() <= bound
+    for name, value in plain.server.state.items():  # SCAFFOLD's c: (1/N) sum_i Delta c_i from K times the mean
+        if value.is_floating_point() and value.numel() == plain.server.w.numel():
+            assert (secure.server.state[name] - value).abs().max().item() <= bound, name
+    assert secure.server.last_round.clients == N and not secure.server.last_round.dropped
     # the round moved the model by several bounds: a wrong weight or a lost node would show
-    assert (plain.w - plain.w_before).abs().max() > 5 * bound
+    assert (plain.server.w - plain.w_before).abs().max() > 5 * bound
 
 
 def test_a_node_dropping_out_mid_protocol_within_the_threshold_still_gives_a_round(tmp_path):
@@ -168,9 +168,9 @@ def test_a_node_dropping_out_mid_protocol_within_the_threshold_still_gives_a_rou
     secure, grid = secure_round(cfg, tmp_path, drop={101: Stage.COLLECT_MASKED_VECTORS})
     plain = plain_round(cfg, leave_out=(1, 4))
     assert grid.stages.count(Stage.UNMASK) == 2
-    assert secure.last_round.dropped == [1, 4] and secure.last_round.clients == 4
-    bound = quantization_bound(2, clients_per_node(3, [0, 2, 3, 5]), plain.w)
-    assert (secure.w - plain.w).abs().max().item() <= bound
+    assert secure.server.last_round.dropped == [1, 4] and secure.server.last_round.clients == 4
+    bound = quantization_bound(2, clients_per_node(3, [0, 2, 3, 5]), plain.server.w)
+    assert (secure.server.w - plain.server.w).abs().max().item() <= bound
 
 
 def test_too_many_dropouts_for_the_threshold_end_the_round_with_the_reason(tmp_path):
@@ -184,7 +184,7 @@ def test_a_node_of_a_secure_run_refuses_a_plain_train_message(tmp_path):
 
     cfg = small("fedavg", *SECURE)
     sim = Simulation(cfg)
-    opened = sim.begin_round(0)
+    opened = sim.server.begin_round(0)
     ids = torch.tensor([0, 3])
     task = opened.task.rows(torch.tensor([0, 3]))
     message = Message(task_content(opened.broadcast.for_clients(ids), task, [-1, -1]), dst_node_id=100,
@@ -200,7 +200,7 @@ def test_values_beyond_the_clipping_range_are_counted_and_logged(tmp_path, caplo
     cfg = small("fedavg", "secure_aggregation.clipping_range=0.05")
     with caplog.at_level(logging.WARNING, logger="fedflat.flower"):
         secure, _ = secure_round(cfg, tmp_path)
-    assert secure.last_round.log["secagg_clipped"] >= 3  # every node's mean loss at least
+    assert secure.server.last_round.log["secagg_clipped"] >= 3  # every node's mean loss at least
     assert "clipped" in caplog.text and "clipping_range" in caplog.text
 
 
@@ -353,8 +353,8 @@ def test_a_node_whose_update_is_not_finite_leaves_the_round_and_flower_recovers_
     secure, grid = secure_round(cfg, tmp_path)
     assert any("hold NaN or infinite values" in e for e in grid.errors)
     plain = plain_round(cfg, leave_out=(1, 4))
-    assert secure.last_round.dropped == [1, 4]
-    assert (secure.w - plain.w).abs().max().item() <= quantization_bound(2, [2, 2], plain.w)
+    assert secure.server.last_round.dropped == [1, 4]
+    assert (secure.server.w - plain.server.w).abs().max().item() <= quantization_bound(2, [2, 2], plain.server.w)
 
 
 def test_flowers_own_strategy_loop_is_refused_under_secagg():
@@ -419,10 +419,10 @@ def test_an_inconsistent_node_is_left_out_and_flower_recovers_the_sum_without_it
     assert len(said) == 1 and said[0].startswith("round 1: node 101's clients [1, 4] left out: ") and says in said[0]
     assert grid.stages.count(Stage.UNMASK) == 2  # (the two consistent nodes reveal the shares)
     plain = plain_round(cfg, leave_out=(1, 4))
-    assert secure.last_round.dropped == [1, 4] and secure.last_round.clients == 4
-    bound = quantization_bound(2, clients_per_node(3, [0, 2, 3, 5]), plain.w)
-    assert (secure.w - plain.w).abs().max().item() <= bound
-    assert (plain.w - plain.w_before).abs().max() > 5 * bound  # (leaving out the wrong node would show)
+    assert secure.server.last_round.dropped == [1, 4] and secure.server.last_round.clients == 4
+    bound = quantization_bound(2, clients_per_node(3, [0, 2, 3, 5]), plain.server.w)
+    assert (secure.server.w - plain.server.w).abs().max().item() <= bound
+    assert (plain.server.w - plain.w_before).abs().max() > 5 * bound  # (leaving out the wrong node would show)
 
 
 def test_too_many_inconsistent_nodes_for_the_threshold_end_the_run_saying_so(tmp_path, monkeypatch):

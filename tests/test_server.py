@@ -127,15 +127,15 @@ def test_driving_the_server_by_hand_is_run_round_bit_for_bit():
     """The Flower strategy's protocol (begin_round, its own training, finish_round) on the same Server."""
     cfg = as_config(tiny_tree(algo={"name": "scaffold"}))
     by_round, by_hand = Simulation(cfg), Simulation(cfg)
-    server = by_hand.host
-    assert isinstance(server, Server) and by_hand.w is server.w and by_hand.server is server.state
+    server = by_hand.server
+    assert isinstance(server, Server) and by_hand.server.w is server.w and by_hand.server.state is server.state
     for t in range(2):
         by_round.run_round(t)
         opened = server.begin_round(t)
         server.finish_round(opened, by_hand.runtime.fit(opened.broadcast, opened.task, server.load_state))
-    assert torch.equal(by_round.w, server.w) and by_round.server.keys() == server.state.keys()
-    assert all(torch.equal(by_round.server[k], server.state[k]) for k in server.state)
-    assert server.store.count() == by_round.store.count() > 0
+    assert torch.equal(by_round.server.w, server.w) and by_round.server.state.keys() == server.state.keys()
+    assert all(torch.equal(by_round.server.state[k], server.state[k]) for k in server.state)
+    assert server.store.count() == by_round.server.store.count() > 0
 
 
 def _functions(path: Path):

@@ -124,8 +124,8 @@ def test_run_with_spilled_state_equals_in_memory_run(tiny, tmp_path, vectors_in_
     sim = Simulation(tiny(*overrides))
     for t in range(4):
         sim.run_round(t)
-    assert sim.store.count() == reference.metrics[-1]["store"] > vectors_in_memory
-    assert sim.store.spilled() == sim.store.count() - vectors_in_memory
+    assert sim.server.store.count() == reference.metrics[-1]["store"] > vectors_in_memory
+    assert sim.server.store.spilled() == sim.server.store.count() - vectors_in_memory
 
 
 def test_resume_from_a_spilled_store_equals_uninterrupted(tiny, tmp_path):
@@ -136,13 +136,14 @@ def test_resume_from_a_spilled_store_equals_uninterrupted(tiny, tmp_path):
     first = Simulation(cfg)
     for t in range(2):
         first.run_round(t)
-    state = first.state_dict()
+    state = first.server.state_dict()
     first.run_round(2)  # overwrites spilled h_i: the state taken before must not follow
     torch.save(state, tmp_path / "state.pt")
     second = Simulation(tiny("algo=feddyn", "rounds=4"))  # all in memory this time
-    second.load_state_dict(torch.load(tmp_path / "state.pt"))
+    second.server.load_state_dict(torch.load(tmp_path / "state.pt"))
     for t in range(2, 4):
         second.run_round(t)
-    torch.testing.assert_close(second.w, whole.w, rtol=0, atol=0)
+    torch.testing.assert_close(second.server.w, whole.server.w, rtol=0, atol=0)
     ids = torch.arange(6)
-    torch.testing.assert_close(second.store.get("dyn.h_i", ids), whole.store.get("dyn.h_i", ids), rtol=0, atol=0)
+    torch.testing.assert_close(second.server.store.get("dyn.h_i", ids), whole.server.store.get("dyn.h_i", ids),
+                               rtol=0, atol=0)

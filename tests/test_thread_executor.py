@@ -19,19 +19,20 @@ import fedflat
 from fedflat.algorithms import RECIPES
 from fedflat.core import ConfigError
 from fedflat.engine.runtime import ThreadExecutor
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 
 UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "sampling.clients_per_round=4")
 
 
-def _agree(*overrides: str, workers: tuple[int, ...] = (2, 3), **kwargs) -> None:
+def _agree(*overrides: str, workers: tuple[int, ...] = (2, 3), **user) -> None:
     overrides = bitwise(*overrides)
-    local = Simulation(tiny_config(*overrides), **kwargs)
+    local = Simulation(tiny_config(*overrides), UserInputs(**user))
     expected = trajectory(local, 2)
     for n in workers:
-        sim = Simulation(tiny_config(*overrides, "executor=threads", f"executor.workers={n}"), **kwargs)
+        sim = Simulation(tiny_config(*overrides, "executor=threads", f"executor.workers={n}"), UserInputs(**user))
         assert isinstance(sim.executor, ThreadExecutor) and len(sim.executor.runtimes) == n
-        if sim.engine == "vectorized" and sim.device.type == "cuda":  # rows rounded by the chunk's size: agreement.py
+        # rows rounded by the chunk's size: agreement.py
+        if sim.report.engine == "vectorized" and sim.device.type == "cuda":
             assert_close_runs(expected, trajectory(sim, 2), local, sim, float32_bound(local, 2))
             continue
         assert trajectory(sim, 2) == expected, f"{n} threads"
@@ -75,7 +76,7 @@ def test_a_users_model_fn_is_built_once_per_thread_without_moving_the_drivers_st
 def test_a_model_drawing_from_the_global_generator_is_refused_with_what_to_use():
     with pytest.raises(ConfigError, match=r"executor=threads: model StochasticDepth draws random numbers \(bernoulli\) "
                                           r"from PyTorch's global generator.*use executor=local or executor=ray"):
-        Simulation(tiny_config("executor=threads"), model_fn=StochasticDepth)
+        Simulation(tiny_config("executor=threads"), UserInputs(model_fn=StochasticDepth))
 
 
 def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
@@ -83,7 +84,7 @@ def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     round is committed: the global model is the one before the round."""
     sim = Simulation(tiny_config(*UNEQUAL, "executor=threads"))
     sim.run_round(0)
-    before = sim.w.clone()
+    before = sim.server.w.clone()
     runtime = sim.executor.runtimes[1]
 
     def broken(*args, **kwargs):
@@ -92,7 +93,7 @@ def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     runtime.fit = broken
     with pytest.raises(FloatingPointError, match="client exploded"):
         sim.run_round(1)
-    assert torch.equal(sim.w, before)
+    assert torch.equal(sim.server.w, before)
 
 
 def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
@@ -128,6 +129,6 @@ def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
     monkeypatch.setattr(threads, "SMALL_STEP_FLOPS", 0.0)  # the tiny MLP's step counts as large
     with threads.torch_threads(None):  # the run sets the process's threads: restore them after
         sim = Simulation(tiny_config("executor=threads", "executor.workers=2", "threads=auto"))
-        assert sim.threads == 2 and torch.get_num_threads() == 2
+        assert sim.report.threads == 2 and torch.get_num_threads() == 2
         assert sim.thread_counts() == {"server": 2, "clients": 2}
-        assert Simulation(tiny_config("threads=auto")).threads == 4  # the local executor: every core
+        assert Simulation(tiny_config("threads=auto")).report.threads == 4  # the local executor: every core

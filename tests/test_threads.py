@@ -35,11 +35,11 @@ def test_choose_threads_rule(share, monkeypatch):
 
 def test_auto_threads_follow_the_step_size(tiny, share):
     small = Simulation(tiny())  # an MLP on 4x4 inputs: a step of a few kFLOP
-    assert small.step_flops < SMALL_STEP_FLOPS and small.threads == 1
+    assert small.report.step_flops < SMALL_STEP_FLOPS and small.report.threads == 1
     big = Simulation(tiny("data.options.shape=[3,32,32]", "model=cnn", "train.batch_size=50"))
-    assert big.step_flops > SMALL_STEP_FLOPS and big.threads == available_cores()
+    assert big.report.step_flops > SMALL_STEP_FLOPS and big.report.threads == available_cores()
     share(1)
-    assert Simulation(tiny("data.options.shape=[3,32,32]", "model=cnn", "train.batch_size=50")).threads == 1
+    assert Simulation(tiny("data.options.shape=[3,32,32]", "model=cnn", "train.batch_size=50")).report.threads == 1
 
 
 def test_a_run_restores_the_callers_thread_count(tiny):

@@ -15,7 +15,7 @@ from fedflat.algorithms import build_algorithm
 from fedflat.config import load_config
 from fedflat.core import RECIPES, ConfigError
 from fedflat.data import load_dataset, validation_split
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.experiments.tune import _candidates, load_study, run_study, select_candidate
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
@@ -52,7 +52,7 @@ def test_a_validation_run_evaluates_on_held_out_training_samples(tmp_path):
     full = load_dataset("synthetic", **tiny_tree()["data"]["options"])
     assert sim.dataset.x_train.shape[0] + sim.dataset.x_test.shape[0] == full.x_train.shape[0] == 180
     assert sum(len(ix) for ix in sim.client_indices_np) == sim.dataset.x_train.shape[0]
-    sim.w = history.final_parameters.to(sim.w)
+    sim.server.w = history.final_parameters.to(sim.server.w)
     assert sim.evaluate()[0] == pytest.approx(s["final_val_acc"])
 
 
@@ -75,7 +75,7 @@ def test_a_validation_run_reports_the_test_accuracy_of_the_model_it_selected(tmp
     for file, key in (("best_model.pt", "selected_test"), ("model.pt", "final_test")):
         state = torch.load(tmp_path / "run" / file, weights_only=True)
         w, b = plain.model.vectors(state)
-        plain.w, plain.buffers = w.to(plain.device), b.to(plain.device)  # (the file holds CPU tensors)
+        plain.server.w, plain.server.buffers = w.to(plain.device), b.to(plain.device)  # (the file holds CPU tensors)
         acc, loss = plain.evaluate()
         assert s[f"{key}_acc"] == acc and s[f"{key}_loss"] == pytest.approx(loss, rel=1e-12), file
     assert main(["evaluate", str(tmp_path / "run"), "--model", "best_model.pt", "--split", "test"]) == 0
@@ -101,14 +101,13 @@ def test_a_validation_run_without_a_kept_model_selects_its_final_one(tmp_path):
 def test_a_users_split_loses_its_held_out_samples():
     cfg = load_config(None, ["data.validation=0.2", "data.num_clients=2", "sampling.clients_per_round=2"], base=tiny_tree())
     clients = [list(range(0, 90)), list(range(90, 180))]
-    sim = Simulation(cfg, clients=clients)
+    sim = Simulation(cfg, UserInputs(clients=clients))
     kept = validation_split(load_dataset("synthetic", **tiny_tree()["data"]["options"]), 0.2)[1]
     assert [len(ix) for ix in sim.client_indices_np] == [int((kept < 90).sum()), int((kept >= 90).sum())]
     assert np.array_equal(kept[sim.client_indices_np[1]], kept[kept >= 90])  # the same samples, re-indexed
     with pytest.raises(ConfigError, match="validation set"):
-        Simulation(load_config(None, ["data.validation=0.5", "data.num_clients=2",
-                                                 "sampling.clients_per_round=2"], base=tiny_tree()),
-                   clients=[[0], list(range(1, 180))])
+        Simulation(load_config(None, ["data.validation=0.5", "data.num_clients=2", "sampling.clients_per_round=2"],
+                               base=tiny_tree()), UserInputs(clients=[[0], list(range(1, 180))]))
 
 
 def test_every_recipe_grid_names_its_own_hyperparameters():

@@ -8,7 +8,7 @@ regularizer on any method's local objective, the mean squared activation of ever
 
 (:math:`a_l` the output of layer :math:`l`'s nonlinearity, :math:`J_l` entries), whose minimization bounds the top eigenvalue of the loss's
 Hessian. fedflat reads :math:`a_l` with forward hooks on the model's activation modules (``nn.ReLU``, ``nn.Tanh``, ...:
-:data:`fedflat.engine.oracle.ACTIVATIONS`), so it needs no change to the model, where the authors' models return
+:data:`fedflat.engine.gradients.ACTIVATIONS`), so it needs no change to the model, where the authors' models return
 their activations from ``forward`` (``code/utils_models.py``: ``act = mean(x**2)`` after each hidden ReLU, the
 logits excluded). The penalty enters every gradient of the round's local objective: under SAM both the ascent and
 the perturbed gradient, as the authors' ``man_code_sam`` does.

@@ -98,7 +98,7 @@ class BareLoop:
     def __init__(self, sim, backprops: int, rho: float = 0.01):
         self.sim, self.backprops, self.rho = sim, backprops, rho
         self.module = self._fresh_module()
-        self.w = sim.w.clone()
+        self.w = sim.server.w.clone()
 
     def _fresh_module(self) -> torch.nn.Module:
         from fedflat.models import build_model
@@ -110,7 +110,7 @@ class BareLoop:
 
     def run_round(self, round: int) -> None:
         sim, module = self.sim, self.module
-        ctx = sim.new_context(round)
+        ctx = sim.server.new_context(round)
         ids, steps = ctx.sampled.tolist(), ctx.steps.tolist()
         schedules = sim.batches.schedules(round, ids, steps)
         x_all, y_all = sim.dataset.x_train, sim.dataset.y_train
@@ -196,7 +196,7 @@ def flops_per_sample(sim) -> float:
     """FLOPs of one forward and backward pass per training sample (``FlopCounterMode``)."""
     x = sim.dataset.features(sim.dataset.x_train[: sim.cfg.train.batch_size])
     y = sim.dataset.y_train[: sim.cfg.train.batch_size]
-    views = [v.detach().requires_grad_(True) for v in sim.model.layout.views(sim.w)]
+    views = [v.detach().requires_grad_(True) for v in sim.model.layout.views(sim.server.w)]
     with FlopCounterMode(display=False) as counter:
         loss = F.cross_entropy(sim.model.call_views(views, x), y)
         torch.autograd.grad(loss, views)
@@ -205,7 +205,7 @@ def flops_per_sample(sim) -> float:
 
 def round_samples(sim, round: int) -> int:
     """Training samples one round's local steps go through (per backprop): its batches' sizes."""
-    ctx = sim.new_context(round)
+    ctx = sim.server.new_context(round)
     schedules = sim.batches.schedules(round, ctx.sampled.tolist(), ctx.steps.tolist())
     return sum(int(idx.shape[0]) for schedule in schedules for idx in schedule)
 
@@ -244,8 +244,8 @@ class Contestant:
         device = self.sim.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        before = self.sim.backprops
-        with torch_threads(self.sim.threads):  # each contestant's own choice (threads are process-wide)
+        before = self.sim.server.backprops
+        with torch_threads(self.sim.report.threads):  # each contestant's own choice (threads are process-wide)
             wall, used = _timed(lambda: self.runner(t), device)
         self.peak = max(self.peak, peak_memory_mb(device))
         if timed:
@@ -253,15 +253,16 @@ class Contestant:
             self.cpu.append(used)
             self.samples.append(round_samples(self.sim, t))
             if self.engine != "bare":
-                self.passes.append(self.sim.backprops - before)
+                self.passes.append(self.sim.server.backprops - before)
 
     def row(self) -> Row:
         eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
         cohort = self.engine in ("vectorized", "streams")
-        chunk = self.sim.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
+        chunk = self.sim.runtime.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
         spec = getattr(self.sim.executor, "spec", None)  # Ray workers: their own threads, not the driver's
-        extra: dict[str, Any] = {"executor": self.executor, "threads": spec.threads if spec else self.sim.threads,
+        threads = spec.compute.threads if spec else self.sim.report.threads
+        extra: dict[str, Any] = {"executor": self.executor, "threads": threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
                                  "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
                                  "cuda_graphs": self.cfg.cuda_graphs}
@@ -300,7 +301,7 @@ def profile_round(contestant: Contestant, t: int, folder: str) -> str:
 
     device = contestant.sim.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_threads(contestant.sim.threads), profile(activities=activities) as prof:
+    with torch_threads(contestant.sim.report.threads), profile(activities=activities) as prof:
         contestant.runner(t)
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

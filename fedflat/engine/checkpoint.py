@@ -23,7 +23,7 @@ import io
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,9 +32,7 @@ from fedflat.files import (CheckpointError, UnsafeFile, allowed_objects, atomic_
                            pickle_objects, safe_load)
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from fedflat.data import Dataset
+    from fedflat.engine.inputs import UserInputs
     from fedflat.engine.simulation import Simulation
 
 CHECKPOINT = "checkpoint.pt"
@@ -137,8 +135,8 @@ def make_payload(sim: "Simulation", rounds_done: int, metrics: list[dict[str, An
                  summary: dict[str, Any], owed: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint holds after ``rounds_done`` complete rounds; ``owed``: the last round's result when
     its evaluation and metrics line were interrupted (a resume evaluates it first)."""
-    return {"round": rounds_done, "state": sim.state_dict(), "metrics": [dict(m) for m in metrics],
-            "summary": dict(summary), "backprops": sim.backprops, "owed": owed}
+    return {"round": rounds_done, "state": sim.server.state_dict(), "metrics": [dict(m) for m in metrics],
+            "summary": dict(summary), "backprops": sim.server.backprops, "owed": owed}
 
 
 def run_config(run_dir: str | Path) -> "Config":
@@ -158,23 +156,26 @@ def run_config(run_dir: str | Path) -> "Config":
         raise
 
 
-def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dataset | None" = None,
-             model_fn: "Callable[[], nn.Module] | None" = None, clients=None, loss_fn=None) -> "Simulation":
+def load_run(run_dir: str | Path, *, config: Config | None = None,
+             inputs: "UserInputs | None" = None) -> "Simulation":
     """A :class:`Simulation` of a run folder, restored to the latest state on disk.
 
     State comes from ``checkpoint.pt`` (global model, server state, client store) when present,
     otherwise the global model from ``model.pt`` (server and client state then start fresh).
     ``sim.rounds_done`` tells which round the state belongs to (None when only model.pt was found).
+    ``inputs``: the user's dataset, model, split or loss as the run had them
+    (:class:`~fedflat.engine.inputs.UserInputs`).
     """
+    from fedflat.engine.inputs import UserInputs
     from fedflat.engine.simulation import Simulation
 
     run_dir = Path(run_dir)
     cfg = config if config is not None else run_config(run_dir)
-    sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
+    sim = Simulation(cfg, inputs if inputs is not None else UserInputs())
     payload = read_checkpoint(run_dir)
     if payload is not None:
-        sim.load_state_dict(payload["state"])
-        sim.backprops = payload.get("backprops", 0)
+        sim.server.load_state_dict(payload["state"])
+        sim.server.backprops = payload.get("backprops", 0)
         sim.rounds_done = payload["round"]
         return sim
     model_file = run_dir / "model.pt"
@@ -185,6 +186,6 @@ def load_run(run_dir: str | Path, *, config: Config | None = None, dataset: "Dat
         w, b = sim.model.vectors(state)
     except ValueError as err:
         raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
-    sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
+    sim.server.w, sim.server.buffers = w.to(sim.device), b.to(sim.device)
     sim.rounds_done = None
     return sim

@@ -7,6 +7,7 @@ processes (:class:`~fedflat.engine.ray_executor.RayExecutor`). Each has ``fit(br
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Protocol
 
 import torch
@@ -45,7 +46,7 @@ def make_executor(executor: ExecutorConfig, runtime: ClientRuntime, spec: Callab
                               f"({traits.random}) from PyTorch's global generator, which threads would share; "
                               "use executor=local or executor=ray")
         # threads=None: the driver's own torch threads, already set, are the ones the thread workers share
-        worker = spec(threads=None, engine=runtime.engine)
+        worker = spec(compute=replace(runtime.options, threads=None))
         with torch.random.fork_rng(devices=[]):
             others = [build_client_runtime(worker, runtime.batches, runtime.device)
                       for _ in range(executor.workers - 1)]

@@ -15,6 +15,7 @@ from torch import nn
 from fedflat.config import Config
 from fedflat.core import SERVER, Batch, ConfigError, TrainSettings, stream_seed
 from fedflat.data import Dataset, client_split, load_dataset, user_split, validation_split
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.losses import LossFn, check_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
@@ -258,9 +259,10 @@ def vmap_problem(model: FlatModel, traits: ModelTraits, x: torch.Tensor, y: torc
     if traits.random is not None:
         return (f"its forward draws random numbers ({traits.random}) outside PyTorch's dropout functions, which the "
                 "vectorized engine cannot draw per client")
-    problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits), model, x, y)
+    options = ComputeOptions(engine="vectorized", precision=precision)
+    problem = _vmap_step(Oracle(model, options, traits), model, x, y)
     if problem is None and loss is not None:  # the model runs: then the user's loss_fn is what vmap refuses
-        problem = _vmap_step(Oracle(model, vectorized=True, precision=precision, traits=traits, loss=loss), model, x, y)
+        problem = _vmap_step(Oracle(model, options, traits, loss), model, x, y)
         return None if problem is None else f"with its loss_fn: {problem}"
     return problem
 

@@ -95,8 +95,6 @@ class ClientWorker:
         own state rows (``[C, P]`` in the order of ``task.ids``)."""
         if self.runtime is None:
             raise RuntimeError("this Ray worker was not set up: call setup(spec, [data_ref]) first")
-        if self.spec.pause_s:
-            time.sleep(self.spec.pause_s)
         shared, personal, task, state, known = from_wire((shared, personal, task, state, known), copy=True)
         broadcast = replace(shared, ids=task.ids, personal=personal)
         return to_wire(self.runtime.fit(broadcast, task, rows_loader(task.ids, state, known)).to("cpu"))

@@ -23,6 +23,7 @@ from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, Config
                           merge_results)
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, fit
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
 from fedflat.engine.oracle import Oracle
@@ -165,25 +166,23 @@ def make_cohort(task: RoundTask, broadcast: Broadcast, load_state: StateLoader, 
 class ClientRuntime:
     """Runs clients' local work in this process, on ``model``'s device, with the chosen engine.
 
-    ``chunk_size``: clients per vectorized chunk (None: as many as fit the memory budget). A CUDA
+    ``options``: the run's compute options with the engine resolved (``options.chunk_size``: clients per
+    vectorized chunk, None: as many as fit the memory budget). A CUDA
     out-of-memory error inside a chunk halves the chunk and retries it, and later chunks stay at most
     that size: the clients' results do not depend on the chunking, so the numbers are unchanged.
     """
 
     def __init__(self, algorithm: Algorithm, model: FlatModel, batches: ClientBatches, settings: TrainSettings,
-                 engine: str, chunk_size: int | None = None, precision: str = "float32", channels_last: bool = False,
-                 traits: ModelTraits | None = None, cuda_graphs: bool = False):
+                 options: ComputeOptions, traits: ModelTraits | None = None):
+        engine = options.engine
         if engine not in ENGINES:
             raise ConfigError(f"engine must be sequential, vectorized or streams here, got {engine!r}")
         if engine != "sequential":
             check_vectorizable(algorithm, engine)
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
-        self.engine = engine
+        self.options = options
         batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
-        self.fixed_chunk = chunk_size
-        self.oracle = Oracle(model, vectorized=engine == "vectorized", precision=precision, channels_last=channels_last,
-                             traits=traits, loss=settings.loss, cuda_graphs=cuda_graphs, streams=engine == "streams")
-        self.oracle.dp_sgd = settings.dp_sgd
+        self.oracle = Oracle(model, options, traits, settings.loss, settings.dp_sgd)
         if engine != "sequential" and self.oracle.traits.random is not None:
             raise ConfigError(f"engine={engine}: model {module_name(model.module)} draws random numbers "
                               f"({self.oracle.traits.random}) outside dropout; use engine=sequential")
@@ -194,6 +193,10 @@ class ClientRuntime:
     @property
     def device(self) -> torch.device:
         return self.model.initial.device
+
+    @property
+    def engine(self) -> str:
+        return self.options.engine
 
     def client_bytes(self) -> int:
         """Estimated bytes one client of a vectorized chunk needs: the loop's model-sized vectors, the
@@ -211,7 +214,8 @@ class ClientRuntime:
         as fit the memory budget (:func:`memory_budget`)."""
         if self.engine == "sequential":
             return 1
-        size = min(K, self.fixed_chunk) if self.fixed_chunk else auto_chunk_size(
+        fixed = self.options.chunk_size
+        size = min(K, fixed) if fixed else auto_chunk_size(
             self.client_bytes(), memory_budget(self.device), K)
         return size if self.oom_cap is None else min(size, self.oom_cap)
 
@@ -273,19 +277,12 @@ class WorkerSpec:
     input_shape: tuple[int, ...]
     num_classes: int
     settings: TrainSettings
-    engine: str
-    chunk_size: int | None
-    threads: int | None
+    compute: ComputeOptions  # the run's, ``threads`` the worker's count (None: torch's own) and ``engine`` maybe auto
     augmentation: str | None
     use_gpu: bool
-    tf32: bool = False
-    precision: str = "float32"  # the clients' passes (Config.precision)
-    channels_last: bool = False
-    cuda_graphs: bool = False
     step_flops: float = 0.0  # of one local step: engine=auto's choice on a GPU worker
     standardize: Standardize | None = None  # uint8 pixels' per-batch standardization (Dataset.standardize)
     traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
-    pause_s: float = 0.0  # test hook: seconds each fit waits first, so a test can kill a worker mid-round
     plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
     stages: tuple[dict[str, Any], ...] = ()  # the upload path's stages (Config.stage_specs, z calibrated)
 
@@ -293,18 +290,19 @@ class WorkerSpec:
 def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device) -> ClientRuntime:
     """A runtime of the run ``spec`` describes on ``device``: its own model (built again from the config or
     ``model_fn``; the broadcast carries the weights), parts and oracle, over the given ``batches``."""
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    set_tf32(device, spec.tf32)
+    compute = spec.compute
+    if compute.threads:
+        torch.set_num_threads(compute.threads)
+    set_tf32(device, compute.tf32)
     # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
     options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
     module = spec.model_fn() if spec.model_fn is not None else build_model(
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
-    engine = resolve_engine(spec.engine, device, spec.step_flops, spec.cuda_graphs)
-    return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings, engine, spec.chunk_size,
-                         spec.precision, spec.channels_last, spec.traits, spec.cuda_graphs)
+    engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs)
+    return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings,
+                         replace(compute, engine=engine), spec.traits)
 
 
 def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:

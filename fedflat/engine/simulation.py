@@ -13,22 +13,23 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from fedflat import plugins
 from fedflat.algorithms import Algorithm, AlgorithmError
 from fedflat.algorithms.attacks import backdoor_of, for_dataset
 from fedflat.config import Config
 from fedflat.core import BUFFERS, SERVER, ClientResult, ConfigError, TrainSettings, stream_seed
-from fedflat.data import Dataset, augmentation_fn, client_test_split
+from fedflat.data import augmentation_fn, client_test_split
 from fedflat.engine.client import ClientBatches, own_buffers
+from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.heap import retain_freed_memory
-from fedflat.engine.losses import LossFn, configured_loss, summed_loss
+from fedflat.engine.inputs import UserInputs
+from fedflat.engine.losses import configured_loss, summed_loss
 from fedflat.engine.optim import check_recipe
-from fedflat.engine.problem import Problem, build_module, build_problem, inspect_model, train_settings
+from fedflat.engine.problem import build_module, build_problem, inspect_model, train_settings
 from fedflat.engine.executors import make_executor
 from fedflat.engine.runtime import ClientRuntime, WorkerSpec, set_tf32
 from fedflat.engine.scores import MetricSet
@@ -36,9 +37,10 @@ from fedflat.engine.server import OpenRound, RoundResult, Server, all_finite, un
 from fedflat.engine.threads import choose_threads
 from fedflat.params import FlatModel
 
-__all__ = ["ClientScores", "OpenRound", "RoundResult", "Server", "Simulation", "all_finite", "pooled_accuracy",
-           "resolve_device", "uninterrupted"]
+__all__ = ["ClientScores", "OpenRound", "RoundResult", "Server", "Simulation", "UserInputs", "all_finite",
+           "pooled_accuracy", "resolve_device", "uninterrupted"]
 
+NO_INPUTS = UserInputs()  # the config's data, model, split and loss
 PERSONAL_EVAL_ENTRIES = 2 ** 26  # parameters of the client models a personalized evaluation holds at once (256 MB)
 
 
@@ -108,50 +110,31 @@ def personal_layout(algorithm: Algorithm, settings: TrainSettings) -> tuple[bool
         raise ConfigError(str(err)) from None
 
 
-class _OnServer:
-    """A :class:`Simulation` attribute that is its :class:`Server`'s (``sim.w`` is ``sim.host.w``)."""
-
-    def __init__(self, name: str | None = None):
-        self.name = name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, sim: "Simulation | None", owner: type) -> Any:
-        return self if sim is None else getattr(sim.host, self.name)
-
-    def __set__(self, sim: "Simulation", value: Any) -> None:
-        setattr(sim.host, self.name, value)
-
-
 class Simulation:
     """One federated experiment in memory: the problem, the model, the algorithm, the :class:`Server` and an
     executor, composed (the module docstring).
 
-    ``dataset`` and ``model_fn`` let a Python user bring their own tensors and ``nn.Module`` factory, and
-    ``clients`` their own split (one sequence of training-sample indices per client, in place of
-    ``data.partition``: :func:`fedflat.data.user_split`); ``loss_fn`` replaces ``train.loss``.
+    ``inputs``: what a Python user brings in place of the config's data, model, split or loss
+    (:class:`~fedflat.engine.inputs.UserInputs`). The global model, its buffers, the server state (``server.state``),
+    the client store and the privacy ledger are the :class:`Server`'s (``sim.server``).
     """
 
-    w, buffers, store, aggregated_round, privacy, backprops, last_round = (_OnServer() for _ in range(7))
-    server = _OnServer("state")  # the server state the parts declared (a dict of tensors)
-
-    def __init__(self, cfg: Config, dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
-                 clients: Sequence[Sequence[int]] | None = None, loss_fn: LossFn | None = None):
-        self.cfg, self.model_fn = cfg, model_fn
+    def __init__(self, cfg: Config, inputs: UserInputs = NO_INPUTS):
+        self.cfg, self.inputs = cfg, inputs
+        self.compute = ComputeOptions.of(cfg)
         self.device = prepare_process(cfg)
-        self.problem = build_problem(cfg, self.device, dataset, clients)
+        self.problem = build_problem(cfg, self.device, inputs.dataset, inputs.clients)
         self.dataset, self.client_indices_np = self.problem.dataset, self.problem.client_indices_np
         self.client_indices, self.num_samples = self.problem.client_indices, self.problem.num_samples
-        self.model = FlatModel(build_module(cfg, self.dataset, model_fn).to(self.device))
-        loss = loss_fn if loss_fn is not None else configured_loss(cfg.train)
+        self.model = FlatModel(build_module(cfg, self.dataset, inputs.model_fn).to(self.device))
+        loss = inputs.loss_fn if inputs.loss_fn is not None else configured_loss(cfg.train)
         self.report = inspect_model(cfg, self.problem, self.model, loss)
         if self.report.threads:
             torch.set_num_threads(self.report.threads)
         self.settings = train_settings(cfg, self.problem, self.model, self.report, loss)
         self.algorithm = self.build_algorithm()
         self.personalized, self.private_buffers = personal_layout(self.algorithm, self.settings)
-        self.host = Server(cfg, self.algorithm, self.model, self.settings, self.num_samples, self.private_buffers)
+        self.server = Server(cfg, self.algorithm, self.model, self.settings, self.num_samples, self.private_buffers)
         self.runtime = self.client_runtime()
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.executor = make_executor(cfg.executor, self.runtime, self.worker_spec, self.worker_data)
@@ -175,36 +158,15 @@ class Simulation:
         cfg, data = self.cfg, self.dataset
         self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
                                      augmentation_fn(data.augmentation), data.standardize)
-        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings, self.engine, cfg.chunk_size,
-                             cfg.precision, cfg.channels_last, self.traits, cfg.cuda_graphs)
-
-    # -- the model's report ---------------------------------------------------------------------------------------
-    @property
-    def traits(self):
-        return self.report.traits
-
-    @property
-    def step_flops(self) -> float:
-        return self.report.step_flops
-
-    @property
-    def threads(self) -> int | None:
-        return self.report.threads
-
-    @property
-    def vmap_problem(self) -> str | None:
-        return self.report.vmap_problem
-
-    @property
-    def engine(self) -> str:
-        return self.report.engine
+        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
+                             replace(self.compute, engine=self.report.engine), self.report.traits)
 
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
         ``clients`` (the local training, or each Ray worker's; None: the worker's own default)."""
         server = torch.get_num_threads()
         spec = getattr(self.executor, "spec", None)
-        return {"server": server, "clients": spec.threads if spec is not None else server}
+        return {"server": server, "clients": spec.compute.threads if spec is not None else server}
 
     def worker_spec(self, **options) -> WorkerSpec:
         """What a Ray or thread worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
@@ -212,14 +174,13 @@ class Simulation:
         from fedflat.engine.ray_executor import default_cpus
 
         cfg, ex, data = self.cfg, self.cfg.executor, self.dataset
-        threads = choose_threads(cfg.threads, self.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
-        spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.model_fn,
+        threads = choose_threads(cfg.threads, self.report.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
+        compute = replace(self.compute, threads=threads,
+                          engine="sequential" if self.report.vmap_problem else self.compute.engine)
+        spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.inputs.model_fn,
                           input_shape=data.input_shape, num_classes=data.num_classes, settings=self.settings,
-                          chunk_size=cfg.chunk_size, threads=threads,
-                          engine="sequential" if self.vmap_problem else cfg.engine, traits=self.traits,
-                          augmentation=data.augmentation, use_gpu=ex.gpus_per_worker > 0, tf32=cfg.tf32,
-                          precision=cfg.precision, channels_last=cfg.channels_last, cuda_graphs=cfg.cuda_graphs,
-                          step_flops=self.step_flops,
+                          compute=compute, traits=self.report.traits, augmentation=data.augmentation,
+                          use_gpu=ex.gpus_per_worker > 0, step_flops=self.report.step_flops,
                           standardize=data.standardize, plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs))
         return replace(spec, **options)
 
@@ -270,24 +231,14 @@ class Simulation:
     def num_parameters(self) -> int:
         return self.model.layout.size
 
-    def chunk_size(self, K: int) -> int:
-        """Clients trained together by the local executor (see :meth:`ClientRuntime.chunk_size`)."""
-        return self.runtime.chunk_size(K)
-
-    # -- a round: the server's protocol around the executor (the methods below it are the Server's, kept here for
-    # their callers: the Flower strategy, the diagnostics, the tests) ---------------------------------------------
+    # -- a round: the server's protocol around the executor ----------------------------------------------------------
     def run_round(self, round: int) -> RoundResult:
-        """One communication round on the executor; updates ``self.w``, the server state and the store."""
-        opened = self.host.begin_round(round)
+        """One communication round on the executor; updates ``self.server.w``, the server state and the store."""
+        opened = self.server.begin_round(round)
         if not len(opened.task):  # Poisson sampling under DP drew nobody: nothing is trained or released
-            return self.host.finish_round(opened, None)
-        return self.host.finish_round(opened, self.executor.fit(opened.broadcast, opened.task, self.load_state))
-
-    def begin_round(self, round: int) -> OpenRound:
-        return self.host.begin_round(round)
-
-    def finish_round(self, opened: OpenRound, result: ClientResult | None) -> RoundResult:
-        return self.host.finish_round(opened, result)
+            return self.server.finish_round(opened, None)
+        result = self.executor.fit(opened.broadcast, opened.task, self.server.load_state)
+        return self.server.finish_round(opened, result)
 
     def updates(self, opened: OpenRound, result: ClientResult) -> dict[str, torch.Tensor]:
         """What each client of ``result`` released, as the server receives it before its own stages: the update
@@ -296,34 +247,6 @@ class Simulation:
         One meaning under every upload path, unlike ``result.upload["model"]``, which is what travels
         (:class:`~fedflat.core.ClientResult`): docs/extending.md, "Checking a round by hand"."""
         return self.algorithm.received_release(opened.ctx, result.upload)
-
-    def sample_clients(self, round: int) -> torch.Tensor:
-        return self.host.sample_clients(round)
-
-    def lr_at(self, round: int) -> float:
-        return self.host.lr_at(round)
-
-    def new_context(self, round: int):
-        return self.host.new_context(round)
-
-    def configure(self, ctx):
-        return self.host.configure(ctx)
-
-    def client_state_keys(self) -> list[str]:
-        return self.host.client_state_keys()
-
-    def load_state(self, ids: torch.Tensor, names: list[str] | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return self.host.load_state(ids, names)
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return self.host.model_state()
-
-    def state_dict(self) -> dict:
-        return self.host.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.host.load_state_dict(state)
 
     @functools.cached_property
     def client_tests(self) -> list[torch.Tensor]:
@@ -347,8 +270,8 @@ class Simulation:
         if personalized:
             acc, loss = self.evaluate_personalized(collect)
         else:
-            correct, total = self._scores(self.w if w is None else w, self.dataset.x_test, self.dataset.y_test,
-                                          self.buffers, collect)
+            correct, total = self._scores(self.server.w if w is None else w, self.dataset.x_test, self.dataset.y_test,
+                                          self.server.buffers, collect)
             count = self.dataset.x_test.shape[0]
             acc, loss = correct.item() / count, total.item() / count
         # a federation's personal scores come from its nodes, without the predictions torchmetrics needs
@@ -365,9 +288,9 @@ class Simulation:
         their clients (:meth:`personal_scores`) for it. ``collect`` gathers the pooled predictions' ``eval.metrics``
         (in this process only)."""
         if self.personal_evaluation is not None:
-            scores = self.personal_evaluation(self.w)
+            scores = self.personal_evaluation(self.server.w)
         else:
-            scores = self.personal_scores(self.w, list(range(self.cfg.data.num_clients)), self.load_state,
+            scores = self.personal_scores(self.server.w, list(range(self.cfg.data.num_clients)), self.server.load_state,
                                           collect=collect)
         return pooled_accuracy(scores)
 
@@ -378,7 +301,7 @@ class Simulation:
         entries, from ``load_state(ids, names)``, and the global buffers ``buffers`` (default ``b^t``) with its
         private ones (FedBN) — on its own test share, a few client models at a time."""
         shares, personalization = self.client_tests, self.algorithm.parts["personalization"]
-        b = (self.buffers if buffers is None else buffers).to(self.device)
+        b = (self.server.buffers if buffers is None else buffers).to(self.device)
         tested = [c for c in clients if shares[c].numel()]
         correct, loss = [], []
         per_chunk = max(1, PERSONAL_EVAL_ENTRIES // self.num_parameters)  # client models held at once
@@ -412,8 +335,8 @@ class Simulation:
         x, size = self.dataset.x_test[keep], int(keep.sum())
         hits = torch.zeros((), dtype=torch.long, device=x.device)
         for lo in range(0, size, self.cfg.eval.batch_size):
-            logits = self.model(self.w, attack.trigger(self.dataset.features(x[lo:lo + self.cfg.eval.batch_size])),
-                                self.buffers)
+            x_b = attack.trigger(self.dataset.features(x[lo:lo + self.cfg.eval.batch_size]))
+            logits = self.model(self.server.w, x_b, self.server.buffers)
             hits += (logits.argmax(1) == attack.p.target).sum()
         return hits.item() / max(size, 1)
 

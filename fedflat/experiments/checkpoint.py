@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from fedflat.config import Config, load_config, parse_override, read_yaml
 from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CheckpointError, load_run, run_config
+from fedflat.engine.inputs import UserInputs
 from fedflat.experiments.rundir import hold
 from fedflat.experiments.runner import History, cpu_state, run_experiment
 from fedflat.files import read_jsonl
@@ -47,6 +48,7 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
     had it (``train.loss: user:<name>`` in its ``config.yaml``; pass ``config=`` too).
     """
     run_dir = Path(run_dir)
+    inputs = UserInputs(dataset, model_fn, clients, loss_fn)
     cfg = config if config is not None else run_config(run_dir)
     if overrides:
         cfg = _resumed_config(cfg, overrides)
@@ -58,17 +60,16 @@ def resume(run_dir: str | Path, *, overrides: list[str] | tuple[str, ...] = (), 
                                   "docs/flower.md)")
         stopped = _summary(run_dir)
         if stopped.get("status") == "stopped":  # a callback ended it (early stopping): finished, as completed
-            return _finished_history(run_dir, stopped, cfg, dataset, model_fn, clients)
+            return _finished_history(run_dir, stopped, cfg, inputs)
         completed = _completed_summary(run_dir)
         done = completed["rounds"] if completed is not None else None
         if done is not None and cfg.rounds < done:
             raise CheckpointError(f"{run_dir} has completed {done} rounds: rounds={cfg.rounds} cannot shorten it "
                                   f"(rounds= extends a run)")
         if done is not None and cfg.rounds == done:
-            return _finished_history(run_dir, completed, cfg, dataset, model_fn, clients, loss_fn)
-        return run_experiment(cfg, dataset=dataset, model_fn=model_fn, clients=clients, resume=run_dir,
-                              progress=progress, driver=driver, callbacks=callbacks, group=group, job=job,
-                              loss_fn=loss_fn)
+            return _finished_history(run_dir, completed, cfg, inputs)
+        return run_experiment(cfg, **inputs.keywords(), resume=run_dir, progress=progress, driver=driver,
+                              callbacks=callbacks, group=group, job=job)
 
 
 def _resumed_config(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -98,15 +99,14 @@ def _completed_summary(run_dir: Path) -> dict[str, Any] | None:
     return summary if summary.get("status") == "completed" and "rounds" in summary else None
 
 
-def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: Config, dataset: "Dataset | None",
-                      model_fn: "Callable[[], nn.Module] | None", clients=None, loss_fn=None) -> History:
+def _finished_history(run_dir: Path, summary: dict[str, Any], cfg: Config, inputs: UserInputs) -> History:
     """The :class:`History` of a completed run, read from its folder without writing to it."""
-    sim = load_run(run_dir, config=cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
+    sim = load_run(run_dir, config=cfg, inputs=inputs)
     try:
         return History(metrics=read_jsonl(run_dir / "metrics.jsonl"), summary=summary,
                        config=read_yaml((run_dir / "config.yaml").read_text()),
-                       final_parameters=sim.w.detach().cpu().clone(), run_dir=run_dir,
-                       state_dict=cpu_state(sim.model_state()))
+                       final_parameters=sim.server.w.detach().cpu().clone(), run_dir=run_dir,
+                       state_dict=cpu_state(sim.server.model_state()))
     finally:
         sim.close()
 

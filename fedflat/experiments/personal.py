@@ -57,7 +57,7 @@ def personal_parts(sim, rounds: int) -> dict[str, Any] | None:
     per_chunk = max(1, PERSONAL_EVAL_ENTRIES // max(1, sim.num_parameters))  # client rows held at once
     for lo in range(0, sim.cfg.data.num_clients, per_chunk):
         ids = torch.arange(lo, min(lo + per_chunk, sim.cfg.data.num_clients))
-        state, known = sim.load_state(ids, names)
+        state, known = sim.server.load_state(ids, names)
         for name in names:
             rows_of = state[name]  # (on a GPU run the store's rows and its mask may sit on different devices)
             kept = rows_of[known[name].to(rows_of.device)].cpu()  # only the known rows leave the device
@@ -115,7 +115,7 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
     data. Returns ``{"round", "evaluation", "split", "model", "accuracy", "loss", "reported_accuracy",
     "reported_loss", "reported_key"}``."""
     from fedflat.engine.checkpoint import CheckpointError, run_config
-    from fedflat.engine.simulation import Simulation, pooled_accuracy
+    from fedflat.engine.simulation import Simulation, UserInputs, pooled_accuracy
     from fedflat.files import safe_load
 
     path = Path(run_dir)
@@ -134,14 +134,14 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
     state = safe_load(model_file, "model file", "restore it from a copy, or run the experiment again")
     # (the files before the config, which may import the run's plugins)
     parts = _personal_file(path) if personalized and (path / PERSONAL_FILE).is_file() else None
-    sim = Simulation(run_config(path), **user)
+    sim = Simulation(run_config(path), UserInputs(**user))
     if split == "val" and sim.heldout != "val":
         raise ConfigError(f"{path}: the run held out no validation split (data.validation): evaluate on test")
     try:
         w, b = sim.model.vectors(state)
     except ValueError as err:
         raise CheckpointError(f"{model_file}: does not match the configured model ({err})") from None
-    sim.w, sim.buffers = w.to(sim.device), b.to(sim.device)
+    sim.server.w, sim.server.buffers = w.to(sim.device), b.to(sim.device)
     rounds = summary.get("rounds") if model == "model.pt" else _kept_round(summary, model)
     with sim.on_test_split() if split == "test" else contextlib.nullcontext():
         if personalized:
@@ -150,10 +150,10 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
                                   "--personalized")
             parts = parts if parts is not None else _personal_file(path)
             rounds = parts["round"]
-            scores = sim.personal_scores(sim.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
+            scores = sim.personal_scores(sim.server.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
             accuracy, loss = pooled_accuracy(scores)
         else:
-            accuracy, loss = sim.evaluate(sim.w)
+            accuracy, loss = sim.evaluate(sim.server.w)
         split = sim.heldout
     key = _reported_key(summary, split, model, personalized)
     return {"round": rounds, "evaluation": "personalized" if personalized else "global", "split": split,

@@ -26,6 +26,7 @@ from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, ConfigError, Diverged
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
+from fedflat.engine.inputs import UserInputs
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.engine.threads import torch_threads
 from fedflat.experiments.callbacks import CallbackError, Callbacks, ModelCheckpoint, RunInfo, build_callbacks
@@ -124,6 +125,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     (docs/experiments.md, "Loss and metrics"). ``fedflat.run`` is this function.
     """
     cfg = as_config(config, overrides)
+    inputs = UserInputs(dataset, model_fn, clients, loss_fn)
     if cfg.secure_aggregation is not None and driver is None:
         raise ConfigError("secure_aggregation carries the uploads of a Flower run: run this config with `fedflat "
                           "flower-sim` or deploy it with `fedflat flower-app` (docs/flower.md)")
@@ -139,9 +141,9 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
 
         # a logger's library and a callback's options are checked before a folder is made
         watchers = [*build_loggers(cfg.loggers, group), *build_callbacks(cfg.callbacks), *callbacks]
-        sim = Simulation(cfg, dataset=dataset, model_fn=model_fn, clients=clients, loss_fn=loss_fn)
+        sim = Simulation(cfg, inputs)
         stack.callback(sim.close)
-        resolved = _resolved(cfg, dataset, model_fn, clients, loss_fn)
+        resolved = inputs.recorded(resolve(cfg))  # (a user's dataset, model, split or loss by name)
         folder, checkpoint = _open_folder(cfg, where, stack, dataset)
         try:
             runner = Runner(cfg, sim, resolved, folder, checkpoint, watchers, where)
@@ -165,21 +167,6 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
                                "again") from None
             raise
         return runner.run(progress)
-
-
-def _resolved(cfg: Config, dataset: Dataset | None, model_fn: Callable[[], nn.Module] | None,
-              clients: Sequence[Sequence[int]] | None = None, loss_fn: Callable | None = None) -> dict[str, Any]:
-    """The config as ``config.yaml`` records it (a user's dataset, model or split by name)."""
-    resolved = resolve(cfg)
-    if dataset is not None:
-        resolved["data"]["name"] = f"user:{dataset.name}"
-    if model_fn is not None:
-        resolved["model"] = {"name": f"user:{getattr(model_fn, '__name__', 'model_fn')}"}
-    if clients is not None:
-        resolved["data"]["partition"] = {"scheme": f"user:{len(clients)} clients"}
-    if loss_fn is not None:
-        resolved["train"]["loss"] = f"user:{getattr(loss_fn, '__name__', 'loss_fn')}"
-    return resolved
 
 
 def _open_folder(cfg: Config, where: Output, stack: ExitStack,
@@ -240,7 +227,8 @@ class Runner:
             "data_source": sim.dataset.source or None, "data_files": list(sim.dataset.files),  # what it read
             "model": resolved["model"]["name"],
             "seed": cfg.seed, "parameters": sim.num_parameters,
-            "buffers": sim.model.buffer_layout.size, "engine": sim.engine, "engine_reason": sim.report.engine_reason,
+            "buffers": sim.model.buffer_layout.size, "engine": sim.report.engine,
+            "engine_reason": sim.report.engine_reason,
             "device": str(sim.device),
             "gradient": sim.oracle.gradient,  # native, python (hand-derived) or autograd: docs/benchmarks.md
             "threads": sim.thread_counts(),  # the bits depend on them: a resume that changes them says so
@@ -253,15 +241,16 @@ class Runner:
             "wall_seconds": 0.0, "train_seconds": 0.0, "eval_seconds": 0.0,
             "versions": versions(), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        if sim.privacy is not None:
-            self.summary.update(privacy=sim.privacy.describe(), epsilon=0.0)
+        if sim.server.privacy is not None:
+            self.summary.update(privacy=sim.server.privacy.describe(), epsilon=0.0)
         if checkpoint is not None:
             self._restore(checkpoint)
         where = where or Output()
         self.job = where.job
         info = RunInfo(config=copy.deepcopy(resolved), run_dir=run_dir.path if run_dir else None,
                        name=run_dir.path.name if run_dir else _label(cfg), start_round=self.start_round,
-                       metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job, state_fn=sim.model_state)
+                       metrics=copy.deepcopy(self.metrics), group=where.group, job=where.job,
+                       state_fn=sim.server.model_state)
         self.callbacks = Callbacks(callbacks, info)
         if checkpoint is not None:
             self.callbacks.load_state_dict(checkpoint.get("callbacks") or {})
@@ -279,8 +268,8 @@ class Runner:
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continues from a checkpoint: state, metrics so far, summary counters (wall time adds up)."""
-        self.sim.load_state_dict(checkpoint["state"])
-        self.sim.backprops = checkpoint.get("backprops", 0)
+        self.sim.server.load_state_dict(checkpoint["state"])
+        self.sim.server.backprops = checkpoint.get("backprops", 0)
         self.start_round = self.checkpointed = checkpoint["round"]
         self.metrics = [dict(m) for m in checkpoint["metrics"]]
         saved = checkpoint["summary"]
@@ -435,7 +424,7 @@ class Runner:
         split = self.sim.heldout
         with uninterrupted():
             self._append({"round": self._training + 1, f"{split}_acc": None, f"{split}_loss": None,
-                          "train_loss": None, "lr": self.sim.lr_at(self._training), "diverged": True})
+                          "train_loss": None, "lr": self.sim.server.lr_at(self._training), "diverged": True})
 
     def _round(self, t: int, bar) -> None:
         self._training = t  # (a round that raises Diverged here writes its line with its losses null)
@@ -466,7 +455,7 @@ class Runner:
             with uninterrupted():
                 self._settle(result)
         except KeyboardInterrupt:
-            last = self.sim.last_round
+            last = self.sim.server.last_round
             if last is not None and last.round == t and self.summary["rounds"] == t:
                 with uninterrupted():
                     self._settle(last)
@@ -564,15 +553,15 @@ class Runner:
         self.summary.update(self.callbacks.run.notes)
         if self.run_dir is None:
             return
-        self.run_dir.save_model(cpu_state(self.sim.model_state()))  # (a GPU run's model.pt loads anywhere)
+        self.run_dir.save_model(cpu_state(self.sim.server.model_state()))  # (a GPU run's model.pt loads anywhere)
         save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 
     def history(self) -> History:
         return History(metrics=self.metrics, summary=self.summary, config=self.resolved,
-                       final_parameters=self.sim.w.detach().cpu().clone(),
+                       final_parameters=self.sim.server.w.detach().cpu().clone(),
                        run_dir=self.run_dir.path if self.run_dir else None,
-                       state_dict=cpu_state(self.sim.model_state()))
+                       state_dict=cpu_state(self.sim.server.model_state()))
 
 
 def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from torch import nn
 from fedflat import __version__
 from fedflat.config import Config, dump_yaml, read_yaml, resolve
 from fedflat.core import ConfigError
-from fedflat.engine.simulation import Simulation
+from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.flower.node import DEFAULT_STATE_DIR, Node
 from fedflat.flower.server import serve
 
@@ -120,7 +120,7 @@ def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None,
     folder = state_folder(root, config, partition)
     if _RUN["id"] != context.run_id:
         _RUN.update(id=None, sim=None, nodes={})
-        _RUN.update(id=context.run_id, sim=Simulation(config, model_fn=model_fn))
+        _RUN.update(id=context.run_id, sim=Simulation(config, UserInputs(model_fn=model_fn)))
     key = (partition, partitions, str(folder))
     if key not in _RUN["nodes"]:
         _RUN["nodes"][key] = Node(config, partition, partitions, folder, _RUN["sim"])

@@ -107,7 +107,7 @@ class Node:
             raise ConfigError(f"this node cannot keep its clients' state in {err.filename or state_dir}: "
                               f"{err.strerror or err} "
                               "(set state-dir, in the node config or the run config, to a writable folder)") from None
-        self.states = ClientStates(state_dir, self.sim.num_parameters, self.sim.store.widths)
+        self.states = ClientStates(state_dir, self.sim.num_parameters, self.sim.server.store.widths)
 
     def check_clients(self, ids: list[int]) -> None:
         foreign = sorted(set(ids) - set(self.clients))
@@ -134,7 +134,7 @@ class Node:
         job = read_task(content)
         self.check(job.task)
         ids = job.task.ids.tolist()
-        names = self.sim.client_state_keys()
+        names = self.sim.server.client_state_keys()
         states, rows, known = self.states.rows(ids, job.state_rounds, names)
         result = self.sim.runtime.fit(job.broadcast, job.task, rows_loader(job.task.ids, rows, known)).to("cpu")
         for row, (client, before) in enumerate(zip(ids, states)):

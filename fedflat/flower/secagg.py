@@ -310,7 +310,7 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     Fewer than two nodes, or too many dropouts for the threshold, is a :class:`~fedflat.core.NoClients`."""
     sim = strategy.sim
     strategy.check_deployment(grid)
-    opened = sim.begin_round(t)
+    opened = sim.server.begin_round(t)
     p = sim.algorithm.parts["aggregation"].weights(opened.ctx)
     if not torch.allclose(p, p.mean().expand_as(p)):
         raise ConfigError(f"secure_aggregation: aggregation '{sim.algorithm.parts['aggregation'].name}' weighs the "
@@ -326,7 +326,8 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     for node, rows in by_node.items():
         picked = torch.tensor(rows, dtype=torch.long)
         task = opened.task.rows(picked)
-        content = task_content(opened.broadcast.for_clients(task.ids), task, sim.aggregated_round[task.ids].tolist())
+        content = task_content(opened.broadcast.for_clients(task.ids), task,
+                               sim.server.aggregated_round[task.ids].tolist())
         instructions.append((GridClientProxy(node, grid, 0), fit_ins(content, [1.0] * len(rows))))
         strategy.sent[node] = task.ids.tolist()
     adapter = OneRound(instructions)
@@ -348,7 +349,7 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
                         "which stage): the sum cannot be unmasked")
     result, clipped = mean_result(strategy.sent, adapter.results, layout, opened.broadcast.w,
                                   bool(sim.algorithm.stages), t)
-    round = sim.finish_round(opened, result)
+    round = sim.server.finish_round(opened, result)
     if clipped:
         round.log["secagg_clipped"] = float(clipped)
     return round

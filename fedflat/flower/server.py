@@ -1,7 +1,7 @@
 """The server side of a Flower federation: a Flower ``Strategy`` that runs a fedflat recipe's server.
 
 :class:`FedflatStrategy` drives fedflat's server, the same :class:`~fedflat.engine.server.Server` an executor's
-run drives (``sim.host`` of a :class:`~fedflat.engine.simulation.Simulation` whose clients never train in this
+run drives (``sim.server`` of a :class:`~fedflat.engine.simulation.Simulation` whose clients never train in this
 process: the global model, the server state and the vectors the server holds per client), with fedflat's keyed
 client sampling (not Flower's unseeded ``sample_nodes``), the aggregation in ascending client-id order whatever order
 replies arrive in, and central evaluation. Its Flower methods
@@ -283,7 +283,7 @@ class FedflatStrategy(Strategy):
                               "variances SecAgg+'s clipping range does not hold; use a model without them (e.g. "
                               "model.norm=group)")
         self.sim, self.round_timeout, self.wait_s = sim, round_timeout, wait_s
-        self.host = sim.host  # the run's Server: the nodes train in place of the executor
+        self.server = sim.server  # the run's Server: the nodes train in place of the executor
         self.federation = Federation(query_timeout, roster, partitions)
         self.insecure, self.checked = insecure, False
         self.opened: OpenRound | None = None
@@ -303,7 +303,7 @@ class FedflatStrategy(Strategy):
                               "nodes refuse; run the config with fedflat.flower.serve (its ServerApp, fedflat "
                               "flower-app, flower-sim), whose rounds run Flower's SecAgg+ workflow")
         self.check_deployment(grid)
-        opened = self.host.begin_round(server_round - 1)
+        opened = self.server.begin_round(server_round - 1)
         by_node = self.federation.by_host(grid, opened.task.ids.tolist(), self.wait_s)
         if not by_node:
             raise NoClients(f"round {server_round}: no node hosts any of the {len(opened.task.ids)} sampled clients: "
@@ -311,7 +311,7 @@ class FedflatStrategy(Strategy):
         messages, self.sent = [], {}
         for node, rows in by_node.items():
             task = opened.task.rows(torch.tensor(rows, dtype=torch.long))
-            state_rounds = self.host.aggregated_round[task.ids].tolist()
+            state_rounds = self.server.aggregated_round[task.ids].tolist()
             content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
             messages.append(Message(content, dst_node_id=node, message_type="train"))
             self.sent[node] = task.ids.tolist()
@@ -323,7 +323,7 @@ class FedflatStrategy(Strategy):
         """Checks every reply whole and aggregates the clients that answered, in ascending id order; returns
         the new global model and the round's metrics as Flower records."""
         result, wire_up = self.collect(replies)
-        round = self.host.finish_round(self.opened, result)
+        round = self.server.finish_round(self.opened, result)
         round.log.update(wire_down_bytes=float(self.wire_down), wire_up_bytes=float(wire_up))
         if self.federation.silent:  # (named, with their reasons, in the warnings that left them out)
             round.log["nodes_left_out"] = float(len(self.federation.silent))
@@ -394,7 +394,7 @@ class FedflatStrategy(Strategy):
             if client not in hosted:
                 log.warning("evaluation: client %d has no node online: left out", client)
         self.evaluating = by_node
-        return [Message(evaluation_content(self.host.w, ids, self.host.aggregated_round[ids].tolist(), self.buffers()),
+        return [Message(evaluation_content(self.server.w, ids, self.server.aggregated_round[ids].tolist(), self.buffers()),
                         dst_node_id=node, message_type=EVALUATE) for node, ids in by_node.items()]
 
     def collect_scores(self, replies: Iterable) -> ClientScores:
@@ -431,10 +431,10 @@ class FedflatStrategy(Strategy):
 
     def global_arrays(self):
         """The global model as Flower arrays: its parameters and, for a model that has any, its buffers."""
-        return array_record(with_buffers({MODEL: self.host.w}, self.buffers()))
+        return array_record(with_buffers({MODEL: self.server.w}, self.buffers()))
 
     def buffers(self) -> torch.Tensor | None:
-        return self.host.buffers if self.sim.model.buffer_layout.size else None
+        return self.server.buffers if self.sim.model.buffer_layout.size else None
 
     def evaluate(self, server_round: int, arrays):
         """Central evaluation of fedflat's global model (Flower's ``evaluate_fn``); None for a personalized method,
@@ -451,7 +451,7 @@ class FedflatStrategy(Strategy):
             messages = self.configure_train(t + 1, None, ConfigRecord(), grid)
             replies = exchange(grid, messages, self.round_timeout, self.federation) if messages else []
             self.aggregate_train(t + 1, replies)
-            return self.host.last_round
+            return self.server.last_round
 
         def evaluate_on_nodes(w: torch.Tensor) -> ClientScores:
             messages = self.configure_evaluate(0, None, ConfigRecord(), grid)

@@ -184,11 +184,12 @@ def _spectra(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str
 def _landscape(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str, other: Target | None = None):
     sim = target.sim
     result = landscape_2d(sim, samples=o.samples, span=o.span, resolution=o.resolution)
-    w_a, label_a = (other.sim.w, other.label) if other is not None else (sim.model.initial.to(sim.w.device), "initial")
+    w_a, label_a = ((other.sim.server.w, other.label) if other is not None
+                    else (sim.model.initial.to(sim.server.w.device), "initial"))
     label_b = target.label if other is not None else f"round {target.round}"
     alphas = torch.linspace(-0.5, 1.5, 2 * o.resolution - 1)
     result["interpolation"] = {"from": label_a, "to": label_b,
-                               **interpolation(global_objective(sim, o.samples), w_a, sim.w, alphas)}
+                               **interpolation(global_objective(sim, o.samples), w_a, sim.server.w, alphas)}
     files: list[Path] = []
     if out is not None:
         title = f"{sim.algorithm.name}, round {target.round}"

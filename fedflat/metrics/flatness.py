@@ -77,7 +77,7 @@ def _selected(probed: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
 def flatness_incompatibility(sim, round: int, probed: dict[str, Any] | None = None, **options) -> dict[str, Any]:
     """Eq. (5)/(20) at ``w^t`` over a fixed seeded subset of clients (see the module docstring)."""
     probed = probed or probe(sim, round, **options)
-    w, pert, objective = sim.w, probed["perturbations"], probed["global"]
+    w, pert, objective = sim.server.w, probed["perturbations"], probed["global"]
     rows, header = _selected(probed)
     if not rows:
         return _unavailable(sim, pert, "flatness incompatibility")
@@ -104,5 +104,5 @@ def perturbation_drift_at(sim, round: int, probed: dict[str, Any] | None = None,
     rows, header = _selected(probed)
     if not rows:
         return _unavailable(sim, pert, "perturbation drift")
-    g = probed["global"].grad(sim.w)
+    g = probed["global"].grad(sim.server.w)
     return {"available": True, **header, **perturbation_drift(pert.eps[rows], g)}

@@ -51,7 +51,7 @@ def landscape_2d(sim, w: torch.Tensor | None = None, *, samples: int | None = 10
     ``loss[b][a]`` is at ``w + a d1 + b d2``."""
     from fedflat.metrics.objective import global_objective
 
-    w = sim.w if w is None else w
+    w = sim.server.w if w is None else w
     objective = global_objective(sim, samples)
     layout = sim.model.layout
     d1 = filter_normalized_direction(w, layout, torch_stream(sim.cfg.seed, FIXED, SERVER, "diagnostics/direction1"))

@@ -108,7 +108,7 @@ def global_objective(sim, samples: int | None, weight_decay: float = 0.0, purpos
     data = sim.dataset
     idx = seeded_subset(data.y_train.shape[0], samples, sim.cfg.seed, -1, purpose).to(data.y_train.device)
     return DataObjective(sim.model, data.features(data.x_train[idx]), data.y_train[idx], weight_decay=weight_decay,
-                         buffers=sim.buffers, loss=sim.settings.loss)
+                         buffers=sim.server.buffers, loss=sim.settings.loss)
 
 
 def client_objective(sim, client: int, samples: int | None, purpose: str = "diagnostics/client") -> DataObjective:
@@ -117,7 +117,7 @@ def client_objective(sim, client: int, samples: int | None, purpose: str = "diag
     pick = seeded_subset(indices.shape[0], samples, sim.cfg.seed, client, purpose).to(indices.device)
     idx = indices[pick]
     return DataObjective(sim.model, sim.dataset.features(sim.dataset.x_train[idx]), sim.dataset.y_train[idx],
-                         buffers=sim.buffers, loss=sim.settings.loss)
+                         buffers=sim.server.buffers, loss=sim.settings.loss)
 
 
 def seeded_clients(sim, count: int | None, purpose: str = "diagnostics/clients") -> torch.Tensor:

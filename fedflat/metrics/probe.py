@@ -41,11 +41,11 @@ def probe_round(sim, round: int, clients: torch.Tensor) -> tuple[ClientContext, 
     t = sim.cfg.train
     steps = torch.tensor([local_steps(int(ni), t.batch_size, t.local_epochs, t.local_steps) for ni in n.tolist()],
                          device=device)
-    held, held_known = sim.load_state(clients, sim.algorithm.held_keys())
-    ctx = RoundContext(round=round, lr=sim.lr_at(round), w=sim.w, sampled=clients, num_samples=n, steps=steps,
-                       server={k: v.clone() for k, v in sim.server.items()}, settings=sim.settings,
+    held, held_known = sim.server.load_state(clients, sim.algorithm.held_keys())
+    ctx = RoundContext(round=round, lr=sim.server.lr_at(round), w=sim.server.w, sampled=clients, num_samples=n,
+                       steps=steps, server={k: v.clone() for k, v in sim.server.state.items()}, settings=sim.settings,
                        held=held, held_known=held_known)
-    broadcast = sim.configure(ctx)
+    broadcast = sim.server.configure(ctx)
     return (ClientContext.of(broadcast, sim.settings, sim.oracle, sim.batches), broadcast,
             RoundTask(clients.cpu(), n.cpu(), steps.cpu()))
 
@@ -71,7 +71,7 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
     """
     if direction not in ("method", "sam"):
         raise ValueError(f"direction must be 'method' or 'sam', got {direction!r}")
-    M, w = len(clients), sim.w
+    M, w = len(clients), sim.server.w
     eps = torch.zeros(M, w.numel(), device=w.device, dtype=w.dtype)
     if direction == "sam":
         for row, objective in enumerate(objectives):
@@ -81,7 +81,7 @@ def method_perturbations(sim, round: int, clients: torch.Tensor, objectives: lis
     with sandbox(sim):
         ctx, broadcast, task = probe_round(sim, round, clients)
         for row, objective in enumerate(objectives):
-            cohort = make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
+            cohort = make_cohort(task.rows(torch.tensor([row])), broadcast, sim.server.load_state, sim.device)
             start = None if ctx.buffers is None else own_buffers(ctx.buffers, sim.private_buffers, cohort.state,
                                                                   cohort.known, 1)
             with sim.oracle.clients(cohort.ids.tolist(), round, sim.cfg.seed, start) as session:

@@ -16,11 +16,11 @@ from fedflat.metrics.objective import client_objective, seeded_clients, seeded_s
 def penultimate_features(sim, w: torch.Tensor | None = None, samples: int | None = 3000,
                          chunk: int = 1000) -> tuple[np.ndarray, np.ndarray]:
     """``(features[n, D], labels[n])`` of ``FlatModel.features`` at ``w`` on a seeded test subset."""
-    w = sim.w if w is None else w
+    w = sim.server.w if w is None else w
     data = sim.dataset
     idx = seeded_subset(data.y_test.shape[0], samples, sim.cfg.seed, -1, "diagnostics/test").to(data.y_test.device)
     x, y = data.features(data.x_test[idx]), data.y_test[idx]
-    feats = torch.cat([sim.model.features(w, x[lo:lo + chunk], sim.buffers).flatten(1)
+    feats = torch.cat([sim.model.features(w, x[lo:lo + chunk], sim.server.buffers).flatten(1)
                        for lo in range(0, len(idx), chunk)])
     return feats.cpu().numpy(), y.cpu().numpy()
 
@@ -71,7 +71,7 @@ def client_parameters(sim, round: int, clients: torch.Tensor) -> torch.Tensor:
 
     with sandbox(sim):
         ctx, broadcast, task = probe_round(sim, round, clients)
-        cohorts = [make_cohort(task.rows(torch.tensor([row])), broadcast, sim.load_state, sim.device)
+        cohorts = [make_cohort(task.rows(torch.tensor([row])), broadcast, sim.server.load_state, sim.device)
                    for row in range(len(task))]
         finals = [fit(sim.algorithm, ctx, cohort).upload["model"] for cohort in cohorts]
     return torch.cat(finals)

@@ -64,7 +64,7 @@ def global_sharpness(sim, w: torch.Tensor | None = None, *, rho: float = 0.05, s
                      ascent_steps: int = 1, hessian_iters: int = 20, hessian_tol: float = 1e-3) -> dict[str, Any]:
     """SAM sharpness and top Hessian eigenvalue of the global training loss at ``w`` (default ``w^t``),
     on a seeded subset of ``samples`` training samples; ``hessian_iters = 0`` skips the eigenvalue."""
-    w = sim.w if w is None else w
+    w = sim.server.w if w is None else w
     objective = global_objective(sim, samples)
     result: dict[str, Any] = {"available": True, "samples": objective.size, **sam_sharpness(objective, w, rho, ascent_steps)}
     if hessian_iters > 0:

@@ -33,7 +33,7 @@ def global_direction(sim) -> tuple[torch.Tensor | None, str]:
         if part.global_direction is None:
             continue
         key, sign = part.global_direction
-        d = sim.server[key]
+        d = sim.server.state[key]
         if bool(d.any()):
             return sign * d, f"{part.role} '{part.name}'"
     return None, ""
@@ -56,6 +56,6 @@ def direction_tracking(sim, round: int, *, batches: int = 10, batch_size: int = 
                 "reason": f"{sim.algorithm.name} keeps no global direction (none of its parts "
                           f"{[p.name for p in sim.algorithm.ordered]} declares a global_direction, "
                           "or it is not set yet)"}
-    reference, n = reference_gradient(sim, sim.w, batches, batch_size, weight_decay)
+    reference, n = reference_gradient(sim, sim.server.w, batches, batch_size, weight_decay)
     return {"available": True, "source": source, "reference_samples": n, "weight_decay_included": weight_decay,
             **tracking_error(direction.to(reference.dtype), reference)}

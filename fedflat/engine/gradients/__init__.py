@@ -1,0 +1,70 @@
+"""Gradient backends: how a cohort's ``(loss[C], grad[C, P])`` is computed, chosen once per run.
+
+Every backend answers ``loss_grad(W[C, P], batch, objective) -> (loss[C], g[C, P])`` and ``loss(W, batch) ->
+loss[C]`` (:class:`~fedflat.engine.gradients.backend.Backend`); the oracle (:class:`fedflat.engine.oracle.Oracle`)
+builds one with :func:`choose_backend` from the run's :class:`~fedflat.engine.compute.ComputeOptions` and the
+model's :class:`~fedflat.engine.modes.ModelTraits`, and calls it without branching. The objective of a call (the
+data loss, a distillation or contrastive term, FedMAN's activation penalty) is an
+:class:`~fedflat.engine.gradients.objectives.Objective` that every general backend runs the same way.
+
+General backends (any objective): :class:`PerClient` (sequential: autograd client by client),
+:class:`Vectorized` (``vmap`` over a chunk), :class:`StatefulPerClient` and :class:`StatefulGroups` (a module with
+buffers, dropout or batch statistics: each client's own state). Accelerated backends (the data loss alone, faster;
+any other objective goes to their general backend): :class:`HandMLP` (fedflat's MLP's gradient by hand),
+:class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and :class:`PerExampleDP` (DP-SGD's clipped,
+noised per-example gradient, which replaces every objective by the data loss).
+"""
+from __future__ import annotations
+
+from fedflat.engine.compute import ComputeOptions
+from fedflat.engine.gradients.backend import Accelerated, Backend
+from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
+from fedflat.engine.gradients.graphed import Graphed
+from fedflat.engine.gradients.hand import HandMLP
+from fedflat.engine.gradients.lanes import Lanes
+from fedflat.engine.gradients.objectives import (DATA_LOSS, Contrastive, DataLoss, Distilled, Objective, Penalized,
+                                                 activation_norms, contrastive_objective, distilled_objective,
+                                                 not_true_columns, objective_of)
+from fedflat.engine.gradients.per_client import PerClient
+from fedflat.engine.gradients.private import PerExampleDP
+from fedflat.engine.gradients.session import ClientSession
+from fedflat.engine.gradients.stateful import StatefulGroups, StatefulPerClient
+from fedflat.engine.gradients.vectorized import Vectorized
+from fedflat.engine.graphs import check_cuda_graphs
+from fedflat.engine.mlp_gradient import MLPGradient
+from fedflat.engine.modes import ModelTraits
+
+__all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DataLoss",
+           "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
+           "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
+           "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns", "objective_of"]
+
+
+def general_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits) -> Backend:
+    """The backend that computes any objective: per client or vectorized, with per-client state where the module
+    has some (``traits.stateful``)."""
+    if traits.stateful:
+        return (StatefulGroups if options.vectorized else StatefulPerClient)(forward, traits)
+    return Vectorized(forward) if options.vectorized else PerClient(forward)
+
+
+def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits,
+                   dp_sgd: tuple[float, float] | None = None) -> Backend:
+    """The run's backend: DP-SGD's per-example gradient under ``privacy.level: instance`` (``dp_sgd = (C, z)``);
+    else for a stateless module the general backend accelerated where it can be: the hand-derived MLP gradient
+    (fedflat's MLP or LogReg, float32, cross-entropy, not vectorized, on the CPU), then ``engine: streams``'s lanes
+    or ``cuda_graphs``' replays."""
+    if options.cuda_graphs:
+        check_cuda_graphs(forward.model.initial.device)
+    backend = general_backend(forward, options, traits)
+    if dp_sgd is not None:
+        return PerExampleDP(backend, *dp_sgd)
+    if traits.stateful:
+        return backend
+    plain = not options.vectorized and forward.autocast is None and forward.loss_fn is None
+    hand = MLPGradient.of(forward.model) if traits.hand_gradient and plain else None
+    if hand is not None:
+        backend = HandMLP(hand, backend)
+    if options.engine == "streams":
+        return Lanes(backend, options.cuda_graphs)
+    return Graphed(backend) if options.cuda_graphs else backend

@@ -1,0 +1,91 @@
+"""What every gradient backend is: ``loss_grad(W, batch, objective) -> (loss[C], grad[C, P])`` and ``loss``."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from fedflat.core import Batch
+from fedflat.engine.gradients.forward import Forward
+from fedflat.engine.gradients.objectives import Objective
+
+if TYPE_CHECKING:
+    from fedflat.engine.gradients.session import ClientSession
+
+
+class Backend:
+    """Loss and gradient of each client's objective at its own row of ``W[C, P]``, computed one way, chosen once per
+    run (:func:`fedflat.engine.gradients.choose_backend`). A backend that computes any objective is *general*
+    (:attr:`general` is itself); an accelerated one computes the data loss alone faster and leaves every other
+    objective to its general backend."""
+
+    gradient = "autograd"  # how the gradient is computed (summary.json's "gradient")
+
+    def __init__(self, forward: Forward):
+        self.forward = forward
+
+    @property
+    def general(self) -> Backend:
+        """The backend that computes any objective (a general backend is its own)."""
+        return self
+
+    def loss_grad(self, W: torch.Tensor, batch: Batch, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reported loss[C], g[C, P])``: each client's gradient of ``objective`` on its mini-batch."""
+        raise NotImplementedError
+
+    def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``loss[C]`` without a backward pass (an evaluation, in ``eval()`` mode)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def cohort_logits(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``[C, B, K]``: the logits of a cohort's batch ``x[C, B, ...]`` at one model ``w`` (a teacher), one pass in
+        ``eval()`` mode."""
+        C, B = x.shape[:2]
+        return self.forward.model(w, x.reshape(C * B, *x.shape[2:])).reshape(C, B, -1)
+
+    @contextmanager
+    def clients(self, ids: list[int], round: int, seed: int,
+                buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
+        """The per-client state the calls inside compute with (None: a module that needs none)."""
+        yield None
+
+
+class Accelerated(Backend):
+    """A backend that computes the data loss's gradient faster than ``inner`` (a general backend, or another
+    accelerated one it builds on) and sends every other objective, and every evaluation, to the general backend.
+
+    ``data_pass(w, x, y[, weight])`` is the data loss's pass of the tensors the general backend's :meth:`rows` hands
+    it (one client's, or the vectorized engine's whole chunk)."""
+
+    def __init__(self, inner: Backend):
+        super().__init__(inner.forward)
+        self.inner = inner
+        self._general = inner.general
+
+    @property
+    def general(self) -> Backend:
+        return self._general
+
+    @property
+    def gradient(self) -> str:
+        return self.inner.gradient
+
+    def loss_grad(self, W, batch, objective):
+        if not objective.plain:  # a term's objective: the general backend's autograd
+            return self._general.loss_grad(W, batch, objective)
+        self.forward.mode(True)
+        return self._general.rows(W, batch, self.data_pass)
+
+    def data_pass(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss(self, W, batch):
+        return self._general.loss(W, batch)
+
+    def cohort_logits(self, w, x):
+        return self._general.cohort_logits(w, x)
+
+    def clients(self, ids, round, seed, buffers):
+        return self._general.clients(ids, round, seed, buffers)
