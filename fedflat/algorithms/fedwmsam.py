@@ -33,7 +33,7 @@ tensor).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -42,6 +42,7 @@ from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
 from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
                           RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
+from fedflat.core.vectors import kernel
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
@@ -52,6 +53,88 @@ def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a
     """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``
     (one fresh ``[K, P]`` tensor, the product and the sum in place on it: the same roundings)."""
     return torch.sub(c, c_i).mul_(a / (1 - a)).add_(m)
+
+
+def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
+                 out: torch.Tensor) -> torch.Tensor:
+    r"""The perturbed point :math:`w_k + \epsilon_k`, :math:`\epsilon_k = \mathrm{radius}\, d_k / (\lVert d_k \rVert + 10^{-12})`,
+    :math:`d_k = (w^t - w_k) + \alpha\, m_i` (seed 001 §4.1(b), README C1; :math:`\alpha = k`), written into ``out``:
+    the native kernel (two passes over the vector) where :func:`fused_guided_point` found one with these bits, else
+    :func:`guided_point_torch` (five)."""
+    fused = fused_guided_point() if _fits(w_start, W, m_i) else None
+    if fused is None:
+        return guided_point_torch(w_start, W, m_i, alpha, radius, out)
+    fused(w_start, W, m_i, alpha, radius, out)
+    return out
+
+
+def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
+                       out: torch.Tensor) -> torch.Tensor:
+    """:func:`guided_point` as :meth:`MomentumGuidedPerturbation.perturb`'s torch operations and the local loop's sum,
+    ``out`` holding ``d_k``, then ``eps_k``, then the point (the same roundings: each is elementwise)."""
+    torch.sub(w_start, W, out=out).add_(m_i, alpha=alpha)
+    return torch.add(W, normalize_rows_(out, radius), out=out)
+
+
+def _fits(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor) -> bool:
+    """Whether the native kernel takes these operands: float32 CPU rows of one length with unit last stride, ``W``
+    contiguous ``[C, P]``, ``w_start`` and ``m_i`` ``[P]`` or one row per client (an expanded row too)."""
+    return (W.dtype == m_i.dtype == w_start.dtype == torch.float32 and W.device.type == m_i.device.type ==
+            w_start.device.type == "cpu" and W.dim() == 2 and W.is_contiguous() and
+            m_i.stride(-1) == w_start.stride(-1) == 1 and m_i.shape[-1] == w_start.shape[-1] == W.shape[1] and
+            all(v.dim() == 1 or (v.dim() == 2 and v.shape[0] == W.shape[0]) for v in (m_i, w_start)))
+
+
+_fused: dict[str, Callable | None] = {}
+
+
+def fused_guided_point() -> Callable | None:
+    """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) as
+    ``f(w_start, W, m_i, alpha, radius, out)``, or None where it is not built or does not reproduce
+    :func:`guided_point_torch` bit for bit on :func:`probe_cases` (checked once a process, for each count of the
+    norm's accumulators the kernel knows: ATen's depends on torch's build and CPU)."""
+    if "op" not in _fused:
+        op, found = kernel("guided_point"), None
+        if op is not None:
+            for lanes in (8, 16):
+                if all(_agrees(op, lanes, *case) for case in probe_cases()):
+                    found = _with_lanes(op, lanes)
+                    break
+        _fused["op"] = found
+    return _fused["op"]
+
+
+def _with_lanes(op: Callable, lanes: int) -> Callable:
+    def fused(w_start, W, m_i, alpha, radius, out) -> None:
+        op(w_start, W, m_i, alpha, radius, lanes, out)
+    return fused
+
+
+def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]]:
+    """Operands covering the kernel's paths: every remainder of a row's length modulo 16 around a few multiples,
+    one and three clients, ``m_i`` per client, as an expanded row and as ``[P]``, integer and float ``alpha``, both
+    signs of the radius, and a long row (W1's layer sizes)."""
+    g = torch.Generator().manual_seed(57)
+    cases = []
+    for P in [*range(1, 50), 95, 1000, 4099, 156_800 + 200 + 13]:
+        C = 3 if P % 2 else 1
+        w_start = torch.randn(P, generator=g)
+        W = w_start + 0.01 * torch.randn(C, P, generator=g)
+        m = 0.001 * torch.randn(C, P, generator=g)
+        ms = (m, m[:1].expand(C, -1), m[0])
+        cases.append((w_start, W, ms[P % 3], P % 5 + 1, 0.05))
+        cases.append((W.clone(), W.roll(1, -1).contiguous(), ms[(P + 1) % 3], -0.0123 * P, -0.02))
+    return cases
+
+
+def _agrees(op: Callable, lanes: int, w_start, W, m_i, alpha, radius) -> bool:
+    expected = guided_point_torch(w_start, W, m_i, alpha, radius, torch.empty_like(W))
+    out = torch.empty_like(W)
+    try:
+        op(w_start, W, m_i, alpha, radius, lanes, out)
+    except RuntimeError:  # (a CPU without AVX2 and FMA)
+        return False
+    return torch.equal(out, expected)
 
 
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
@@ -174,16 +257,33 @@ class MomentumGuidedPerturbation(Perturbation):
     summary = "FedWMSAM: eps = rho d/||d||, d = (w^t + k m_i) - w_k, the inferred global trajectory (no extra backprop)"
     Params = GuidedParams
     requires = frozenset({MOMENTUM})
+    fuses_point = True  # perturbed_point: the native kernel's two passes, the same bits as perturb and the sum
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
-        m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
         buffer = cohort.own(self).get("d")  # d_k written into one buffer per chunk, not a fresh [C, P] a step
         if buffer is None or buffer.shape != W.shape:
             buffer = cohort.own(self)["d"] = torch.empty_like(W)
-        d = torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
-        return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
+        m_i, alpha, radius = self._operands(ctx, cohort, k)
+        return normalize_rows_(torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=alpha), radius)
+
+    def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
+                        out: torch.Tensor) -> torch.Tensor | None:
+        """``W + eps`` into ``out`` by :func:`guided_point` (two passes over the vector where the native kernel is
+        built, :meth:`perturb`'s operations and the sum otherwise): the same bits either way."""
+        if not self.p.guided or self.p.rho == 0 or k == 0:
+            return None
+        if out.shape != W.shape or out.dtype != W.dtype:
+            return super().perturbed_point(ctx, cohort, k, W, batch, out)
+        return guided_point(ctx.w_start, W, *self._operands(ctx, cohort, k), out)
+
+    def _operands(self, ctx: ClientContext, cohort: Cohort, k: int) -> tuple[torch.Tensor, float, float]:
+        """``m_i`` (``m`` without a personalized one), ``alpha`` (``k``; ``-k eta_l`` for ``target: descent``) and the
+        signed radius."""
+        m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
+        return (m_i, k if self.p.target == "momentum" else -k * ctx.lr,
+                -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 
 register_recipe(Recipe(

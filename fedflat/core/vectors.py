@@ -10,11 +10,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Callable
 
 import torch
 from torch import nn
 
 NORM_EPS = 1e-12
+
+_kernel_sources: list[Callable[[str], Callable | None]] = []  # (fedflat.engine.native's operator lookup, once imported)
+
+
+def provide_kernels(source: Callable[[str], Callable | None]) -> None:
+    """Installs where :func:`kernel` finds compiled operators: ``source(name)`` gives one or None
+    (:mod:`fedflat.engine.native` installs its own when imported; fedflat.core imports nothing of the engine)."""
+    _kernel_sources[:] = [source]
+
+
+def kernel(name: str) -> Callable | None:
+    """The compiled operator ``name`` (``torch.ops.fedflat.<name>``, built on first use), or None where there is none
+    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression,
+    which the part checks against that expression before using it."""
+    return _kernel_sources[0](name) if _kernel_sources else None
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:
