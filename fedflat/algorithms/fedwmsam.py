@@ -59,13 +59,19 @@ def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alph
                  out: torch.Tensor) -> torch.Tensor:
     r"""The perturbed point :math:`w_k + \epsilon_k`, :math:`\epsilon_k = \mathrm{radius}\, d_k / (\lVert d_k \rVert + 10^{-12})`,
     :math:`d_k = (w^t - w_k) + \alpha\, m_i` (seed 001 §4.1(b), README C1; :math:`\alpha = k`), written into ``out``:
-    the native kernel (two passes over the vector) where :func:`fused_guided_point` found one with these bits, else
-    :func:`guided_point_torch` (five)."""
-    fused = fused_guided_point() if _fits(w_start, W, m_i) else None
-    if fused is None:
-        return guided_point_torch(w_start, W, m_i, alpha, radius, out)
-    fused(w_start, W, m_i, alpha, radius, out)
-    return out
+    the native kernel (two passes over the vector) where :func:`fused_guided_point` found one with these bits and it
+    takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``, ``w_start``
+    and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else :func:`guided_point_torch` (five)."""
+    fused = _fused.get("op", _UNCHECKED)
+    if fused is _UNCHECKED:
+        fused = fused_guided_point()
+    if fused is not None and W.device.type == "cpu":
+        try:
+            fused[0](w_start, W, m_i, alpha, radius, fused[1], out)
+            return out
+        except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
+            pass
+    return guided_point_torch(w_start, W, m_i, alpha, radius, out)
 
 
 def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
@@ -76,21 +82,14 @@ def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor
     return torch.add(W, normalize_rows_(out, radius), out=out)
 
 
-def _fits(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor) -> bool:
-    """Whether the native kernel takes these operands: float32 CPU rows of one length with unit last stride, ``W``
-    contiguous ``[C, P]``, ``w_start`` and ``m_i`` ``[P]`` or one row per client (an expanded row too)."""
-    return (W.dtype == m_i.dtype == w_start.dtype == torch.float32 and W.device.type == m_i.device.type ==
-            w_start.device.type == "cpu" and W.dim() == 2 and W.is_contiguous() and
-            m_i.stride(-1) == w_start.stride(-1) == 1 and m_i.shape[-1] == w_start.shape[-1] == W.shape[1] and
-            all(v.dim() == 1 or (v.dim() == 2 and v.shape[0] == W.shape[0]) for v in (m_i, w_start)))
+_fused: dict[str, tuple[Callable, int] | None] = {}  # "op": the checked kernel and its norm's accumulator count
+_UNCHECKED = object()
 
 
-_fused: dict[str, Callable | None] = {}
-
-
-def fused_guided_point() -> Callable | None:
-    """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) as
-    ``f(w_start, W, m_i, alpha, radius, out)``, or None where it is not built or does not reproduce
+def fused_guided_point() -> tuple[Callable, int] | None:
+    """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) and
+    the count of the norm's accumulators to call it with, ``op(w_start, W, m_i, alpha, radius, lanes, out)``, or None
+    where it is not built or does not reproduce
     :func:`guided_point_torch` bit for bit on :func:`probe_cases` (checked once a process, for each count of the
     norm's accumulators the kernel knows: ATen's depends on torch's build and CPU)."""
     if "op" not in _fused:
@@ -98,16 +97,10 @@ def fused_guided_point() -> Callable | None:
         if op is not None:
             for lanes in (8, 16):
                 if all(_agrees(op, lanes, *case) for case in probe_cases()):
-                    found = _with_lanes(op, lanes)
+                    found = (op, lanes)
                     break
         _fused["op"] = found
     return _fused["op"]
-
-
-def _with_lanes(op: Callable, lanes: int) -> Callable:
-    def fused(w_start, W, m_i, alpha, radius, out) -> None:
-        op(w_start, W, m_i, alpha, radius, lanes, out)
-    return fused
 
 
 def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]]:
@@ -274,15 +267,13 @@ class MomentumGuidedPerturbation(Perturbation):
         built, :meth:`perturb`'s operations and the sum otherwise): the same bits either way."""
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
-        if out.shape != W.shape or out.dtype != W.dtype:
-            return super().perturbed_point(ctx, cohort, k, W, batch, out)
         return guided_point(ctx.w_start, W, *self._operands(ctx, cohort, k), out)
 
     def _operands(self, ctx: ClientContext, cohort: Cohort, k: int) -> tuple[torch.Tensor, float, float]:
         """``m_i`` (``m`` without a personalized one), ``alpha`` (``k``; ``-k eta_l`` for ``target: descent``) and the
         signed radius."""
-        m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
-        return (m_i, k if self.p.target == "momentum" else -k * ctx.lr,
+        m_i = cohort.shared.get(CLIENT_MOMENTUM)
+        return (ctx.server[MOMENTUM] if m_i is None else m_i, k if self.p.target == "momentum" else -k * ctx.lr,
                 -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 
