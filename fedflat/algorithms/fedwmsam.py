@@ -39,7 +39,8 @@ import torch
 from pydantic import Field, model_validator
 
 from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
-from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
+from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_blocks, scaffold_client_variate,
+                                         scaffold_server_variate, variate_change)
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
                           RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
 from fedflat.core.vectors import kernel
@@ -51,8 +52,25 @@ CLIENT_MOMENTUM = Slot("wmsam.m_i", "the momentum each client of the chunk mixes
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``
-    (one fresh ``[K, P]`` tensor, the product and the sum in place on it: the same roundings)."""
-    return torch.sub(c, c_i).mul_(a / (1 - a)).add_(m)
+    (one fresh ``[K, P]`` tensor, the difference, product and sum written into it block by block while the block is in
+    cache, :func:`~fedflat.algorithms.scaffold.column_blocks`: the same roundings)."""
+    factor, m_i = a / (1 - a), torch.empty(c_i.shape, dtype=torch.result_type(c, c_i), device=c_i.device)
+    for b in column_blocks(m_i):
+        torch.sub(c[..., b], c_i[:, b], out=m_i[:, b]).mul_(factor).add_(m[..., b])
+    return m_i
+
+
+def mean_pseudo_gradient(ctx: RoundContext) -> torch.Tensor:
+    r""":math:`\bar{G} = \sum_i p_i G_i`, :math:`G_i = -\Delta_i / (E_i \eta_l^t)` (``ctx.aggregate(ctx.pseudo_gradients)``,
+    with its refusal under a stateful local optimizer), block by block (:func:`~fedflat.algorithms.scaffold.column_blocks`:
+    the same bits, no fresh ``[K, P]``)."""
+    if not ctx.settings.optimizer.plain or ctx.deltas.device.type != "cpu":
+        return ctx.aggregate(ctx.pseudo_gradients)
+    deltas, weights = ctx.deltas, ctx.weights.to(ctx.deltas.dtype)
+    divisor, gbar = ctx.steps.to(deltas.dtype)[:, None] * ctx.lr, torch.empty(deltas.shape[-1], dtype=deltas.dtype)
+    for b in column_blocks(deltas):
+        gbar[b] = weights @ torch.neg(deltas[:, b]).div_(divisor)
+    return gbar
 
 
 def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
@@ -218,7 +236,7 @@ class WeightedMomentum(Correction):
         c_i = ctx.held[CLIENT_VARIATE]
         c_plus = scaffold_client_variate(c_i, server[SERVER_VARIATE], ctx.w_start, ctx.w_final, ctx.steps, ctx.lr)
         ctx.held[CLIENT_VARIATE] = c_plus
-        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], (c_plus - c_i).sum(0),
+        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], variate_change(c_plus, c_i),
                                                          ctx.settings.num_clients)
         if self.p.adaptive:
             s = update_similarity(ctx.deltas if self.p.similarity == "update" else ctx.pseudo_gradients,
@@ -226,7 +244,7 @@ class WeightedMomentum(Correction):
             ctx.log["wmsam_similarity"] = float(s.mean())
             server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
         ctx.log["wmsam_a"] = float(server[FACTOR])
-        gbar = ctx.aggregate(ctx.pseudo_gradients)
+        gbar = mean_pseudo_gradient(ctx)
         server[MOMENTUM] = ctx.settings.lr_decay * gbar if self.p.momentum_lr_decay else gbar
 
 
