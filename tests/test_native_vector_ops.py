@@ -1,6 +1,7 @@
-"""FedWMSAM's fused perturbed point (``torch.ops.fedflat.guided_point``, fedflat/engine/native/vector_ops.cpp): the
-ATen expression's bits in two passes over the vector, used only where a probe found it reproduces them, and a run
-with it ends with the parameters of a run without it (issue 57)."""
+"""FedWMSAM's fused vector passes (fedflat/engine/native/vector_ops.cpp): the perturbed point
+(``torch.ops.fedflat.guided_point``) and the momentum mix with its norm (``mix_norm``), each the ATen expression's
+bits, used only where a probe found it reproduces them; a run with them ends with the parameters of a run without
+them (issue 57)."""
 from __future__ import annotations
 
 import pytest
@@ -74,6 +75,30 @@ def test_the_operator_refuses_bad_operands_in_one_line():
         op(w_start, W, m, 1.0, 0.05, 8, torch.empty(3, 16))
 
 
+def require_mix():
+    require_fused()
+    fused = fedwmsam.fused_mix_norm()
+    assert fused is not None, "the mix kernel did not reproduce lerp_ and vector_norm on the probe"
+    return fused
+
+
+@pytest.mark.parametrize("P", [1, 5, 8, 13, 16, 17, 36, 1001, 199_210])
+def test_the_mix_kernel_gives_lerp_and_the_norms_bits(P):
+    """``g.lerp_(m_i, w)`` in place and ``vector_norm`` of the result, for weights on both sides of lerp's 0.5 switch,
+    one and three clients, ``m_i`` per client, expanded and ``[P]``: bit for bit."""
+    op, lanes = require_mix()
+    for C in (1, 3):
+        _, g, m = _operands(P, C, 7 * P + C)
+        for m_i in (m, m[:1].expand(C, -1), m[0]):
+            for w in (0.9, 0.5, 0.49, 0.1, 1.0):
+                weight = torch.tensor(w)
+                expected = g.clone()
+                norms = fedwmsam.mix_norm_torch(expected, m_i, weight)
+                mine = g.clone()
+                assert torch.equal(op(mine, m_i, weight, lanes), norms) and torch.equal(mine, expected), (C, w)
+    assert fedwmsam.mix_norm(g.double(), m.double(), torch.tensor(0.9)) is None  # not the kernel's: g untouched
+
+
 def _final(method: dict, engine: str) -> torch.Tensor:
     return fedflat.run({**TINY, "rounds": 3, "algo": method, "device": "cpu"}, overrides=[f"engine={engine}"],
                        save=False, progress=False).final_parameters
@@ -84,12 +109,14 @@ def _final(method: dict, engine: str) -> torch.Tensor:
                                     {"name": "fedwmsam", "personalized": False}])
 def test_a_run_with_the_kernel_ends_where_one_without_it_does(method, engine, monkeypatch):
     """Three rounds of FedWMSAM (and its ``target: descent``/``sign: code`` and unpersonalized forms), one client a
-    chunk and a cohort of clients, end with the same parameters, bit for bit, with the fused point (which ran) and
-    with :meth:`perturb` and the local loop's sum, the path before the kernel."""
-    fused, calls = require_fused(), []
-    monkeypatch.setitem(fedwmsam._fused, "op", (lambda *args: calls.append(1) or fused[0](*args), fused[1]))
+    chunk and a cohort of clients, end with the same parameters, bit for bit, with the fused point and mix (which
+    ran) and with :meth:`perturb`, the local loop's sum, ``lerp_`` and the engine's norm, the path before them."""
+    (point, lanes), (mix, mix_lanes), calls = require_fused(), require_mix(), []
+    monkeypatch.setitem(fedwmsam._fused, "op", (lambda *args: calls.append("point") or point(*args), lanes))
+    monkeypatch.setitem(fedwmsam._fused, "mix", (lambda *args: calls.append("mix") or mix(*args), mix_lanes))
     with_kernel = _final(method, engine)
-    assert calls, "the fused path did not run"
+    assert set(calls) == {"point", "mix"}, "a fused path did not run"
     monkeypatch.setattr(fedwmsam.MomentumGuidedPerturbation, "fuses_point", False)  # the loop: perturb, then W + eps
+    monkeypatch.setitem(fedwmsam._fused, "mix", None)  # lerp_, and the engine's own norm
     calls.clear()
     assert torch.equal(with_kernel, _final(method, engine)) and not calls

@@ -41,8 +41,8 @@ from pydantic import Field, model_validator
 from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
 from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_blocks, scaffold_client_variate,
                                          scaffold_server_variate, variate_change)
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
-                          RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection, PartParams,
+                          Perturbation, Recipe, RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
 from fedflat.core.vectors import kernel
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
@@ -100,25 +100,69 @@ def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor
     return torch.add(W, normalize_rows_(out, radius), out=out)
 
 
-_fused: dict[str, tuple[Callable, int] | None] = {}  # "op": the checked kernel and its norm's accumulator count
+_fused: dict[str, tuple[Callable, int] | None] = {}  # kernel name: the checked kernel and its norm's accumulators
 _UNCHECKED = object()
 
 
 def fused_guided_point() -> tuple[Callable, int] | None:
     """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) and
     the count of the norm's accumulators to call it with, ``op(w_start, W, m_i, alpha, radius, lanes, out)``, or None
-    where it is not built or does not reproduce
-    :func:`guided_point_torch` bit for bit on :func:`probe_cases` (checked once a process, for each count of the
-    norm's accumulators the kernel knows: ATen's depends on torch's build and CPU)."""
-    if "op" not in _fused:
-        op, found = kernel("guided_point"), None
+    where it is not built or does not reproduce :func:`guided_point_torch` bit for bit on :func:`probe_cases`
+    (checked once a process, for each count of the norm's accumulators the kernel knows: ATen's depends on torch's
+    build and CPU)."""
+    return _checked("op", "guided_point", lambda op, lanes: all(_agrees(op, lanes, *c) for c in probe_cases()))
+
+
+def fused_mix_norm() -> tuple[Callable, int] | None:
+    """The native ``mix_norm`` and its accumulator count, ``op(g, m_i, weight, lanes)``: ``g.lerp_(m_i, weight)`` in
+    place and the result's row norms, returned, as ``torch.linalg.vector_norm`` gives them; or None where it is not
+    built or does not reproduce :func:`mix_norm_torch` on :func:`probe_cases`' vectors (checked once a process)."""
+    return _checked("mix", "mix_norm", _mix_agrees)
+
+
+def _checked(key: str, name: str, agrees: Callable[[Callable, int], bool]) -> tuple[Callable, int] | None:
+    if key not in _fused:
+        op, found = kernel(name), None
         if op is not None:
-            for lanes in (8, 16):
-                if all(_agrees(op, lanes, *case) for case in probe_cases()):
-                    found = (op, lanes)
-                    break
-        _fused["op"] = found
-    return _fused["op"]
+            found = next(((op, lanes) for lanes in (8, 16) if agrees(op, lanes)), None)
+        _fused[key] = found
+    return _fused[key]
+
+
+def mix_norm_torch(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``g.lerp_(m_i, weight)`` (FedWMSAM's ``a g + (1 - a) m_i``, ``weight = 1 - a``) and the rows' norms of the result
+    as the engine's clip computes them."""
+    return torch.linalg.vector_norm(g.lerp_(m_i, weight), dim=-1, keepdim=True)
+
+
+def mix_norm(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`mix_norm_torch` in one pass by the native kernel (its bits) where :func:`fused_mix_norm` found it and it
+    takes the operands (it checks them before it writes ``g``), else None (``g`` untouched)."""
+    fused = _fused.get("mix", _UNCHECKED)
+    if fused is _UNCHECKED:
+        fused = fused_mix_norm()
+    if fused is None or g.device.type != "cpu":
+        return None
+    try:
+        return fused[0](g, m_i, weight, fused[1])
+    except RuntimeError:  # operands the kernel does not take
+        return None
+
+
+def _mix_agrees(op: Callable, lanes: int) -> bool:
+    for w_start, W, m_i, alpha, _ in probe_cases():
+        g = (W - w_start) * alpha
+        for weight in (torch.tensor(0.9), torch.tensor(0.3), torch.tensor(0.5)):
+            expected_g = g.clone()
+            expected = mix_norm_torch(expected_g, m_i, weight)
+            mine = g.clone()
+            try:
+                norms = op(mine, m_i, weight, lanes)
+            except RuntimeError:
+                return False
+            if not (torch.equal(mine, expected_g) and torch.equal(norms, expected)):
+                return False
+    return True
 
 
 def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]]:
@@ -226,10 +270,18 @@ class WeightedMomentum(Correction):
         cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits)."""
-        wd = ctx.settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
-        return Direction(grad.lerp_(cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]),
-                         wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits); where the
+        engine clips the loss direction, its norms come from the same pass (:func:`mix_norm`: a
+        :class:`~fedflat.core.MeasuredDirection`)."""
+        settings = ctx.settings
+        wd = settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
+        decay = wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd
+        m_i, complement = cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]
+        if settings.clip is not None and settings.clip_scope == "loss":
+            norms = mix_norm(grad, m_i, complement)
+            if norms is not None:
+                return MeasuredDirection(grad, decay, norms)
+        return Direction(grad.lerp_(m_i, complement), decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server

@@ -262,6 +262,17 @@ class Direction(NamedTuple):
     decay: float | torch.Tensor
 
 
+class MeasuredDirection(Direction):
+    """A :class:`Direction` that also carries ``loss_norm``, the ``[C, 1]`` L2 norms of the rows of ``loss`` exactly as
+    ``torch.linalg.vector_norm`` gives them, computed in the pass that made ``loss`` (FedWMSAM's fused momentum mix):
+    the engine's ``train.clip_scope=loss`` clip takes them instead of reading ``loss`` once more."""
+
+    def __new__(cls, loss: torch.Tensor, decay: float | torch.Tensor, loss_norm: torch.Tensor) -> "MeasuredDirection":
+        direction = super().__new__(cls, loss, decay)
+        direction.loss_norm = loss_norm
+        return direction
+
+
 class Correction(Part):
     """What is added to (or mixed with) the local gradient to form the local direction."""
 

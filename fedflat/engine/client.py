@@ -26,15 +26,17 @@ from fedflat.engine.oracle import ClientSession, PenalizedOracle
 SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
 
 
-def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+def clip_scale(D: torch.Tensor, max_norm: float, norms: torch.Tensor | None = None) -> torch.Tensor | None:
     """``min(1, max_norm / (||D_c|| + 1e-6))`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule), or
     None where no row is clipped (every scale exactly 1; checked only on CPU, where a GPU would synchronise).
 
     On CPU a cohort whose largest norm is below ``max_norm`` by the float32 bound of :data:`SURELY_UNCLIPPED`
     skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
     step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
-    decision and every scale are the full arithmetic's bit for bit."""
-    norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)  # (Tensor.norm calls it, through more Python)
+    decision and every scale are the full arithmetic's bit for bit. ``norms``: the rows' norms where the caller has
+    them already (a :class:`~fedflat.core.MeasuredDirection`'s, the same bits)."""
+    if norms is None:
+        norms = torch.linalg.vector_norm(D, dim=-1, keepdim=True)  # (Tensor.norm calls it, through more Python)
     if D.device.type == "cpu" and norms.numel() and float(norms.max()) + 1e-6 <= max_norm * SURELY_UNCLIPPED:
         return None
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
@@ -66,16 +68,17 @@ def local_direction(correction: Correction, ctx: ClientContext, cohort: Cohort, 
     if not isinstance(direction, Direction):
         raise ContractError(f"{correction!r}.direction returned {type(direction).__name__}; it returns "
                             "fedflat.core.Direction(loss, decay), d = loss + decay w (docs/extending.md)")
-    return add_decay(direction.loss, W, direction.decay, clip, clip_scope)
+    return add_decay(direction.loss, W, direction.decay, clip, clip_scope, getattr(direction, "loss_norm", None))
 
 
 def add_decay(L: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max_norm: float | None,
-              clip_scope: str) -> torch.Tensor:
+              clip_scope: str, loss_norm: torch.Tensor | None = None) -> torch.Tensor:
     """``clip(L) + c W`` (``clip_scope=loss``: ``clip_grad_norm_`` on the loss gradient, then ``torch.optim.SGD``'s
     weight decay ``c`` as its ``d_p.add(p, alpha=c)``) or ``clip(L + c W)`` (``step``), per row; ``L`` is
-    overwritten. A row within ``max_norm`` is scaled by exactly 1."""
+    overwritten. A row within ``max_norm`` is scaled by exactly 1. ``loss_norm``: ``L``'s row norms where the
+    correction measured them (:class:`~fedflat.core.MeasuredDirection`), taken by the loss-scope clip."""
     if clip_scope == "loss" and max_norm is not None:
-        scale = clip_scale(L, max_norm)
+        scale = clip_scale(L, max_norm) if loss_norm is None else clip_scale(L, max_norm, loss_norm)
         if scale is not None:
             L.mul_(scale)
     if torch.is_tensor(decay):

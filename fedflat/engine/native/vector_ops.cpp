@@ -22,6 +22,7 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -34,6 +35,28 @@ namespace {
 
 // pass 1 over one row: d = fma(m, alpha, ws - W), written to d; returns the norm of d as ATen's kernel rounds it with
 // `lanes` (8 or 16) accumulators: 8-float registers, `lanes / 8` of them over each run of `lanes` entries
+// ATen's ord-2 vector_norm of a row from its `lanes` accumulators after the whole runs (the first `done` entries of
+// d): the accumulators summed left to right, then the remainder as torch's build compiled ATen's scalar loop
+// `sum += x * x` (its vectorized in-order reduction: runs of 4 products rounded, then added in order; the last 0-3
+// terms contracted to fma), then sqrtf
+FEDFLAT_AVX2 float finish_norm(__m256 low, __m256 high, const float* __restrict d, int64_t done, int64_t n,
+                               int64_t lanes) {
+  alignas(32) float buffer[16];
+  _mm256_store_ps(buffer, low);
+  _mm256_store_ps(buffer + 8, high);
+  float total = buffer[0];
+  for (int64_t l = 1; l < lanes; ++l) total = total + buffer[l];
+  int64_t j = done;
+  for (; j + 4 <= n; j += 4) {
+    for (int64_t i = j; i < j + 4; ++i) {
+      const float square = d[i] * d[i];
+      total = total + square;
+    }
+  }
+  for (; j < n; ++j) total = std::fma(d[j], d[j], total);
+  return std::sqrt(total);
+}
+
 // d's 8 entries from i on: fma(m, alpha, ws - W), as ATen's sub then add_(m, alpha) round them
 FEDFLAT_AVX2 inline __m256 direction8(const float* ws, const float* w, const float* m, __m256 alpha, int64_t i) {
   return _mm256_fmadd_ps(_mm256_loadu_ps(m + i), alpha, _mm256_sub_ps(_mm256_loadu_ps(ws + i), _mm256_loadu_ps(w + i)));
@@ -55,25 +78,8 @@ FEDFLAT_AVX2 float direction_norm(const float* __restrict ws, const float* __res
       high = _mm256_add_ps(high, _mm256_mul_ps(u, u));
     }
   }
-  alignas(32) float buffer[16];
-  _mm256_store_ps(buffer, low);
-  _mm256_store_ps(buffer + 8, high);
-  float total = buffer[0];
-  for (int64_t l = 1; l < lanes; ++l) total = total + buffer[l];
-  // the remainder as torch's build compiled ATen's scalar loop `sum += x * x`: runs of 4 products rounded then added
-  // in order (its vectorized in-order reduction), the last 0-3 terms contracted to fma
-  for (; j + 4 <= n; j += 4) {
-    for (int64_t i = j; i < j + 4; ++i) {
-      const float v = d[i] = std::fma(m[i], alpha, ws[i] - w[i]);
-      const float square = v * v;
-      total = total + square;
-    }
-  }
-  for (; j < n; ++j) {
-    const float v = d[j] = std::fma(m[j], alpha, ws[j] - w[j]);
-    total = std::fma(v, v, total);
-  }
-  return std::sqrt(total);
+  for (int64_t i = j; i < n; ++i) d[i] = std::fma(m[i], alpha, ws[i] - w[i]);
+  return finish_norm(low, high, d, j, n, lanes);
 }
 
 // pass 2 over one row: point = W + d s (the product rounded, then the sum), d read from `point` where pass 1 left it
@@ -87,6 +93,32 @@ FEDFLAT_AVX2 void shifted(const float* __restrict w, float s, float* __restrict 
     const float eps = point[j] * s;
     point[j] = w[j] + eps;
   }
+}
+
+// one row of grad.lerp_(m, weight) in place, as ATen's lerp rounds it (|w| < 0.5: fma(w, m - g, g); else
+// fma(w - 1, m - g, m)), and the result's norm as vector_norm rounds it
+template <int64_t lanes>
+FEDFLAT_AVX2 float mixed_norm(float* __restrict g, const float* __restrict m, float weight, int64_t n) {
+  const bool small = std::fabs(weight) < 0.5f;
+  const __m256 coeff = _mm256_set1_ps(small ? weight : weight - 1.0f);
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    for (int64_t r = 0; r < lanes / 8; ++r) {
+      const __m256 gv = _mm256_loadu_ps(g + j + 8 * r), mv = _mm256_loadu_ps(m + j + 8 * r);
+      const __m256 v = _mm256_fmadd_ps(coeff, _mm256_sub_ps(mv, gv), small ? gv : mv);
+      _mm256_storeu_ps(g + j + 8 * r, v);
+      if (r == 0) {
+        low = _mm256_add_ps(low, _mm256_mul_ps(v, v));
+      } else {
+        high = _mm256_add_ps(high, _mm256_mul_ps(v, v));
+      }
+    }
+  }
+  for (int64_t i = j; i < n; ++i) {
+    g[i] = small ? std::fma(weight, m[i] - g[i], g[i]) : std::fma(weight - 1.0f, m[i] - g[i], m[i]);
+  }
+  return finish_norm(low, high, g, j, n, lanes);
 }
 
 // a [C, P] or [P] operand's row c: its base plus c times its row stride (0 for a [P] vector or an expanded row)
@@ -123,9 +155,30 @@ void guided_point(const at::Tensor& w_start, const at::Tensor& W, const at::Tens
   }
 }
 
+at::Tensor mix_norm(at::Tensor g, const at::Tensor& m, const at::Tensor& weight, int64_t lanes) {
+  TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.device().is_cpu() && g.scalar_type() == at::kFloat,
+              "fedflat::mix_norm: g must be a contiguous float32 CPU [C, P] tensor");
+  TORCH_CHECK(weight.numel() == 1 && weight.device().is_cpu() && weight.scalar_type() == at::kFloat,
+              "fedflat::mix_norm: weight must be one float32 CPU number");
+  TORCH_CHECK(lanes == 8 || lanes == 16, "fedflat::mix_norm: lanes (the norm's accumulators) is 8 or 16");
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "fedflat::mix_norm: this CPU has no AVX2 and FMA (the ATen expression runs instead)");
+  const int64_t C = g.size(0), P = g.size(1);
+  check(m, "m", P);
+  TORCH_CHECK(m.dim() == 1 || m.size(0) == C, "fedflat::mix_norm: m has C rows or is [P]");
+  const float w = weight.item<float>();
+  at::Tensor norms = at::empty({C, 1}, g.options());
+  for (int64_t c = 0; c < C; ++c) {
+    float* gc = g.data_ptr<float>() + c * P;
+    norms.data_ptr<float>()[c] = lanes == 8 ? mixed_norm<8>(gc, row(m, c), w, P) : mixed_norm<16>(gc, row(m, c), w, P);
+  }
+  return norms;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fedflat, m) {
+  m.def("mix_norm(Tensor(a!) g, Tensor m, Tensor weight, int lanes) -> Tensor", &mix_norm);
   m.def("guided_point(Tensor w_start, Tensor W, Tensor m, float alpha, float radius, int lanes, Tensor(a!) point) -> ()",
         &guided_point);
 }
