@@ -1,14 +1,15 @@
 """fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
 
-Two operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
+Three operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
 MLP gradient of :class:`fedflat.engine.mlp_gradient.MLPGradient` as one call, bit for bit the Python method's (the
 same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
 Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
 (``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).
-``torch.ops.fedflat.guided_point`` (``vector_ops.cpp``): FedWMSAM's perturbed point ``w + rho d/||d||``, ``d = (w^t - w)
-+ k m_i``, in two passes over the flat vector instead of five ATen calls, with ATen's roundings; the parts reach it
-through :func:`fedflat.core.vectors.kernel` (:func:`operator`), and FedWMSAM uses it only after checking its bits
-against the ATen expression (``fedflat.algorithms.fedwmsam.fused_guided_point``).
+``torch.ops.fedflat.guided_point`` and ``mix_norm`` (``vector_ops.cpp``): FedWMSAM's perturbed point ``w + rho
+d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, and its momentum
+mix with the mix's norms in one, with ATen's roundings; the parts reach them through
+:func:`fedflat.core.vectors.kernel` (:func:`operator`), and FedWMSAM uses each only after checking its bits against
+the ATen expression (``fedflat.algorithms.fedwmsam.fused_guided_point``, ``fused_mix_norm``).
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,

@@ -1,24 +1,28 @@
-// fedflat's fused vector passes: FedWMSAM's momentum-guided perturbed point (fedflat/algorithms/fedwmsam.py) in two
-// passes over the flat vector instead of five ATen calls, with ATen's roundings.
+// fedflat's fused vector passes for FedWMSAM's step (fedflat/algorithms/fedwmsam.py), with ATen's roundings.
 //
-// The ATen expression it replaces, per row of W[C, P] (fedwmsam.MomentumGuidedPerturbation.perturb, then the local
-// loop's w + eps):
+// guided_point: the momentum-guided perturbed point in two passes over the flat vector instead of five ATen calls.
+// The ATen expression it replaces, per row of W[C, P] (MomentumGuidedPerturbation.perturb, then the loop's w + eps):
 //     d = torch.sub(w_start, W).add_(m, alpha=alpha)      # (w^t - w_k) + k m_i
 //     s = radius / (vector_norm(d, dim=-1) + 1e-12)       # Tensor.__rtruediv__: reciprocal(n + 1e-12) * radius
 //     point = W + d * s
 // Pass 1 writes d into the point's buffer and accumulates its squared norm; pass 2 turns it into the point in place
-// (no buffer for d; writing d costs less than computing it again from three vectors). Each
-// value is rounded as torch's CPU kernels round it (AVX2 and FMA, or AVX512: checked, see below):
+// (no buffer for d; writing d costs less than computing it again from three vectors).
+// mix_norm: the momentum mix g.lerp_(m, 1 - a) in place and vector_norm of its rows, returned, in one pass (the
+// engine's loss-scope clip takes the norms: fedflat.core.MeasuredDirection).
+//
+// Each value is rounded as torch's CPU kernels round it (AVX2 and FMA, or AVX512: checked, see below):
 // - sub: ws - W (one rounding); add_ with alpha: fma(m, alpha, ws - W), as the ufunc's vectorized add (vec::fmadd)
 //   and its contracted scalar remainder compute it;
+// - lerp (weight w, a float32 number): fma(w, m - g, g) where |w| < 0.5, else fma(w - 1, m - g, m), as its
+//   vectorized kernel (blendv, fmadd) and its scalar one (contracted) compute it;
 // - vector_norm (linalg_vector_norm's reduce-last-dim kernel for float, ord 2): `lanes` float accumulators (8 on
 //   torch 2.13's AVX512 build as on AVX2) over the row's whole runs of `lanes` entries in order, acc + x * x (the
 //   product rounded, then the sum), then the accumulators summed left to right; the remainder as that build's
 //   compiled scalar loop adds it: runs of 4 products rounded and added in order, the last 0-3 terms with fma; sqrtf;
 // - the scale s: float n + 1e-12f, 1.0f / it, times float(radius), each rounded; the point fl(W + fl(d s)).
-// Where torch's kernels round otherwise (another build, another CPU) the result differs in last bits: so FedWMSAM
-// uses the operator only after it reproduced the ATen expression bit for bit on a probe of every remainder
-// (fedflat.algorithms.fedwmsam.fused_guided_point), and runs the ATen expression where it did not.
+// Where torch's kernels round otherwise (another build, another CPU) the results differ in last bits: so FedWMSAM
+// uses an operator only after it reproduced the ATen expression bit for bit on a probe of every remainder
+// (fedflat.algorithms.fedwmsam.fused_guided_point, fused_mix_norm), and runs the ATen expression where it did not.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -33,8 +37,6 @@ namespace {
 
 #define FEDFLAT_AVX2 __attribute__((target("avx2,fma")))
 
-// pass 1 over one row: d = fma(m, alpha, ws - W), written to d; returns the norm of d as ATen's kernel rounds it with
-// `lanes` (8 or 16) accumulators: 8-float registers, `lanes / 8` of them over each run of `lanes` entries
 // ATen's ord-2 vector_norm of a row from its `lanes` accumulators after the whole runs (the first `done` entries of
 // d): the accumulators summed left to right, then the remainder as torch's build compiled ATen's scalar loop
 // `sum += x * x` (its vectorized in-order reduction: runs of 4 products rounded, then added in order; the last 0-3
@@ -62,6 +64,8 @@ FEDFLAT_AVX2 inline __m256 direction8(const float* ws, const float* w, const flo
   return _mm256_fmadd_ps(_mm256_loadu_ps(m + i), alpha, _mm256_sub_ps(_mm256_loadu_ps(ws + i), _mm256_loadu_ps(w + i)));
 }
 
+// pass 1 over one row: d = fma(m, alpha, ws - W), written to d; returns the norm of d as ATen's kernel rounds it with
+// `lanes` (8 or 16) accumulators: 8-float registers, `lanes / 8` of them over each run of `lanes` entries
 template <int64_t lanes>
 FEDFLAT_AVX2 float direction_norm(const float* __restrict ws, const float* __restrict w, const float* __restrict m,
                                   float alpha, float* __restrict d, int64_t n) {
