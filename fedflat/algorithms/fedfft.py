@@ -98,20 +98,24 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     filter costs about a quarter of the two full transforms (docs/benchmarks.md). Both forms' errors are within FFT
     rounding, ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write
     the result into."""
+    if out is None:
+        out = torch.empty(seg.numel(), dtype=seg.dtype)
+    _remove_low_band(seg.numpy().reshape(-1), removed, plan, out.numpy())
+    return out
+
+
+def _remove_low_band(x: Any, removed: int, plan: tuple[int, int, Any, Any], out: Any) -> None:
+    """:func:`remove_low_band` on numpy vectors (``x`` and ``out`` contiguous float32 of ``n`` entries)."""
     import numpy as np
     import scipy.fft
 
     n2, n1, T, S = plan
-    X = seg.numpy().reshape(n2, n1)
+    X = x.reshape(n2, n1)
     V = np.matmul(scipy.fft.rfft(X, axis=0)[:removed, None, :], T[:, :, None]).reshape(removed)
     Y = np.empty((n2 // 2 + 1, n1), dtype=np.complex64)
     Y[removed:] = 0  # (a row or two: n2 is near 2 removed)
     torch.mul(torch.from_numpy(V[:, None]), torch.from_numpy(S), out=torch.from_numpy(Y[:removed]))  # (numpy's: 2x)
-    L = scipy.fft.irfft(Y, n=n2, axis=0, overwrite_x=True)
-    if out is None:
-        return torch.from_numpy(np.subtract(X, L, out=L).reshape(-1))
-    np.subtract(X, L, out=out.numpy().reshape(n2, n1))
-    return out
+    np.subtract(X, scipy.fft.irfft(Y, n=n2, axis=0, overwrite_x=True), out=out.reshape(n2, n1))
 
 
 @lru_cache(maxsize=64)
@@ -138,12 +142,34 @@ def remove_low_band_directly(seg: torch.Tensor, removed: int, out: torch.Tensor)
     (W1's biases lose only their mean, its 200 x 10 weight 10 frequencies) two small products cost less than the
     two transforms' calls, and the float64 sums are closer to the exact band than float32 transforms
     (tests/test_fft.py). ``out``: a contiguous float32 CPU tensor of ``n`` entries (a row's slice) to write into."""
+    _remove_low_band_directly(seg.numpy().reshape(-1), removed, out.numpy())
+    return out
+
+
+def _remove_low_band_directly(x: Any, removed: int, out: Any) -> None:
+    """:func:`remove_low_band_directly` on numpy vectors."""
     import numpy as np
 
-    E, B = low_band_basis(seg.shape[-1], removed)
-    x = seg.numpy().reshape(-1).astype(np.float64)
-    np.subtract(x, (E @ x) @ B, out=out.numpy(), casting="same_kind")
-    return out
+    E, B = low_band_basis(x.shape[-1], removed)
+    x = x.astype(np.float64)
+    np.subtract(x, (E @ x) @ B, out=out, casting="same_kind")
+
+
+@lru_cache(maxsize=16)
+def low_band_program(numels: tuple[int, ...], r: float, four_step_min: int,
+                     direct_max: int) -> tuple[tuple[int, int, int, Any], ...]:
+    """How :class:`LowFrequencyFilter` filters one CPU row of a layout with tensors of ``numels`` entries, made once:
+    per tensor ``(offset, n, removed, plan)``, ``plan`` a :func:`four_step_plan`, ``"direct"``
+    (:func:`remove_low_band_directly`), ``"full"`` (:func:`masked_spectrum`) or None (nothing removed: copied)."""
+    program, offset = [], 0
+    for n in numels:
+        removed = int(r * (n // 2 + 1))
+        plan = four_step_plan(n, removed) if n >= four_step_min else None
+        if plan is None and removed:
+            plan = "direct" if removed * n <= direct_max and n < four_step_min else "full"
+        program.append((offset, n, removed, plan))
+        offset += n
+    return tuple(program)
 
 
 @lru_cache(maxsize=64)
@@ -186,21 +212,25 @@ class LowFrequencyFilter(Filter):
         def keep(_: int, F: int) -> torch.Tensor | None:
             removed = int(self.p.r * F)
             return band_mask(F, removed, "low", str(eps.device)) if removed else None
-        segments = _layout_segments(ctx, eps)
         if eps.device.type != "cpu" or eps.dtype != torch.float32 or eps.shape[:-1].numel() != 1:
-            return spectral_filter(eps, segments, keep)
-        out, offset = torch.empty_like(eps), 0  # one CPU row: the long tensors' band removed by the four-step form,
-        for seg in segments:  # the short ones' directly (each written into its slice of out: one row, contiguous)
-            n = seg.shape[-1]
-            removed, row = int(self.p.r * (n // 2 + 1)), out.view(-1)[offset:offset + n]
-            plan = four_step_plan(n, removed) if n >= FOUR_STEP_MIN else None
-            if plan is not None:
-                remove_low_band(seg.reshape(-1), removed, plan, out=row)
-            elif removed and removed * n <= DIRECT_MAX and n < FOUR_STEP_MIN:
-                remove_low_band_directly(seg, removed, row)
+            return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+        layout = ctx.settings.layout
+        if layout is None:
+            _layout_segments(ctx, eps)  # (its error)
+        # one CPU row, on numpy views of it: the long tensors' band removed by the four-step form, the short ones'
+        # directly, each written into its slice of out
+        out = torch.empty_like(eps)
+        x, y = eps.contiguous().numpy().reshape(-1), out.numpy().reshape(-1)
+        for offset, n, removed, plan in low_band_program(layout.numels, self.p.r, FOUR_STEP_MIN, DIRECT_MAX):
+            seg, row = x[offset:offset + n], y[offset:offset + n]
+            if plan is None:
+                row[:] = seg
+            elif plan == "direct":
+                _remove_low_band_directly(seg, removed, row)
+            elif plan == "full":
+                row[:] = masked_spectrum(torch.from_numpy(seg), keep(0, n // 2 + 1)).numpy()
             else:
-                row.copy_(masked_spectrum(seg, keep(0, n // 2 + 1)).view(-1) if removed else seg.view(-1))
-            offset += n
+                _remove_low_band(seg, removed, plan, row)
         return out
 
 
