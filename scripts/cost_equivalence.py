@@ -1,6 +1,7 @@
 """Where issue 57's faster forms change numbers beyond the hash check's tiny problem, their runs against the earlier
-forms': FedFFT's four-step band removal (long tensors) against the full transforms, FedSCAM's count sketch (the
-``auto`` projection on models whose Gaussian matrix is not cached) against the Gaussian.
+forms': FedFFT's four-step band removal (long tensors) and direct one (short tensors with a few removed frequencies)
+against the full transforms, FedSCAM's count sketch (the ``auto`` projection on models whose Gaussian matrix is not
+cached) against the Gaussian.
 
     python scripts/cost_equivalence.py --rounds 50 --seeds 0,1,2 --out equivalence.json
 
@@ -29,12 +30,13 @@ SETTING = {
     "train": {"local_epochs": 1, "batch_size": 50, "lr": 0.1, "weight_decay": 1e-3, "clip": 10.0},
     "sampling": {"clients_per_round": 5}, "eval": {"every": 50},
 }
-# (method, form, overrides, FOUR_STEP_MIN)
+# (method, form, overrides, (FOUR_STEP_MIN, DIRECT_MAX))
+NEW = (fft.FOUR_STEP_MIN, fft.DIRECT_MAX)
 FORMS = [
-    ("fedfft", "full transforms (earlier)", [], 10 ** 12),
-    ("fedfft", "four-step (new)", [], fft.FOUR_STEP_MIN),
-    ("fedscam", "gaussian (earlier)", ["algo.projection=gaussian"], fft.FOUR_STEP_MIN),
-    ("fedscam", "auto: count sketch (new)", [], fft.FOUR_STEP_MIN),
+    ("fedfft", "full transforms (earlier)", [], (10 ** 12, 0)),
+    ("fedfft", "four-step + direct (new)", [], NEW),
+    ("fedscam", "gaussian (earlier)", ["algo.projection=gaussian"], NEW),
+    ("fedscam", "auto: count sketch (new)", [], NEW),
 ]
 
 
@@ -49,8 +51,8 @@ def main() -> int:
     warnings.simplefilter("ignore")
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
-    for method, form, overrides, four_step_min in [f for f in FORMS if f[0] in args.methods.split(",")]:
-        fft.FOUR_STEP_MIN = four_step_min
+    for method, form, overrides, (four_step_min, direct_max) in [f for f in FORMS if f[0] in args.methods.split(",")]:
+        fft.FOUR_STEP_MIN, fft.DIRECT_MAX = four_step_min, direct_max
         accs = []
         for seed in seeds:
             history = fedflat.run({**SETTING, "rounds": args.rounds, "seed": seed, "algo": {"name": method}},

@@ -183,6 +183,27 @@ def test_four_step_band_removal_is_the_full_transform_within_fft_rounding(n):
     assert float((new.double() - exact).norm()) > 0  # float32 arithmetic: the check has something to bound
 
 
+@pytest.mark.parametrize("n, r", [(200, 0.01), (2000, 0.01), (2000, 0.2), (16, 1.0), (17, 1.0), (4096, 0.005)])
+def test_short_tensors_band_removed_directly_is_the_exact_band_within_float32_rounding(n, r):
+    """The direct form of a short tensor (two float64 products, rounded to float32 once) is the float64 filter's
+    result rounded to float32, up to one rounding of each entry and the float64 sums' error (far below float32's),
+    hence within the full float32 transforms' bound of it too; with ``r = 1`` (every coefficient removed, the
+    Nyquist one of an even length included) it leaves zero."""
+    import numpy as np
+    from fedflat.algorithms.fedfft import remove_low_band_directly
+
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+    removed = int(r * (n // 2 + 1))
+    V = np.fft.rfft(x[0].double().numpy())
+    V[:removed] = 0
+    exact = torch.from_numpy(np.fft.irfft(V, n=n))
+    out = remove_low_band_directly(x, removed, torch.full((n,), float("nan")))
+    assert out.dtype == torch.float32
+    scale = float(x.double().abs().max())
+    assert float((out.double() - exact).abs().max()) <= 2.0 ** -24 * float(exact.abs().max()) + 1e-12 * scale * n
+    assert float((out.double() - exact).norm()) <= _fft_error_bound(x)
+
+
 def test_four_step_plan_falls_back_to_the_full_transforms():
     from fedflat.algorithms.fedfft import four_step_plan
     assert four_step_plan(65_537, 327) is None  # prime: no divisor
@@ -198,10 +219,11 @@ def test_fft_filter_on_a_long_tensor_uses_the_four_step_form_within_rounding(mon
     eps = torch.randn(1, layout.size, generator=torch.Generator().manual_seed(1))
     new = filt.apply(ctx, None, eps)
     monkeypatch.setattr(fft, "FOUR_STEP_MIN", 10 ** 9)
+    monkeypatch.setattr(fft, "DIRECT_MAX", 0)
     old = filt.apply(ctx, None, eps)
     for a, b, s in zip(layout.segments(new[0]), layout.segments(old[0]), layout.segments(eps[0])):
         assert float((a - b).double().norm()) <= 2 * _fft_error_bound(s)
-    assert not torch.equal(new, old)  # the long weights took the other form
+        assert not torch.equal(a, b) or s.numel() == 10  # every tensor but the untouched bias took another form
     assert torch.equal(new[0, -10:], eps[0, -10:])  # the 10-entry bias: nothing removed (floor(0.01 * 6) = 0)
 
 
@@ -223,6 +245,7 @@ def test_fedfft_runs_with_the_four_step_form_agree_to_float32_rounding(monkeypat
 
     new = final()
     monkeypatch.setattr(fft, "FOUR_STEP_MIN", 10 ** 12)
+    monkeypatch.setattr(fft, "DIRECT_MAX", 0)
     old = final()
     full = fft.masked_spectrum
     monkeypatch.setattr(fft, "masked_spectrum", lambda seg, mask: full(seg.double(), mask).float())

@@ -52,27 +52,39 @@ def masked_spectrum(seg: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 FOUR_STEP_MIN = 1 << 14  # tensors from this length on: the low band removed by the pruned four-step transform
+DIRECT_MAX = 1 << 16  # shorter tensors with removed * n up to this: the band computed directly (low_band_basis)
+
+
+def _smooth(n: int) -> bool:
+    """Whether ``n`` has no prime factor above 5 (pocketfft's fastest radices)."""
+    for p in (2, 3, 5):
+        while n % p == 0:
+            n //= p
+    return n == 1
 
 
 @lru_cache(maxsize=64)
 def four_step_plan(n: int, removed: int) -> tuple[int, int, Any, Any] | None:
-    """``(n2, n1, T, S)`` for :func:`remove_low_band` of a length-``n`` tensor: ``n = n2 n1`` with ``n2`` the smallest
-    divisor of ``n`` at least ``2 removed - 1`` (so the removed band's ``removed`` frequencies and their negatives do
-    not alias in a length-``n2`` transform) and ``n1 >= 8``, and the twiddles ``T[k, b] = exp(-2 pi i k b / n)``,
-    ``k < removed``, ``b < n1`` (computed in float64, rounded once to complex64), and the inverse's ``S = conj(T) /
-    n1`` (the length-``n2`` inverse divides by ``n2`` only); None where ``n`` has no such
-    divisor (the full transforms then)."""
+    """``(n2, n1, T, S)`` for :func:`remove_low_band` of a length-``n`` tensor: ``n = n2 n1`` with ``n2`` a divisor of
+    ``n`` at least ``2 removed - 1`` (so the removed band's ``removed`` frequencies and their negatives do not alias
+    in a length-``n2`` transform) and ``n1 >= 8``: the smallest one with no prime factor above 5 where one is at most
+    twice the smallest divisor (for W1's 784 x 200 weight 1600 = 2^6 5^2 rather than 1568 = 2^5 7^2: its transforms
+    take about a quarter less time), else the smallest; and the twiddles ``T[k, b] = exp(-2 pi i k b / n)``, ``k <
+    removed``, ``b < n1`` (computed in float64, rounded once to complex64), and the inverse's ``S = conj(T) / n1``
+    (the length-``n2`` inverse divides by ``n2`` only); None where ``n`` has no such divisor (the full transforms
+    then)."""
     import numpy as np
 
     if removed < 1:
         return None
-    for n2 in range(max(2 * removed - 1, 2), n // 8 + 1):
-        if n % n2 == 0:
-            n1 = n // n2
-            k, b = np.arange(removed)[:, None], np.arange(n1)[None, :]
-            T = np.exp(-2j * np.pi * ((k * b) % n) / n)
-            return n2, n1, T.astype(np.complex64), (T.conj() / n1).astype(np.complex64)
-    return None
+    divisors = [d for d in range(max(2 * removed - 1, 2), n // 8 + 1) if n % d == 0]
+    if not divisors:
+        return None
+    n2 = next((d for d in divisors if d <= 2 * divisors[0] and _smooth(d)), divisors[0])
+    n1 = n // n2
+    k, b = np.arange(removed)[:, None], np.arange(n1)[None, :]
+    T = np.exp(-2j * np.pi * ((k * b) % n) / n)
+    return n2, n1, T.astype(np.complex64), (T.conj() / n1).astype(np.complex64)
 
 
 def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, Any],
@@ -80,25 +92,84 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     """``x - iRFFT(V[:removed], n)`` of one tensor ``x`` (``V = rFFT(x)``): seed 004 eq. 6's ``iRFFT(mask V)`` up to
     float32 rounding, computing only the removed band. With ``n = n2 n1`` and ``X[a, b] = x[a n1 + b]``
     (four-step, Cooley-Tukey): ``V_k = sum_b T[k, b] rFFT_a(X)[k, b]`` for ``k < removed`` (``n1`` transforms of length
-    ``n2``, along the columns), and the band's signal ``L[a n1 + b] = iRFFT_a(V_k conj(T[k, b]) / n1)[a]`` (``n1``
-    inverse ones). Length-``n2`` transforms stay in cache where the full length-``n`` ones do not; on the W1 MLP's
-    784 x 200 weight (n = 156,800, 784 frequencies removed, n2 = 1568) the filter costs about a third of the two full
-    transforms (docs/benchmarks.md). Both forms' errors are within FFT rounding, ``O(u log n) ||x||``
-    (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write the result into."""
+    ``n2``, along the columns; the sums over ``b`` as one batched product), and the band's signal ``L[a n1 + b] =
+    iRFFT_a(V_k conj(T[k, b]) / n1)[a]`` (``n1`` inverse ones). Length-``n2`` transforms stay in cache where the full
+    length-``n`` ones do not; on the W1 MLP's 784 x 200 weight (n = 156,800, 784 frequencies removed, n2 = 1600) the
+    filter costs about a quarter of the two full transforms (docs/benchmarks.md). Both forms' errors are within FFT
+    rounding, ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write
+    the result into."""
+    if out is None:
+        out = torch.empty(seg.numel(), dtype=seg.dtype)
+    _remove_low_band(seg.numpy().reshape(-1), removed, plan, out.numpy())
+    return out
+
+
+def _remove_low_band(x: Any, removed: int, plan: tuple[int, int, Any, Any], out: Any) -> None:
+    """:func:`remove_low_band` on numpy vectors (``x`` and ``out`` contiguous float32 of ``n`` entries)."""
     import numpy as np
     import scipy.fft
 
     n2, n1, T, S = plan
-    X = seg.numpy().reshape(n2, n1)
-    V = np.einsum("kb,kb->k", scipy.fft.rfft(X, axis=0)[:removed], T)
+    X = x.reshape(n2, n1)
+    V = np.matmul(scipy.fft.rfft(X, axis=0)[:removed, None, :], T[:, :, None]).reshape(removed)
     Y = np.empty((n2 // 2 + 1, n1), dtype=np.complex64)
-    Y[removed:] = 0  # (a row or two: n2 is the smallest divisor above 2 removed - 2)
-    np.multiply(V[:, None], S, out=Y[:removed])
-    L = scipy.fft.irfft(Y, n=n2, axis=0, overwrite_x=True)
-    if out is None:
-        return torch.from_numpy(np.subtract(X, L, out=L).reshape(-1))
-    np.subtract(X, L, out=out.numpy().reshape(n2, n1))
+    Y[removed:] = 0  # (a row or two: n2 is near 2 removed)
+    torch.mul(torch.from_numpy(V[:, None]), torch.from_numpy(S), out=torch.from_numpy(Y[:removed]))  # (numpy's: 2x)
+    np.subtract(X, scipy.fft.irfft(Y, n=n2, axis=0, overwrite_x=True), out=out.reshape(n2, n1))
+
+
+@lru_cache(maxsize=64)
+def low_band_basis(n: int, removed: int) -> tuple[Any, Any]:
+    """``(E, B)`` in float64 for :func:`remove_low_band_directly`: ``E = [cos; -sin](2 pi k j / n)``, ``[2 removed, n]``,
+    so that ``E x`` is the real and imaginary parts of ``V_k = rFFT(x)_k``, ``k < removed``; and ``B``, ``[2 removed,
+    n]``, the inverse's rows ``w_k cos(2 pi k j / n) / n`` and ``-w_k sin(2 pi k j / n) / n`` with ``w_k = 1`` for
+    ``k = 0`` and ``k = n / 2`` and 2 otherwise (the negative frequencies of a real signal)."""
+    import numpy as np
+
+    k = np.arange(removed)[:, None]
+    angle = 2 * np.pi * ((k * np.arange(n)[None, :]) % n) / n
+    cos, sin = np.cos(angle), np.sin(angle)
+    w = np.full((removed, 1), 2.0)
+    w[0] = 1.0
+    if n % 2 == 0 and removed > n // 2:
+        w[n // 2] = 1.0
+    return np.concatenate([cos, -sin]), np.concatenate([w * cos, -w * sin]) / n
+
+
+def remove_low_band_directly(seg: torch.Tensor, removed: int, out: torch.Tensor) -> torch.Tensor:
+    """``x - iRFFT(V[:removed], n)`` of a short tensor (``removed n`` up to :data:`DIRECT_MAX`) as two float64
+    products with :func:`low_band_basis`, rounded to float32 once: for a few removed frequencies of a short tensor
+    (W1's biases lose only their mean, its 200 x 10 weight 10 frequencies) two small products cost less than the
+    two transforms' calls, and the float64 sums are closer to the exact band than float32 transforms
+    (tests/test_fft.py). ``out``: a contiguous float32 CPU tensor of ``n`` entries (a row's slice) to write into."""
+    _remove_low_band_directly(seg.numpy().reshape(-1), removed, out.numpy())
     return out
+
+
+def _remove_low_band_directly(x: Any, removed: int, out: Any) -> None:
+    """:func:`remove_low_band_directly` on numpy vectors."""
+    import numpy as np
+
+    E, B = low_band_basis(x.shape[-1], removed)
+    x = x.astype(np.float64)
+    np.subtract(x, (E @ x) @ B, out=out, casting="same_kind")
+
+
+@lru_cache(maxsize=16)
+def low_band_program(numels: tuple[int, ...], r: float, four_step_min: int,
+                     direct_max: int) -> tuple[tuple[int, int, int, Any], ...]:
+    """How :class:`LowFrequencyFilter` filters one CPU row of a layout with tensors of ``numels`` entries, made once:
+    per tensor ``(offset, n, removed, plan)``, ``plan`` a :func:`four_step_plan`, ``"direct"``
+    (:func:`remove_low_band_directly`), ``"full"`` (:func:`masked_spectrum`) or None (nothing removed: copied)."""
+    program, offset = [], 0
+    for n in numels:
+        removed = int(r * (n // 2 + 1))
+        plan = four_step_plan(n, removed) if n >= four_step_min else None
+        if plan is None and removed:
+            plan = "direct" if removed * n <= direct_max and n < four_step_min else "full"
+        program.append((offset, n, removed, plan))
+        offset += n
+    return tuple(program)
 
 
 @lru_cache(maxsize=64)
@@ -141,19 +212,25 @@ class LowFrequencyFilter(Filter):
         def keep(_: int, F: int) -> torch.Tensor | None:
             removed = int(self.p.r * F)
             return band_mask(F, removed, "low", str(eps.device)) if removed else None
-        segments = _layout_segments(ctx, eps)
         if eps.device.type != "cpu" or eps.dtype != torch.float32 or eps.shape[:-1].numel() != 1:
-            return spectral_filter(eps, segments, keep)
-        out, offset = torch.empty_like(eps), 0  # one CPU row: the long tensors' band removed by the four-step form
-        for seg in segments:
-            n = seg.shape[-1]
-            removed = int(self.p.r * (n // 2 + 1))
-            plan = four_step_plan(n, removed) if n >= FOUR_STEP_MIN else None
-            if plan is not None:  # (written into its slice of out: one row, so the slice is contiguous)
-                remove_low_band(seg.reshape(-1), removed, plan, out=out.view(-1)[offset:offset + n])
+            return spectral_filter(eps, _layout_segments(ctx, eps), keep)
+        layout = ctx.settings.layout
+        if layout is None:
+            _layout_segments(ctx, eps)  # (its error)
+        # one CPU row, on numpy views of it: the long tensors' band removed by the four-step form, the short ones'
+        # directly, each written into its slice of out
+        out = torch.empty_like(eps)
+        x, y = eps.contiguous().numpy().reshape(-1), out.numpy().reshape(-1)
+        for offset, n, removed, plan in low_band_program(layout.numels, self.p.r, FOUR_STEP_MIN, DIRECT_MAX):
+            seg, row = x[offset:offset + n], y[offset:offset + n]
+            if plan is None:
+                row[:] = seg
+            elif plan == "direct":
+                _remove_low_band_directly(seg, removed, row)
+            elif plan == "full":
+                row[:] = masked_spectrum(torch.from_numpy(seg), keep(0, n // 2 + 1)).numpy()
             else:
-                out[..., offset:offset + n] = masked_spectrum(seg, keep(0, n // 2 + 1)) if removed else seg
-            offset += n
+                _remove_low_band(seg, removed, plan, row)
         return out
 
 

@@ -30,18 +30,25 @@ has +0.99); ``sign: code`` perturbs along :math:`-d_k`, as the public code's ``e
 own README; ``similarity: gradient`` uses :math:`\cos(G_i, m) = 1 - (\cos(\Delta_i, m) + 1)`, which falls over training.
 Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
+
+Cost (issue 57, docs/benchmarks.md): on the CPU the perturbed point :math:`w_k + \epsilon_k` and the mix
+:math:`a g + (1 - a) m_i` with its norm each run as one native kernel (fedflat/engine/native/vector_ops.cpp, ATen's roundings,
+checked on a probe before use; the torch expressions otherwise), and the round's ``[K, P]`` work goes by column blocks:
+the same bits either way.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
-from fedflat.algorithms.scaffold import CLIENT_VARIATE, SERVER_VARIATE, scaffold_client_variate, scaffold_server_variate
-from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Perturbation, Recipe,
-                          RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
+from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_blocks, scaffold_client_variate,
+                                         scaffold_server_variate, variate_change)
+from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection, PartParams,
+                          Perturbation, Recipe, RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
+from fedflat.core.vectors import kernel
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
@@ -50,8 +57,144 @@ CLIENT_MOMENTUM = Slot("wmsam.m_i", "the momentum each client of the chunk mixes
 
 def personalized_momentum(m: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Seed 001 eq. 1: ``m_i = m + (c - c_i) a / (1 - a)``, so that ``a g + (1 - a) m_i = a (g + c - c_i) + (1 - a) m``
-    (one fresh ``[K, P]`` tensor, the product and the sum in place on it: the same roundings)."""
-    return torch.sub(c, c_i).mul_(a / (1 - a)).add_(m)
+    (one fresh ``[K, P]`` tensor, the difference, product and sum written into it block by block while the block is in
+    cache, :func:`~fedflat.algorithms.scaffold.column_blocks`: the same roundings)."""
+    factor, m_i = a / (1 - a), torch.empty(c_i.shape, dtype=torch.result_type(c, c_i), device=c_i.device)
+    for b in column_blocks(m_i):
+        torch.sub(c[..., b], c_i[:, b], out=m_i[:, b]).mul_(factor).add_(m[..., b])
+    return m_i
+
+
+def mean_pseudo_gradient(ctx: RoundContext) -> torch.Tensor:
+    r""":math:`\bar{G} = \sum_i p_i G_i`, :math:`G_i = -\Delta_i / (E_i \eta_l^t)` (``ctx.aggregate(ctx.pseudo_gradients)``,
+    with its refusal under a stateful local optimizer), block by block (:func:`~fedflat.algorithms.scaffold.column_blocks`:
+    the same bits, no fresh ``[K, P]``)."""
+    if not ctx.settings.optimizer.plain or ctx.deltas.device.type != "cpu":
+        return ctx.aggregate(ctx.pseudo_gradients)
+    deltas, weights = ctx.deltas, ctx.weights.to(ctx.deltas.dtype)
+    divisor, gbar = ctx.steps.to(deltas.dtype)[:, None] * ctx.lr, torch.empty(deltas.shape[-1], dtype=deltas.dtype)
+    for b in column_blocks(deltas):
+        gbar[b] = weights @ torch.neg(deltas[:, b]).div_(divisor)
+    return gbar
+
+
+def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
+                 out: torch.Tensor) -> torch.Tensor:
+    r"""The perturbed point :math:`w_k + \epsilon_k`, :math:`\epsilon_k = \mathrm{radius}\, d_k / (\lVert d_k \rVert + 10^{-12})`,
+    :math:`d_k = (w^t - w_k) + \alpha\, m_i` (seed 001 §4.1(b), README C1; :math:`\alpha = k`), written into ``out``:
+    the native kernel (two passes over the vector) where :func:`fused_guided_point` found one with these bits and it
+    takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``, ``w_start``
+    and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else :func:`guided_point_torch` (five)."""
+    fused = _fused.get("op", _UNCHECKED)
+    if fused is _UNCHECKED:
+        fused = fused_guided_point()
+    if fused is not None and W.device.type == "cpu":
+        try:
+            fused[0](w_start, W, m_i, alpha, radius, fused[1], out)
+            return out
+        except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
+            pass
+    return guided_point_torch(w_start, W, m_i, alpha, radius, out)
+
+
+def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alpha: float, radius: float,
+                       out: torch.Tensor) -> torch.Tensor:
+    """:func:`guided_point` as :meth:`MomentumGuidedPerturbation.perturb`'s torch operations and the local loop's sum,
+    ``out`` holding ``d_k``, then ``eps_k``, then the point (the same roundings: each is elementwise)."""
+    torch.sub(w_start, W, out=out).add_(m_i, alpha=alpha)
+    return torch.add(W, normalize_rows_(out, radius), out=out)
+
+
+_fused: dict[str, tuple[Callable, int] | None] = {}  # kernel name: the checked kernel and its norm's accumulators
+_UNCHECKED = object()
+
+
+def fused_guided_point() -> tuple[Callable, int] | None:
+    """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) and
+    the count of the norm's accumulators to call it with, ``op(w_start, W, m_i, alpha, radius, lanes, out)``, or None
+    where it is not built or does not reproduce :func:`guided_point_torch` bit for bit on :func:`probe_cases`
+    (checked once a process, for each count of the norm's accumulators the kernel knows: ATen's depends on torch's
+    build and CPU)."""
+    return _checked("op", "guided_point", lambda op, lanes: all(_agrees(op, lanes, *c) for c in probe_cases()))
+
+
+def fused_mix_norm() -> tuple[Callable, int] | None:
+    """The native ``mix_norm`` and its accumulator count, ``op(g, m_i, weight, lanes)``: ``g.lerp_(m_i, weight)`` in
+    place and the result's row norms, returned, as ``torch.linalg.vector_norm`` gives them; or None where it is not
+    built or does not reproduce :func:`mix_norm_torch` on :func:`probe_cases`' vectors (checked once a process)."""
+    return _checked("mix", "mix_norm", _mix_agrees)
+
+
+def _checked(key: str, name: str, agrees: Callable[[Callable, int], bool]) -> tuple[Callable, int] | None:
+    if key not in _fused:
+        op, found = kernel(name), None
+        if op is not None:
+            found = next(((op, lanes) for lanes in (8, 16) if agrees(op, lanes)), None)
+        _fused[key] = found
+    return _fused[key]
+
+
+def mix_norm_torch(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``g.lerp_(m_i, weight)`` (FedWMSAM's ``a g + (1 - a) m_i``, ``weight = 1 - a``) and the rows' norms of the result
+    as the engine's clip computes them."""
+    return torch.linalg.vector_norm(g.lerp_(m_i, weight), dim=-1, keepdim=True)
+
+
+def mix_norm(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`mix_norm_torch` in one pass by the native kernel (its bits) where :func:`fused_mix_norm` found it and it
+    takes the operands (it checks them before it writes ``g``), else None (``g`` untouched)."""
+    fused = _fused.get("mix", _UNCHECKED)
+    if fused is _UNCHECKED:
+        fused = fused_mix_norm()
+    if fused is None or g.device.type != "cpu":
+        return None
+    try:
+        return fused[0](g, m_i, weight, fused[1])
+    except RuntimeError:  # operands the kernel does not take
+        return None
+
+
+def _mix_agrees(op: Callable, lanes: int) -> bool:
+    for w_start, W, m_i, alpha, _ in probe_cases():
+        g = (W - w_start) * alpha
+        for weight in (torch.tensor(0.9), torch.tensor(0.3), torch.tensor(0.5)):
+            expected_g = g.clone()
+            expected = mix_norm_torch(expected_g, m_i, weight)
+            mine = g.clone()
+            try:
+                norms = op(mine, m_i, weight, lanes)
+            except RuntimeError:
+                return False
+            if not (torch.equal(mine, expected_g) and torch.equal(norms, expected)):
+                return False
+    return True
+
+
+def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]]:
+    """Operands covering the kernel's paths: every remainder of a row's length modulo 16 around a few multiples,
+    one and three clients, ``m_i`` per client, as an expanded row and as ``[P]``, integer and float ``alpha``, both
+    signs of the radius, and a long row (W1's layer sizes)."""
+    g = torch.Generator().manual_seed(57)
+    cases = []
+    for P in [*range(1, 50), 95, 1000, 4099, 156_800 + 200 + 13]:
+        C = 3 if P % 2 else 1
+        w_start = torch.randn(P, generator=g)
+        W = w_start + 0.01 * torch.randn(C, P, generator=g)
+        m = 0.001 * torch.randn(C, P, generator=g)
+        ms = (m, m[:1].expand(C, -1), m[0])
+        cases.append((w_start, W, ms[P % 3], P % 5 + 1, 0.05))
+        cases.append((W.clone(), W.roll(1, -1).contiguous(), ms[(P + 1) % 3], -0.0123 * P, -0.02))
+    return cases
+
+
+def _agrees(op: Callable, lanes: int, w_start, W, m_i, alpha, radius) -> bool:
+    expected = guided_point_torch(w_start, W, m_i, alpha, radius, torch.empty_like(W))
+    out = torch.empty_like(W)
+    try:
+        op(w_start, W, m_i, alpha, radius, lanes, out)
+    except RuntimeError:  # (a CPU without AVX2 and FMA)
+        return False
+    return torch.equal(out, expected)
 
 
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
@@ -132,17 +275,25 @@ class WeightedMomentum(Correction):
         cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits)."""
-        wd = ctx.settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
-        return Direction(grad.lerp_(cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]),
-                         wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits); where the
+        engine clips the loss direction, its norms come from the same pass (:func:`mix_norm`: a
+        :class:`~fedflat.core.MeasuredDirection`)."""
+        settings = ctx.settings
+        wd = settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
+        decay = wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd
+        m_i, complement = cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]
+        if settings.clip is not None and settings.clip_scope == "loss":
+            norms = mix_norm(grad, m_i, complement)
+            if norms is not None:
+                return MeasuredDirection(grad, decay, norms)
+        return Direction(grad.lerp_(m_i, complement), decay)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
         c_i = ctx.held[CLIENT_VARIATE]
         c_plus = scaffold_client_variate(c_i, server[SERVER_VARIATE], ctx.w_start, ctx.w_final, ctx.steps, ctx.lr)
         ctx.held[CLIENT_VARIATE] = c_plus
-        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], (c_plus - c_i).sum(0),
+        server[SERVER_VARIATE] = scaffold_server_variate(server[SERVER_VARIATE], variate_change(c_plus, c_i),
                                                          ctx.settings.num_clients)
         if self.p.adaptive:
             s = update_similarity(ctx.deltas if self.p.similarity == "update" else ctx.pseudo_gradients,
@@ -150,7 +301,7 @@ class WeightedMomentum(Correction):
             ctx.log["wmsam_similarity"] = float(s.mean())
             server[FACTOR] = adapt_factor(server[FACTOR], s, self.p.tau, self.p.a_min, self.p.a_max)
         ctx.log["wmsam_a"] = float(server[FACTOR])
-        gbar = ctx.aggregate(ctx.pseudo_gradients)
+        gbar = mean_pseudo_gradient(ctx)
         server[MOMENTUM] = ctx.settings.lr_decay * gbar if self.p.momentum_lr_decay else gbar
 
 
@@ -174,16 +325,31 @@ class MomentumGuidedPerturbation(Perturbation):
     summary = "FedWMSAM: eps = rho d/||d||, d = (w^t + k m_i) - w_k, the inferred global trajectory (no extra backprop)"
     Params = GuidedParams
     requires = frozenset({MOMENTUM})
+    fuses_point = True  # perturbed_point: the native kernel's two passes, the same bits as perturb and the sum
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
-        m_i = cohort.shared[CLIENT_MOMENTUM] if CLIENT_MOMENTUM in cohort.shared else ctx.server[MOMENTUM]
         buffer = cohort.own(self).get("d")  # d_k written into one buffer per chunk, not a fresh [C, P] a step
         if buffer is None or buffer.shape != W.shape:
             buffer = cohort.own(self)["d"] = torch.empty_like(W)
-        d = torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=k if self.p.target == "momentum" else -k * ctx.lr)
-        return normalize_rows_(d, -self.p.rho if self.p.sign == "code" else self.p.rho)
+        m_i, alpha, radius = self._operands(ctx, cohort, k)
+        return normalize_rows_(torch.sub(ctx.w_start, W, out=buffer).add_(m_i, alpha=alpha), radius)
+
+    def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
+                        out: torch.Tensor) -> torch.Tensor | None:
+        """``W + eps`` into ``out`` by :func:`guided_point` (two passes over the vector where the native kernel is
+        built, :meth:`perturb`'s operations and the sum otherwise): the same bits either way."""
+        if not self.p.guided or self.p.rho == 0 or k == 0:
+            return None
+        return guided_point(ctx.w_start, W, *self._operands(ctx, cohort, k), out)
+
+    def _operands(self, ctx: ClientContext, cohort: Cohort, k: int) -> tuple[torch.Tensor, float, float]:
+        """``m_i`` (``m`` without a personalized one), ``alpha`` (``k``; ``-k eta_l`` for ``target: descent``) and the
+        signed radius."""
+        m_i = cohort.shared.get(CLIENT_MOMENTUM)
+        return (ctx.server[MOMENTUM] if m_i is None else m_i, k if self.p.target == "momentum" else -k * ctx.lr,
+                -self.p.rho if self.p.sign == "code" else self.p.rho)
 
 
 register_recipe(Recipe(

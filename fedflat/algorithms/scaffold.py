@@ -32,12 +32,40 @@ SHIFT = Slot("scaffold.shift", "lamb (c - c_i) of the chunk's clients [C, P], th
 VARIATE_CHANGE = "scaffold.dc"  # upload: c_i^+ - c_i
 
 
+COLUMN_BLOCK = 1 << 13  # columns a blocked [K, P] operation takes at a time (see column_blocks)
+
+
+def column_blocks(X: torch.Tensor) -> list[slice]:
+    """Slices of ``X``'s last dimension, :data:`COLUMN_BLOCK` columns each and the remainder with the last (a narrow
+    block would reduce in another order), on the CPU (one slice, everything,
+    elsewhere): round-level ``[K, P]`` work done block by block keeps its temporaries cache-sized instead of fresh
+    ``[K, P]`` tensors, whose page faults cost more than the arithmetic (about 75 ms of a 95 ms subtraction for W2's
+    50 x 797,962, docs/benchmarks.md). Elementwise operations give the same bits on any slicing; a width that is a
+    multiple of the vector width keeps reductions over rows (``sum(0)``, ``weights @ X``) exact too (tests/test_column_blocks.py)."""
+    if X.device.type != "cpu":
+        return [slice(None)]
+    starts = range(0, max(X.shape[-1] - COLUMN_BLOCK, 0) + 1, COLUMN_BLOCK)  # (the remainder joins the last block)
+    return [slice(start, start + COLUMN_BLOCK if i < len(starts) - 1 else None) for i, start in enumerate(starts)]
+
+
 def scaffold_client_variate(c_i: torch.Tensor, c: torch.Tensor, w_start: torch.Tensor, w_final: torch.Tensor,
                             steps: torch.Tensor, lr: float) -> torch.Tensor:
     r"""Option II of SCAFFOLD's Algorithm 1: :math:`c_i^+ = c_i - c + (w^t - w_{i,E}) / (E_i \eta_l)`, row by row
-    (``c_i, w_final [C, P]``, ``c, w_start [P]``, ``steps [C]``)."""
-    drift = torch.sub(w_start, w_final).div_(steps.to(w_final.dtype)[:, None] * lr)  # (in place: the same bits)
-    return torch.sub(c_i, c).add_(drift)
+    (``c_i, w_final [C, P]``, ``c, w_start [P]``, ``steps [C]``): ``c_i - c``, then the drift ``(w^t - w_{i,E}) / (E_i
+    \eta_l)`` added block by block (:func:`column_blocks`; the same roundings as whole rows, one fresh tensor)."""
+    divisor = steps.to(w_final.dtype)[:, None] * lr
+    c_plus = torch.sub(c_i, c)
+    for b in column_blocks(c_plus):
+        c_plus[:, b].add_(torch.sub(w_start[..., b], w_final[:, b]).div_(divisor))
+    return c_plus
+
+
+def variate_change(c_plus: torch.Tensor, c_i: torch.Tensor) -> torch.Tensor:
+    r""":math:`\sum_{i \in S} (c_i^+ - c_i)`, ``[P]``, block by block (:func:`column_blocks`: no fresh ``[K, P]``)."""
+    total = torch.empty(c_plus.shape[-1], dtype=c_plus.dtype, device=c_plus.device)
+    for b in column_blocks(c_plus):
+        total[b] = torch.sub(c_plus[:, b], c_i[:, b]).sum(0)
+    return total
 
 
 def scaffold_server_variate(c: torch.Tensor, sum_dc: torch.Tensor, num_clients: int) -> torch.Tensor:

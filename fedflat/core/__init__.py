@@ -26,7 +26,7 @@ _HOMES = {
               "ClipScope", "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot",
               "TrainSettings", "LocalOptimizer", "merge_results", "payload_size", "Contrast", "OBJECTIVE_TERM"),
     "part": ("SHARED", "Aggregation", "Correction", "Direction", "Filter", "Part", "PartParams", "Personalization",
-             "Perturbation", "ServerUpdate", "shared"),
+             "Perturbation", "ServerUpdate", "shared", "MeasuredDirection"),
     "init": ("Init",),
     "hooks": ("HOOKS", "ROLE_HOOKS", "Hook", "hook_table"),
     "upload": ("STAGE_ORDER", "Release", "UploadStage", "release_norms", "release_of", "scale_release", "upload_of"),

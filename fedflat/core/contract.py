@@ -31,7 +31,8 @@ from fedflat.core.round import ClientContext, Cohort, RoundContext
 
 CHECK_ENV = "FEDFLAT_CHECK_CONTRACT"
 HOOKS = HOOK_NAMES  # every hook of every role (fedflat/core/hooks.py)
-OWNED_ARGUMENTS = {"direction": frozenset({"grad"})}  # handed over: the hook may overwrite them (part.py)
+# handed over: the hook may overwrite them (part.py)
+OWNED_ARGUMENTS = {"direction": frozenset({"grad"}), "perturbed_point": frozenset({"out"})}
 
 
 def checking() -> bool:

@@ -212,6 +212,7 @@ class Perturbation(Part):
     term that seeks flat regions without a perturbation (FedGMT's distillation toward the global trajectory)."""
 
     role = "perturbation"
+    fuses_point: ClassVar[bool] = False  # True: the loop takes W + eps from perturbed_point (a fused form)
 
     def distillation(self, ctx: ClientContext) -> Distillation | None:
         """A distillation term of this round's local objective (the same at every step), or None."""
@@ -220,6 +221,17 @@ class Perturbation(Part):
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """``eps[C, P]`` for local step ``k``, or ``None`` for no perturbation."""
         return None
+
+    def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch: Batch,
+                        out: torch.Tensor) -> torch.Tensor | None:
+        """``W + eps`` for local step ``k``, or None for no perturbation: where the local loop takes the gradient, asked
+        instead of :meth:`perturb` where ``fuses_point`` is True and no filter transforms ``eps``. ``out`` is the
+        loop's buffer of ``W``'s shape, which the sum may be written into. The default is :meth:`perturb` and the
+        sum; a part overrides it only with a fused form of the same bits (FedWMSAM's native kernel)."""
+        eps = self.perturb(ctx, cohort, k, W, batch)
+        if eps is None:
+            return None
+        return torch.add(W, eps, out=out) if eps.shape == W.shape and eps.dtype == W.dtype else W + eps
 
     def descent_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
         """The minibatch gradient the step descends along, from ``grad = g(w + eps)`` (itself by default;
@@ -248,6 +260,17 @@ class Direction(NamedTuple):
 
     loss: torch.Tensor
     decay: float | torch.Tensor
+
+
+class MeasuredDirection(Direction):
+    """A :class:`Direction` that also carries ``loss_norm``, the ``[C, 1]`` L2 norms of the rows of ``loss`` exactly as
+    ``torch.linalg.vector_norm`` gives them, computed in the pass that made ``loss`` (FedWMSAM's fused momentum mix):
+    the engine's ``train.clip_scope=loss`` clip takes them instead of reading ``loss`` once more."""
+
+    def __new__(cls, loss: torch.Tensor, decay: float | torch.Tensor, loss_norm: torch.Tensor) -> "MeasuredDirection":
+        direction = super().__new__(cls, loss, decay)
+        direction.loss_norm = loss_norm
+        return direction
 
 
 class Correction(Part):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,6 +22,21 @@ CLIP_GRAD_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (||g|| + 1e
 # max_norm (1 - u)^3 / ((n + 1e-6)(1 + u)^2) > max_norm (1 - 5u) / (n + 1e-6): a row with n + 1e-6 <= max_norm (1 - 8u)
 # gets a scale >= 1, clamped to exactly 1
 SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
+
+_kernel_sources: list[Callable[[str], Callable | None]] = []  # (fedflat.engine.native's operator lookup, once imported)
+
+
+def provide_kernels(source: Callable[[str], Callable | None]) -> None:
+    """Installs where :func:`kernel` finds compiled operators: ``source(name)`` gives one or None
+    (:mod:`fedflat.engine.native` installs its own when imported; fedflat.core imports nothing of the engine)."""
+    _kernel_sources[:] = [source]
+
+
+def kernel(name: str) -> Callable | None:
+    """The compiled operator ``name`` (``torch.ops.fedflat.<name>``, built on first use), or None where there is none
+    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression,
+    which the part checks against that expression before using it."""
+    return _kernel_sources[0](name) if _kernel_sources else None
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:
@@ -53,7 +69,7 @@ def clip_factors(norms: torch.Tensor, bound: float | torch.Tensor, offset: float
     return (bound / (norms + offset if offset else norms)).clamp(max=1.0)
 
 
-def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+def clip_scale(D: torch.Tensor, max_norm: float, norms: torch.Tensor | None = None) -> torch.Tensor | None:
     """``min(1, max_norm / (||D_c|| + 1e-6))`` per row of ``D[C, P]``, ``[C, 1]`` (``clip_grad_norm_``'s rule,
     :func:`clip_factors`), or None where no row is clipped (every scale exactly 1; checked only on CPU, where a GPU
     would synchronise).
@@ -61,8 +77,10 @@ def clip_scale(D: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     On CPU a cohort whose largest norm is below ``max_norm`` by the float32 bound of :data:`SURELY_UNCLIPPED`
     skips the scale's five small tensor operations (the common case: about half the cost of the clip at W1's
     step, docs/benchmarks.md); only near the bound is the scale computed and compared with 1, so the
-    decision and every scale are the full arithmetic's bit for bit."""
-    norms = row_norm(D)
+    decision and every scale are the full arithmetic's bit for bit. ``norms``: the rows' norms where the caller has
+    them already (a :class:`~fedflat.core.MeasuredDirection`'s, the same bits)."""
+    if norms is None:
+        norms = row_norm(D)
     if D.device.type == "cpu" and norms.numel() and float(norms.max()) + CLIP_GRAD_EPS <= max_norm * SURELY_UNCLIPPED:
         return None
     scale = clip_factors(norms, max_norm, CLIP_GRAD_EPS)

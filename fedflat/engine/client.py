@@ -29,16 +29,17 @@ def local_direction(correction: Correction, ctx: ClientContext, cohort: Cohort, 
     if not isinstance(direction, Direction):
         raise ContractError(f"{correction!r}.direction returned {type(direction).__name__}; it returns "
                             "fedflat.core.Direction(loss, decay), d = loss + decay w (docs/extending.md)")
-    return add_decay(direction.loss, W, direction.decay, clip, clip_scope)
+    return add_decay(direction.loss, W, direction.decay, clip, clip_scope, getattr(direction, "loss_norm", None))
 
 
 def add_decay(L: torch.Tensor, W: torch.Tensor, decay: float | torch.Tensor, max_norm: float | None,
-              clip_scope: str) -> torch.Tensor:
+              clip_scope: str, loss_norm: torch.Tensor | None = None) -> torch.Tensor:
     """``clip(L) + c W`` (``clip_scope=loss``: ``clip_grad_norm_`` on the loss gradient, then ``torch.optim.SGD``'s
     weight decay ``c`` as its ``d_p.add(p, alpha=c)``) or ``clip(L + c W)`` (``step``), per row; ``L`` is
-    overwritten. A row within ``max_norm`` is scaled by exactly 1."""
+    overwritten. A row within ``max_norm`` is scaled by exactly 1. ``loss_norm``: ``L``'s row norms where the
+    correction measured them (:class:`~fedflat.core.MeasuredDirection`), taken by the loss-scope clip."""
     if clip_scope == "loss" and max_norm is not None:
-        scale = clip_scale(L, max_norm)
+        scale = clip_scale(L, max_norm) if loss_norm is None else clip_scale(L, max_norm, loss_norm)
         if scale is not None:
             L.mul_(scale)
     if torch.is_tensor(decay):
@@ -262,10 +263,14 @@ class LocalLoop:
         correction, clip and decay); a personalization that steps locally (Ditto, APFL) takes its step too."""
         parts, ctx, cohort = self.algorithm.parts, self.ctx, self.cohort
         perturbation, filt = parts["perturbation"], parts["filter"]
-        eps = perturbation.perturb(ctx, cohort, k, W, batch)
-        if eps is not None and filt.acts_on == "perturbation":
-            eps = filt.apply(ctx, cohort, eps)
-        loss, grad = ctx.oracle.loss_grad(W if eps is None else self.perturbed_point(W, eps), batch, self.distill)
+        if perturbation.fuses_point and (filt.acts_on != "perturbation" or filt.name == "none"):  # w + eps fused
+            point = perturbation.perturbed_point(ctx, cohort, k, W, batch, self.point_buffer(W))
+        else:
+            eps = perturbation.perturb(ctx, cohort, k, W, batch)
+            if eps is not None and filt.acts_on == "perturbation":
+                eps = filt.apply(ctx, cohort, eps)
+            point = None if eps is None else self.perturbed_point(W, eps)
+        loss, grad = ctx.oracle.loss_grad(W if point is None else point, batch, self.distill)
         grad = perturbation.descent_gradient(ctx, cohort, grad)
         if filt.acts_on == "gradient":
             grad = filt.apply(ctx, cohort, grad)
@@ -282,9 +287,13 @@ class LocalLoop:
         addition itself on W1's MLP, docs/benchmarks.md). The oracle reads the point and keeps nothing of it."""
         if eps.shape != W.shape or eps.dtype != W.dtype:  # (a broadcast eps or another dtype: the plain sum)
             return W + eps
+        return torch.add(W, eps, out=self.point_buffer(W))
+
+    def point_buffer(self, W: torch.Tensor) -> torch.Tensor:
+        """The loop's buffer of the perturbed point, ``W``'s shape (made at the first step that needs it)."""
         if self.perturbed is None or self.perturbed.shape != W.shape or self.perturbed.device != W.device:
             self.perturbed = torch.empty_like(W)
-        return torch.add(W, eps, out=self.perturbed)
+        return self.perturbed
 
     def update(self, W: torch.Tensor, direction: torch.Tensor, loss: torch.Tensor, loss_sum: torch.Tensor,
                optimizer: OptimizerState | None, k: int = 0) -> torch.Tensor:

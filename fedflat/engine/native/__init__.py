@@ -1,10 +1,15 @@
 """fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
 
-One operator so far, ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
+Three operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
 MLP gradient of :class:`fedflat.engine.mlp_gradient.MLPGradient` as one call, bit for bit the Python method's (the
 same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
 Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
 (``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).
+``torch.ops.fedflat.guided_point`` and ``mix_norm`` (``vector_ops.cpp``): FedWMSAM's perturbed point ``w + rho
+d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, and its momentum
+mix with the mix's norms in one, with ATen's roundings; the parts reach them through
+:func:`fedflat.core.vectors.kernel` (:func:`operator`), and FedWMSAM uses each only after checking its bits against
+the ATen expression (``fedflat.algorithms.fedwmsam.fused_guided_point``, ``fused_mix_norm``).
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
@@ -34,8 +39,11 @@ from typing import Callable
 
 import torch
 
-SOURCE = Path(__file__).with_name("mlp_gradient.cpp")
-FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
+from fedflat.core.vectors import provide_kernels
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp"))
+# -ffp-contract=off: no product and sum fused where the source does not write std::fma (vector_ops.cpp rounds as ATen)
+FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
 
 _lock = threading.Lock()
@@ -73,7 +81,7 @@ def _abi_flag() -> str:
 def library_path(cxx: str) -> Path:
     """The built library's path for this source, torch and compiler ``cxx``."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent), version,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), torch.__version__, str(Path(torch.__file__).parent), version,
                                     _abi_flag(), *FLAGS, sys.platform]).encode()).hexdigest()[:16]
     return cache_dir() / key / "libfedflat_native.so"
 
@@ -114,7 +122,7 @@ def forget_failure() -> None:
 
 
 def build(cxx: str, target: Path) -> Path:
-    """Compiles :data:`SOURCE` into ``target`` unless an intact build is there (checked under a file lock, so
+    """Compiles :data:`SOURCES` into ``target`` unless an intact build is there (checked under a file lock, so
     concurrent processes build once), then records its SHA-256; raises ``RuntimeError`` with the compiler's message
     when it fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +135,7 @@ def build(cxx: str, target: Path) -> Path:
         includes, lib = _torch_paths()
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
         os.close(fd)
-        command = [cxx, *FLAGS, _abi_flag(), *(f"-I{i}" for i in includes), str(SOURCE), "-o", tmp,
+        command = [cxx, *FLAGS, _abi_flag(), *(f"-I{i}" for i in includes), *map(str, SOURCES), "-o", tmp,
                    f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
@@ -197,3 +205,18 @@ def status() -> str:
     if load() is None:
         return f"native MLP gradient: not available ({_loaded.get('reason')})"
     return f"native MLP gradient: loaded from {_loaded['path']}"
+
+
+def operator(name: str) -> Callable | None:
+    """``torch.ops.fedflat.<name>`` from the library :func:`load` builds and loads (``vector_ops.cpp``'s
+    ``guided_point``, FedWMSAM's fused step), or None where the library is not available; what
+    :func:`fedflat.core.vectors.kernel` hands the parts (the caller checks the operator's bits before it uses it)."""
+    if load() is None:
+        return None
+    try:
+        return getattr(torch.ops.fedflat, name).default
+    except (AttributeError, RuntimeError):  # (a name the library does not define)
+        return None
+
+
+provide_kernels(operator)  # the parts reach the operators through fedflat.core, which imports nothing of the engine
