@@ -45,7 +45,7 @@ def test_fedasam_two_rounds_by_hand(tiny, normalize):
                           f"algo.normalize={normalize}"))
     hand = Hand(sim)
     layout = sim.settings.layout
-    mask = torch.cat([torch.full((n,), "weight" in name, device=sim.w.device)
+    mask = torch.cat([torch.full((n,), "weight" in name, device=sim.server.w.device)
                       for name, n in zip(layout.names, layout.numels)])
     assert mask.any() and not mask.all(), "the model needs weights and biases for the test to tell them apart"
     w = sim.server.w.clone()
