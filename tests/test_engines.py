@@ -46,17 +46,25 @@ def _vectorizable(name: str) -> bool:
     return all(getattr(p, "supports_vectorized", True) for p in build_algorithm({"name": name}).parts.values())
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
-def test_engines_agree_for_every_method(tiny, name):
+def _sequential_and(tiny, name: str, engine: str):
+    """``(sequential run, the run on engine)`` of recipe ``name`` on the unequal tiny problem, or ``(run, None)`` for
+    a method with a part that cannot train a cohort at once, which ``engine`` must refuse by name."""
     model = model_for(name)
     sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=sequential"), save=False, progress=False)
     if not _vectorizable(name):
         with pytest.raises(ConfigError, match="does not support training a cohort at once"):
-            Simulation(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"))
-        return
-    vectorized = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=vectorized"), save=False, progress=False)
-    assert vectorized.summary["engine"] == "vectorized" and sequential.summary["engine"] == "sequential"
-    _assert_runs_agree(sequential, vectorized)
+            Simulation(tiny(f"algo={name}", *UNEQUAL, *model, f"engine={engine}"))
+        return sequential, None
+    other = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, f"engine={engine}"), save=False, progress=False)
+    assert other.summary["engine"] == engine and sequential.summary["engine"] == "sequential"
+    return sequential, other
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_engines_agree_for_every_method(tiny, name):
+    sequential, vectorized = _sequential_and(tiny, name, "vectorized")
+    if vectorized is not None:
+        _assert_runs_agree(sequential, vectorized)
 
 
 # Methods whose parts multiply a whole cohort's rows in one matrix product (FedSCAM's projection of the clients'
@@ -71,14 +79,9 @@ def test_streams_engine_equals_the_sequential_engine_bit_for_bit(tiny, name):
     sequential run exactly, padded cohorts included (clients of 2 to 18 steps, short last batches)."""
     from agreement import on_cuda
 
-    model = model_for(name)
-    sequential = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=sequential"), save=False, progress=False)
-    if not _vectorizable(name):
-        with pytest.raises(ConfigError, match="does not support training a cohort at once"):
-            Simulation(tiny(f"algo={name}", *UNEQUAL, *model, "engine=streams"))
+    sequential, streams = _sequential_and(tiny, name, "streams")
+    if streams is None:
         return
-    streams = fedflat.run(tiny(f"algo={name}", *UNEQUAL, *model, "engine=streams"), save=False, progress=False)
-    assert streams.summary["engine"] == "streams"
     if name in COHORT_PRODUCTS or on_cuda():  # (a GPU's reductions of C rows are blocked by C)
         _assert_runs_agree(sequential, streams)
     else:

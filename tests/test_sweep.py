@@ -12,6 +12,7 @@ from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CHECKPOINT, read_checkpoint
 from fedflat.engine.threads import available_cores
 from fedflat.experiments.checkpoint import metrics_equal
+from fedflat.experiments.packing import FOOTPRINT_FILE
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
@@ -175,9 +176,12 @@ def test_rerun_with_more_rounds_extends_completed_cells_and_never_shortens_them(
     assert {c["action"] for c in again.cells} == {"skipped"}
 
 
-def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
-    path = write_sweep(tmp_path, {"overrides": ["rounds=2"], "grid": {"seed": [0, 1]}})
-    parallel = run_sweep(load_sweep(path, out=tmp_path / "par"), workers=2, progress=False)
+@pytest.mark.parametrize("workers", [2, "auto"])
+def test_workers_run_cells_in_processes_with_the_same_results(tmp_path, workers):
+    """Two workers, or ``auto`` (CPU cells: one a core, fedflat/experiments/packing.py), give the serial sweep's
+    results, each cell within its share of the cores, and CPU cells write no GPU footprint."""
+    path = write_sweep(tmp_path, {"overrides": ["rounds=2", "device=cpu"], "grid": {"seed": [0, 1]}})
+    parallel = run_sweep(load_sweep(path, out=tmp_path / "par"), workers=workers, progress=False)
     serial = run_sweep(load_sweep(path, out=tmp_path / "ser"), progress=False)
     assert [c["status"] for c in parallel.cells] == [c["status"] for c in serial.cells] == ["completed", "completed"]
     for name in ("seed0", "seed1"):
@@ -187,6 +191,7 @@ def test_workers_run_cells_in_processes_with_the_same_results(tmp_path):
         # each of the 2 workers keeps to its share of the cores (threads: auto within a share)
         summary = json.loads((tmp_path / "par" / name / "summary.json").read_text())
         assert summary["machine"]["torch_threads"] <= max(1, available_cores() // 2)
+        assert not (tmp_path / "par" / name / FOOTPRINT_FILE).exists()
 
 
 SHIPPED = sorted(packaged_configs().rglob("*.yaml"))
