@@ -21,8 +21,8 @@ import fedflat
 from fedflat.cli import main
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.experiments.callbacks import Callback, CallbackError, CallbackWarning
-from fedflat.experiments.checkpoint import metrics_equal, resume
 from fedflat.experiments.loggers import LOGGERS, TRACKING_FILE, hyperparameters, scalars
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree

@@ -15,7 +15,7 @@ from torch import nn
 import fedflat
 from fedflat.cli import main
 from fedflat.config import load_config
-from fedflat.experiments.checkpoint import resume
+from fedflat.experiments.resume import resume
 from fedflat.experiments.summary import at_chance
 from fedflat.files import read_jsonl
 

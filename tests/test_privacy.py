@@ -25,7 +25,7 @@ from fedflat.algorithms.compression import qsgd_levels, top_k
 from fedflat.core import SERVER, ConfigError, RoundContext, TrainSettings, torch_stream
 from fedflat.core.upload import release_norms
 from fedflat.engine.simulation import Simulation
-from fedflat.experiments.checkpoint import resume
+from fedflat.experiments.resume import resume
 from fedflat.privacy import CLIP, GaussianMechanism, GaussianParams, Mechanism, calibrate, epsilon, secure_normal
 
 from agreement import assert_identical, bitwise, trajectory

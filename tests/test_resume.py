@@ -20,7 +20,7 @@ from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_r
 from fedflat.cli import main
 from fedflat.core import ConfigError, Correction, Direction, PartParams, init
 from fedflat.engine.checkpoint import CHECKPOINT, CheckpointError, load_run, read_checkpoint
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ Random streams are keyed by (seed, round, client, purpose), so no generator stat
 The file is written atomically: the bytes go to a temporary file in the same folder, which is synced
 and then renamed over ``checkpoint.pt``. A process killed at any moment (SIGKILL included) leaves the
 previous checkpoint or the new one, never a torn one; a stray temporary file is removed on resume.
-Resuming (:mod:`fedflat.experiments.checkpoint`) and the diagnostics of a finished run
+Resuming (:mod:`fedflat.experiments.resume`) and the diagnostics of a finished run
 (:mod:`fedflat.metrics`) both read a run back through :func:`load_run`.
 
 Loading is safe: a checkpoint holds only tensors and plain values (dicts, lists, numbers, strings, None), written

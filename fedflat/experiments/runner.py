@@ -28,9 +28,9 @@ from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, ConfigError, Diverged
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
+from fedflat.engine.cores import torch_threads
 from fedflat.engine.inputs import UserInputs
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
-from fedflat.engine.threads import torch_threads
 from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
 from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full
 from fedflat.experiments.summary import RunSummary, cpu_state
@@ -106,7 +106,7 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
     ``data.num_clients``. With ``save``,
     results go to a new folder under ``out`` (default ``config.out``), or to exactly ``run_dir``
     (created; it must not exist). ``resume`` continues the run folder it names from its latest
-    checkpoint (:func:`fedflat.experiments.checkpoint.resume` also reads its config). ``announce``
+    checkpoint (:func:`fedflat.experiments.resume.resume` also reads its config). ``announce``
     (default: ``progress``) prints the run folder to stderr as soon as it exists. ``driver(sim)`` returns
     the function that trains round ``t`` (default: ``sim.run_round``, on the config's executor);
     :mod:`fedflat.flower` passes one that trains each round on the nodes of a Flower federation.
