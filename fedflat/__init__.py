@@ -2,7 +2,7 @@
 import os
 
 # OpenMP threads of torch wait passively for work, so runs sharing the cores do not spin against each other
-# (measured: >300 s instead of 30 s for two runs on 2 cores; fedflat/engine/threads.py). Must precede torch.
+# (measured: >300 s instead of 30 s for two runs on 2 cores; fedflat/engine/cores.py). Must precede torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fedflat._version import __version__  # noqa: E402

@@ -1,7 +1,7 @@
 """The Python API: ``fedflat.run(config) -> History``.
 
 :func:`run` is :func:`fedflat.experiments.runner.run_experiment` (its options and docstring, given once there), which
-runs the rounds and keeps the run folder; :func:`fedflat.experiments.checkpoint.resume` continues a run folder.
+runs the rounds and keeps the run folder; :func:`fedflat.experiments.resume.resume` continues a run folder.
 """
 from __future__ import annotations
 

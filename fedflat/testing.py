@@ -134,7 +134,7 @@ def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _resume_is_exact(tree: dict[str, Any], method: dict[str, Any], tmp: Path) -> str:
-    from fedflat.experiments.checkpoint import metrics_equal, resume
+    from fedflat.experiments.resume import metrics_equal, resume
 
     rounds = tree["rounds"]
     whole = _run(tree, method, "checkpoint_every=1", run_dir=tmp / "whole")

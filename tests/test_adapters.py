@@ -18,7 +18,7 @@ from fedflat.api import as_config
 from fedflat.data import Dataset, DatasetError, flwr_partitions, load_dataset
 from fedflat.data.dataset import uint8_dataset
 from fedflat.engine.simulation import Simulation, UserInputs
-from fedflat.experiments.checkpoint import metrics_equal
+from fedflat.experiments.resume import metrics_equal
 from tests.conftest import mapped_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -118,8 +118,8 @@ def test_a_legacy_flat_section_reads_as_it_ran(tiny, tmp_path):
     tree["algo"] = {"name": "fedavgm", "perturbation": "none", "filter": "none", "correction": "none",
                     "aggregation": "mean", "server": "avgm", "weighting": "uniform", "beta": 0.9}
     config.write_text(yaml.safe_dump(tree))
-    from fedflat.experiments.checkpoint import resume
     from fedflat.experiments.report import find_runs, group_runs
+    from fedflat.experiments.resume import resume
 
     resumed = resume(tmp_path / "old", overrides=["rounds=3"], progress=False)
     fresh = fedflat.run(tiny("algo=fedavgm", "rounds=3"), save=False, progress=False)

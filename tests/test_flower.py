@@ -448,7 +448,7 @@ def test_a_flower_run_resumes_through_flower_with_the_nodes_saved_state(tmp_path
     """Two rounds, then a new Flower run (a new run id) resuming the folder to four: equal to four rounds in
     one go. A plain `fedflat resume`, which has no nodes and so no SCAFFOLD c_i, is refused."""
     from fedflat.engine.checkpoint import CheckpointError
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     cfg = small("scaffold", "rounds=2")
     first = simulate(cfg, supernodes=2, out=tmp_path / "runs", state_dir=tmp_path / "nodes", progress=False)

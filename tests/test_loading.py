@@ -13,7 +13,7 @@ import torch
 import fedflat
 from fedflat.cli import main
 from fedflat.engine.checkpoint import CHECKPOINT, CheckpointError, UnsafeFile, plain, read_checkpoint
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 
 
 class _Payload:

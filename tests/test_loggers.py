@@ -19,10 +19,10 @@ import yaml
 
 import fedflat
 from fedflat.cli import main
-from fedflat.engine.checkpoint import SLOW_WRITE_ENV, read_checkpoint
+from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.experiments.callbacks import Callback, CallbackError, CallbackWarning
-from fedflat.experiments.checkpoint import metrics_equal, resume
 from fedflat.experiments.loggers import LOGGERS, TRACKING_FILE, hyperparameters, scalars
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
@@ -389,10 +389,12 @@ def test_a_killed_cell_continues_its_tracked_runs(tmp_path, store):
     (same ids), each round logged once, equal to the metrics lines."""
     path = _sweep_file(tmp_path, store, {"fedavg": {"algo": "fedavg"}}, rounds=12, out="killed")
     folder = tmp_path / "killed" / "fedavg"
-    env = {**os.environ, SLOW_WRITE_ENV: "0.15", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     env.pop("WANDB_SERVICE", None)  # a command of its own, not a client of this process's W&B service
-    child = subprocess.Popen([sys.executable, "-m", "fedflat.cli", "sweep", str(path), "--no-progress",
-                              "checkpoint_every=1"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+    # `fedflat sweep` with its checkpoint writer slowed (tests/slow_checkpoint.py), so the kill lands mid-run
+    command = ("import sys, slow_checkpoint; slow_checkpoint.install(0.15); from fedflat.cli import main; "
+               f"sys.exit(main(['sweep', {str(path)!r}, '--no-progress', 'checkpoint_every=1']))")
+    child = subprocess.Popen([sys.executable, "-c", command], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -182,7 +182,7 @@ def test_a_run_with_its_own_loss_resumes_from_python_with_it(tiny, tmp_path):
     """``config.yaml`` records ``train.loss: user:brier``; ``resume(..., config=, loss_fn=)`` continues the run on
     the same loss, ending bit for bit where an uninterrupted run ends; without them it says what to pass."""
     from fedflat.engine.checkpoint import CheckpointError
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     longer = fedflat.run(tiny("rounds=3", "threads=1"), save=False, progress=False, loss_fn=brier)
     cfg = tiny("rounds=2", "threads=1")

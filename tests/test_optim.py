@@ -192,7 +192,7 @@ def test_bad_optimizer_options_are_one_line_errors(tiny, options, match):
 def test_kept_optimizer_state_is_checkpointed_and_resumed(tiny, tmp_path):
     """Adam's moments and step counts kept per client survive a checkpoint: 3 rounds then extended to 5 end bit for
     bit where 5 uninterrupted rounds end (a resume that lost them would restart each client's Adam)."""
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     options = ("train.optimizer=adam", "train.optimizer_state=client", "train.lr=0.01", "threads=1")
     longer = fedflat.run(tiny("rounds=5", *options), save=False, progress=False)
@@ -205,7 +205,7 @@ def test_kept_optimizer_state_is_checkpointed_and_resumed(tiny, tmp_path):
 
 def test_a_cosine_run_is_not_extended_by_a_resume(tiny, tmp_path):
     """The cosine schedule spans the planned rounds: extending the run would change the rates of the rounds left."""
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     fedflat.run(tiny("rounds=2", "train.schedule=cosine"), run_dir=tmp_path / "run", progress=False)
     with pytest.raises(ConfigError, match="schedule=cosine anneals eta_l over the planned 2 rounds"):

@@ -15,8 +15,8 @@ from torch import nn
 import fedflat
 from fedflat.cli import main
 from fedflat.config import load_config
-from fedflat.experiments.checkpoint import resume
-from fedflat.experiments.runner import at_chance
+from fedflat.experiments.resume import resume
+from fedflat.experiments.summary import at_chance
 from fedflat.files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

@@ -251,7 +251,7 @@ def test_a_completed_run_of_a_given_split_loads_with_that_split(tmp_path):
     here one these data cannot give, is never drawn) and writes nothing."""
     import fedflat
     from fedflat.config import load_config
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     clients = [list(range(0, 40)), list(range(40, 50)), list(range(100, 400)), [500, 450, 900]]
     cfg = load_config(None, ["rounds=2", "sampling.clients_per_round=2", "threads=1", "data.num_clients=4",

@@ -25,7 +25,7 @@ from fedflat.algorithms.compression import qsgd_levels, top_k
 from fedflat.core import SERVER, ConfigError, RoundContext, TrainSettings, torch_stream
 from fedflat.core.upload import release_norms
 from fedflat.engine.simulation import Simulation
-from fedflat.experiments.checkpoint import resume
+from fedflat.experiments.resume import resume
 from fedflat.privacy import CLIP, GaussianMechanism, GaussianParams, Mechanism, calibrate, epsilon, secure_normal
 
 from agreement import assert_identical, bitwise, trajectory
@@ -514,7 +514,7 @@ def test_a_dp_run_killed_mid_run_resumes_to_the_uninterrupted_run_epsilon_includ
         lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
         return len(lines) >= 3 and _tmp_checkpoint(folder)
 
-    _sigkill_child_when(folder, "0.4", third_write_started, poll=0.02, overrides=options)
+    _sigkill_child_when(folder, 0.4, third_write_started, poll=0.02, overrides=options)
     resumed = resume(folder, progress=False)
     full = fedflat.run(tiny("rounds=8", "checkpoint_every=1", *options), run_dir=tmp_path / "full", progress=False)
     assert torch.equal(resumed.final_parameters, full.final_parameters)

@@ -34,7 +34,7 @@ from fedflat.data.dataset import uint8_dataset  # noqa: E402
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.ray_executor import LOCAL_NODE_IP, RayExecutor, longest_first, worker_class  # noqa: E402
 from fedflat.engine.simulation import Simulation, UserInputs  # noqa: E402
-from fedflat.experiments.checkpoint import metrics_equal, resume  # noqa: E402
+from fedflat.experiments.resume import metrics_equal, resume  # noqa: E402
 from fedflat.files import read_jsonl  # noqa: E402
 
 UNEQUAL = ("rounds=2", "train.batch_size=7", "train.local_epochs=2", "threads=1", "engine=sequential",

@@ -18,7 +18,7 @@ import pytest
 import fedflat
 from fedflat.cli import main
 from fedflat.engine.checkpoint import read_checkpoint
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.experiments.rundir import RunFolderBusy
 from fedflat.experiments.sweep import run_cell
 from fedflat.files import read_jsonl

@@ -19,8 +19,8 @@ import fedflat
 from fedflat.algorithms import PARTS, RECIPES, Recipe, register_part, register_recipe
 from fedflat.cli import main
 from fedflat.core import ConfigError, Correction, Direction, PartParams, init
-from fedflat.engine.checkpoint import CHECKPOINT, SLOW_WRITE_ENV, CheckpointError, load_run, read_checkpoint
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.engine.checkpoint import CHECKPOINT, CheckpointError, load_run, read_checkpoint
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,16 +203,18 @@ from fedflat.core import ConfigError
 from fedflat.config import load_config
 sys.path.insert(0, {tests!r})
 from conftest import tiny_tree
-cfg = load_config(None, ["rounds=8", "checkpoint_every=1", *{overrides!r}], base=tiny_tree())
+{slowed}cfg = load_config(None, ["rounds=8", "checkpoint_every=1", *{overrides!r}], base=tiny_tree())
 fedflat.run(cfg, run_dir={folder!r}, progress=False)
 """
 
 
-def _sigkill_child_when(folder, slow_write: str, ready, poll: float, overrides: tuple[str, ...] = ()) -> None:
-    """Runs the 8-round child with a slowed checkpoint writer, SIGKILLs it once ``ready()`` holds."""
-    env = {**os.environ, SLOW_WRITE_ENV: slow_write, "PYTHONPATH": str(REPO)}
+def _sigkill_child_when(folder, slow_write: float, ready, poll: float, overrides: tuple[str, ...] = ()) -> None:
+    """Runs the 8-round child, its checkpoint writer slowed where ``slow_write`` > 0 (tests/slow_checkpoint.py:
+    ``slow_write`` seconds between the halves of each checkpoint's bytes), and SIGKILLs it once ``ready()`` holds."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    slowed = f"import slow_checkpoint\nslow_checkpoint.install({slow_write!r})\n" if slow_write else ""
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(REPO / "tests"), folder=str(folder),
-                                                                  overrides=list(overrides))],
+                                                                  overrides=list(overrides), slowed=slowed)],
                              env=env, cwd=folder.parent)
     try:
         # The wait ends when ready() holds (or the child exits, a failure at once): on a loaded machine the child's
@@ -238,8 +240,9 @@ def _tmp_checkpoint(folder) -> bool:
 
 
 def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
-    """A child process is SIGKILLed while the checkpoint bytes are half written (the writer sleeps
-    between the halves): the previous checkpoint survives and the run resumes to the same result."""
+    """A child process is SIGKILLed while the checkpoint bytes are half written (tests/slow_checkpoint.py pauses
+    the child's writer between the halves): the previous checkpoint survives and the run resumes to the same
+    result."""
     folder = tmp_path / "killed"
 
     def first_write_half_done() -> bool:  # the first write is round 1's checkpoint
@@ -248,9 +251,12 @@ def test_sigkill_mid_checkpoint_write_still_resumes(tiny, tmp_path):
             return True
         return False
 
-    _sigkill_child_when(folder, "30", first_write_half_done, poll=0.05)
+    _sigkill_child_when(folder, 30.0, first_write_half_done, poll=0.05)
     assert not (folder / CHECKPOINT).exists()  # killed during the very first write: no checkpoint at all
-    assert list(folder.glob(".*.tmp"))  # the torn temporary is there...
+    [torn] = folder.glob(".*.tmp")  # the torn temporary is there, half of a checkpoint's bytes...
+    assert torn.stat().st_size > 0
+    with pytest.raises(RuntimeError, match="zip archive"):
+        torch.load(torn, weights_only=True)
     resumed = resume(folder, progress=False)
     assert not list(folder.glob(".*.tmp"))  # ...and removed on resume
     full = fedflat.run(tiny("rounds=8", "checkpoint_every=1"), run_dir=tmp_path / "full", progress=False)
@@ -266,7 +272,7 @@ def test_sigkill_after_some_checkpoints_loses_at_most_checkpoint_every(tiny, tmp
         lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
         return len(lines) >= 3 and _tmp_checkpoint(folder)
 
-    _sigkill_child_when(folder, "0.4", third_write_started, poll=0.02)
+    _sigkill_child_when(folder, 0.4, third_write_started, poll=0.02)
     ckpt = read_checkpoint(folder)
     assert ckpt is not None and ckpt["round"] >= 2
     assert len(read_jsonl(folder / "metrics.jsonl")) - ckpt["round"] <= 1  # at most checkpoint_every lost
@@ -296,7 +302,7 @@ def test_a_batch_norm_dropout_cnn_killed_after_round_3_resumes_to_the_uninterrup
     store equal a run never interrupted, bit for bit."""
     overrides = bitwise("algo=scaffold", *BN_DROPOUT_CNN, "train.batch_size=7")  # (on a GPU: engine=sequential)
     folder = tmp_path / "killed"
-    _sigkill_child_when(folder, "0", lambda: folder.exists() and len(read_jsonl(folder / "metrics.jsonl")) >= 3,
+    _sigkill_child_when(folder, 0.0, lambda: folder.exists() and len(read_jsonl(folder / "metrics.jsonl")) >= 3,
                         poll=0.02, overrides=overrides)
     assert read_checkpoint(folder)["round"] < 8
     resumed = resume(folder, progress=False)

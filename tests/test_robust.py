@@ -13,7 +13,7 @@ import fedflat
 from fedflat.algorithms.compose import build_stages
 from fedflat.algorithms.robust import CENTER
 from fedflat.core import ConfigError, RoundContext, TrainSettings, contract
-from fedflat.experiments.checkpoint import resume
+from fedflat.experiments.resume import resume
 from fedflat.testing import relative_gap, rounding_allowed
 
 K = 5

@@ -12,7 +12,7 @@ import fedflat
 from fedflat.cli import main
 from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.simulation import Simulation
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.experiments.rundir import RunDir
 from fedflat.files import atomic_write_text, read_jsonl
 from fedflat.models import build_model

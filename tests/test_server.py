@@ -29,7 +29,7 @@ from fedflat.engine.checkpoint import read_checkpoint
 from fedflat.engine.server import Server
 from fedflat.engine.simulation import Simulation
 from fedflat.experiments.callbacks import Callback
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.files import read_jsonl
 from conftest import tiny_tree
 

@@ -15,7 +15,7 @@ from fedflat.cli import main
 from fedflat.config import load_config
 from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import read_checkpoint
-from fedflat.experiments.checkpoint import metrics_equal, resume
+from fedflat.experiments.resume import metrics_equal, resume
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree

@@ -10,9 +10,9 @@ import yaml
 from fedflat.config import packaged_configs
 from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CHECKPOINT, read_checkpoint
-from fedflat.engine.threads import available_cores
-from fedflat.experiments.checkpoint import metrics_equal
+from fedflat.engine.cores import available_cores
 from fedflat.experiments.packing import FOOTPRINT_FILE
+from fedflat.experiments.resume import metrics_equal
 from fedflat.experiments.sweep import load_sweep, run_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree

@@ -123,11 +123,11 @@ def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
 def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
     """``threads: auto`` on a large step: each of the two thread workers gets half of the (four) cores, as Ray
     workers get theirs, not all four each."""
-    from fedflat.engine import threads
+    from fedflat.engine import cores
 
-    monkeypatch.setattr(threads, "available_cores", lambda: 4)
-    monkeypatch.setattr(threads, "SMALL_STEP_FLOPS", 0.0)  # the tiny MLP's step counts as large
-    with threads.torch_threads(None):  # the run sets the process's threads: restore them after
+    monkeypatch.setattr(cores, "available_cores", lambda: 4)
+    monkeypatch.setattr(cores, "SMALL_STEP_FLOPS", 0.0)  # the tiny MLP's step counts as large
+    with cores.torch_threads(None):  # the run sets the process's threads: restore them after
         sim = Simulation(tiny_config("executor=threads", "executor.workers=2", "threads=auto"))
         assert sim.report.threads == 2 and torch.get_num_threads() == 2
         assert sim.thread_counts() == {"server": 2, "clients": 2}

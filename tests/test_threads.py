@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fedflat
-from fedflat.engine import threads as threads_module
+from fedflat.engine import cores
+from fedflat.engine.cores import SMALL_STEP_FLOPS, available_cores, choose_threads, set_core_share
 from fedflat.engine.simulation import Simulation
-from fedflat.engine.threads import SMALL_STEP_FLOPS, available_cores, choose_threads, set_core_share
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def share():
 
 
 def test_choose_threads_rule(share, monkeypatch):
-    monkeypatch.setattr(threads_module, "available_cores", lambda: 8)
+    monkeypatch.setattr(cores, "available_cores", lambda: 8)
     assert choose_threads(3) == 3 and choose_threads(None) is None  # a number, or torch's own choice
     assert choose_threads("auto", SMALL_STEP_FLOPS / 2) == 1  # small steps: one thread
     assert choose_threads("auto", SMALL_STEP_FLOPS * 10) == 8  # big steps: every core this process has

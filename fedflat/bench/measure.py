@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedflat.config import Config, load_config
 from fedflat.bench.workloads import ENGINES, WORKLOADS
 from fedflat.engine import native
-from fedflat.engine.threads import torch_threads
+from fedflat.engine.cores import torch_threads
 
 # ----------------------------------------------------------------------------- the machine
 

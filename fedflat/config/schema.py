@@ -439,7 +439,7 @@ class Config(Section):
                                                  "the kernel-launch cost that bounds mid-sized models")
     threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
         "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
-                            "cores; fedflat/engine/threads.py), a number, or null for torch's own choice")
+                            "cores; fedflat/engine/cores.py), a number, or null for torch's own choice")
     out: str = "runs"
     checkpoint_every: int = Field(10, ge=0, description="write checkpoint.pt every this many rounds "
                                   "(0: only at the end); `fedflat resume RUN_DIR` continues from it")

@@ -9,7 +9,7 @@ Random streams are keyed by (seed, round, client, purpose), so no generator stat
 The file is written atomically: the bytes go to a temporary file in the same folder, which is synced
 and then renamed over ``checkpoint.pt``. A process killed at any moment (SIGKILL included) leaves the
 previous checkpoint or the new one, never a torn one; a stray temporary file is removed on resume.
-Resuming (:mod:`fedflat.experiments.checkpoint`) and the diagnostics of a finished run
+Resuming (:mod:`fedflat.experiments.resume`) and the diagnostics of a finished run
 (:mod:`fedflat.metrics`) both read a run back through :func:`load_run`.
 
 Loading is safe: a checkpoint holds only tensors and plain values (dicts, lists, numbers, strings, None), written
@@ -20,8 +20,6 @@ anything in it runs (:class:`UnsafeFile`).
 from __future__ import annotations
 
 import io
-import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +35,6 @@ if TYPE_CHECKING:
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
-# Test hook: seconds to sleep halfway through writing the checkpoint bytes, so a test can kill the
-# writer mid-write (tests/test_resume.py).
-SLOW_WRITE_ENV = "FEDFLAT_TEST_CHECKPOINT_SLEEP"
-
 
 # What a checkpoint must hold to be resumed, at its top level and in its ``state``.
 REQUIRED = ("round", "state", "metrics", "summary")
@@ -77,28 +71,8 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
     path = checkpoint_path(run_dir)
     buffer = io.BytesIO()
     torch.save(plain({"format": FORMAT, **payload}), buffer)
-    data = buffer.getvalue()
-    delay = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
-    if delay <= 0:
-        atomic_write_bytes(path, data)
-        return path
-    _slow_atomic_write(path, data, delay)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
-
-
-def _slow_atomic_write(path: Path, data: bytes, delay: float) -> None:
-    """The same protocol as ``atomic_write_bytes`` with a pause after the first half (test hook)."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data[: len(data) // 2])
-        fh.flush()
-        time.sleep(delay)
-        fh.write(data[len(data) // 2:])
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def read_checkpoint(run_dir: str | Path) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """What a Python user brings in place of the config's data, model, split or loss: one :class:`UserInputs`, passed whole.
 
-``fedflat.run(cfg, dataset=..., model_fn=..., clients=..., loss_fn=...)`` (and :func:`~fedflat.experiments.checkpoint.
+``fedflat.run(cfg, dataset=..., model_fn=..., clients=..., loss_fn=...)`` (and :func:`~fedflat.experiments.resume.
 resume`, :func:`~fedflat.experiments.personal.evaluate_run`) gather them once into a :class:`UserInputs`, which the
 runner, the checkpoint's :func:`~fedflat.engine.checkpoint.load_run` and :class:`~fedflat.engine.simulation.Simulation`
 pass on as one object.

@@ -16,12 +16,12 @@ from fedflat.config import Config
 from fedflat.core import SERVER, Batch, ConfigError, TrainSettings, stream_seed
 from fedflat.data import Dataset, client_split, load_dataset, user_split, validation_split
 from fedflat.engine.compute import ComputeOptions
+from fedflat.engine.cores import choose_threads, core_share, torch_threads
 from fedflat.engine.losses import LossFn, check_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.runtime import engine_choice
-from fedflat.engine.threads import choose_threads, core_share, torch_threads
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -137,7 +137,7 @@ def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn 
     (:func:`~fedflat.engine.losses.check_loss`) and, where the vectorized engine may run, one vectorized step
     (:func:`~vmap_problem`). What fedflat cannot train is a ConfigError saying why."""
     flops = _step_flops(cfg, problem, model)
-    # docs: fedflat/engine/threads.py; thread workers share this process's intra-op threads, so each its share
+    # docs: fedflat/engine/cores.py; thread workers share this process's intra-op threads, so each its share
     share = core_share() / cfg.executor.workers if cfg.executor.name == "threads" else None
     threads = choose_threads(cfg.threads, flops, cores=share)
     traits = _traits(problem, model)

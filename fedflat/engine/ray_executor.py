@@ -33,7 +33,7 @@ from fedflat.engine.client import ClientBatches
 from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.runtime import (ClientRuntime, RoundTask, StateLoader, WorkerSpec, build_client_runtime,
                                     longest_first, rows_loader)
-from fedflat.engine.threads import available_cores
+from fedflat.engine.cores import available_cores
 
 RAY_HINT = "executor=ray needs Ray: pip install 'fedflat[ray]' (Ray 2.55.1)"
 # A Ray instance this process starts for itself listens on a loopback address only: Ray replaces 127.0.0.1

@@ -34,7 +34,7 @@ from fedflat.engine.executors import make_executor
 from fedflat.engine.runtime import ClientRuntime, WorkerSpec, set_tf32
 from fedflat.engine.scores import MetricSet
 from fedflat.engine.server import OpenRound, RoundResult, Server, all_finite, uninterrupted
-from fedflat.engine.threads import choose_threads
+from fedflat.engine.cores import choose_threads
 from fedflat.params import FlatModel
 
 __all__ = ["ClientScores", "OpenRound", "RoundResult", "Server", "Simulation", "UserInputs", "all_finite",

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from fedflat.config import Config, load_config, read_yaml, resolve
 from fedflat.core import ConfigError
-from fedflat.engine.threads import available_cores
+from fedflat.engine.cores import available_cores
 from fedflat.experiments.packing import Footprint, Packing
 from fedflat.experiments.report import flatten
 from fedflat.experiments.rundir import FINISHED, LOCK, TRACKING_FILE, RunFolderBusy, hold
@@ -113,7 +113,7 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
     ``FOLDER/error.txt``). ``tree`` is the cell's config (a plain tree, so it crosses processes); ``group``
     (the sweep's name) and ``job`` group its tracked runs."""
     if threads:
-        from fedflat.engine.threads import set_core_share
+        from fedflat.engine.cores import set_core_share
 
         set_core_share(threads)  # this worker's share of the cores: `threads: auto` stays within it
     folder_path = Path(folder)
@@ -127,7 +127,7 @@ def run_cell(tree: dict[str, Any], folder: str, progress: bool = False, threads:
 
 def _run_held_cell(tree: dict[str, Any], folder_path: Path, progress: bool, group: str | None,
                    job: str | None, callbacks: tuple = ()) -> dict[str, Any]:
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
     from fedflat.experiments.runner import run_experiment
 
     start = time.perf_counter()

@@ -71,7 +71,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from fedflat.experiments.checkpoint import resume
+    from fedflat.experiments.resume import resume
 
     history = resume(args.run_dir, overrides=[*args.overrides, *loggers_override(args.loggers)],
                      progress=not args.no_progress)  # errors: cli.main

@@ -480,7 +480,7 @@ def serve(grid, cfg: Config, *, out: str | Path | None = None, run_dir: str | Pa
     needs the same one). ``partitions``: the federation's num-partitions as the operator sets it (a node claiming
     another is left out); None: the first accepted node's claim."""
     from fedflat.api import run
-    from fedflat.experiments.checkpoint import resume as resume_run
+    from fedflat.experiments.resume import resume as resume_run
 
     def driver(sim: Simulation) -> Callable[[int], RoundResult]:
         # (a node learns its partition within wait_s too: a simulation whose ClientApps never start fails then)

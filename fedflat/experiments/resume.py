@@ -14,7 +14,8 @@ from fedflat.core import ConfigError
 from fedflat.engine.checkpoint import CheckpointError, load_run, run_config
 from fedflat.engine.inputs import UserInputs
 from fedflat.experiments.rundir import hold
-from fedflat.experiments.runner import History, cpu_state, run_experiment
+from fedflat.experiments.runner import History, run_experiment
+from fedflat.experiments.summary import cpu_state
 from fedflat.files import read_jsonl
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Torch threads that never oversubscribe the cores (``threads: auto``, the default).
+"""Torch threads that never oversubscribe the cores (``threads: auto``, the default): thread counts and core shares.
 
 Measured on the 2-core machine of docs/benchmarks.md ("Threads"): with torch's default of one thread per core,
 two quickstart runs sharing the cores took more than 300 s for 30 rounds that take 11 s alone (OpenMP
