@@ -38,7 +38,12 @@ class Parser(argparse.ArgumentParser):
 
 def workers_count(text: str) -> int | str:
     """An argparse type: ``auto`` or a whole number >= 1."""
-    return "auto" if text == "auto" else at_least_one(text)
+    if text == "auto":
+        return text
+    try:
+        return at_least_one(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}, or auto (as many cells as fit)") from None
 
 
 def at_least_one(text: str) -> int:

@@ -70,3 +70,17 @@ def test_a_cell_on_a_gpu_writes_its_footprint_after_its_first_round(tiny, tmp_pa
     assert record["round"] == 1 and record["total_bytes"] == total  # (callbacks number rounds from 1)
     assert record["used_bytes"] >= record["peak_reserved_bytes"] > 0  # the context besides the allocator's blocks
     assert record["used_bytes"] + record["free_bytes"] == total
+
+
+def test_the_command_line_takes_auto_workers_and_refuses_nonsense(tmp_path, capsys):
+    from test_sweep import write_sweep
+
+    from fedflat.cli import main
+
+    path = write_sweep(tmp_path, {"overrides": ["rounds=1"], "grid": {"seed": [0, 1]}})
+    assert main(["sweep", str(path), "--workers", "auto", "--dry-run"]) == 0
+    assert "2 cells" in capsys.readouterr().out
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit):
+            main(["sweep", str(path), "--workers", bad])
+        assert "or auto (as many cells as fit)" in capsys.readouterr().err
