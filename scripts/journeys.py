@@ -64,17 +64,8 @@ def _config(*overrides: str):
     return tiny_config("device=cpu", "threads=1", *overrides)
 
 
-def fedsam_round() -> Visits:
-    from fedflat.engine.simulation import Simulation
-
-    sim = Simulation(_config("algo=fedsam", "algo.rho=0.1"))
-    sim.run_round(0)
-    with Visits() as visits:
-        sim.run_round(1)
-    return visits
-
-
 def _round_visits(*overrides: str) -> Visits:
+    """What a warm round (the second) of the tiny problem with ``overrides`` runs."""
     from fedflat.engine.simulation import Simulation
 
     sim = Simulation(_config(*overrides))
@@ -82,6 +73,10 @@ def _round_visits(*overrides: str) -> Visits:
     with Visits() as visits:
         sim.run_round(1)
     return visits
+
+
+def fedsam_round() -> Visits:
+    return _round_visits("algo=fedsam", "algo.rho=0.1")
 
 
 def dp_topk_upload() -> Visits:
