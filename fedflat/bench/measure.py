@@ -265,7 +265,7 @@ class Contestant:
         extra: dict[str, Any] = {"executor": self.executor, "threads": threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
                                  "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
-                                 "cuda_graphs": self.cfg.cuda_graphs}
+                                 "cuda_graphs": self.cfg.cuda_graphs, "compile": self.cfg.compile}
         if cohort and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
         if hasattr(self.sim.executor, "startup_seconds"):  # paid once per run, not in s/round

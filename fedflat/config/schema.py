@@ -437,6 +437,10 @@ class Config(Section):
     cuda_graphs: bool = Field(False, description="on CUDA, each full batch's training pass (forward, backward) "
                                                  "recorded once per shape as a CUDA graph and replayed: removes "
                                                  "the kernel-launch cost that bounds mid-sized models")
+    compile: bool = Field(False, description="each client's training pass (forward, backward) compiled by "
+                                             "torch.compile: fused normalizations, casts and activations; "
+                                             "engine sequential or streams, a module without per-client state; "
+                                             "seconds to a minute of compiling at the first step")
     threads: Literal["auto"] | Annotated[int, Field(ge=1)] | None = Field(
         "auto", description="torch intra-op threads: auto (1 for small steps, else this process's share of the "
                             "cores; fedflat/engine/cores.py), a number, or null for torch's own choice")

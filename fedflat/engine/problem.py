@@ -141,7 +141,7 @@ def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn 
     share = core_share() / cfg.executor.workers if cfg.executor.name == "threads" else None
     threads = choose_threads(cfg.threads, flops, cores=share)
     traits = _traits(problem, model)
-    engine, why = engine_choice(cfg.engine, model.initial.device, flops, cfg.cuda_graphs)
+    engine, why = engine_choice(cfg.engine, model.initial.device, flops, cfg.cuda_graphs, cfg.compile)
     if cfg.engine == "auto" and engine == "streams" and traits.random is not None:
         engine, why = "sequential", f"engine=auto: the model draws random numbers ({traits.random}): one client at a time"
     # a module vmap cannot run: engine=auto trains it sequentially (saying why), engine=vectorized is refused

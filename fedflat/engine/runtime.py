@@ -45,30 +45,35 @@ GPU_BUSY_STEP_FLOPS = 1e10
 
 
 def engine_choice(name: str, device: torch.device, step_flops: float = 0.0,
-                  cuda_graphs: bool = False) -> tuple[str, str]:
+                  cuda_graphs: bool = False, compiled: bool = False) -> tuple[str, str]:
     """``(engine, why)``: the engine ``name`` asks for, or ``auto``'s choice as measured (docs/benchmarks.md). On
     CPU the sequential engine (the vectorized one was slower on every standard workload: vmap over convolutions
     becomes grouped convolutions, and clients with fewer steps are padded); on a GPU the vectorized engine for small
     steps, which leave the GPU waiting for kernel launches, and for steps that fill it by themselves
     (``step_flops``, forward and backward of a batch) the streams engine when the passes are CUDA graphs (its
-    lanes overlap the clients' small kernels once the launches are gone), else the sequential one."""
+    lanes overlap the clients' small kernels once the launches are gone), else the sequential one; with ``compiled``
+    (``compile: true``, one client's pass compiled) never the vectorized one."""
     if name != "auto":
         return name, f"engine={name} as configured"
     if device.type != "cuda":
         return "sequential", "engine=auto on CPU: the sequential engine (the fastest on every measured workload)"
-    if step_flops < GPU_BUSY_STEP_FLOPS:
+    if step_flops < GPU_BUSY_STEP_FLOPS and not compiled:
         return "vectorized", (f"engine=auto on a GPU: a local step of {step_flops:.2g} FLOPs leaves the GPU waiting "
                               "on kernel launches, so a cohort's steps run at once under vmap (W2: 10x)")
     if cuda_graphs:
         return "streams", (f"engine=auto on a GPU with cuda_graphs: steps of {step_flops:.2g} FLOPs, each client's "
                            "graph on a stream of its own so the GPU overlaps their kernels (W3 on an H100)")
+    if compiled:
+        return "sequential", ("engine=auto on a GPU with compile=true: one client's compiled pass at a time (the "
+                              "vectorized engine's vmap is not compiled; with cuda_graphs=true, the streams engine)")
     return "sequential", (f"engine=auto on a GPU: a local step of {step_flops:.2g} FLOPs fills the GPU's launch queue "
                           "one client at a time (with cuda_graphs=true auto takes the faster streams engine)")
 
 
-def resolve_engine(name: str, device: torch.device, step_flops: float = 0.0, cuda_graphs: bool = False) -> str:
+def resolve_engine(name: str, device: torch.device, step_flops: float = 0.0, cuda_graphs: bool = False,
+                   compiled: bool = False) -> str:
     """The engine of :func:`engine_choice`."""
-    return engine_choice(name, device, step_flops, cuda_graphs)[0]
+    return engine_choice(name, device, step_flops, cuda_graphs, compiled)[0]
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
@@ -300,7 +305,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
-    engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs)
+    engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs, compute.compile)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings,
                          replace(compute, engine=engine), spec.traits)
 

@@ -11,13 +11,15 @@ General backends (any objective): :class:`PerClient` (sequential: autograd clien
 :class:`Vectorized` (``vmap`` over a chunk), :class:`StatefulPerClient` and :class:`StatefulGroups` (a module with
 buffers, dropout or batch statistics: each client's own state). Accelerated backends (the data loss alone, faster;
 any other objective goes to their general backend): :class:`HandMLP` (fedflat's MLP's gradient by hand),
-:class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and :class:`PerExampleDP` (DP-SGD's clipped,
+:class:`Compiled` (``torch.compile``), :class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and :class:`PerExampleDP` (DP-SGD's clipped,
 noised per-example gradient, which replaces every objective by the data loss).
 """
 from __future__ import annotations
 
+from fedflat.core import ConfigError
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients.backend import Accelerated, Backend
+from fedflat.engine.gradients.compiled import Compiled
 from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
 from fedflat.engine.gradients.graphed import Graphed
 from fedflat.engine.gradients.hand import HandMLP
@@ -34,7 +36,7 @@ from fedflat.engine.graphs import check_cuda_graphs
 from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import ModelTraits
 
-__all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DataLoss",
+__all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Compiled", "Contrastive", "DataLoss",
            "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
            "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
            "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns", "objective_of"]
@@ -48,23 +50,41 @@ def general_backend(forward: Forward, options: ComputeOptions, traits: ModelTrai
     return Vectorized(forward) if options.vectorized else PerClient(forward)
 
 
+def check_compile(options: ComputeOptions, traits: ModelTraits, dp_sgd: tuple[float, float] | None) -> None:
+    """``compile: true`` compiles one client's data pass: refused, with what to change, where a run has none."""
+    if options.vectorized:
+        raise ConfigError("compile: true compiles one client's pass (engine sequential or streams); the vectorized "
+                          "engine's vmap is not compiled: set engine: sequential or streams, or compile: false")
+    if traits.stateful:
+        raise ConfigError("compile: true compiles the pass of a module without per-client state; this model has "
+                          "buffers, dropout or batch statistics (each client's own state): set compile: false")
+    if dp_sgd is not None:
+        raise ConfigError("compile: true does not apply to DP-SGD's per-example gradients (privacy.level: "
+                          "instance): set compile: false")
+
+
 def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits,
                    dp_sgd: tuple[float, float] | None = None) -> Backend:
     """The run's backend: DP-SGD's per-example gradient under ``privacy.level: instance`` (``dp_sgd = (C, z)``);
     else for a stateless module the general backend accelerated where it can be: the hand-derived MLP gradient
     (fedflat's MLP or LogReg, float32, cross-entropy, not vectorized, on the CPU), then ``engine: streams``'s lanes
-    or ``cuda_graphs``' replays."""
+    or ``cuda_graphs``' replays; with ``compile`` the data pass compiled by ``torch.compile`` (in place of the hand
+    gradient), graphed or laned in turn."""
     if options.cuda_graphs:
         check_cuda_graphs(forward.model.initial.device)
     backend = general_backend(forward, options, traits)
+    if options.compile:
+        check_compile(options, traits, dp_sgd)
     if dp_sgd is not None:
         return PerExampleDP(backend, *dp_sgd)
     if traits.stateful:
         return backend
     plain = not options.vectorized and forward.autocast is None and forward.loss_fn is None
-    hand = MLPGradient.of(forward.model) if traits.hand_gradient and plain else None
+    hand = MLPGradient.of(forward.model) if traits.hand_gradient and plain and not options.compile else None
     if hand is not None:
         backend = HandMLP(hand, backend)
+    if options.compile:
+        backend = Compiled(backend)
     if options.engine == "streams":
         return Lanes(backend, options.cuda_graphs)
     return Graphed(backend) if options.cuda_graphs else backend
