@@ -24,6 +24,11 @@
 #             rounds=100; $PACK_SECONDS a sweep); cells per hour by scripts/pack_report.py
 #   pack3     the W3-sized sweep (configs/gpu_w3_sweep.yaml, 4 cells) one cell at a time, then --workers auto
 #   lease4    the fourth lease's first call: streams3, pack, and the streams and footprint tests on the GPU
+#   compile3  W3 in bf16 with CUDA graphs and compile=true (the streams and sequential engines, FedAvg and FedSAM),
+#             then the streams engine without compile beside it (the baseline, same machine, same call)
+#   profilec3 one profiled round of 5 local steps of the compiled streams engine (what bounds it)
+#   lease5    the fifth lease's call: compile3, pack with 80-round cells ($PACK_OVERRIDES), the GPU tests of the
+#             compiled, graphed, streams and packing paths, then profilec3
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
@@ -89,6 +94,27 @@ for stage in "$@"; do
         --json "$OUT/bench_w3_streams_profile.json" --profile /tmp/profiles_streams tf32=true cuda_graphs=true \
         precision=bf16 train.local_steps=5 ${GPU_CHECK_OVERRIDES:-}
       tar czf "$OUT/profiles_streams.tgz" -C /tmp profiles_streams ;;
+    compile3)
+      timeout "${COMPILE_SECONDS:-240}" $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 \
+        --engines streams,sequential --rounds 1 --quiet --json "$OUT/bench_w3_compile_bf16.json" tf32=true \
+        cuda_graphs=true precision=bf16 compile=true ${GPU_CHECK_OVERRIDES:-}
+      echo "compile bench rc $?"
+      timeout 120 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W3 --engines streams --rounds 1 \
+        --quiet --json "$OUT/bench_w3_streams_bf16.json" tf32=true cuda_graphs=true precision=bf16 \
+        ${GPU_CHECK_OVERRIDES:-}
+      echo "baseline bench rc $?" ;;
+    profilec3)
+      timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --engines streams --workload W3 --rounds 1 --quiet \
+        --json "$OUT/bench_w3_compile_profile.json" --profile /tmp/profiles_compile tf32=true cuda_graphs=true \
+        precision=bf16 compile=true train.local_steps=5 ${GPU_CHECK_OVERRIDES:-}
+      tar czf "$OUT/profiles_compile.tgz" -C /tmp profiles_compile ;;
+    lease5)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      "$0" compile3
+      PACK_OVERRIDES="${PACK_OVERRIDES:-rounds=80}" "$0" pack
+      PYTEST_ARGS="${PYTEST_ARGS:-tests/test_compile.py tests/test_cuda_graphs.py tests/test_packing.py tests/test_cuda.py}" \
+        PYTEST_SECONDS="${PYTEST_SECONDS:-120}" "$0" tests
+      "$0" profilec3 ;;
     pack|pack3)
       if [ $stage = pack ]; then
         sweep=(configs/papers/fedwmsam_table1_fmnist.yaml --variant gpu-pack data.root="${FMNIST:-.gpu/fmnist}")

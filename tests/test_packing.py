@@ -84,3 +84,40 @@ def test_the_command_line_takes_auto_workers_and_refuses_nonsense(tmp_path, caps
         with pytest.raises(SystemExit):
             main(["sweep", str(path), "--workers", bad])
         assert "or auto (as many cells as fit)" in capsys.readouterr().err
+
+
+class _FirstRoundDecides(Packing):
+    """A GPU's packing, on the CPU: the first cell's first metrics line stands in for its footprint (two fit)."""
+
+    decided_at = None
+
+    def workers(self, folders):
+        if self.limit is None and any((f / "metrics.jsonl").exists() for f in folders):
+            self.limit, self.reason, self.decided_at = 2, "2 cell(s) at once (the test's footprint)", time.time()
+        return self.limit or 1
+
+
+def test_packed_cells_start_warm_and_wait_to_be_let_in(tmp_path, monkeypatch):
+    """Packing on a GPU, the cells' processes start at once (one a core) while the first cell measures its footprint;
+    the others import and wait, and begin their runs (their config.yaml) only once the decision lets them in. Every
+    cell completes, with the models of the same cells run one at a time."""
+    from test_sweep import write_sweep
+
+    from fedflat.experiments import cells as cells_module
+    from fedflat.experiments.sweep import load_sweep, run_sweep
+
+    packing = _FirstRoundDecides(cores=2, cells=3, gpu=True)
+    monkeypatch.setattr(cells_module.Packing, "of", classmethod(lambda cls, devices, cores, since=0.0: packing))
+    starts = []
+    start = cells_module._start_deaf_to_ctrl_c
+    monkeypatch.setattr(cells_module, "_start_deaf_to_ctrl_c", lambda p: (starts.append(time.time()), start(p)))
+    path = write_sweep(tmp_path, {"overrides": ["rounds=2"], "grid": {"seed": [0, 1, 2]}})
+    packed = run_sweep(load_sweep(path), workers="auto", progress=False).cells
+    assert [c["status"] for c in packed] == ["completed"] * 3
+    assert packing.decided_at is not None and sum(t < packing.decided_at for t in starts) == 2  # two warm at once
+    for cell in packed[1:]:  # let in by the decision, not before
+        assert (tmp_path / "out" / cell["name"] / "config.yaml").stat().st_mtime >= packing.decided_at
+    (tmp_path / "alone").mkdir()
+    alone = run_sweep(load_sweep(write_sweep(tmp_path / "alone", {"overrides": ["rounds=2"], "grid": {"seed": [0, 1, 2]}})),
+                      workers=1, progress=False).cells
+    assert [c["final_test_acc"] for c in packed] == [c["final_test_acc"] for c in alone]

@@ -292,31 +292,49 @@ def _stopped_by_the_sweep(_signum, _frame) -> None:
 
 
 def _cell_process(tree: dict[str, Any], folder: str, threads: int, parent: int, results, group: str | None,
-                  job: str | None) -> None:
+                  job: str | None, admitted=None) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the sweep died before the line above took effect
         return
     signal.signal(signal.SIGTERM, _stopped_by_the_sweep)  # _stop: the run writes its checkpoint and status
     try:
+        if admitted is not None:  # started warm (packing on a GPU): imported, it waits for room on the device
+            _import_the_run()
+            admitted.wait()
         results.put((folder, run_cell(tree, folder, False, threads, group, job, (Footprint(folder),))))
     except KeyboardInterrupt:
         results.put((folder, interrupted_cell(Path(folder))))
+
+
+def _import_the_run() -> None:
+    """What a cell's run imports before its first round (torch, the engine, the FLOP counter's torch._dynamo):
+    seconds a waiting cell spends while the device is busy, not after it is let in."""
+    import torch._dynamo  # noqa: F401 - the model's step FLOPs are counted under it
+
+    from fedflat.experiments import resume, runner  # noqa: F401
 
 
 def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, bar, group: str | None = None,
                       job: str | None = None) -> None:
     """At most ``workers`` cells at a time (``auto``: :class:`~fedflat.experiments.packing.Packing`), each in its own
     process that dies with the sweep. Ctrl-C (or SIGTERM through the command line) stops the running cells, which
-    record a checkpoint, and starts no new one."""
+    record a checkpoint, and starts no new one.
+
+    Packing on a GPU, the cells' processes start warm: up to one a core at once, each imports what its run needs
+    and waits until it is let in, so the cells let in when the first cell's footprint is known start training at
+    once instead of starting their processes then."""
     context = get_context("spawn")
     queue = context.Queue()
     packing = Packing.of([c.config.device for c in todo], available_cores(), time.time()) if workers == "auto" else None
     threads = packing.threads if packing else max(1, available_cores() // workers)
+    warm = packing is not None and packing.gpu
     if packing is not None:
         bar.write(f"sweep: {packing.reason}" if packing.limit else "sweep: the first cell runs alone for a round, "
                   "then as many cells as its GPU memory leaves room for")
     pending, running = list(todo), {}
-    started: list[Path] = []  # the cells' folders, in the order they started (the first one's footprint decides)
+    gates: dict[str, Any] = {}  # warm cells' processes: the event that lets each in (held while it lives)
+    waiting: list[str] = []  # warm cells not let in yet, in the order they started
+    started: list[Path] = []  # the cells' folders, in the order they were let in (the first one's footprint decides)
 
     def room() -> int:
         if packing is None:
@@ -327,19 +345,39 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
             bar.write(f"sweep: {packing.reason}")
         return limit
 
+    def let_in(folder: str) -> None:
+        started.append(Path(folder))
+        if folder in waiting:
+            waiting.remove(folder)
+            gates[folder].set()
+
     try:
         while pending or running:
-            while pending and len(running) < room():
+            limit = room()
+            for folder in waiting[:max(0, limit - (len(running) - len(waiting)))]:
+                let_in(folder)
+            while pending and len(running) < (max(limit, min(packing.cores, len(todo))) if warm else limit):
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
+                gate = context.Event() if warm else None
                 process = context.Process(target=_cell_process, daemon=True,
                                           args=(cell.config.model_dump(), folder, threads, os.getpid(), queue,
-                                                group, job))
+                                                group, job, gate))
                 _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
-                started.append(Path(folder))
+                if gate is not None:
+                    gates[folder] = gate
+                    waiting.append(folder)
+                    if len(running) - len(waiting) < limit:
+                        let_in(folder)
+                else:
+                    started.append(Path(folder))
             _collect(queue, running, record)
-            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items()]
+            for folder in [f for f in gates if f not in running]:  # (its process ended: the event may go)
+                gates.pop(folder)
+                if folder in waiting:
+                    waiting.remove(folder)
+            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items() if f not in waiting]
             bar.set_postfix_str("; ".join(live)[:200])
     except KeyboardInterrupt:
         _stop(running, queue, record)
