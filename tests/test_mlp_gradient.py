@@ -1,4 +1,4 @@
-"""The hand-derived gradient of fedflat's MLP and LogReg (:mod:`fedflat.engine.mlp_gradient`) is autograd's bit for
+"""The hand-derived gradient of fedflat's MLP and LogReg (:mod:`fedflat.engine.gradients.hand`) is autograd's bit for
 bit, whole runs with it equal runs without it, and every other module keeps autograd."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import fedflat
 from fedflat.core import Batch
-from fedflat.engine.mlp_gradient import ALIGNMENT, MLPGradient, hand_derived
+from fedflat.engine.gradients.hand import ALIGNMENT, MLPGradient, hand_derived
 from fedflat.engine.modes import ModelTraits
 from fedflat.engine.oracle import Oracle
 from fedflat.engine.simulation import Simulation

@@ -27,7 +27,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedflat.core import ConfigError
-from fedflat.engine.mlp_gradient import hand_derived
 
 ALPHA = 1.7580993408473766  # SELU's alpha: ATen's alpha dropout constant
 
@@ -152,7 +151,7 @@ class ModelTraits:
     ``mixes``: a sample's output depends on the other samples of its batch (BatchNorm's batch statistics), so a
     vectorized step never pads a client's batch; ``buffers``: it has persistent buffers (federated state);
     ``hand_gradient``: it is fedflat's MLP or LogReg as built, whose cross-entropy gradient the sequential oracle
-    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.mlp_gradient`)."""
+    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.gradients.hand`)."""
 
     dropout: bool = False
     random: str | None = None
@@ -186,6 +185,9 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
     """The :class:`ModelTraits` of ``model`` (a :class:`fedflat.params.FlatModel`) from forward passes on the
     training inputs ``x`` (a few samples); a module fedflat cannot train correctly is a ``ConfigError`` saying
     why and what to do."""
+    # (imported here: the gradients package builds on these traits, and its hand-derived gradient is one of them)
+    from fedflat.engine.gradients.hand import hand_derived
+
     module, name = model.module, module_name(model.module)
     w = model.initial.clone()
     layout = model.buffer_layout

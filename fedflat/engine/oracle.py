@@ -16,8 +16,8 @@ import torch
 from fedflat.core import Batch, Contrast, Distillation
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients import ClientSession, Forward, choose_backend, objective_of
+from fedflat.engine.gradients.hand import hand_derived
 from fedflat.engine.losses import LossFn
-from fedflat.engine.mlp_gradient import hand_derived
 from fedflat.engine.modes import ModelTraits
 from fedflat.params import FlatModel
 

@@ -20,7 +20,7 @@ from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients.backend import Accelerated, Backend
 from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
 from fedflat.engine.gradients.graphed import Graphed
-from fedflat.engine.gradients.hand import HandMLP
+from fedflat.engine.gradients.hand import HandMLP, MLPGradient
 from fedflat.engine.gradients.lanes import Lanes
 from fedflat.engine.gradients.objectives import (DATA_LOSS, Contrastive, DataLoss, Distilled, Objective, Penalized,
                                                  activation_norms, contrastive_objective, distilled_objective,
@@ -31,7 +31,6 @@ from fedflat.engine.gradients.session import ClientSession
 from fedflat.engine.gradients.stateful import StatefulGroups, StatefulPerClient
 from fedflat.engine.gradients.vectorized import Vectorized
 from fedflat.engine.graphs import check_cuda_graphs
-from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import ModelTraits
 
 __all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DataLoss",
