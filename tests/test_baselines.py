@@ -18,7 +18,7 @@ import fedflat
 from fedflat.algorithms import AlgorithmError
 from fedflat.config import load_config
 from fedflat.core import LocalOptimizer, TrainSettings
-from fedflat.engine.batches import local_steps
+from fedflat.engine.client import local_steps
 from fedflat.engine.simulation import Simulation, UserInputs
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 engine against float64 NumPy over three rounds of a few steps

@@ -448,7 +448,7 @@ def test_dp_sgd_rounds_by_hand(tiny):
     """Two rounds of FedAvg whose clients take DP-SGD steps: each step's batch drawn on its own (B of n without
     replacement), every example's gradient by autograd one at a time, clipped to C, summed, N(0, z^2 C^2) from the
     client's stream added, divided by B; the engine against this computation."""
-    from fedflat.engine.batches import independent_schedule
+    from fedflat.engine.client import independent_schedule
 
     B, C, z = 4, 0.8, 1.2
     sim = Simulation(tiny(*INSTANCE, "rounds=2", f"train.batch_size={B}", "train.local_steps=3", "train.clip=null",
