@@ -15,6 +15,7 @@ value flat) is read as it ran: each flat value set every part that owned it (:fu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +38,15 @@ class Algorithm:
     parts: dict[str, Part]
     stages: list[UploadStage] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def ordered(self) -> list[Part]:
-        """The parts in role order, then the upload stages: every hook runs in this order."""
+        """The parts in role order, then the upload stages: every hook runs in this order (the parts and stages are
+        fixed once assembled: listed once)."""
         return [self.parts[role] for role in ROLES] + list(self.stages)
 
-    @property
+    @functools.cached_property
     def encoder(self) -> UploadStage | None:
-        """The stage that changes what travels (at most one: :func:`build_algorithm` checks)."""
+        """The stage that changes what travels (at most one: :func:`build_algorithm` checks), found once."""
         return next((s for s in self.stages if s.encodes), None)
 
     @property

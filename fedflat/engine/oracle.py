@@ -4,8 +4,8 @@ Both engines call the same oracle interface with a leading client dimension ``C`
 ``loss_grad(W[C, P], batch) -> (loss[C], g[C, P])``. How it is computed is the run's gradient backend
 (:mod:`fedflat.engine.gradients`), chosen once when the oracle is built from the run's
 :class:`~fedflat.engine.compute.ComputeOptions`, the model's :class:`~fedflat.engine.modes.ModelTraits` and DP-SGD's
-settings; what is differentiated is the call's objective (:func:`fedflat.engine.gradients.objective_of`: the data
-loss, with a part's distillation or contrastive term and FedMAN's activation penalty).
+settings; what is differentiated is the call's objective (:func:`objective_of`: the data loss, with a part's
+distillation or contrastive term and FedMAN's activation penalty).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from fedflat.core import Batch, Contrast, Distillation
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.gradients import ClientSession, Forward, choose_backend, objective_of
+from fedflat.engine.gradients import ClientSession, Forward, choose_backend
+from fedflat.engine.gradients.objectives import DATA_LOSS, TERMS, Objective, Penalized
 from fedflat.engine.gradients.hand import hand_derived
 from fedflat.engine.losses import LossFn
 from fedflat.engine.modes import ModelTraits
@@ -23,6 +24,17 @@ from fedflat.params import FlatModel
 
 
 DEFAULT_OPTIONS = ComputeOptions()  # the sequential engine in float32
+
+
+def objective_of(term: Distillation | Contrast | None, penalty: float = 0.0) -> Objective:
+    """The objective of an oracle call: the data loss, with the part's ``term`` and FedMAN's ``penalty`` weight."""
+    objective = DATA_LOSS if term is None else TERMS[type(term)](term)
+    if not penalty:
+        return objective
+    if isinstance(term, Contrast):
+        raise ValueError("FedMAN's activation penalty beside MOON's contrastive term is not implemented: "
+                         "use one of them")
+    return Penalized(objective, penalty)
 
 
 class Oracle:

@@ -17,15 +17,14 @@ noised per-example gradient, which replaces every objective by the data loss).
 from __future__ import annotations
 
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.gradients.backend import Accelerated, Backend
+from fedflat.engine.gradients.backend import Accelerated, Backend, PerClient
 from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
 from fedflat.engine.gradients.graphed import Graphed
 from fedflat.engine.gradients.hand import HandMLP, MLPGradient
 from fedflat.engine.gradients.lanes import Lanes
 from fedflat.engine.gradients.objectives import (DATA_LOSS, Contrastive, DataLoss, Distilled, Objective, Penalized,
                                                  activation_norms, contrastive_objective, distilled_objective,
-                                                 not_true_columns, objective_of)
-from fedflat.engine.gradients.per_client import PerClient
+                                                 not_true_columns)
 from fedflat.engine.gradients.private import PerExampleDP
 from fedflat.engine.gradients.session import ClientSession
 from fedflat.engine.gradients.stateful import StatefulGroups, StatefulPerClient
@@ -36,7 +35,7 @@ from fedflat.engine.modes import ModelTraits
 __all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Contrastive", "DataLoss",
            "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
            "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
-           "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns", "objective_of"]
+           "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns"]
 
 
 def general_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits) -> Backend:
