@@ -26,7 +26,7 @@ from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, Algo
                           ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
                           TrainSettings, closest, composition_label, contract)
 from fedflat.algorithms.attacks import DataAttack
-from fedflat.core.upload import NOT_RELEASED, UploadStage, order_problem, release_of, upload_of
+from fedflat.core.upload import MUST_PRECEDE, NOT_RELEASED, UploadStage, release_of, upload_of
 
 
 @dataclass
@@ -329,7 +329,7 @@ def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
     """The upload stages of ``specs``, in their order, which must make sense
-    (:func:`fedflat.core.upload.order_problem`); at most one stage changes what travels."""
+    (:func:`order_problem`); at most one stage changes what travels."""
     stages = []
     for spec in specs:
         spec = dict(spec)
@@ -349,6 +349,18 @@ def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
     if len(encoders) > 1:
         raise AlgorithmError(f"upload stages {encoders} each encode the upload: choose one compression")
     return stages
+
+
+def order_problem(stages: list[UploadStage]) -> str | None:
+    """Why the upload path ``stages`` (in the config's order) makes no sense, or None: the first stage that comes
+    after a stage of a kind it must precede (:data:`fedflat.core.upload.MUST_PRECEDE`)."""
+    for i, later in enumerate(stages):
+        for earlier in stages[:i]:
+            reason = MUST_PRECEDE.get((later.kind, earlier.kind))
+            if reason is not None:
+                return (f"upload stage {later.kind} '{later.name}' comes after {earlier.kind} '{earlier.name}', but "
+                        f"must run before it: {reason}")
+    return None
 
 
 def _params(cls: type[Part], role: str, values: dict[str, Any]):

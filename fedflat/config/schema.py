@@ -490,9 +490,9 @@ class Config(Section):
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for, in the order they run: ``attack``, ``compression``, ``privacy``,
         the ``upload`` list in its order, then ``robust``, each ``{name, **hyperparameters}`` (the order is checked
-        when the method is built: :func:`fedflat.core.upload.order_problem`), the noise multiplier calibrated where
-        ``privacy.target_epsilon`` asks (seconds of dp-accounting: with ``calibrate=False``, for checking the stages'
-        shape only, ``z = 1`` stands in)."""
+        when the method is built: :func:`fedflat.algorithms.compose.order_problem`), the noise multiplier calibrated
+        where ``privacy.target_epsilon`` asks (seconds of dp-accounting: with ``calibrate=False``, for checking the
+        stages' shape only, ``z = 1`` stands in)."""
         specs = [dict(s) for s in (self.attack, self.compression) if s]
         p = self.privacy
         if p is not None and p.level == "client":

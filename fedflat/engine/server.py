@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -35,7 +35,7 @@ from fedflat.engine.optim import round_lr, state_keys, state_widths
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.store import ClientStore
 from fedflat.params import FlatModel
-from fedflat.privacy import PrivacyLedger
+from fedflat.privacy import Mechanism, PrivacyLedger, calibrated_noise, client_mechanism, delta_of
 
 
 @contextmanager
@@ -170,6 +170,25 @@ class Decoded:
         return {name: v[index.to(v.device)] for name, v in self.release.items()}
 
 
+def privacy_ledger(cfg: Config, num_samples: torch.Tensor, algorithm: Algorithm) -> PrivacyLedger | None:
+    """The privacy ledger of ``cfg`` (None without ``privacy``): client level, the mechanism its accountant composes
+    with the noise multiplier calibrated; instance level (DP-SGD), each step's sampling of the smallest client's
+    ``num_samples`` and the noised gradients a local step takes of its batch (``algorithm.backprops_per_step``)."""
+    p = cfg.privacy
+    if p is None:
+        return None
+    N, K = cfg.data.num_clients, cfg.sampling.clients_per_round
+    if p.level == "instance":
+        mechanism = Mechanism("fixed", N, K, p.noise_multiplier, accountant="rdp", level="instance",
+                              dataset_size=int(num_samples.min()), batch_size=cfg.train.batch_size,
+                              gradients=algorithm.backprops_per_step)
+        delta = delta_of(p, int(num_samples.sum()))
+    else:
+        mechanism, delta = client_mechanism(p, N, K, cfg.sampling.participation), delta_of(p, N)
+        mechanism = replace(mechanism, noise_multiplier=calibrated_noise(p, mechanism, cfg.rounds, delta))
+    return PrivacyLedger(mechanism, delta, p.target_epsilon, torch.zeros(N, dtype=torch.long))
+
+
 class Server:
     """The server's side of a run: ``w^t``, ``b^t``, the server state the parts declared
     (:meth:`Algorithm.initial_server_state`), every client's state rows (:class:`ClientStore`), the last round that
@@ -190,7 +209,7 @@ class Server:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
-        self.privacy = PrivacyLedger.of(cfg, num_samples.cpu(), algorithm.backprops_per_step)
+        self.privacy = privacy_ledger(cfg, num_samples.cpu(), algorithm)
 
     # -- who trains, and from what ---------------------------------------------------------------------------------
     def sample_clients(self, round: int) -> torch.Tensor:

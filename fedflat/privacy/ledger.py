@@ -9,41 +9,22 @@ resumed run continues the accountant exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from fedflat.core import BudgetSpent
 from fedflat.privacy.accounting import Mechanism, epsilon
-from fedflat.privacy.calibration import calibrated_noise, client_mechanism, delta_of
 
 
 @dataclass
 class PrivacyLedger:
+    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config."""
+
     mechanism: Mechanism
     delta: float
     budget: float | None  # privacy.target_epsilon: no round may take the run beyond it
     participations: torch.Tensor  # [N]: each client's releases (local DP) or local steps (instance level)
-
-    @classmethod
-    def of(cls, cfg: Any, num_samples: torch.Tensor, gradients: int) -> PrivacyLedger | None:
-        """The ledger of ``cfg``'s privacy (``cfg`` a :class:`fedflat.config.Config`, read here: the config is a layer
-        above this package); ``num_samples`` each client's examples and ``gradients`` the noised gradients a local step
-        takes of its batch (instance level)."""
-        p = cfg.privacy
-        if p is None:
-            return None
-        N, K = cfg.data.num_clients, cfg.sampling.clients_per_round
-        if p.level == "instance":
-            mechanism = Mechanism("fixed", N, K, p.noise_multiplier, accountant="rdp", level="instance",
-                                  dataset_size=int(num_samples.min()), batch_size=cfg.train.batch_size,
-                                  gradients=gradients)
-            delta = delta_of(p, int(num_samples.sum()))
-        else:
-            mechanism, delta = client_mechanism(p, N, K, cfg.sampling.participation), delta_of(p, N)
-            mechanism = replace(mechanism, noise_multiplier=calibrated_noise(p, mechanism, cfg.rounds, delta))
-        return cls(mechanism, delta, p.target_epsilon, torch.zeros(N, dtype=torch.long))
 
     def epsilon_after(self, round: int, sampled: torch.Tensor, steps: torch.Tensor | None = None) -> float:
         """The run's epsilon once round ``round`` (0-based) has released, with ``sampled`` its clients (and
