@@ -251,13 +251,9 @@ def _chosen_parts(name: str, recipe: Recipe, section: dict[str, Any]) -> dict[st
     return classes
 
 
-def _owners(classes: dict[str, type[Part]], key: str) -> list[str]:
-    return [role for role, cls in classes.items() if key in cls.Params.model_fields]
-
-
 def _flat_owners(name: str, classes: dict[str, type[Part]], key: str, where: str) -> list[str]:
     """The roles a flat ``key`` sets: its one owner, or every owner when all of them share it."""
-    owners = _owners(classes, key)
+    owners = [role for role, cls in classes.items() if key in cls.Params.model_fields]
     if not owners:
         valid = sorted({k for cls in classes.values() for k in cls.Params.model_fields})
         raise AlgorithmError(f"{where}: not a hyperparameter of '{name}'{closest(key, valid + list(ROLES))}; "

@@ -14,15 +14,15 @@ nearly halves the step (W2 0.8 GFLOP: 35 vs 20 ms; ResNet-18, 166 GFLOP: 4.9 vs 
   set it): two 2-thread runs sharing 2 cores then took 30 s instead of more than 300 s. It costs up to
   ~20% on one multi-threaded run alone on its cores; export ``OMP_WAIT_POLICY=ACTIVE`` to trade back.
 
-**The heap** (:func:`retain_freed_memory`). glibc's allocator is set for training, so a step's large tensors reuse
-the heap's freed memory, not fresh pages. PyTorch's CPU tensors come from ``malloc``. glibc serves a block above
-its mmap threshold (128 KiB, raised as large blocks are freed, to 32 MiB at most) with a fresh mapping and returns it
-to the kernel when freed, and it gives the top of its heap back above its trim threshold; the next step's tensors
-then land on pages the kernel zero-fills on first touch. On W2 (a CNN, 50 clients a round, 800k parameters) that was 110,000 page faults a round in the driver
-and 120,000 in each Ray worker, about 0.2 s of a 2.2 s round (docs/benchmarks.md, "CPU speed, issue 37"). With the
-mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what it had: a few faults a round after
-the first two. A process then keeps up to 512 MiB of freed memory for its next step (blocks of 256 MiB and more are
-still mapped and returned one by one), as PyTorch's GPU caching allocator keeps its own.
+**The heap** (:func:`retain_freed_memory`). glibc's allocator is set for training, so a step's large tensors reuse the
+heap's freed memory, not fresh pages. PyTorch's CPU tensors come from ``malloc``. glibc serves a block above its mmap
+threshold (128 KiB, raised as large blocks are freed, to 32 MiB at most) with a fresh mapping and returns it to the
+kernel when freed, and it gives the top of its heap back above its trim threshold; the next step's tensors then land on
+pages the kernel zero-fills on first touch. On W2 (a CNN, 50 clients a round, 800k parameters) that was 110,000 page
+faults a round in the driver and 120,000 in each Ray worker, about 0.2 s of a 2.2 s round (docs/benchmarks.md, "CPU
+speed, issue 37"). With the mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what it had: a
+few faults a round after the first two. A process then keeps up to 512 MiB of freed memory for its next step (blocks of
+256 MiB and more are still mapped and returned one by one), as PyTorch's GPU caching allocator keeps its own.
 
 Every run's process sets it once: a :class:`~fedflat.engine.simulation.Simulation` (the driver, a Flower node, a sweep
 cell, and so the threads executor's process) and a Ray worker's runtime; ``FEDFLAT_MALLOC=default`` keeps glibc's own

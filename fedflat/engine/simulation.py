@@ -26,9 +26,9 @@ from fedflat.data import augmentation_fn, client_test_split
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.inputs import UserInputs
-from fedflat.engine.losses import configured_loss, summed_loss
+from fedflat.engine.losses import summed_loss
 from fedflat.engine.optim import check_recipe
-from fedflat.engine.problem import build_module, build_problem, inspect_model, train_settings
+from fedflat.engine.problem import build_module, build_problem, configured_loss, inspect_model, train_settings
 from fedflat.engine.modes import module_name
 from fedflat.engine.ray_executor import RayExecutor
 from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, StateLoader, ThreadExecutor, WorkerSpec,
@@ -170,7 +170,12 @@ class Simulation:
         self.algorithm = self.build_algorithm()
         self.personalized, self.private_buffers = personal_layout(self.algorithm, self.settings)
         self.server = Server(cfg, self.algorithm, self.model, self.settings, self.num_samples, self.private_buffers)
-        self.runtime = self.client_runtime()
+        # the driver's own client runtime: the parts, the model's oracle and every client's batches
+        data = self.dataset
+        self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
+                                     augmentation_fn(data.augmentation), data.standardize)
+        self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
+                                     replace(self.compute, engine=self.report.engine), self.report.traits)
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.executor = make_executor(cfg.executor, self.runtime, self.worker_spec, self.worker_data)
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
@@ -188,14 +193,6 @@ class Simulation:
         check_recipe(algorithm.parts, algorithm.name, self.settings.optimizer, cfg.train.schedule)
         return algorithm
 
-    def client_runtime(self) -> ClientRuntime:
-        """The driver's own client runtime: the algorithm's parts, the model's oracle and every client's batches."""
-        cfg, data = self.cfg, self.dataset
-        self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
-                                     augmentation_fn(data.augmentation), data.standardize)
-        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
-                             replace(self.compute, engine=self.report.engine), self.report.traits)
-
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
         ``clients`` (the local training, or each Ray worker's; None: the worker's own default)."""
@@ -207,7 +204,8 @@ class Simulation:
         """What a Ray or thread worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
         override its fields)."""
         cfg, ex, data = self.cfg, self.cfg.executor, self.dataset
-        threads = choose_threads(cfg.threads, self.report.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
+        threads = choose_threads(cfg.threads, self.report.step_flops,
+                                 cores=ex.cpus_per_worker or default_cpus(ex.workers))
         compute = replace(self.compute, threads=threads,
                           engine="sequential" if self.report.vmap_problem else self.compute.engine)
         spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.inputs.model_fn,

@@ -28,11 +28,7 @@ class Backend:
 
     def __init__(self, forward: Forward):
         self.forward = forward
-
-    @property
-    def general(self) -> Backend:
-        """The backend that computes any objective (a general backend is its own)."""
-        return self
+        self.general: Backend = self  # the backend that computes any objective (a general backend is its own)
 
     def loss_grad(self, W: torch.Tensor, batch: Batch, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
         """``(reported loss[C], g[C, P])``: each client's gradient of ``objective`` on its mini-batch."""
@@ -111,11 +107,7 @@ class Accelerated(Backend):
     def __init__(self, inner: Backend):
         super().__init__(inner.forward)
         self.inner = inner
-        self._general = inner.general
-
-    @property
-    def general(self) -> Backend:
-        return self._general
+        self.general = inner.general
 
     @property
     def gradient(self) -> str:
@@ -123,18 +115,18 @@ class Accelerated(Backend):
 
     def loss_grad(self, W, batch, objective):
         if not objective.plain:  # a term's objective: the general backend's autograd
-            return self._general.loss_grad(W, batch, objective)
+            return self.general.loss_grad(W, batch, objective)
         self.forward.mode(True)
-        return self._general.rows(W, batch, self.data_pass)
+        return self.general.rows(W, batch, self.data_pass)
 
     def data_pass(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def loss(self, W, batch):
-        return self._general.loss(W, batch)
+        return self.general.loss(W, batch)
 
     def cohort_logits(self, w, x):
-        return self._general.cohort_logits(w, x)
+        return self.general.cohort_logits(w, x)
 
     def clients(self, ids, round, seed, buffers):
-        return self._general.clients(ids, round, seed, buffers)
+        return self.general.clients(ids, round, seed, buffers)

@@ -8,10 +8,11 @@ graph, no ``torch.cat``): the same bits, and W1's rounds in less CPU time (docs/
 backends"). Every other objective, a batch it does not take and every evaluation keep the general backend's
 autograd.
 
-The gradient is autograd's own operations, without autograd. For ``a_0 = flatten(x)``, ``z_l = a_{l-1} W_l^T + b_l`` (``nn.Linear``), ``a_l = relu(z_l)`` for the hidden layers
-and the batch's mean cross-entropy ``l = -1/B sum_j log softmax(z_L)_j[y_j]`` (``F.cross_entropy``),
-backpropagation (Rumelhart, Hinton and Williams 1986) gives, from ``G_L = dl/dz_L = (softmax(z_L) - onehot(y)) / B``
-and ``G_{l-1} = (G_l W_l) * [a_{l-1} > 0]``,
+The gradient is autograd's own operations, without autograd. For ``a_0 = flatten(x)``,
+``z_l = a_{l-1} W_l^T + b_l`` (``nn.Linear``), ``a_l = relu(z_l)`` for the hidden layers and the batch's mean
+cross-entropy ``l = -1/B sum_j log softmax(z_L)_j[y_j]`` (``F.cross_entropy``), backpropagation (Rumelhart, Hinton
+and Williams 1986) gives, from ``G_L = dl/dz_L = (softmax(z_L) - onehot(y)) / B`` and
+``G_{l-1} = (G_l W_l) * [a_{l-1} > 0]``,
 
     dl/dW_l = G_l^T a_{l-1},        dl/db_l = sum_j G_l[j, :].
 
