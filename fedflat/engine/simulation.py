@@ -170,12 +170,7 @@ class Simulation:
         self.algorithm = self.build_algorithm()
         self.personalized, self.private_buffers = personal_layout(self.algorithm, self.settings)
         self.server = Server(cfg, self.algorithm, self.model, self.settings, self.num_samples, self.private_buffers)
-        # the driver's own client runtime: the parts, the model's oracle and every client's batches
-        data = self.dataset
-        self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
-                                     augmentation_fn(data.augmentation), data.standardize)
-        self.runtime = ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
-                                     replace(self.compute, engine=self.report.engine), self.report.traits)
+        self.runtime = self.client_runtime()
         self.oracle = self.runtime.oracle  # the driver's own gradient oracle (diagnostics use it too)
         self.executor = make_executor(cfg.executor, self.runtime, self.worker_spec, self.worker_data)
         self.personal_evaluation: Callable[[torch.Tensor], ClientScores] | None = None  # set by a federation
@@ -192,6 +187,14 @@ class Simulation:
         algorithm = cfg.algo.build(self.stage_specs)
         check_recipe(algorithm.parts, algorithm.name, self.settings.optimizer, cfg.train.schedule)
         return algorithm
+
+    def client_runtime(self) -> ClientRuntime:
+        """The driver's own client runtime: the algorithm's parts, the model's oracle and every client's batches."""
+        cfg, data = self.cfg, self.dataset
+        self.batches = ClientBatches(data.x_train, data.y_train, self.client_indices, cfg.train.batch_size, cfg.seed,
+                                     augmentation_fn(data.augmentation), data.standardize)
+        return ClientRuntime(self.algorithm, self.model, self.batches, self.settings,
+                             replace(self.compute, engine=self.report.engine), self.report.traits)
 
     def thread_counts(self) -> dict[str, int | None]:
         """The torch threads a run's bits depend on: ``server`` (this process: aggregation, evaluation) and
