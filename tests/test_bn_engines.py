@@ -15,7 +15,7 @@ import fedflat
 from fedflat.core import Batch
 from fedflat.engine.client import stack_batches
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
 from fedflat.testing import ROUNDINGS_PER_STEP, U32
 

@@ -18,7 +18,7 @@ from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
 from fedflat.engine.client import stack_batches
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.runtime import auto_chunk_size, engine_choice, resolve_engine
 from fedflat.engine.simulation import Simulation
 from fedflat.params import FlatModel

@@ -12,7 +12,7 @@ from fedflat.core import Batch, Distillation
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients import (HandMLP, Lanes, Penalized, PerClient, PerExampleDP, StatefulGroups,
                                       StatefulPerClient, Vectorized)
-from fedflat.engine.oracle import Oracle, objective_of
+from fedflat.engine.client import Oracle, objective_of
 from fedflat.engine.simulation import Simulation
 from fedflat.models.mlp import mlp
 from fedflat.params import FlatModel

@@ -13,7 +13,7 @@ import fedflat
 from fedflat.core import Batch
 from fedflat.engine.gradients.hand import ALIGNMENT, MLPGradient, hand_derived
 from fedflat.engine.modes import ModelTraits
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
 from fedflat.models.mlp import MLP, LogReg, logreg, mlp
 from fedflat.params import FlatModel

@@ -23,7 +23,7 @@ from fedflat.engine.cores import choose_threads, core_share, torch_threads
 from fedflat.engine.losses import LossFn, check_loss, focal_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.runtime import engine_choice
 from fedflat.models import build_model
 from fedflat.params import FlatModel

@@ -22,11 +22,10 @@ from fedflat.algorithms import Algorithm, build_algorithm
 from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
 from fedflat.data import Standardize
-from fedflat.engine.client import ClientBatches, fit
+from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.engine.oracle import Oracle
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 

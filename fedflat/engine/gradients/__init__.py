@@ -1,7 +1,7 @@
 """Gradient backends: how a cohort's ``(loss[C], grad[C, P])`` is computed, chosen once per run.
 
 Every backend answers ``loss_grad(W[C, P], batch, objective) -> (loss[C], g[C, P])`` and ``loss(W, batch) ->
-loss[C]`` (:class:`~fedflat.engine.gradients.backend.Backend`); the oracle (:class:`fedflat.engine.oracle.Oracle`)
+loss[C]`` (:class:`~fedflat.engine.gradients.backend.Backend`); the oracle (:class:`fedflat.engine.client.Oracle`)
 builds one with :func:`choose_backend` from the run's :class:`~fedflat.engine.compute.ComputeOptions` and the
 model's :class:`~fedflat.engine.modes.ModelTraits`, and calls it without branching. The objective of a call (the
 data loss, a distillation or contrastive term, FedMAN's activation penalty) is an

@@ -5,7 +5,7 @@ whether a backend runs it client by client or under ``vmap`` (``weight[B]``, las
 are then over the real samples). What a term needs of the whole cohort beforehand, without gradient (a teacher's
 log-probabilities, MOON's anchor representations), :meth:`Objective.prepare` computes once per call, and
 :meth:`Objective.row` slices for one client. The oracle builds the objective of a call
-(:func:`fedflat.engine.oracle.objective_of`) from the term a method's part gives (:class:`~fedflat.core.Distillation`,
+(:func:`fedflat.engine.client.objective_of`) from the term a method's part gives (:class:`~fedflat.core.Distillation`,
 :class:`~fedflat.core.Contrast`) and the activation penalty's weight, so the terms compose instead of branching in
 the backends.
 """
