@@ -15,6 +15,7 @@ the reason, and the run's summary keeps them (``rejected_clients``). With ``inva
 """
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -237,22 +238,30 @@ class Server:
         t = self.cfg.train
         steps = torch.tensor([local_steps(int(ni), t.batch_size, t.local_epochs, t.local_steps) for ni in n.tolist()],
                              device=self.device)
-        held, held_known = self.load_state(sampled, self.algorithm.held_keys())
+        held, held_known = self.load_state(sampled, self.held_keys)
         return RoundContext(round=round, lr=self.lr_at(round), w=self.w, sampled=sampled.to(self.device),
                             num_samples=n, steps=steps, server=dict(self.state), settings=self.settings,
                             held=held, held_known=held_known)
 
+    @functools.cached_property
     def client_state_keys(self) -> list[str]:
-        """Names of the state each client keeps: its parts', and its own buffers where some are private (FedBN)."""
+        """Names of the state each client keeps: its parts', its own buffers where some are private (FedBN) and its
+        local optimizer's; fixed for the run (parts keep no state), so listed once."""
         return (self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
                 + state_keys(self.settings.optimizer))
+
+    @functools.cached_property
+    def held_keys(self) -> list[str]:
+        """Names of the per-client rows the server holds (:meth:`Algorithm.held_keys`), fixed for the run: listed
+        once."""
+        return self.algorithm.held_keys()
 
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The state rows of the clients ``ids`` (zeros and ``known = False`` before their first round):
         by default those the clients keep; ``names`` for others (the ones the server holds)."""
         state, known = {}, {}
-        for name in self.client_state_keys() if names is None else names:
+        for name in self.client_state_keys if names is None else names:
             state[name], known[name] = self.store.get(name, ids)
         return state, known
 
