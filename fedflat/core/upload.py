@@ -21,7 +21,7 @@ ships, stores and checkpoints them. Its hooks, in the order the config lists the
   ``w^t + Delta_i`` again.
 
 A stage sees every client of a chunk at once (rows), draws its randomness from the keyed streams
-(:func:`fedflat.core.rng.torch_stream`, one per client, or the server's), and keeps rule 1 of the parts: it returns
+(:func:`fedflat.core.round.torch_stream`, one per client, or the server's), and keeps rule 1 of the parts: it returns
 new tensors, never modifying what it was given.
 """
 from __future__ import annotations
