@@ -11,7 +11,7 @@ from torch import nn
 
 import fedflat
 from fedflat.core import Batch
-from fedflat.engine.gradients.hand import ALIGNMENT, MLPGradient, hand_derived
+from fedflat.engine.gradients.hand import ALIGNMENT, MLPGradient
 from fedflat.engine.modes import ModelTraits
 from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
@@ -156,7 +156,7 @@ def test_other_modules_keep_autograd(build):
     torch.manual_seed(0)
     module = build()
     model = FlatModel(module)
-    assert not hand_derived(model)
+    assert MLPGradient.of(model) is None
     oracle = Oracle(model)
     assert not oracle.traits.hand_gradient and oracle.gradient == "autograd"
     assert Oracle(model, traits=ModelTraits(hand_gradient=True)).gradient == "autograd"  # (a worker checks its own module)

@@ -204,20 +204,15 @@ def renamed_state(entries: dict[str, Any]) -> dict[str, Any]:
 LEGACY_ROLES = ROLES[:5]  # the roles of every resolved section before scoping (personalization came later)
 
 
-def is_legacy(section: dict[str, Any]) -> bool:
-    """Whether ``section`` is the resolved form written before hyperparameters were scoped: every role a part's
-    name (``personalization`` possibly missing) and the hyperparameters flat beside them."""
-    return (all(isinstance(section.get(role), str) for role in LEGACY_ROLES)
-            and not any(isinstance(section.get(role), dict) for role in ROLES)
-            and any(k not in ROLES and k != "name" for k in section))
-
-
 def scoped_section(section: dict[str, Any]) -> dict[str, Any]:
     """``section`` with every role a dict ``{name?, key: value}`` and the flat keys left at the top; a legacy
-    section (:func:`is_legacy`) becomes the scoped form of what it ran: each flat value under every role whose
-    part owns it."""
+    section, the resolved form written before hyperparameters were scoped (every role a part's name,
+    ``personalization`` possibly missing, and the hyperparameters flat beside them), becomes the scoped form of what
+    it ran: each flat value under every role whose part owns it."""
     section = dict(section)
-    legacy = is_legacy(section)
+    legacy = (all(isinstance(section.get(role), str) for role in LEGACY_ROLES)
+              and not any(isinstance(section.get(role), dict) for role in ROLES)
+              and any(k not in ROLES and k != "name" for k in section))
     for role in ROLES:
         value = section.get(role)
         if isinstance(value, str):

@@ -186,7 +186,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
     training inputs ``x`` (a few samples); a module fedflat cannot train correctly is a ``ConfigError`` saying
     why and what to do."""
     # (imported here: the gradients package builds on these traits, and its hand-derived gradient is one of them)
-    from fedflat.engine.gradients.hand import hand_derived
+    from fedflat.engine.gradients.hand import MLPGradient
 
     module, name = model.module, module_name(model.module)
     w = model.initial.clone()
@@ -214,7 +214,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
                               "nn.Dropout)")
         mixes = _mixes_samples(model, w, x)
     return ModelTraits(dropout=bool(dropout.calls), random=random.seen[0] if random.seen else None, mixes=mixes,
-                       buffers=layout.size > 0, hand_gradient=hand_derived(model))
+                       buffers=layout.size > 0, hand_gradient=MLPGradient.of(model) is not None)
 
 
 def _mixes_samples(model, w: torch.Tensor, x: torch.Tensor) -> bool:

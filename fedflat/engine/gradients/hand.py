@@ -33,7 +33,7 @@ calls, bit for bit the Python method's (:meth:`MLPGradient.python_loss_grad`, wh
 
 It applies on the CPU only, to a module that *is* fedflat's :class:`~fedflat.models.mlp.MLP` or
 :class:`~fedflat.models.mlp.LogReg` as built (exact classes, no hooks, the parameters in their order):
-:func:`hand_derived`, decided once per model (:class:`fedflat.engine.modes.ModelTraits`). Anything else, a
+:meth:`MLPGradient.of`, decided once per model (:class:`fedflat.engine.modes.ModelTraits`). Anything else, a
 subclass included, keeps autograd.
 """
 from __future__ import annotations
@@ -80,13 +80,6 @@ def linear_stack(module: nn.Module) -> list[nn.Linear] | None:
     return layers if all(type(m) is nn.Linear for m in layers) else None
 
 
-def hand_derived(model) -> bool:
-    """Whether the sequential oracle may compute ``model``'s (a :class:`fedflat.params.FlatModel`) cross-entropy
-    gradient by hand: :func:`linear_stack` finds its layers and its flat vector holds exactly their float32 weights
-    and biases, in order."""
-    return MLPGradient.of(model) is not None
-
-
 @dataclass(frozen=True)
 class Slot:
     """Where one layer's weight ``[out, in]`` and bias ``[out]`` live in the flat vector."""
@@ -112,7 +105,9 @@ class MLPGradient:
 
     @classmethod
     def of(cls, model) -> "MLPGradient | None":
-        """The gradient of the :class:`fedflat.params.FlatModel` ``model``, or None where it does not apply."""
+        """The gradient of the :class:`fedflat.params.FlatModel` ``model``, or None where it does not apply: the
+        sequential oracle may compute its cross-entropy gradient by hand where :func:`linear_stack` finds its layers
+        and its flat vector holds exactly their float32 weights and biases, in order."""
         layers = linear_stack(model.module)
         if (layers is None or model.initial.dtype != torch.float32 or model.buffer_layout.size
                 or model.initial.device.type != "cpu"):  # (on a GPU, cuBLAS's choices are not checked here)
