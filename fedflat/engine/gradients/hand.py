@@ -39,6 +39,7 @@ subclass included, keeps autograd.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from fedflat.models.mlp import MLP, LogReg
 # gets its matrix product in an aligned scratch matrix first (measured: [10, 5] products written 4 bytes off differ
 # in the last bits in about half the trials; tests/test_mlp_gradient.py holds such a layer)
 ALIGNMENT = 64
+UNLOADED = object()  # MLPGradient's native operator before its first use
 MEAN = 1  # ATen's Reduction::Mean, F.cross_entropy's default
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -97,11 +99,23 @@ class MLPGradient:
     def __init__(self, slots: tuple[Slot, ...], size: int, device: torch.device):
         self.slots, self.size = slots, size
         self.one = torch.ones((), device=device)  # dl/dl: what autograd.grad(loss) starts from
-        # the same operations in one GIL-free C++ call (fedflat.engine.native; None: this method's Python runs)
-        self.native = native.load()
+        self._native: Callable | None | object = UNLOADED  # (:attr:`native`, loaded on first use)
         self.flat_slots = [n for s in slots for n in (s.weight, s.bias, s.out, s.inp)]
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}  # w's address -> views
         self._scratch: dict[int, torch.Tensor] = {}  # layer -> an aligned [out, in] for a misaligned slice of g
+
+    @property
+    def native(self) -> Callable | None:
+        """The same operations in one GIL-free C++ call (:func:`fedflat.engine.native.load`; None: this method's
+        Python runs), built and loaded on first use, not when the gradient is made: a runtime that never trains (the
+        driver's under Ray, a Flower server's) builds nothing."""
+        if self._native is UNLOADED:
+            self._native = native.load()
+        return self._native  # type: ignore[return-value]
+
+    @native.setter
+    def native(self, operator: Callable | None) -> None:
+        self._native = operator
 
     @classmethod
     def of(cls, model) -> "MLPGradient | None":
@@ -153,8 +167,9 @@ class MLPGradient:
         operator where it is built (the same operations, bit for bit), else in Python."""
         if w.requires_grad:
             w = w.detach()
-        if self.native is not None:
-            return self.native(w, x, y, self.flat_slots, self.size, self.one)
+        operator = self.native
+        if operator is not None:
+            return operator(w, x, y, self.flat_slots, self.size, self.one)
         return self.python_loss_grad(w, x, y)
 
     def python_loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
