@@ -142,7 +142,7 @@ def _check_method(cfg: Config) -> None:
     if cfg.algo._checked == key:
         return
     try:
-        method = cfg.algo._parts or build_parts(cfg.algo)
+        method = cfg.algo._parts or build_parts(cfg.algo.section())
         algorithm = assemble(*method, cfg.stage_specs(calibrate=False))
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None

@@ -372,7 +372,7 @@ class AlgoSpec(BaseModel):
         if self._resolved is None:
             from fedflat.algorithms import build_algorithm
 
-            self._resolved = build_algorithm(self).resolved()
+            self._resolved = build_algorithm(self.section()).resolved()
         return copy.deepcopy(self._resolved)
 
     def build(self, stages: list[dict[str, Any]] | tuple = ()) -> Any:
@@ -380,7 +380,7 @@ class AlgoSpec(BaseModel):
         spec was validated (parts keep no state, so every run of the config may use them), else built here."""
         from fedflat.algorithms.compose import assemble, build_parts
 
-        return assemble(*(self._parts or build_parts(self)), stages)
+        return assemble(*(self._parts or build_parts(self.section())), stages)
 
     def remember(self, resolved: dict[str, Any], key: str, parts: tuple[str, dict[str, Any]] | None = None) -> None:
         """Keeps the load's resolution, what the method was checked with (:func:`_check_method`) and its parts."""

@@ -211,7 +211,7 @@ class Simulation:
                                  cores=ex.cpus_per_worker or default_cpus(ex.workers))
         compute = replace(self.compute, threads=threads,
                           engine="sequential" if self.report.vmap_problem else self.compute.engine)
-        spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.inputs.model_fn,
+        spec = WorkerSpec(algo=cfg.algo.section(), model=dict(cfg.model), model_fn=self.inputs.model_fn,
                           input_shape=data.input_shape, num_classes=data.num_classes, settings=self.settings,
                           compute=compute, traits=self.report.traits, augmentation=data.augmentation,
                           use_gpu=ex.gpus_per_worker > 0, step_flops=self.report.step_flops,
