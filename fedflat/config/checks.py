@@ -75,7 +75,7 @@ def _with_recipe_privacy(cfg: Config) -> Config:
     config does not set them (``privacy: null`` sets it: the method without DP)."""
     from fedflat.algorithms import RECIPES
 
-    recipe = RECIPES.get(cfg.algo.get("name"))
+    recipe = RECIPES.get(cfg.algo.name)
     if recipe is None:
         return cfg
     update: dict[str, Any] = {}

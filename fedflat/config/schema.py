@@ -502,9 +502,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":
-        for section, key in (("model", "name"), ("algo", "name")):
-            if not isinstance(getattr(self, section).get(key), str):
-                raise ValueError(f"{section}.{key} must be set to a name")
+        for section, name in (("model", self.model.get("name")), ("algo", self.algo.name)):
+            if not isinstance(name, str):
+                raise ValueError(f"{section}.name must be set to a name")
         if not isinstance(self.data.partition.get("scheme"), str):
             raise ValueError("data.partition.scheme must be set to a name")
         return self

@@ -188,7 +188,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
     # (imported here: the gradients package builds on these traits, and its hand-derived gradient is one of them)
     from fedflat.engine.gradients.hand import MLPGradient
 
-    module, name = model.module, module_name(model.module)
+    module = model.module
     w = model.initial.clone()
     layout = model.buffer_layout
     frozen = _snapshot(module)
@@ -199,19 +199,20 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
         with recording() as dropout, RandomOps() as random:
             module(x)
         if not torch.equal(w, model.initial):
-            raise ConfigError(f"model {name}: its forward pass changes its parameters in place; fedflat runs every "
-                              "client from the same flat parameter vector and cannot train such a module")
+            raise ConfigError(f"model {module_name(module)}: its forward pass changes its parameters in place; fedflat "
+                              "runs every client from the same flat parameter vector and cannot train such a module")
         changed = [k for k, v in _snapshot(module).items() if not torch.equal(v, frozen[k])]
         if changed:
-            raise ConfigError(f"model {name}: its forward pass changes the non-persistent buffer {changed[0]!r}, which "
-                              "is not saved and so cannot be federated; register it with persistent=True")
+            raise ConfigError(f"model {module_name(module)}: its forward pass changes the non-persistent buffer "
+                              f"{changed[0]!r}, which is not saved and so cannot be federated; register it with "
+                              "persistent=True")
         module.eval()
         with RandomOps() as eval_random:  # as fedflat evaluates: no dropout interception
             module(x)
         if eval_random.seen:
-            raise ConfigError(f"model {name} draws random numbers in eval() mode ({eval_random.seen[0]}), so its "
-                              "evaluation is not deterministic: give F.dropout training=self.training (or use "
-                              "nn.Dropout)")
+            raise ConfigError(f"model {module_name(module)} draws random numbers in eval() mode "
+                              f"({eval_random.seen[0]}), so its evaluation is not deterministic: give F.dropout "
+                              "training=self.training (or use nn.Dropout)")
         mixes = _mixes_samples(model, w, x)
     return ModelTraits(dropout=bool(dropout.calls), random=random.seen[0] if random.seen else None, mixes=mixes,
                        buffers=layout.size > 0, hand_gradient=MLPGradient.of(model) is not None)
