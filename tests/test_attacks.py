@@ -1,4 +1,4 @@
-"""Attacks (fedflat.algorithms.attacks) and the server's upload checks (fedflat.engine.validation): who the
+"""Attacks (fedflat.algorithms.attacks) and the server's upload checks (fedflat.engine.server): who the
 attackers are, each attack's effect by hand, reproducibility on every executor, the backdoor's metric, and
 uploads with NaN or beyond the norm bound rejected (or failing the run) with the client named."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fedflat.algorithms.compose import build_stages
 from fedflat.core import (MODEL, SERVER, Batch, ClientContext, Cohort, ConfigError, TrainSettings, contract,
                           numpy_stream, register_part, torch_stream)
 from fedflat.engine.simulation import Simulation
-from fedflat.engine.validation import UploadRejected
+from fedflat.engine.server import UploadRejected
 from fedflat.models import build_model
 from fedflat.testing import relative_gap, rounding_allowed
 

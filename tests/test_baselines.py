@@ -18,7 +18,7 @@ import fedflat
 from fedflat.algorithms import AlgorithmError
 from fedflat.config import load_config
 from fedflat.core import LocalOptimizer, TrainSettings
-from fedflat.engine.batches import local_steps
+from fedflat.engine.client import local_steps
 from fedflat.engine.simulation import Simulation, UserInputs
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 engine against float64 NumPy over three rounds of a few steps
@@ -390,7 +390,7 @@ def test_fedntd_with_beta_zero_is_its_base_method(tiny, base):
 
 
 def test_fedntd_loss_conforms_to_the_authors_criterion():
-    """fedflat's objective (fedflat.engine.oracle.distilled_objective, not_true) against FedSOL's ``NTD_Loss``
+    """fedflat's objective (fedflat.engine.client.distilled_objective, not_true) against FedSOL's ``NTD_Loss``
     (transcribed unmodified, tests/authors/fedsol_ntd.py): value and gradient in the logits, 10 classes, tau 3."""
     from authors.fedsol_ntd import NTD_Loss
 
@@ -498,7 +498,7 @@ def test_moon_with_mu_zero_is_its_base_method(tiny, base):
 
 
 def test_moon_loss_conforms_to_the_authors_criterion():
-    """fedflat's objective (fedflat.engine.oracle.contrastive_objective) against FedSOL's ``ModelContrastiveLoss``
+    """fedflat's objective (fedflat.engine.client.contrastive_objective) against FedSOL's ``ModelContrastiveLoss``
     (transcribed unmodified, tests/authors/fedsol_moon.py): value, and gradient in the logits and the representation."""
     from authors.fedsol_moon import ModelContrastiveLoss
 

@@ -13,9 +13,9 @@ from conftest import BATCH_NORM_CNN
 
 import fedflat
 from fedflat.core import Batch
-from fedflat.engine.batches import stack_batches
+from fedflat.engine.client import stack_batches
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
 from fedflat.testing import ROUNDINGS_PER_STEP, U32
 

@@ -22,7 +22,7 @@ import fedflat
 from fedflat.algorithms.fedper import PERSONAL_MODEL
 from fedflat.config import load_config
 from fedflat.core import BUFFERS, ConfigError, stream_seed, torch_stream
-from fedflat.engine.batches import local_schedule
+from fedflat.engine.client import local_schedule
 from fedflat.engine.checkpoint import CHECKPOINT, load_run
 from fedflat.engine.modes import inspect_module
 from fedflat.engine.problem import choose_engine, vmap_problem

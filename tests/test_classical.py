@@ -20,7 +20,7 @@ from fedflat.algorithms.qfedavg import qfedavg_step
 from fedflat.config import load_config
 from fedflat.core import ConfigError, RoundContext, TrainSettings
 from fedflat.data import Dataset
-from fedflat.engine.batches import local_steps
+from fedflat.engine.client import local_steps
 from fedflat.engine.simulation import Simulation, UserInputs
 
 

@@ -16,9 +16,9 @@ from fedflat.algorithms import PARTS, RECIPES, build_algorithm
 from fedflat.core import Batch, ConfigError
 from fedflat.data import Dataset
 from fedflat.engine import runtime as runtime_module
-from fedflat.engine.batches import stack_batches
+from fedflat.engine.client import stack_batches
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.runtime import auto_chunk_size, engine_choice, resolve_engine
 from fedflat.engine.simulation import Simulation
 from fedflat.params import FlatModel

@@ -12,7 +12,7 @@ from fedflat.algorithms.feddyn import CLIENT_DUAL, SERVER_DUAL
 from fedflat.algorithms.fedgmt import TRAJECTORY
 from fedflat.core import Batch, Distillation
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
 
 

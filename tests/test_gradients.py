@@ -11,8 +11,8 @@ from conftest import BN_DROPOUT_CNN
 from fedflat.core import Batch, Distillation
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients import (HandMLP, Lanes, Penalized, PerClient, PerExampleDP, StatefulGroups,
-                                      StatefulPerClient, Vectorized, objective_of)
-from fedflat.engine.oracle import Oracle
+                                      StatefulPerClient, Vectorized)
+from fedflat.engine.client import Oracle, objective_of
 from fedflat.engine.simulation import Simulation
 from fedflat.models.mlp import mlp
 from fedflat.params import FlatModel

@@ -1,4 +1,4 @@
-"""A run's process keeps the memory a step freed (glibc's thresholds, fedflat/engine/heap.py): the next step's large
+"""A run's process keeps the memory a step freed (glibc's thresholds, fedflat/engine/cores.py): the next step's large
 tensors reuse it instead of pages the kernel zero-fills, and FEDFLAT_MALLOC=default leaves glibc as it is."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 # it. (Not 64 MiB again: PyTorch allocates with posix_memalign, which asks a little more than the block it freed.)
 PROBE = """
 import resource, torch
-from fedflat.engine.heap import retain_freed_memory
+from fedflat.engine.cores import retain_freed_memory
 print(retain_freed_memory())
 x = torch.ones(1 << 24); del x
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -43,16 +43,16 @@ def test_a_freed_large_tensor_is_reused_without_page_faults():
 def test_a_run_sets_it_in_its_process_and_its_workers():
     """A Simulation (the driver's, a Flower node's, a sweep cell's) and a Ray worker's runtime set it once."""
     code = """
-from fedflat.engine import heap
+from fedflat.engine import cores
 from fedflat.engine.simulation import Simulation
 from fedflat.engine.ray_executor import build_runtime
 from tests.conftest import tiny_config
-before = list(heap._DONE)
+before = list(cores._DONE)
 sim = Simulation(tiny_config())
-after_driver = list(heap._DONE)
-heap._DONE.clear()
+after_driver = list(cores._DONE)
+cores._DONE.clear()
 build_runtime(sim.worker_spec(), sim.worker_data())
-print(before, after_driver, heap._DONE)
+print(before, after_driver, cores._DONE)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(__file__)), env={k: v for k, v in os.environ.items()

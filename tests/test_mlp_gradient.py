@@ -1,4 +1,4 @@
-"""The hand-derived gradient of fedflat's MLP and LogReg (:mod:`fedflat.engine.mlp_gradient`) is autograd's bit for
+"""The hand-derived gradient of fedflat's MLP and LogReg (:mod:`fedflat.engine.gradients.hand`) is autograd's bit for
 bit, whole runs with it equal runs without it, and every other module keeps autograd."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from torch import nn
 
 import fedflat
 from fedflat.core import Batch
-from fedflat.engine.mlp_gradient import ALIGNMENT, MLPGradient, hand_derived
+from fedflat.engine.gradients.hand import ALIGNMENT, MLPGradient
 from fedflat.engine.modes import ModelTraits
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.simulation import Simulation
 from fedflat.models.mlp import MLP, LogReg, logreg, mlp
 from fedflat.params import FlatModel
@@ -156,7 +156,7 @@ def test_other_modules_keep_autograd(build):
     torch.manual_seed(0)
     module = build()
     model = FlatModel(module)
-    assert not hand_derived(model)
+    assert MLPGradient.of(model) is None
     oracle = Oracle(model)
     assert not oracle.traits.hand_gradient and oracle.gradient == "autograd"
     assert Oracle(model, traits=ModelTraits(hand_gradient=True)).gradient == "autograd"  # (a worker checks its own module)

@@ -16,7 +16,7 @@ import torch
 
 import fedflat
 from fedflat.engine import native
-from fedflat.engine.mlp_gradient import MLPGradient
+from fedflat.engine.gradients.hand import MLPGradient
 from fedflat.models.mlp import mlp
 from fedflat.params import FlatModel
 from fedflat.testing import TINY

@@ -147,13 +147,13 @@ def test_client_optimizer_state_is_client_state(tiny):
     """``optimizer_state=client`` keeps each trained client's momentum buffer in the client store (so it is
     checkpointed and travels to workers as the methods' state does); ``round`` keeps nothing."""
     kept = Simulation(tiny("train.momentum=0.9", "train.optimizer_state=client"))
-    assert MOMENTUM_BUFFER in kept.server.client_state_keys()
+    assert MOMENTUM_BUFFER in kept.server.client_state_keys
     kept.run_round(0)
     ids = kept.server.sample_clients(0)
     state, known = kept.server.load_state(ids)
     assert bool(known[MOMENTUM_BUFFER].all()) and state[MOMENTUM_BUFFER].abs().sum() > 0
     fresh = Simulation(tiny("train.momentum=0.9"))
-    assert MOMENTUM_BUFFER not in fresh.server.client_state_keys()
+    assert MOMENTUM_BUFFER not in fresh.server.client_state_keys
 
 
 @pytest.mark.parametrize("algo, options, match", [

@@ -48,7 +48,7 @@ def test_privacy_is_one_package_whose_torch_modules_load_on_first_use():
     assert all(getattr(privacy, name) is not None for name in privacy.__all__)
     assert STAGES["dp"] is privacy.GaussianMechanism and PrivacyConfig is privacy.PrivacyConfig
     assert Config.model_fields["privacy"].annotation == PrivacyConfig | None
-    code = ("import sys, fedflat.privacy as p; print('torch' in sys.modules); p.PrivacyLedger; "
+    code = ("import sys, fedflat.privacy as p; p.PrivacyLedger; print('torch' in sys.modules); p.GaussianMechanism; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
@@ -221,7 +221,7 @@ def test_the_central_mean_is_computed_once_and_every_row_is_it():
     view, no K copies), equal to the formula with the same noise, and the model the method reads is w + it, added
     once (fedflat.core.upload.upload_of)."""
     from fedflat.core.upload import one_row, upload_of
-    from fedflat.privacy.mechanism import gaussian_like
+    from fedflat.privacy.stage import gaussian_like
 
     z, C, K, P, m = 0.8, 0.5, 5, 40, 4.0
     stage = GaussianMechanism(GaussianParams(clip=C, noise_multiplier=z, expected_clients=m))
@@ -448,7 +448,7 @@ def test_dp_sgd_rounds_by_hand(tiny):
     """Two rounds of FedAvg whose clients take DP-SGD steps: each step's batch drawn on its own (B of n without
     replacement), every example's gradient by autograd one at a time, clipped to C, summed, N(0, z^2 C^2) from the
     client's stream added, divided by B; the engine against this computation."""
-    from fedflat.engine.batches import independent_schedule
+    from fedflat.engine.client import independent_schedule
 
     B, C, z = 4, 0.8, 1.2
     sim = Simulation(tiny(*INSTANCE, "rounds=2", f"train.batch_size={B}", "train.local_steps=3", "train.clip=null",

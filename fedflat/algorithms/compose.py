@@ -15,6 +15,7 @@ value flat) is read as it ran: each flat value set every part that owned it (:fu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, Algo
                           ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
                           TrainSettings, closest, composition_label, contract)
 from fedflat.algorithms.attacks import DataAttack
-from fedflat.core.upload import NOT_RELEASED, UploadStage, order_problem, release_of, upload_of
+from fedflat.core.upload import MUST_PRECEDE, NOT_RELEASED, UploadStage, release_of, upload_of
 
 
 @dataclass
@@ -37,14 +38,15 @@ class Algorithm:
     parts: dict[str, Part]
     stages: list[UploadStage] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def ordered(self) -> list[Part]:
-        """The parts in role order, then the upload stages: every hook runs in this order."""
+        """The parts in role order, then the upload stages: every hook runs in this order (the parts and stages are
+        fixed once assembled: listed once)."""
         return [self.parts[role] for role in ROLES] + list(self.stages)
 
-    @property
+    @functools.cached_property
     def encoder(self) -> UploadStage | None:
-        """The stage that changes what travels (at most one: :func:`build_algorithm` checks)."""
+        """The stage that changes what travels (at most one: :func:`build_algorithm` checks), found once."""
         return next((s for s in self.stages if s.encodes), None)
 
     @property
@@ -202,20 +204,15 @@ def renamed_state(entries: dict[str, Any]) -> dict[str, Any]:
 LEGACY_ROLES = ROLES[:5]  # the roles of every resolved section before scoping (personalization came later)
 
 
-def is_legacy(section: dict[str, Any]) -> bool:
-    """Whether ``section`` is the resolved form written before hyperparameters were scoped: every role a part's
-    name (``personalization`` possibly missing) and the hyperparameters flat beside them."""
-    return (all(isinstance(section.get(role), str) for role in LEGACY_ROLES)
-            and not any(isinstance(section.get(role), dict) for role in ROLES)
-            and any(k not in ROLES and k != "name" for k in section))
-
-
 def scoped_section(section: dict[str, Any]) -> dict[str, Any]:
     """``section`` with every role a dict ``{name?, key: value}`` and the flat keys left at the top; a legacy
-    section (:func:`is_legacy`) becomes the scoped form of what it ran: each flat value under every role whose
-    part owns it."""
+    section, the resolved form written before hyperparameters were scoped (every role a part's name,
+    ``personalization`` possibly missing, and the hyperparameters flat beside them), becomes the scoped form of what
+    it ran: each flat value under every role whose part owns it."""
     section = dict(section)
-    legacy = is_legacy(section)
+    legacy = (all(isinstance(section.get(role), str) for role in LEGACY_ROLES)
+              and not any(isinstance(section.get(role), dict) for role in ROLES)
+              and any(k not in ROLES and k != "name" for k in section))
     for role in ROLES:
         value = section.get(role)
         if isinstance(value, str):
@@ -249,13 +246,9 @@ def _chosen_parts(name: str, recipe: Recipe, section: dict[str, Any]) -> dict[st
     return classes
 
 
-def _owners(classes: dict[str, type[Part]], key: str) -> list[str]:
-    return [role for role, cls in classes.items() if key in cls.Params.model_fields]
-
-
 def _flat_owners(name: str, classes: dict[str, type[Part]], key: str, where: str) -> list[str]:
     """The roles a flat ``key`` sets: its one owner, or every owner when all of them share it."""
-    owners = _owners(classes, key)
+    owners = [role for role, cls in classes.items() if key in cls.Params.model_fields]
     if not owners:
         valid = sorted({k for cls in classes.values() for k in cls.Params.model_fields})
         raise AlgorithmError(f"{where}: not a hyperparameter of '{name}'{closest(key, valid + list(ROLES))}; "
@@ -327,7 +320,7 @@ def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:
 
 def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
     """The upload stages of ``specs``, in their order, which must make sense
-    (:func:`fedflat.core.upload.order_problem`); at most one stage changes what travels."""
+    (:func:`order_problem`); at most one stage changes what travels."""
     stages = []
     for spec in specs:
         spec = dict(spec)
@@ -347,6 +340,18 @@ def build_stages(specs: list[dict[str, Any]] | tuple) -> list[UploadStage]:
     if len(encoders) > 1:
         raise AlgorithmError(f"upload stages {encoders} each encode the upload: choose one compression")
     return stages
+
+
+def order_problem(stages: list[UploadStage]) -> str | None:
+    """Why the upload path ``stages`` (in the config's order) makes no sense, or None: the first stage that comes
+    after a stage of a kind it must precede (:data:`fedflat.core.upload.MUST_PRECEDE`)."""
+    for i, later in enumerate(stages):
+        for earlier in stages[:i]:
+            reason = MUST_PRECEDE.get((later.kind, earlier.kind))
+            if reason is not None:
+                return (f"upload stage {later.kind} '{later.name}' comes after {earlier.kind} '{earlier.name}', but "
+                        f"must run before it: {reason}")
+    return None
 
 
 def _params(cls: type[Part], role: str, values: dict[str, Any]):

@@ -75,7 +75,7 @@ def _with_recipe_privacy(cfg: Config) -> Config:
     config does not set them (``privacy: null`` sets it: the method without DP)."""
     from fedflat.algorithms import RECIPES
 
-    recipe = RECIPES.get(cfg.algo.get("name"))
+    recipe = RECIPES.get(cfg.algo.name)
     if recipe is None:
         return cfg
     update: dict[str, Any] = {}
@@ -142,7 +142,7 @@ def _check_method(cfg: Config) -> None:
     if cfg.algo._checked == key:
         return
     try:
-        method = cfg.algo._parts or build_parts(cfg.algo)
+        method = cfg.algo._parts or build_parts(cfg.algo.section())
         algorithm = assemble(*method, cfg.stage_specs(calibrate=False))
     except AlgorithmError as err:
         raise ConfigError(str(err)) from None

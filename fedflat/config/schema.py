@@ -372,7 +372,7 @@ class AlgoSpec(BaseModel):
         if self._resolved is None:
             from fedflat.algorithms import build_algorithm
 
-            self._resolved = build_algorithm(self).resolved()
+            self._resolved = build_algorithm(self.section()).resolved()
         return copy.deepcopy(self._resolved)
 
     def build(self, stages: list[dict[str, Any]] | tuple = ()) -> Any:
@@ -380,7 +380,7 @@ class AlgoSpec(BaseModel):
         spec was validated (parts keep no state, so every run of the config may use them), else built here."""
         from fedflat.algorithms.compose import assemble, build_parts
 
-        return assemble(*(self._parts or build_parts(self)), stages)
+        return assemble(*(self._parts or build_parts(self.section())), stages)
 
     def remember(self, resolved: dict[str, Any], key: str, parts: tuple[str, dict[str, Any]] | None = None) -> None:
         """Keeps the load's resolution, what the method was checked with (:func:`_check_method`) and its parts."""
@@ -494,9 +494,9 @@ class Config(Section):
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for, in the order they run: ``attack``, ``compression``, ``privacy``,
         the ``upload`` list in its order, then ``robust``, each ``{name, **hyperparameters}`` (the order is checked
-        when the method is built: :func:`fedflat.core.upload.order_problem`), the noise multiplier calibrated where
-        ``privacy.target_epsilon`` asks (seconds of dp-accounting: with ``calibrate=False``, for checking the stages'
-        shape only, ``z = 1`` stands in)."""
+        when the method is built: :func:`fedflat.algorithms.compose.order_problem`), the noise multiplier calibrated
+        where ``privacy.target_epsilon`` asks (seconds of dp-accounting: with ``calibrate=False``, for checking the
+        stages' shape only, ``z = 1`` stands in)."""
         specs = [dict(s) for s in (self.attack, self.compression) if s]
         p = self.privacy
         if p is not None and p.level == "client":
@@ -506,9 +506,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _named_sections(self) -> "Config":
-        for section, key in (("model", "name"), ("algo", "name")):
-            if not isinstance(getattr(self, section).get(key), str):
-                raise ValueError(f"{section}.{key} must be set to a name")
+        for section, name in (("model", self.model.get("name")), ("algo", self.algo.name)):
+            if not isinstance(name, str):
+                raise ValueError(f"{section}.name must be set to a name")
         if not isinstance(self.data.partition.get("scheme"), str):
             raise ValueError("data.partition.scheme must be set to a name")
         return self

@@ -1,11 +1,11 @@
 """The contract a federated method is written against: fedflat's bottom layer.
 
 Everything a part needs lives here and imports nothing else of fedflat: the part and role bases
-(:mod:`fedflat.core.part`), the data of a round (:mod:`fedflat.core.round`), the registries of parts and
-recipes (:mod:`fedflat.core.registry`), initial values of declared state (:mod:`fedflat.core.init`), the errors
-(:mod:`fedflat.core.errors`), the table of every role's hooks (:mod:`fedflat.core.hooks`), flat-vector helpers
-(:mod:`fedflat.core.vectors`) and keyed random streams (:mod:`fedflat.core.rng`). A method written against
-these names runs on every engine and executor; docs/extending.md shows how.
+(:mod:`fedflat.core.part`), the data of a round and its keyed random streams (:mod:`fedflat.core.round`), the
+registries of parts and recipes (:mod:`fedflat.core.registry`), initial values of declared state
+(:mod:`fedflat.core.init`), the errors (:mod:`fedflat.core.errors`), the table of every role's hooks
+(:mod:`fedflat.core.hooks`) and flat-vector helpers (:mod:`fedflat.core.vectors`). A method written against these
+names runs on every engine and executor; docs/extending.md shows how.
 
 Names load on first use, so importing :mod:`fedflat.core.errors` (as the torch-free config does) does not
 import torch.
@@ -21,10 +21,10 @@ _HOMES = {
     "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "normalize_rows_", "persistent_buffers",
                 "row_norm", "CLIP_GRAD_EPS", "all_finite", "clip_factors", "clip_rows", "clip_scale",
                 "non_finite_rows", "unclipped"),
-    "rng": ("SERVER", "numpy_stream", "stream_seed", "torch_stream"),
-    "round": ("BUFFERS", "MODEL", "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult",
-              "ClipScope", "Cohort", "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot",
-              "TrainSettings", "LocalOptimizer", "merge_results", "payload_size", "Contrast", "OBJECTIVE_TERM"),
+    "round": ("SERVER", "numpy_stream", "stream_seed", "torch_stream", "BUFFERS", "MODEL", "TRAIN_LOSS", "Batch",
+              "Broadcast", "ClientContext", "ClientData", "ClientResult", "ClipScope", "Cohort", "Distillation",
+              "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "LocalOptimizer", "merge_results",
+              "payload_size", "Contrast", "OBJECTIVE_TERM"),
     "part": ("SHARED", "Aggregation", "Correction", "Direction", "Filter", "Part", "PartParams", "Personalization",
              "Perturbation", "ServerUpdate", "shared", "MeasuredDirection"),
     "init": ("Init",),

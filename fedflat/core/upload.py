@@ -10,7 +10,7 @@ buffers (a method with buffers is refused where that matters, e.g. under differe
 An :class:`UploadStage` is a part of role ``upload``: it declares its server state, the entries it ``sends`` and
 the vectors each client ``keeps`` (error feedback's residual) exactly as the method's parts do, so fedflat creates,
 ships, stores and checkpoints them. Its hooks, in the order the config lists the stages (checked by
-:func:`order_problem`: an order that makes no sense is refused with its reason):
+:func:`fedflat.algorithms.compose.order_problem`: an order that makes no sense is refused with its reason):
 
 - client side, after the parts' ``end``: :meth:`UploadStage.client` transforms the release (clip, add local noise,
   sparsify, quantize); the one stage that :attr:`~UploadStage.encodes` then turns the release into what travels
@@ -21,7 +21,7 @@ ships, stores and checkpoints them. Its hooks, in the order the config lists the
   ``w^t + Delta_i`` again.
 
 A stage sees every client of a chunk at once (rows), draws its randomness from the keyed streams
-(:func:`fedflat.core.rng.torch_stream`, one per client, or the server's), and keeps rule 1 of the parts: it returns
+(:func:`fedflat.core.round.torch_stream`, one per client, or the server's), and keeps rule 1 of the parts: it returns
 new tensors, never modifying what it was given.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ Release = dict[str, torch.Tensor]  # entry name -> rows [C, ...] (client side) o
 # The kinds of stage in the only order across kinds that means something (stages of one kind run in the order given):
 # a malicious client's update first, then compression (so that the clip after it bounds what is sent, sparse or
 # quantized), the clip and its noise (differential privacy), and last the server's robust rules. The path runs the
-# stages in the order the config gives them; :func:`order_problem` refuses one that puts a kind after a kind it must
-# precede, with the reason (:data:`MUST_PRECEDE`).
+# stages in the order the config gives them; fedflat.algorithms.compose.order_problem refuses one that puts a kind
+# after a kind it must precede, with the reason (:data:`MUST_PRECEDE`).
 STAGE_ORDER = {"attack": 0, "compress": 10, "clip": 20, "robust": 30}
 MUST_PRECEDE: dict[tuple[str, str], str] = {
     ("attack", "compress"): "the compressor sends the entries (top-k's indices, QSGD's levels) it chose from the "
@@ -94,18 +94,6 @@ class UploadStage(Part):
         """The fewest clients per round the stage is defined for (a robust rule's, e.g. Krum's ``2f + 3``):
         fedflat.config refuses a sampling with fewer."""
         return 1
-
-
-def order_problem(stages: list[UploadStage]) -> str | None:
-    """Why the upload path ``stages`` (in the config's order) makes no sense, or None: the first stage that comes
-    after a stage of a kind it must precede (:data:`MUST_PRECEDE`)."""
-    for i, later in enumerate(stages):
-        for earlier in stages[:i]:
-            reason = MUST_PRECEDE.get((later.kind, earlier.kind))
-            if reason is not None:
-                return (f"upload stage {later.kind} '{later.name}' comes after {earlier.kind} '{earlier.name}', but "
-                        f"must run before it: {reason}")
-    return None
 
 
 def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:

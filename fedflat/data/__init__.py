@@ -6,8 +6,8 @@
 """
 
 from .adapters import flwr_partitions
-from .augment import AUGMENTATIONS, apply_augmentation, augmentation_fn, cifar_augment, crop_flip
-from .dataset import Dataset, DatasetError, Standardize, validation_split
+from .dataset import (AUGMENTATIONS, Dataset, DatasetError, Standardize, apply_augmentation, augmentation_fn,
+                      cifar_augment, crop_flip, validation_split)
 from .datasets import DATASETS, dataset_options, load_dataset, register_dataset
 from .download import ChecksumError, DownloadError, download_file, file_checksum, verify_file
 from .partition import (PARTITIONS, client_split, client_test_split, label_counts, partition, partition_params,

@@ -2,24 +2,184 @@
 both engines and by every executor (in process, Ray workers, Flower clients).
 
 :func:`fit` is the client contract: a function of the broadcast, the clients' own state, their data and
-their random streams, returning their uploads, new state and measured work — nothing else.
+their random streams, returning their uploads, new state and measured work — nothing else. Its batches are
+indexed from device tensors, no DataLoader (:class:`ClientBatches`, :func:`local_schedule`, :func:`stack_batches`).
+
+Its steps call the gradient oracle (:class:`Oracle`): loss and gradient of each client's objective at its own
+parameters, with a leading client dimension ``C`` on both engines, ``loss_grad(W[C, P], batch) -> (loss[C],
+g[C, P])``. How it is computed is the run's gradient backend (:mod:`fedflat.engine.gradients`), chosen once when the
+oracle is built from the run's :class:`~fedflat.engine.compute.ComputeOptions`, the model's
+:class:`~fedflat.engine.modes.ModelTraits` and DP-SGD's settings; what is differentiated is the call's objective
+(:func:`objective_of`: the data loss, with a part's distillation or contrastive term and FedMAN's activation penalty).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from math import ceil
+from typing import Any, ContextManager, Iterator
 
 import torch
 
 from fedflat.algorithms import Algorithm
 from fedflat.algorithms.attacks import DataAttack
 from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
-                          ContractError, Correction, Direction, clip_rows, clip_scale, torch_stream)
-from fedflat.engine.batches import independent_schedule, local_schedule, stack_batches
+                          Contrast, ContractError, Correction, Direction, Distillation, clip_rows, clip_scale,
+                          torch_stream)
+from fedflat.engine.compute import ComputeOptions
+from fedflat.engine.gradients import ClientSession, Forward, choose_backend
+from fedflat.engine.gradients.hand import MLPGradient
+from fedflat.engine.gradients.objectives import DATA_LOSS, TERMS, Objective, Penalized
+from fedflat.engine.losses import LossFn
+from fedflat.engine.modes import ModelTraits
 from fedflat.engine.optim import OptimizerState
-from fedflat.engine.oracle import ClientSession, PenalizedOracle
+from fedflat.params import FlatModel
 
 
+# -- batches: local schedules, indexed from device tensors ----------------------------------------------------
+def local_steps(num_samples: int, batch_size: int, local_epochs: int, fixed_steps: int | None) -> int:
+    """``E_i = local_epochs * ceil(n_i / B)``, or the fixed ``local_steps``."""
+    if fixed_steps is not None:
+        return fixed_steps
+    return local_epochs * ceil(num_samples / batch_size)
+
+
+def local_schedule(indices: torch.Tensor, steps: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The client's batches for ``steps`` local steps: a fresh permutation every epoch, the last
+    batch of an epoch possibly smaller (no samples dropped), as the reference simulators do."""
+    n = indices.shape[0]
+    batches: list[torch.Tensor] = []
+    while len(batches) < steps:
+        order = torch.randperm(n, generator=generator, device=generator.device).to(indices.device)
+        batches.extend(indices[order].split(batch_size))
+    return batches[:steps]
+
+
+def independent_schedule(indices: torch.Tensor, steps: int, batch_size: int,
+                         generator: torch.Generator) -> list[torch.Tensor]:
+    """``steps`` batches of ``min(B, n)`` samples, each drawn without replacement independently of the others: the
+    sampling DP-SGD's accountant assumes at every step (``privacy.level: instance``), where an epoch's permutation
+    would tie the steps together."""
+    n = indices.shape[0]
+    return [indices[torch.randperm(n, generator=generator, device=generator.device)[:batch_size].to(indices.device)]
+            for _ in range(steps)]
+
+
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for an index tensor of any shape; ``index_select`` is several times faster on CPU
+    than advanced indexing for small batches (13 vs 100 us for 50 Fashion-MNIST images)."""
+    return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
+
+def stack_batches(x: torch.Tensor, y: torch.Tensor, picks: list[torch.Tensor], batch_size: int) -> Batch:
+    """A cohort's step batch ``[C, B, ...]``; rows shorter than ``B`` are padded and masked by weight."""
+    if len(picks) == 1:
+        idx = picks[0].unsqueeze(0)
+        return Batch(gather(x, idx), gather(y, idx))
+    lengths = [p.shape[0] for p in picks]
+    width = max(lengths)
+    if min(lengths) == width:
+        idx = torch.stack(picks)
+        return Batch(gather(x, idx), gather(y, idx))
+    # Padding repeats the row's first sample; its weight 0 keeps it out of the loss and gradient.
+    idx = torch.stack([torch.cat([p, p[:1].expand(width - p.shape[0])]) for p in picks])
+    n = torch.tensor(lengths, device=x.device)
+    weight = (torch.arange(width, device=x.device) < n[:, None]).to(x.dtype if x.is_floating_point() else torch.float32)
+    return Batch(gather(x, idx), gather(y, idx), weight)
+
+
+# -- the gradient oracle -----------------------------------------------------------------------------------------------
+DEFAULT_OPTIONS = ComputeOptions()  # the sequential engine in float32
+
+
+def objective_of(term: Distillation | Contrast | None, penalty: float = 0.0) -> Objective:
+    """The objective of an oracle call: the data loss, with the part's ``term`` and FedMAN's ``penalty`` weight."""
+    objective = DATA_LOSS if term is None else TERMS[type(term)](term)
+    if not penalty:
+        return objective
+    if isinstance(term, Contrast):
+        raise ValueError("FedMAN's activation penalty beside MOON's contrastive term is not implemented: "
+                         "use one of them")
+    return Penalized(objective, penalty)
+
+
+class Oracle:
+    """Stochastic loss and gradient ``g(w)`` for a cohort, counting backprops.
+
+    ``backprops`` counts per-client backward passes, so a method's "backprops per local step"
+    (seed 002, Table 7) can be measured rather than declared; rows of clients whose local steps are
+    exhausted (masked padding of the vectorized engine) are not counted. ``traits`` (found by
+    :func:`fedflat.engine.modes.inspect_module`) say whether the module needs the per-client passes of a
+    :class:`~fedflat.engine.gradients.ClientSession`; by default, when it has buffers or normalizes with batch
+    statistics. ``loss``: per-sample losses (None: cross-entropy, :mod:`fedflat.engine.losses`); ``dp_sgd``:
+    ``(C, z)`` of per-example DP-SGD (``privacy.level: instance``).
+    """
+
+    def __init__(self, model: FlatModel, options: ComputeOptions = DEFAULT_OPTIONS, traits: ModelTraits | None = None,
+                 loss: LossFn | None = None, dp_sgd: tuple[float, float] | None = None):
+        self.model = model
+        self.backprops = 0
+        self.traits = traits if traits is not None else ModelTraits(
+            buffers=model.buffer_layout.size > 0,
+            mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()),
+            hand_gradient=MLPGradient.of(model) is not None)
+        self.forward = Forward(model, options.precision, options.channels_last, loss, options.cuda_graphs)
+        self.backend = choose_backend(self.forward, options, self.traits, dp_sgd)
+
+    def loss_grad(self, W: torch.Tensor, batch: Batch, distill: Distillation | Contrast | None = None,
+                  penalty: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss[C], g[C, P])`` of each client's mini-batch loss at its row of ``W``; with ``distill``, ``g`` is
+        the gradient of the loss plus the distillation term (:func:`~fedflat.engine.gradients.distilled_objective`)
+        or MOON's contrastive term (:func:`~fedflat.engine.gradients.contrastive_objective`); with ``penalty``
+        ``mu``, plus ``mu/2`` times the layerwise activation norms (FedMAN,
+        :func:`~fedflat.engine.gradients.activation_norms`)."""
+        self.backprops += W.shape[0] if batch.clients is None else batch.clients
+        return self.backend.loss_grad(W, batch, objective_of(distill, penalty))
+
+    def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``loss[C]`` without a backward pass (an evaluation: ``eval()`` mode, each client's current buffers)."""
+        return self.backend.loss(W, batch)
+
+    def clients(self, ids: list[int], round: int, seed: int,
+                buffers: torch.Tensor | None) -> ContextManager[ClientSession | None]:
+        """The :class:`~fedflat.engine.gradients.ClientSession` of the clients ``ids`` of round ``round`` starting
+        from ``buffers[C, Q]`` (None: a model without buffers), for the oracle calls inside; None, and nothing to
+        do, for a module that needs none. Under DP-SGD each client's noise comes from its stream ``"dpsgd"``."""
+        return self.backend.clients(ids, round, seed, buffers)
+
+    @property
+    def gradient(self) -> str:
+        """Which gradient the steps run: ``native`` (the hand-derived MLP gradient as one C++ operator), ``python``
+        (the same hand-derived gradient in Python: the operator is off or could not be built) or ``autograd``
+        (any other model, engine, precision or loss); ``summary.json`` records it."""
+        return self.backend.gradient
+
+
+class PenalizedOracle:
+    """``oracle`` with FedMAN's activation penalty ``mu/2 sum_l mean |a_l|^2`` added to every :meth:`loss_grad`'s
+    local objective (:class:`~fedflat.engine.gradients.Penalized`): what a cohort's local steps see as ``ctx.oracle``
+    where a part penalizes activations (:func:`fedflat.engine.client.fit`). Evaluations, the clients' sessions and
+    the backprop count are the oracle's."""
+
+    def __init__(self, oracle: Oracle, penalty: float):
+        self.oracle, self.penalty = oracle, penalty
+
+    def loss_grad(self, W: torch.Tensor, batch: Batch,
+                  distill: Distillation | Contrast | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.oracle.loss_grad(W, batch, distill, self.penalty)
+
+    def loss(self, W: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.oracle.loss(W, batch)
+
+    def clients(self, ids: list[int], round: int, seed: int,
+                buffers: torch.Tensor | None) -> ContextManager[ClientSession | None]:
+        return self.oracle.clients(ids, round, seed, buffers)
+
+    @property
+    def backprops(self) -> int:
+        return self.oracle.backprops
+
+
+# -- local training ----------------------------------------------------------------------------------------------------
 def local_direction(correction: Correction, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
                     grad: torch.Tensor, clip: float | None, clip_scope: str) -> torch.Tensor:
     """The step's direction ``d``, clipped as ``train.clip_scope`` says, from the raw gradient ``grad`` (the oracle's
@@ -124,7 +284,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
     The upload holds ``model`` (``w_{i,E}``), ``train_loss`` (the mean loss over the client's own
     steps) and what the parts' ``end`` adds; the new state is what they put in ``cohort.new_state``.
     A model with buffers trains each client from the broadcast buffers (with its own private entries, FedBN's)
-    within the oracle's :class:`~fedflat.engine.oracle.ClientSession` and uploads its final ones as ``buffers``
+    within the oracle's :class:`~fedflat.engine.client.ClientSession` and uploads its final ones as ``buffers``
     (the broadcast's in the private entries, which the client keeps in its state): docs/models.md.
     """
     personalization, settings = algorithm.parts["personalization"], ctx.settings

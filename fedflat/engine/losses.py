@@ -1,4 +1,5 @@
-"""The clients' loss ``l(f(w, x), y)`` (``train.loss`` by name, or ``loss_fn`` in the Python API).
+"""The clients' loss ``l(f(w, x), y)`` (``train.loss`` by name, :func:`fedflat.engine.problem.configured_loss`, or
+``loss_fn`` in the Python API).
 
 A loss is a function ``loss(logits[B, K], y[B]) -> [B]`` of one loss per sample (``reduction="none"``), which
 the engines average over a batch's real samples (both engines, under ``torch.func.vmap`` too: it must be a
@@ -8,7 +9,6 @@ the held-out set and the diagnostics average over their samples. ``None`` is cro
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
@@ -24,16 +24,6 @@ def focal_loss(logits: torch.Tensor, y: torch.Tensor, gamma: float = 2.0) -> tor
     weights ``alpha``); ``gamma = 0`` is cross-entropy."""
     log_pt = F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
     return -(1 - log_pt.exp()).pow(gamma) * log_pt
-
-
-def configured_loss(train) -> LossFn | None:
-    """The loss a config's ``train`` section names: ``cross_entropy`` (``label_smoothing``: Szegedy et al.'s, as
-    ``F.cross_entropy`` computes it) or ``focal`` (``focal_gamma``); None for plain cross-entropy."""
-    if train.loss == "focal":
-        return partial(focal_loss, gamma=train.focal_gamma)
-    if train.label_smoothing:
-        return partial(F.cross_entropy, label_smoothing=train.label_smoothing, reduction="none")
-    return None
 
 
 def mean_loss(loss: LossFn | None, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedflat.core import ConfigError
-from fedflat.engine.mlp_gradient import hand_derived
 
 ALPHA = 1.7580993408473766  # SELU's alpha: ATen's alpha dropout constant
 
@@ -152,7 +151,7 @@ class ModelTraits:
     ``mixes``: a sample's output depends on the other samples of its batch (BatchNorm's batch statistics), so a
     vectorized step never pads a client's batch; ``buffers``: it has persistent buffers (federated state);
     ``hand_gradient``: it is fedflat's MLP or LogReg as built, whose cross-entropy gradient the sequential oracle
-    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.mlp_gradient`)."""
+    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.gradients.hand`)."""
 
     dropout: bool = False
     random: str | None = None
@@ -186,7 +185,10 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
     """The :class:`ModelTraits` of ``model`` (a :class:`fedflat.params.FlatModel`) from forward passes on the
     training inputs ``x`` (a few samples); a module fedflat cannot train correctly is a ``ConfigError`` saying
     why and what to do."""
-    module, name = model.module, module_name(model.module)
+    # (imported here: the gradients package builds on these traits, and its hand-derived gradient is one of them)
+    from fedflat.engine.gradients.hand import MLPGradient
+
+    module = model.module
     w = model.initial.clone()
     layout = model.buffer_layout
     frozen = _snapshot(module)
@@ -197,22 +199,23 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
         with recording() as dropout, RandomOps() as random:
             module(x)
         if not torch.equal(w, model.initial):
-            raise ConfigError(f"model {name}: its forward pass changes its parameters in place; fedflat runs every "
-                              "client from the same flat parameter vector and cannot train such a module")
+            raise ConfigError(f"model {module_name(module)}: its forward pass changes its parameters in place; fedflat "
+                              "runs every client from the same flat parameter vector and cannot train such a module")
         changed = [k for k, v in _snapshot(module).items() if not torch.equal(v, frozen[k])]
         if changed:
-            raise ConfigError(f"model {name}: its forward pass changes the non-persistent buffer {changed[0]!r}, which "
-                              "is not saved and so cannot be federated; register it with persistent=True")
+            raise ConfigError(f"model {module_name(module)}: its forward pass changes the non-persistent buffer "
+                              f"{changed[0]!r}, which is not saved and so cannot be federated; register it with "
+                              "persistent=True")
         module.eval()
         with RandomOps() as eval_random:  # as fedflat evaluates: no dropout interception
             module(x)
         if eval_random.seen:
-            raise ConfigError(f"model {name} draws random numbers in eval() mode ({eval_random.seen[0]}), so its "
-                              "evaluation is not deterministic: give F.dropout training=self.training (or use "
-                              "nn.Dropout)")
+            raise ConfigError(f"model {module_name(module)} draws random numbers in eval() mode "
+                              f"({eval_random.seen[0]}), so its evaluation is not deterministic: give F.dropout "
+                              "training=self.training (or use nn.Dropout)")
         mixes = _mixes_samples(model, w, x)
     return ModelTraits(dropout=bool(dropout.calls), random=random.seen[0] if random.seen else None, mixes=mixes,
-                       buffers=layout.size > 0, hand_gradient=hand_derived(model))
+                       buffers=layout.size > 0, hand_gradient=MLPGradient.of(model) is not None)
 
 
 def _mixes_samples(model, w: torch.Tensor, x: torch.Tensor) -> bool:

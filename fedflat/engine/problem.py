@@ -1,15 +1,18 @@
 """The problem a run trains, built once in the driver: the data and its split into clients (:func:`build_problem`),
-the model (:func:`build_module`, the one place the driver calls a user's ``model_fn``), and what the engines must
-know about the model, found by probing it once before round 0 (:func:`inspect_model`, a :class:`ModelReport`).
+the model (:func:`build_module`, the one place the driver calls a user's ``model_fn``), the loss the config names
+(:func:`configured_loss`), and what the engines must know about the model, found by probing it once before round 0
+(:func:`inspect_model`, a :class:`ModelReport`).
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedflat.config import Config
@@ -17,10 +20,10 @@ from fedflat.core import SERVER, Batch, ConfigError, TrainSettings, stream_seed
 from fedflat.data import Dataset, client_split, load_dataset, user_split, validation_split
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.cores import choose_threads, core_share, torch_threads
-from fedflat.engine.losses import LossFn, check_loss
+from fedflat.engine.losses import LossFn, check_loss, focal_loss
 from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
-from fedflat.engine.oracle import Oracle
+from fedflat.engine.client import Oracle
 from fedflat.engine.runtime import engine_choice
 from fedflat.models import build_model
 from fedflat.params import FlatModel
@@ -115,6 +118,16 @@ def _configured_model(cfg: Config, dataset: Dataset) -> nn.Module:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"model={cfg.model['name']} on {dataset.name} (inputs {tuple(dataset.input_shape)}): "
                           f"{err}") from None
+
+
+def configured_loss(train) -> LossFn | None:
+    """The loss a config's ``train`` section names: ``cross_entropy`` (``label_smoothing``: Szegedy et al.'s, as
+    ``F.cross_entropy`` computes it) or ``focal`` (``focal_gamma``); None for plain cross-entropy."""
+    if train.loss == "focal":
+        return partial(focal_loss, gamma=train.focal_gamma)
+    if train.label_smoothing:
+        return partial(F.cross_entropy, label_smoothing=train.label_smoothing, reduction="none")
+    return None
 
 
 @dataclass

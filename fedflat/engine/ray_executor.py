@@ -30,10 +30,9 @@ from fedflat.config import ExecutorConfig
 from fedflat.core import Broadcast, ClientResult, ConfigError, merge_results
 from fedflat.data import augmentation_fn
 from fedflat.engine.client import ClientBatches
-from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.runtime import (ClientRuntime, RoundTask, StateLoader, WorkerSpec, build_client_runtime,
                                     longest_first, rows_loader)
-from fedflat.engine.cores import available_cores
+from fedflat.engine.cores import default_cpus, retain_freed_memory
 
 RAY_HINT = "executor=ray needs Ray: pip install 'fedflat[ray]' (Ray 2.55.1)"
 # A Ray instance this process starts for itself listens on a loopback address only: Ray replaces 127.0.0.1
@@ -150,11 +149,6 @@ def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
 
 def worker_class(ray):
     return ray.remote(ClientWorker)
-
-
-def default_cpus(workers: int) -> float:
-    """The cores of this machine shared evenly among the workers (Ray accepts fractions)."""
-    return max(available_cores() / workers, 0.01)
 
 
 class RayExecutor:

@@ -22,11 +22,10 @@ from fedflat.algorithms import Algorithm, build_algorithm
 from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
 from fedflat.data import Standardize
-from fedflat.engine.client import ClientBatches, fit
+from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.engine.oracle import Oracle
 from fedflat.models import build_model
 from fedflat.params import FlatModel
 
@@ -186,7 +185,7 @@ class ClientRuntime:
         if engine != "sequential":
             check_vectorizable(algorithm, engine)
         self.algorithm, self.model, self.batches, self.settings = algorithm, model, batches, settings
-        self.options = options
+        self.options, self.engine, self.device = options, engine, model.initial.device
         batches.independent = settings.dp_sgd is not None  # DP-SGD samples each step's batch on its own
         self.oracle = Oracle(model, options, traits, settings.loss, settings.dp_sgd)
         if engine != "sequential" and self.oracle.traits.random is not None:
@@ -195,14 +194,6 @@ class ClientRuntime:
         self._client_bytes: int | None = None
         self.oom_retries = 0
         self.oom_cap: int | None = None  # the largest chunk known to fit, after an out-of-memory error
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.initial.device
-
-    @property
-    def engine(self) -> str:
-        return self.options.engine
 
     def client_bytes(self) -> int:
         """Estimated bytes one client of a vectorized chunk needs: the loop's model-sized vectors, the
@@ -239,7 +230,7 @@ class ClientRuntime:
         while lo < len(task):
             rows = order[lo:lo + size]
             try:
-                results.append(self._fit_chunk(ctx, broadcast, task.rows(rows), load_state))
+                result = fit(self.algorithm, ctx, make_cohort(task.rows(rows), broadcast, load_state, self.device))
             except torch.cuda.OutOfMemoryError:
                 if size == 1:
                     raise
@@ -248,13 +239,9 @@ class ClientRuntime:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
+            results.append(ClientResult(result.ids.cpu(), result.upload, result.state, result.backprops))
             lo += len(rows)
         return merge_results(results)
-
-    def _fit_chunk(self, ctx: ClientContext, broadcast: Broadcast, task: RoundTask,
-                   load_state: StateLoader) -> ClientResult:
-        result = fit(self.algorithm, ctx, make_cohort(task, broadcast, load_state, self.device))
-        return ClientResult(result.ids.cpu(), result.upload, result.state, result.backprops)
 
 
 class LocalExecutor:

@@ -5,29 +5,38 @@ One :class:`Server` per run, driven the same way by every transport: :class:`fed
 :meth:`Server.begin_round` (sampling, the privacy budget, the broadcast of :meth:`Algorithm.configure`), have the
 clients trained their own way, and hand what came back to :meth:`Server.finish_round` (validation, aggregation in
 ascending client-id order, the server update, and the commit of model, server state and client state together).
+
+The server checks what it receives before the upload path's stages (:func:`checked`, docs/security.md). Every
+answering client's upload is checked on every executor (in process, threads, Ray, Flower nodes): an entry with a NaN
+or an infinity, or (``validation.max_norm``) a release ``x_i = (Delta_i, extra_i)`` whose L2 norm is beyond the
+bound, is invalid. With ``validation.invalid: reject`` (the default) the client's upload and new state
+are dropped and the round aggregates the others, as if it had not been sampled; a warning names the client and
+the reason, and the run's summary keeps them (``rejected_clients``). With ``invalid: fail`` the run stops.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
 
 from fedflat.algorithms import Algorithm, renamed_state
-from fedflat.config import Config
-from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, Diverged, NoClients, RoundContext, TrainSettings,
-                          all_finite, numpy_stream, payload_size)
-from fedflat.engine.batches import local_steps
+from fedflat.config import Config, ValidationConfig
+from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, ConfigError, Diverged, NoClients, Release,
+                          RoundContext, TrainSettings, all_finite, non_finite_rows, numpy_stream, payload_size,
+                          release_norms)
+from fedflat.engine.client import local_steps
 from fedflat.engine.optim import round_lr, state_keys, state_widths
 from fedflat.engine.runtime import RoundTask
 from fedflat.engine.store import ClientStore
-from fedflat.engine.validation import checked
 from fedflat.params import FlatModel
-from fedflat.privacy import PrivacyLedger
+from fedflat.privacy import Mechanism, PrivacyLedger, calibrated_noise, client_mechanism, delta_of
 
 
 @contextmanager
@@ -88,6 +97,99 @@ class Aggregate:
     rejected: dict[int, str]
 
 
+# -- the checks of what the server receives -------------------------------------------------------------------
+logger = logging.getLogger(__name__)
+
+
+class UploadRejected(ConfigError):
+    """An invalid upload under ``validation.invalid: fail``, or a round whose every upload was invalid."""
+
+
+def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
+                    check: ValidationConfig) -> tuple[dict[int, str], Decoded | None]:
+    """``{client: reason}`` for every invalid upload of ``result`` (module docstring), and the release of the
+    decodable rows where ``validation.max_norm`` needed it decoded (else None)."""
+    problems: dict[int, str] = {}
+    decoded = None
+    ids = result.ids.tolist()
+    malformed = algorithm.malformed(result.upload, ctx.w.numel()).cpu()
+    for row in malformed.nonzero().flatten().tolist():
+        problems[ids[row]] = f"its upload cannot be decoded by {algorithm.encoder!r} (indices or levels out of range)"
+    for name in sorted(result.upload):
+        for row in non_finite_rows(result.upload[name]).nonzero().flatten().tolist():
+            problems.setdefault(ids[row], f"NaN or Inf in its '{name}'")
+    if check.max_norm is not None:
+        decodable = (~malformed).nonzero().flatten()
+        upload = {k: v[decodable.to(v.device)] for k, v in result.upload.items()}
+        decoded = Decoded(decodable.tolist(), algorithm.received_release(ctx, upload))
+        norms = release_norms(decoded.release).tolist()
+        for client, norm in zip(result.ids[decodable].tolist(), norms):
+            if norm > check.max_norm and client not in problems:
+                problems[client] = f"its update's norm {norm:.4g} exceeds validation.max_norm={check.max_norm:g}"
+    return problems, decoded
+
+
+def checked(algorithm: Algorithm, ctx: RoundContext, result: ClientResult,
+            check: ValidationConfig) -> tuple[RoundContext, ClientResult, dict[int, str], Release | None]:
+    """The round's context and result without the invalid uploads, ``{client: reason}`` of those rejected
+    (``invalid: fail`` raises :class:`UploadRejected` instead), and the kept rows' release where the checks decoded
+    it (``validation.max_norm``: :meth:`Algorithm.aggregate` then does not decode the payload again), else None."""
+    problems, decoded = upload_problems(algorithm, ctx, result, check)
+    if not problems:
+        return ctx, result, {}, decoded.release if decoded is not None else None  # every row decodable: all of them
+    said = "; ".join(f"client {c}: {why}" for c, why in sorted(problems.items()))
+    where = f"round {ctx.round + 1}"
+    if check.invalid == "fail":
+        raise UploadRejected(f"{where}: {said} (validation.invalid=fail stops the run; invalid=reject would "
+                             "aggregate the round without it)")
+    if len(problems) == len(result.ids) and all(why.startswith("NaN") for why in problems.values()):
+        raise Diverged(f"{where}: non-finite local loss or model from every client (try a smaller train.lr or algo "
+                       "radius)")
+    if len(problems) == len(result.ids):
+        raise UploadRejected(f"{where}: every upload was rejected ({said}); if the clients are honest, lower train.lr "
+                             "(or the method's radius) or raise validation.max_norm")
+    for client, why in sorted(problems.items()):
+        logger.warning("%s: the upload of client %d is rejected: %s", where, client, why)
+    kept = [row for row, c in enumerate(result.ids.tolist()) if c not in problems]
+    result = result.rows(torch.tensor(kept, dtype=torch.long))
+    release = decoded.rows(kept) if decoded is not None else None
+    return ctx.answered(result.ids.to(ctx.sampled.device)), result, problems, release
+
+
+@dataclass
+class Decoded:
+    """The release the checks decoded, of the result's rows :attr:`rows_of` (those the encoder could decode), in
+    order."""
+
+    rows_of: list[int]
+    release: Release
+
+    def rows(self, rows: list[int]) -> Release:
+        """The release of the result's ``rows`` (each one of :attr:`rows_of`)."""
+        where = {row: i for i, row in enumerate(self.rows_of)}
+        index = torch.tensor([where[row] for row in rows], dtype=torch.long)
+        return {name: v[index.to(v.device)] for name, v in self.release.items()}
+
+
+def privacy_ledger(cfg: Config, num_samples: torch.Tensor, algorithm: Algorithm) -> PrivacyLedger | None:
+    """The privacy ledger of ``cfg`` (None without ``privacy``): client level, the mechanism its accountant composes
+    with the noise multiplier calibrated; instance level (DP-SGD), each step's sampling of the smallest client's
+    ``num_samples`` and the noised gradients a local step takes of its batch (``algorithm.backprops_per_step``)."""
+    p = cfg.privacy
+    if p is None:
+        return None
+    N, K = cfg.data.num_clients, cfg.sampling.clients_per_round
+    if p.level == "instance":
+        mechanism = Mechanism("fixed", N, K, p.noise_multiplier, accountant="rdp", level="instance",
+                              dataset_size=int(num_samples.min()), batch_size=cfg.train.batch_size,
+                              gradients=algorithm.backprops_per_step)
+        delta = delta_of(p, int(num_samples.sum()))
+    else:
+        mechanism, delta = client_mechanism(p, N, K, cfg.sampling.participation), delta_of(p, N)
+        mechanism = replace(mechanism, noise_multiplier=calibrated_noise(p, mechanism, cfg.rounds, delta))
+    return PrivacyLedger(mechanism, delta, p.target_epsilon, torch.zeros(N, dtype=torch.long))
+
+
 class Server:
     """The server's side of a run: ``w^t``, ``b^t``, the server state the parts declared
     (:meth:`Algorithm.initial_server_state`), every client's state rows (:class:`ClientStore`), the last round that
@@ -108,7 +210,7 @@ class Server:
         # the last round whose aggregation used each client's upload (-1: none yet)
         self.aggregated_round = torch.full((cfg.data.num_clients,), -1, dtype=torch.long)
         self.last_round: RoundResult | None = None  # set in the commit: an interrupt right after it loses nothing
-        self.privacy = PrivacyLedger.of(cfg, num_samples.cpu(), algorithm.backprops_per_step)
+        self.privacy = privacy_ledger(cfg, num_samples.cpu(), algorithm)
 
     # -- who trains, and from what ---------------------------------------------------------------------------------
     def sample_clients(self, round: int) -> torch.Tensor:
@@ -136,22 +238,30 @@ class Server:
         t = self.cfg.train
         steps = torch.tensor([local_steps(int(ni), t.batch_size, t.local_epochs, t.local_steps) for ni in n.tolist()],
                              device=self.device)
-        held, held_known = self.load_state(sampled, self.algorithm.held_keys())
+        held, held_known = self.load_state(sampled, self.held_keys)
         return RoundContext(round=round, lr=self.lr_at(round), w=self.w, sampled=sampled.to(self.device),
                             num_samples=n, steps=steps, server=dict(self.state), settings=self.settings,
                             held=held, held_known=held_known)
 
+    @functools.cached_property
     def client_state_keys(self) -> list[str]:
-        """Names of the state each client keeps: its parts', and its own buffers where some are private (FedBN)."""
+        """Names of the state each client keeps: its parts', its own buffers where some are private (FedBN) and its
+        local optimizer's; fixed for the run (parts keep no state), so listed once."""
         return (self.algorithm.state_keys() + ([BUFFERS] if self.private_buffers is not None else [])
                 + state_keys(self.settings.optimizer))
+
+    @functools.cached_property
+    def held_keys(self) -> list[str]:
+        """Names of the per-client rows the server holds (:meth:`Algorithm.held_keys`), fixed for the run: listed
+        once."""
+        return self.algorithm.held_keys()
 
     def load_state(self, ids: torch.Tensor, names: list[str] | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The state rows of the clients ``ids`` (zeros and ``known = False`` before their first round):
         by default those the clients keep; ``names`` for others (the ones the server holds)."""
         state, known = {}, {}
-        for name in self.client_state_keys() if names is None else names:
+        for name in self.client_state_keys if names is None else names:
             state[name], known[name] = self.store.get(name, ids)
         return state, known
 
@@ -193,7 +303,7 @@ class Server:
         return self.last_round
 
     def aggregate(self, opened: OpenRound, result: ClientResult) -> Aggregate:
-        """The answered clients' uploads checked (:func:`fedflat.engine.validation.checked`) and reduced by
+        """The answered clients' uploads checked (:func:`checked`) and reduced by
         :meth:`Algorithm.aggregate` into ``w^{t+1}``, with their buffers into ``b^{t+1}``; nothing committed."""
         ctx, round = opened.ctx, opened.ctx.round
         dropped = sorted(set(ctx.sampled.tolist()) - set(result.ids.tolist()))

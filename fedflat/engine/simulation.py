@@ -3,7 +3,7 @@
 :class:`Simulation` builds the problem (:func:`fedflat.engine.problem.build_problem`: data and split), the model
 and its one report (:func:`fedflat.engine.problem.inspect_model`), the algorithm (once, from the config's typed
 ``algo`` spec), the :class:`~fedflat.engine.server.Server` (global model, buffers, server state, client-state store)
-and the executor (:func:`fedflat.engine.runtime.make_executor`: local, threads or Ray). A round
+and the executor (:func:`make_executor`: local, threads or Ray). A round
 (:meth:`Simulation.run_round`) is the server's :meth:`~fedflat.engine.server.Server.begin_round`, the executor's
 ``fit`` of the sampled clients, and the server's :meth:`~fedflat.engine.server.Server.finish_round`; the Flower
 strategy (:mod:`fedflat.flower.server`) drives the same server with its nodes in place of the executor.
@@ -13,28 +13,29 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from fedflat import plugins
 from fedflat.algorithms import Algorithm, AlgorithmError
 from fedflat.algorithms.attacks import backdoor_of, for_dataset
-from fedflat.config import Config
-from fedflat.core import BUFFERS, SERVER, ClientResult, ConfigError, TrainSettings, stream_seed
+from fedflat.config import Config, ExecutorConfig
+from fedflat.core import BUFFERS, SERVER, Broadcast, ClientResult, ConfigError, TrainSettings, stream_seed
 from fedflat.data import augmentation_fn, client_test_split
 from fedflat.engine.client import ClientBatches, own_buffers
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.heap import retain_freed_memory
 from fedflat.engine.inputs import UserInputs
-from fedflat.engine.losses import configured_loss, summed_loss
+from fedflat.engine.losses import summed_loss
 from fedflat.engine.optim import check_recipe
-from fedflat.engine.problem import build_module, build_problem, inspect_model, train_settings
-from fedflat.engine.executors import make_executor
-from fedflat.engine.runtime import ClientRuntime, WorkerSpec, set_tf32
+from fedflat.engine.problem import build_module, build_problem, configured_loss, inspect_model, train_settings
+from fedflat.engine.modes import module_name
+from fedflat.engine.ray_executor import RayExecutor
+from fedflat.engine.runtime import (ClientRuntime, LocalExecutor, RoundTask, StateLoader, ThreadExecutor, WorkerSpec,
+                                    build_client_runtime, set_tf32)
 from fedflat.engine.scores import MetricSet
 from fedflat.engine.server import OpenRound, RoundResult, Server, all_finite, uninterrupted
-from fedflat.engine.cores import choose_threads
+from fedflat.engine.cores import choose_threads, default_cpus, retain_freed_memory
 from fedflat.params import FlatModel
 
 __all__ = ["ClientScores", "OpenRound", "RoundResult", "Server", "Simulation", "UserInputs", "all_finite",
@@ -97,6 +98,40 @@ def prepare_process(cfg: Config) -> torch.device:
     set_tf32(device, cfg.tf32)
     retain_freed_memory()
     return device
+
+
+class Executor(Protocol):
+    """Where a round's clients train: :class:`LocalExecutor`, :class:`ThreadExecutor` or
+    :class:`fedflat.engine.ray_executor.RayExecutor` (:func:`make_executor`)."""
+
+    name: str
+
+    def fit(self, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> ClientResult: ...
+
+    def close(self) -> None: ...
+
+
+def make_executor(executor: ExecutorConfig, runtime: ClientRuntime, spec: Callable[..., WorkerSpec],
+                  data: Callable[[], tuple]) -> Executor:
+    """The run's executor (``executor.name``): ``local`` trains on the driver's ``runtime``; ``threads`` on it and
+    ``executor.workers - 1`` runtimes built again from ``spec(...)`` over its data (their models drawn on a forked
+    generator: the driver's random streams are untouched); ``ray`` on Ray workers that each build a runtime from
+    ``spec()`` and hold ``data()`` (sent once)."""
+    if executor.name == "local":
+        return LocalExecutor(runtime)
+    if executor.name == "threads":
+        traits = runtime.oracle.traits
+        if traits.random is not None:
+            raise ConfigError(f"executor=threads: model {module_name(runtime.model.module)} draws random numbers "
+                              f"({traits.random}) from PyTorch's global generator, which threads would share; "
+                              "use executor=local or executor=ray")
+        # threads=None: the driver's own torch threads, already set, are the ones the thread workers share
+        worker = spec(compute=replace(runtime.options, threads=None))
+        with torch.random.fork_rng(devices=[]):
+            others = [build_client_runtime(worker, runtime.batches, runtime.device)
+                      for _ in range(executor.workers - 1)]
+        return ThreadExecutor([runtime, *others])
+    return RayExecutor(spec(), data(), executor)
 
 
 def personal_layout(algorithm: Algorithm, settings: TrainSettings) -> tuple[bool, torch.Tensor | None]:
@@ -171,13 +206,12 @@ class Simulation:
     def worker_spec(self, **options) -> WorkerSpec:
         """What a Ray or thread worker needs to build this run's client runtime (:class:`WorkerSpec`; ``options``
         override its fields)."""
-        from fedflat.engine.ray_executor import default_cpus
-
         cfg, ex, data = self.cfg, self.cfg.executor, self.dataset
-        threads = choose_threads(cfg.threads, self.report.step_flops, cores=ex.cpus_per_worker or default_cpus(ex.workers))
+        threads = choose_threads(cfg.threads, self.report.step_flops,
+                                 cores=ex.cpus_per_worker or default_cpus(ex.workers))
         compute = replace(self.compute, threads=threads,
                           engine="sequential" if self.report.vmap_problem else self.compute.engine)
-        spec = WorkerSpec(algo=dict(cfg.algo), model=dict(cfg.model), model_fn=self.inputs.model_fn,
+        spec = WorkerSpec(algo=cfg.algo.section(), model=dict(cfg.model), model_fn=self.inputs.model_fn,
                           input_shape=data.input_shape, num_classes=data.num_classes, settings=self.settings,
                           compute=compute, traits=self.report.traits, augmentation=data.augmentation,
                           use_gpu=ex.gpus_per_worker > 0, step_flops=self.report.step_flops,

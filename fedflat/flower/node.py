@@ -134,7 +134,7 @@ class Node:
         job = read_task(content)
         self.check(job.task)
         ids = job.task.ids.tolist()
-        names = self.sim.server.client_state_keys()
+        names = self.sim.server.client_state_keys
         states, rows, known = self.states.rows(ids, job.state_rounds, names)
         result = self.sim.runtime.fit(job.broadcast, job.task, rows_loader(job.task.ids, rows, known)).to("cpu")
         for row, (client, before) in enumerate(zip(ids, states)):

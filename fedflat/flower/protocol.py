@@ -276,7 +276,7 @@ def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
     one = opened.task.rows(torch.tensor([0]))
     task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
     store = sim.server.store
-    names = sim.server.client_state_keys()
+    names = sim.server.client_state_keys
     state = {n: torch.zeros(1, store.shape(n)[0], dtype=store.shape(n)[1]) for n in names}
     known = {n: torch.zeros(1, dtype=torch.bool) for n in names}
     counted = sim.runtime.oracle.backprops  # (the probe is not training: no backward pass of it is counted)

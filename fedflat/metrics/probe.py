@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from fedflat.core import Batch, Broadcast, ClientContext, RoundContext, normalize_rows
-from fedflat.engine.batches import local_steps
+from fedflat.engine.client import local_steps
 from fedflat.engine.client import own_buffers
 from fedflat.engine.runtime import RoundTask, make_cohort
 from fedflat.metrics.objective import DataObjective

@@ -6,11 +6,10 @@
   (:func:`client_mechanism`), ``delta`` (:func:`delta_of`), the noise multiplier calibrated to a target epsilon
   (:func:`calibrated_noise`), the upload path's ``dp`` stage (:func:`dp_stage`);
 - :mod:`~fedflat.privacy.accounting`: epsilon with Google's dp-accounting (:class:`Mechanism`, :func:`epsilon`,
-  :func:`calibrate`);
-- :mod:`~fedflat.privacy.mechanism`: the Gaussian noise, keyed or from the OS's secure source (:func:`secure_normal`);
+  :func:`calibrate`), and a run's spending, round by round, and its budget (:class:`PrivacyLedger`);
 - :mod:`~fedflat.privacy.stage`: the upload path's ``dp`` stage, client-level DP on each release, central or local,
-  fixed or adaptive clip (:class:`GaussianMechanism`), registered by :mod:`fedflat.algorithms`;
-- :mod:`~fedflat.privacy.ledger`: a run's spending, round by round, and its budget (:class:`PrivacyLedger`).
+  fixed or adaptive clip (:class:`GaussianMechanism`), registered by :mod:`fedflat.algorithms`, and its Gaussian
+  noise, keyed or from the OS's secure source (:func:`secure_normal`);
 
 Instance-level DP (DP-SGD) is computed by the engine's oracle (``privacy.level: instance``); this package accounts it.
 The package sits just above :mod:`fedflat.core` (it imports nothing else of fedflat), so the methods, the config and
@@ -21,13 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedflat.privacy.accounting import Mechanism, calibrate, epsilon, unconverged_orders
+from fedflat.privacy.accounting import Mechanism, PrivacyLedger, calibrate, epsilon, unconverged_orders
 from fedflat.privacy.calibration import calibrated_noise, client_mechanism, delta_of, dp_stage
 from fedflat.privacy.config import PrivacyConfig, check_upload_path
 
-_TORCH = {"mechanism": ("gaussian_like", "secure_normal"),
-          "stage": ("CLIP", "UNCLIPPED", "GaussianMechanism", "GaussianParams"),
-          "ledger": ("PrivacyLedger",)}
+_TORCH = {"stage": ("CLIP", "UNCLIPPED", "GaussianMechanism", "GaussianParams", "gaussian_like", "secure_normal")}
 
 
 def __getattr__(name: str) -> Any:

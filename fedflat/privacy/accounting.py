@@ -14,6 +14,14 @@ sets of one client give releases at most ``2C`` apart), and the run reports the 
 
 RDP composes linearly, so the accountant works out one round's RDP curve once and converts ``t`` times it at every
 round (the same arithmetic as composing ``SelfComposedDpEvent(event, t)``).
+
+A run's privacy ledger (:class:`PrivacyLedger`): what its accountant has spent, round by round, and its budget. Central
+DP spends one round's mechanism per round, whoever took part (Poisson sampling hides who did): after round ``t`` the run
+has spent ``epsilon(t + 1)``. Local DP spends per client: a client that released ``n_i`` times has spent
+``epsilon(n_i)``, and the run reports its largest client. Instance-level DP (DP-SGD) spends per local step of each
+client: the run reports the bound over its clients, ``epsilon`` of the most steps any client took at the sampling rate
+of the smallest client. The ledger's state (each client's count) is checkpointed with the run, so a resumed run
+continues the accountant exactly. The ledger holds the run's tensors but imports no torch.
 """
 from __future__ import annotations
 
@@ -21,7 +29,12 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from fedflat.core.errors import BudgetSpent
+
+if TYPE_CHECKING:
+    import torch
 
 Sampling = Literal["poisson", "fixed"]
 
@@ -134,6 +147,7 @@ def epsilon(mechanism: Mechanism, rounds: int, delta: float) -> float:
     return float(eps)
 
 
+@functools.lru_cache(maxsize=64)
 def unconverged_orders(mechanism: Mechanism) -> tuple[float, ...]:
     """The RDP orders at which dp-accounting's series for one round does not converge (its fractional-order series
     of the sampled Gaussian, Mironov, Talwar and Zhang 2019, Sec. 3.3, stops after a fixed number of terms, for
@@ -195,3 +209,52 @@ def pld_bracket(mechanism: Mechanism, rounds: int, delta: float, target_epsilon:
         z_hi, z_lo = z_lo, 0.8 * z_lo
     raise ValueError(f"privacy.target_epsilon={target_epsilon}: the PLD accountant spends less than that even at "
                      f"z = {z_lo:.3g}; raise the rounds or lower the target, or use privacy.accountant=rdp")
+
+
+@dataclass
+class PrivacyLedger:
+    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config."""
+
+    mechanism: Mechanism
+    delta: float
+    budget: float | None  # privacy.target_epsilon: no round may take the run beyond it
+    participations: torch.Tensor  # [N]: each client's releases (local DP) or local steps (instance level)
+
+    def epsilon_after(self, round: int, sampled: torch.Tensor, steps: torch.Tensor | None = None) -> float:
+        """The run's epsilon once round ``round`` (0-based) has released, with ``sampled`` its clients (and
+        ``steps`` their local steps, at the instance level)."""
+        m = self.mechanism
+        if m.level == "client" and m.mode == "central":
+            return epsilon(m, round + 1, self.delta)
+        counts = self.participations.clone()
+        counts[sampled] += 1 if m.level == "client" else steps.to(counts.dtype)
+        return epsilon(m, int(counts.max()), self.delta)
+
+    def check_budget(self, round: int, sampled: torch.Tensor, steps: torch.Tensor) -> None:
+        """Refuses a round that would take the run beyond its budget (:class:`BudgetSpent`)."""
+        if self.budget is None:
+            return
+        after = self.epsilon_after(round, sampled, steps)
+        if after > self.budget * (1 + 1e-9):
+            spent = self.epsilon_after(round - 1, sampled[:0], steps[:0]) if round else 0.0
+            raise BudgetSpent(f"privacy budget spent: round {round + 1} would reach epsilon {after:.4g} > "
+                              f"privacy.target_epsilon {self.budget:g} (spent {spent:.4g} at delta {self.delta:g})")
+
+    def spend(self, round: int, ids: torch.Tensor, steps: torch.Tensor) -> dict[str, float]:
+        """Records round ``round`` with its releasing clients ``ids`` (and their local ``steps``); the round's
+        privacy line."""
+        value = self.epsilon_after(round, ids, steps)
+        self.participations[ids] += 1 if self.mechanism.level == "client" else steps.to(self.participations.dtype)
+        return {"epsilon": value}
+
+    def describe(self) -> dict[str, object]:
+        """What summary.json says of the accounting."""
+        m = self.mechanism
+        return {"level": m.level, "mode": m.mode, "accountant": m.accountant, "sampling": m.describe(), "noise_multiplier": m.noise_multiplier,
+                "sampling_rate": m.q, "delta": self.delta, "target_epsilon": self.budget}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"participations": self.participations.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.participations = state["participations"].clone()

@@ -1,7 +1,7 @@
 """Gradient backends: how a cohort's ``(loss[C], grad[C, P])`` is computed, chosen once per run.
 
 Every backend answers ``loss_grad(W[C, P], batch, objective) -> (loss[C], g[C, P])`` and ``loss(W, batch) ->
-loss[C]`` (:class:`~fedflat.engine.gradients.backend.Backend`); the oracle (:class:`fedflat.engine.oracle.Oracle`)
+loss[C]`` (:class:`~fedflat.engine.gradients.backend.Backend`); the oracle (:class:`fedflat.engine.client.Oracle`)
 builds one with :func:`choose_backend` from the run's :class:`~fedflat.engine.compute.ComputeOptions` and the
 model's :class:`~fedflat.engine.modes.ModelTraits`, and calls it without branching. The objective of a call (the
 data loss, a distillation or contrastive term, FedMAN's activation penalty) is an
@@ -18,28 +18,26 @@ from __future__ import annotations
 
 from fedflat.core import ConfigError
 from fedflat.engine.compute import ComputeOptions
-from fedflat.engine.gradients.backend import Accelerated, Backend
+from fedflat.engine.gradients.backend import Accelerated, Backend, PerClient
 from fedflat.engine.gradients.compiled import Compiled
 from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
 from fedflat.engine.gradients.graphed import Graphed
-from fedflat.engine.gradients.hand import HandMLP
+from fedflat.engine.gradients.hand import HandMLP, MLPGradient
 from fedflat.engine.gradients.lanes import Lanes
 from fedflat.engine.gradients.objectives import (DATA_LOSS, Contrastive, DataLoss, Distilled, Objective, Penalized,
                                                  activation_norms, contrastive_objective, distilled_objective,
-                                                 not_true_columns, objective_of)
-from fedflat.engine.gradients.per_client import PerClient
+                                                 not_true_columns)
 from fedflat.engine.gradients.private import PerExampleDP
 from fedflat.engine.gradients.session import ClientSession
 from fedflat.engine.gradients.stateful import StatefulGroups, StatefulPerClient
 from fedflat.engine.gradients.vectorized import Vectorized
 from fedflat.engine.graphs import check_cuda_graphs
-from fedflat.engine.mlp_gradient import MLPGradient
 from fedflat.engine.modes import ModelTraits
 
 __all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Compiled", "Contrastive", "DataLoss",
            "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
            "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
-           "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns", "objective_of"]
+           "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns"]
 
 
 def general_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits) -> Backend:

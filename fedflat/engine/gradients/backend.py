@@ -1,17 +1,21 @@
-"""What every gradient backend is: ``loss_grad(W, batch, objective) -> (loss[C], grad[C, P])`` and ``loss``."""
+"""What every gradient backend is: ``loss_grad(W, batch, objective) -> (loss[C], grad[C, P])`` and ``loss``; the
+sequential engine's general backend (:class:`PerClient`: autograd, one client's row at a time on the one reused
+module); and what an accelerated backend adds (:class:`Accelerated`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from fedflat.core import Batch
 from fedflat.engine.gradients.forward import Forward
-from fedflat.engine.gradients.objectives import Objective
+from fedflat.engine.gradients.objectives import DATA_LOSS, Objective
 
 if TYPE_CHECKING:
     from fedflat.engine.gradients.session import ClientSession
+
+Pass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class Backend:
@@ -24,11 +28,7 @@ class Backend:
 
     def __init__(self, forward: Forward):
         self.forward = forward
-
-    @property
-    def general(self) -> Backend:
-        """The backend that computes any objective (a general backend is its own)."""
-        return self
+        self.general: Backend = self  # the backend that computes any objective (a general backend is its own)
 
     def loss_grad(self, W: torch.Tensor, batch: Batch, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
         """``(reported loss[C], g[C, P])``: each client's gradient of ``objective`` on its mini-batch."""
@@ -52,6 +52,51 @@ class Backend:
         yield None
 
 
+class PerClient(Backend):
+    """Each client's objective on its real samples (padding dropped), differentiated by autograd with respect to
+    its per-tensor views (:meth:`fedflat.engine.gradients.forward.Forward.leaves`)."""
+
+    def loss_grad(self, W, batch, objective):
+        forward = self.forward
+        prepared = objective.prepare(self, W, batch)
+        forward.mode(True)  # (a term's preparation was an evaluation)
+        losses, grads = [], []
+        for c in range(W.shape[0]):
+            x, y = batch.row(c)
+            views = forward.leaves(W[c])
+            total, reported = objective(forward, views, forward.arranged(x), y,
+                                        *objective.row(prepared, c, batch.real(c)))
+            grads.append(forward.flat(torch.autograd.grad(total, views), ()))
+            losses.append(reported.detach())
+        return torch.stack(losses), torch.stack(grads)
+
+    def data_pass(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, g[P])`` of one client's data loss (the pass an accelerated backend graphs or replaces)."""
+        forward = self.forward
+        views = forward.leaves(w)
+        loss, _ = DATA_LOSS(forward, views, forward.arranged(x), y)
+        return loss.detach(), forward.flat(torch.autograd.grad(loss, views), ())
+
+    @staticmethod
+    def rows(W: torch.Tensor, batch, one: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+        """``one(w_c, x_c, y_c)`` of every client's row and real samples, stacked."""
+        if W.shape[0] == 1 and batch.weight is None:
+            loss, grad = one(W[0], batch.x[0], batch.y[0])
+            return loss.unsqueeze(0), grad.unsqueeze(0)
+        pairs = [one(W[c], *batch.row(c)) for c in range(W.shape[0])]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    @torch.no_grad()
+    def loss(self, W, batch):
+        forward = self.forward
+        forward.mode(False)
+        losses = []
+        for c in range(W.shape[0]):
+            x, y = batch.row(c)
+            losses.append(DATA_LOSS(forward, tuple(forward.model.layout.views(W[c])), forward.arranged(x), y)[0])
+        return torch.stack(losses)
+
+
 class Accelerated(Backend):
     """A backend that computes the data loss's gradient faster than ``inner`` (a general backend, or another
     accelerated one it builds on) and sends every other objective, and every evaluation, to the general backend.
@@ -62,11 +107,7 @@ class Accelerated(Backend):
     def __init__(self, inner: Backend):
         super().__init__(inner.forward)
         self.inner = inner
-        self._general = inner.general
-
-    @property
-    def general(self) -> Backend:
-        return self._general
+        self.general = inner.general
 
     @property
     def gradient(self) -> str:
@@ -74,18 +115,18 @@ class Accelerated(Backend):
 
     def loss_grad(self, W, batch, objective):
         if not objective.plain:  # a term's objective: the general backend's autograd
-            return self._general.loss_grad(W, batch, objective)
+            return self.general.loss_grad(W, batch, objective)
         self.forward.mode(True)
-        return self._general.rows(W, batch, self.data_pass)
+        return self.general.rows(W, batch, self.data_pass)
 
     def data_pass(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def loss(self, W, batch):
-        return self._general.loss(W, batch)
+        return self.general.loss(W, batch)
 
     def cohort_logits(self, w, x):
-        return self._general.cohort_logits(w, x)
+        return self.general.cohort_logits(w, x)
 
     def clients(self, ids, round, seed, buffers):
-        return self._general.clients(ids, round, seed, buffers)
+        return self.general.clients(ids, round, seed, buffers)

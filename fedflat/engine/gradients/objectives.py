@@ -4,9 +4,10 @@ An :class:`Objective` is one client's ``(objective, reported loss)`` at its per-
 whether a backend runs it client by client or under ``vmap`` (``weight[B]``, last, for a padded batch: the means
 are then over the real samples). What a term needs of the whole cohort beforehand, without gradient (a teacher's
 log-probabilities, MOON's anchor representations), :meth:`Objective.prepare` computes once per call, and
-:meth:`Objective.row` slices for one client. :func:`objective_of` builds the objective of an oracle call from the
-term a method's part gives (:class:`~fedflat.core.Distillation`, :class:`~fedflat.core.Contrast`) and the
-activation penalty's weight, so the terms compose instead of branching in the backends.
+:meth:`Objective.row` slices for one client. The oracle builds the objective of a call
+(:func:`fedflat.engine.client.objective_of`) from the term a method's part gives (:class:`~fedflat.core.Distillation`,
+:class:`~fedflat.core.Contrast`) and the activation penalty's weight, so the terms compose instead of branching in
+the backends.
 """
 from __future__ import annotations
 
@@ -226,14 +227,3 @@ class Penalized(Objective):
 
 
 TERMS: dict[type, type[Objective]] = {Distillation: Distilled, Contrast: Contrastive}
-
-
-def objective_of(term: Distillation | Contrast | None, penalty: float = 0.0) -> Objective:
-    """The objective of an oracle call: the data loss, with the part's ``term`` and FedMAN's ``penalty`` weight."""
-    objective = DATA_LOSS if term is None else TERMS[type(term)](term)
-    if not penalty:
-        return objective
-    if isinstance(term, Contrast):
-        raise ValueError("FedMAN's activation penalty beside MOON's contrastive term is not implemented: "
-                         "use one of them")
-    return Penalized(objective, penalty)

@@ -1,7 +1,7 @@
 """fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
 
 Three operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
-MLP gradient of :class:`fedflat.engine.mlp_gradient.MLPGradient` as one call, bit for bit the Python method's (the
+MLP gradient of :class:`fedflat.engine.gradients.hand.MLPGradient` as one call, bit for bit the Python method's (the
 same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
 Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
 (``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).

@@ -1,4 +1,4 @@
-// fedflat's native MLP gradient: MLPGradient.loss_grad (fedflat/engine/mlp_gradient.py) as one C++ operator.
+// fedflat's native MLP gradient: MLPGradient.loss_grad (fedflat/engine/gradients/hand.py) as one C++ operator.
 //
 // The same ATen operations in the same order on operands of the same layout as the Python method (and so as
 // autograd): the forward addmm(b, a, W^T) and relu, _log_softmax, nll_loss_forward, then nll_loss_backward and
@@ -33,7 +33,7 @@ namespace {
 
 constexpr int64_t kMean = 1;            // at::Reduction::Mean, F.cross_entropy's default
 constexpr int64_t kIgnoreIndex = -100;  // F.cross_entropy's default ignore_index
-constexpr uintptr_t kAlignment = 64;    // a fresh CPU tensor's alignment (mlp_gradient.ALIGNMENT)
+constexpr uintptr_t kAlignment = 64;    // a fresh CPU tensor's alignment (gradients/hand.py's ALIGNMENT)
 
 struct Layer {
   at::Tensor W, Wt, b;  // views of w: [out, in], its transpose, [out]
