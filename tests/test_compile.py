@@ -71,3 +71,21 @@ def test_compiled_graphed_cnn_equals_the_eager_sequential_run(tiny, engine):
     eager = _final(tiny, *common, "engine=sequential")
     compiled = _final(tiny, *common, f"engine={engine}", "compile=true", "cuda_graphs=true")
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiler_failure_is_one_line_saying_to_set_compile_false(tiny, monkeypatch):
+    """No working C++ compiler for Inductor's CPU code (here: one that always fails, and no cached code to fall back
+    on): a ConfigError naming the cause and what to set, not torch's traceback."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "/bin/false"))
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor, "autotune_local_cache", False)
+    torch._dynamo.reset()
+    try:
+        refused = r"torch.compile could not compile.*C\+\+ compiler.*set compile: false"
+        with pytest.raises(ConfigError, match=refused):
+            Simulation(tiny("device=cpu", "compile=true", "rounds=1")).run_round(0)
+    finally:
+        torch._dynamo.reset()  # (no failed compile left for the next test)
