@@ -29,6 +29,8 @@
 #   profilec3 one profiled round of 5 local steps of the compiled streams engine (what bounds it)
 #   lease5    the fifth lease's call: compile3, pack with 80-round cells ($PACK_OVERRIDES), the GPU tests of the
 #             compiled, graphed, streams and packing paths, then profilec3
+#   lease6    what the fifth lease left: pack with 100-round cells (whole-cell 3x), pack3 compiled, then the whole
+#             suite with --device cuda
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
@@ -115,6 +117,11 @@ for stage in "$@"; do
       PYTEST_ARGS="${PYTEST_ARGS:-tests/test_compile.py tests/test_cuda_graphs.py tests/test_packing.py tests/test_cuda.py}" \
         PYTEST_SECONDS="${PYTEST_SECONDS:-120}" "$0" tests
       "$0" profilec3 ;;
+    lease6)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      PACK_OVERRIDES="${PACK_OVERRIDES:-rounds=100}" "$0" pack
+      PACK_OVERRIDES="compile=true" "$0" pack3
+      PYTEST_N="${PYTEST_N:-12}" "$0" tests ;;
     pack|pack3)
       if [ $stage = pack ]; then
         sweep=(configs/papers/fedwmsam_table1_fmnist.yaml --variant gpu-pack data.root="${FMNIST:-.gpu/fmnist}")
