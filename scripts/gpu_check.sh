@@ -29,7 +29,7 @@
 #   profilec3 one profiled round of 5 local steps of the compiled streams engine (what bounds it)
 #   lease5    the fifth lease's call: compile3, pack with 80-round cells ($PACK_OVERRIDES), the GPU tests of the
 #             compiled, graphed, streams and packing paths, then profilec3
-#   lease6    what the fifth lease left: pack with 100-round cells (whole-cell 3x), pack3 compiled, then the whole
+#   lease6    what the fifth lease left: pack with 100-round cells (whole-cell 3x), pack3 again, then the whole
 #             suite with --device cuda
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
@@ -120,7 +120,7 @@ for stage in "$@"; do
     lease6)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       PACK_OVERRIDES="${PACK_OVERRIDES:-rounds=100}" "$0" pack
-      PACK_OVERRIDES="compile=true" "$0" pack3
+      "$0" pack3
       PYTEST_N="${PYTEST_N:-12}" "$0" tests ;;
     pack|pack3)
       if [ $stage = pack ]; then
