@@ -44,6 +44,18 @@ def _data(sim: Simulation):
             sim.dataset.num_classes)
 
 
+def local_deltas(w: np.ndarray, schedules, lr: float, grad) -> list[np.ndarray]:
+    """Each client's ``Delta_i = w_K - w``: local SGD from ``w`` over its batches (index tensors), each step
+    ``w_k <- w_k - lr (grad(w_k, idx) + weight_decay w_k)``."""
+    deltas = []
+    for batches in schedules:
+        wk = w.copy()
+        for idx in batches:
+            wk = wk - lr * (grad(wk, idx.cpu().numpy()) + TRAIN["weight_decay"] * wk)
+        deltas.append(wk - w)
+    return deltas
+
+
 def _run(sim: Simulation) -> np.ndarray:
     for t in range(sim.cfg.rounds):
         sim.run_round(t)
@@ -59,14 +71,7 @@ def fednova_reference(sim: Simulation) -> np.ndarray:
     X, y, classes = _data(sim)
     w = sim.server.w.double().cpu().numpy().copy()
     for t, lr, ids, n, steps, schedules in _rounds(sim):
-        deltas = []
-        for batches in schedules:
-            wk = w.copy()
-            for idx in batches:
-                idx = idx.cpu().numpy()
-                g = softmax_regression(wk, X[idx], y[idx], classes)[1]
-                wk = wk - lr * (g + TRAIN["weight_decay"] * wk)
-            deltas.append(wk - w)
+        deltas = local_deltas(w, schedules, lr, lambda wk, idx: softmax_regression(wk, X[idx], y[idx], classes)[1])
         p, tau = n / n.sum(), np.array(steps, dtype=float)
         assert len(set(steps)) > 1 or t < 2  # unequal step counts, where normalization matters
         w = w + (p @ tau) * ((p / tau) @ np.stack(deltas))
@@ -357,14 +362,7 @@ def fedntd_reference(sim: Simulation, beta: float, tau: float) -> np.ndarray:
     X, y, classes = _data(sim)
     w = sim.server.w.double().cpu().numpy().copy()
     for t, lr, ids, n, steps, schedules in _rounds(sim):
-        deltas = []
-        for batches in schedules:
-            wk = w.copy()
-            for idx in batches:
-                idx = idx.cpu().numpy()
-                g = ntd_gradient(wk, w, X[idx], y[idx], classes, beta, tau)
-                wk = wk - lr * (g + TRAIN["weight_decay"] * wk)
-            deltas.append(wk - w)
+        deltas = local_deltas(w, schedules, lr, lambda wk, idx: ntd_gradient(wk, w, X[idx], y[idx], classes, beta, tau))
         w = w + np.mean(deltas, 0)
     return w
 
