@@ -121,3 +121,12 @@ def test_packed_cells_start_warm_and_wait_to_be_let_in(tmp_path, monkeypatch):
     alone = run_sweep(load_sweep(write_sweep(tmp_path / "alone", {"overrides": ["rounds=2"], "grid": {"seed": [0, 1, 2]}})),
                       workers=1, progress=False).cells
     assert [c["final_test_acc"] for c in packed] == [c["final_test_acc"] for c in alone]
+
+
+def test_warm_processes_one_a_core_while_measuring_then_one_spare_a_running_cell(tmp_path):
+    packing = Packing.of(["cuda"] * 40, cores=16, since=time.time() - 1)
+    assert packing.alive(packing.workers([tmp_path / "cell0"])) == 16  # 1 measuring, 15 waiting
+    packing.limit = 3  # (as decided from a footprint)
+    assert packing.alive(3) == 6  # 3 running, 3 waiting to follow them
+    packing.limit = 12
+    assert packing.alive(12) == 16  # never more than a core each

@@ -320,9 +320,9 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
     process that dies with the sweep. Ctrl-C (or SIGTERM through the command line) stops the running cells, which
     record a checkpoint, and starts no new one.
 
-    Packing on a GPU, the cells' processes start warm: up to one a core at once, each imports what its run needs
-    and waits until it is let in, so the cells let in when the first cell's footprint is known start training at
-    once instead of starting their processes then."""
+    Packing on a GPU, the cells' processes start warm (:meth:`~fedflat.experiments.packing.Packing.alive` of them):
+    each imports what its run needs and waits until it is let in, so the cells let in when the first cell's footprint
+    is known start training at once instead of starting their processes then."""
     context = get_context("spawn")
     queue = context.Queue()
     packing = Packing.of([c.config.device for c in todo], available_cores(), time.time()) if workers == "auto" else None
@@ -356,7 +356,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
             limit = room()
             for folder in waiting[:max(0, limit - (len(running) - len(waiting)))]:
                 let_in(folder)
-            while pending and len(running) < (max(limit, min(packing.cores, len(todo))) if warm else limit):
+            while pending and len(running) < (packing.alive(limit) if warm else limit):
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
                 gate = context.Event() if warm else None

@@ -100,6 +100,12 @@ class Packing:
             self.decide(record)
         return self.limit
 
+    def alive(self, limit: int) -> int:
+        """Cells' processes started at once when they start warm (:mod:`fedflat.experiments.cells`: imported, waiting
+        to be let in): one a core while the first cell measures, then one waiting beside each running cell."""
+        spares = self.cores - 1 if self.limit is None else limit
+        return min(max(limit, self.cores), limit + spares)
+
     def decide(self, record: dict[str, int]) -> None:
         more = cells_that_fit(record["free_bytes"], record["total_bytes"], record["used_bytes"])
         self.limit = max(1, min(self.cores, self.cells, 1 + more))
