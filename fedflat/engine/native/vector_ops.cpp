@@ -131,25 +131,30 @@ const float* row(const at::Tensor& t, int64_t c) {
   return t.const_data_ptr<float>() + c * stride;
 }
 
-void check(const at::Tensor& t, const char* name, int64_t P) {
+// What both operators need of the machine and of their lanes (the norm's accumulators).
+void check_kernel(const char* op, int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "fedflat::", op, ": lanes (the norm's accumulators) is 8 or 16");
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "fedflat::", op, ": this CPU has no AVX2 and FMA (the ATen expression runs instead)");
+}
+
+// An operand of C rows of P, or one row [P] shared by every row.
+void check(const at::Tensor& t, const char* op, const char* name, int64_t C, int64_t P) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && (t.dim() == 1 || t.dim() == 2) &&
                   t.size(-1) == P && t.stride(-1) == 1,
-              "fedflat::guided_point: ", name, " must be a float32 CPU [C, P] or [P] tensor with unit last stride");
+              "fedflat::", op, ": ", name, " must be a float32 CPU [C, P] or [P] tensor with unit last stride");
+  TORCH_CHECK(t.dim() == 1 || t.size(0) == C, "fedflat::", op, ": ", name, " has C rows or is [P]");
 }
 
 void guided_point(const at::Tensor& w_start, const at::Tensor& W, const at::Tensor& m, double alpha, double radius,
                   int64_t lanes, at::Tensor point) {
   TORCH_CHECK(W.dim() == 2 && W.is_contiguous() && point.is_contiguous() && point.sizes() == W.sizes(),
               "fedflat::guided_point: W and point must be contiguous tensors of one [C, P] shape");
-  TORCH_CHECK(lanes == 8 || lanes == 16, "fedflat::guided_point: lanes (the norm's accumulators) is 8 or 16");
-  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-              "fedflat::guided_point: this CPU has no AVX2 and FMA (the ATen expression runs instead)");
+  check_kernel("guided_point", lanes);
   const int64_t C = W.size(0), P = W.size(1);
-  check(w_start, "w_start", P);
-  check(m, "m", P);
-  check(point, "point", P);
-  TORCH_CHECK(w_start.dim() == 1 || w_start.size(0) == C, "fedflat::guided_point: w_start has C rows or is [P]");
-  TORCH_CHECK(m.dim() == 1 || m.size(0) == C, "fedflat::guided_point: m has C rows or is [P]");
+  check(w_start, "guided_point", "w_start", C, P);
+  check(m, "guided_point", "m", C, P);
+  check(point, "guided_point", "point", C, P);
   const float a = static_cast<float>(alpha), r = static_cast<float>(radius), tiny = static_cast<float>(1e-12);
   for (int64_t c = 0; c < C; ++c) {
     const float *w = W.const_data_ptr<float>() + c * P, *ws = row(w_start, c), *mc = row(m, c);
@@ -164,12 +169,9 @@ at::Tensor mix_norm(at::Tensor g, const at::Tensor& m, const at::Tensor& weight,
               "fedflat::mix_norm: g must be a contiguous float32 CPU [C, P] tensor");
   TORCH_CHECK(weight.numel() == 1 && weight.device().is_cpu() && weight.scalar_type() == at::kFloat,
               "fedflat::mix_norm: weight must be one float32 CPU number");
-  TORCH_CHECK(lanes == 8 || lanes == 16, "fedflat::mix_norm: lanes (the norm's accumulators) is 8 or 16");
-  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-              "fedflat::mix_norm: this CPU has no AVX2 and FMA (the ATen expression runs instead)");
+  check_kernel("mix_norm", lanes);
   const int64_t C = g.size(0), P = g.size(1);
-  check(m, "m", P);
-  TORCH_CHECK(m.dim() == 1 || m.size(0) == C, "fedflat::mix_norm: m has C rows or is [P]");
+  check(m, "mix_norm", "m", C, P);
   const float w = weight.item<float>();
   at::Tensor norms = at::empty({C, 1}, g.options());
   for (int64_t c = 0; c < C; ++c) {
