@@ -333,7 +333,6 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
                   "then as many cells as its GPU memory leaves room for")
     pending, running = list(todo), {}
     gates: dict[str, Any] = {}  # warm cells' processes: the event that lets each in (held while it lives)
-    waiting: list[str] = []  # warm cells not let in yet, in the order they started
     started: list[Path] = []  # the cells' folders, in the order they were let in (the first one's footprint decides)
 
     def room() -> int:
@@ -345,17 +344,12 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
             bar.write(f"sweep: {packing.reason}")
         return limit
 
-    def let_in(folder: str) -> None:
-        started.append(Path(folder))
-        if folder in waiting:
-            waiting.remove(folder)
-            gates[folder].set()
+    def waiting() -> list[str]:
+        return [folder for folder, gate in gates.items() if not gate.is_set()]
 
     try:
         while pending or running:
             limit = room()
-            for folder in waiting[:max(0, limit - (len(running) - len(waiting)))]:
-                let_in(folder)
             while pending and len(running) < (packing.alive(limit) if warm else limit):
                 cell = pending.pop(0)
                 folder = str(out / cell.name)
@@ -365,19 +359,19 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
                                                 group, job, gate))
                 _start_deaf_to_ctrl_c(process)
                 running[folder] = (cell, process)
-                if gate is not None:
-                    gates[folder] = gate
-                    waiting.append(folder)
-                    if len(running) - len(waiting) < limit:
-                        let_in(folder)
-                else:
+                if gate is None:
                     started.append(Path(folder))
+                else:
+                    gates[folder] = gate
+            held = waiting()
+            for folder in held[:max(0, limit - (len(running) - len(held)))]:  # let in while there is room
+                gates[folder].set()
+                started.append(Path(folder))
             _collect(queue, running, record)
             for folder in [f for f in gates if f not in running]:  # (its process ended: the event may go)
                 gates.pop(folder)
-                if folder in waiting:
-                    waiting.remove(folder)
-            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items() if f not in waiting]
+            held = waiting()
+            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items() if f not in held]
             bar.set_postfix_str("; ".join(live)[:200])
     except KeyboardInterrupt:
         _stop(running, queue, record)
