@@ -44,10 +44,9 @@ def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     return order.sort(dim=1).values
 
 
-def with_residual(stage: UploadStage, cohort: Cohort, delta: torch.Tensor, name: str) -> torch.Tensor:
-    r""":math:`\Delta_i + e_i` under error feedback (:math:`e_i = 0` before a client's first participation), else :math:`\Delta_i`."""
-    if not stage.p.error_feedback:
-        return delta
+def with_residual(cohort: Cohort, delta: torch.Tensor, name: str) -> torch.Tensor:
+    r""":math:`\Delta_i + e_i`, error feedback's input, with the residuals ``name`` the clients keep
+    (:math:`e_i = 0` before a client's first participation)."""
     return delta + torch.where(cohort.known[name].to(delta.device)[:, None], cohort.state[name].to(delta), 0.0)
 
 
@@ -70,7 +69,7 @@ class TopK(UploadStage):
         return max(1, math.ceil(self.p.ratio * size))
 
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
-        x = with_residual(self, cohort, release[MODEL], TOPK_RESIDUAL)
+        x = with_residual(cohort, release[MODEL], TOPK_RESIDUAL) if self.p.error_feedback else release[MODEL]
         index = top_k(x, self.k(x.shape[1]))
         sparse = torch.zeros_like(x).scatter_(1, index, x.gather(1, index))
         cohort.own(self)[INDEX] = index
@@ -131,7 +130,7 @@ class QSGD(UploadStage):
         return self.keeps if self.p.error_feedback else ()
 
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
-        x = with_residual(self, cohort, release[MODEL], QSGD_RESIDUAL)
+        x = with_residual(cohort, release[MODEL], QSGD_RESIDUAL) if self.p.error_feedback else release[MODEL]
         generators = [torch_stream(ctx.settings.seed, ctx.round, int(i), "qsgd", x.device) for i in cohort.ids.tolist()]
         norm, levels = qsgd_levels(x, self.p.levels, generators)
         q = (norm[:, None] * levels.to(x.dtype) / self.p.levels).to(x.dtype)
