@@ -406,10 +406,10 @@ def test_a_watched_part_is_what_it_is(monkeypatch):
     monkeypatch.setenv(CHECK_ENV, "1")
     parts = build_parts({"name": "fedntd"})
     algorithm = assemble(*parts, [{"name": "backdoor", "boost": 2.0}, {"name": "median"}])
-    backdoor, median = algorithm.stages
+    backdoor, median = algorithm.path.stages
     assert isinstance(backdoor, Checked) and isinstance(backdoor, Backdoor) and isinstance(backdoor, DataAttack)
     assert type(backdoor).__qualname__ == "Backdoor" and backdoor.p.boost == 2.0
-    assert backdoor_of(algorithm.stages) is backdoor
+    assert backdoor_of(algorithm.path.stages) is backdoor
     assert not isinstance(median, Attack) and not any(isinstance(p, Checked) for p in parts[1].values())
     assert isinstance(algorithm.parts["correction"], type(parts[1]["correction"]))
     again = pickle.loads(pickle.dumps(backdoor))

@@ -62,7 +62,7 @@ def test_the_named_sections_run_in_order_and_the_upload_list_as_listed():
     cfg = _config(compression={"name": "topk", "ratio": 0.5}, attack=attack,
                   privacy={"mode": "central", "clip": 1.0, "noise_multiplier": 0.5})
     assert [s["name"] for s in cfg.stage_specs()] == ["sign_flip", "topk", "dp"]
-    assert [s.name for s in cfg.algo.build(cfg.stage_specs()).stages] == ["sign_flip", "topk", "dp"]
+    assert [s.name for s in cfg.algo.build(cfg.stage_specs()).path.stages] == ["sign_flip", "topk", "dp"]
     listed = _config(upload=[{"name": "norm_bound", "bound": 0.5}, {"name": "median"}], attack=attack)
     assert [s["name"] for s in listed.stage_specs()] == ["sign_flip", "norm_bound", "median"]
 

@@ -52,7 +52,7 @@ class GeoMed(UploadStage):
     def server(self, ctx, release: Release) -> Release:
         X = flatten(release)
         v = geometric_median(X, self.p.iterations, self.p.nu).to(X.dtype)
-        return every_row(release, X.shape[0], unflatten(v, release))
+        return every_row(release, unflatten(v, release))
 
 
 register_part(GeoMed)

@@ -22,32 +22,28 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from fedflat.core import (MODEL, PARTS, RECIPES, ROLES, STAGES, TRAIN_LOSS, AlgorithmError, Broadcast, ClientContext,
+from fedflat.core import (PARTS, RECIPES, ROLES, STAGES, AlgorithmError, Broadcast, ClientContext,
                           ClientResult, Cohort, Correction, Part, Perturbation, Recipe, RoundContext, Shared, Slot,
                           TrainSettings, closest, composition_label, contract)
 from fedflat.algorithms.attacks import DataAttack
-from fedflat.core.upload import MUST_PRECEDE, NOT_RELEASED, UploadStage, release_of, upload_of
+from fedflat.core.upload import MUST_PRECEDE, UploadPath, UploadStage
 
 
 @dataclass
 class Algorithm:
-    """An assembled method: its parts (one per role), each holding its own hyperparameters (``part.p``), and the
-    stages of its upload path (:mod:`fedflat.core.upload`: differential privacy, compression), in their order."""
+    """An assembled method: its parts (one per role), each holding its own hyperparameters (``part.p``), and its
+    upload path (:class:`fedflat.core.upload.UploadPath`: an attack, compression, differential privacy, a robust
+    rule), its stages in their order."""
 
     name: str
     parts: dict[str, Part]
-    stages: list[UploadStage] = field(default_factory=list)
+    path: UploadPath = field(default_factory=UploadPath)
 
     @functools.cached_property
     def ordered(self) -> list[Part]:
         """The parts in role order, then the upload stages: every hook runs in this order (the parts and stages are
         fixed once assembled: listed once)."""
-        return [self.parts[role] for role in ROLES] + list(self.stages)
-
-    @functools.cached_property
-    def encoder(self) -> UploadStage | None:
-        """The stage that changes what travels (at most one: :func:`build_algorithm` checks), found once."""
-        return next((s for s in self.stages if s.encodes), None)
+        return [self.parts[role] for role in ROLES] + list(self.path.stages)
 
     @property
     def label(self) -> str:
@@ -113,56 +109,6 @@ class Algorithm:
             personal.update(part.personal(ctx))
         return Broadcast(ctx.round, ctx.lr, ctx.w_start, shared, ctx.sampled.cpu(), personal)
 
-    def wire_entries(self) -> tuple[str, ...]:
-        """The upload entries that carry the model (its update, when encoded): what a reply must hold."""
-        return self.encoder.wire if self.encoder is not None else (MODEL,)
-
-    def malformed(self, upload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
-        """``[K]``: the rows of a received ``upload`` the encoder cannot decode (:meth:`UploadStage.malformed`)."""
-        encoder = self.encoder
-        payload = {k: upload[k] for k in self.wire_entries() if k in upload}
-        if encoder is None or len(payload) < len(encoder.wire):
-            rows = upload[TRAIN_LOSS].shape[0] if TRAIN_LOSS in upload else 0
-            return torch.full((rows,), encoder is not None, dtype=torch.bool)
-        return encoder.malformed(payload, size)
-
-    def release(self, ctx: ClientContext, cohort: Cohort) -> None:
-        """The upload path's client side, after the parts' ``end``: ``cohort.upload`` becomes what travels, the
-        release (``Delta_i`` and the parts' entries) through every stage's :meth:`~UploadStage.client`, then the
-        encoder's :meth:`~UploadStage.encode`, beside the entries the path leaves as they are and the stages' own."""
-        if not self.stages:
-            return
-        release = release_of(cohort.upload, ctx.w_broadcast)
-        cohort.upload = {k: v for k, v in cohort.upload.items() if k in NOT_RELEASED}
-        for stage in self.stages:
-            release = stage.client(ctx, cohort, release)
-        encoder = self.encoder
-        cohort.upload.update(encoder.encode(ctx, cohort, release) if encoder is not None else release)
-
-    def received_release(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The release a received ``upload`` carries: with an upload path, what travelled (``Delta_i`` already)
-        decoded, the stages' side entries left out; without one, the model rows as ``Delta_i`` from ``w_start``."""
-        if not self.stages:
-            return release_of(upload, ctx.w_start)
-        side = {name for stage in self.stages for name in stage.side}
-        payload = {k: v for k, v in upload.items() if k not in NOT_RELEASED and k not in side}
-        encoder = self.encoder
-        return encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
-
-    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor],
-                release: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The upload path's server side: the received ``upload`` decoded into the release (``release``: already
-        decoded, by the server's checks), every stage's :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload
-        as received), and the upload the parts read, ``model`` at ``w_start + Delta_i`` again."""
-        if not self.stages:
-            return upload
-        kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
-        release = self.received_release(ctx, upload) if release is None else release
-        ctx.uploads = upload
-        for stage in self.stages:
-            release = stage.server(ctx, release)
-        return upload_of(release, ctx.w_start, kept)
-
     def aggregate(self, ctx: RoundContext, result: ClientResult,
                   release: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``w^{t+1}`` from the sampled clients' uploads (``result`` holds every sampled client, rows in
@@ -172,7 +118,7 @@ class Algorithm:
         if not torch.equal(result.ids.cpu(), ctx.sampled.cpu()):
             raise ValueError(f"round {ctx.round}: results for clients {result.ids.tolist()}, "
                              f"expected exactly {ctx.sampled.tolist()} in ascending order")
-        ctx.uploads = self.receive(ctx, result.upload, release)
+        ctx.uploads = self.path.receive(ctx, result.upload, release)
         ctx.weights = self.parts["aggregation"].weights(ctx)
         for part in self.ordered:
             part.finish(ctx)
@@ -286,7 +232,7 @@ def assemble(name: str, parts: dict[str, Part], stages: list[dict[str, Any]] | t
     built = build_stages(stages)
     # hooks watched for in-place changes: a plugin's parts always, every part with FEDFLAT_CHECK_CONTRACT=1 (the tests)
     watched = {role: contract.watched(part) for role, part in parts.items()}
-    return Algorithm(name=name, parts=watched, stages=[contract.watched(stage) for stage in built])
+    return Algorithm(name=name, parts=watched, path=UploadPath(tuple(contract.watched(stage) for stage in built)))
 
 
 def build_parts(section: dict[str, Any]) -> tuple[str, dict[str, Part]]:

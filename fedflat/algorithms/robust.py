@@ -40,18 +40,18 @@ import torch
 from pydantic import Field
 
 from fedflat.core import PartParams, RoundContext, clip_factors, init, release_norms, scale_release
-from fedflat.core.upload import Release, UploadStage, repeated
+from fedflat.core.upload import Release, UploadStage
 
 CENTER = "cclip.v"  # server state of centered clipping: the previous round's aggregate, the release's entries flat
 INDIVIDUAL = ("a robust rule reads every client's own update, where central DP's noise is calibrated to the "
               "sensitivity of the sum and secure aggregation shows only the sum")
 
 
-def every_row(release: Release, rows: int, aggregate: dict[str, torch.Tensor]) -> Release:
-    """Each entry of ``release`` with all its ``rows`` equal to ``aggregate[name]`` (one row, the robust aggregate,
-    computed once: :func:`fedflat.core.upload.repeated`)."""
-    return {name: repeated(aggregate[name].to(release[name].dtype).reshape(release[name].shape[1:]), rows)
-            for name in release}
+def every_row(release: Release, aggregate: dict[str, torch.Tensor]) -> Release:
+    """Each entry of ``release`` with all its rows equal to ``aggregate[name]`` (one row, the robust aggregate,
+    computed once and seen ``K`` times, a broadcast view: :func:`fedflat.core.upload.moved`)."""
+    return {name: aggregate[name].to(rows.dtype).reshape(rows.shape[1:]).expand(rows.shape)
+            for name, rows in release.items()}
 
 
 def rows_of(release: Release) -> int:
@@ -73,8 +73,7 @@ class Median(RobustRule):
     summary = "robust aggregation: the coordinate-wise median of the clients' updates"
 
     def server(self, ctx: RoundContext, release: Release) -> Release:
-        K = rows_of(release)
-        return every_row(release, K, {name: coordinate_median(rows) for name, rows in release.items()})
+        return every_row(release, {name: coordinate_median(rows) for name, rows in release.items()})
 
 
 def coordinate_median(rows: torch.Tensor) -> torch.Tensor:
@@ -104,8 +103,8 @@ class TrimmedMean(RobustRule):
         K = rows_of(release)
         b = math.floor(self.p.beta * K)
         ctx.log["trimmed"] = float(b)
-        return every_row(release, K, {name: rows.sort(dim=0).values[b:K - b].mean(0)
-                                      for name, rows in release.items()})
+        return every_row(release, {name: rows.sort(dim=0).values[b:K - b].mean(0)
+                                   for name, rows in release.items()})
 
 
 class KrumParams(PartParams):
@@ -148,7 +147,7 @@ class Krum(RobustRule):
         scores = krum_scores(squared_distances(release), self.p.f)
         chosen = torch.sort(scores, stable=True).indices[:min(self.p.m, K)]
         ctx.log["krum_selected"] = float(chosen.numel())
-        return every_row(release, K, {name: rows[chosen].mean(0) for name, rows in release.items()})
+        return every_row(release, {name: rows[chosen].mean(0) for name, rows in release.items()})
 
 
 class BulyanParams(PartParams):
@@ -195,8 +194,8 @@ class Bulyan(RobustRule):
         chosen = torch.tensor(bulyan_selection(squared_distances(release), f))
         beta = len(chosen) - 2 * f
         ctx.log["bulyan_f"] = float(f)
-        return every_row(release, K, {name: closest_to_median(rows[chosen.to(rows.device)], beta)
-                                      for name, rows in release.items()})
+        return every_row(release, {name: closest_to_median(rows[chosen.to(rows.device)], beta)
+                                   for name, rows in release.items()})
 
 
 class NormBoundParams(PartParams):
@@ -263,4 +262,4 @@ class CenteredClip(RobustRule):
         v0 = previous.to(X) if previous.numel() == X.shape[1] else torch.zeros_like(X[0])
         v = centered_clip(X, v0, self.p.tau, self.p.iterations)
         ctx.server[CENTER] = v.clone()
-        return every_row(release, X.shape[0], unflatten(v, release))
+        return every_row(release, unflatten(v, release))

@@ -173,13 +173,13 @@ def _check_section_kinds(cfg: Config) -> None:
 def _check_robust(cfg: Config, algorithm) -> None:
     """A robust rule reads each client's own update: refused with central DP, whose noise is calibrated to the sum's
     sensitivity; a rule defined only for enough clients (Krum: 2 f + 2 < K) needs them sampled."""
-    rules = [s for s in algorithm.stages if s.kind == "robust"]
+    rules = [s for s in algorithm.path.stages if s.kind == "robust"]
     individual = [s for s in rules if s.individual]  # a rule that reads only the sum is post-processing of it
     if individual and cfg.privacy is not None and cfg.privacy.mode == "central":
         raise ConfigError(f"robust={individual[0].name} with privacy.mode=central: the server's noise is calibrated "
                           "to the sensitivity of the sum of clipped updates, and a robust rule reads each client's own "
                           "update; use privacy.mode=local, or drop one of them")
-    for rule in algorithm.stages:
+    for rule in algorithm.path.stages:
         if cfg.sampling.clients_per_round < rule.min_clients():
             raise ConfigError(f"{rule.kind}={rule.name} needs at least {rule.min_clients()} clients per round, "
                               f"sampling.clients_per_round is {cfg.sampling.clients_per_round}")
@@ -190,8 +190,8 @@ def _check_colluding(cfg: Config, algorithm) -> None:
     and local noise, which its rows would skip (fedflat/algorithms/attacks.py): refused with them."""
     from fedflat.algorithms.attacks import Attack
 
-    forged = [s for s in algorithm.stages if isinstance(s, Attack) and s.forges]
-    if forged and (cfg.privacy is not None or algorithm.encoder is not None):
+    forged = [s for s in algorithm.path.stages if isinstance(s, Attack) and s.forges]
+    if forged and (cfg.privacy is not None or algorithm.path.encoder is not None):
         raise ConfigError(f"attack={forged[0].name} forges the malicious uploads from the round's benign ones on the "
                           "server side, where they would skip the clients' compression and DP clip; drop privacy and "
                           "compression to run it")
@@ -215,8 +215,8 @@ def _check_secure_aggregation(cfg: Config, algorithm) -> None:
         raise ConfigError(f"algo.weighting={weighting} with secure_aggregation: the server finishes the round from "
                           "the clients' mean, which is both the weighted mean and the sums the method reads only for "
                           "uniform weights (docs/flower.md); set algo.weighting=uniform")
-    if algorithm.encoder is not None:
-        raise ConfigError(f"compression ({algorithm.encoder.name}) with secure_aggregation: SecAgg+ sums dense "
+    if algorithm.path.encoder is not None:
+        raise ConfigError(f"compression ({algorithm.path.encoder.name}) with secure_aggregation: SecAgg+ sums dense "
                           "vectors, an encoded upload (indices, levels) cannot be summed; drop one of them")
     if cfg.privacy is not None and cfg.privacy.mode == "central":
         raise ConfigError("privacy.mode=central with secure_aggregation: the server's noise is calibrated to the sum "

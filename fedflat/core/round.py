@@ -396,7 +396,7 @@ class ClientResult:
     compression: :mod:`fedflat.core.upload`) the client sends its release instead, ``"model"`` the update
     ``Delta_i`` as the stages left it, or its encoding (top-k's ``"model/values"`` and ``"model/index"``, QSGD's
     ``"model/norm"`` and ``"model/levels"``). For ``Delta_i`` under every upload path, decoded, read
-    :meth:`fedflat.engine.simulation.Simulation.updates` (``Algorithm.received_release``)."""
+    :meth:`fedflat.engine.simulation.Simulation.updates` (``UploadPath.received_release``)."""
 
     ids: torch.Tensor
     upload: dict[str, torch.Tensor]

@@ -9,8 +9,9 @@ buffers (a method with buffers is refused where that matters, e.g. under differe
 
 An :class:`UploadStage` is a part of role ``upload``: it declares its server state, the entries it ``sends`` and
 the vectors each client ``keeps`` (error feedback's residual) exactly as the method's parts do, so fedflat creates,
-ships, stores and checkpoints them. Its hooks, in the order the config lists the stages (checked by
-:func:`fedflat.algorithms.compose.order_problem`: an order that makes no sense is refused with its reason):
+ships, stores and checkpoints them. A method's :class:`UploadPath` runs its stages' hooks in the order the config
+lists them (checked by :func:`fedflat.algorithms.compose.order_problem`: an order that makes no sense is refused
+with its reason):
 
 - client side, after the parts' ``end``: :meth:`UploadStage.client` transforms the release (clip, add local noise,
   sparsify, quantize); the one stage that :attr:`~UploadStage.encodes` then turns the release into what travels
@@ -26,6 +27,8 @@ new tensors, never modifying what it was given.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -96,6 +99,72 @@ class UploadStage(Part):
         return 1
 
 
+@dataclass(frozen=True)
+class UploadPath:
+    """A method's upload path: its ``stages`` in the config's order, run on each chunk's release before it leaves
+    (:meth:`release`) and on the round's received releases before the method's server side reads them
+    (:meth:`receive`); :func:`fedflat.algorithms.compose.build_stages` makes them, in an order that makes sense and
+    with at most one that changes what travels. Without stages the path is empty: clients upload their final model
+    ``w_{i,E}``."""
+
+    stages: tuple[UploadStage, ...] = ()
+
+    @functools.cached_property
+    def encoder(self) -> UploadStage | None:
+        """The stage that changes what travels, or None (found once)."""
+        return next((s for s in self.stages if s.encodes), None)
+
+    def wire_entries(self) -> tuple[str, ...]:
+        """The upload entries that carry the model (its update, when encoded): what a reply must hold."""
+        return self.encoder.wire if self.encoder is not None else (MODEL,)
+
+    def malformed(self, upload: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+        """``[K]``: the rows of a received ``upload`` the encoder cannot decode (:meth:`UploadStage.malformed`)."""
+        encoder = self.encoder
+        payload = {k: upload[k] for k in self.wire_entries() if k in upload}
+        if encoder is None or len(payload) < len(encoder.wire):
+            rows = upload[TRAIN_LOSS].shape[0] if TRAIN_LOSS in upload else 0
+            return torch.full((rows,), encoder is not None, dtype=torch.bool)
+        return encoder.malformed(payload, size)
+
+    def release(self, ctx: ClientContext, cohort: Cohort) -> None:
+        """The client side, after the parts' ``end``: ``cohort.upload`` becomes what travels, the release
+        (``Delta_i`` and the parts' entries) through every stage's :meth:`~UploadStage.client`, then the encoder's
+        :meth:`~UploadStage.encode`, beside the entries the path leaves as they are and the stages' own."""
+        if not self.stages:
+            return
+        release = release_of(cohort.upload, ctx.w_broadcast)
+        cohort.upload = {k: v for k, v in cohort.upload.items() if k in NOT_RELEASED}
+        for stage in self.stages:
+            release = stage.client(ctx, cohort, release)
+        encoder = self.encoder
+        cohort.upload.update(encoder.encode(ctx, cohort, release) if encoder is not None else release)
+
+    def received_release(self, ctx: RoundContext, upload: dict[str, torch.Tensor]) -> Release:
+        """The release a received ``upload`` carries: with stages, what travelled (``Delta_i`` already) decoded, the
+        stages' side entries left out; without, the model rows as ``Delta_i`` from ``w_start``."""
+        if not self.stages:
+            return release_of(upload, ctx.w_start)
+        side = {name for stage in self.stages for name in stage.side}
+        payload = {k: v for k, v in upload.items() if k not in NOT_RELEASED and k not in side}
+        encoder = self.encoder
+        return encoder.decode(ctx, payload, ctx.w.numel()) if encoder is not None else payload
+
+    def receive(self, ctx: RoundContext, upload: dict[str, torch.Tensor],
+                release: Release | None = None) -> dict[str, torch.Tensor]:
+        """The server side: the received ``upload`` decoded into the release (``release``: already decoded, by the
+        server's checks), every stage's :meth:`~UploadStage.server` (with ``ctx.uploads`` the upload as received),
+        and the upload the parts read, ``model`` at ``w_start + Delta_i`` again."""
+        if not self.stages:
+            return upload
+        kept = {k: v for k, v in upload.items() if k in NOT_RELEASED}
+        release = self.received_release(ctx, upload) if release is None else release
+        ctx.uploads = upload
+        for stage in self.stages:
+            release = stage.server(ctx, release)
+        return upload_of(release, ctx.w_start, kept)
+
+
 def release_of(upload: dict[str, torch.Tensor], w: torch.Tensor) -> Release:
     """The release of an ``upload`` whose model rows started from ``w``: ``Delta_i`` for the model, the other
     released entries as they are (:data:`NOT_RELEASED` left out)."""
@@ -108,21 +177,13 @@ def upload_of(release: Release, w: torch.Tensor, kept: dict[str, torch.Tensor]) 
     return {**kept, **{name: (moved(w, rows) if name == MODEL else rows) for name, rows in release.items()}}
 
 
-def one_row(rows: torch.Tensor) -> bool:
-    """Whether ``rows[K, ...]`` is one row seen ``K`` times (a broadcast view, stride 0: central DP's noised mean, a
-    robust rule's aggregate: :func:`repeated`)."""
-    return rows.shape[0] > 1 and rows.stride(0) == 0
-
-
-def repeated(value: torch.Tensor, rows: int) -> torch.Tensor:
-    """``value[...]`` as ``rows`` rows, one tensor seen ``rows`` times (a view: the value is computed once)."""
-    return value.expand(rows, *value.shape)
-
-
 def moved(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``w + rows``, computed once for a release that is one row seen ``K`` times (:func:`one_row`): the same numbers,
-    without ``K`` copies of one sum."""
-    return repeated(w + rows[0], rows.shape[0]) if one_row(rows) else w + rows
+    """``w + rows``; for a release that is one row seen ``K`` times (a broadcast view, stride 0: central DP's noised
+    mean, a robust rule's aggregate), computed once and seen ``K`` times: the same numbers, without ``K`` copies of
+    one sum."""
+    if rows.shape[0] > 1 and rows.stride(0) == 0:
+        return (w + rows[0]).expand(rows.shape)
+    return w + rows
 
 
 def release_norms(release: Release) -> torch.Tensor:

@@ -308,7 +308,7 @@ def fit(algorithm: Algorithm, ctx: ClientContext, cohort: Cohort) -> ClientResul
                                       torch.where(private.to(start.device), ctx.buffers, session.buffers))
         for part in algorithm.ordered:
             part.end(ctx, cohort, W)
-        algorithm.release(ctx, cohort)  # the upload path: what leaves the client (fedflat.core.upload)
+        algorithm.path.release(ctx, cohort)  # the upload path: what leaves the client (fedflat.core.upload)
     return ClientResult(cohort.ids, cohort.upload, cohort.new_state, ctx.oracle.backprops - backprops_before)
 
 
@@ -394,7 +394,7 @@ class LocalLoop:
         direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
-                   [s for s in algorithm.stages if isinstance(s, DataAttack)], personal if personal.steps_locally else None,
+                   [s for s in algorithm.path.stages if isinstance(s, DataAttack)], personal if personal.steps_locally else None,
                    direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 

@@ -112,16 +112,16 @@ def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResul
     problems: dict[int, str] = {}
     decoded = None
     ids = result.ids.tolist()
-    malformed = algorithm.malformed(result.upload, ctx.w.numel()).cpu()
+    malformed = algorithm.path.malformed(result.upload, ctx.w.numel()).cpu()
     for row in malformed.nonzero().flatten().tolist():
-        problems[ids[row]] = f"its upload cannot be decoded by {algorithm.encoder!r} (indices or levels out of range)"
+        problems[ids[row]] = f"its upload cannot be decoded by {algorithm.path.encoder!r} (indices or levels out of range)"
     for name in sorted(result.upload):
         for row in non_finite_rows(result.upload[name]).nonzero().flatten().tolist():
             problems.setdefault(ids[row], f"NaN or Inf in its '{name}'")
     if check.max_norm is not None:
         decodable = (~malformed).nonzero().flatten()
         upload = {k: v[decodable.to(v.device)] for k, v in result.upload.items()}
-        decoded = Decoded(decodable.tolist(), algorithm.received_release(ctx, upload))
+        decoded = Decoded(decodable.tolist(), algorithm.path.received_release(ctx, upload))
         norms = release_norms(decoded.release).tolist()
         for client, norm in zip(result.ids[decodable].tolist(), norms):
             if norm > check.max_norm and client not in problems:

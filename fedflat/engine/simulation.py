@@ -280,7 +280,7 @@ class Simulation:
         client's as its attack left it) and the method's other released entries, rows in ``result.ids``' order.
         One meaning under every upload path, unlike ``result.upload["model"]``, which is what travels
         (:class:`~fedflat.core.ClientResult`): docs/extending.md, "Checking a round by hand"."""
-        return self.algorithm.received_release(opened.ctx, result.upload)
+        return self.algorithm.path.received_release(opened.ctx, result.upload)
 
     @functools.cached_property
     def client_tests(self) -> list[torch.Tensor]:
@@ -362,7 +362,7 @@ class Simulation:
     def backdoor_accuracy(self) -> float | None:
         """Under ``attack: backdoor``: the fraction of held-out samples not of the target class that the global model
         classifies as the target once the trigger is stamped on them (:mod:`fedflat.algorithms.attacks`); else None."""
-        attack = backdoor_of(self.algorithm.stages)
+        attack = backdoor_of(self.algorithm.path.stages)
         if attack is None:
             return None
         keep = self.dataset.y_test != attack.p.target

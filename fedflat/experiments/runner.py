@@ -233,7 +233,7 @@ class Runner:
             from fedflat.metrics.recorder import DiagnosticsRecorder
 
             self.hooks.insert(0, DiagnosticsRecorder(cfg.diagnostics))  # its scalars join the line callbacks see
-        if backdoor_of(sim.algorithm.stages) is not None:  # under attack=backdoor: its success beside the accuracy
+        if backdoor_of(sim.algorithm.path.stages) is not None:  # under attack=backdoor: its success beside the accuracy
             self.hooks.append(_backdoor_metric)
 
     @property

@@ -130,7 +130,7 @@ def secure_reply(node, content: RecordDict) -> RecordDict:
     job, result = node.fit(task)
     if len(weights) != len(result.ids):
         raise ConfigError(f"the task has {len(weights)} weights for {len(result.ids)} clients")
-    released = bool(node.sim.algorithm.stages)  # an upload path sends Delta_i already (fedflat.core.upload)
+    released = bool(node.sim.algorithm.path.stages)  # an upload path sends Delta_i already (fedflat.core.upload)
     means, P = node_vector(result.upload, weights, None if released else job.broadcast.w.cpu())
     broken = [name for name, m in means.items() if not np.isfinite(m).all()]
     if broken:  # (quantized, NaN would add garbage to the sum unseen: the node leaves the round, Flower recovers)
@@ -348,7 +348,7 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
                         f"{sim.cfg.secure_aggregation.reconstruction_threshold}{left_out}; Flower's log above says at "
                         "which stage): the sum cannot be unmasked")
     result, clipped = mean_result(strategy.sent, adapter.results, layout, opened.broadcast.w,
-                                  bool(sim.algorithm.stages), t)
+                                  bool(sim.algorithm.path.stages), t)
     round = sim.server.finish_round(opened, result)
     if clipped:
         round.log["secagg_clipped"] = float(clipped)

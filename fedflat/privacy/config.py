@@ -68,8 +68,8 @@ def check_upload_path(privacy: PrivacyConfig | None, participation: str, algorit
         raise ConfigError(f"privacy.mode=central releases only the noised sum of the clients' updates, but "
                           f"{'; '.join(needs)}: this method would read what central DP hides. Use privacy.mode=local "
                           "(each client noises its own update) or another method")
-    if p.mode == "local" and algorithm.encoder is not None:
-        raise ConfigError(f"compression ({algorithm.encoder.name}) with privacy.mode=local: local noise makes the "
+    if p.mode == "local" and algorithm.path.encoder is not None:
+        raise ConfigError(f"compression ({algorithm.path.encoder.name}) with privacy.mode=local: local noise makes the "
                           "update dense; compress under privacy.mode=central")
     if p.accountant == "pld" and p.mode == "central" and participation != "bernoulli":
         raise ConfigError("privacy.accountant=pld accounts Poisson sampling: set sampling.participation=bernoulli, "

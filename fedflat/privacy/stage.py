@@ -7,8 +7,8 @@ Each client's release :math:`x_i = (\Delta_i, \mathrm{extra}_i)` (:mod:`fedflat.
 - ``mode: central`` (DP-FedAvg): to the sum, by the server, which releases :math:`\big(\sum_i x_i + \mathcal{N}(0, z^2 C^2 I)\big) / m`
   with :math:`m` the *expected* number of clients per round (:math:`K` for fixed-size sampling, :math:`q N` for Poisson
   sampling; never the realized count, which would leak). The mean is computed once, and every row the method's
-  server side reads is that one tensor (a view, :func:`fedflat.core.upload.repeated`; ``w^t`` plus it, once, for the
-  model), so whatever it computes from the uploads is post-processing of the mechanism's output. (Its aggregation
+  server side reads is that one tensor (a broadcast view; ``w^t`` plus it, once, for the model:
+  :func:`fedflat.core.upload.moved`), so whatever it computes from the uploads is post-processing of the mechanism's output. (Its aggregation
   weights still act on those rows: they sum to one, so it reads the mean up to the last bits, which a shortcut
   around them would move.) A method
   that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused
@@ -36,7 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fedflat.core import SERVER, ClientContext, Cohort, PartParams, RoundContext, clip_factors, init, torch_stream
-from fedflat.core.upload import Release, UploadStage, release_norms, repeated, scale_release
+from fedflat.core.upload import Release, UploadStage, release_norms, scale_release
 
 CLIP = "dp.clip"  # server state, broadcast: the round's clip C (fixed, or adapted by the server)
 UNCLIPPED = "dp.unclipped"  # side entry of adaptive clipping: b_i = 1[||x_i|| <= C]
@@ -146,7 +146,7 @@ class GaussianMechanism(UploadStage):
         generator = self._generator(ctx.settings.seed, ctx.round, SERVER, ctx.w.device)
         noise = gaussian_like(release, self.p.update_noise * C, generator)
         m = self.p.expected_clients  # the noised mean, once: every row the method reads is this one tensor
-        return {name: repeated((rows.sum(0) + noise[name]) / m, rows.shape[0]) for name, rows in release.items()}
+        return {name: ((rows.sum(0) + noise[name]) / m).expand(rows.shape) for name, rows in release.items()}
 
     def _adapt(self, ctx: RoundContext, C: float) -> None:
         r""":math:`C \leftarrow C \exp\big(-\eta_C (\tilde{b} - \gamma)\big)` from the noised fraction of unclipped releases :math:`\tilde{b}`."""
