@@ -130,3 +130,26 @@ def test_warm_processes_one_a_core_while_measuring_then_one_spare_a_running_cell
     assert packing.alive(3) == 6  # 3 running, 3 waiting to follow them
     packing.limit = 12
     assert packing.alive(12) == 16  # never more than a core each
+
+
+def test_cells_side_by_side_start_longest_first(tmp_path):
+    """Longest processing time first: a cell's work is its rounds left x clients a round x local steps x backward
+    passes a step (FedSAM's two), so FedSAM's 3 rounds (6 units) go before its 2 (4), then FedAvg's 3 (3) and 2 (2);
+    a cell with 2 of its 3 rounds done has 1 left (2 units, FedSAM), tied with FedAvg's 2 rounds, and ties keep the
+    sweep's order."""
+    from test_sweep import write_sweep
+
+    from fedflat.experiments.cells import longest_first
+    from fedflat.experiments.sweep import load_sweep
+
+    path = write_sweep(tmp_path, {"grid": {"method": {"fedavg": {"algo": "fedavg"}, "fedsam": {"algo": "fedsam"}},
+                                           "rounds": [2, 3]}})
+    cells = load_sweep(path).cells()
+    assert [c.name for c in cells] == ["fedavg__rounds2", "fedavg__rounds3", "fedsam__rounds2", "fedsam__rounds3"]
+    out = tmp_path / "out"
+    assert [c.name for c in longest_first(cells, out)] == ["fedsam__rounds3", "fedsam__rounds2", "fedavg__rounds3",
+                                                           "fedavg__rounds2"]
+    (out / "fedsam__rounds3").mkdir(parents=True)
+    (out / "fedsam__rounds3" / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    assert [c.name for c in longest_first(cells, out)] == ["fedsam__rounds2", "fedavg__rounds3", "fedavg__rounds2",
+                                                           "fedsam__rounds3"]

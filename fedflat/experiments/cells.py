@@ -163,9 +163,25 @@ def _result(folder: Path, action: str, seconds: float = 0.0) -> dict[str, Any]:
                if s.get("evaluated_on") == "val" else {})}
 
 
-def _live_round(folder: Path) -> str:
+def _rounds_done(folder: Path) -> int:
+    """The last round a cell's folder has metrics of (0: none yet)."""
     lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
-    return f"r{lines[-1]['round']}" if lines else "r0"
+    return int(lines[-1]["round"]) if lines else 0
+
+
+def longest_first(todo: list[Cell], out: Path) -> list[Cell]:
+    """The cells to run side by side, in decreasing expected work, ties in the sweep's order (longest processing time
+    first, Graham 1969): the sweep then ends soon after its longest cell instead of starting it last, and on a GPU the
+    first cell, whose footprint decides how many fit (:mod:`fedflat.experiments.packing`), is the heaviest method's.
+    A cell's work is estimated as its rounds left x clients a round x local steps (or epochs) x backward passes a
+    step, which within a sweep over one dataset and model is proportional to the backward passes it will take."""
+    def work(cell: Cell) -> int:
+        cfg = cell.config
+        left = max(cfg.rounds - _rounds_done(out / cell.name), 0)
+        local = cfg.train.local_steps or cfg.train.local_epochs
+        return left * cfg.sampling.clients_per_round * local * cfg.algo.build().backprops_per_step
+
+    return sorted(todo, key=work, reverse=True)  # (a stable sort, reversed or not)
 
 
 @dataclass
@@ -331,7 +347,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
     if packing is not None:
         bar.write(f"sweep: {packing.reason}" if packing.limit else "sweep: the first cell runs alone for a round, "
                   "then as many cells as its GPU memory leaves room for")
-    pending, running = list(todo), {}
+    pending, running = longest_first(todo, out), {}
     gates: dict[str, Any] = {}  # warm cells' processes: the event that lets each in (held while it lives)
     started: list[Path] = []  # the cells' folders, in the order they were let in (the first one's footprint decides)
 
@@ -371,7 +387,7 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
             for folder in [f for f in gates if f not in running]:  # (its process ended: the event may go)
                 gates.pop(folder)
             held = waiting()
-            live = [f"{c.name} {_live_round(Path(f))}" for f, (c, _) in running.items() if f not in held]
+            live = [f"{c.name} r{_rounds_done(Path(f))}" for f, (c, _) in running.items() if f not in held]
             bar.set_postfix_str("; ".join(live)[:200])
     except KeyboardInterrupt:
         _stop(running, queue, record)
@@ -448,7 +464,8 @@ def _run_on_ray(out: Path, todo: list[Cell], where: RayCells, record, bar, group
     try:
         task = ray.remote(run_cell).options(num_cpus=where.cpus, num_gpus=where.gpus, max_retries=0)
         share = max(1, int(where.cpus))
-        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share, group, job): c for c in todo}
+        running = {task.remote(c.config.model_dump(), str(out / c.name), False, share, group, job): c
+                   for c in longest_first(todo, out)}
         while running:
             (done,), _ = ray.wait(list(running), num_returns=1)
             cell = running.pop(done)
