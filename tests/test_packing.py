@@ -153,3 +153,6 @@ def test_cells_side_by_side_start_longest_first(tmp_path):
     (out / "fedsam__rounds3" / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
     assert [c.name for c in longest_first(cells, out)] == ["fedsam__rounds2", "fedavg__rounds3", "fedavg__rounds2",
                                                            "fedsam__rounds3"]
+    for garbage in ("{not json\n", '["round"]\n', '{"round": "x"}\n'):  # an unreadable folder orders as a fresh one
+        (out / "fedsam__rounds3" / "metrics.jsonl").write_text(garbage)
+        assert longest_first(cells, out)[0].name == "fedsam__rounds3"

@@ -29,7 +29,8 @@ _HOMES = {
              "Perturbation", "ServerUpdate", "shared", "MeasuredDirection"),
     "init": ("Init",),
     "hooks": ("HOOKS", "ROLE_HOOKS", "Hook", "hook_table"),
-    "upload": ("STAGE_ORDER", "Release", "UploadPath", "UploadStage", "release_norms", "release_of", "scale_release", "upload_of"),
+    "upload": ("STAGE_ORDER", "Release", "UploadPath", "UploadStage", "release_norms", "release_of", "scale_release",
+               "upload_of"),
     "registry": ("MOMENTUM_WEIGHT_GRID", "PARTS", "RECIPES", "RHO_GRID", "ROLES", "STAGES", "Recipe", "closest",
                  "composition_label", "register_part", "register_recipe"),
 }

@@ -394,7 +394,8 @@ class LocalLoop:
         direction_ctx = replace(ctx, settings=replace(settings, weight_decay=0.0)) if decay else ctx
         personal = algorithm.parts["personalization"]
         return cls(algorithm, ctx, cohort, session, batches.schedules(ctx.round, ids, steps), generators,
-                   [s for s in algorithm.path.stages if isinstance(s, DataAttack)], personal if personal.steps_locally else None,
+                   [s for s in algorithm.path.stages if isinstance(s, DataAttack)],
+                   personal if personal.steps_locally else None,
                    direction_ctx, decay, objective_term(algorithm, ctx) or cohort.shared.get(OBJECTIVE_TERM), steps,
                    min(steps) == max(steps), tuple(p for p in algorithm.ordered if p.schedules_steps))
 

@@ -114,7 +114,8 @@ def upload_problems(algorithm: Algorithm, ctx: RoundContext, result: ClientResul
     ids = result.ids.tolist()
     malformed = algorithm.path.malformed(result.upload, ctx.w.numel()).cpu()
     for row in malformed.nonzero().flatten().tolist():
-        problems[ids[row]] = f"its upload cannot be decoded by {algorithm.path.encoder!r} (indices or levels out of range)"
+        problems[ids[row]] = (f"its upload cannot be decoded by {algorithm.path.encoder!r} (indices or levels out of "
+                              "range)")
     for name in sorted(result.upload):
         for row in non_finite_rows(result.upload[name]).nonzero().flatten().tolist():
             problems.setdefault(ids[row], f"NaN or Inf in its '{name}'")

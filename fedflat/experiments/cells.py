@@ -164,9 +164,13 @@ def _result(folder: Path, action: str, seconds: float = 0.0) -> dict[str, Any]:
 
 
 def _rounds_done(folder: Path) -> int:
-    """The last round a cell's folder has metrics of (0: none yet)."""
-    lines = read_jsonl(folder / "metrics.jsonl") if folder.exists() else []
-    return int(lines[-1]["round"]) if lines else 0
+    """The last round a cell's folder has metrics of (0: none yet, or none readable: this only orders the cells and
+    shows their progress; the cell's run checks its folder itself and records what it finds wrong)."""
+    try:
+        lines = read_jsonl(folder / "metrics.jsonl")
+        return int(lines[-1]["round"]) if lines else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def longest_first(todo: list[Cell], out: Path) -> list[Cell]:

@@ -8,9 +8,9 @@ Each client's release :math:`x_i = (\Delta_i, \mathrm{extra}_i)` (:mod:`fedflat.
   with :math:`m` the *expected* number of clients per round (:math:`K` for fixed-size sampling, :math:`q N` for Poisson
   sampling; never the realized count, which would leak). The mean is computed once, and every row the method's
   server side reads is that one tensor (a broadcast view; ``w^t`` plus it, once, for the model:
-  :func:`fedflat.core.upload.moved`), so whatever it computes from the uploads is post-processing of the mechanism's output. (Its aggregation
-  weights still act on those rows: they sum to one, so it reads the mean up to the last bits, which a shortcut
-  around them would move.) A method
+  :func:`fedflat.core.upload.moved`), so whatever it computes from the uploads is post-processing of the mechanism's
+  output. (Its aggregation weights still act on those rows: they sum to one, so it reads the mean up to the last bits,
+  which a shortcut around them would move.) A method
   that needs each client's own upload (:attr:`fedflat.core.Part.individual`) is refused
   (:func:`fedflat.privacy.config.check_upload_path`).
 - ``mode: local``: by each client to its own clipped release, so that what leaves the client is private by itself.
