@@ -1,5 +1,6 @@
 """docs/architecture.md against the code: its layer table is tests/test_layers.py's, its anchors still point at the
-names they cite; and docs/extending.md's hand-check recipe gives one round's per-client updates."""
+names they cite, its size limits hold; and docs/extending.md's hand-check recipe gives one round's per-client
+updates."""
 from __future__ import annotations
 
 import importlib
@@ -202,3 +203,24 @@ def test_the_pages_diagrams_are_drawn_from_the_current_code():
     steps = re.findall(r"^\d+\. \*\*(.+?)\*\*", PAGE, flags=re.M)
     journey = (ROOT / "docs" / "figures" / "round.svg").read_text()
     assert steps and all(f"{k + 1}. {title}" in journey for k, title in enumerate(steps))
+
+
+def test_no_class_over_250_lines_or_25_methods_and_no_module_over_600_lines():
+    """The sizes docs/architecture.md sets (issue 58): a module over 600 lines says why in its docstring."""
+    import ast
+
+    too_big = []
+    for path in sorted((ROOT / "fedflat").rglob("*.py")):
+        source = path.read_text()
+        tree = ast.parse(source)
+        name = path.relative_to(ROOT).as_posix()
+        reason = any(line.strip().startswith("Over 600 lines:") for line in (ast.get_docstring(tree) or "").splitlines())
+        if source.count("\n") > 600 and not reason:
+            too_big.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                methods = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                if lines > 250 or methods > 25:
+                    too_big.append(f"{name}: class {node.name}, {lines} lines, {methods} methods")
+    assert not too_big, too_big
