@@ -214,7 +214,8 @@ def test_no_class_over_250_lines_or_25_methods_and_no_module_over_600_lines():
         source = path.read_text()
         tree = ast.parse(source)
         name = path.relative_to(ROOT).as_posix()
-        reason = any(line.strip().startswith("Over 600 lines:") for line in (ast.get_docstring(tree) or "").splitlines())
+        docstring = (ast.get_docstring(tree) or "").splitlines()
+        reason = any(line.strip().startswith("Over 600 lines:") for line in docstring)
         if source.count("\n") > 600 and not reason:
             too_big.append(f"{name}: {source.count(chr(10))} lines")
         for node in ast.walk(tree):

@@ -22,8 +22,9 @@ class ComputeOptions:
     ``engine``: ``auto``, ``sequential``, ``vectorized`` or ``streams`` (a runtime holds the resolved one:
     :func:`fedflat.engine.runtime.resolve_engine`); ``precision``: the clients' passes in ``float32`` or under
     bfloat16 autocast; ``channels_last``: image batches in NHWC order; ``cuda_graphs``: full batches' passes
-    replayed from CUDA graphs; ``compile``: a client's data pass compiled by ``torch.compile``; ``tf32``: TF32 tensor-core products on CUDA; ``chunk_size``: clients per vectorized
-    chunk (None: from the memory budget); ``threads``: torch intra-op threads (``auto``, a number or None)."""
+    replayed from CUDA graphs; ``compile``: a client's data pass compiled by ``torch.compile``; ``tf32``: TF32
+    tensor-core products on CUDA; ``chunk_size``: clients per vectorized chunk (None: from the memory budget);
+    ``threads``: torch intra-op threads (``auto``, a number or None)."""
 
     engine: str = "sequential"
     precision: Precision = "float32"
@@ -38,7 +39,8 @@ class ComputeOptions:
     def of(cls, cfg: Any) -> ComputeOptions:
         """The options a :class:`fedflat.config.Config` sets."""
         return cls(engine=cfg.engine, precision=cfg.precision, channels_last=cfg.channels_last,
-                   cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, tf32=cfg.tf32, chunk_size=cfg.chunk_size, threads=cfg.threads)
+                   cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, tf32=cfg.tf32, chunk_size=cfg.chunk_size,
+                   threads=cfg.threads)
 
     @property
     def vectorized(self) -> bool:

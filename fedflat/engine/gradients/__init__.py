@@ -11,8 +11,9 @@ General backends (any objective): :class:`PerClient` (sequential: autograd clien
 :class:`Vectorized` (``vmap`` over a chunk), :class:`StatefulPerClient` and :class:`StatefulGroups` (a module with
 buffers, dropout or batch statistics: each client's own state). Accelerated backends (the data loss alone, faster;
 any other objective goes to their general backend): :class:`HandMLP` (fedflat's MLP's gradient by hand),
-:class:`Compiled` (``torch.compile``), :class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and :class:`PerExampleDP` (DP-SGD's clipped,
-noised per-example gradient, which replaces every objective by the data loss).
+:class:`Compiled` (``torch.compile``), :class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and
+:class:`PerExampleDP` (DP-SGD's clipped, noised per-example gradient, which replaces every objective by the data
+loss).
 """
 from __future__ import annotations
 

@@ -71,11 +71,13 @@ class PerClient(Backend):
         return torch.stack(losses), torch.stack(grads)
 
     def data_pass(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss, g[P])`` of one client's data loss (the pass an accelerated backend graphs or replaces)."""
-        forward = self.forward
-        views = forward.leaves(w)
-        loss, _ = DATA_LOSS(forward, views, forward.arranged(x), y)
-        return loss.detach(), forward.flat(torch.autograd.grad(loss, views), ())
+        """``(loss, g[P])`` of one client's data loss (the pass an accelerated backend graphs, compiles or
+        replaces)."""
+        return autograd_pass(self.forward, w, x, y, self.data_loss)
+
+    def data_loss(self, views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One client's data loss at its per-tensor ``views``."""
+        return DATA_LOSS(self.forward, views, x, y)[0]
 
     @staticmethod
     def rows(W: torch.Tensor, batch, one: Pass) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +97,16 @@ class PerClient(Backend):
             x, y = batch.row(c)
             losses.append(DATA_LOSS(forward, tuple(forward.model.layout.views(W[c])), forward.arranged(x), y)[0])
         return torch.stack(losses)
+
+
+def autograd_pass(forward: Forward, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                  data_loss: Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, g[P])``: ``data_loss(views, x, y)`` at ``w``'s per-tensor views (:meth:`Forward.leaves
+    <fedflat.engine.gradients.forward.Forward.leaves>`), differentiated by autograd, the gradient flat."""
+    views = forward.leaves(w)
+    loss = data_loss(tuple(views), forward.arranged(x), y)
+    return loss.detach(), forward.flat(torch.autograd.grad(loss, views), ())
 
 
 class Accelerated(Backend):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fedflat.core import ConfigError
-from fedflat.engine.gradients.backend import Accelerated, Backend
+from fedflat.engine.gradients.backend import Accelerated, Backend, autograd_pass
 from fedflat.engine.gradients.objectives import DATA_LOSS
 
 
@@ -43,12 +43,9 @@ class Compiled(Accelerated):
     def data_pass(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, g[P])`` of one client's data loss, as :meth:`PerClient.data_pass
         <fedflat.engine.gradients.PerClient.data_pass>` computes it, from the compiled forward and backward."""
-        forward = self.forward
-        views = forward.leaves(w)
         try:
-            loss = self.compiled_loss(tuple(views), forward.arranged(x), y)
+            return autograd_pass(self.forward, w, x, y, self.compiled_loss)
         except torch._dynamo.exc.BackendCompilerFailed as err:  # (no compiler, an unsupported GPU or operator)
             reason = str(err).strip().splitlines()[0]
             raise ConfigError(f"compile: true: torch.compile could not compile the model's pass on this machine "
                               f"({reason}); set compile: false (the same numbers to rounding, uncompiled)") from err
-        return loss.detach(), forward.flat(torch.autograd.grad(loss, views), ())
