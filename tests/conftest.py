@@ -18,6 +18,10 @@ def pytest_addoption(parser):
     parser.addoption("--device", default=None,
                      help="device of every config that names none (cpu, cuda): `pytest --device cuda` runs the "
                           "device-independent tests on a GPU")
+    parser.addoption("--shape-rounding", action="store_true",
+                     help="run every test on a CPU whose products, reductions and transcendental functions round by "
+                          "the call's shapes (tests/rounding.py): an equality that holds only as this CPU rounds "
+                          "fails")
 
 
 def pytest_configure(config):
@@ -90,3 +94,15 @@ def tiny():
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _shape_rounding(request):
+    """``pytest --shape-rounding``: the test runs under :class:`rounding.ShapeRounding`."""
+    if not request.config.getoption("--shape-rounding"):
+        yield
+        return
+    from rounding import ShapeRounding
+
+    with ShapeRounding():
+        yield
