@@ -34,8 +34,8 @@ def provide_kernels(source: Callable[[str], Callable | None]) -> None:
 
 def kernel(name: str) -> Callable | None:
     """The compiled operator ``name`` (``torch.ops.fedflat.<name>``, built on first use), or None where there is none
-    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression,
-    which the part checks against that expression before using it."""
+    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression, with
+    the rounding its source defines (the same on every CPU; ATen's may differ by dispatch level)."""
     return _kernel_sources[0](name) if _kernel_sources else None
 
 

@@ -7,9 +7,9 @@ Python-level operator calls become one GIL-free call: faster on one thread, and 
 (``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).
 ``torch.ops.fedflat.guided_point`` and ``mix_norm`` (``vector_ops.cpp``): FedWMSAM's perturbed point ``w + rho
 d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, and its momentum
-mix with the mix's norms in one, with ATen's roundings; the parts reach them through
-:func:`fedflat.core.vectors.kernel` (:func:`operator`), and FedWMSAM uses each only after checking its bits against
-the ATen expression (``fedflat.algorithms.fedwmsam.fused_guided_point``, ``fused_mix_norm``).
+mix with the mix's norms in one, each with a rounding its source defines (AVX2 and FMA registers where the CPU has
+them, scalar loops elsewhere: the same bits on every CPU, and those of ATen's AVX2 and AVX-512 kernels); the parts
+reach them through :func:`fedflat.core.vectors.kernel` (:func:`operator`, ``fedflat.algorithms.fedwmsam.fused``).
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
@@ -210,7 +210,7 @@ def status() -> str:
 def operator(name: str) -> Callable | None:
     """``torch.ops.fedflat.<name>`` from the library :func:`load` builds and loads (``vector_ops.cpp``'s
     ``guided_point``, FedWMSAM's fused step), or None where the library is not available; what
-    :func:`fedflat.core.vectors.kernel` hands the parts (the caller checks the operator's bits before it uses it)."""
+    :func:`fedflat.core.vectors.kernel` hands the parts."""
     if load() is None:
         return None
     try:
