@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 from agreement import bitwise
 
 from fedflat.bench import BareLoop, WORKLOADS, bench, round_samples
@@ -34,7 +35,32 @@ def test_bench_command_writes_json_with_machine_and_ratios(tmp_path, capsys):
     # FLOPs scale with backprops: a SAM round does twice FedAvg's work on the same samples
     assert rows[("fedsam", "sequential")]["flops_per_round"] == pytest.approx(
         2 * rows[("fedavg", "sequential")]["flops_per_round"])
-    assert "s/round" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "s/round" in printed
+    machine = report["machine"]
+    assert machine["aten_level"] == torch.backends.cpu.get_cpu_capability()
+    assert f"ATen dispatch {machine['aten_level']}" in printed
+
+
+def test_the_bench_says_which_fused_kernels_run_and_at_which_aten_level(monkeypatch):
+    """The machine's description names ATen's dispatch level (and the variable that forced it) and FedWMSAM's
+    native kernels where they are built, with whether ATen's expressions round alike; where they are not built it
+    says the torch expressions run."""
+    from fedflat.algorithms import fedwmsam
+    from fedflat.bench.measure import kernels, kernels_line
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setitem(fedwmsam._kernels, "guided_point", print)
+    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", print)
+    monkeypatch.setitem(fedwmsam._kernels, "aten", False)
+    line = kernels_line(kernels())
+    assert "(ATEN_CPU_CAPABILITY=avx2)" in line and "fedwmsam.guided_point, fedwmsam.mix_norm" in line
+    assert "ATen rounds them otherwise here" in line
+    monkeypatch.setitem(fedwmsam._kernels, "guided_point", None)
+    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", None)
+    monkeypatch.setitem(fedwmsam._kernels, "aten", None)
+    assert "fused kernels: fedwmsam.mix_norm" not in kernels_line(kernels())
+    assert "none (not built: the torch expressions run)" in kernels_line(kernels())
 
 
 def test_bench_counts_every_backward_pass_of_a_round(tmp_path):
