@@ -19,9 +19,8 @@ def pytest_addoption(parser):
                      help="device of every config that names none (cpu, cuda): `pytest --device cuda` runs the "
                           "device-independent tests on a GPU")
     parser.addoption("--shape-rounding", action="store_true",
-                     help="run every test on a CPU whose products, reductions and transcendental functions round by "
-                          "the call's shapes (tests/rounding.py): an equality that holds only as this CPU rounds "
-                          "fails")
+                     help="run every test on a CPU whose matrix products round by their shapes (tests/rounding.py): "
+                          "an equality that holds only as this CPU's BLAS rounds fails")
 
 
 def pytest_configure(config):
@@ -97,12 +96,22 @@ def _deterministic_threads():
 
 
 @pytest.fixture(autouse=True)
-def _shape_rounding(request):
-    """``pytest --shape-rounding``: the test runs under :class:`rounding.ShapeRounding`."""
+def _shape_rounding(request, monkeypatch):
+    """``pytest --shape-rounding``: the test runs under :class:`rounding.ShapeRounding`, in every thread it starts
+    too (a dispatch mode is a thread's own)."""
     if not request.config.getoption("--shape-rounding"):
         yield
         return
+    import threading
+
     from rounding import ShapeRounding
 
-    with ShapeRounding():
+    cpu, run = ShapeRounding(), threading.Thread.run
+
+    def run_under_it(thread):
+        with cpu:
+            run(thread)
+
+    monkeypatch.setattr(threading.Thread, "run", run_under_it)
+    with cpu:
         yield
