@@ -1,6 +1,6 @@
 """fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
 
-Three operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
+Four operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
 MLP gradient of :class:`fedflat.engine.gradients.hand.MLPGradient` as one call, bit for bit the Python method's (the
 same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
 Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
@@ -10,6 +10,9 @@ d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead
 mix with the mix's norms in one, each with a rounding its source defines (AVX2 and FMA registers where the CPU has
 them, scalar loops elsewhere: the same bits on every CPU, and those of ATen's AVX2 and AVX-512 kernels); the parts
 reach them through :func:`fedflat.core.vectors.kernel` (:func:`operator`, ``fedflat.algorithms.fedwmsam.fused``).
+``torch.ops.fedflat.remove_low_band`` (``low_band.cpp``): FedFFT's pruned four-step band removal of one long tensor
+(``fedflat.algorithms.fedfft.remove_low_band``), its column transforms 8 columns to a vector, the same bits on every
+x86 CPU.
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
@@ -41,7 +44,7 @@ import torch
 
 from fedflat.core.vectors import provide_kernels
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp", "low_band.cpp"))
 # -ffp-contract=off: no product and sum fused where the source does not write std::fma (vector_ops.cpp rounds as ATen)
 FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
