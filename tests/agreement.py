@@ -47,7 +47,8 @@ def bitwise(*overrides: str) -> tuple[str, ...]:
     row is not a function of that row alone: cuBLAS picks its batched-GEMM kernel, and with it the order in which each
     dot product is summed, by the batch count, so a thread's chunk of 2 clients rounds its rows otherwise than the
     local run's chunk of 4 (float32 rounding: :func:`assert_close_runs`). On a CPU ``auto`` is the sequential engine
-    and the vectorized engine's rows are computed alike in any chunk, so nothing changes there."""
+    already, so nothing changes there (a test that names the vectorized engine compares its chunks within
+    :func:`float32_bound`: MKL's batched products are the CPU's business too)."""
     if not on_cuda() or any(o.startswith("engine=") for o in overrides):
         return overrides
     return (*overrides, "engine=sequential")

@@ -17,7 +17,8 @@ same order. Which order an operation sums in is chosen by two kinds of code:
 :class:`ShapeRounding` is a CPU whose products round by their shapes: every matrix product's and convolution's
 result moves by one unit in the last place on a pattern of its last dimension's entries drawn from a hash of the
 call (the operation, every operand's shape and strides, the result's shape, strides and alignment: MKL rounds a
-product into an output at another alignment otherwise, fedflat.engine.gradients.hand). Two paths that agree bit for
+product into an output at another alignment otherwise, fedflat.engine.gradients.hand), unless the product is exact
+in any order (integer-valued test data). Two paths that agree bit for
 bit under it ran their products with the same shapes, so they agree on any CPU at the same dispatch level; two that
 differ under it agree only as one CPU's BLAS happens to round. The operands' alignment is not in the key: the
 streams engine reads client rows at every alignment and equalled the sequential engine for every method on the AMD
@@ -59,6 +60,35 @@ def key(name: str, args: tuple, kwargs: dict, out: torch.Tensor) -> bytes:
     return repr((name, _signature(args), _signature(tuple(sorted(inputs.items()))), result)).encode()
 
 
+def _granularity(t: torch.Tensor) -> int | None:
+    """The least s <= 10 with every entry of ``t`` a multiple of 2^-s (None: none)."""
+    for s in range(11):
+        scaled = t.double() * 2.0 ** s
+        if torch.equal(scaled, scaled.round()):
+            return s
+    return None
+
+
+def exact(args: tuple, dtype: torch.dtype) -> bool:
+    """Whether a matrix product (or ``addmm``, ``addmv``) of these operands is exact in any order: every operand a
+    multiple of 2^-s and every sum, in those units, below 2^(the dtype's mantissa bits) (integer-valued test data:
+    the same bits on every CPU)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if len(tensors) not in (2, 3) or any(t.dim() > 3 for t in tensors):
+        return False
+    steps = [_granularity(t) for t in tensors]
+    if None in steps:
+        return False
+    try:
+        total = tensors[-2].double().abs() @ tensors[-1].double().abs()
+        if len(tensors) == 3:
+            total = total + tensors[0].double().abs()
+    except RuntimeError:  # (a convolution's operands)
+        return False
+    digits = 24 if dtype == torch.float32 else 53
+    return bool(total.max() * 2.0 ** (steps[-2] + steps[-1] + (steps[0] if len(tensors) == 3 else 0)) < 2.0 ** digits)
+
+
 def nudge(out: torch.Tensor, call: bytes) -> None:
     """Moves ``out``'s nonzero finite entries at the call's pattern of last-dimension positions up by one unit in
     the last place, in place."""
@@ -90,7 +120,7 @@ class ShapeRounding(TorchDispatchMode):
         if name not in PRODUCTS:
             return out
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not exact(args, t.dtype):
                 nudge(t, key(name, args, kwargs, t))
         self.calls[name] = self.calls.get(name, 0) + 1
         return out
