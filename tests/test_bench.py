@@ -43,23 +43,23 @@ def test_bench_command_writes_json_with_machine_and_ratios(tmp_path, capsys):
 
 
 def test_the_bench_says_which_fused_kernels_run_and_at_which_aten_level(monkeypatch):
-    """The machine's description names ATen's dispatch level (and the variable that forced it) and FedWMSAM's
-    native kernels where they are built, with whether ATen's expressions round alike; where they are not built it
+    """The machine's description names ATen's dispatch level (and the variable that forced it) and the native
+    kernels where they are built, with whether ATen's expressions round FedWMSAM's alike; where they are not built it
     says the torch expressions run."""
     from fedflat.algorithms import fedwmsam
-    from fedflat.bench.measure import kernels, kernels_line
+    from fedflat.bench.measure import FUSED_KERNELS, kernels, kernels_line
+    from fedflat.core import vectors
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    monkeypatch.setitem(fedwmsam._kernels, "guided_point", print)
-    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", print)
-    monkeypatch.setitem(fedwmsam._kernels, "aten", False)
+    monkeypatch.setattr(vectors, "_kernel_sources", [lambda name: print])
+    monkeypatch.setattr(vectors, "_kernels", {})
+    monkeypatch.setitem(fedwmsam._probed, "aten", False)
     line = kernels_line(kernels())
-    assert "(ATEN_CPU_CAPABILITY=avx2)" in line and "fedwmsam.guided_point, fedwmsam.mix_norm" in line
+    assert "(ATEN_CPU_CAPABILITY=avx2)" in line and ", ".join(FUSED_KERNELS.values()) in line
     assert "ATen rounds them otherwise here" in line
-    monkeypatch.setitem(fedwmsam._kernels, "guided_point", None)
-    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", None)
-    monkeypatch.setitem(fedwmsam._kernels, "aten", None)
-    assert "fused kernels: fedwmsam.mix_norm" not in kernels_line(kernels())
+    monkeypatch.setattr(vectors, "_kernel_sources", [lambda name: None])
+    monkeypatch.setattr(vectors, "_kernels", {})
+    monkeypatch.setitem(fedwmsam._probed, "aten", None)
     assert "none (not built: the torch expressions run)" in kernels_line(kernels())
 
 

@@ -10,6 +10,7 @@ from torch import nn
 import fedflat
 from fedflat.algorithms import build_algorithm
 from fedflat.core import Cohort, ParamLayout
+from fedflat.core.vectors import kernel
 
 
 def _layout() -> ParamLayout:
@@ -213,7 +214,7 @@ def test_the_native_band_removal_gives_the_same_bits_on_its_avx2_and_scalar_loop
     from fedflat.algorithms import fedfft
     from fedflat.engine import native
 
-    op = fedfft.native_band_removal()
+    op = kernel("remove_low_band")
     if op is None:
         pytest.skip(f"the native kernels are not built here: {native.status()}")
     plan = fedfft.four_step_plan(n, removed)
@@ -228,9 +229,7 @@ def test_the_native_band_removal_gives_the_same_bits_on_its_avx2_and_scalar_loop
 
 
 def test_the_native_band_removal_refuses_what_it_does_not_take():
-    from fedflat.algorithms import fedfft
-
-    op = fedfft.native_band_removal()
+    op = kernel("remove_low_band")
     if op is None:
         pytest.skip("the native kernels are not built here")
     with pytest.raises(RuntimeError, match="even and divide"):

@@ -18,7 +18,9 @@ import torch
 from numerics import U32
 
 import fedflat
-from fedflat.algorithms import fedwmsam
+from fedflat.algorithms import fedcm, fedwmsam
+from fedflat.core import vectors
+from fedflat.core.vectors import kernel
 from fedflat.engine import native
 from fedflat.testing import TINY
 
@@ -30,7 +32,7 @@ def require_kernels():
     """``(guided_point, mix_norm)``; skips where no C++ compiler can build them (they are built everywhere else)."""
     if native.compiler() is None or not native.enabled():
         pytest.skip("no C++ compiler here (or FEDFLAT_NATIVE=0): the native operators cannot be built")
-    point, mix = fedwmsam.fused("guided_point"), fedwmsam.fused("mix_norm")
+    point, mix = kernel("guided_point"), kernel("mix_norm")
     assert point is not None and mix is not None, native.status()
     return point, mix
 
@@ -88,6 +90,15 @@ def reference_mix(g, m, weight: float) -> tuple[np.ndarray, np.float32]:
     return np.array(out, dtype=F32), reference_norm(out)
 
 
+def reference_sam_point(g, m, alpha: float, w, radius: float) -> np.ndarray:
+    """One row of ``sam_point``: ``u = g`` (``m`` None) or ``alpha g + m`` (product and sum rounded), its norm,
+    ``d = ||u|| + 1e-12``, then ``w + (u radius) / d`` (product, quotient and sum rounded)."""
+    a, r = F32(alpha), F32(radius)
+    u = [g[j] if m is None else g[j] * a + m[j] for j in range(len(g))]
+    d = reference_norm(u) + TINY_EPS
+    return np.array([w[j] + (u[j] * r) / d for j in range(len(g))], dtype=F32)
+
+
 def _rows(t: torch.Tensor, C: int) -> list[np.ndarray]:
     return [t.numpy()] * C if t.dim() == 1 else list(t.numpy())
 
@@ -131,6 +142,28 @@ def test_the_mix_kernel_rounds_as_its_source_defines(scalar):
                 assert np.array_equal(mine[c].numpy(), expected) and norms[c, 0].item() == norm, (P, c, weight)
 
 
+@pytest.mark.parametrize("scalar", [False, True])
+def test_the_sam_point_kernel_rounds_as_its_source_defines(scalar):
+    """SAM's point (``u = g``) and FedVSSAM's (``u = alpha g + m``), one radius and a radius per client, every row
+    length from 1 to 41: the exact reference's bits, on both loops."""
+    op = kernel("sam_point")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    for P in range(1, 42):
+        C = 1 + P % 2
+        _, W, g = _operands(P, C, 200 + P)
+        m = 1e-3 * torch.randn(P, generator=torch.Generator().manual_seed(P))
+        for mixed, alpha in ((None, 1.0), (m, 0.6)):
+            for radii in (None, torch.tensor([0.05, 0.02][:C])):
+                out = torch.full_like(W, float("nan"))
+                op(g, mixed, alpha, 0.03, radii, W, out, scalar=scalar)
+                for c in range(C):
+                    radius = 0.03 if radii is None else float(radii[c])
+                    expected = reference_sam_point(g[c].numpy(), None if mixed is None else m.numpy(), alpha,
+                                                   W[c].numpy(), radius)
+                    assert np.array_equal(out[c].numpy(), expected), (P, c, alpha, radii)
+
+
 @pytest.mark.parametrize("P", [1, 7, 8, 13, 16, 17, 36, 1001, 199_210])
 def test_the_avx2_and_scalar_loops_give_the_same_bits(P):
     """Longer rows than the reference can afford (W1's 199,210 parameters), gradient-sized and parameter-sized
@@ -148,6 +181,10 @@ def test_the_avx2_and_scalar_loops_give_the_same_bits(P):
             gs = [W.clone(), W.clone()]
             norms = [mix(g, m_i, torch.tensor(0.9), scalar=scalar) for g, scalar in zip(gs, (False, True))]
             assert torch.equal(*gs) and torch.equal(*norms)
+            points = [torch.empty_like(W), torch.empty_like(W)]
+            for out, scalar in zip(points, (False, True)):
+                kernel("sam_point")(m, m[0], 0.6, 0.05, None, W, out, scalar=scalar)
+            assert torch.equal(*points)
 
 
 def point_bound(W: torch.Tensor, d: torch.Tensor, radius: float) -> torch.Tensor:
@@ -173,7 +210,7 @@ def test_the_torch_expressions_give_the_kernels_bits_where_aten_rounds_alike(P):
         point(w_start, W, m, 5, 0.05, out)
         fedwmsam.guided_point_torch(w_start, W, m, 5, 0.05, expected)
         mine, theirs = W.clone(), W.clone()
-        norms, their_norms = mix(mine, m, torch.tensor(0.9)), fedwmsam.mix_norm_torch(theirs, m, torch.tensor(0.9))
+        norms, their_norms = mix(mine, m, torch.tensor(0.9)), fedcm.mix_norm_torch(theirs, m, torch.tensor(0.9))
         if exact:
             assert torch.equal(out, expected) and torch.equal(mine, theirs) and torch.equal(norms, their_norms)
             continue
@@ -192,7 +229,7 @@ def test_guided_point_takes_the_torch_expression_where_the_kernel_does_not_apply
                       (w_start, W, torch.randn(2, 80)[:, ::2])):
         expected = w + fedwmsam.normalize_rows_(torch.sub(ws, w).add_(mi, alpha=2), 0.05)
         assert torch.equal(fedwmsam.guided_point(ws, w, mi, 2, 0.05, torch.empty_like(w)), expected)
-    assert fedwmsam.mix_norm(W.double(), m.double(), torch.tensor(0.9)) is None  # not the kernel's: g untouched
+    assert fedcm.mix_norm(W.double(), m.double(), torch.tensor(0.9)) is None  # not the kernel's: g untouched
 
 
 def test_the_operator_refuses_bad_operands_in_one_line():
@@ -223,11 +260,76 @@ def test_a_run_with_the_kernels_ends_where_one_without_them_does_where_aten_roun
     if not fedwmsam.rounds_as_kernels():
         pytest.skip(f"ATen rounds otherwise on {torch.backends.cpu.get_cpu_capability()}: the per-call bounds hold")
     calls: list[str] = []
-    monkeypatch.setitem(fedwmsam._kernels, "guided_point", lambda *args: calls.append("point") or point(*args))
-    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", lambda *args: calls.append("mix") or mix(*args))
+    monkeypatch.setitem(vectors._kernels, "guided_point", lambda *args: calls.append("point") or point(*args))
+    monkeypatch.setitem(vectors._kernels, "mix_norm", lambda *args: calls.append("mix") or mix(*args))
     with_kernels = _final(method, engine)
     assert set(calls) == {"point", "mix"}, "a fused path did not run"
     monkeypatch.setattr(fedwmsam.MomentumGuidedPerturbation, "fuses_point", False)  # the loop: perturb, then W + eps
-    monkeypatch.setitem(fedwmsam._kernels, "mix_norm", None)  # lerp_, and the engine's own norm
+    monkeypatch.setitem(vectors._kernels, "mix_norm", None)  # lerp_, and the engine's own norm
     calls.clear()
     assert torch.equal(with_kernels, _final(method, engine)) and not calls
+
+
+def _sam_point_cases():
+    """Rows of every remainder of the 8-lane and 4-entry runs and W1's length, three clients: ``(g, m, alpha, W)``
+    for SAM's plain ascent (``m`` None) and FedVSSAM's mixed one."""
+    for P in [*range(1, 20), 199_210]:
+        _, W, g = _operands(P, 3, P)
+        m = 1e-3 * torch.randn(P, generator=torch.Generator().manual_seed(P))
+        yield g, None, 1.0, W
+        yield g, m, 0.6, W
+
+
+def _sam_point_torch(g, m, alpha: float, W, radius: float) -> torch.Tensor:
+    """The torch expressions the kernel replaces: the ascent (``mul_``, ``add_``), :func:`scale_rows_`, the sum."""
+    from fedflat.algorithms.fedsam import scale_rows_
+
+    u = g.clone() if m is None else g.clone().mul_(alpha).add_(m)
+    return W + scale_rows_(u, radius)
+
+
+def _sam_point_rounds_as_aten() -> bool:
+    """Whether ATen's expressions give ``sam_point``'s bits in this process (on :func:`_sam_point_cases`)."""
+    op, out = kernel("sam_point"), None
+    for g, m, alpha, W in _sam_point_cases():
+        out = torch.empty_like(W)
+        op(g, m, alpha, 0.05, None, W, out)
+        if not torch.equal(out, _sam_point_torch(g, m, alpha, W, 0.05)):
+            return False
+    return True
+
+
+def test_the_sam_point_kernel_is_the_torch_expression_or_within_its_bound():
+    """Where ATen rounds alike (torch 2.13's AVX2 and AVX-512 levels) the kernel's point is the torch expressions'
+    bit for bit; elsewhere (its default level) only the norm's order of summation differs (the ascent's product and
+    sum, the scale's product and quotient and the final sum are single roundings on every level), so the points lie
+    within :func:`point_bound`."""
+    op = kernel("sam_point")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert _sam_point_rounds_as_aten()
+    for g, m, alpha, W in _sam_point_cases():
+        out = torch.empty_like(W)
+        op(g, m, alpha, -0.05, None, W, out)
+        assert ((out - _sam_point_torch(g, m, alpha, W, -0.05)).norm(dim=-1) <= point_bound(W, None, 0.05)).all()
+
+
+@pytest.mark.parametrize("method", ["fedsam", "fedvssam", "mofedsam"])
+def test_a_sam_run_with_the_kernel_ends_where_one_without_it_does_where_aten_rounds_alike(method, monkeypatch):
+    """Three rounds of FedSAM, FedVSSAM (its mixed ascent folded into the kernel) and MoFedSAM (the momentum mix's
+    kernel too) end with the same parameters, bit for bit, with the fused point (which ran) and with ``perturb`` and
+    the loop's sum, where ATen rounds as the kernel does (its default level does not: the per-call bounds hold)."""
+    op = kernel("sam_point")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    if not _sam_point_rounds_as_aten():
+        pytest.skip(f"ATen rounds otherwise on {torch.backends.cpu.get_cpu_capability()}")
+    calls: list[int] = []
+    monkeypatch.setitem(vectors._kernels, "sam_point", lambda *args: calls.append(1) or op(*args))
+    with_kernel = _final({"name": method}, "sequential")
+    assert calls, "the fused point did not run"
+    monkeypatch.setitem(vectors._kernels, "sam_point", None)
+    monkeypatch.setitem(vectors._kernels, "mix_norm", None)
+    calls.clear()
+    assert torch.equal(with_kernel, _final({"name": method}, "sequential")) and not calls

@@ -99,7 +99,7 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     filter costs about a quarter of the two full transforms (docs/benchmarks.md). Where the native kernel is built
     (:func:`native_band_removal`) the four steps run as one call, the column transforms 8 columns to a vector and the
     twiddles ``T`` made from two small tables (reading ``T`` and ``S``, 1.2 MB for that weight, cost more in the
-    local loop than the transforms): about half scipy's time in the loop. Every form's error is within FFT rounding,
+    local loop than the transforms): about half scipy's time in the loop (``kernel("remove_low_band")``). Every form's error is within FFT rounding,
     ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write the
     result into."""
     if out is None:
@@ -108,26 +108,14 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     return out
 
 
-_kernels: dict[str, Callable | None] = {}
-
-
-def native_band_removal() -> Callable | None:
-    """The native ``remove_low_band`` (``fedflat/engine/native/low_band.cpp``: the same four steps, its column
-    transforms 8 columns at a time, its own rounding, the same bits on every CPU) where it is built, else None (then
-    scipy's pocketfft runs them); looked up once a process."""
-    if "remove_low_band" not in _kernels:
-        _kernels["remove_low_band"] = kernel("remove_low_band")
-    return _kernels["remove_low_band"]
-
-
 def _remove_low_band(x: Any, removed: int, plan: tuple[int, int, Any, Any], out: Any) -> None:
     """:func:`remove_low_band` on numpy vectors (``x`` and ``out`` contiguous float32 of ``n`` entries): the native
-    kernel where it is built and ``n2 / 2`` has no prime factor above 5, else scipy's transforms."""
+    kernel where it is built and ``n2 / 2`` has no prime factor above 5, else scipy's pocketfft transforms."""
     import numpy as np
     import scipy.fft
 
     n2, n1, T, S = plan
-    op = native_band_removal()
+    op = kernel("remove_low_band")  # (fedflat/engine/native/low_band.cpp: the same bits on every CPU)
     if op is not None and n2 % 2 == 0 and _smooth(n2 // 2):
         op(torch.from_numpy(x), n2, removed, torch.from_numpy(out))
         return

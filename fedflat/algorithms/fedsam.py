@@ -1,13 +1,14 @@
 """FedSAM (Caldarola et al., ECCV 2022; Qu et al., ICML 2022): local SAM steps, FedAvg server."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 
-from typing import ClassVar
-
 from fedflat.core import (NORM_EPS, RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
                           register_recipe, row_norm, shared)
+from fedflat.core.vectors import kernel
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 
@@ -56,6 +57,11 @@ class LocalSAM(Perturbation):
         """``rho`` (a float, or ``[C, 1]`` per-client radii)."""
         return self.p.rho
 
+    def ascent_mix(self, ctx: ClientContext, cohort: Cohort) -> tuple[float, torch.Tensor] | None:
+        """``(alpha, m)`` where :meth:`ascent` is ``g.mul_(alpha).add_(m)`` over the fresh gradient, which the native
+        kernel then computes in its passes (FedVSSAM's); None: :meth:`ascent` itself (the plain gradient here)."""
+        return None
+
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
@@ -66,6 +72,35 @@ class LocalSAM(Perturbation):
         if self.fresh_ascent or type(self).ascent is LocalSAM.ascent:
             return scale_rows_(u, radius)
         return normalize_rows(u, radius)
+
+    fuses_point = True  # perturbed_point: the ascent's norm, then the scale and the sum, in two passes
+
+    def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
+                        out: torch.Tensor) -> torch.Tensor | None:
+        """``W + eps`` into ``out``: where this class's :meth:`perturb` runs and the ascent is the plain gradient or
+        :meth:`ascent_mix`'s, the native ``sam_point`` (``fedflat/engine/native/vector_ops.cpp``: the ascent's
+        norm in one pass over the vector, the product, quotient and sum in a second, where the torch expressions
+        take four or six; its own rounding, ATen's AVX2 and AVX-512 kernels' too); else :meth:`perturb` and the sum."""
+        op = kernel("sam_point")
+        mix = self.ascent_mix(ctx, cohort)
+        own = getattr(type(self), "__unwatched__", type(self))  # (the part's class under the contract's checks)
+        plain = own.ascent is LocalSAM.ascent or mix is not None
+        if op is None or own.perturb is not LocalSAM.perturb or not plain or W.device.type != "cpu":
+            return super().perturbed_point(ctx, cohort, k, W, batch, out)
+        if self.p.rho == 0:
+            return None
+        _, grad = ctx.oracle.loss_grad(W, batch)
+        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
+        radii = radius.reshape(-1) if isinstance(radius, torch.Tensor) else None
+        if radii is None or radii.dtype == torch.float32:  # (else the torch product rounds in the radii's dtype)
+            try:
+                op(grad, None if mix is None else mix[1], 1.0 if mix is None else mix[0],
+                   0.0 if radii is not None else float(radius), radii, W, out)
+                return out
+            except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
+                pass
+        u = grad if mix is None else grad.mul_(mix[0]).add_(mix[1])
+        return torch.add(W, scale_rows_(u, radius), out=out)
 
 
 register_recipe(Recipe(

@@ -43,7 +43,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, mix_norm_torch, momentum_direction
 from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_blocks, scaffold_client_variate,
                                          scaffold_server_variate, variate_change)
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection, PartParams,
@@ -86,7 +86,7 @@ def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alph
     and takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``,
     ``w_start`` and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else
     :func:`guided_point_torch` (five ATen calls, ATen's rounding: the kernel's where :func:`rounds_as_kernels`)."""
-    op = fused("guided_point")
+    op = kernel("guided_point")
     if op is not None and W.device.type == "cpu":
         try:
             op(w_start, W, m_i, alpha, radius, out)
@@ -104,46 +104,19 @@ def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor
     return torch.add(W, normalize_rows_(out, radius), out=out)
 
 
-_kernels: dict[str, Callable | None] = {}  # name: the native kernel, or None where it is not built
-
-
-def fused(name: str) -> Callable | None:
-    """FedWMSAM's native kernel ``name`` (``guided_point`` or ``mix_norm``: ``fedflat/engine/native/vector_ops.cpp``,
-    through :func:`fedflat.core.vectors.kernel`), or None where it is not built (no compiler, ``FEDFLAT_NATIVE=0``);
-    looked up once a process. Its rounding is its own, defined in its source: the same bits on every CPU."""
-    if name not in _kernels:
-        _kernels[name] = kernel(name)
-    return _kernels[name]
-
-
-def mix_norm_torch(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``g.lerp_(m_i, weight)`` (FedWMSAM's ``a g + (1 - a) m_i``, ``weight = 1 - a``) and the rows' norms of the result
-    as the engine's clip computes them."""
-    return torch.linalg.vector_norm(g.lerp_(m_i, weight), dim=-1, keepdim=True)
-
-
-def mix_norm(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """:func:`mix_norm_torch` in one pass by the native kernel (its own rounding) where it is built and takes the
-    operands (it checks them before it writes ``g``), else None (``g`` untouched)."""
-    op = fused("mix_norm")
-    if op is None or g.device.type != "cpu":
-        return None
-    try:
-        return op(g, m_i, weight)
-    except RuntimeError:  # operands the kernel does not take
-        return None
-
-
 def rounds_as_kernels() -> bool | None:
     """Whether ATen's kernels, in this process (its dispatch level, ``torch.backends.cpu.get_cpu_capability()``),
     round :func:`guided_point_torch` and :func:`mix_norm_torch` as the native kernels do, on :func:`probe_cases`
     (checked once a process; None where the kernels are not built). Where they do, a FedWMSAM run gives the same bits
     with and without the kernels (torch 2.13's AVX2 and AVX-512 levels); where they do not (its default level), the
     run's numbers are the kernels' wherever they are built."""
-    if "aten" not in _kernels:
-        point, mix = fused("guided_point"), fused("mix_norm")
-        _kernels["aten"] = None if point is None or mix is None else _probe(point, mix)  # type: ignore[assignment]
-    return _kernels["aten"]  # type: ignore[return-value]
+    if "aten" not in _probed:
+        point, mix = kernel("guided_point"), kernel("mix_norm")
+        _probed["aten"] = None if point is None or mix is None else _probe(point, mix)
+    return _probed["aten"]
+
+
+_probed: dict[str, bool | None] = {}
 
 
 def _probe(point: Callable, mix: Callable) -> bool:
@@ -256,18 +229,11 @@ class WeightedMomentum(Correction):
         cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits); where the
-        engine clips the loss direction, its norms come from the same pass (:func:`mix_norm`: a
-        :class:`~fedflat.core.MeasuredDirection`)."""
-        settings = ctx.settings
-        wd = settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
-        decay = wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd
-        m_i, complement = cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]
-        if settings.clip is not None and settings.clip_scope == "loss":
-            norms = mix_norm(grad, m_i, complement)
-            if norms is not None:
-                return MeasuredDirection(grad, decay, norms)
-        return Direction(grad.lerp_(m_i, complement), decay)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits; the mix's
+        norms from its pass where the native kernel runs)."""
+        a = ctx.server[FACTOR]
+        return momentum_direction(a, grad, cohort.shared[CLIENT_MOMENTUM], ctx.settings.weight_decay, self.p.decay,
+                                  cohort.own(self)["complement"])  # (ctx's decay: AdamW's runs see 0, decoupled)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server

@@ -64,13 +64,19 @@ def machine(device: torch.device) -> dict[str, Any]:
             **kernels()}
 
 
+FUSED_KERNELS = {"guided_point": "FedWMSAM's point", "mix_norm": "the momentum mix", "sam_point": "SAM's point",
+                 "remove_low_band": "FedFFT's band removal"}
+
+
 def kernels() -> dict[str, Any]:
     """ATen's CPU dispatch level in this process (``ATEN_CPU_CAPABILITY`` forces one: default, avx2, avx512) and the
-    fused native kernels the methods use: FedWMSAM's point and mix (their own rounding, the same on every CPU), with
-    whether ATen's torch expressions round them alike at this level (then a run without them gives the same bits)."""
+    fused native kernels the methods use (fedflat/engine/native: their own rounding, the same on every CPU), with
+    whether ATen's torch expressions round FedWMSAM's alike at this level (then a run without them gives the same
+    bits)."""
     from fedflat.algorithms import fedwmsam
+    from fedflat.core.vectors import kernel
 
-    fused = [f"fedwmsam.{name}" for name in ("guided_point", "mix_norm") if fedwmsam.fused(name) is not None]
+    fused = [label for name, label in FUSED_KERNELS.items() if kernel(name) is not None]
     return {"aten_level": torch.backends.cpu.get_cpu_capability(),
             "aten_level_forced": os.environ.get("ATEN_CPU_CAPABILITY"), "fused_kernels": fused,
             "fused_round_as_aten": fedwmsam.rounds_as_kernels()}

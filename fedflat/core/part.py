@@ -227,7 +227,8 @@ class Perturbation(Part):
         """``W + eps`` for local step ``k``, or None for no perturbation: where the local loop takes the gradient, asked
         instead of :meth:`perturb` where ``fuses_point`` is True and no filter transforms ``eps``. ``out`` is the
         loop's buffer of ``W``'s shape, which the sum may be written into. The default is :meth:`perturb` and the
-        sum; a part overrides it only with a fused form of the same bits (FedWMSAM's native kernel)."""
+        sum; a part overrides it only with a fused form of the same expression (SAM's and FedWMSAM's native kernels:
+        the perturbation in two passes over the vector, the torch expressions' bits where ATen rounds alike)."""
         eps = self.perturb(ctx, cohort, k, W, batch)
         if eps is None:
             return None

@@ -10,6 +10,9 @@
 // (no buffer for d; writing d costs less than computing it again from three vectors).
 // mix_norm: the momentum mix g.lerp_(m, weight) in place and the norm of each row of the result, returned, in one
 // pass (the engine's loss-scope clip takes the norms: fedflat.core.MeasuredDirection).
+// sam_point: SAM's perturbed point (fedflat/algorithms/fedsam.py, LocalSAM.perturbed_point) in two passes instead of
+// four (six with FedVSSAM's mixed ascent): u = g or alpha g + m (g.mul_(alpha).add_(m): the product and the sum each
+// rounded), its norm; then point = W + (u r) / (||u|| + 1e-12) (mul_, div_ and the loop's sum, each rounded).
 //
 // The rounding, defined here (every operation in float32, round to nearest even; fma: one rounding):
 // - d_j = fma(m_j, alpha, ws_j - W_j);
@@ -44,19 +47,19 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // the norm's accumulators
 
-// The squared norm's end (the rounding above): the accumulators summed left to right, then the remaining entries of
-// x from `done` on (runs of 4 rounded products added in order, the last 0-3 with fma), then sqrtf.
-float finish_norm(const float* acc, const float* __restrict x, int64_t done, int64_t n) {
+// The squared norm's end (the rounding above): the accumulators summed left to right, then the row's remaining
+// `count` (0-7) entries `rest` (runs of 4 rounded products added in order, the last 0-3 with fma), then sqrtf.
+float finish_norm(const float* acc, const float* __restrict rest, int64_t count) {
   float total = acc[0];
   for (int64_t l = 1; l < kLanes; ++l) total = total + acc[l];
-  int64_t j = done;
-  for (; j + 4 <= n; j += 4) {
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
     for (int64_t i = j; i < j + 4; ++i) {
-      const float square = x[i] * x[i];
+      const float square = rest[i] * rest[i];
       total = total + square;
     }
   }
-  for (; j < n; ++j) total = std::fma(x[j], x[j], total);
+  for (; j < count; ++j) total = std::fma(rest[j], rest[j], total);
   return std::sqrt(total);
 }
 
@@ -75,7 +78,7 @@ float direction_norm_scalar(const float* __restrict ws, const float* __restrict 
     }
   }
   for (int64_t i = j; i < n; ++i) d[i] = std::fma(m[i], alpha, ws[i] - w[i]);
-  return finish_norm(acc, d, j, n);
+  return finish_norm(acc, d + j, n - j);
 }
 
 void shifted_scalar(const float* __restrict w, float s, float* __restrict point, int64_t n) {
@@ -99,7 +102,33 @@ float mixed_norm_scalar(float* __restrict g, const float* __restrict m, float we
     }
   }
   for (int64_t i = j; i < n; ++i) g[i] = std::fma(coeff, m[i] - g[i], small ? g[i] : m[i]);
-  return finish_norm(acc, g, j, n);
+  return finish_norm(acc, g + j, n - j);
+}
+
+// SAM's ascent u (g, or alpha g + m with each product and sum rounded: mul_ then add_) and its squared norm's sqrt
+float ascent_norm_scalar(const float* __restrict g, const float* __restrict m, float alpha, int64_t n) {
+  float acc[kLanes] = {}, tail[kLanes];
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = m == nullptr ? g[j + l] : g[j + l] * alpha + m[j + l];
+      const float square = v * v;
+      acc[l] = acc[l] + square;
+    }
+  }
+  for (int64_t i = j; i < n; ++i) tail[i - j] = m == nullptr ? g[i] : g[i] * alpha + m[i];
+  return finish_norm(acc, tail, n - j);
+}
+
+// point = W + (u r) / d, the product, the quotient and the sum each rounded (mul_, div_, the loop's add)
+void sam_shift_scalar(const float* __restrict g, const float* __restrict m, float alpha, const float* __restrict w,
+                      float r, float d, float* __restrict point, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = m == nullptr ? g[j] : g[j] * alpha + m[j];
+    const float scaled = u * r;
+    const float eps = scaled / d;
+    point[j] = w[j] + eps;
+  }
 }
 
 // ---- the same operations in AVX2 and FMA registers
@@ -119,7 +148,7 @@ FEDFLAT_AVX2 float direction_norm_avx2(const float* __restrict ws, const float* 
   for (int64_t i = j; i < n; ++i) d[i] = std::fma(m[i], alpha, ws[i] - w[i]);
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, acc);
-  return finish_norm(lanes, d, j, n);
+  return finish_norm(lanes, d + j, n - j);
 }
 
 FEDFLAT_AVX2 void shifted_avx2(const float* __restrict w, float s, float* __restrict point, int64_t n) {
@@ -149,7 +178,37 @@ FEDFLAT_AVX2 float mixed_norm_avx2(float* __restrict g, const float* __restrict 
   for (int64_t i = j; i < n; ++i) g[i] = std::fma(coefficient, m[i] - g[i], small ? g[i] : m[i]);
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, acc);
-  return finish_norm(lanes, g, j, n);
+  return finish_norm(lanes, g + j, n - j);
+}
+FEDFLAT_AVX2 inline __m256 ascent8(const float* g, const float* m, __m256 alpha, int64_t j) {
+  const __m256 gv = _mm256_loadu_ps(g + j);
+  return m == nullptr ? gv : _mm256_add_ps(_mm256_mul_ps(gv, alpha), _mm256_loadu_ps(m + j));
+}
+
+FEDFLAT_AVX2 float ascent_norm_avx2(const float* __restrict g, const float* __restrict m, float alpha, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m256 v = ascent8(g, m, a, j);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float tail[kLanes];
+  for (int64_t i = j; i < n; ++i) tail[i - j] = m == nullptr ? g[i] : g[i] * alpha + m[i];
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc);
+  return finish_norm(lanes, tail, n - j);
+}
+
+FEDFLAT_AVX2 void sam_shift_avx2(const float* __restrict g, const float* __restrict m, float alpha,
+                                 const float* __restrict w, float r, float d, float* __restrict point, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha), rv = _mm256_set1_ps(r), dv = _mm256_set1_ps(d);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m256 eps = _mm256_div_ps(_mm256_mul_ps(ascent8(g, m, a, j), rv), dv);
+    _mm256_storeu_ps(point + j, _mm256_add_ps(_mm256_loadu_ps(w + j), eps));
+  }
+  sam_shift_scalar(g + j, m == nullptr ? nullptr : m + j, alpha, w + j, r, d, point + j, n - j);
 }
 #endif
 
@@ -181,6 +240,21 @@ float mixed_norm(bool avx2, float* g, const float* m, float weight, int64_t n) {
   if (avx2) return mixed_norm_avx2(g, m, weight, n);
 #endif
   return mixed_norm_scalar(g, m, weight, n);
+}
+
+float ascent_norm(bool avx2, const float* g, const float* m, float alpha, int64_t n) {
+#ifdef FEDFLAT_X86
+  if (avx2) return ascent_norm_avx2(g, m, alpha, n);
+#endif
+  return ascent_norm_scalar(g, m, alpha, n);
+}
+
+void sam_shift(bool avx2, const float* g, const float* m, float alpha, const float* w, float r, float d, float* point,
+               int64_t n) {
+#ifdef FEDFLAT_X86
+  if (avx2) return sam_shift_avx2(g, m, alpha, w, r, d, point, n);
+#endif
+  sam_shift_scalar(g, m, alpha, w, r, d, point, n);
 }
 
 // a [C, P] or [P] operand's row c: its base plus c times its row stride (0 for a [P] vector or an expanded row)
@@ -232,9 +306,37 @@ at::Tensor mix_norm(at::Tensor g, const at::Tensor& m, const at::Tensor& weight,
   return norms;
 }
 
+void sam_point(const at::Tensor& g, const c10::optional<at::Tensor>& mixed, double alpha, double radius,
+               const c10::optional<at::Tensor>& radii, const at::Tensor& W, at::Tensor point, bool scalar) {
+  TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && W.is_contiguous() && point.is_contiguous() &&
+                  g.sizes() == W.sizes() && point.sizes() == W.sizes(),
+              "fedflat::sam_point: g, W and point must be contiguous tensors of one [C, P] shape");
+  const int64_t C = W.size(0), P = W.size(1);
+  check(g, "sam_point", "g", C, P);
+  check(W, "sam_point", "W", C, P);
+  check(point, "sam_point", "point", C, P);
+  if (mixed) check(*mixed, "sam_point", "mixed", C, P);
+  if (radii) {
+    TORCH_CHECK(radii->device().is_cpu() && radii->scalar_type() == at::kFloat && radii->numel() == C &&
+                    radii->is_contiguous(),
+                "fedflat::sam_point: radii must be C float32 CPU numbers");
+  }
+  const bool avx2 = vectorized(scalar);
+  const float a = static_cast<float>(alpha), tiny = static_cast<float>(1e-12);
+  for (int64_t c = 0; c < C; ++c) {
+    const float* gc = g.const_data_ptr<float>() + c * P;
+    const float* mc = mixed ? row(*mixed, c) : nullptr;
+    const float r = radii ? radii->const_data_ptr<float>()[c] : static_cast<float>(radius);
+    const float d = ascent_norm(avx2, gc, mc, a, P) + tiny;
+    sam_shift(avx2, gc, mc, a, W.const_data_ptr<float>() + c * P, r, d, point.data_ptr<float>() + c * P, P);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fedflat, m) {
+  m.def("sam_point(Tensor g, Tensor? mixed, float alpha, float radius, Tensor? radii, Tensor W, Tensor(a!) point, "
+        "bool scalar=False) -> ()", &sam_point);
   m.def("mix_norm(Tensor(a!) g, Tensor m, Tensor weight, bool scalar=False) -> Tensor", &mix_norm);
   m.def("guided_point(Tensor w_start, Tensor W, Tensor m, float alpha, float radius, Tensor(a!) point, "
         "bool scalar=False) -> ()", &guided_point);
