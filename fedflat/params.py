@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fedflat.core.vectors import BufferLayout, ParamLayout, persistent_buffers
+from fedflat.core.vectors import BufferLayout, ParamLayout, persistent_buffers, trainable_parameters
 
 __all__ = ["BufferLayout", "FlatModel", "ParamLayout"]
 
@@ -40,22 +40,25 @@ class FlatModel:
         self.initial_buffers = self.buffer_layout.flatten(module).to(self.initial.device)
         self.module = module
         state = module.state_dict(keep_vars=True)
-        param_index = {id(p): j for j, p in enumerate(module.parameters())}
+        param_index = {id(p): j for j, (_, p) in enumerate(trainable_parameters(module))}
         buffer_index = {id(b): j for j, (_, b) in enumerate(persistent_buffers(module))}
         # every (owner, attribute) that holds parameter / buffer j: a shared tensor has several
         self._slots = [(*_owner(module, n), param_index[id(p)])
-                       for n, p in module.named_parameters(remove_duplicate=False)]
+                       for n, p in module.named_parameters(remove_duplicate=False) if id(p) in param_index]
         self._buffer_slots = [(*_owner(module, n), buffer_index[id(b)])
                               for n, b in module.named_buffers(remove_duplicate=False) if id(b) in buffer_index]
         # what each state_dict key is (strict loading of model.pt wants every key, aliases included)
         self._keys: dict[str, tuple[str, int]] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
-            self._keys[n] = ("param", param_index[id(p)])
+            if id(p) in param_index:
+                self._keys[n] = ("param", param_index[id(p)])
         for n, b in module.named_buffers(remove_duplicate=False):
             if id(b) in buffer_index:
                 self._keys[n] = ("buffer", buffer_index[id(b)])
-        self._extra_state = {k: v for k, v in state.items() if k not in self._keys}  # get_extra_state() entries
-        self.state_keys = list(state)
+        frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in param_index}
+        self._extra_state = {k: v for k, v in state.items() if k not in self._keys and k not in frozen}
+        # the federated state's keys: frozen parameters (a pretrained base under adapters) are the module's own
+        self.state_keys = [k for k in state if k not in frozen]
         for owner, attr, _ in self._slots:
             owner._parameters.pop(attr, None)
         self.bind(self.initial)
@@ -100,8 +103,9 @@ class FlatModel:
         return self.module(x)
 
     def state_dict(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """``{name: tensor}`` for ``flat`` and ``buffers``: every key of the module's own ``state_dict``, so a fresh
-        instance loads it with ``load_state_dict(strict=True)``."""
+        """``{name: tensor}`` for ``flat`` and ``buffers``: every key of the module's own ``state_dict`` but its
+        frozen parameters, so a fresh instance loads it with ``load_state_dict(strict=True)`` (one with a frozen
+        base, e.g. under adapters, with ``strict=False``: the base comes from its own files)."""
         if self.buffer_layout.size and buffers is None:
             raise ValueError("this model has buffers: its state dict needs the buffer vector b")
         views = self.layout.views(flat.detach())

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from fedflat.models.lora import AdapterConfig
 from fedflat.privacy import Mechanism, PrivacyConfig, calibrated_noise, client_mechanism, dp_stage, delta_of
 
 
@@ -413,6 +414,9 @@ class Config(Section):
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
     model: dict[str, Any] = Field(default_factory=lambda: {"name": "mlp"})
+    adapter: AdapterConfig | None = Field(None, description="train low-rank adapters (LoRA, AdaLoRA: peft) on the "
+                                                            "frozen model instead of every parameter; only they and "
+                                                            "the head are federated (docs/models.md)")
     algo: AlgoSpec = Field(default_factory=lambda: AlgoSpec(name="fedavg"))
     train: TrainConfig = Field(default_factory=TrainConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

@@ -20,7 +20,7 @@ _HOMES = {
                "PluginError"),
     "vectors": ("NORM_EPS", "BufferLayout", "ParamLayout", "normalize_rows", "normalize_rows_", "persistent_buffers",
                 "row_norm", "CLIP_GRAD_EPS", "all_finite", "clip_factors", "clip_rows", "clip_scale",
-                "non_finite_rows", "unclipped"),
+                "non_finite_rows", "unclipped", "trainable_parameters"),
     "round": ("SERVER", "numpy_stream", "stream_seed", "torch_stream", "BUFFERS", "MODEL", "TRAIN_LOSS", "Batch",
               "Broadcast", "ClientContext", "ClientData", "ClientResult", "ClipScope", "Cohort", "Distillation",
               "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "LocalOptimizer", "merge_results",

@@ -18,9 +18,11 @@ from fedflat.config import Config
 from fedflat.engine.simulation import RoundResult, Simulation
 from fedflat.experiments.callbacks import Callbacks, ModelCheckpoint, RunInfo
 from fedflat.experiments.personal import save_personal_parts
+from fedflat.models.lora import adapted, frozen_count, save_adapter
 from fedflat.experiments.rundir import DiskFull, RunDir, machine_info, versions
 
 NOW = "%Y-%m-%dT%H:%M:%S%z"
+ADAPTER_FOLDER = "adapter"  # a run's adapters in peft's format (adapter_config.json, adapter_model.safetensors)
 
 
 def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +50,10 @@ def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> d
     }
     if sim.server.privacy is not None:
         summary.update(privacy=sim.server.privacy.describe(), epsilon=0.0)
+    if sim.report.base_hash is not None:  # a frozen base (adapters): which one, so a node or a rerun can check it
+        summary.update(base_hash=sim.report.base_hash, frozen_parameters=frozen_count(sim.model.module))
+        if cfg.adapter is not None:
+            summary["adapter"] = resolved.get("adapter")
     return summary
 
 
@@ -206,7 +212,10 @@ class RunSummary:
         self.summary.update(callbacks.run.notes)
         if self.run_dir is None:
             return
-        self.run_dir.save_model(cpu_state(self.sim.server.model_state()))  # (a GPU run's model.pt loads anywhere)
+        state = cpu_state(self.sim.server.model_state())  # (a GPU run's model.pt loads anywhere)
+        self.run_dir.save_model(state)
+        if adapted(self.sim.model.module) is not None:  # peft's own format: PeftModel.from_pretrained loads it
+            save_adapter(self.sim.model.module, state, self.run_dir.path / ADAPTER_FOLDER)
         save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 

@@ -16,6 +16,8 @@ ids) and ``torch.float32`` otherwise.
 from __future__ import annotations
 
 from .base import FedModel
-from .registry import MODELS, build_model, count_parameters, model_options, register_model
+from .lora import AdapterConfig, frozen_hash, save_adapter, share_frozen
+from .registry import MODELS, assemble, build_model, count_parameters, model_options, register_model
 
-__all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel", "register_model"]
+__all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel", "register_model", "assemble",
+           "AdapterConfig", "frozen_hash", "save_adapter", "share_frozen"]

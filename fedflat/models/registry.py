@@ -6,11 +6,15 @@ import difflib
 import inspect
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from fedflat.core.registry import add, origin_of
+from fedflat.core.round import SERVER, stream_seed
 
 from .cnn import cnn
+from .hub import hf, timm
+from .lora import AdapterConfig, adapt
 from .densenet import densenet121
 from .lstm import lstm
 from .mlp import logreg, mlp
@@ -31,7 +35,11 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "wrn28_4": (wrn28_4, "Wide ResNet WRN-28-4 (pre-activation); norm group (GroupNorm(2))|batch|none"),
     "densenet121": (densenet121, "DenseNet-121 (growth 32, blocks 6-12-24-16), CIFAR stem (FedLAW's); "
                                  "norm group|batch|none"),
-    "vit": (vit, "Vision Transformer with timm's parameter names: variant tiny16 (ViT-Ti/16) | base32 (ViT-B/32)"),
+    "vit": (vit, "Vision Transformer with timm's parameter names: variant tiny16 (ViT-Ti/16) | base16 (ViT-B/16) | "
+                 "base32 (ViT-B/32); patch, dim, depth, heads"),
+    "hf": (hf, "A Hugging Face transformers classifier from a local folder (model.path): text (RoBERTa, BERT) or "
+               "images (ViT, Swin); nothing downloaded"),
+    "timm": (timm, "A timm architecture (model.arch) with a local weights file (model.weights); needs timm"),
     "lstm": (lstm, "LEAF's Shakespeare LSTM on int64 windows [B, L]: embed 8, 2 x LSTM 256, next symbol"),
     "textcnn": (textcnn, "Kim TextCNN on int64 tokens [B, L]: embed 128, conv 3/4/5 x100"),
 }
@@ -88,6 +96,17 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int,
     if pretrained:
         load_pretrained(model, pretrained)
     return model
+
+
+def assemble(make: Callable[[], nn.Module], seed: int, adapter: "AdapterConfig | None" = None) -> nn.Module:
+    """The run's module as every process builds it: ``make()`` and then ``adapter``'s adapters
+    (:func:`fedflat.models.lora.adapt`), both drawn from the server's keyed stream ``(seed, -1, server, init)``, so
+    that a randomly initialized frozen part (FFA-LoRA's ``A``, a base of random weights) is the same in the driver,
+    every worker and every node; the process's own random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(seed, -1, SERVER, "init"))
+        module = make()
+        return adapt(module, adapter) if adapter is not None else module
 
 
 def count_parameters(model: nn.Module) -> int:
