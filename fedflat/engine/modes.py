@@ -136,9 +136,20 @@ class RandomOps(TorchDispatchMode):
         self.seen: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and not _without_dropout(func, args, kwargs or {}):
             self.seen.append(str(func.overloadpacket.__name__))
         return func(*args, **(kwargs or {}))
+
+
+def _without_dropout(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a seeded op draws nothing this call: its dropout probability argument (``dropout_p``, attention's)
+    is 0, as in every evaluation of a transformer whose attention is ``scaled_dot_product_attention``."""
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    at = names.index("dropout_p")
+    value = kwargs.get("dropout_p", args[at] if at < len(args) else func._schema.arguments[at].default_value)
+    return value == 0
 
 
 @dataclass(frozen=True)

@@ -297,7 +297,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
                       AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
     if base is not None:
         share_frozen(module, base)
-    check_base(module, spec.base_hash)
+    check_base(frozen_hash(module), spec.base_hash)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs, compute.compile)
@@ -315,13 +315,11 @@ def worker_module(spec: WorkerSpec) -> torch.nn.Module:
         spec.model["name"], spec.input_shape, spec.num_classes, **options)
 
 
-def check_base(module: torch.nn.Module, expected: str | None) -> None:
-    """Refuses a worker whose frozen base differs from the driver's (another checkpoint or folder at its path),
-    naming both digests; nothing to check without a frozen part."""
-    if expected is None:
-        return
-    own = frozen_hash(module)
-    if own != expected:
+def check_base(own: str | None, expected: str | None) -> None:
+    """Refuses a worker or node whose frozen base (digest ``own``, :func:`fedflat.models.frozen_hash`) differs
+    from the server's (another checkpoint or folder at its path), naming both digests; nothing to check where the
+    server has no frozen part."""
+    if expected is not None and own != expected:
         raise ConfigError(f"the frozen base model here (digest {own}) differs from the server's (digest {expected}): "
                           "every worker and node must hold the same pretrained files at the path its config names")
 

@@ -57,14 +57,17 @@ class NodeTask:
     broadcast: Broadcast
     task: RoundTask
     state_rounds: list[int]
+    base: str | None = None  # the server's frozen base's digest (adapters), None where nothing is frozen
 
 
-def task_content(broadcast: Broadcast, task: RoundTask, state_rounds: list[int]):
-    """The ``train`` message content for one node (``broadcast`` already narrowed to its clients)."""
+def task_content(broadcast: Broadcast, task: RoundTask, state_rounds: list[int], base: str | None = None):
+    """The ``train`` message content for one node (``broadcast`` already narrowed to its clients); ``base``: the
+    digest of the server's frozen base (adapters), which the node checks against its own."""
     content = RecordDict({"broadcast": array_record(with_buffers(broadcast.shared(), broadcast.buffers)),
                           "task": ConfigRecord({
         "round": broadcast.round, "lr": float(broadcast.lr), "clients": task.ids.tolist(),
-        "num-samples": task.num_samples.tolist(), "steps": task.steps.tolist(), "state-rounds": state_rounds})})
+        "num-samples": task.num_samples.tolist(), "steps": task.steps.tolist(), "state-rounds": state_rounds,
+        **({"base": base} if base is not None else {})})})
     if broadcast.personal:
         content["personal"] = array_record(broadcast.personal)
     return content
@@ -79,7 +82,7 @@ def read_task(content) -> NodeTask:
                           shared.pop(BUFFERS, None))
     return NodeTask(broadcast, RoundTask(ids, torch.tensor(task["num-samples"], dtype=torch.long),
                                          torch.tensor(task["steps"], dtype=torch.long)),
-                    [int(r) for r in task["state-rounds"]])
+                    [int(r) for r in task["state-rounds"]], str(task["base"]) if "base" in task else None)
 
 
 def result_content(result: ClientResult, round: int):

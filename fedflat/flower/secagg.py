@@ -327,7 +327,7 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
         picked = torch.tensor(rows, dtype=torch.long)
         task = opened.task.rows(picked)
         content = task_content(opened.broadcast.for_clients(task.ids), task,
-                               sim.server.aggregated_round[task.ids].tolist())
+                               sim.server.aggregated_round[task.ids].tolist(), sim.report.base_hash)
         instructions.append((GridClientProxy(node, grid, 0), fit_ins(content, [1.0] * len(rows))))
         strategy.sent[node] = task.ids.tolist()
     adapter = OneRound(instructions)

@@ -312,7 +312,8 @@ class FedflatStrategy(Strategy):
         for node, rows in by_node.items():
             task = opened.task.rows(torch.tensor(rows, dtype=torch.long))
             state_rounds = self.server.aggregated_round[task.ids].tolist()
-            content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds)
+            content = task_content(opened.broadcast.for_clients(task.ids), task, state_rounds,
+                                   self.sim.report.base_hash)
             messages.append(Message(content, dst_node_id=node, message_type="train"))
             self.sent[node] = task.ids.tolist()
         self.opened, self.layout = opened, upload_layout(self.sim, opened)

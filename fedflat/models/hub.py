@@ -107,11 +107,13 @@ def _head_of(model: nn.Module) -> nn.Module:
 
 
 def hf(input_shape: Sequence[int], num_classes: int, path: str | None = None,
-       task: Literal["auto", "text", "image"] = "auto", attention: Literal["sdpa", "eager"] | None = None,
+       task: Literal["auto", "text", "image"] = "auto", attention: Literal["eager", "sdpa"] = "eager",
        random_weights: bool = False) -> Classifier:
-    """A Hugging Face classification model from the local folder ``path`` (the module docstring); ``attention``:
-    transformers' ``attn_implementation`` (default the model's own: eager draws attention dropout through
-    ``nn.Dropout``, from each client's keyed stream on every engine)."""
+    """A Hugging Face classification model from the local folder ``path`` (the module docstring). ``attention``:
+    transformers' ``attn_implementation``. ``eager`` (the default) draws attention dropout through
+    ``nn.Dropout``, from each client's keyed stream, so every engine and executor gives the same numbers; ``sdpa``
+    (fused attention, faster on a GPU) draws it inside one kernel from the global generator, which only the
+    sequential engine on one executor thread seeds per client."""
     shape = check_common(input_shape, num_classes)
     transformers = _transformers()
     folder = hf_folder(path, random_weights)
@@ -119,11 +121,11 @@ def hf(input_shape: Sequence[int], num_classes: int, path: str | None = None,
     kind = model_kind(config) if task == "auto" else task
     auto = (transformers.AutoModelForImageClassification if kind == "image"
             else transformers.AutoModelForSequenceClassification)
-    options = {"num_labels": num_classes, **({"attn_implementation": attention} if attention else {})}
+    options = {"num_labels": num_classes, "attn_implementation": attention}
     try:
         if random_weights:
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, **options)
-            model = auto.from_config(config, **({"attn_implementation": attention} if attention else {}))
+            model = auto.from_config(config, attn_implementation=attention)
         else:
             model = auto.from_pretrained(folder, local_files_only=True, ignore_mismatched_sizes=True, **options)
     except (OSError, ValueError, KeyError) as err:

@@ -109,6 +109,12 @@ def assemble(make: Callable[[], nn.Module], seed: int, adapter: "AdapterConfig |
         return adapt(module, adapter) if adapter is not None else module
 
 
+def base_key(name: str) -> str:
+    """The ``model`` option naming the files of a model's pretrained weights: ``path`` (hf), ``weights`` (timm),
+    ``pretrained`` (every other model)."""
+    return {"hf": "path", "timm": "weights"}.get(str(name).strip().lower(), "pretrained")
+
+
 def count_parameters(model: nn.Module) -> int:
     """Total number of scalar parameters in ``model`` (shared tensors counted once)."""
     return sum(p.numel() for p in model.parameters())
