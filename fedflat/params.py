@@ -8,7 +8,8 @@ every forward pass binds the buffers it runs with, so one module serves every cl
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -68,6 +69,26 @@ class FlatModel:
         views = self.layout.views(flat)
         for owner, attr, j in self._slots:
             owner.__dict__[attr] = views[j]
+
+    @contextlib.contextmanager
+    def materialized(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> Iterator[nn.Module]:
+        """Within it, the module is an ordinary ``nn.Module`` at ``flat`` (and ``buffers``): its trained tensors are
+        registered ``nn.Parameter`` objects again (copies of ``flat``'s entries), so code that reads a module's own
+        ``state_dict()`` or parameters (peft's ``save_pretrained``, ``merge_and_unload``) sees the model at ``flat``;
+        on leaving, the flat-vector binding is back."""
+        views = self.layout.views(flat.detach())
+        params = [nn.Parameter(v.clone()) for v in views]
+        for owner, attr, j in self._slots:
+            owner.__dict__.pop(attr, None)
+            owner._parameters[attr] = params[j]
+        if self.buffer_layout.size and buffers is not None:
+            self.bind_buffers(self.buffer_layout.tensors(buffers.to(flat.device)))
+        try:
+            yield self.module
+        finally:
+            for owner, attr, _ in self._slots:
+                owner._parameters.pop(attr, None)
+            self.bind(self.initial)
 
     def bind_buffers(self, tensors: list[torch.Tensor]) -> None:
         """Makes the module's buffers the given per-buffer tensors (as :meth:`BufferLayout.tensors` makes them); a

@@ -59,7 +59,7 @@ def lora_b_mask(layout) -> torch.Tensor:
 FEDSA, FFA = "Guo et al., ICLR 2025", "Sun et al., ICLR 2024"
 register_recipe(Recipe(
     name="fedsa-lora", display="FedSA-LoRA", summary="FedSA-LoRA: LoRA's A aggregated, B kept by each client",
-    source=FEDSA, personalization="fedsa"))
+    source=FEDSA, personalization="fedsa", adapter={"method": "lora"}))
 register_recipe(Recipe(
     name="ffa-lora", display="FFA-LoRA", summary="FFA-LoRA: FedAvg with LoRA's A frozen at its random start "
                                                  "(sets adapter.freeze_a=true)",

@@ -212,10 +212,10 @@ class RunSummary:
         self.summary.update(callbacks.run.notes)
         if self.run_dir is None:
             return
-        state = cpu_state(self.sim.server.model_state())  # (a GPU run's model.pt loads anywhere)
-        self.run_dir.save_model(state)
+        self.run_dir.save_model(cpu_state(self.sim.server.model_state()))  # (a GPU run's model.pt loads anywhere)
         if adapted(self.sim.model.module) is not None:  # peft's own format: PeftModel.from_pretrained loads it
-            save_adapter(self.sim.model.module, state, self.run_dir.path / ADAPTER_FOLDER)
+            with self.sim.model.materialized(self.sim.server.w, self.sim.server.buffers) as module:
+                save_adapter(module, self.run_dir.path / ADAPTER_FOLDER)
         save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 

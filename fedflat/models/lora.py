@@ -26,8 +26,8 @@ FedSA-LoRA (Guo et al., ICLR 2025: ``A`` shared, ``B`` kept by each client) is a
 from __future__ import annotations
 
 import hashlib
-import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,34 +220,21 @@ def adapted(module: nn.Module):
     return None
 
 
-def save_adapter(module: nn.Module, state: dict[str, torch.Tensor], folder: str | Path) -> Path:
-    """Writes the adapters of ``state`` (the full state dict of ``module`` at the trained ``w``, as
-    :meth:`fedflat.params.FlatModel.state_dict` gives it) in peft's format into ``folder``: ``adapter_config.json``
-    and ``adapter_model.safetensors``, which ``PeftModel.from_pretrained(base, folder)`` loads. Each file is
-    written whole or not at all."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save as save_bytes
-
-    from fedflat.files import atomic_write_bytes
-
+def save_adapter(module: nn.Module, folder: str | Path) -> Path:
+    """Writes the adapters of ``module`` (an ordinary module at the trained weights:
+    :meth:`fedflat.params.FlatModel.materialized`) by peft's own ``save_pretrained`` into ``folder``:
+    ``adapter_config.json`` and ``adapter_model.safetensors``, which ``PeftModel.from_pretrained(base, folder)``
+    loads. The folder is written beside it and renamed into place: it is whole or absent."""
     model = adapted(module)
     if model is None:
         raise ValueError("this model has no peft adapters to save")
-    prefix = next((name + "." for name, child in module.named_children() if child is model), "")
-    own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    tensors = get_peft_model_state_dict(model, state_dict=own)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = model.peft_config["default"].to_dict()
-    config["target_modules"] = sorted(config["target_modules"]) if isinstance(config.get("target_modules"), set) \
-        else config.get("target_modules")
-    for key, value in config.items():
-        if isinstance(value, set):
-            config[key] = sorted(value)
-    atomic_write_bytes(folder / ADAPTER_WEIGHTS,
-                       save_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                                  metadata={"format": "pt"}))
-    atomic_write_bytes(folder / ADAPTER_CONFIG, json.dumps(config, indent=2, default=str).encode())
+    staging = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging))
+    (staging / "README.md").unlink(missing_ok=True)  # (peft's model-card template: nothing of the run in it)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
     return folder
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import FedModel, check_common, check_image_shape
@@ -46,10 +45,11 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()  # (a module: FedMAN's activation penalty reads its output)
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class Block(nn.Module):
