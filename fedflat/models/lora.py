@@ -238,6 +238,22 @@ def save_adapter(module: nn.Module, folder: str | Path) -> Path:
     return folder
 
 
+def merge_adapters(module: nn.Module) -> nn.Module:
+    """``module`` (an ordinary module at the trained weights) with its adapters merged into the base, ``W0 + (alpha
+    / r) B A`` (peft's ``merge_and_unload``): the plain model a deployment serves, with no peft layer left. The
+    base's tensors change in place: merge a module built for it (``fedflat evaluate --merged`` builds its own)."""
+    model = adapted(module)
+    if model is None:
+        raise ValueError("this model has no peft adapters to merge")
+    merged = model.merge_and_unload()
+    if model is module:
+        return merged
+    for name, child in module.named_children():
+        if child is model:
+            setattr(module, name, merged)
+    return module
+
+
 def frozen_hash(module: nn.Module) -> str | None:
     """A digest of the module's frozen parameters (names, shapes, dtypes, bytes): the pretrained base every process
     must hold the same, and FFA-LoRA's seeded ``A``. None where nothing is frozen."""
