@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from fedflat.models.lora import AdapterConfig
 from fedflat.privacy import Mechanism, PrivacyConfig, calibrated_noise, client_mechanism, dp_stage, delta_of
 
 
@@ -265,6 +264,37 @@ class SecureAggregationConfig(Section):
         if isinstance(shares, int) and isinstance(threshold, int) and threshold >= shares:
             raise ValueError(f"secure_aggregation.reconstruction_threshold={threshold} must be below num_shares="
                              f"{shares}")
+        return self
+
+
+class AdapterConfig(Section):
+    """The ``adapter`` section: the low-rank adapters (peft's LoRA or AdaLoRA) a run trains on its frozen model
+    instead of every parameter (:mod:`fedflat.models.lora`, docs/models.md)."""
+
+    method: Literal["lora", "adalora"] = Field("lora", description="lora (peft's LoraConfig) or adalora "
+                                                                   "(AdaLoraConfig: the SVD form at init_r ranks)")
+    r: int = Field(8, ge=1, description="the rank r of every adapter (AdaLoRA: its target_r)")
+    alpha: float | None = Field(None, gt=0, description="lora_alpha: the update is scaled by alpha / r (default 2r, "
+                                                        "FedSWA's and FedNSAM's)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="lora_dropout on the adapters' input")
+    target_modules: list[str] | None = Field(None, description="modules adapted (peft's matching: a name or the end of "
+                                                               "one); default: by model family (docs/models.md)")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained too (peft's bias)")
+    modules_to_save: list[str] | None = Field(None, description="modules trained whole and federated (default: the "
+                                                                "classifier head, head/classifier/score/fc; [] for "
+                                                                "the adapters alone)")
+    freeze_a: bool = Field(False, description="FFA-LoRA: A stays at its seeded random initialization, only B is "
+                                              "trained and sent")
+    init_r: int | None = Field(None, ge=1, description="adalora: the starting rank (default 2r)")
+    init: str | None = Field(None, description="a peft adapter folder to start from (its settings define the "
+                                               "adapter)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AdapterConfig":
+        if self.method == "adalora" and self.freeze_a:
+            raise ValueError("adapter.freeze_a is FFA-LoRA's (method=lora); AdaLoRA's P, E, Q are trained together")
+        if self.init_r is not None and self.method != "adalora":
+            raise ValueError("adapter.init_r is AdaLoRA's starting rank: set method=adalora or leave it out")
         return self
 
 

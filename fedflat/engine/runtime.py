@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from fedflat.algorithms import Algorithm, build_algorithm
+from fedflat.config import AdapterConfig
 from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
 from fedflat.data import Standardize
@@ -26,7 +27,7 @@ from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import AdapterConfig, assemble, build_model, frozen_hash, share_frozen
+from fedflat.models import assemble, build_model, frozen_hash, share_frozen
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the

@@ -29,10 +29,9 @@ import hashlib
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from fedflat.core import ConfigError
@@ -42,40 +41,24 @@ HEAD_NAMES = ("head", "classifier", "score", "fc")  # a classifier's usual modul
 ADAPTED_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)  # what LoRA adapts (peft's layers)
 
 
-class AdapterConfig(BaseModel):
-    """The ``adapter`` section: which adapters a run trains on its (pretrained, frozen) model."""
+class AdapterSettings(Protocol):
+    """What fedflat reads of the config's ``adapter`` section (:class:`fedflat.config.AdapterConfig`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    method: str
+    r: int
+    alpha: float | None
+    dropout: float
+    target_modules: list[str] | None
+    bias: str
+    modules_to_save: list[str] | None
+    freeze_a: bool
+    init_r: int | None
+    init: str | None
 
-    method: Literal["lora", "adalora"] = Field("lora", description="lora (peft's LoraConfig) or adalora "
-                                                                   "(AdaLoraConfig: the SVD form at init_r ranks)")
-    r: int = Field(8, ge=1, description="the rank r of every adapter (AdaLoRA: its target_r)")
-    alpha: float | None = Field(None, gt=0, description="lora_alpha: the update is scaled by alpha / r (default 2r, "
-                                                        "FedSWA's and FedNSAM's)")
-    dropout: float = Field(0.05, ge=0, lt=1, description="lora_dropout on the adapters' input")
-    target_modules: list[str] | None = Field(None, description="modules adapted (peft's matching: a name or the end of "
-                                                               "one); default: by model family (docs/models.md)")
-    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained too (peft's bias)")
-    modules_to_save: list[str] | None = Field(None, description="modules trained whole and federated (default: the "
-                                                                "classifier head, head/classifier/score/fc; [] for "
-                                                                "the adapters alone)")
-    freeze_a: bool = Field(False, description="FFA-LoRA: A stays at its seeded random initialization, only B is "
-                                              "trained and sent")
-    init_r: int | None = Field(None, ge=1, description="adalora: the starting rank (default 2r)")
-    init: str | None = Field(None, description="a peft adapter folder to start from (its settings define the "
-                                               "adapter)")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "AdapterConfig":
-        if self.method == "adalora" and self.freeze_a:
-            raise ValueError("adapter.freeze_a is FFA-LoRA's (method=lora); AdaLoRA's P, E, Q are trained together")
-        if self.init_r is not None and self.method != "adalora":
-            raise ValueError("adapter.init_r is AdaLoRA's starting rank: set method=adalora or leave it out")
-        return self
-
-    @property
-    def lora_alpha(self) -> float:
-        return self.alpha if self.alpha is not None else 2.0 * self.r
+def lora_alpha(cfg: AdapterSettings) -> float:
+    """``lora_alpha``: the given one, else ``2r`` (FedSWA's and FedNSAM's codes)."""
+    return cfg.alpha if cfg.alpha is not None else 2.0 * cfg.r
 
 
 def default_targets(module: nn.Module) -> list[str] | None:
@@ -142,7 +125,7 @@ def head_modules(module: nn.Module) -> list[str]:
     return []
 
 
-def peft_config(cfg: AdapterConfig, module: nn.Module, task_type: str | None = None):
+def peft_config(cfg: AdapterSettings, module: nn.Module, task_type: str | None = None):
     """peft's ``LoraConfig`` / ``AdaLoraConfig`` of ``cfg`` for ``module`` (its default targets and head filled in,
     checked against the module's layers)."""
     from peft import AdaLoraConfig, LoraConfig
@@ -156,7 +139,7 @@ def peft_config(cfg: AdapterConfig, module: nn.Module, task_type: str | None = N
     check_targets(module, targets, init_r if cfg.method == "adalora" else cfg.r)
     saved = cfg.modules_to_save if cfg.modules_to_save is not None else (
         [] if task_type == "SEQ_CLS" else head_modules(module))  # (peft adds a SEQ_CLS model's classifier itself)
-    common = dict(lora_alpha=cfg.lora_alpha, lora_dropout=cfg.dropout, target_modules=targets, bias=cfg.bias,
+    common = dict(lora_alpha=lora_alpha(cfg), lora_dropout=cfg.dropout, target_modules=targets, bias=cfg.bias,
                   modules_to_save=saved or None, task_type=task_type)
     if cfg.method == "adalora":
         # total_step only satisfies AdaLoraConfig's check: the budget schedule never runs (the module docstring)
@@ -164,7 +147,7 @@ def peft_config(cfg: AdapterConfig, module: nn.Module, task_type: str | None = N
     return LoraConfig(r=cfg.r, **common)
 
 
-def attach(module: nn.Module, cfg: AdapterConfig, task_type: str | None = None) -> nn.Module:
+def attach(module: nn.Module, cfg: AdapterSettings, task_type: str | None = None) -> nn.Module:
     """``module`` with ``cfg``'s adapters (peft's ``get_peft_model``, or ``PeftModel.from_pretrained`` for
     ``cfg.init``): a ``PeftModel`` whose trainable parameters are the adapters and the head; ``freeze_a`` freezes
     every ``lora_A``."""
@@ -188,7 +171,7 @@ def attach(module: nn.Module, cfg: AdapterConfig, task_type: str | None = None) 
     return adapted
 
 
-def adapt(module: nn.Module, cfg: AdapterConfig) -> nn.Module:
+def adapt(module: nn.Module, cfg: AdapterSettings) -> nn.Module:
     """``module`` with ``cfg``'s adapters (:func:`attach`); a Hugging Face :class:`~fedflat.models.hub.Classifier`
     keeps its wrapper and adapts the transformers model inside, with peft's task type (so the adapter saved loads
     onto ``AutoModelFor...Classification.from_pretrained(folder)``)."""

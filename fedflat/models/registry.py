@@ -14,7 +14,7 @@ from fedflat.core.round import SERVER, stream_seed
 
 from .cnn import cnn
 from .hub import hf, timm
-from .lora import AdapterConfig, adapt
+from .lora import AdapterSettings, adapt
 from .densenet import densenet121
 from .lstm import lstm
 from .mlp import logreg, mlp
@@ -98,7 +98,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int,
     return model
 
 
-def assemble(make: Callable[[], nn.Module], seed: int, adapter: "AdapterConfig | None" = None) -> nn.Module:
+def assemble(make: Callable[[], nn.Module], seed: int, adapter: AdapterSettings | None = None) -> nn.Module:
     """The run's module as every process builds it: ``make()`` and then ``adapter``'s adapters
     (:func:`fedflat.models.lora.adapt`), both drawn from the server's keyed stream ``(seed, -1, server, init)``, so
     that a randomly initialized frozen part (FFA-LoRA's ``A``, a base of random weights) is the same in the driver,
