@@ -84,9 +84,16 @@ GLUE_TASKS = {
     "wnli": (["sentence1", "sentence2"], 2, "WNLI", ["index", "sentence1", "sentence2", "label"], None),
 }
 
+#: The hub's class names (its ``ClassLabel`` features), in label id order.
+HUB_CLASSES = {"cola": ["unacceptable", "acceptable"], "sst2": ["negative", "positive"],
+               "mrpc": ["not_equivalent", "equivalent"], "qqp": ["not_duplicate", "duplicate"],
+               "mnli": ["entailment", "neutral", "contradiction"], "qnli": ["entailment", "not_entailment"],
+               "rte": ["entailment", "not_entailment"], "wnli": ["not_entailment", "entailment"]}
+
 
 def _training_text() -> list[str]:
-    return CORPUS + [" ".join(words) for words in LABEL_WORDS]
+    """``CORPUS`` and the label words, these often enough that byte-level BPE learns each as one token."""
+    return CORPUS + [" ".join(words) for words in LABEL_WORDS] * 8
 
 
 def _wordpiece_vocab() -> dict[str, int]:
@@ -197,7 +204,8 @@ def tiny_glue(folder, task: str = "sst2", layout: str = "parquet", train: int = 
     """Write a small GLUE ``task`` in ``folder`` and return the task's folder:
 
     - ``parquet``: the hub's ``nyu-mll/glue`` files, ``<folder>/<task>/train-00000-of-00001.parquet`` and
-      ``validation-00000-of-00001.parquet`` (MNLI: ``validation_matched-...``), hub columns;
+      ``validation-00000-of-00001.parquet`` (MNLI: ``validation_matched-...``), hub columns and ``ClassLabel``
+      features, written by the ``datasets`` library;
     - ``tsv``: GLUE's original distribution, ``<folder>/<TASK-NAME>/train.tsv`` and ``dev.tsv`` (MNLI:
       ``dev_matched.tsv``) in the original columns: CoLA without a header, QNLI/RTE/MNLI with label names;
     - ``csv``: plain ``<folder>/<task>/train.csv`` and ``validation.csv`` with a header of hub columns.
@@ -207,13 +215,15 @@ def tiny_glue(folder, task: str = "sst2", layout: str = "parquet", train: int = 
     _, _, name, tsv_columns, label_names = GLUE_TASKS[task]
     splits = {"train": glue_rows(task, train, seed), "validation": glue_rows(task, validation, seed + 1)}
     if layout == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import datasets
         out = Path(folder) / task
         out.mkdir(parents=True, exist_ok=True)
+        features = datasets.Features({**{c: datasets.Value("string") for c in GLUE_TASKS[task][0]},
+                                      "label": datasets.ClassLabel(names=HUB_CLASSES[task]),
+                                      "idx": datasets.Value("int32")})
         for split, rows in splits.items():
             split = "validation_matched" if task == "mnli" and split == "validation" else split
-            pq.write_table(pa.Table.from_pylist(rows), out / f"{split}-00000-of-00001.parquet")
+            datasets.Dataset.from_list(rows, features=features).to_parquet(out / f"{split}-00000-of-00001.parquet")
     elif layout == "csv":
         out = Path(folder) / task
         out.mkdir(parents=True, exist_ok=True)
@@ -243,8 +253,8 @@ def _tsv_fields(task: str, row: dict, columns: list[str] | None, label_names: li
     if columns is None:  # CoLA: source, label, original label, sentence; no header
         return ["gj04", label, "" if row["label"] else "*", row["sentence"]]
     texts = list(row.values())[:len(GLUE_TASKS[task][0])]
-    by_name = {"sentence": texts[0], "label": label, "Quality": label, "is_duplicate": label,
-               "gold_label": label, "label1": label, "#1 String": texts[0], "#2 String": texts[-1], "question1": texts[0],
+    by_name = {"sentence": texts[0], "label": label, "Quality": label, "is_duplicate": label, "gold_label": label,
+               "label1": label, "#1 String": texts[0], "#2 String": texts[-1], "question1": texts[0],
                "question2": texts[-1], "question": texts[0], "sentence1": texts[0], "sentence2": texts[-1]}
     if task == "qnli":
         by_name["sentence"] = texts[1]
