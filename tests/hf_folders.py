@@ -110,11 +110,11 @@ def _wordpiece_vocab() -> dict[str, int]:
     return {token: i for i, token in enumerate(tokens)}
 
 
-def tiny_tokenizer(folder, family: str = "roberta") -> Path:
+def tiny_tokenizer(folder, family: str = "roberta", model_max_length: int = 512) -> Path:
     """Train a tokenizer on ``CORPUS`` and save it in ``folder`` as transformers' ``RobertaTokenizerFast``
     (byte-level BPE trained by ``tokenizers``, ``<s> </s> <pad> <unk> <mask>``) or ``BertTokenizerFast``
     (lower-cased WordPiece over ``_wordpiece_vocab``, ``[CLS] [SEP] [PAD] [UNK] [MASK]``; it makes
-    ``token_type_ids``). Returns the folder."""
+    ``token_type_ids``); ``model_max_length``: the longest input its model takes. Returns the folder."""
     from transformers import BertTokenizerFast, RobertaTokenizerFast
 
     folder = Path(folder)
@@ -126,9 +126,9 @@ def tiny_tokenizer(folder, family: str = "roberta") -> Path:
                                 special_tokens=ROBERTA_SPECIALS, show_progress=False)
         model = json.loads(bpe._tokenizer.to_str())["model"]
         merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-        tokenizer = RobertaTokenizerFast(vocab=model["vocab"], merges=merges, model_max_length=512)
+        tokenizer = RobertaTokenizerFast(vocab=model["vocab"], merges=merges, model_max_length=model_max_length)
     elif family == "bert":
-        tokenizer = BertTokenizerFast(vocab=_wordpiece_vocab(), model_max_length=512)
+        tokenizer = BertTokenizerFast(vocab=_wordpiece_vocab(), model_max_length=model_max_length)
     else:
         raise ValueError(f"tiny_tokenizer: family {family!r} is not 'roberta' or 'bert'")
     tokenizer.save_pretrained(folder)
@@ -138,13 +138,13 @@ def tiny_tokenizer(folder, family: str = "roberta") -> Path:
 def tiny_text_model(folder, family: str = "roberta", num_labels: int = 2, hidden: int = 32, layers: int = 2,
                     heads: int = 2, intermediate: int = 64, max_positions: int = 72) -> Path:
     """Save, in ``folder``, a ``RobertaForSequenceClassification`` or ``BertForSequenceClassification`` with
-    random weights (seed 0) from a small config, and ``tiny_tokenizer(folder, family)`` beside it; the config's
-    vocabulary size is the tokenizer's. Returns the folder."""
+    random weights (seed 0) from a small config, and ``tiny_tokenizer(folder, family, max_positions)`` beside it;
+    the config's vocabulary size is the tokenizer's. Returns the folder."""
     import torch
     from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, RobertaConfig,
                               RobertaForSequenceClassification)
 
-    folder = tiny_tokenizer(folder, family)
+    folder = tiny_tokenizer(folder, family, model_max_length=max_positions)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
                  num_attention_heads=heads, intermediate_size=intermediate, num_labels=num_labels,
@@ -208,7 +208,8 @@ def tiny_glue(folder, task: str = "sst2", layout: str = "parquet", train: int = 
       features, written by the ``datasets`` library;
     - ``tsv``: GLUE's original distribution, ``<folder>/<TASK-NAME>/train.tsv`` and ``dev.tsv`` (MNLI:
       ``dev_matched.tsv``) in the original columns: CoLA without a header, QNLI/RTE/MNLI with label names;
-    - ``csv``: plain ``<folder>/<task>/train.csv`` and ``validation.csv`` with a header of hub columns.
+    - ``csv``: plain ``<folder>/<task>/train.csv`` and ``validation.csv`` with a header of hub columns;
+    - ``jsonl``: ``<folder>/<task>/train.jsonl`` and ``validation.jsonl``, one JSON object (hub columns) a line.
     """
     if task not in GLUE_TASKS:
         raise ValueError(f"tiny_glue: task {task!r} is not one of {sorted(GLUE_TASKS)}")
@@ -224,6 +225,11 @@ def tiny_glue(folder, task: str = "sst2", layout: str = "parquet", train: int = 
         for split, rows in splits.items():
             split = "validation_matched" if task == "mnli" and split == "validation" else split
             datasets.Dataset.from_list(rows, features=features).to_parquet(out / f"{split}-00000-of-00001.parquet")
+    elif layout == "jsonl":
+        out = Path(folder) / task
+        out.mkdir(parents=True, exist_ok=True)
+        for split, rows in splits.items():
+            (out / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     elif layout == "csv":
         out = Path(folder) / task
         out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +249,7 @@ def tiny_glue(folder, task: str = "sst2", layout: str = "parquet", train: int = 
                 for row in rows:
                     f.write("\t".join(_tsv_fields(task, row, tsv_columns, label_names)) + "\n")
     else:
-        raise ValueError(f"tiny_glue: layout {layout!r} is not 'parquet', 'tsv' or 'csv'")
+        raise ValueError(f"tiny_glue: layout {layout!r} is not 'parquet', 'tsv', 'csv' or 'jsonl'")
     return out
 
 

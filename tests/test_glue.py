@@ -40,9 +40,9 @@ def hf(tokenizer):
 @pytest.mark.parametrize("task", ["cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "wnli"])
 def test_every_layout_gives_the_same_arrays(tmp_path, tokenizers, family, task):
     """The hub's parquet files, GLUE's original tsv files (CoLA's without a header, label names for QNLI, RTE
-    and MNLI) and plain csv files of the same rows read to the same arrays, in the hub's label ids."""
+    and MNLI), plain csv and JSON lines files of the same rows read to the same arrays, in the hub's label ids."""
     loaded = {}
-    for layout in ("parquet", "tsv", "csv"):
+    for layout in ("parquet", "tsv", "csv", "jsonl"):
         tiny_glue(tmp_path / layout, task, layout, train=30, validation=12)
         loaded[layout] = load(tmp_path / layout, tokenizers[family], task, max_length=24)
     first = loaded["parquet"]
@@ -51,7 +51,7 @@ def test_every_layout_gives_the_same_arrays(tmp_path, tokenizers, family, task):
     assert first.x_train.dtype == torch.int64 and first.num_classes == len(HUB_CLASSES[task])
     assert first.y_train.tolist() == [r["label"] for r in glue_rows(task, 30)]
     assert first.y_test.tolist() == [r["label"] for r in glue_rows(task, 12, seed=1)]
-    for other in ("tsv", "csv"):
+    for other in ("tsv", "csv", "jsonl"):
         assert torch.equal(loaded[other].x_train, first.x_train) and torch.equal(loaded[other].y_train, first.y_train)
         assert torch.equal(loaded[other].x_test, first.x_test) and torch.equal(loaded[other].y_test, first.y_test)
 

@@ -41,6 +41,7 @@ def test_text_model_loads_with_its_tokenizer(tmp_path, family):
     model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True)
     assert type(model).__name__ == f"{family.capitalize()}ForSequenceClassification"
     assert model.config.vocab_size == len(tokenizer) and model.config.num_labels == 3
+    assert tokenizer.model_max_length == 72  # the longest input the model's positions allow
     batch = tokenizer([CORPUS[0], CORPUS[1]], padding="max_length", max_length=72, truncation=True,
                       return_tensors="pt")
     assert model(**batch).logits.shape == (2, 3)

@@ -231,7 +231,7 @@ def read_tsv(path: Path, task: TextTask) -> Table:
     CoLA's files, whose four columns are :data:`COLA_COLUMNS`. Rows with fewer fields than the header are
     dropped, as the GLUE loaders do (QQP's training file has a few)."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # (a byte-order mark is not part of the header)
             rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     except (UnicodeDecodeError, csv.Error) as err:
         raise DatasetError(f"{path}: not a readable UTF-8 tab-separated file ({err})") from None
