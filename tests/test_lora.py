@@ -238,3 +238,96 @@ def test_the_adapter_section_is_validated():
     with pytest.raises(ValueError, match="freeze_a is FFA-LoRA's"):
         AdapterConfig(method="adalora", freeze_a=True)
     assert lora_alpha(AdapterConfig(r=8)) == 16  # FedSWA's and FedNSAM's alpha = 2r
+
+
+# -- a Hugging Face folder: a tiny RoBERTa (random weights, its own tokenizer) on a GLUE task read from local files --
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory):
+    """``(model folder, data root)``: tests/hf_folders.py's tiny RoBERTa and an SST-2 in the hub's parquet layout."""
+    from hf_folders import tiny_glue, tiny_text_model
+
+    root = tmp_path_factory.mktemp("hf")
+    model = tiny_text_model(root / "roberta", "roberta", num_labels=2)
+    tiny_glue(root / "data" / "glue", "sst2", "parquet", train=96, validation=48)
+    return model, root / "data"
+
+
+def glue_run(model, data, *extra) -> list[str]:
+    return ["model=hf", f"model.path={model}", "data.name=glue", "data.options.task=sst2",
+            "data.options.max_length=24", f"data.root={data}", "data.num_clients=4", "sampling.clients_per_round=2",
+            "data.partition.min_size=5", "train.local_epochs=1", "train.batch_size=16", "rounds=2", "threads=1",
+            "adapter.r=4", *extra]
+
+
+def test_a_huggingface_classifier_reads_fedflats_token_tensor(roberta):
+    """The wrapper's forward on ``x [B, K, L]`` is the transformers model's on ``input_ids=x[:,0],
+    attention_mask=x[:,1]``; its features are what the classifier head reads."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fedflat.models.hub import Classifier
+
+    folder, _ = roberta
+    module = build_model("hf", (2, 8), 2, path=str(folder)).eval()
+    assert isinstance(module, Classifier) and module.input_dtype == torch.long
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2,
+                                                                   attn_implementation="eager").eval()
+    ids = torch.randint(3, 40, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    x = torch.stack([ids, mask], 1)
+    with torch.no_grad():
+        assert torch.equal(module(x), reference(input_ids=ids, attention_mask=mask).logits)
+        assert module.features(x).shape == (3, 32)
+    with pytest.raises(ConfigError, match="config.json not found"):
+        build_model("hf", (2, 8), 2, path=str(folder / "missing"))
+
+
+def test_lora_on_roberta_from_the_command_line_saves_an_adapter_peft_loads(roberta, tmp_path):
+    """``fedflat run model=hf ... adapter.r=4 algo=fedsam`` on the GLUE folder (the tokenizer: the model's own, by
+    default); the run's adapter loads onto AutoModelForSequenceClassification with PeftModel.from_pretrained and
+    gives the run's final logits; `fedflat evaluate` reproduces its accuracy, merged too."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForSequenceClassification
+
+    from fedflat.config import load_config
+    from fedflat.engine.checkpoint import run_config
+
+    folder, data = roberta
+    done = subprocess.run([sys.executable, "-m", "fedflat.cli", "run", *glue_run(folder, data, "algo=fedsam"),
+                           "--out", str(tmp_path), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = next(tmp_path.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["adapter"]["r"] == 4 and summary["base_hash"]
+    assert load_config(None, glue_run(folder, data)).data.options["tokenizer"] == str(folder)
+
+    sim = Simulation(run_config(run_dir))
+    w, _ = sim.model.vectors(torch.load(run_dir / "model.pt", weights_only=True))
+    x = sim.dataset.x_test[:8]
+    base = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x[:, 0], attention_mask=x[:, 1]).logits, sim.model(w, x),
+                                   rtol=0, atol=0)
+    for extra in ([], ["--merged"]):
+        shown = subprocess.run([sys.executable, "-m", "fedflat.cli", "evaluate", str(run_dir), *extra],
+                               capture_output=True, text=True, timeout=300)
+        assert shown.returncode == 0 and "(reproduced)" in shown.stdout, shown.stdout + shown.stderr[-2000:]
+
+
+@pytest.mark.slow  # two Hugging Face runs in a sweep: ~40 s on 2 cores
+def test_a_sweep_compares_methods_on_lora_adapters(roberta, tmp_path):
+    import yaml
+
+    from fedflat.experiments.sweep import load_sweep, run_sweep
+
+    folder, data = roberta
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({"base": "quickstart", "overrides": glue_run(folder, data),
+                                    "grid": {"algo": ["fedavg", "fedsam"]}, "out": str(tmp_path / "out")}))
+    result = run_sweep(load_sweep(spec), progress=False)
+    cells = [c for c in result.cells if c.get("status") == "completed"]
+    assert len(cells) == 2 and not result.failed
+    assert all((result.folder / c["name"] / "adapter" / "adapter_model.safetensors").is_file() for c in cells)

@@ -414,7 +414,7 @@ def load_glue(root: str | Path | None = None, download: bool = False, *, task: s
     spec = text_task(task, text_columns, label_column, label_names)
     if tokenizer in (None, ""):
         raise ValueError("glue: set data.options.tokenizer to the local folder of the model's Hugging Face tokenizer "
-                         "(usually the model's own folder)")
+                         "(with model=hf it defaults to model.path)")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"glue: max_length must be an int >= 2 (tokens per row; FedSWA uses 128), got {max_length!r}")
     folder, splits = find_task(spec, root)
