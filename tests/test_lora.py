@@ -331,3 +331,61 @@ def test_a_sweep_compares_methods_on_lora_adapters(roberta, tmp_path):
     cells = [c for c in result.cells if c.get("status") == "completed"]
     assert len(cells) == 2 and not result.failed
     assert all((result.folder / c["name"] / "adapter" / "adapter_model.safetensors").is_file() for c in cells)
+
+
+@pytest.mark.parametrize("stage", [
+    ("privacy.mode=central", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"),
+    ("privacy.mode=local", "privacy.noise_multiplier=0.1", "privacy.clip=0.3"),
+    ("privacy.level=instance", "privacy.noise_multiplier=0.5", "privacy.clip=0.3", "adapter.dropout=0"),
+    ("robust.name=median", "attack.name=sign_flip", "sampling.clients_per_round=5"),
+    ("compression.name=topk", "compression.ratio=0.3"),
+])
+def test_the_upload_path_acts_on_the_adapters(tiny, stage):
+    """DP (client-level, local, DP-SGD), robust rules under attack and compression run on the adapters: the run
+    completes with finite adapters, and a DP run spends a finite epsilon."""
+    history = run(tiny, "algo=fedsam", "rounds=2", *stage)
+    assert history.summary["status"] == "completed" and torch.isfinite(history.final_parameters).all()
+    if stage[0].startswith("privacy"):
+        assert 0 < history.summary["epsilon"] < float("inf")
+
+
+def test_dp_sgd_refuses_the_adapters_dropout_naming_the_option(tiny):
+    with pytest.raises(ConfigError, match=r"adapter.dropout=0"):
+        Simulation(tiny(*LORA, "privacy.level=instance", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"))
+
+
+def test_diagnostics_measure_the_adapter_subspace(tiny):
+    """Sharpness and the other diagnostics run on w, the adapters: their global SAM sharpness is finite."""
+    history = run(tiny, "rounds=2", "diagnostics.every=1", "diagnostics.kinds=[sharpness,drift]")
+    sharp = [m for m in history.metrics if "sharpness" in m or any(k.startswith("sharp") for k in m)]
+    assert sharp, history.metrics[-1].keys()
+
+
+def test_a_flower_node_with_another_base_is_refused_naming_both_digests(tiny, tmp_path):
+    """The server's train message carries its base's digest; a node whose base differs refuses the task naming both,
+    and one with the same base trains it. A node's own path to the base: node config ``model-path``."""
+    pytest.importorskip("flwr")
+    from fedflat.flower.apps import with_model_path
+    from fedflat.flower.node import Node
+    from fedflat.flower.protocol import task_content
+
+    cfg = tiny(*LORA)
+    sim = Simulation(cfg)
+    node = Node(cfg, 0, 1, tmp_path / "state", sim)
+    opened = sim.server.begin_round(0)
+    rounds = [-1] * len(opened.task.ids)
+    with pytest.raises(ConfigError, match=f"digest {sim.report.base_hash}.*digest {'f' * 32}"):
+        node.fit(task_content(opened.broadcast, opened.task, rounds, "f" * 32))
+    _, result = node.fit(task_content(opened.broadcast, opened.task, rounds, sim.report.base_hash))
+    assert result.upload["model"].shape == (len(opened.task.ids), sim.num_parameters)
+    moved = with_model_path(tiny(*LORA, "model.pretrained=/somewhere/vit.pt"), str(tmp_path / "vit.pt"))
+    assert moved.model["pretrained"] == str(tmp_path / "vit.pt")
+    assert with_model_path(tiny("model=hf", "model.path=/a"), "/b").model["path"] == "/b"
+
+
+@pytest.mark.slow  # Ray workers: ~30 s
+def test_ray_workers_load_their_own_base_and_give_the_local_run(tiny):
+    pytest.importorskip("ray")
+    local = run(tiny, *UNEQUAL, "algo=fedsam")
+    remote = run(tiny, *UNEQUAL, "algo=fedsam", "executor.name=ray", "executor.workers=2")
+    assert torch.equal(remote.final_parameters, local.final_parameters)
