@@ -385,3 +385,19 @@ def test_ray_workers_load_their_own_base_and_give_the_local_run(tiny):
     local = run(tiny, *UNEQUAL, "algo=fedsam")
     remote = run(tiny, *UNEQUAL, "algo=fedsam", "executor.name=ray", "executor.workers=2")
     assert torch.equal(remote.final_parameters, local.final_parameters)
+
+
+def test_a_lora_run_resumes_to_the_uninterrupted_run(tiny, tmp_path):
+    """Killed after round 3 (last checkpoint: round 2), resumed: the adapters and the kept client state (SCAFFOLD's
+    c_i, adapter-sized) equal the uninterrupted run's; the base is read again from the config."""
+    from test_resume import _interrupted
+
+    from fedflat.experiments.resume import resume
+
+    cfg = tiny(*LORA, "algo=scaffold", "rounds=4", "checkpoint_every=2")
+    full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
+    folder = _interrupted(cfg, tmp_path, stop_after=3)
+    resumed = resume(folder, progress=False)
+    assert resumed.summary["status"] == "completed"
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file()
