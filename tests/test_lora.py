@@ -401,3 +401,22 @@ def test_a_lora_run_resumes_to_the_uninterrupted_run(tiny, tmp_path):
     assert resumed.summary["status"] == "completed"
     assert torch.equal(resumed.final_parameters, full.final_parameters)
     assert (folder / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_secagg_sums_the_adapters_as_the_plain_round_within_the_quantization_bound(tmp_path, monkeypatch):
+    """Flower's SecAgg+ masks and sums adapter-sized vectors: the secure round's adapters equal the plain round's
+    within test_secagg.py's quantization bound, and the frozen base is the same on the server and every node."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_secagg import N, SECURE, clients_per_node, plain_round, quantization_bound, secure_round, small
+
+    for name, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):  # (test_secagg.py's fixture)
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+    cfg = small("fedsam", *SECURE, *LORA, "data.options.shape=[1,4,4]")
+    secure, _ = secure_round(cfg, tmp_path)
+    plain = plain_round(cfg)
+    assert secure.server.w.numel() == plain.server.w.numel() == secure.num_parameters
+    bound = quantization_bound(3, clients_per_node(3, list(range(N))), plain.server.w)
+    assert (secure.server.w - plain.server.w).abs().max().item() <= bound
+    assert (plain.server.w - plain.w_before).abs().max() > 5 * bound
