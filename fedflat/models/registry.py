@@ -115,6 +115,16 @@ def base_key(name: str) -> str:
     return {"hf": "path", "timm": "weights"}.get(str(name).strip().lower(), "pretrained")
 
 
+def without_weights(section: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` section that builds the same architecture without reading its pretrained weights (they come
+    from elsewhere: a broadcast, or a module of the same run in this process): ``pretrained`` and timm's ``weights``
+    left out, a Hugging Face folder built from its ``config.json`` alone."""
+    key = base_key(section["name"])
+    if key == "path":
+        return {**section, "random_weights": True}
+    return {k: v for k, v in section.items() if k != key}
+
+
 def count_parameters(model: nn.Module) -> int:
     """Total number of scalar parameters in ``model`` (shared tensors counted once)."""
     return sum(p.numel() for p in model.parameters())
