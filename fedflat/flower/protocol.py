@@ -299,8 +299,9 @@ def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
     :meth:`~fedflat.engine.runtime.ClientRuntime.fit`) run here for the round's first sampled client from a fresh
     state, one local step, and the backward passes that took. The entries (the parts' and upload stages'
     ``cohort.upload``), their row shapes and dtypes follow from the method, its options and the model, not from the
-    data or the state, so every reply of the round is checked against this (:func:`~fedflat.flower.protocol.read_result`), never against the other nodes' replies:
-    with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's state changes."""
+    data or the state, so every reply of the round is checked against this (:func:`read_result`), never against the
+    other nodes' replies: with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's
+    state changes."""
     one = opened.task.rows(torch.tensor([0]))
     task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
     store = sim.server.store

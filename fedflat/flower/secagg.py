@@ -197,8 +197,8 @@ class OneRound(LegacyStrategy):
 def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout, most: int) -> str:
     """Why a node's masked-vector reply cannot join the sum ('' when it can): what it says in the clear (its clients,
     their count as its weight, the entries' names, row shapes and dtypes, its counts: at most ``most`` backward passes,
-    :func:`fedflat.flower.protocol.most_backprops`) must be what it was sent and what the method uploads (``layout``, :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one
-    integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
+    :func:`fedflat.flower.protocol.most_backprops`) must be what it was sent and what the method uploads (``layout``,
+    :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
     Flower adds the vectors element-wise, so another count or shape would truncate or broadcast into the sum)."""
     try:
         fit_res = compat.recorddict_to_fitres(reply.content, keep_input=True)
@@ -215,8 +215,8 @@ def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout, mo
             if type(fit_res.metrics[key]) is not int or fit_res.metrics[key] < 0:
                 return f"its {key} {fit_res.metrics[key]!r} is not a count"
         if fit_res.metrics["backprops"] > most:
-            return (f"it claims {fit_res.metrics['backprops']} backward passes, more than the {most} its clients' local "
-                    "steps take in this round (at most)")
+            return (f"it claims {fit_res.metrics['backprops']} backward passes, more than the {most} its clients' "
+                    "local steps take in this round (at most)")
         vectors = list(reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
         expected = [(1,)] + [(max(1, int(np.prod(shape))),) for _, shape, _ in layout.entries]
         if len(vectors) != len(expected):
