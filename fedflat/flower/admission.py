@@ -117,6 +117,7 @@ class Admission(H11Protocol):
 
     def connection_made(self, transport) -> None:  # the TCP connection, before TLS
         self.address, self.counted, self.head_timer, self.handshake = None, False, None, None
+        self.early: list[bytes] | None = []  # what TLS decrypted before uvicorn's connection was made (None: since)
         peer = transport.get_extra_info("peername")
         self.address = address_key(str(peer[0])) if peer else "?"
         refused = self.ledger.admit(self.address)
@@ -125,6 +126,7 @@ class Admission(H11Protocol):
             transport.abort()
             return
         self.counted = True
+        transport.pause_reading()  # (until start_tls hands its bytes to TLS: uvloop would give them to h11 first)
         self.handshake = self.loop.create_task(self._secure(transport, self.loop.time()))
 
     async def _secure(self, raw, opened: float) -> None:
@@ -133,7 +135,8 @@ class Admission(H11Protocol):
             if raw.is_closing():
                 raise ConnectionResetError("closed before its TLS handshake")
             secure = await self.loop.start_tls(raw, self, self.tls, server_side=True,
-                                               ssl_handshake_timeout=self.limits.header_timeout)
+                                               ssl_handshake_timeout=self.limits.header_timeout,
+                                               ssl_shutdown_timeout=self.limits.header_timeout)
             if secure is None or secure.is_closing():
                 raise ConnectionResetError("closed during its TLS handshake")
         except (OSError, RuntimeError) as err:  # (ssl.SSLError and TimeoutError are OSErrors)
@@ -145,6 +148,9 @@ class Admission(H11Protocol):
             return
         super().connection_made(secure)
         self._time_head(self.limits.header_timeout - (self.loop.time() - opened))
+        early, self.early = b"".join(self.early or []), None
+        if early:
+            self.data_received(early)
 
     def _time_head(self, seconds: float) -> None:
         self._head_in()
@@ -162,7 +168,18 @@ class Admission(H11Protocol):
                                                     f"head within {self.limits.header_timeout:g} s (--header-timeout)")
             self.transport.abort()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head h11 cannot read (beyond ``max_header_bytes``, or not HTTP/1.1), recorded."""
+        self.record.write(self.address, "400", f"closed a connection from {self.address}: its request head is beyond "
+                                               f"--max-header-bytes {self.limits.max_header_bytes} or not HTTP/1.1")
+        super().send_400_response(msg)
+
     def data_received(self, data: bytes) -> None:
+        if self.early is not None:  # (TLS hands over a request sent with its handshake before start_tls returns)
+            self.early.append(data)
+            return
+        if self.transport.is_closing():  # (TLS still hands over what it had decrypted: h11 would refuse it again)
+            return
         if self.head_timer is None and self.conn.their_state is h11.IDLE:  # a new request begins
             self._time_head(self.limits.header_timeout)
         super().data_received(data)

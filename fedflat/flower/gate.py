@@ -142,7 +142,8 @@ class Signatures:
 
     def __init__(self, roster_keys: set[bytes], window: float):
         self.roster_keys, self.window = roster_keys, window
-        self.seen: dict[bytes, float] = {}  # digest of a signature -> when (time.time) it leaves the window
+        self.seen: dict[bytes, float] = {}  # replay_mark of a signature -> when (time.time) it leaves the window
+        self.pruned = 0.0  # when the marks were last pruned
 
     def refusal(self, headers, now: float | None = None) -> str:
         """Why the request with ``headers`` is not signed as the gate requires ('' when it is; it is then recorded)."""
@@ -164,9 +165,10 @@ class Signatures:
         return ""
 
     def _forget(self, now: float) -> None:
-        """Drops the signatures whose timestamp has left the window (a replay of one is refused by its age)."""
-        if len(self.seen) > 1024 and next(iter(self.seen.values())) < now:
-            self.seen = {d: until for d, until in self.seen.items() if until >= now}
+        """Drops the marks whose timestamp has left the window (a replay of one is refused by its age), at most once a
+        second, once there are more than 1024."""
+        if len(self.seen) > 1024 and abs(now - self.pruned) >= 1.0:
+            self.seen, self.pruned = {d: until for d, until in self.seen.items() if until >= now}, now
 
 
 def replay_mark(headers) -> bytes:
@@ -325,8 +327,10 @@ def serve_gate(keys: str | Path, host: str, port: int, superlink: str = "127.0.0
     tls.load_cert_chain(str(keys / "server.crt"), str(keys / "server.key"))
     open_files(limits)
     app = gate_app(superlink, keys / "ca.crt", roster, limits)
+    # (asyncio's own loop: uvloop hands an accepted connection's first bytes to the protocol before start_tls can
+    # take them, however early its reading is paused)
     config = uvicorn.Config(app, host=host, port=port, http=admission_protocol(limits, tls, Record()), ws="none",
-                            lifespan="on", log_level="warning", access_log=False,
+                            loop="asyncio", lifespan="on", log_level="error", access_log=False,  # (refusals: the gate's own record)
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]  (a float is fine)
     uvicorn.Server(config).run()

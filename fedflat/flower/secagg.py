@@ -198,8 +198,9 @@ def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout, mo
     """Why a node's masked-vector reply cannot join the sum ('' when it can): what it says in the clear (its clients,
     their count as its weight, the entries' names, row shapes and dtypes, its counts: at most ``most`` backward passes,
     :func:`fedflat.flower.protocol.most_backprops`) must be what it was sent and what the method uploads (``layout``,
-    :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
-    Flower adds the vectors element-wise, so another count or shape would truncate or broadcast into the sum)."""
+    :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one integer array per entry of the
+    size the layout gives (read from the arrays' headers, before Flower decodes them: Flower adds the vectors
+    element-wise, so another count or shape would truncate or broadcast into the sum)."""
     try:
         fit_res = compat.recorddict_to_fitres(reply.content, keep_input=True)
         said = json.loads(str(fit_res.metrics["layout"]))
