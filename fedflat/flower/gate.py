@@ -53,6 +53,9 @@ FORWARDED = ("content-type", "accept", "accept-encoding", "user-agent")
 NOT_FORWARDED = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                  "upgrade", "content-length"}
 UPSTREAM_CONNECTIONS = 100  # the gate's connections to the SuperLink (httpx's pool)
+# connections asyncio accepts at once before the gate's admission closes those beyond its limits (also the listen
+# backlog): each holds an open file for that moment
+BACKLOG = 256
 SPARE_FILES = 64  # open files besides the connections: the keys, the logs, Python's own
 REFUSED_PATH = ("fedflat flower-gate: only SuperNodes' Fleet API requests pass here; the Control API (flwr run, ls, "
                 "log, stop, supernode register) is served on the SuperLink's machine only (docs/flower.md)\n")
@@ -291,11 +294,11 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
 
 def open_files(limits: GateLimits) -> int:
     """Raises this process's limit of open files (``RLIMIT_NOFILE``, soft) to what ``limits`` need: every connection
-    the gate admits, its pool to the SuperLink and a few more; a :class:`ConfigError` when the hard limit is lower.
-    Returns the limit now in force."""
+    the gate admits, those accepted at once before it refuses them (:data:`BACKLOG`), its pool to the SuperLink and a
+    few more; a :class:`ConfigError` when the hard limit is lower. Returns the limit now in force."""
     import resource
 
-    need = limits.max_connections + UPSTREAM_CONNECTIONS + SPARE_FILES
+    need = limits.max_connections + BACKLOG + UPSTREAM_CONNECTIONS + SPARE_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < need:
         raise ConfigError(f"--max-connections {limits.max_connections} needs {need} open files, and this process may "
@@ -330,7 +333,7 @@ def serve_gate(keys: str | Path, host: str, port: int, superlink: str = "127.0.0
     # (asyncio's own loop: uvloop hands an accepted connection's first bytes to the protocol before start_tls can
     # take them, however early its reading is paused)
     config = uvicorn.Config(app, host=host, port=port, http=admission_protocol(limits, tls, Record()), ws="none",
-                            loop="asyncio", lifespan="on", log_level="error", access_log=False,  # (refusals: the gate's own record)
+                            loop="asyncio", backlog=BACKLOG, lifespan="on", log_level="error", access_log=False,  # (refusals: the gate's own record)
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]  (a float is fine)
     uvicorn.Server(config).run()
