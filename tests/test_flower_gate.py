@@ -58,7 +58,8 @@ def test_the_gates_limits_are_options_with_safe_defaults_and_a_bad_one_is_one_li
     assert set(GATE_LIMITS) == set(GateLimits.__dataclass_fields__)
     args = parser.parse_args(["flower-gate", "--keys", "k", "--host", "h", "--max-connections", "64",
                               "--max-connections-per-address", "8", "--header-timeout", "2.5", "--max-body-bytes",
-                              "1000000", "--idle-timeout", "1", "--signature-window", "30", "--max-header-bytes", "8192"])
+                              "1000000", "--idle-timeout", "1", "--signature-window", "30",
+                              "--max-header-bytes", "8192"])
     assert gate_limits(args) == GateLimits(8192, 2.5, 1000000, 64, 8, 1.0, 30.0)
     for bad, says in [(dict(max_connections=0), "--max-connections 0: a limit of the gate is positive"),
                       (dict(header_timeout=-1.0), "--header-timeout -1.0: a limit of the gate is positive"),
@@ -83,7 +84,8 @@ def test_only_flowers_headers_reach_the_superlink_with_the_nodes_real_address():
             ("forwarded", "for=6.6.6.6"), ("x-real-ip", "6.6.6.6"), ("x-forwarded-proto", "http"),
             ("x-forwarded-host", "evil"), ("content-length", "5"), ("connection", "keep-alive"), ("via", "evil")]
     assert forwarded_headers(sent, "10.213.7.2") == [
-        ("content-type", "application/protobuf"), ("accept", "application/protobuf"), ("user-agent", "python-httpx/0.28"),
+        ("content-type", "application/protobuf"), ("accept", "application/protobuf"),
+        ("user-agent", "python-httpx/0.28"),
         ("flwr-public-key", "K"), ("flwr-timestamp", "T"), ("flwr-signature", "S"), ("x-flwr-client", "flwr/1.41.0"),
         ("x-forwarded-for", "10.213.7.2")]
 
@@ -221,10 +223,12 @@ def test_a_roster_node_pushes_only_its_own_messages_and_pulls_only_what_it_was_d
         return PullObjectRequest(node=Node(node_id=11), run_id=run, object_id=object_id).SerializeToString()
 
     def confirm(run: int, mid: str) -> bytes:
-        return ConfirmMessageReceivedRequest(node=Node(node_id=11), run_id=run, message_object_id=mid).SerializeToString()
+        request = ConfirmMessageReceivedRequest(node=Node(node_id=11), run_id=run, message_object_id=mid)
+        return request.SerializeToString()
 
     ids = {name: name * 64 for name in "abcdefgh"}  # (object ids are 64 hex digits)
-    assert "which is in no message the SuperLink delivered to it" in gate.refusal(mine, "pull-object", pull(7, ids["b"]))
+    refused = gate.refusal(mine, "pull-object", pull(7, ids["b"]))
+    assert "which is in no message the SuperLink delivered to it" in refused
     gate.record(mine, pull_messages_answer({ids["a"]: (7, 11, [ids["b"], ids["c"]])}))
     gate.record(theirs, pull_messages_answer({ids["d"]: (7, 12, [ids["e"]])}))
     for object_id in (ids["a"], ids["b"], ids["c"]):
@@ -279,12 +283,13 @@ def test_connections_count_per_address_an_ipv6_host_by_its_64_and_the_record_sta
 
 
 # -- against real gate processes, as an attacker would (make test-deploy) -----------------------------------------
-SLOW = r'''"""Slow connections to a gate, as one host opens them: SLOTS connections at once, each reopened (a second later) as
-soon as it ends, until DURATION s passed or the file STOP exists; in each a TLS handshake and a request head trickled
-a header a second (every third slot: a bare TCP connection that never starts TLS). Prints JSON: attempts, connections
-the gate refused at once, TLS handshakes completed, the most of those open at once, the longest connection held (s)."""
+SLOW = r'''"""Slow connections to a gate, as one host opens them: SLOTS connections at once, each reopened (a second
+later) as soon as it ends, until DURATION s passed or the file STOP exists; in each a TLS handshake and a request head
+trickled a header a second (every third slot: a bare TCP connection that never starts TLS). Prints JSON: attempts,
+connections the gate refused at once, TLS handshakes completed, the most of those open at once, the longest connection
+held (s)."""
 import asyncio, json, os, resource, ssl, sys, time
-resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)  # (thousands of sockets)
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)  # (many sockets)
 host, port, slots, duration, source, ca, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), \
     sys.argv[5], sys.argv[6], sys.argv[7]
 tls = ssl.create_default_context(cafile=ca)
@@ -334,8 +339,8 @@ asyncio.run(main())
 print(json.dumps(stats))
 '''
 
-FILL = r'''"""A distributed flood: from each source address, PER connections that complete TLS and send a request head just
-below 16 KiB, all held until the gate closes them. Prints JSON: connections open at the peak, and refused."""
+FILL = r'''"""A distributed flood: from each source address, PER connections that complete TLS and send a request
+head just below 16 KiB, all held until the gate closes them. Prints JSON: connections open at the peak, and refused."""
 import asyncio, json, ssl, sys
 host, port, per, ca, sources = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 tls = ssl.create_default_context(cafile=ca)
@@ -415,6 +420,15 @@ class Gate:
                 time.sleep(0.2)
         raise AssertionError(f"the gate did not listen within {timeout} s: {self.log.read_text()}")
 
+    def idle_kib(self, client, key) -> int:
+        """Waits for the gate to listen, sends it five requests signed by ``key`` (the first import what forwarding
+        needs) and returns its resident memory then, in KiB: its idle size."""
+        self.wait()
+        for _ in range(5):
+            assert client.post(f"https://{self.address}/v1/fleet/pull-messages", content=b"",
+                               headers=signed(key)).status_code == 502
+        return memory_kib(self.process.pid)["VmRSS"]
+
     def files(self) -> int:
         """The gate's open files now."""
         return len(list(Path(f"/proc/{self.process.pid}/fd").iterdir()))
@@ -428,6 +442,19 @@ class Gate:
         except ProcessLookupError:
             pass
         self.process.wait(30)
+
+
+@pytest.fixture
+def gate_process(keys, tmp_path):
+    """A gate process with its default limits, an honest node's client (127.0.0.1) and key, and the gate's idle
+    memory in KiB; both ended after the test."""
+    gate = Gate(tmp_path, keys)
+    client = honest_client(keys)
+    try:
+        yield gate, client, node_key(keys, 0), gate.idle_kib(client, node_key(keys, 0))
+    finally:
+        client.close()
+        gate.close()
 
 
 def honest_client(keys: Path):
@@ -466,7 +493,8 @@ def loopback_hosts() -> bool:
 @pytest.mark.slow  # about a minute: a real gate process and three attacks
 @pytest.mark.deploy
 @pytest.mark.skipif(not loopback_hosts(), reason="needs 127.0.0.0/8 on the loopback interface (Linux)")
-def test_one_host_without_a_key_cannot_grow_the_gate_nor_keep_an_honest_node_out(keys, tmp_path):
+def test_one_host_without_a_key_cannot_grow_the_gate_nor_keep_an_honest_node_out(gate_process, keys,
+                                                                                 tmp_path):
     """A real `fedflat flower-gate` process with its default limits, and one host without a key (127.0.0.3) trying
     what the attacker did: a 300 MB request head (it grew the gate from 1.0 to 4.8 GB under httptools, which caps no
     header), then 2000 slow connections (TLS, a header a second) and 1000 bare TCP ones, reopened as fast as they end,
@@ -488,91 +516,81 @@ def test_one_host_without_a_key_cannot_grow_the_gate_nor_keep_an_honest_node_out
     from flwr.proto.message_pb2 import Message, Metadata, PullObjectRequest
     from flwr.proto.node_pb2 import Node
 
-    gate = Gate(tmp_path, keys)
-    client = honest_client(keys)
-    node = node_key(keys, 0)
-    try:
-        gate.wait()
-        url = f"https://{gate.address}/v1/fleet"
-        for _ in range(5):  # (the first requests import what forwarding needs: the idle size is after them)
-            assert client.post(f"{url}/pull-messages", content=b"", headers=signed(node)).status_code == 502
-        idle = memory_kib(gate.process.pid)["VmRSS"]
+    gate, client, node, idle = gate_process
+    url = f"https://{gate.address}/v1/fleet"
 
-        # a 300 MB request head
-        tls = ssl.create_default_context(cafile=str(keys / "ca.crt"))
-        with tls.wrap_socket(socket.create_connection((gate.host, gate.port), source_address=("127.0.0.3", 0)),
-                             server_hostname=gate.host) as head:
-            head.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: gate\r\nX-Big: ")
-            sent = 0
-            try:
-                while sent < 300 << 20:
-                    head.sendall(bytes(1 << 16))
-                    sent += 1 << 16
-            except OSError:
-                pass
-            answer = head.recv(200) if sent < 300 << 20 else b""
-        assert sent < 16 << 20 and answer.startswith(b"HTTP/1.1 400 "), (sent, answer)
+    # a 300 MB request head
+    tls = ssl.create_default_context(cafile=str(keys / "ca.crt"))
+    with tls.wrap_socket(socket.create_connection((gate.host, gate.port), source_address=("127.0.0.3", 0)),
+                         server_hostname=gate.host) as head:
+        head.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: gate\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 300 << 20:
+                head.sendall(bytes(1 << 16))
+                sent += 1 << 16
+        except OSError:
+            pass
+        answer = head.recv(200) if sent < 300 << 20 else b""
+    assert sent < 16 << 20 and answer.startswith(b"HTTP/1.1 400 "), (sent, answer)
 
-        # thousands of slow connections from one host, an honest node asking meanwhile
-        stop = tmp_path / "stop"
-        slow = run_script(SLOW, gate.host, str(gate.port), "3000", "30", "127.0.0.3", str(keys / "ca.crt"), str(stop))
-        answers, files, began = [], [], time.monotonic()
-        while time.monotonic() - began < 30:
-            t = time.monotonic()
-            status = client.post(f"{url}/pull-messages", content=b"", headers=signed(node)).status_code
-            answers.append((status, time.monotonic() - t))
-            files.append(gate.files())
-            time.sleep(0.5)
-        stop.touch()
-        out, err = slow.communicate(timeout=120)
-        attack = json.loads(out)
-        assert attack["attempts"] > 3000 and attack["refused"] > 1000, (attack, err[-2000:])
-        assert attack["most_open"] <= 32 and attack["longest_s"] < 25, attack
-        assert [s for s, _ in answers] == [502] * len(answers) and max(d for _, d in answers) < 5, answers
-        assert max(files) < 32 + BACKLOG + 40, files
+    # thousands of slow connections from one host, an honest node asking meanwhile
+    stop = tmp_path / "stop"
+    slow = run_script(SLOW, gate.host, str(gate.port), "3000", "30", "127.0.0.3", str(keys / "ca.crt"), str(stop))
+    answers, files, began = [], [], time.monotonic()
+    while time.monotonic() - began < 30:
+        t = time.monotonic()
+        status = client.post(f"{url}/pull-messages", content=b"", headers=signed(node)).status_code
+        answers.append((status, time.monotonic() - t))
+        files.append(gate.files())
+        time.sleep(0.5)
+    stop.touch()
+    out, err = slow.communicate(timeout=120)
+    attack = json.loads(out)
+    assert attack["attempts"] > 3000 and attack["refused"] > 1000, (attack, err[-2000:])
+    assert attack["most_open"] <= 32 and attack["longest_s"] < 25, attack
+    assert [s for s, _ in answers] == [502] * len(answers) and max(d for _, d in answers) < 5, answers
+    assert max(files) < 32 + BACKLOG + 40, files
 
-        # a roster node's 400 MB body, declared and streamed
-        for content in (bytes(400 << 20), (bytes(1 << 20) for _ in range(400))):
-            began = time.monotonic()
-            refused = client.post(f"{url}/push-object", content=content, headers=signed(node_key(keys, 1)))
-            assert refused.status_code == 413 and "beyond --max-body-bytes 16777216" in refused.text, refused.text
-            assert time.monotonic() - began < 30
-        del content
-        peak = memory_kib(gate.process.pid)["VmHWM"]
-        print(f"gate memory: idle {idle / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB "
-              f"(+{(peak - idle) / 1024:.1f} MiB); attack {attack}; honest answers in at most "
-              f"{max(d for _, d in answers):.2f} s; open files at most {max(files)}")
-        assert peak - idle < 64 * 1024, (idle, peak)
+    # a roster node's 400 MB body, declared and streamed
+    for content in (bytes(400 << 20), (bytes(1 << 20) for _ in range(400))):
+        began = time.monotonic()
+        refused = client.post(f"{url}/push-object", content=content, headers=signed(node_key(keys, 1)))
+        assert refused.status_code == 413 and "beyond --max-body-bytes 16777216" in refused.text, refused.text
+        assert time.monotonic() - began < 30
+    del content
+    peak = memory_kib(gate.process.pid)["VmHWM"]
+    print(f"gate memory: idle {idle / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB "
+          f"(+{(peak - idle) / 1024:.1f} MiB); attack {attack}; honest answers in at most "
+          f"{max(d for _, d in answers):.2f} s; open files at most {max(files)}")
+    assert peak - idle < 64 * 1024, (idle, peak)
 
-        # an idle connection is closed after --idle-timeout
-        with tls.wrap_socket(socket.create_connection((gate.host, gate.port)), server_hostname=gate.host) as kept:
-            headers = "".join(f"{k}: {v}\r\n" for k, v in signed(node).items())
-            kept.sendall(f"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: gate\r\nContent-Length: 0\r\n{headers}\r\n"
-                         .encode())
-            assert kept.recv(1000).startswith(b"HTTP/1.1 502 ")
-            began = time.monotonic()
-            kept.settimeout(30)
-            while kept.recv(1000):
-                pass
-            assert 4 < time.monotonic() - began < 15
+    # an idle connection is closed after --idle-timeout
+    with tls.wrap_socket(socket.create_connection((gate.host, gate.port)), server_hostname=gate.host) as kept:
+        headers = "".join(f"{k}: {v}\r\n" for k, v in signed(node).items())
+        kept.sendall(f"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: gate\r\nContent-Length: 0\r\n{headers}\r\n"
+                     .encode())
+        assert kept.recv(1000).startswith(b"HTTP/1.1 502 ")
+        began = time.monotonic()
+        kept.settimeout(30)
+        while kept.recv(1000):
+            pass
+        assert 4 < time.monotonic() - began < 15
 
-        # signatures and what a roster node's requests carry
-        old = signed(node, "2020-01-01T00:00:00+00:00")
-        assert client.post(f"{url}/pull-messages", content=b"", headers=old).status_code == 401
-        once = signed(node)
-        assert client.post(f"{url}/pull-messages", content=b"", headers=once).status_code == 502
-        replayed = client.post(f"{url}/push-object", content=b"another body", headers=once)
-        assert replayed.status_code == 401 and "used before (a replay)" in replayed.text
-        forged = PushMessagesRequest(node=Node(node_id=11), messages_list=[
-            Message(metadata=Metadata(run_id=1, src_node_id=12))]).SerializeToString()
-        pushed = client.post(f"{url}/push-messages", content=forged, headers=signed(node))
-        assert pushed.status_code == 403 and "whose source is node 12, not the node 11" in pushed.text
-        pull = PullObjectRequest(node=Node(node_id=11), run_id=1, object_id="a" * 64).SerializeToString()
-        pulled = client.post(f"{url}/pull-object", content=pull, headers=signed(node))
-        assert pulled.status_code == 403 and "in no message the SuperLink delivered to it" in pulled.text
-    finally:
-        client.close()
-        gate.close()
+    # signatures and what a roster node's requests carry
+    old = signed(node, "2020-01-01T00:00:00+00:00")
+    assert client.post(f"{url}/pull-messages", content=b"", headers=old).status_code == 401
+    once = signed(node)
+    assert client.post(f"{url}/pull-messages", content=b"", headers=once).status_code == 502
+    replayed = client.post(f"{url}/push-object", content=b"another body", headers=once)
+    assert replayed.status_code == 401 and "used before (a replay)" in replayed.text
+    forged = PushMessagesRequest(node=Node(node_id=11), messages_list=[
+        Message(metadata=Metadata(run_id=1, src_node_id=12))]).SerializeToString()
+    pushed = client.post(f"{url}/push-messages", content=forged, headers=signed(node))
+    assert pushed.status_code == 403 and "whose source is node 12, not the node 11" in pushed.text
+    pull = PullObjectRequest(node=Node(node_id=11), run_id=1, object_id="a" * 64).SerializeToString()
+    pulled = client.post(f"{url}/pull-object", content=pull, headers=signed(node))
+    assert pulled.status_code == 403 and "in no message the SuperLink delivered to it" in pulled.text
     record = gate.log.read_text()
     assert "refused a connection from 127.0.0.3: 32 connections from this address are open" in record
     assert "closed a connection from 127.0.0.3: no whole request head within 10 s (--header-timeout)" in record
@@ -583,7 +601,7 @@ def test_one_host_without_a_key_cannot_grow_the_gate_nor_keep_an_honest_node_out
 @pytest.mark.slow  # about 40 s
 @pytest.mark.deploy
 @pytest.mark.skipif(not loopback_hosts(), reason="needs 127.0.0.0/8 on the loopback interface (Linux)")
-def test_a_distributed_flood_fills_the_gate_to_its_connection_limit_and_no_further(keys, tmp_path):
+def test_a_distributed_flood_fills_the_gate_to_its_connection_limit_and_no_further(gate_process, keys):
     """What the limits do not stop, measured: 24 hosts (127.0.1.1-24), each opening 32 connections that send a request
     head just below the 16 KiB cap and hold it, fill the gate's 512 connections; the rest are refused at once, and so
     is an honest node while the gate is full (a firewall's rate limits or more capacity are the answer to a
@@ -592,44 +610,34 @@ def test_a_distributed_flood_fills_the_gate_to_its_connection_limit_and_no_furth
     the flood the honest node is served again."""
     import json
 
-    gate = Gate(tmp_path, keys)
-    client = honest_client(keys)
-    node = node_key(keys, 0)
-    try:
-        gate.wait()
-        url = f"https://{gate.address}/v1/fleet/pull-messages"
-        for _ in range(5):
-            assert client.post(url, content=b"", headers=signed(node)).status_code == 502
-        idle = memory_kib(gate.process.pid)["VmRSS"]
-        client.close()  # (an honest node's kept connection keeps its place: here it asks anew each time)
-        flood = run_script(FILL, gate.host, str(gate.port), "32", str(keys / "ca.crt"),
-                           *(f"127.0.1.{i}" for i in range(1, 25)))
-        full, files = False, 0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not full:
-            files = max(files, gate.files())
-            if files >= 512:
-                try:
-                    with honest_client(keys) as fresh:
-                        full = fresh.post(url, content=b"", headers=signed(node)).status_code != 502
-                except Exception:  # noqa: BLE001 - refused while full: what this test shows
-                    full = True
-            time.sleep(0.2)
-        stats = json.loads(flood.communicate(timeout=120)[0])
-        peak = memory_kib(gate.process.pid)["VmHWM"]
-        print(f"distributed flood: {stats}; gate memory idle {idle / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB "
-              f"(+{(peak - idle) / 1024:.0f} MiB, {(peak - idle) / 512:.0f} KiB a connection); open files {files}")
-        assert full and stats["peak"] == 512 and stats["refused"] == 24 * 32 - 512, stats
-        assert peak - idle < 512 * 0.4 * 1024 and files < 512 + BACKLOG + 40, (idle, peak, files)
-        client = honest_client(keys)
-        assert client.post(url, content=b"", headers=signed(node)).status_code == 502
-    finally:
-        client.close()
-        gate.close()
+    gate, client, node, idle = gate_process
+    url = f"https://{gate.address}/v1/fleet/pull-messages"
+    client.close()  # (an honest node's kept connection keeps its place: here it asks anew each time)
+    flood = run_script(FILL, gate.host, str(gate.port), "32", str(keys / "ca.crt"),
+                       *(f"127.0.1.{i}" for i in range(1, 25)))
+    full, files = False, 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not full:
+        files = max(files, gate.files())
+        if files >= 512:
+            try:
+                with honest_client(keys) as fresh:
+                    full = fresh.post(url, content=b"", headers=signed(node)).status_code != 502
+            except Exception:  # noqa: BLE001 - refused while full: what this test shows
+                full = True
+        time.sleep(0.2)
+    stats = json.loads(flood.communicate(timeout=120)[0])
+    peak = memory_kib(gate.process.pid)["VmHWM"]
+    print(f"distributed flood: {stats}; gate memory idle {idle / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB "
+          f"(+{(peak - idle) / 1024:.0f} MiB, {(peak - idle) / 512:.0f} KiB a connection); open files {files}")
+    assert full and stats["peak"] == 512 and stats["refused"] == 24 * 32 - 512, stats
+    assert peak - idle < 512 * 0.4 * 1024 and files < 512 + BACKLOG + 40, (idle, peak, files)
+    with honest_client(keys) as again:
+        assert again.post(url, content=b"", headers=signed(node)).status_code == 502
 
 
-FORGED = r'''"""A roster node's request that names an address of its choosing (X-Forwarded-For, Forwarded, X-Real-IP): the
-SuperLink refuses it (node id 0 is not this key's), and its log says who asked."""
+FORGED = r'''"""A roster node's request that names an address of its choosing (X-Forwarded-For, Forwarded,
+X-Real-IP): the SuperLink refuses it (node id 0 is not this key's), and its log says who asked."""
 import base64, ssl, sys, httpx
 from cryptography.hazmat.primitives import serialization
 from flwr.supercore.date import now

@@ -3,7 +3,7 @@
 ``fedflat flower-gate`` serves with uvicorn's h11 protocol (:mod:`fedflat.flower.gate`), which caps a request's head
 (``h11_max_incomplete_event_size``) and closes a connection idle between requests (``timeout_keep_alive``). What
 uvicorn lacks, this module adds to its protocol (:func:`admission_protocol`), within the
-:class:`~fedflat.flower.gate.GateLimits`:
+:class:`~fedflat.flower.limits.GateLimits`:
 
 - **connections, overall and per address**, counted from the moment a TCP connection is accepted, before its TLS
   handshake: one beyond ``max_connections``, or beyond ``max_connections_per_address`` from one address (IPv4, or an
@@ -31,7 +31,7 @@ from typing import ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from fedflat.flower.gate import GateLimits
+from fedflat.flower.limits import GateLimits
 
 QUIET_S = 10.0  # seconds between two lines about the same address and reason
 RECORD_ENTRIES = 4096  # (address, reason) pairs the record remembers; older ones are dropped beyond it

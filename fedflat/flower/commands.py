@@ -93,8 +93,8 @@ Then, on the SuperLink's machine: flwr run APP here --run-config 'num-partitions
 
 
 def gate_limits(args: argparse.Namespace):
-    """The :class:`~fedflat.flower.gate.GateLimits` of ``fedflat flower-gate``'s options."""
-    from fedflat.flower.gate import GateLimits
+    """The :class:`~fedflat.flower.limits.GateLimits` of ``fedflat flower-gate``'s options."""
+    from fedflat.flower.limits import GateLimits
 
     return GateLimits(**{name: getattr(args, name) for name in GATE_LIMITS})
 
@@ -166,7 +166,7 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=9092, help="the gate's port (default 9092)")
     p.add_argument("--superlink", default="127.0.0.1:9093",
                    help="the SuperLink's address, a loopback one (flower-superlink --host 127.0.0.1 --port 9093)")
-    from fedflat.flower.gate import GateLimits
+    from fedflat.flower.limits import GateLimits
 
     for name, (kind, what) in GATE_LIMITS.items():
         default = getattr(GateLimits(), name)

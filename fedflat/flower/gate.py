@@ -17,7 +17,7 @@ SuperLink's certificate and forwards to the SuperLink only
 - signed by a key of the roster (``node-keys.txt`` of ``fedflat flower-keys``): the ``flwr-public-key`` header is
   one of the roster's keys and ``flwr-signature`` its signature of ``flwr-timestamp`` (Flower's SuperNode
   authentication, checked again by the SuperLink, with the key's registration), a timestamp within the gate's
-  window (:attr:`GateLimits.signature_window`) and a signature not used before
+  window (:attr:`~fedflat.flower.limits.GateLimits.signature_window`) and a signature not used before
   (:class:`Signatures`: Flower signs the timestamp only, so a signature seen twice is a replay),
 - whose body is within the gate's limits and, for the requests Flower does not check fully, carries what the signer
   may send (:mod:`fedflat.flower.fleet`),
@@ -39,10 +39,10 @@ import re
 import ssl
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from fedflat.core import ConfigError
+from fedflat.flower.limits import GateLimits
 
 FLEET_PREFIX = "/v1/fleet/"
 PUBLIC_KEY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER = "flwr-public-key", "flwr-signature", "flwr-timestamp"
@@ -60,43 +60,6 @@ SPARE_FILES = 64  # open files besides the connections: the keys, the logs, Pyth
 REFUSED_PATH = ("fedflat flower-gate: only SuperNodes' Fleet API requests pass here; the Control API (flwr run, ls, "
                 "log, stop, supernode register) is served on the SuperLink's machine only (docs/flower.md)\n")
 REFUSED_KEY = "fedflat flower-gate: not signed by a SuperNode key of this federation's roster (node-keys.txt)\n"
-
-
-@dataclass(frozen=True)
-class GateLimits:
-    """The gate's limits, each a ``fedflat flower-gate`` option (docs/flower.md, "The gate's limits").
-
-    ``max_header_bytes``: a request's line and headers (``--max-header-bytes``; Flower's SuperNode sends about 1.5
-    KiB). ``header_timeout``: seconds from a connection's opening (its TLS handshake included), or from a new
-    request's first byte, until its whole head has arrived; also the longest pause within a body
-    (``--header-timeout``). ``max_body_bytes``: a request's body (``--max-body-bytes``; Flower sends arrays in chunks
-    of 5 MiB, ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``). ``max_connections``: open connections overall
-    (``--max-connections``); ``max_connections_per_address``: from one address (``--max-connections-per-address``;
-    SuperNodes behind one NAT share it; a SuperNode keeps one or two). ``idle_timeout``: seconds a connection may
-    wait between a response and its next request (``--idle-timeout``). ``signature_window``: the oldest signature
-    (``flwr-timestamp``) the gate accepts, in seconds (``--signature-window``; 5 s ahead are allowed for clock
-    drift, as Flower does)."""
-
-    max_header_bytes: int = 16 * 1024
-    header_timeout: float = 10.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_connections: int = 512
-    max_connections_per_address: int = 32
-    idle_timeout: float = 5.0
-    signature_window: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "header_timeout", "max_body_bytes", "max_connections",
-                     "max_connections_per_address", "idle_timeout", "signature_window"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: a limit of the gate is positive")
-        if self.max_header_bytes < 4096:
-            raise ConfigError(f"--max-header-bytes {self.max_header_bytes}: a SuperNode's request head takes about "
-                              "1.5 KiB; give it at least 4096")
-        if self.max_connections_per_address > self.max_connections:
-            raise ConfigError(f"--max-connections-per-address {self.max_connections_per_address} is above "
-                              f"--max-connections {self.max_connections}")
-
 
 
 FLEET_PATH = re.compile(r"/v1/fleet/[a-z]+(-[a-z]+)*")
@@ -333,7 +296,8 @@ def serve_gate(keys: str | Path, host: str, port: int, superlink: str = "127.0.0
     # (asyncio's own loop: uvloop hands an accepted connection's first bytes to the protocol before start_tls can
     # take them, however early its reading is paused)
     config = uvicorn.Config(app, host=host, port=port, http=admission_protocol(limits, tls, Record()), ws="none",
-                            loop="asyncio", backlog=BACKLOG, lifespan="on", log_level="error", access_log=False,  # (refusals: the gate's own record)
+                            loop="asyncio", backlog=BACKLOG, lifespan="on", access_log=False,
+                            log_level="error",  # (refusals: the gate's own record, at most a line per host and reason)
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             timeout_keep_alive=limits.idle_timeout)  # type: ignore[arg-type]  (a float is fine)
     uvicorn.Server(config).run()
