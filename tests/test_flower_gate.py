@@ -179,6 +179,48 @@ def test_a_body_beyond_the_cap_or_too_slow_is_refused_before_it_is_read_whole(ke
     assert "(408): its body paused for more than 0.5 s" in record
 
 
+def test_a_roster_key_has_at_most_eight_requests_in_flight(keys):
+    """Each request the gate holds for a roster key holds up to --max-body-bytes of body and the SuperLink's answer:
+    a key may have 8 in flight at once (a SuperNode sends at most three), the 9th is refused (429) at once, and once
+    one ends another is taken; other keys are not held up."""
+    from fedflat.flower.gate import IN_FLIGHT_PER_KEY
+    from test_flower_door import free_port
+
+    app = gate_app(f"127.0.0.1:{free_port()}", keys / "ca.crt", read_roster(roster_of(keys)))
+    key, other = node_key(keys, 1), node_key(keys, 2)
+
+    async def flight() -> list[int]:
+        release = asyncio.Event()
+
+        async def request(headers: dict[str, str], wait: bool) -> int:
+            sent = []
+
+            async def receive():
+                if wait:
+                    await release.wait()
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "https", "path": "/v1/fleet/push-object", "raw_path": b"/v1/fleet/push-object",
+                     "root_path": "", "query_string": b"", "client": ("10.9.9.9", 40000), "server": ("127.0.0.2", 9092),
+                     "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+            await app(scope, receive, send)
+            return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+        held = [asyncio.create_task(request(signed(key), True)) for _ in range(IN_FLIGHT_PER_KEY)]
+        await asyncio.sleep(0.2)
+        refused = await request(signed(key), False)
+        others = await request(signed(other), False)
+        release.set()
+        return [refused, others, *(await asyncio.gather(*held)), await request(signed(key), False)]
+
+    assert IN_FLIGHT_PER_KEY == 8
+    assert asyncio.run(flight()) == [429, 502] + [502] * 8 + [502]
+
+
 # -- what a roster node's Fleet requests may carry -----------------------------------------------------------------
 def pull_messages_answer(messages: dict[str, tuple[int, int, list[str]]]) -> bytes:
     """A SuperLink's PullMessagesResponse of ``messages``: id -> (run, destination node, its objects' ids)."""

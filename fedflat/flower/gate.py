@@ -53,6 +53,9 @@ FORWARDED = ("content-type", "accept", "accept-encoding", "user-agent")
 NOT_FORWARDED = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                  "upgrade", "content-length"}
 UPSTREAM_CONNECTIONS = 100  # the gate's connections to the SuperLink (httpx's pool)
+# requests of one roster key the gate holds at once (a SuperNode sends at most three: its main loop's, with two threads
+# pushing or pulling objects, and its heartbeat's); each holds a body of at most --max-body-bytes and an answer
+IN_FLIGHT_PER_KEY = 8
 # connections asyncio accepts at once before the gate's admission closes those beyond its limits (also the listen
 # backlog): each holds an open file for that moment
 BACKLOG = 256
@@ -213,17 +216,30 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
                      .rstrip("\n"))  # (the operator's record of who knocked)
         return PlainTextResponse(why, status_code=status, headers={"connection": "close"})
 
+    in_flight: dict[bytes, int] = {}  # roster key -> its requests the gate holds now
+
     async def forward(request):
         if request.method != "POST" or not is_fleet_path(request.url.path, request.scope.get("raw_path", b"")):
             return refuse(request, 403, REFUSED_PATH)
         why = signatures.refusal(request.headers)
         if why:
             return refuse(request, 401, why)
+        key = base64.b64decode(request.headers[PUBLIC_KEY_HEADER])
+        if in_flight.get(key, 0) >= IN_FLIGHT_PER_KEY:
+            return refuse(request, 429, f"fedflat flower-gate: {IN_FLIGHT_PER_KEY} requests of this SuperNode's key "
+                                        "are in flight already\n")
+        in_flight[key] = in_flight.get(key, 0) + 1
+        try:
+            return await signed(request, key)
+        finally:
+            in_flight[key] -= 1
+
+    async def signed(request, key: bytes):
+        """A request signed by roster ``key``, forwarded when its body is within the limits and Flower's checks."""
         try:
             body = await read_body(request.receive, request.headers.get("content-length"), limits)
         except BodyRefused as refused:
             return refuse(request, refused.status, f"fedflat flower-gate: {refused}\n")
-        key = base64.b64decode(request.headers[PUBLIC_KEY_HEADER])
         name = request.url.path.removeprefix(FLEET_PREFIX)
         why = deliveries.refusal(key, name, body)
         if why:
