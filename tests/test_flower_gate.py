@@ -705,7 +705,7 @@ def test_an_honest_run_completes_while_one_host_keeps_thousands_of_slow_connecti
     connections going (reopening each as soon as it ends) from before the operator submits the run to its end. In the
     attacker's try 20,000 such connections exhausted the gate's open files and the honest run ended `failed`
     (NoClients: no node hosts any of the sampled clients). Now at most 32 of the intruder's connections are open at
-    once, the SuperNodes keep theirs, and the run completes with `fedflat run`'s numbers, no client left out. A roster
+    once, the SuperNodes keep theirs (none of their connections or requests is refused), and the run completes with `fedflat run`'s numbers, no client left out. A roster
     node's request naming an address of its choosing (X-Forwarded-For, Forwarded, X-Real-IP) leaves the nodes' real
     address in the SuperLink's log, never the chosen one. Timeouts: tests/test_flower.py's wait_for_progress."""
     import json
@@ -799,6 +799,7 @@ def test_an_honest_run_completes_while_one_host_keeps_thousands_of_slow_connecti
     assert summary["status"] == "completed" and "dropped_clients" not in summary, (summary.get("reason"), said)
     assert attack["attempts"] > 3000 and attack["most_open"] <= 32, attack
     assert peak - idle < 64 * 1024, (idle, peak)
+    assert f"from {machines.nodes_ip}" not in gate.log.read_text()  # (the SuperNodes' connections: none refused)
     superlink = (tmp_path / "superlink.log").read_text(errors="replace")
     assert f'{machines.nodes_ip}:0 - "POST /v1/fleet/pull-messages HTTP/1.1" 401' in superlink, superlink[-3000:]
     assert not [a for a in ("6.6.6.6", "7.7.7.7", "8.8.8.8") if a in superlink]

@@ -216,21 +216,30 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
                      .rstrip("\n"))  # (the operator's record of who knocked)
         return PlainTextResponse(why, status_code=status, headers={"connection": "close"})
 
-    in_flight: dict[bytes, int] = {}  # roster key -> its requests the gate holds now
+    in_flight: dict[bytes, int] = {}  # roster key -> its requests the gate holds now (answers being sent included)
 
-    async def forward(request):
+    def admitted(request):
+        """``(None, the signer's key)`` for a Fleet API request freshly signed by a roster key whose key has room for
+        it, else ``(the refusal, None)``."""
         if request.method != "POST" or not is_fleet_path(request.url.path, request.scope.get("raw_path", b"")):
-            return refuse(request, 403, REFUSED_PATH)
+            return refuse(request, 403, REFUSED_PATH), None
         why = signatures.refusal(request.headers)
         if why:
-            return refuse(request, 401, why)
+            return refuse(request, 401, why), None
         key = base64.b64decode(request.headers[PUBLIC_KEY_HEADER])
         if in_flight.get(key, 0) >= IN_FLIGHT_PER_KEY:
             return refuse(request, 429, f"fedflat flower-gate: {IN_FLIGHT_PER_KEY} requests of this SuperNode's key "
-                                        "are in flight already\n")
+                                        "are in flight already\n"), None
+        return None, key
+
+    async def forward(request, send) -> None:
+        refusal, key = admitted(request)
+        if refusal is not None:
+            return await refusal(request.scope, request.receive, send)
         in_flight[key] = in_flight.get(key, 0) + 1
         try:
-            return await signed(request, key)
+            response = await signed(request, key)
+            await response(request.scope, request.receive, send)  # (a node that does not read holds its place)
         finally:
             in_flight[key] -= 1
 
@@ -265,8 +274,7 @@ def gate_app(superlink: str, ca_certfile: str | Path, roster: dict[int, bytes], 
             return
         if scope["type"] != "http":
             return  # (no websockets)
-        response = await forward(Request(scope, receive))
-        await response(scope, receive, send)
+        await forward(Request(scope, receive), send)
 
     return app
 
