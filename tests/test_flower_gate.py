@@ -543,15 +543,14 @@ def test_one_host_without_a_key_cannot_grow_the_gate_nor_keep_an_honest_node_out
     what the attacker did: a 300 MB request head (it grew the gate from 1.0 to 4.8 GB under httptools, which caps no
     header), then 2000 slow connections (TLS, a header a second) and 1000 bare TCP ones, reopened as fast as they end,
     for 30 s (20,000 of them exhausted the gate's open files: honest signed requests were reset; the gate runs here
-    with 1024, a common `ulimit -n`). Now the head is
-    refused (400) within the first 16 MiB sent; at most 32 of the host's connections are open at once, none of them
-    longer than the 10 s head timeout (plus its wait to be accepted); a signed request from an honest node (127.0.0.1) every half
-    second is answered throughout (502: no SuperLink behind this gate) and within 5 s; the gate's open files stay
-    within those 32, the connections it accepts at once before refusing them (its backlog, 256) and a few of its
-    own, and its peak memory within 64 MiB of its idle size (measured: docs/security.md). Then a roster
-    node's 400 MB body is refused (413) before it is read, whether declared or streamed; a connection idle for the 5 s
-    idle timeout is closed; a 2020 signature, a replayed one, a push in another node's name and a pull of an object
-    the node was never delivered are refused at the gate."""
+    with 1024, a common `ulimit -n`). Now the head is refused (400) within the first 16 MiB sent; at most 32 of the
+    host's connections are open at once, none of them longer than the 10 s head timeout (plus its wait to be
+    accepted); a signed request from an honest node (127.0.0.1) every half second is answered throughout (502: no
+    SuperLink behind this gate) and within 5 s; the gate's open files stay within those 32, the connections it accepts
+    at once before refusing them (its backlog, 256) and a few of its own, and its peak memory within 64 MiB of its idle
+    size (measured: docs/security.md). Then a roster node's 400 MB body is refused (413) before it is read, whether
+    declared or streamed; a connection idle for the 5 s idle timeout is closed; a 2020 signature, a replayed one, a
+    push in another node's name and a pull of an object the node was never delivered are refused at the gate."""
     import json
     import socket
     import ssl
@@ -707,9 +706,10 @@ def test_an_honest_run_completes_while_one_host_keeps_thousands_of_slow_connecti
     connections going (reopening each as soon as it ends) from before the operator submits the run to its end. In the
     attacker's try 20,000 such connections exhausted the gate's open files and the honest run ended `failed`
     (NoClients: no node hosts any of the sampled clients). Now at most 32 of the intruder's connections are open at
-    once, the SuperNodes keep theirs (none of their connections or requests is refused), and the run completes with `fedflat run`'s numbers, no client left out. A roster
-    node's request naming an address of its choosing (X-Forwarded-For, Forwarded, X-Real-IP) leaves the nodes' real
-    address in the SuperLink's log, never the chosen one. Timeouts: tests/test_flower.py's wait_for_progress."""
+    once, the SuperNodes keep theirs (none of their connections or requests is refused), and the run completes with
+    `fedflat run`'s numbers, no client left out. A roster node's request naming an address of its choosing
+    (X-Forwarded-For, Forwarded, X-Real-IP) leaves the nodes' real address in the SuperLink's log, never the chosen
+    one. Timeouts: tests/test_flower.py's wait_for_progress."""
     import json
     import os
     import signal
