@@ -438,7 +438,8 @@ class Gate:
         from test_flower_door import free_port
 
         def limited():
-            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+            most = min(files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+            resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
 
         self.host, self.port, self.log, self.keys = host, free_port(), root / "gate.log", keys
         with open(self.log, "ab") as log:
