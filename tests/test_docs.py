@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import http.server
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,95 @@ def test_the_site_builds_without_warnings_and_holds_every_page(site):
     pages = {p.stem for p in (REPO / "docs").glob("*.md")} - {"index"}
     assert pages and all((site / f"{page}.html").is_file() for page in pages)
     assert (site / "reference" / "api.html").is_file()
+
+
+# The pages a reader of a clone opens: README, docs/ and the harness's README under benchmarks/ (not the site's build).
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*") if p.suffix in (".md", ".rst")
+                                      and "_build" not in p.parts and "generated" not in p.parts),
+         *sorted((REPO / "benchmarks").rglob("*.md"))]
+# "issue 12", "issues 42-47", "Issue #5": the history of the work belongs in git, not in what a researcher reads
+ISSUE = re.compile(r"\bissues?\s*#?\s*\d+", re.IGNORECASE)
+# A path in a link, in backquotes, or in the text when it starts at a top-level folder of the repository
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+QUOTED = re.compile(r"`([^`\s]+/[^`\s]*)`")
+BARE = re.compile(r"(?<![\w/.-])((?:\.\./|shared/)[\w./*-]+|(?:" + "|".join(
+    re.escape(p.name) for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".")) + r"|\.ci)/[\w./*-]*[\w*/])")
+# Paths the pages name in the authors' repositories (FedACG's code: github.com/geehokim/FedACG), and what a command
+# writes (the site, runs); a capitalized component (FILE, NAME, run_X) is a placeholder.
+FOREIGN = {"configs/client/ACG.yaml", "configs/config.yaml"}
+WRITTEN = ("docs/_build", "runs/")
+
+
+def named_paths(text: str) -> list[tuple[str, bool]]:
+    """``(path, is_link)`` for every path a page names: link targets (relative to the page), backquoted paths and
+    bare ones that start at a top-level folder (relative to the repository)."""
+    found = [(m.group(1), True) for m in LINK.finditer(text)]
+    found += [(m.group(1), False) for m in QUOTED.finditer(text)]
+    found += [(m.group(1), False) for m in BARE.finditer(text)]
+    kept = []
+    for path, is_link in found:
+        if "://" in path or path.startswith(("#", "mailto:", "/", "~", "$")) or "@" in path:
+            continue
+        path = re.sub(r"(::\S*|#\S*|:[\d, -]+)$", "", path).rstrip(".,;:")
+        if path and (is_link or path.split("/")[0] in TOP or path.startswith(("../", "shared/"))):
+            kept.append((path, is_link))
+    return kept
+
+
+TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".") or p.name == ".ci"}
+
+
+def missing_path(page: Path, path: str, is_link: bool) -> str | None:
+    """Why ``path`` (named on ``page``) is not a file or folder of the repository, or None if it is."""
+    if path in FOREIGN or path.startswith(WRITTEN) or re.search(r"(^|/)[A-Z][A-Z_]*[\w.]*$|_X\b|<", path):
+        return None
+    # a link, and a path that climbs out of the page's folder (a literalinclude of ../examples/x.py), are the page's
+    target = ((page.parent if is_link or path.startswith("../") else REPO) / path).resolve()
+    if not target.is_relative_to(REPO):
+        return "outside the repository"
+    if "*" in path or "{" in path:
+        return None if list(REPO.glob(path.split("{")[0])) else "matches no file"
+    if target.exists() or any(p.name.startswith(target.name + ".") for p in target.parent.glob("*")):
+        return None  # (or the prefix of files a command writes: docs/figures/gpu_converge -> .png, .csv)
+    return "no such file or folder in the repository"
+
+
+def test_the_pages_name_no_issue_and_no_path_a_clone_lacks():
+    """README and docs/ are read in a fresh clone: a page names no issue of the project's tracker (say what the thing
+    is; its history is in git), and every path it names — a link, `a/path`, docs/x.md — exists in the clone."""
+    problems = []
+    for page in PAGES:
+        text = page.read_text()
+        name = page.relative_to(REPO)
+        problems += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}: names {m.group(0)!r}"
+                     for m in ISSUE.finditer(text)]
+        problems += [f"{name}: {path}: {why}" for path, is_link in named_paths(text)
+                     if (why := missing_path(page, path, is_link))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_path_check_catches_what_it_is_for():
+    """The check above on pages that break it: a path outside the repository, a missing one, an issue."""
+    page = REPO / "docs" / "x.md"
+    assert missing_path(REPO / "README.md", "../shared/anchors/setup.sh", False) == "outside the repository"
+    assert missing_path(page, "../shared/anchors/setup.sh", False) == "no such file or folder in the repository"
+    assert missing_path(page, "../examples/own_data.py", False) is None
+    assert missing_path(page, "../../elsewhere.md", True) == "outside the repository"
+    assert missing_path(page, "shared/spec/algorithms.md", False) == "no such file or folder in the repository"
+    assert missing_path(page, "benchmarks/anchors/setup.sh", False) is None
+    assert missing_path(page, "extending.md", True) is None and missing_path(page, "gone.md", True)
+    assert [p for p, _ in named_paths("run `bash ../shared/anchors/run.sh 11 3` or see docs/gone.md, [x](y.md#z)")] \
+        == ["y.md", "../shared/anchors/run.sh", "docs/gone.md"]
+    assert ISSUE.search("fixed in issue 45") and ISSUE.search("Issues 42-47") and not ISSUE.search("tissue 4")
+
+
+def test_the_reference_and_the_shipped_configs_name_no_issue():
+    """The API reference is made of the package's docstrings, and `fedflat list --configs` shows the configs' first
+    comments: neither names an issue either."""
+    found = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "fedflat").rglob("*"))
+             if p.suffix in (".py", ".yaml") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if ISSUE.search(line)]
+    assert not found, found
 
 
 def modules() -> list[str]:
