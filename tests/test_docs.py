@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import pkgutil
 import re
 import shutil
 import subprocess
 import sys
 import threading
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import urljoin
@@ -179,6 +181,9 @@ class Page(HTMLParser):
         self.html = html  # the DOM as the browser left it (MathJax's output included)
         self.images: list[str] = []  # the main part's <img> sources
         self.feed(html)
+        measured = re.search(r'<pre id="fedflat-math">(.*?)</pre>', html, flags=re.S)
+        # what MEASURE found: one dict a formula (text, display, width, column); None on a page not measured
+        self.math: list[dict] | None = json.loads(unescape(measured.group(1))) if measured else None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
@@ -227,11 +232,18 @@ def browser(site, tmp_path_factory):
     base = f"http://127.0.0.1:{server.server_address[1]}/"
     profile = tmp_path_factory.mktemp("chromium-profile")
 
-    def open_page(path: str) -> Page:
+    def open_page(path: str, measure: bool = False) -> Page:
+        """The page as Chromium left it in a 1280 x 1000 window; ``measure``: a copy of the page beside it with
+        :data:`MEASURE` at its end, so that its ``Page.math`` holds what MathJax drew."""
+        if measure:
+            original = site / path
+            path = str(Path(path).with_name(f"_measured_{original.name}"))
+            (site / path).write_text(original.read_text().replace("</body>", MEASURE + "</body>"))
         done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                               "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=5000",
-                               "--dump-dom", urljoin(base, path)], capture_output=True, text=True, timeout=120)
+                               "--no-first-run", f"--user-data-dir={profile}", "--window-size=1280,1000",
+                               "--virtual-time-budget=10000", "--dump-dom", urljoin(base, path)],
+                              capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "<html" in done.stdout, done.stderr[-3000:]
         return Page(done.stdout)
 
@@ -239,6 +251,24 @@ def browser(site, tmp_path_factory):
     server.shutdown()
     server.server_close()
     thread.join(timeout=10)
+
+
+# Run in the page once MathJax has typeset it: every formula's text as MathJax read it (its assistive MathML, which
+# holds a literal backslash where TeX was shown rather than typeset, as \text{local\_epochs} was), and for each
+# displayed one its width against the main column's. The JSON goes into the DOM, which Chromium dumps.
+MEASURE = """<script>
+window.addEventListener("load", () => MathJax.startup.promise.then(() => {
+  const column = document.querySelector('[role="main"]').getBoundingClientRect().width;
+  const math = [...document.querySelectorAll("mjx-container")].map(c => ({
+    text: (c.querySelector("mjx-assistive-mml") || c).textContent,
+    display: c.getAttribute("display") === "true",
+    width: c.querySelector("mjx-math").getBoundingClientRect().width, column: column}));
+  const out = document.createElement("pre");
+  out.id = "fedflat-math";
+  out.textContent = JSON.stringify(math);
+  document.body.appendChild(out);
+}));
+</script>"""
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -310,8 +340,32 @@ def test_every_docs_back_link_of_a_source_page_points_at_an_anchor_that_exists(s
 
 
 @pytest.mark.slow  # the site's build and a browser (moved from make test: its 10 minutes)
+def test_a_browser_shows_every_formula_typeset_within_the_column_and_the_lists_as_lists(browser):
+    """What a reader saw go wrong: `\\text{local\\_epochs}` drawn with its backslash, the shared local step's
+    equation wider than the text column (cut off, or scrolled), and privacy.md's "3. adaptive clip" run into the
+    paragraph before it. In a 1280-pixel window every formula of algorithms.md and privacy.md is typeset without a
+    backslash left over, every displayed one fits the main column, and the mechanism's three steps are one list."""
+    math = {name: browser(name, measure=True).math for name in ("algorithms.html", "privacy.html")}
+    for name, formulas in math.items():
+        assert formulas and any(m["display"] for m in formulas) == (name == "algorithms.html"), name
+        assert not [m["text"] for m in formulas if "\\" in m["text"]], name
+        # (a pixel of slack: the layout's widths are fractional)
+        wide = [f'{m["width"]:.0f} px > {m["column"]:.0f} px: {m["text"][:60]}' for m in formulas
+                if m["display"] and m["width"] > m["column"] + 1]
+        assert not wide, (name, wide)
+    step = [m for m in math["algorithms.html"] if m["text"].startswith("ϵ=filter(perturbation)")]
+    assert len(step) == 1 and step[0]["display"], "the shared local step is one displayed equation"
+    assert any("local_epochs" in m["text"] for m in math["algorithms.html"])
+    privacy = browser("privacy.html").html
+    mechanism = re.search(r"<ol[^>]*>(.*?)</ol>", privacy[privacy.index('id="the-mechanism"'):], flags=re.S).group(1)
+    items = [" ".join(re.sub(r"<[^>]+>", " ", item).split()) for item in re.findall(r"<li>(.*?)</li>", mechanism, re.S)]
+    assert [item[:len(step)] for item, step in zip(items, ("clip", "noise", "adaptive clip"))] == \
+        ["clip", "noise", "adaptive clip"] and len(items) == 3, items
+
+
+@pytest.mark.slow  # the site's build and a browser (moved from make test: its 10 minutes)
 def test_a_browser_shows_the_equations_as_math_and_the_architecture_diagrams(browser, site):
-    """Issue 59: the site showed ASCII equations (`eps = rho g / ||g||`) in a theme that cut long code lines, and the
+    """The site once showed ASCII equations (`eps = rho g / ||g||`) in a theme that cut long code lines, and the
     architecture page had no picture. The pages' $...$ math is typeset by MathJax (served by the site itself: its
     output elements are in the DOM after the scripts ran), and architecture.md shows both diagrams."""
     algorithms = browser("algorithms.html")
