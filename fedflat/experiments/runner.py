@@ -32,7 +32,8 @@ from fedflat.engine.cores import torch_threads
 from fedflat.engine.inputs import UserInputs
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
-from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
+                                        remove_if_empty)
 from fedflat.experiments.summary import RunSummary, cpu_state
 from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
@@ -129,7 +130,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         if resume is not None:
             stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
         elif save:
-            check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+            made = check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+            stack.callback(remove_if_empty, made)  # (what holds the run's folder, or another run's, stays)
         from fedflat.experiments.loggers import build_loggers
 
         # a logger's library and a callback's options are checked before a folder is made
