@@ -57,8 +57,8 @@ ISSUE = re.compile(r"\bissues?\s*#?\s*\d+", re.IGNORECASE)
 # A path in a link, in backquotes, or in the text when it starts at a top-level folder of the repository
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 QUOTED = re.compile(r"`([^`\s]+/[^`\s]*)`")
-BARE = re.compile(r"(?<![\w/.-])((?:\.\./|shared/)[\w./*-]+|(?:" + "|".join(
-    re.escape(p.name) for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".")) + r"|\.ci)/[\w./*-]*[\w*/])")
+FOLDERS = "|".join(re.escape(p.name) for p in REPO.iterdir() if p.is_dir() and not p.name.startswith("."))
+BARE = re.compile(r"(?<![\w/.-])((?:\.\./|shared/)[\w./*-]+|(?:" + FOLDERS + r"|\.ci)/[\w./*-]*[\w*/])")
 # Paths the pages name in the authors' repositories (FedACG's code: github.com/geehokim/FedACG), and what a command
 # writes (the site, runs); a capitalized component (FILE, NAME, run_X) is a placeholder.
 FOREIGN = {"configs/client/ACG.yaml", "configs/config.yaml"}
@@ -135,6 +135,53 @@ def test_the_reference_and_the_shipped_configs_name_no_issue():
              if p.suffix in (".py", ".yaml") for n, line in enumerate(p.read_text().splitlines(), 1)
              if ISSUE.search(line)]
     assert not found, found
+
+
+# The packages a researcher imports from (README "Python API", docs/data.md, docs/extending.md): each public name's
+# docstring says what every parameter is.
+PUBLIC = ("fedflat", "fedflat.api", "fedflat.data", "fedflat.models", "fedflat.privacy", "fedflat.testing")
+
+
+def public_callables() -> dict[str, object]:
+    """``{"fedflat.data.Dataset.from_torch": function, ...}``: the functions of :data:`PUBLIC`'s ``__all__`` (a
+    module without one: the public functions it defines), and the public methods and constructors of its
+    classes (their own, not inherited)."""
+    import importlib
+    import inspect
+
+    found: dict[str, object] = {}
+    for package in PUBLIC:
+        module = importlib.import_module(package)
+        names = getattr(module, "__all__", None) or [n for n, v in vars(module).items() if not n.startswith("_")
+                                                     and getattr(v, "__module__", None) == package]
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                found[f"{package}.{name}"] = obj
+            elif inspect.isclass(obj) and obj.__module__.startswith("fedflat"):
+                for attr, value in vars(obj).items():
+                    function = getattr(value, "__func__", value)
+                    if inspect.isfunction(function) and (attr == "__init__" or not attr.startswith("_")):
+                        found[f"{package}.{name}.{attr}"] = (obj, function) if attr == "__init__" else function
+    return found
+
+
+def unnamed_parameters(obj) -> list[str]:
+    """The parameters of a function (a constructor: with its class's docstring) its docstring does not name."""
+    import inspect
+
+    cls, function = obj if isinstance(obj, tuple) else (None, obj)
+    text = " ".join(filter(None, (inspect.getdoc(cls) if cls else None, inspect.getdoc(function))))
+    return [p for p in inspect.signature(function).parameters if p not in ("self", "cls")
+            and not re.search(rf"(?<![\w]){re.escape(p)}(?![\w])", text)]
+
+
+def test_the_public_api_docstrings_name_every_parameter():
+    """The reference listed ``Dataset.from_torch``'s parameters without ``train``, ``test`` and ``cache``: every
+    parameter of the public API is named in its docstring (docs/conf.py then lists each, with its type)."""
+    missing = {name: unnamed for name, obj in public_callables().items() if (unnamed := unnamed_parameters(obj))}
+    assert not missing, "\n".join(f"{name}: {', '.join(params)}" for name, params in sorted(missing.items()))
+    assert "fedflat.data.Dataset.from_torch" in public_callables() and "fedflat.run" in public_callables()
 
 
 def modules() -> list[str]:

@@ -58,8 +58,8 @@ class History:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def column(self, key: str) -> list[Any]:
-        """One metric over the metrics lines (``history.column("test_acc")``; None where a line lacks it, as the line
-        of a round not evaluated lacks the evaluation's keys)."""
+        """The metric ``key`` over the metrics lines (``history.column("test_acc")``; None where a line lacks it, as
+        the line of a round not evaluated lacks the evaluation's keys)."""
         return [m.get(key) for m in self.metrics]
 
     @property

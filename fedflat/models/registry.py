@@ -50,7 +50,7 @@ _POSITIONAL = ("input_shape", "num_classes")
 def register_model(name: str, factory: Callable[..., nn.Module], description: str) -> Callable[..., nn.Module]:
     """Makes ``factory(input_shape, num_classes, **options)`` available as ``model.name: NAME``, its keyword
     options as ``model.<option>`` (a plugin's model, docs/extending.md); a name taken by another module is an
-    error naming both."""
+    error naming both. ``description`` is its line in ``fedflat list``."""
     add(MODELS, "model", str(name).strip().lower(), (factory, description), origin=origin_of(factory))
     return factory
 

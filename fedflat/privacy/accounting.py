@@ -53,8 +53,11 @@ def _dpa() -> Any:
 
 @dataclass(frozen=True)
 class Mechanism:
-    """What one round releases: the sampling (``N`` clients, ``K`` per round or each with ``q = K / N``), the noise
-    multiplier ``z`` (noise std ``z C``) and where it is added (``central``: on the sum; ``local``: by each client)."""
+    """What one round releases: the ``sampling`` (``fixed``: ``clients_per_round`` ``K`` of ``num_clients`` ``N``;
+    ``poisson``: each with ``q = K / N``), the ``noise_multiplier`` ``z`` (noise std ``z C``) and the ``mode``, where
+    it is added (``central``: on the sum; ``local``: by each client), accounted by ``accountant`` (``rdp`` or
+    ``pld``). At the instance ``level`` (DP-SGD on each client) a step samples ``batch_size`` of a client's
+    ``dataset_size`` examples and releases ``gradients`` noised gradients of that batch."""
 
     sampling: Sampling
     num_clients: int
@@ -213,7 +216,10 @@ def pld_bracket(mechanism: Mechanism, rounds: int, delta: float, target_epsilon:
 
 @dataclass
 class PrivacyLedger:
-    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config."""
+    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config:
+    ``mechanism`` is what a round releases, ``delta`` the delta of (epsilon, delta), ``budget`` the
+    ``privacy.target_epsilon`` no round may go beyond, ``participations`` each client's releases (local DP) or local
+    steps (instance level)."""
 
     mechanism: Mechanism
     delta: float
@@ -231,7 +237,8 @@ class PrivacyLedger:
         return epsilon(m, int(counts.max()), self.delta)
 
     def check_budget(self, round: int, sampled: torch.Tensor, steps: torch.Tensor) -> None:
-        """Refuses a round that would take the run beyond its budget (:class:`BudgetSpent`)."""
+        """Refuses round ``round`` (0-based), releasing the clients ``sampled`` (with ``steps`` local steps each, at
+        the instance level), when it would take the run beyond its budget (:class:`BudgetSpent`)."""
         if self.budget is None:
             return
         after = self.epsilon_after(round, sampled, steps)
@@ -257,4 +264,5 @@ class PrivacyLedger:
         return {"participations": self.participations.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The participations so far, from a checkpoint's ``state`` (:meth:`state_dict`)."""
         self.participations = state["participations"].clone()

@@ -12,9 +12,10 @@ from fedflat.privacy.config import PrivacyConfig
 
 def client_mechanism(privacy: PrivacyConfig | None, num_clients: int, clients_per_round: int,
                      participation: str) -> Mechanism | None:
-    """The client-level mechanism one round releases (None without client-level DP): Poisson sampling under
-    ``sampling.participation: bernoulli``, else ``K`` of ``N`` without replacement; ``z = 1`` stands in for a
-    multiplier still to be calibrated."""
+    """The client-level mechanism one round of ``privacy`` (the config's section) releases (None without
+    client-level DP): Poisson sampling under ``participation`` (``sampling.participation``) ``bernoulli``, else
+    ``clients_per_round`` ``K`` of ``num_clients`` ``N`` without replacement; ``z = 1`` stands in for a multiplier
+    still to be calibrated."""
     if privacy is None or privacy.level != "client":
         return None
     sampling = "poisson" if participation == "bernoulli" else "fixed"
@@ -24,8 +25,8 @@ def client_mechanism(privacy: PrivacyConfig | None, num_clients: int, clients_pe
 
 
 def delta_of(privacy: PrivacyConfig, population: int) -> float:
-    """``delta`` of (epsilon, delta): the given one, else ``1 / population`` (the clients ``N`` at the client level,
-    every client's examples at the instance level)."""
+    """``delta`` of (epsilon, delta): the one ``privacy`` (the config's section) gives, else ``1 / population``
+    (the clients ``N`` at the client level, every client's examples at the instance level)."""
     return privacy.delta if privacy.delta is not None else 1.0 / population
 
 
@@ -38,9 +39,10 @@ def calibrated_noise(privacy: PrivacyConfig, mechanism: Mechanism | None, rounds
 
 
 def dp_stage(privacy: PrivacyConfig, clients_per_round: int, noise_multiplier: float) -> dict[str, Any]:
-    """The upload path's ``dp`` stage for client-level DP, ``{name: dp, **hyperparameters}``
-    (:class:`fedflat.privacy.stage.GaussianParams`); the central mean's denominator is the expected number of clients
-    per round, ``K`` (or ``q N = K`` under Poisson sampling)."""
+    """The upload path's ``dp`` stage for client-level DP under ``privacy`` (the config's section),
+    ``{name: dp, **hyperparameters}`` (:class:`fedflat.privacy.stage.GaussianParams`) with ``noise_multiplier``
+    ``z``; the central mean's denominator is the expected number of clients per round, ``clients_per_round``
+    ``K`` (or ``q N = K`` under Poisson sampling)."""
     return {"name": "dp", "mode": privacy.mode, "clip": privacy.clip, "noise_multiplier": noise_multiplier,
             "expected_clients": float(clients_per_round), "adaptive": privacy.adaptive, "quantile": privacy.quantile,
             "clip_lr": privacy.clip_lr, "count_noise": privacy.count_noise, "secure": privacy.noise == "secure"}

@@ -50,10 +50,11 @@ class PrivacyConfig(BaseModel):
 
 
 def check_upload_path(privacy: PrivacyConfig | None, participation: str, algorithm: Any) -> None:
-    """What the upload path cannot give a method (``algorithm``, a :class:`fedflat.algorithms.Algorithm`): each
-    client's own upload under central DP (which releases only the noised sum), compression under local DP (whose noise
-    is dense), a Poisson accountant for fixed sampling (``participation``: ``sampling.participation``), what DP-SGD
-    cannot account (instance level)."""
+    """What the upload path under ``privacy`` (the config's section) cannot give a method (``algorithm``, a
+    :class:`fedflat.algorithms.Algorithm`), refused with the reason: each client's own upload under central DP
+    (which releases only the noised sum), compression under local DP (whose noise is dense), a Poisson accountant
+    for fixed sampling (``participation``: ``sampling.participation``), what DP-SGD cannot account (instance
+    level)."""
     p = privacy
     if p is None:
         return
