@@ -158,12 +158,17 @@ def public_callables() -> dict[str, object]:
             obj = getattr(module, name)
             if inspect.isfunction(obj):
                 found[f"{package}.{name}"] = obj
-            elif inspect.isclass(obj) and obj.__module__.startswith("fedflat"):
+            elif inspect.isclass(obj) and obj.__module__.startswith("fedflat") and not _is_protocol(obj):
                 for attr, value in vars(obj).items():
                     function = getattr(value, "__func__", value)
                     if inspect.isfunction(function) and (attr == "__init__" or not attr.startswith("_")):
                         found[f"{package}.{name}.{attr}"] = (obj, function) if attr == "__init__" else function
     return found
+
+
+def _is_protocol(cls: type) -> bool:
+    """A ``typing.Protocol`` describes what fedflat reads of an object: it has no constructor of its own."""
+    return bool(getattr(cls, "_is_protocol", False))
 
 
 def unnamed_parameters(obj) -> list[str]:

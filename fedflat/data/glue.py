@@ -410,7 +410,8 @@ def load_glue(root: str | Path | None = None, download: bool = False, *, task: s
     """A GLUE ``task`` (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli) or another text classification folder
     (``text_columns``, ``label_column``, ``label_names``) tokenized by the Hugging Face tokenizer in the folder
     ``tokenizer`` to ``max_length`` tokens (FedSWA's 128): ``x`` int64 ``[N, K, max_length]`` (see the module).
-    ``download`` changes nothing: GLUE is read from local files only."""
+    ``root``: the folder of the task's files (searched as every dataset's, docs/data.md). ``download`` changes
+    nothing: GLUE is read from local files only."""
     spec = text_task(task, text_columns, label_column, label_names)
     if tokenizer in (None, ""):
         raise ValueError("glue: set data.options.tokenizer to the local folder of the model's Hugging Face tokenizer "

@@ -110,8 +110,8 @@ def assemble(make: Callable[[], nn.Module], seed: int, adapter: AdapterSettings 
 
 
 def base_key(name: str) -> str:
-    """The ``model`` option naming the files of a model's pretrained weights: ``path`` (hf), ``weights`` (timm),
-    ``pretrained`` (every other model)."""
+    """The ``model`` option naming the files of the pretrained weights of the model called ``name``: ``path`` (hf),
+    ``weights`` (timm), ``pretrained`` (every other model)."""
     return {"hf": "path", "timm": "weights"}.get(str(name).strip().lower(), "pretrained")
 
 
