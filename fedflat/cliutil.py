@@ -6,6 +6,8 @@ import os
 import re
 import sys
 
+from fedflat.core.registry import display_label
+
 
 def plain_text(doc: str | None) -> str | None:
     """A docstring as a terminal shows it: reST roles and literals (``x``, :class:`X`, **bold**) unwrapped."""
@@ -94,7 +96,7 @@ def print_outcome(history, label: str = "", announced: bool = False) -> int:
     print_run_folder(history.run_dir, announced)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
-        print(f"{s['algorithm']}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
+        print(f"{display_label(s['algorithm'])}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
     return 0 if s["status"] in ("completed", "stopped", "budget spent") else 3  # experiments.rundir.SUCCEEDED
 
 

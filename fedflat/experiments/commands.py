@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedflat.core.registry import display_label
+
 from fedflat.cliutil import add_loggers_option, loggers_override, print_outcome, workers_count
 
 
@@ -42,6 +44,13 @@ def _ray_cells(args: argparse.Namespace):
     return RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell) if args.backend == "ray" else None
 
 
+def titled(name: str) -> str:
+    """A tune file's method as the tables name it, with the name ``--methods`` takes where they differ:
+    ``FedSOL (fedsol)``."""
+    title = display_label(name)
+    return name if title == name else f"{title} ({name})"
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from fedflat.experiments.tune import load_study, run_study, selection_table
 
@@ -52,7 +61,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.dry_run:
         for name, per in trials.items():
             method = study.methods[name]
-            print(f"{name}: {len(per)} of {method.grid_size} candidates over "
+            print(f"{titled(name)}: {len(per)} of {method.grid_size} candidates over "
                   + (", ".join(f"{k} {v}" for k, v in method.space.items()) or "nothing (its defaults)"))
             for _, cells in per:
                 for cell in cells:
@@ -64,8 +73,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     result = run_study(study, workers=args.workers, progress=not args.no_progress, ray=_ray_cells(args))
     sys.stdout.write(selection_table(result, study))
     for name in result.incomplete:
-        print(f"  {name}: not finished (a trial or final run failed or was interrupted: see its error.txt under "
-              f"{study.out}); rerunning the same command resumes it")
+        print(f"  {titled(name)}: not finished (a trial or final run failed or was interrupted: see its error.txt "
+              f"under {study.out}); rerunning the same command resumes it")
     print(f"selections: {study.out / 'tune.json'}; report: fedflat report {study.out / 'final'}")
     return 3 if result.incomplete else 0
 

@@ -26,6 +26,7 @@ from torch import nn
 from fedflat.algorithms.attacks import backdoor_of
 from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, ConfigError, Diverged
+from fedflat.core.registry import display_label
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.cores import torch_threads
@@ -265,9 +266,9 @@ class Runner:
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
-        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress, desc=self.summary["algorithm"],
-                           unit="round", dynamic_ncols=True, leave=True, initial=self.start_round,
-                           total=self.cfg.rounds)
+        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress,
+                           desc=display_label(self.summary["algorithm"]), unit="round", dynamic_ncols=True,
+                           leave=True, initial=self.start_round, total=self.cfg.rounds)
         every = self.cfg.checkpoint_every
         try:
             if self._owed is not None:

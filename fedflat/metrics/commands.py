@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from fedflat.config import DIAGNOSTIC_KINDS, DiagnosticsConfig
 from fedflat.core import ConfigError
+from fedflat.core.registry import display_label
 
 _SKIP = ("every", "kinds")
 
@@ -70,7 +71,7 @@ def _print(doc: dict[str, Any], out: Path) -> None:
     from fedflat.metrics.analysis import headline
 
     result = doc["result"]
-    print(f"{doc['kind']} of {doc['algorithm']} at round {doc['round']}:")
+    print(f"{doc['kind']} of {display_label(doc['algorithm'])} at round {doc['round']}:")
     if doc.get("note"):
         print(f"  note: {doc['note']}")
     if not result.get("available", True):
