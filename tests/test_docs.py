@@ -189,6 +189,35 @@ def test_the_public_api_docstrings_name_every_parameter():
     assert "fedflat.data.Dataset.from_torch" in public_callables() and "fedflat.run" in public_callables()
 
 
+def make_recipe(target: str) -> list[str]:
+    """The command lines of ``target``'s recipe in the Makefile (``$(BIN)/`` left out, ``@`` dropped)."""
+    lines, inside = [], False
+    for line in (REPO / "Makefile").read_text().splitlines():
+        if line.startswith(f"{target}:"):
+            inside = True
+        elif inside and line.startswith("\t"):
+            lines.append(line[1:].lstrip("@").replace("$(BIN)/", ""))
+        elif inside and line.strip():
+            break
+    return lines
+
+
+def test_make_docs_shows_its_progress(tmp_path):
+    """`make docs` printed nothing for 2.5 minutes (sphinx -q): it says what it builds, and the build it runs,
+    with the Makefile's own options, reports each phase and page as it goes."""
+    pytest.importorskip("sphinx", reason="Sphinx is not installed: `make setup` installs the docs extra")
+    recipe = make_recipe("docs")
+    assert any(line.startswith("echo ") for line in recipe[:-1])  # a line before the long build
+    (build,) = [line for line in recipe if " -m sphinx " in line]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "conf.py").write_text('project = "p"\n')
+    (tmp_path / "docs" / "index.rst").write_text("Title\n=====\n\ntext\n")
+    args = build.split()
+    done = subprocess.run([sys.executable, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "reading sources" in done.stdout and "writing output" in done.stdout, done.stdout
+
+
 def modules() -> list[str]:
     """Every module of the package but ``fedflat`` itself (its names are the Python API page)."""
     root = Path(fedflat.__file__).parent
