@@ -54,6 +54,8 @@ PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*") if p.
          *sorted((REPO / "benchmarks").rglob("*.md"))]
 # "issue 12", "issues 42-47", "Issue #5": the history of the work belongs in git, not in what a researcher reads
 ISSUE = re.compile(r"\bissues?\s*#?\s*\d+", re.IGNORECASE)
+# "seed 004": the project's own numbering of the five papers; a page names the paper (the FedFFT paper)
+SEED_PAPER = re.compile(r"\bseed 00\d\b|\bseed papers?\b")
 # A path in a link, in backquotes, or in the text when it starts at a top-level folder of the repository
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 QUOTED = re.compile(r"`([^`\s]+/[^`\s]*)`")
@@ -107,7 +109,7 @@ def test_the_pages_name_no_issue_and_no_path_a_clone_lacks():
         text = page.read_text()
         name = page.relative_to(REPO)
         problems += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}: names {m.group(0)!r}"
-                     for m in ISSUE.finditer(text)]
+                     for m in (*ISSUE.finditer(text), *SEED_PAPER.finditer(text))]
         problems += [f"{name}: {path}: {why}" for path, is_link in named_paths(text)
                      if (why := missing_path(page, path, is_link))]
     assert not problems, "\n".join(problems)
@@ -238,6 +240,22 @@ def test_the_reference_lists_every_module():
     uncovered = [m for m in modules() if not any(m == entry or (entry in packages and m.startswith(entry + "."))
                                                  for entry in listed())]
     assert not uncovered, f"modules missing from docs/reference/index.rst: {uncovered}"
+
+
+@pytest.mark.slow  # the site's build (moved from make test: its 10 minutes)
+def test_the_reference_lists_every_parameter_of_a_function(site):
+    """``Dataset.from_torch``'s "Parameters" list missed ``train``, ``test`` and ``cache`` (no type hint, no field):
+    every parameter is listed, in the signature's order (docs/conf.py: parameter_fields)."""
+    import inspect
+
+    from fedflat.data import Dataset
+
+    page = (site / "reference" / "generated" / "fedflat.data.dataset.html").read_text()
+    for method in ("from_torch", "from_hf", "from_memmap"):
+        entry = page[page.index(f'id="fedflat.data.dataset.Dataset.{method}"'):]
+        fields = entry[entry.index("Parameters"):entry.index("</ul>")]
+        listed = re.findall(r"<strong>(\w+)</strong>", fields)
+        assert listed == [p for p in inspect.signature(getattr(Dataset, method)).parameters], (method, listed)
 
 
 @pytest.mark.slow  # the site's build (moved from make test: its 10 minutes)
