@@ -5,9 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedflat.core.registry import display_label
-
 from fedflat.cliutil import add_loggers_option, loggers_override, print_outcome, workers_count
+from fedflat.core import ConfigError
+from fedflat.core.registry import display_label
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -121,6 +121,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from fedflat.experiments.personal import evaluate_run
 
+    not_a_run(Path(args.run_dir))
     result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode), model=args.model,
                           split=args.split, merged=args.merged)
     split, acc, loss = result["split"], result["accuracy"], result["loss"]
@@ -134,6 +135,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"summary.json: {key}_acc {reported:.4f}, {key}_loss {result['reported_loss']:.4f} "
               f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
     return 0
+
+
+def not_a_run(path: Path) -> None:
+    """Raises the error that says what ``path`` is when it is not one run's folder (none has ``config.yaml``): a
+    sweep's or a tune study's folder, or any folder of runs, with the command that evaluates one of its runs; or a
+    folder that holds no run at all."""
+    from fedflat.experiments.report import is_run_dir
+    from fedflat.experiments.sweep import SWEEP_FILE
+    from fedflat.experiments.tune import TUNE_FILE
+
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such run folder (give the folder `fedflat run` printed)")
+    if (path / "config.yaml").is_file():
+        return
+    runs = sorted(d.parent for d in path.rglob("summary.json") if is_run_dir(d.parent))
+    what = ("a sweep folder" if (path / SWEEP_FILE).is_file() else "a tune study's folder"
+            if (path / TUNE_FILE).is_file() else "a folder of runs" if runs else "not a run folder")
+    if not runs:
+        raise ConfigError(f"{path} is {what}: it has no config.yaml and no run folder below it (give the folder "
+                          "`fedflat run` printed)")
+    raise ConfigError(f"{path} is {what}, not one run's folder: evaluate one of its {len(runs)} runs, e.g. "
+                      f"`fedflat evaluate {runs[0]}` (`fedflat report {path}` tabulates them all)")
 
 
 def register(sub) -> None:

@@ -121,7 +121,6 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
     from fedflat.files import safe_load
 
     path = Path(run_dir)
-    not_a_run(path)
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
     if personalized is None:
         personalized = summary.get("evaluation") == "personalized" and model == "model.pt"
@@ -188,28 +187,6 @@ def merged_scores(sim) -> tuple[float, float]:
             correct += int((logits.argmax(1) == y[lo:lo + size]).sum())
             loss += float(summed_loss(sim.settings.loss, logits, y[lo:lo + size]))
     return correct / x.shape[0], loss / x.shape[0]
-
-
-def not_a_run(path: Path) -> None:
-    """Raises the error that says what ``path`` is when it is not one run's folder (none has ``config.yaml``): a
-    sweep's or a tune study's folder, or any folder of runs, with the command that evaluates one of its runs; or a
-    folder that holds no run at all."""
-    from fedflat.experiments.report import is_run_dir
-    from fedflat.experiments.sweep import SWEEP_FILE
-    from fedflat.experiments.tune import TUNE_FILE
-
-    if not path.is_dir():
-        raise ConfigError(f"{path}: no such run folder (give the folder `fedflat run` printed)")
-    if (path / "config.yaml").is_file():
-        return
-    runs = sorted(d.parent for d in path.rglob("summary.json") if is_run_dir(d.parent))
-    what = ("a sweep folder" if (path / SWEEP_FILE).is_file() else "a tune study's folder"
-            if (path / TUNE_FILE).is_file() else "a folder of runs" if runs else "not a run folder")
-    if not runs:
-        raise ConfigError(f"{path} is {what}: it has no config.yaml and no run folder below it (give the folder "
-                          "`fedflat run` printed)")
-    raise ConfigError(f"{path} is {what}, not one run's folder: evaluate one of its {len(runs)} runs, e.g. "
-                      f"`fedflat evaluate {runs[0]}` (`fedflat report {path}` tabulates them all)")
 
 
 def _kept_round(summary: dict[str, Any], model: str) -> int | None:
