@@ -193,6 +193,20 @@ def test_the_public_api_docstrings_name_every_parameter():
     assert "fedflat.data.Dataset.from_torch" in public_callables() and "fedflat.run" in public_callables()
 
 
+def test_the_data_page_says_where_fashion_mnist_is_read_from():
+    """docs/data.md said nothing of Fashion-MNIST: it names Debian's package and folder, and the folders fedflat
+    searches (fedflat/data/sources.py), each dataset subfolder, in the order the code tries them."""
+    from fedflat.data.sources import SUBFOLDERS, SYSTEM_DIRS
+
+    text = (REPO / "docs" / "data.md").read_text()
+    assert "dataset-fashion-mnist" in text and f"`{SYSTEM_DIRS['fmnist'][0]}/`" in text
+    order = [text.index(place) for place in ("1. `data.root`", "2. each folder of `$FEDFLAT_DATA`",
+                                             "3. the download cache", "4. for Fashion-MNIST only")]
+    assert order == sorted(order)
+    named = [text.index(f"`{sub}/`") for sub in SUBFOLDERS["fmnist"]]
+    assert named == sorted(named), "the subfolders in the order candidate_dirs tries them"
+
+
 def make_recipe(target: str) -> list[str]:
     """The command lines of ``target``'s recipe in the Makefile (``$(BIN)/`` left out, ``@`` dropped)."""
     lines, inside = [], False
