@@ -130,8 +130,10 @@ def test_every_table_states_its_seeds_and_what_one_held_out_sample_is_worth(tmp_
     assert caption(rows) == ("Seeds 0, 1, 2 (3 runs per row: mean ± sample standard deviation). Held out: 10,000 test "
                              "samples (fmnist): one is 0.01 points of accuracy; 6,000 validation samples (fmnist): "
                              "one is 0.017 points of accuracy.")
+    rows[1].seed_values = (2, 10, 1)  # (numeric order: 2 before 10)
+    assert caption(rows).startswith("Seeds 0, 1, 2, 10 (3 runs per row")
     rows[0].heldout = rows[1].heldout = ()
-    rows[0].seed_values = tuple(range(10))
+    rows[0].seed_values, rows[1].seed_values = tuple(range(10)), (0, 1, 2)
     assert caption(rows) == ("Seeds 0-9 (3 runs per row: mean ± sample standard deviation). The runs did not record "
                              "their held-out sizes (written by an older fedflat).")
 

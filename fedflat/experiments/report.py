@@ -251,7 +251,6 @@ def at_chance(acc: float, num_classes: int, count: int) -> bool:
     return count > 0 and abs(acc - p) <= 3.0 * math.sqrt(p * (1.0 - p) / count)
 
 
-
 def run_status(run: Run) -> str:
     """The run's ``status``, or ``at chance`` for a completed run whose final accuracy on its held-out split is at
     chance level (:func:`at_chance`; a run that did not record its held-out size and classes cannot tell)."""
@@ -332,7 +331,7 @@ def summarize(group: Group, targets: list[float]) -> Row:
                         for name in _metric_names(runs)},
                selected=mean_std([100 * r.summary["selected_test_acc"] for r in runs
                                   if r.summary.get("selected_test_acc") is not None]),
-               radius=radius_of(runs), seed_values=tuple(sorted({r.seed for r in runs}, key=str)),
+               radius=radius_of(runs), seed_values=tuple(sorted({r.seed for r in runs}, key=_seed_order)),
                heldout=heldout_of(runs))
 
 
@@ -350,7 +349,7 @@ def caption(rows: list[Row]) -> str | None:
     test set separates methods by little more than that."""
     if not rows:
         return None
-    seeds = sorted({s for r in rows for s in r.seed_values}, key=lambda s: (not isinstance(s, int), str(s)))
+    seeds = sorted({s for r in rows for s in r.seed_values}, key=_seed_order)
     counts = sorted({r.seeds for r in rows})
     if counts == [1]:
         each = "one run per row, so no spread is shown"
@@ -367,6 +366,11 @@ def caption(rows: list[Row]) -> str | None:
     else:
         said.append("The runs did not record their held-out sizes (written by an older fedflat).")
     return " ".join(said)
+
+
+def _seed_order(seed: Any) -> tuple[bool, Any]:
+    """Integer seeds in numeric order (2 before 10), then any other by its text."""
+    return (False, seed) if isinstance(seed, int) else (True, str(seed))
 
 
 def _listed(values: list[Any]) -> str:
