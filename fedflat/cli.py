@@ -13,12 +13,12 @@ from fedflat.config import (file_kind, packaged_config, packaged_configs, packag
                             suggest)
 from fedflat._version import __version__
 from fedflat.core import ConfigError, ContractError
-from fedflat.core.registry import display_label
 from fedflat.experiments.rundir import SUCCEEDED, RunFolderBusy, interruption, is_disk_full
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedflat.api import run
+    from fedflat.core.registry import display_label
 
     config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:

@@ -6,8 +6,6 @@ import os
 import re
 import sys
 
-from fedflat.core.registry import display_label
-
 
 def plain_text(doc: str | None) -> str | None:
     """A docstring as a terminal shows it: reST roles and literals (``x``, :class:`X`, **bold**) unwrapped."""
@@ -92,6 +90,8 @@ def print_run_folder(run_dir, announced: bool) -> None:
 def print_outcome(history, label: str = "", announced: bool = False) -> int:
     """Prints where a run's folder is (:func:`print_run_folder`), its status and final accuracy; returns the
     command's exit code (0 when the run completed, 3 otherwise)."""
+    from fedflat.core.registry import display_label  # (torch: after a run; `fedflat --help` loads none)
+
     s = history.summary
     print_run_folder(history.run_dir, announced)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))

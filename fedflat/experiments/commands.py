@@ -7,7 +7,6 @@ from pathlib import Path
 
 from fedflat.cliutil import add_loggers_option, loggers_override, print_outcome, workers_count
 from fedflat.core import ConfigError
-from fedflat.core.registry import display_label
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -47,6 +46,8 @@ def _ray_cells(args: argparse.Namespace):
 def titled(name: str) -> str:
     """A tune file's method as the tables name it, with the name ``--methods`` takes where they differ:
     ``FedSOL (fedsol)``."""
+    from fedflat.core.registry import display_label  # (torch: `fedflat --help` loads none)
+
     title = display_label(name)
     return name if title == name else f"{title} ({name})"
 

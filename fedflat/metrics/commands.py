@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from fedflat.config import DIAGNOSTIC_KINDS, DiagnosticsConfig
 from fedflat.core import ConfigError
-from fedflat.core.registry import display_label
 
 _SKIP = ("every", "kinds")
 
@@ -68,6 +67,7 @@ def _options(target, chosen: dict[str, Any]) -> DiagnosticsConfig:
 
 
 def _print(doc: dict[str, Any], out: Path) -> None:
+    from fedflat.core.registry import display_label
     from fedflat.metrics.analysis import headline
 
     result = doc["result"]
