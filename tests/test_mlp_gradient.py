@@ -110,16 +110,17 @@ def test_runs_with_and_without_it_agree(monkeypatch, algo):
 
 
 def test_decided_once_per_model(tiny):
-    """The model's report records it: on for fedflat's MLP and LogReg, off for the CNN; the sequential oracle takes
-    it only with plain cross-entropy in float32 on the CPU, the vectorized one never."""
+    """The model's report records it: on for fedflat's MLP and LogReg (and its CNN, tests/test_cnn_gradient.py), off
+    for a ResNet; the sequential oracle takes it only with plain cross-entropy in float32 on the CPU, the vectorized
+    one never."""
     tiny = partial(tiny, "device=cpu")
     assert Simulation(tiny("engine=sequential")).report.traits.hand_gradient
     assert Simulation(tiny("engine=sequential")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=vectorized")).oracle.gradient == "autograd"
     assert Simulation(tiny("engine=sequential", "train.label_smoothing=0.1")).oracle.gradient == "autograd"
-    cnn = Simulation(tiny("engine=sequential", "model=cnn", "data.options.shape=[3,32,32]"))
-    assert not cnn.report.traits.hand_gradient and cnn.oracle.gradient == "autograd"
+    resnet = Simulation(tiny("engine=sequential", "model=resnet20", "data.options.shape=[3,8,8]"))
+    assert not resnet.report.traits.hand_gradient and resnet.oracle.gradient == "autograd"
 
 
 class ScaledMLP(MLP):
