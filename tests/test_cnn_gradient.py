@@ -131,7 +131,7 @@ def test_runs_with_and_without_it_agree(monkeypatch, algo):
     monkeypatch.setattr(CNNGradient, "loss_grad", lambda self, *a: taken.append(1) or real(self, *a))
     fast = fedflat.run(tree, overrides=["engine=sequential"], save=False, progress=False).final_parameters
     assert taken
-    monkeypatch.setattr(CNNGradient, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(CNNGradient, "of", classmethod(lambda cls, model, dtype=None: None))
     taken.clear()
     plain = fedflat.run(tree, overrides=["engine=sequential"], save=False, progress=False).final_parameters
     assert not taken
@@ -163,9 +163,27 @@ def test_other_modules_keep_autograd(build):
     assert CNNGradient.of(FlatModel(build())) is None
 
 
-@pytest.mark.parametrize("option", [{"channels_last": True}, {"precision": "bf16"}, {"engine": "vectorized"}])
+@pytest.mark.parametrize("shape,padding,B", SHAPES[:2] + SHAPES[4:])
+def test_bf16_gradient_is_autocasts_bit_for_bit(shape, padding, B):
+    """Under ``precision: bf16`` the gradient is autograd's of the pass under ``torch.autocast(bfloat16)``, bit for
+    bit: every operand cast as autocast casts it, the layers in bfloat16, the loss in float32, the gradients cast
+    back. (Its distance from float32's is bfloat16's rounding: tests/test_engines.py, docs/benchmarks.md.)"""
+    torch.manual_seed(1)
+    model = FlatModel(cnn(shape, 7, padding=padding))
+    bf16 = ComputeOptions(precision="bf16")
+    hand, reference = Oracle(model, bf16), Oracle(model, bf16, traits=ModelTraits(hand_gradient=False))
+    assert isinstance(hand.backend, HandCNN) and hand.backend.hand.dtype == torch.bfloat16
+    assert reference.gradient == "autograd"
+    for _ in range(2):
+        W = (model.initial + 0.05 * torch.randn_like(model.initial))[None]
+        batch = Batch(torch.randn(1, B, *shape), torch.randint(0, 7, (1, B)))
+        (loss, g), (want_loss, want_g) = hand.loss_grad(W, batch), reference.loss_grad(W, batch)
+        assert torch.equal(loss, want_loss) and torch.equal(g, want_g)
+
+
+@pytest.mark.parametrize("option", [{"channels_last": True}, {"engine": "vectorized"}])
 def test_options_that_change_the_pass_keep_autograd(option):
-    """Channels-last order, bf16 autocast and the vectorized engine compute another pass: not the hand gradient."""
+    """Channels-last order and the vectorized engine compute another pass: not the hand gradient."""
     model = FlatModel(cnn((3, 32, 32), 10))
     oracle = Oracle(model, ComputeOptions(**option))
     assert oracle.traits.hand_gradient and oracle.gradient == "autograd"

@@ -68,7 +68,8 @@ def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTrait
                    dp_sgd: tuple[float, float] | None = None) -> Backend:
     """The run's backend: DP-SGD's per-example gradient under ``privacy.level: instance`` (``dp_sgd = (C, z)``);
     else for a stateless module the general backend accelerated where it can be: the hand-derived gradient
-    (fedflat's MLP, LogReg or CNN, float32, cross-entropy, not vectorized, on the CPU; the CNN's in NCHW order), then ``engine: streams``'s lanes
+    (fedflat's MLP, LogReg or CNN, cross-entropy, not vectorized, on the CPU; the MLP's in float32, the CNN's in
+    NCHW order, in float32 or under bfloat16 autocast), then ``engine: streams``'s lanes
     or ``cuda_graphs``' replays; with ``compile`` the data pass compiled by ``torch.compile`` (in place of the hand
     gradient), graphed or laned in turn."""
     if options.cuda_graphs:
@@ -80,11 +81,11 @@ def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTrait
         return PerExampleDP(backend, *dp_sgd)
     if traits.stateful:
         return backend
-    plain = not options.vectorized and forward.autocast is None and forward.loss_fn is None
-    hand = hand_gradient_of(forward.model) if traits.hand_gradient and plain and not options.compile else None
+    plain = not options.vectorized and forward.loss_fn is None and not options.compile
+    hand = hand_gradient_of(forward.model, forward.autocast) if traits.hand_gradient and plain else None
     if isinstance(hand, CNNGradient) and not forward.channels_last:
         backend = HandCNN(hand, backend)
-    elif isinstance(hand, MLPGradient):
+    elif isinstance(hand, MLPGradient) and forward.autocast is None:
         backend = HandMLP(hand, backend)
     if options.compile:
         backend = Compiled(backend)

@@ -88,16 +88,16 @@ class CNNGradient:
     """``(loss, g[P])`` of a batch's mean cross-entropy for fedflat's CNN at a flat vector ``w[P]`` (the module
     docstring), without autograd."""
 
-    def __init__(self, convs: tuple[ConvSlot, ...], dense: MLPGradient):
-        self.convs, self.dense, self.size = convs, dense, dense.size
+    def __init__(self, convs: tuple[ConvSlot, ...], dense: MLPGradient, dtype: torch.dtype = torch.float32):
+        self.convs, self.dense, self.size, self.dtype = convs, dense, dense.size, dtype
         self._native: tuple[Callable, Callable] | None | object = UNLOADED
         self._mkldnn: dict[tuple[int, ...], bool] = {}  # input shape -> both convolutions on oneDNN
 
     @classmethod
-    def of(cls, model) -> "CNNGradient | None":
+    def of(cls, model, dtype: torch.dtype = torch.float32) -> "CNNGradient | None":
         """The gradient of the :class:`fedflat.params.FlatModel` ``model``, or None where :func:`conv_stages` does not
         find its layers, its flat vector does not hold exactly their float32 weights and biases in order, or it is
-        not on the CPU."""
+        not on the CPU. ``dtype``: the passes' (``torch.bfloat16``: ``precision: bf16``'s autocast)."""
         found = conv_stages(model.module)
         if (found is None or model.initial.dtype != torch.float32 or model.buffer_layout.size
                 or model.initial.device.type != "cpu"):
@@ -117,12 +117,14 @@ class CNNGradient:
             if tuple(layout.shapes[2 * i]) != shape:
                 return None
             conv_slots.append(ConvSlot(layout.offsets[2 * i], layout.offsets[2 * i + 1], shape, conv.padding))
-        return cls(tuple(conv_slots), MLPGradient(slots, layout.size, model.initial.device))
+        return cls(tuple(conv_slots), MLPGradient(slots, layout.size, model.initial.device), dtype)
 
     @property
     def native(self) -> tuple[Callable, Callable] | None:
         """The native ``(relu_max_pool2, max_pool2_backward)`` (:mod:`fedflat.engine.native`), loaded on first use;
-        None: ATen's channels-last pooling runs instead (the same numbers)."""
+        None: ATen's channels-last pooling runs instead (the same numbers; in bfloat16 always)."""
+        if self.dtype != torch.float32:
+            return None
         if self._native is UNLOADED:
             ops = native.operator("relu_max_pool2"), native.operator("max_pool2_backward")
             self._native = ops if None not in ops else None
@@ -151,9 +153,9 @@ class CNNGradient:
         select = getattr(torch._C, "_select_conv_backend", None)
         if select is None:
             return False
-        a = torch.empty(x.shape)
+        a = torch.empty(x.shape, dtype=self.dtype)
         for conv in self.convs:
-            weight, bias = torch.empty(conv.shape), torch.empty(conv.shape[0])
+            weight, bias = torch.empty(conv.shape, dtype=self.dtype), torch.empty(conv.shape[0], dtype=self.dtype)
             for needs_grad in (False, True):
                 weight.requires_grad_(needs_grad)
                 backend = select(a, weight, bias, [1, 1], list(conv.padding), [1, 1], False, [0, 0], 1, None)
@@ -163,7 +165,7 @@ class CNNGradient:
                                                 for d in (0, 1))]
             if min(out[2:]) < 2:
                 return False
-            a = torch.empty(out[0], out[1], out[2] // 2, out[3] // 2)
+            a = torch.empty(out[0], out[1], out[2] // 2, out[3] // 2, dtype=self.dtype)
         return True
 
     def loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,14 +176,17 @@ class CNNGradient:
         if w.requires_grad:
             w = w.detach()
         g = torch.empty(self.size, device=w.device)
-        a, saved = x, []
+        a, saved = x.to(self.dtype), []  # (.to: autocast's cast of every operand; none in float32)
         for conv in self.convs:
-            W, b = self._conv_parameters(w, conv)
+            W, b = (v.to(self.dtype) for v in self._conv_parameters(w, conv))
             z = torch.conv2d(a, W, b, 1, conv.padding)  # nn.Conv2d's F.conv2d(a, W, b, stride, padding)
             p, kept = self._relu_pool(z)
             saved.append((a, W, z.shape, kept))
             a = p
-        loss, G = self.dense.dense_loss_grad(self.dense.parameters(w), a.flatten(1), y, g, input_grad=True)
+        dense = self.dense.parameters(w)
+        if self.dtype != torch.float32:
+            dense = [(W, W.t(), b.to(self.dtype)) for W, b in ((W.to(self.dtype), b) for W, _, b in dense)]
+        loss, G = self.dense.dense_loss_grad(dense, a.flatten(1), y, g, input_grad=True)
         G = G.view(a.shape)
         for i in range(len(self.convs) - 1, -1, -1):
             conv, (a, W, shape, kept) = self.convs[i], saved[i]
@@ -222,7 +227,8 @@ class HandCNN(HandMLP):
     ``python`` with ATen's pooling)."""
 
 
-def hand_gradient_of(model) -> MLPGradient | CNNGradient | None:
+def hand_gradient_of(model, autocast: torch.dtype | None = None) -> MLPGradient | CNNGradient | None:
     """The hand-derived gradient of the :class:`fedflat.params.FlatModel` ``model`` (fedflat's MLP or LogReg, or its
-    CNN), or None where none applies (``ModelTraits.hand_gradient``)."""
-    return MLPGradient.of(model) or CNNGradient.of(model)
+    CNN), or None where none applies (``ModelTraits.hand_gradient``); ``autocast``: the CNN's passes in that dtype
+    (``precision: bf16``)."""
+    return MLPGradient.of(model) or CNNGradient.of(model, autocast or torch.float32)

@@ -209,19 +209,29 @@ class MLPGradient:
         """``(l, dl/da_0)``: the layers' forward pass from their input ``a_0 = a[B, in]``, then ``G_l`` backwards with
         each layer's gradient written into its slice of ``g``; ``dl/da_0 = G_1 W_1`` (autograd's ``mm_mat1_backward``
         of the first ``addmm``) with ``input_grad``, for layers that follow others (the CNN's, :mod:`convnet
-        <fedflat.engine.gradients.convnet>`), else None."""
+        <fedflat.engine.gradients.convnet>`), else None.
+
+        In bfloat16 (``a`` and ``params`` cast, as ``torch.autocast`` casts a linear layer's operands), the layers run
+        in bfloat16, the logits are cast to float32 for the loss as :class:`~fedflat.engine.gradients.forward.Forward`
+        does, ``G_L`` back to bfloat16, and each gradient is cast to float32 into ``g``: autocast's operations."""
         inputs = [a]
         for _, Wt, b in params[:-1]:
             inputs.append(torch.relu(torch.addmm(b, inputs[-1], Wt)))  # nn.Linear's addmm(b, a, W^T), then ReLU
         _, Wt, b = params[-1]
-        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], Wt), 1, False)
+        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], Wt).float(), 1, False)  # (.float(): none in float32)
         loss, total_weight = torch.ops.aten.nll_loss_forward(log_p, y, None, MEAN, IGNORE_INDEX)
         G = torch.ops.aten.nll_loss_backward(self.one, log_p, y, None, MEAN, IGNORE_INDEX, total_weight)
-        G = torch.ops.aten._log_softmax_backward_data(G, log_p, 1, torch.float32)  # G_L = (p - onehot(y)) / B
+        G = torch.ops.aten._log_softmax_backward_data(G, log_p, 1, torch.float32).to(a.dtype)  # G_L = (p - onehot) / B
         for l in range(len(self.slots) - 1, -1, -1):
             s = self.slots[l]
-            torch.sum(G, 0, keepdim=True, out=g.as_strided((1, s.out), (s.out, 1), s.bias))  # dl/db_l
-            self._weight_gradient(l, G, inputs[l], g.as_strided((s.out, s.inp), (s.inp, 1), s.weight))
+            bias = g.as_strided((1, s.out), (s.out, 1), s.bias)
+            weight = g.as_strided((s.out, s.inp), (s.inp, 1), s.weight)
+            if a.dtype == torch.float32:
+                torch.sum(G, 0, keepdim=True, out=bias)  # dl/db_l
+                self._weight_gradient(l, G, inputs[l], weight)
+            else:  # (in the layer's dtype, then cast, as autograd's ToCopyBackward)
+                bias.copy_(torch.sum(G, 0, keepdim=True))
+                weight.copy_(torch.mm(G.t(), inputs[l]))
             if l:
                 G = torch.ops.aten.threshold_backward(G.mm(params[l][0]), inputs[l], 0)  # G_{l-1}
         return loss, G.mm(params[0][0]) if input_grad else None
