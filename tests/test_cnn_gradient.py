@@ -72,14 +72,17 @@ def _aten_relu_pool(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,W", [(2, 2), (3, 5), (4, 9), (6, 16), (5, 17), (28, 28)])
-def test_kernels_match_aten_on_ties_zeros_and_nans(H, W):
+def test_kernels_match_aten_on_ties_zeros_and_nans(H, W, dtype):
     """Every bit of the pooled values and of the input gradient (the signs of zeros and NaNs included) is ATen's:
     windows of equal maxima (the first wins), of zeros and -0 (no gradient), of negatives only, with one or two NaNs
-    (ATen keeps the last), a -0 gradient (ATen's zero fill makes it +0), every window width's remainder."""
+    (ATen keeps the last), a -0 gradient (ATen's zero fill makes it +0), every window width's remainder; in float32
+    and in bfloat16."""
     require_kernels(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
     relu_max_pool2, max_pool2_backward = native.operator("relu_max_pool2"), native.operator("max_pool2_backward")
     torch.manual_seed(H * 100 + W)
@@ -88,6 +91,7 @@ def test_kernels_match_aten_on_ties_zeros_and_nans(H, W):
     z[0] = torch.randn(2, H, W)
     g = torch.randn(3, 2, H // 2, W // 2)
     g[1, 0] = -0.0
+    z, g = z.to(dtype), g.to(dtype)
     p, code = relu_max_pool2(z)
     want_p, want_dz = _aten_relu_pool(z, g)
     assert _same_bits(p, want_p)
@@ -98,9 +102,9 @@ def test_kernels_refuse_what_they_do_not_compute():
     """A float64 or non-contiguous input is a clear error, not a wrong answer."""
     require_kernels(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
     relu_max_pool2 = native.operator("relu_max_pool2")
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
         relu_max_pool2(torch.randn(1, 2, 4, 4, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
         relu_max_pool2(torch.randn(1, 4, 4, 2).permute(0, 3, 1, 2))
 
 
@@ -163,8 +167,9 @@ def test_other_modules_keep_autograd(build):
     assert CNNGradient.of(FlatModel(build())) is None
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("shape,padding,B", SHAPES[:2] + SHAPES[4:])
-def test_bf16_gradient_is_autocasts_bit_for_bit(shape, padding, B):
+def test_bf16_gradient_is_autocasts_bit_for_bit(shape, padding, B, path):
     """Under ``precision: bf16`` the gradient is autograd's of the pass under ``torch.autocast(bfloat16)``, bit for
     bit: every operand cast as autocast casts it, the layers in bfloat16, the loss in float32, the gradients cast
     back. (Its distance from float32's is bfloat16's rounding: tests/test_engines.py, docs/benchmarks.md.)"""
@@ -173,6 +178,10 @@ def test_bf16_gradient_is_autocasts_bit_for_bit(shape, padding, B):
     bf16 = ComputeOptions(precision="bf16")
     hand, reference = Oracle(model, bf16), Oracle(model, bf16, traits=ModelTraits(hand_gradient=False))
     assert isinstance(hand.backend, HandCNN) and hand.backend.hand.dtype == torch.bfloat16
+    if path == "python":
+        hand.backend.hand.native = None
+    else:
+        require_kernels(hand.backend.hand)
     assert reference.gradient == "autograd"
     for _ in range(2):
         W = (model.initial + 0.05 * torch.randn_like(model.initial))[None]

@@ -122,9 +122,7 @@ class CNNGradient:
     @property
     def native(self) -> tuple[Callable, Callable] | None:
         """The native ``(relu_max_pool2, max_pool2_backward)`` (:mod:`fedflat.engine.native`), loaded on first use;
-        None: ATen's channels-last pooling runs instead (the same numbers; in bfloat16 always)."""
-        if self.dtype != torch.float32:
-            return None
+        None: ATen's channels-last pooling runs instead (the same numbers)."""
         if self._native is UNLOADED:
             ops = native.operator("relu_max_pool2"), native.operator("max_pool2_backward")
             self._native = ops if None not in ops else None
