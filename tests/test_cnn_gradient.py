@@ -221,3 +221,13 @@ def test_the_loss_is_the_cross_entropy_of_the_modules_logits():
     loss, _ = CNNGradient.of(model).loss_grad(w, x, y)
     model.module.train()
     assert torch.equal(loss, F.cross_entropy(model(w, x), y))
+
+
+def test_two_client_threads_give_the_local_runs_numbers():
+    """``executor: threads`` with two workers (each thread its own runtime and CNN gradient, the pooling kernels run
+    with the GIL released) ends with the local run's parameters, bit for bit."""
+    local = fedflat.run(CNN_TREE, overrides=["engine=sequential"], save=False, progress=False)
+    threads = fedflat.run(CNN_TREE, overrides=["engine=sequential", "executor=threads", "executor.workers=2"],
+                          save=False, progress=False)
+    assert local.summary["gradient"] in ("native", "python")
+    assert torch.equal(local.final_parameters, threads.final_parameters)
