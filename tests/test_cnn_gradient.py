@@ -19,6 +19,8 @@ from fedflat.engine.modes import ModelTraits
 from fedflat.models.cnn import CNN, cnn
 from fedflat.params import FlatModel
 from fedflat.testing import TINY
+from tests.test_mlp_gradient import assert_autograds, autograd_oracle
+from tests.test_native import require_native
 
 aten = torch.ops.aten
 POOL = ([2, 2], [2, 2], [0, 0], [1, 1], False)
@@ -30,38 +32,13 @@ SHAPES = [((3, 32, 32), 0, 10), ((3, 32, 32), 0, 3), ((3, 32, 32), 0, 1), ((1, 2
           ((1, 8, 8), 2, 10), ((2, 15, 15), 1, 4)]
 
 
-def require_kernels(hand: CNNGradient) -> None:
-    """Skips where this machine has no C++ compiler; fails where it has one and the kernels did not load."""
-    if native.compiler() is None or not native.enabled():
-        pytest.skip("no C++ compiler here (or FEDFLAT_NATIVE=0): the native pooling kernels cannot be built")
-    assert hand.native is not None, native.status()
-
-
-def autograd_oracle(model: FlatModel) -> Oracle:
-    oracle = Oracle(model, traits=ModelTraits(hand_gradient=False))
-    assert oracle.gradient == "autograd"
-    return oracle
-
-
 @pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("shape,padding,B", SHAPES)
 def test_gradient_is_autograds_bit_for_bit(shape, padding, B, path):
     """Loss and every entry of ``g[P]`` equal autograd's (``torch.equal``) at several points."""
     torch.manual_seed(0)
     model = FlatModel(cnn(shape, 7, padding=padding))
-    hand, reference = CNNGradient.of(model), autograd_oracle(model)
-    assert hand is not None
-    if path == "native":
-        require_kernels(hand)
-    else:
-        hand.native = None
-    for _ in range(3):
-        w = model.initial + 0.05 * torch.randn_like(model.initial)
-        x, y = torch.randn(B, *shape), torch.randint(0, 7, (B,))
-        assert hand.takes(w, x, y)
-        loss, g = hand.loss_grad(w, x, y)
-        want_loss, want_g = reference.loss_grad(w[None], Batch(x[None], y[None]))
-        assert torch.equal(loss, want_loss[0]) and torch.equal(g, want_g[0])
+    assert_autograds(model, CNNGradient.of(model), path, (B, *shape), 7, scale=0.05)
 
 
 def _aten_relu_pool(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +60,7 @@ def test_kernels_match_aten_on_ties_zeros_and_nans(H, W, dtype):
     windows of equal maxima (the first wins), of zeros and -0 (no gradient), of negatives only, with one or two NaNs
     (ATen keeps the last), a -0 gradient (ATen's zero fill makes it +0), every window width's remainder; in float32
     and in bfloat16."""
-    require_kernels(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
+    require_native(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
     relu_max_pool2, max_pool2_backward = native.operator("relu_max_pool2"), native.operator("max_pool2_backward")
     torch.manual_seed(H * 100 + W)
     choices = torch.tensor([1.5, 1.5, 0.0, -0.0, -2.0, 3.0, float("nan"), 0.25])
@@ -100,7 +77,7 @@ def test_kernels_match_aten_on_ties_zeros_and_nans(H, W, dtype):
 
 def test_kernels_refuse_what_they_do_not_compute():
     """A float64 or non-contiguous input is a clear error, not a wrong answer."""
-    require_kernels(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
+    require_native(CNNGradient.of(FlatModel(cnn((1, 8, 8), 3, padding=2))))
     relu_max_pool2 = native.operator("relu_max_pool2")
     with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
         relu_max_pool2(torch.randn(1, 2, 4, 4, dtype=torch.float64))
@@ -181,7 +158,7 @@ def test_bf16_gradient_is_autocasts_bit_for_bit(shape, padding, B, path):
     if path == "python":
         hand.backend.hand.native = None
     else:
-        require_kernels(hand.backend.hand)
+        require_native(hand.backend.hand)
     assert reference.gradient == "autograd"
     for _ in range(2):
         W = (model.initial + 0.05 * torch.randn_like(model.initial))[None]
