@@ -1,7 +1,7 @@
 """The hand-derived gradient of fedflat's CNN (:class:`CNNGradient`) and the backend that runs it (:class:`HandCNN`).
 
 fedflat's ``cnn`` (McMahan et al.'s CIFAR CNN, :mod:`fedflat.models.cnn`: ``[conv 5x5 - ReLU - maxpool 2] x 2``, then
-an MLP ``[Linear - ReLU] x 2`` and the head) under plain cross-entropy in float32 on the CPU skips autograd on the
+an MLP ``[Linear - ReLU] x 2`` and the head) under plain cross-entropy on the CPU skips autograd on the
 sequential engine, as fedflat's MLP does (:mod:`fedflat.engine.gradients.hand`): the forward pass and the backward
 formulas autograd would run, on the same operands, each layer's gradient written into its slice of ``g[P]``. For a
 convolution ``z = conv(a, W) + b`` autograd's ``ConvolutionBackward0`` calls ``convolution_backward(dz, a, W, ...)``
@@ -18,9 +18,15 @@ library the same selection runs as ATen's channels-last pooling (about 10x faste
 layout copies. Loss and gradient are autograd's bit for bit either way (tests/test_cnn_gradient.py), and the
 convolutions are autograd's own calls, so the rounds' numbers do not move (``scripts/param_hashes.py``).
 
+Under ``precision: bf16`` (``dtype`` bfloat16) it runs what autograd runs under ``torch.autocast(bfloat16)``:
+every operand of a convolution and a linear layer cast to bfloat16 as autocast casts it, the layers, ReLU and the
+pooling in bfloat16 (the kernels take bfloat16 too), the logits cast to float32 for the loss, its gradient back to
+bfloat16, and each parameter's gradient cast to float32 into ``g``: bit for bit autograd's under autocast (tested),
+at oneDNN's bfloat16 rate on a CPU with AVX512_BF16 (docs/benchmarks.md, "Convolutions on one core").
+
 It applies to a module that is fedflat's :class:`~fedflat.models.cnn.CNN` as built without ``norm`` or ``dropout``
-(exact classes, no hooks), in float32 on the CPU, where ATen computes its convolutions with oneDNN (mkldnn) both with
-and without autograd (checked for each input shape: the backend ATen selects could depend on whether a backward
+(exact classes, no hooks), on the CPU in NCHW order, where ATen computes its convolutions with oneDNN (mkldnn) both
+with and without autograd (checked for each input shape: the backend ATen selects could depend on whether a backward
 pass follows); anything else keeps autograd (:meth:`CNNGradient.of`, :meth:`CNNGradient.takes`).
 """
 from __future__ import annotations
