@@ -105,6 +105,28 @@ def sample_weights() -> torch.Tensor:
     return sizes / sizes.sum()
 
 
+def code_rounds(x: torch.Tensor, y: torch.Tensor, model_fn: Callable[[], nn.Module],
+                train: Callable[[nn.Module, nn.Module, torch.Tensor, torch.Tensor, int], None],
+                weights: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The global model after each of :data:`ROUNDS` rounds of a code's round loop as a test writes it out: each
+    client starts from the server's model and ``train(model, server, x_i, y_i, t)`` trains ``model`` in place (the
+    code's client), then the server averages the clients' parameters with ``weights`` (None: uniformly; a code
+    weighting by samples: :func:`sample_weights`)."""
+    server, models = model_fn(), []
+    for t in range(ROUNDS):
+        finals = []
+        for xi, yi in shares(x, y):
+            model = model_fn()
+            model.load_state_dict(server.state_dict())
+            train(model, server, xi, yi, t)
+            finals.append(nn.utils.parameters_to_vector(model.parameters()).detach())
+        stacked = torch.stack(finals)
+        mean = stacked.mean(0) if weights is None else (weights[:, None] * stacked).sum(0)
+        nn.utils.vector_to_parameters(mean, server.parameters())
+        models.append(mean)
+    return models
+
+
 class TensorSamples(data.Dataset):
     """The codes' ``dataset.Dataset(x, y, train, dataset_name)`` over tensors (theirs reads images)."""
 

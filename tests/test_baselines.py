@@ -412,34 +412,28 @@ def test_fedntd_equals_the_authors_round_on_the_conformance_problem():
     full-batch steps, and ``BaseServer._aggregation`` (algorithms/BaseServer.py:164-176), the average weighted by the
     clients' samples, against ``fedntd`` with ``algo.weighting=samples``: equal to float32 rounding. Uniform weights,
     the conformance table's setting before, are not."""
+    import copy
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from authors.fedsol_ntd import NTD_Loss
-    from conformance import CLASSES, LR, LR_DECAY, ROUNDS, STEPS, WD, fedflat_run, problem, sample_weights, shares
+    from conformance import CLASSES, LR, LR_DECAY, STEPS, WD, code_rounds, fedflat_run, problem, sample_weights
 
     beta, tau = 1.0, 3.0
     x, y, model_fn = problem()
-    server, theirs = model_fn(), []
     criterion = NTD_Loss(num_classes=CLASSES, tau=tau, beta=beta)
-    for t in range(ROUNDS):
-        finals = []
-        for data, targets in shares(x, y):
-            model, dg_model = model_fn(), model_fn()
-            model.load_state_dict(server.state_dict())
-            dg_model.load_state_dict(server.state_dict())
-            optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
-            for _ in range(STEPS):
-                optimizer.zero_grad()
-                with torch.no_grad():
-                    dg_logits = dg_model(data)
-                criterion(model(data), targets, dg_logits).backward()
-                optimizer.step()
-            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-        mean = (sample_weights()[:, None] * torch.stack(finals)).sum(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        theirs.append(mean)
+
+    def train(model, server, data, targets, t):  # ClientTrainer.train, the teacher kept as _keep_global does
+        dg_model = copy.deepcopy(server)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            with torch.no_grad():
+                dg_logits = dg_model(data)
+            criterion(model(data), targets, dg_logits).backward()
+            optimizer.step()
+    theirs = code_rounds(x, y, model_fn, train, sample_weights())
     options = ["algo=fedntd", f"algo.beta={beta}", f"algo.tau={tau}"]
     ours = fedflat_run([*options, "algo.weighting=samples"], x, y, model_fn, None, "loss")
     for a, b in zip(theirs, ours):

@@ -141,27 +141,17 @@ def authors_fedasam(x, y, model_fn, rho, eta) -> list[torch.Tensor]:
     asam_client.py: ascent on the batch's loss, descent on the perturbed loss, ``optim.SGD`` with weight decay, no
     clip) over full-batch steps, the server's average weighted by the clients' samples (models/servers/
     fedavg_server.py:121-150, ``update_model``)."""
-    from conformance import LR, LR_DECAY, ROUNDS, STEPS, WD, sample_weights, shares
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, sample_weights
 
-    server = model_fn()
-    models = []
-    for t in range(ROUNDS):
-        finals = []
-        for xi, yi in shares(x, y):
-            client = model_fn()
-            client.load_state_dict(server.state_dict())
-            optimizer = torch.optim.SGD(client.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
-            minimizer = ASAM(optimizer, client, rho, eta)
-            for _ in range(STEPS):
-                torch.nn.functional.cross_entropy(client(xi), yi).backward()
-                minimizer.ascent_step()
-                torch.nn.functional.cross_entropy(client(xi), yi).backward()
-                minimizer.descent_step()
-            finals.append(torch.cat([p.detach().reshape(-1) for p in client.parameters()]))
-        mean = (sample_weights()[:, None] * torch.stack(finals)).sum(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        models.append(mean)
-    return models
+    def run_epoch(client, server, xi, yi, t):
+        optimizer = torch.optim.SGD(client.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        minimizer = ASAM(optimizer, client, rho, eta)
+        for _ in range(STEPS):
+            torch.nn.functional.cross_entropy(client(xi), yi).backward()
+            minimizer.ascent_step()
+            torch.nn.functional.cross_entropy(client(xi), yi).backward()
+            minimizer.descent_step()
+    return code_rounds(x, y, model_fn, run_epoch, sample_weights())
 
 
 def test_fedasam_equals_the_authors_code_on_the_conformance_problem():
@@ -503,34 +493,26 @@ def authors_fedsol(x, y, model_fn, rho, momentum) -> list[torch.Tensor]:
     the cross-entropy pass, ``second_step``; the BatchNorm switches and head/body freezing, no-ops for this model
     with ``perturb_head = perturb_body = true``, left out) on scripts/conformance.py's problem, averaged by the
     clients' samples (``BaseServer._aggregation``, algorithms/BaseServer.py:164-176)."""
-    from conformance import LR, LR_DECAY, ROUNDS, STEPS, WD, sample_weights, shares
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, sample_weights
 
-    server, models = model_fn(), []
     KLDiv, criterion = torch.nn.KLDivLoss(reduction="batchmean"), torch.nn.CrossEntropyLoss()
-    for t in range(ROUNDS):
-        finals = []
-        for data, targets in shares(x, y):
-            model, dg_model = model_fn(), model_fn()
-            model.load_state_dict(server.state_dict())
-            dg_model.load_state_dict(server.state_dict())
-            for q in dg_model.parameters():
-                q.requires_grad = False
-            sam_optimizer = ExpSAM(model.parameters(), dg_model.parameters(), base_optimizer=torch.optim.SGD,
-                                   rho=rho, adaptive=False, lr=LR * LR_DECAY ** t, momentum=momentum,
-                                   weight_decay=WD)
-            for _ in range(STEPS):
-                logits = model(data)
-                with torch.no_grad():
-                    dg_probs = torch.softmax(dg_model(data) / 3, dim=1)
-                KLDiv(F.log_softmax(logits / 3, dim=1), dg_probs).backward()
-                sam_optimizer.first_step(zero_grad=True)
-                criterion(model(data), targets).backward()
-                sam_optimizer.second_step(zero_grad=True)
-            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-        mean = (sample_weights()[:, None] * torch.stack(finals)).sum(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        models.append(mean)
-    return models
+
+    def train(model, server, data, targets, t):
+        dg_model = copy.deepcopy(server)
+        for q in dg_model.parameters():
+            q.requires_grad = False
+        sam_optimizer = ExpSAM(model.parameters(), dg_model.parameters(), base_optimizer=torch.optim.SGD,
+                               rho=rho, adaptive=False, lr=LR * LR_DECAY ** t, momentum=momentum,
+                               weight_decay=WD)
+        for _ in range(STEPS):
+            logits = model(data)
+            with torch.no_grad():
+                dg_probs = torch.softmax(dg_model(data) / 3, dim=1)
+            KLDiv(F.log_softmax(logits / 3, dim=1), dg_probs).backward()
+            sam_optimizer.first_step(zero_grad=True)
+            criterion(model(data), targets).backward()
+            sam_optimizer.second_step(zero_grad=True)
+    return code_rounds(x, y, model_fn, train, sample_weights())
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -865,40 +847,34 @@ def test_fedman_equals_the_authors_code_on_the_conformance_problem():
     steps on scripts/conformance.py's problem of unequal clients, averaged by their samples as ``train_FedAvgReg``
     (``code/utils_methods.py``, its ``weight_list``), against ``fedavg-man`` with sample weights: equal to float32
     rounding."""
-    from conformance import LR, LR_DECAY, ROUNDS, STEPS, WD, fedflat_run, problem, sample_weights, shares
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, fedflat_run, problem, sample_weights
 
     mu_mean, max_norm = 0.4, 10.0
     x, y, model_fn = problem()
-    server, theirs = model_fn(), []
-    for t in range(ROUNDS):
-        finals = []
-        for batch_x, batch_y in shares(x, y):
-            model = AuthorsMLP(model_fn())
-            model.load_state_dict(AuthorsMLP(server).state_dict())
-            loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
-            optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
-            for _ in range(STEPS):
-                y_pred,tmp_var_,tmp_mean_ = model(batch_x)
 
-                loss_f_i = loss_fn(y_pred, batch_y.reshape(-1).long())
-                loss_f_i = loss_f_i / list(batch_y.size())[0]
+    def train(sequential, server, batch_x, batch_y, t):
+        model = AuthorsMLP(sequential)  # its layers: training it trains the client's model
+        loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        for _ in range(STEPS):
+            y_pred,tmp_var_,tmp_mean_ = model(batch_x)
 
-                loss_var_algo = 0.0
+            loss_f_i = loss_fn(y_pred, batch_y.reshape(-1).long())
+            loss_f_i = loss_f_i / list(batch_y.size())[0]
 
-                num_layers = len(tmp_var_)  # noqa: F841
-                for var_val in tmp_var_:
-                    loss_var_algo += torch.mean(var_val)
+            loss_var_algo = 0.0
 
-                loss = loss_f_i + (mu_mean/2) * loss_var_algo
+            num_layers = len(tmp_var_)  # noqa: F841
+            for var_val in tmp_var_:
+                loss_var_algo += torch.mean(var_val)
 
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm) # Clip gradients
-                optimizer.step()
-            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-        mean = (sample_weights()[:, None] * torch.stack(finals)).sum(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        theirs.append(mean)
+            loss = loss_f_i + (mu_mean/2) * loss_var_algo
+
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm) # Clip gradients
+            optimizer.step()
+    theirs = code_rounds(x, y, model_fn, train, sample_weights())
     ours = fedflat_run(["algo=fedavg-man", f"algo.mu={mu_mean}", "algo.weighting=samples"], x, y, model_fn, max_norm,
                        "loss")
     for a, b in zip(theirs, ours):
