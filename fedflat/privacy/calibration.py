@@ -3,6 +3,7 @@
 ``dp`` stage (:class:`fedflat.privacy.stage.GaussianMechanism`)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,7 @@ def calibrated_noise(privacy: PrivacyConfig, mechanism: Mechanism | None, rounds
     return calibrate(replace(mechanism, noise_multiplier=1.0), rounds, delta, privacy.target_epsilon)
 
 
+@functools.lru_cache(maxsize=16)  # (the config asks for z more than once; a schedule is rounds x N draws)
 def most_releases(mechanism: Mechanism, rounds: int, seed: int) -> int:
     """The most rounds one client takes part in over ``rounds`` rounds of the run's client sampling
     (:func:`fedflat.core.round.sample_clients` from ``seed``: data-independent and public in the analysis, so the
