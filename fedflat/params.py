@@ -8,12 +8,13 @@ every forward pass binds the buffers it runs with, so one module serves every cl
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from fedflat.core.vectors import BufferLayout, ParamLayout, persistent_buffers
+from fedflat.core.vectors import BufferLayout, ParamLayout, persistent_buffers, trainable_parameters
 
 __all__ = ["BufferLayout", "FlatModel", "ParamLayout"]
 
@@ -40,22 +41,25 @@ class FlatModel:
         self.initial_buffers = self.buffer_layout.flatten(module).to(self.initial.device)
         self.module = module
         state = module.state_dict(keep_vars=True)
-        param_index = {id(p): j for j, p in enumerate(module.parameters())}
+        param_index = {id(p): j for j, (_, p) in enumerate(trainable_parameters(module))}
         buffer_index = {id(b): j for j, (_, b) in enumerate(persistent_buffers(module))}
         # every (owner, attribute) that holds parameter / buffer j: a shared tensor has several
         self._slots = [(*_owner(module, n), param_index[id(p)])
-                       for n, p in module.named_parameters(remove_duplicate=False)]
+                       for n, p in module.named_parameters(remove_duplicate=False) if id(p) in param_index]
         self._buffer_slots = [(*_owner(module, n), buffer_index[id(b)])
                               for n, b in module.named_buffers(remove_duplicate=False) if id(b) in buffer_index]
         # what each state_dict key is (strict loading of model.pt wants every key, aliases included)
         self._keys: dict[str, tuple[str, int]] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
-            self._keys[n] = ("param", param_index[id(p)])
+            if id(p) in param_index:
+                self._keys[n] = ("param", param_index[id(p)])
         for n, b in module.named_buffers(remove_duplicate=False):
             if id(b) in buffer_index:
                 self._keys[n] = ("buffer", buffer_index[id(b)])
-        self._extra_state = {k: v for k, v in state.items() if k not in self._keys}  # get_extra_state() entries
-        self.state_keys = list(state)
+        frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in param_index}
+        self._extra_state = {k: v for k, v in state.items() if k not in self._keys and k not in frozen}
+        # the federated state's keys: frozen parameters (a pretrained base under adapters) are the module's own
+        self.state_keys = [k for k in state if k not in frozen]
         for owner, attr, _ in self._slots:
             owner._parameters.pop(attr, None)
         self.bind(self.initial)
@@ -65,6 +69,26 @@ class FlatModel:
         views = self.layout.views(flat)
         for owner, attr, j in self._slots:
             owner.__dict__[attr] = views[j]
+
+    @contextlib.contextmanager
+    def materialized(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> Iterator[nn.Module]:
+        """Within it, the module is an ordinary ``nn.Module`` at ``flat`` (and ``buffers``): its trained tensors are
+        registered ``nn.Parameter`` objects again (copies of ``flat``'s entries), so code that reads a module's own
+        ``state_dict()`` or parameters (peft's ``save_pretrained``, ``merge_and_unload``) sees the model at ``flat``;
+        on leaving, the flat-vector binding is back."""
+        views = self.layout.views(flat.detach())
+        params = [nn.Parameter(v.clone()) for v in views]
+        for owner, attr, j in self._slots:
+            owner.__dict__.pop(attr, None)
+            owner._parameters[attr] = params[j]
+        if self.buffer_layout.size and buffers is not None:
+            self.bind_buffers(self.buffer_layout.tensors(buffers.to(flat.device)))
+        try:
+            yield self.module
+        finally:
+            for owner, attr, _ in self._slots:
+                owner._parameters.pop(attr, None)
+            self.bind(self.initial)
 
     def bind_buffers(self, tensors: list[torch.Tensor]) -> None:
         """Makes the module's buffers the given per-buffer tensors (as :meth:`BufferLayout.tensors` makes them); a
@@ -100,8 +124,9 @@ class FlatModel:
         return self.module(x)
 
     def state_dict(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """``{name: tensor}`` for ``flat`` and ``buffers``: every key of the module's own ``state_dict``, so a fresh
-        instance loads it with ``load_state_dict(strict=True)``."""
+        """``{name: tensor}`` for ``flat`` and ``buffers``: every key of the module's own ``state_dict`` but its
+        frozen parameters, so a fresh instance loads it with ``load_state_dict(strict=True)`` (one with a frozen
+        base, e.g. under adapters, with ``strict=False``: the base comes from its own files)."""
         if self.buffer_layout.size and buffers is None:
             raise ValueError("this model has buffers: its state dict needs the buffer vector b")
         views = self.layout.views(flat.detach())

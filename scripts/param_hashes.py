@@ -45,6 +45,9 @@ COMPOSITIONS = [
 ]
 
 
+# A recipe of low-rank adapters (FFA-LoRA, FedSA-LoRA) on the MLP's hidden layer, its head trained whole.
+ADAPTERS = ["adapter.r=2", "adapter.target_modules=[body.0]"]
+
 # Convolutions and image inputs: a few methods on the CNN (8x8 images, 2 rounds).
 CNN = ["model=cnn", "model.padding=2", "data.options.shape=[1,8,8]", "rounds=2"]
 CNN_METHODS = ["fedavg", "fedsam", "scaffold", "fedlesam", "feddyn", "fedwmsam"]
@@ -81,7 +84,8 @@ STAGES = [
 def runs(stages: bool = False) -> list[list[str]]:
     """Every recipe and composition, and the CNN's methods, on both engines; with ``stages`` also :data:`STAGES`,
     every recipe under central DP and under a median against sign flips, and compressed, checked uploads."""
-    methods = ([[f"algo={name}"] for name in sorted(RECIPES)] + COMPOSITIONS
+    methods = ([[f"algo={name}", *(ADAPTERS if RECIPES[name].adapter else [])] for name in sorted(RECIPES)]
+               + COMPOSITIONS
                + [[f"algo={name}", *CNN] for name in CNN_METHODS])
     if stages:
         dp = ["privacy.mode=central", "privacy.noise_multiplier=0.3", "privacy.clip=0.3"]

@@ -70,12 +70,18 @@ BATCH_NORM_CNN = ("model=cnn", "model.padding=2", "model.norm=batch", "data.opti
 BN_DROPOUT_CNN = (*BATCH_NORM_CNN, "model.dropout=0.3")
 
 
+# The tiny MLP with LoRA adapters on its hidden layer (and its head trained whole): a recipe of adapters' model
+MLP_LORA = ("adapter.r=2", "adapter.target_modules=[body.0]")
+
+
 def model_for(recipe: str) -> tuple[str, ...]:
-    """Overrides that give ``recipe`` a model it runs on: none (the tiny MLP), or :data:`BATCH_NORM_CNN` for a
-    recipe whose personalization keeps BatchNorm layers (which the MLP has not)."""
+    """Overrides that give ``recipe`` a model it runs on: none (the tiny MLP), :data:`BATCH_NORM_CNN` for a
+    recipe whose personalization keeps BatchNorm layers (which the MLP has not), :data:`MLP_LORA` for a recipe of
+    low-rank adapters (FFA-LoRA, FedSA-LoRA)."""
     from fedflat.algorithms import RECIPES
 
-    return BATCH_NORM_CNN if RECIPES[recipe].personalization == "fedbn" else ()
+    recipe = RECIPES[recipe]
+    return BATCH_NORM_CNN if recipe.personalization == "fedbn" else MLP_LORA if recipe.adapter else ()
 
 
 def tiny_config(*overrides: str):

@@ -435,6 +435,9 @@ COMMUNICATION = {
     # issue 56's baselines: FedDC sends g and uploads s_i (g_i^+ - g_i), keeps h_i and g_i; MOON keeps w_i^prev
     "fednova": (1, 1, 0), "feddc": (2, 2, 2), "fedntd": (1, 1, 0), "moon": (1, 1, 1), "fedbabu": (1, 1, 1),
     "perfedavg": (1, 1, 1), "perfedavg-hf": (1, 1, 1), "fedala": (1, 1, 3),
+    # the federated-LoRA baselines on the MLP's adapters (P: the adapters and the head): FFA-LoRA as FedAvg; FedSA-LoRA
+    # as FedPer (each client keeps its last adapters, their B its own)
+    "ffa-lora": (1, 1, 0), "fedsa-lora": (1, 1, 1),
 }
 # Bytes beyond the model-sized vectors (float32 scalars): every client uploads its train loss; q-FedAvg its
 # F_i; FedSCAM's parts their radius, h_adj and c; FedWMSAM sends a, FedSCAM the 256-number summary u.

@@ -53,7 +53,7 @@ def tiny(index: int, seed: int = 0) -> nn.Module:
 
 def test_registry_lists_every_model_with_description() -> None:
     assert set(MODELS) == {"logreg", "mlp", "cnn", "resnet18", "resnet20", "resnet34", "resnet50", "wrn28_4", "lstm",
-                           "textcnn", "vit", "densenet121"}
+                           "textcnn", "vit", "densenet121", "hf", "timm"}
     for factory, description in MODELS.values():
         assert callable(factory) and isinstance(description, str) and description
 

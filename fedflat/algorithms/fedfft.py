@@ -97,9 +97,9 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     iRFFT_a(V_k conj(T[k, b]) / n1)[a]`` (``n1`` inverse ones). Length-``n2`` transforms stay in cache where the full
     length-``n`` ones do not; on the W1 MLP's 784 x 200 weight (n = 156,800, 784 frequencies removed, n2 = 1600) the
     filter costs about a quarter of the two full transforms (docs/benchmarks.md). Where the native kernel is built
-    (:func:`native_band_removal`) the four steps run as one call, the column transforms 8 columns to a vector and the
-    twiddles ``T`` made from two small tables (reading ``T`` and ``S``, 1.2 MB for that weight, cost more in the
-    local loop than the transforms): about half scipy's time in the loop (``kernel("remove_low_band")``). Every form's error is within FFT rounding,
+    (``kernel("remove_low_band")``) the four steps run as one call, the column transforms 8 columns to a vector and
+    the twiddles ``T`` made from two small tables (reading ``T`` and ``S``, 1.2 MB for that weight, cost more in the
+    local loop than the transforms): about half scipy's time in the loop. Every form's error is within FFT rounding,
     ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write the
     result into."""
     if out is None:

@@ -31,7 +31,7 @@ own README; ``similarity: gradient`` uses :math:`\cos(G_i, m) = 1 - (\cos(\Delta
 Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
 
-Cost (docs/benchmarks.md): on the CPU the perturbed point :math:`w_k + \epsilon_k` and the mix
+Cost (docs/benchmarks.md, "Every method at the cost of its backward passes"): on the CPU the perturbed point :math:`w_k + \epsilon_k` and the mix
 :math:`a g + (1 - a) m_i` with its norm each run as one native kernel (fedflat/engine/native/vector_ops.cpp: a rounding
 of its own, the same bits on every CPU, which ATen's AVX2 and AVX-512 kernels share; the torch expressions where no
 compiler built it), and the round's ``[K, P]`` work goes by column blocks: the same bits either way.

@@ -16,17 +16,17 @@ from fedflat.config.overrides import (_Loader,  # noqa: F401  (tests/test_loadin
                                       config_file, deep_merge, dump_yaml, file_kind, inherited, load_config, located,
                                       packaged_config, packaged_configs, packaged_name, packaged_names, parse_override,
                                       quickstart_path, read_yaml, read_yaml_file, wrong_kind)
-from fedflat.config.schema import (CALLBACK_CONFIGS, DEVICE_ENV, DIAGNOSTIC_KINDS, LOGGER_CONFIGS, AlgoSpec,
-                                   CallbackConfig, CallbackEntry, Config, CSVLogger, DataConfig, DiagnosticsConfig,
-                                   EarlyStoppingConfig, EvalConfig, ExecutorConfig, LoggerConfig, LoggerEntry,
-                                   MLflowLogger, ModelCheckpointConfig, PrivacyConfig, SamplingConfig,
+from fedflat.config.schema import (CALLBACK_CONFIGS, DEVICE_ENV, DIAGNOSTIC_KINDS, LOGGER_CONFIGS, AdapterConfig,
+                                   AlgoSpec, CallbackConfig, CallbackEntry, Config, CSVLogger, DataConfig,
+                                   DiagnosticsConfig, EarlyStoppingConfig, EvalConfig, ExecutorConfig, LoggerConfig,
+                                   LoggerEntry, MLflowLogger, ModelCheckpointConfig, PrivacyConfig, SamplingConfig,
                                    SecureAggregationConfig, Section, StoreConfig, TensorBoardLogger, TrainConfig,
                                    ValidationConfig, WandbLogger, suggest)
 from fedflat.core.errors import ConfigError
 
 __all__ = [
     "CALLBACK_CONFIGS", "DEVICE_ENV", "DIAGNOSTIC_KINDS", "LOGGER_CONFIGS", "RESETTING", "SECTION_IDS", "SHORTHANDS",
-    "AlgoSpec", "CSVLogger", "CallbackConfig", "CallbackEntry", "Config", "ConfigError", "DataConfig",
+    "AdapterConfig", "AlgoSpec", "CSVLogger", "CallbackConfig", "CallbackEntry", "Config", "ConfigError", "DataConfig",
     "DiagnosticsConfig", "EarlyStoppingConfig", "EvalConfig", "ExecutorConfig", "LoggerConfig", "LoggerEntry",
     "MLflowLogger", "ModelCheckpointConfig", "PrivacyConfig", "SamplingConfig", "SecureAggregationConfig", "Section",
     "StoreConfig", "TensorBoardLogger", "TrainConfig", "ValidationConfig", "WandbLogger", "apply_override",

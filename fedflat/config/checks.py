@@ -59,7 +59,7 @@ def validate(tree: dict[str, Any] | Config, method: AlgoSpec | None = None) -> C
         raise ConfigError(_format_errors(err)) from None
     cfg.algo.adopt(given)  # already resolved: checked again only where the upload path changed
     try:
-        cfg = _with_recipe_privacy(cfg)
+        cfg = _with_model_tokenizer(_with_recipe_privacy(cfg))
         _check_registered(cfg)
     except ConfigError as err:
         missing = plugins.not_imported(cfg.plugins)
@@ -72,7 +72,8 @@ def validate(tree: dict[str, Any] | Config, method: AlgoSpec | None = None) -> C
 
 def _with_recipe_privacy(cfg: Config) -> Config:
     """A recipe that is a method under DP (DP-FedSAM) brings its ``privacy`` and ``compression`` sections where the
-    config does not set them (``privacy: null`` sets it: the method without DP)."""
+    config does not set them (``privacy: null`` sets it: the method without DP), and one of adapters (FFA-LoRA) its
+    adapter options."""
     from fedflat.algorithms import RECIPES
 
     recipe = RECIPES.get(cfg.algo.name)
@@ -84,7 +85,36 @@ def _with_recipe_privacy(cfg: Config) -> Config:
         update["privacy"] = PrivacyConfig(**recipe.privacy)
     if "compression" not in given and recipe.compression:
         update["compression"] = dict(recipe.compression)
+    if recipe.adapter:
+        update["adapter"] = _recipe_adapter(cfg, recipe)
     return cfg.model_copy(update=update) if update else cfg
+
+
+def _with_model_tokenizer(cfg: Config) -> Config:
+    """A dataset that tokenizes with a Hugging Face tokenizer (its ``tokenizer`` option: ``glue``) reads the model's
+    own folder's where the model is one (``model=hf``) and the option is unset: the tokens the model was trained on."""
+    from fedflat.data import DATASETS
+
+    loader = DATASETS.get(cfg.data.name, (None,))[0]
+    if (loader is None or "tokenizer" not in inspect.signature(loader).parameters or cfg.data.options.get("tokenizer")
+            or cfg.model.get("name") != "hf" or not cfg.model.get("path")):
+        return cfg
+    data = cfg.data.model_copy(update={"options": {**cfg.data.options, "tokenizer": cfg.model["path"]}})
+    return cfg.model_copy(update={"data": data})
+
+
+def _recipe_adapter(cfg: Config, recipe) -> Any:
+    """The ``adapter`` section with a recipe's adapter options (FFA-LoRA's ``freeze_a``) where the config leaves them
+    unset; a config without adapters, or one setting them otherwise, is refused naming the option."""
+    if cfg.adapter is None:
+        raise ConfigError(f"algo={recipe.name} trains low-rank adapters: add an adapter section (e.g. adapter.r=8)")
+    options = {}
+    for key, value in recipe.adapter.items():
+        if key in cfg.adapter.model_fields_set and getattr(cfg.adapter, key) != value:
+            raise ConfigError(f"algo={recipe.name} sets adapter.{key}={value}; the config sets "
+                              f"{getattr(cfg.adapter, key)}: leave it out")
+        options[key] = value
+    return cfg.adapter.model_copy(update=options)
 
 
 def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...]) -> None:

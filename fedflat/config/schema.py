@@ -267,6 +267,37 @@ class SecureAggregationConfig(Section):
         return self
 
 
+class AdapterConfig(Section):
+    """The ``adapter`` section: the low-rank adapters (peft's LoRA or AdaLoRA) a run trains on its frozen model
+    instead of every parameter (:mod:`fedflat.models.lora`, docs/models.md)."""
+
+    method: Literal["lora", "adalora"] = Field("lora", description="lora (peft's LoraConfig) or adalora "
+                                                                   "(AdaLoraConfig: the SVD form at init_r ranks)")
+    r: int = Field(8, ge=1, description="the rank r of every adapter (AdaLoRA: its target_r)")
+    alpha: float | None = Field(None, gt=0, description="lora_alpha: the update is scaled by alpha / r (default 2r, "
+                                                        "FedSWA's and FedNSAM's)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="lora_dropout on the adapters' input")
+    target_modules: list[str] | None = Field(None, description="modules adapted (peft's matching: a name or the end of "
+                                                               "one); default: by model family (docs/models.md)")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained too (peft's bias)")
+    modules_to_save: list[str] | None = Field(None, description="modules trained whole and federated (default: the "
+                                                                "classifier head, head/classifier/score/fc; [] for "
+                                                                "the adapters alone)")
+    freeze_a: bool = Field(False, description="FFA-LoRA: A stays at its seeded random initialization, only B is "
+                                              "trained and sent")
+    init_r: int | None = Field(None, ge=1, description="adalora: the starting rank (default 2r)")
+    init: str | None = Field(None, description="a peft adapter folder to start from (its settings define the "
+                                               "adapter)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AdapterConfig":
+        if self.method == "adalora" and self.freeze_a:
+            raise ValueError("adapter.freeze_a is FFA-LoRA's (method=lora); AdaLoRA's P, E, Q are trained together")
+        if self.init_r is not None and self.method != "adalora":
+            raise ValueError("adapter.init_r is AdaLoRA's starting rank: set method=adalora or leave it out")
+        return self
+
+
 class CallbackConfig(Section):
     """A built-in callback of :mod:`fedflat.experiments.callbacks` (docs/experiments.md, "Stopping early")."""
 
@@ -413,6 +444,9 @@ class Config(Section):
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
     model: dict[str, Any] = Field(default_factory=lambda: {"name": "mlp"})
+    adapter: AdapterConfig | None = Field(None, description="train low-rank adapters (LoRA, AdaLoRA: peft) on the "
+                                                            "frozen model instead of every parameter; only they and "
+                                                            "the head are federated (docs/models.md)")
     algo: AlgoSpec = Field(default_factory=lambda: AlgoSpec(name="fedavg"))
     train: TrainConfig = Field(default_factory=TrainConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -487,9 +521,9 @@ class Config(Section):
         return delta_of(self.privacy, self.data.num_clients)
 
     def noise_multiplier(self) -> float:
-        """``z``: the given one, or the one calibrated so that ``rounds`` rounds spend ``target_epsilon``
-        (:func:`fedflat.privacy.calibrated_noise`)."""
-        return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta)
+        """``z``: the given one, or the one calibrated so that the run's ``rounds`` rounds spend ``target_epsilon``
+        (:func:`fedflat.privacy.calibrated_noise`; local DP: its most-sampled client's releases)."""
+        return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta, self.seed)
 
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for, in the order they run: ``attack``, ``compression``, ``privacy``,

@@ -96,6 +96,7 @@ class Recipe:
     tunable: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     privacy: dict[str, Any] = field(default_factory=dict)  # a method under DP (DP-FedSAM): its `privacy` section
     compression: dict[str, Any] = field(default_factory=dict)  # ... and its `compression` (DP-FedSAM-top_k)
+    adapter: dict[str, Any] = field(default_factory=dict)  # a method of adapters (FFA-LoRA): its `adapter` options
     display: str = ""  # the name its paper writes (FedAvg, FedLESAM): tables and figures show it
 
     def part_names(self) -> dict[str, str]:

@@ -165,8 +165,10 @@ class ParamLayout(Packed):
 
     @classmethod
     def of(cls, model: nn.Module) -> "ParamLayout":
+        """The layout of ``model``'s trainable parameters (``requires_grad``), in ``named_parameters`` order: a frozen
+        parameter (a pretrained base under adapters) is the module's own, never in ``w``."""
         names, shapes, offsets, offset = [], [], [], 0
-        for name, p in model.named_parameters():
+        for name, p in trainable_parameters(model):
             names.append(name)
             shapes.append(p.shape)
             offsets.append(offset)
@@ -183,8 +185,8 @@ class ParamLayout(Packed):
         return [seg.view(*lead, *shape) for seg, shape in zip(self.segments(flat), self.shapes)]
 
     def flatten(self, model: nn.Module) -> torch.Tensor:
-        """The model's current parameters as one detached flat vector."""
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        """The model's current trainable parameters as one detached flat vector."""
+        return torch.cat([p.detach().reshape(-1) for _, p in trainable_parameters(model)])
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,12 @@ class BufferLayout(Packed):
             if not d.is_floating_point:  # an integer count: to the nearest integer, which the cast keeps exactly
                 mean[o:o + n] = mean[o:o + n].round()
         return self.pack(self.tensors(mean))
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter of ``model`` that ``requires_grad`` (shared ones once, as
+    ``named_parameters``): what fedflat federates; the others are a frozen base every process holds once."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedflat.config import Config
-from fedflat.core import SERVER, Batch, ConfigError, TrainSettings, stream_seed
+from fedflat.core import Batch, ConfigError, TrainSettings
 from fedflat.data import Dataset, client_split, load_dataset, user_split, validation_split
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.cores import choose_threads, core_share, torch_threads
@@ -25,7 +25,7 @@ from fedflat.engine.modes import ModelTraits, inspect_module, module_name
 from fedflat.engine.optim import optimizer_of
 from fedflat.engine.client import Oracle
 from fedflat.engine.runtime import engine_choice
-from fedflat.models import build_model
+from fedflat.models import assemble, build_model, frozen_hash
 from fedflat.params import FlatModel
 
 PROBE_SAMPLES = 4  # training samples the up-front checks run the model on
@@ -93,10 +93,14 @@ def _without_heldout(clients: Sequence[Sequence[int]], kept: np.ndarray, num_sam
 def build_module(cfg: Config, dataset: Dataset, model_fn: Callable[[], nn.Module] | None = None) -> nn.Module:
     """The run's ``nn.Module``, its initialization drawn from the server's keyed stream ``(seed, -1, server,
     init)``: ``model_fn()`` (checked: a module with initialized parameters) or the config's model for the
-    dataset's inputs (a model that cannot take them is a clear error)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stream_seed(cfg.seed, -1, SERVER, "init"))
-        return _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset)
+    dataset's inputs (a model that cannot take them is a clear error), with the config's adapters
+    (:func:`fedflat.models.assemble`)."""
+    module = assemble(lambda: _user_model(model_fn) if model_fn is not None else _configured_model(cfg, dataset),
+                      cfg.seed, cfg.adapter)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ConfigError(f"model {module_name(module)}: every parameter is frozen (requires_grad=False), so "
+                          "there is nothing to train; unfreeze what the clients train, or set an adapter section")
+    return module
 
 
 def _user_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -142,6 +146,7 @@ class ModelReport:
     vmap_problem: str | None
     engine: str
     engine_reason: str = ""  # why this engine (engine=auto's measured rule, or the config)
+    base_hash: str | None = None  # the frozen parameters' digest (a pretrained base under adapters), or None
 
 
 def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn | None) -> ModelReport:
@@ -165,7 +170,7 @@ def inspect_model(cfg: Config, problem: Problem, model: FlatModel, loss: LossFn 
     chosen = choose_engine(cfg.engine, engine, problem_, model.module)
     if chosen != engine:
         why = f"engine=auto: the model cannot run under torch.func.vmap ({problem_}): one client at a time"
-    return ModelReport(traits, flops, threads, problem_, chosen, why)
+    return ModelReport(traits, flops, threads, problem_, chosen, why, frozen_hash(model.module))
 
 
 def _step_flops(cfg: Config, problem: Problem, model: FlatModel) -> float:
@@ -244,7 +249,7 @@ def _dp_sgd(cfg: Config, traits: ModelTraits, module: nn.Module) -> tuple[float,
     if traits.random is not None or traits.dropout or traits.mixes:
         raise ConfigError(f"privacy.level=instance: model {module_name(module)} draws random numbers in its forward "
                           "(dropout) or mixes the samples of a batch (batch statistics); DP-SGD's per-example "
-                          "gradients need neither: set its dropout to 0, use GroupNorm")
+                          "gradients need neither: set its dropout to 0 (adapter.dropout=0 under LoRA), use GroupNorm")
     return (p.clip, p.noise_multiplier)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from fedflat.algorithms import Algorithm, build_algorithm
+from fedflat.config import AdapterConfig
 from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
                           merge_results)
 from fedflat.data import Standardize
@@ -26,7 +27,7 @@ from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import build_model
+from fedflat.models import assemble, build_model, frozen_hash, share_frozen, without_weights
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -278,24 +279,50 @@ class WorkerSpec:
     traits: ModelTraits | None = None  # what the driver's up-front check found (dropout, buffers, batch statistics)
     plugins: tuple[str, ...] = ()  # the config's plugins: a worker imports them before it builds the method
     stages: tuple[dict[str, Any], ...] = ()  # the upload path's stages (Config.stage_specs, z calibrated)
+    seed: int = 0  # the run's: a worker draws its module's initialization from the same keyed stream as the driver
+    adapter: dict[str, Any] | None = None  # the config's adapter section (LoRA): the base is loaded, frozen, here
+    base_hash: str | None = None  # the driver's frozen parameters' digest (fedflat.models.frozen_hash): checked
 
 
-def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device) -> ClientRuntime:
+def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device,
+                         base: torch.nn.Module | None = None) -> ClientRuntime:
     """A runtime of the run ``spec`` describes on ``device``: its own model (built again from the config or
-    ``model_fn``; the broadcast carries the weights), parts and oracle, over the given ``batches``."""
+    ``model_fn``; the broadcast carries the trained weights, and under adapters the worker loads the frozen base
+    from its own files, checked against the driver's digest), parts and oracle, over the given ``batches``.
+    ``base``: a module of the same run in this process whose frozen tensors the new one shares (thread workers)."""
     compute = spec.compute
     if compute.threads:
         torch.set_num_threads(compute.threads)
     set_tf32(device, compute.tf32)
-    # (not model.pretrained: the broadcast carries the weights, and the file need not exist on a worker's node)
-    options = {k: v for k, v in spec.model.items() if k not in ("name", "pretrained")}
-    module = spec.model_fn() if spec.model_fn is not None else build_model(
-        spec.model["name"], spec.input_shape, spec.num_classes, **options)
+    module = assemble(lambda: worker_module(spec, read_weights=spec.adapter is not None and base is None), spec.seed,
+                      AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
+    if base is not None:
+        share_frozen(module, base)
+    check_base(frozen_hash(module), spec.base_hash)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs, compute.compile)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings,
                          replace(compute, engine=engine), spec.traits)
+
+
+def worker_module(spec: WorkerSpec, read_weights: bool) -> torch.nn.Module:
+    """The module of a worker before its adapters: ``model_fn()``, or the config's model, its pretrained weights
+    read only where ``read_weights`` (under adapters, a frozen base no broadcast carries, on a Ray worker; a thread
+    worker shares the driver's, and without adapters the broadcast brings them: the files need not exist there)."""
+    section = spec.model if read_weights else without_weights(spec.model)
+    options = {k: v for k, v in section.items() if k != "name"}
+    return spec.model_fn() if spec.model_fn is not None else build_model(
+        section["name"], spec.input_shape, spec.num_classes, **options)
+
+
+def check_base(own: str | None, expected: str | None) -> None:
+    """Refuses a worker or node whose frozen base (digest ``own``, :func:`fedflat.models.frozen_hash`) differs
+    from the server's (another checkpoint or folder at its path), naming both digests; nothing to check where the
+    server has no frozen part."""
+    if expected is not None and own != expected:
+        raise ConfigError(f"the frozen base model here (digest {own}) differs from the server's (digest {expected}): "
+                          "every worker and node must hold the same pretrained files at the path its config names")
 
 
 def longest_first(steps: torch.Tensor, workers: list[int]) -> dict[int, torch.Tensor]:

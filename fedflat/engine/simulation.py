@@ -128,7 +128,7 @@ def make_executor(executor: ExecutorConfig, runtime: ClientRuntime, spec: Callab
         # threads=None: the driver's own torch threads, already set, are the ones the thread workers share
         worker = spec(compute=replace(runtime.options, threads=None))
         with torch.random.fork_rng(devices=[]):
-            others = [build_client_runtime(worker, runtime.batches, runtime.device)
+            others = [build_client_runtime(worker, runtime.batches, runtime.device, base=runtime.model.module)
                       for _ in range(executor.workers - 1)]
         return ThreadExecutor([runtime, *others])
     return RayExecutor(spec(), data(), executor)
@@ -215,7 +215,9 @@ class Simulation:
                           input_shape=data.input_shape, num_classes=data.num_classes, settings=self.settings,
                           compute=compute, traits=self.report.traits, augmentation=data.augmentation,
                           use_gpu=ex.gpus_per_worker > 0, step_flops=self.report.step_flops,
-                          standardize=data.standardize, plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs))
+                          standardize=data.standardize, plugins=tuple(cfg.plugins), stages=tuple(self.stage_specs),
+                          seed=cfg.seed, adapter=cfg.adapter.model_dump() if cfg.adapter else None,
+                          base_hash=self.report.base_hash)
         return replace(spec, **options)
 
     def worker_data(self) -> tuple:

@@ -105,13 +105,15 @@ def state_loader(parts: dict[str, Any]) -> Callable[[torch.Tensor, list[str]], t
 
 
 def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: str = "model.pt",
-                 split: str | None = None, **user: Any) -> dict[str, Any]:
+                 split: str | None = None, merged: bool = False, **user: Any) -> dict[str, Any]:
     """Evaluates a run folder's saved models as its run did: the clients' own models (``personal.pt`` with
     ``model.pt``) where ``personalized`` (default: where the run's evaluation was personalized), else the global
     ``model`` (``model.pt``, or another model file the run kept: ``best_model.pt``) on the whole held-out set.
     ``split``: ``test`` or ``val`` (default: the split the run evaluated); ``test`` on a run that selected on a
     validation split gives the test accuracy of the model it selected, as ``summary.json``'s ``selected_test_acc``
-    (``final_test_acc`` for ``model.pt``). ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user
+    (``final_test_acc`` for ``model.pt``). ``merged``: a run of adapters evaluated as the plain model with them
+    merged into its base (``W0 + (alpha / r) B A``, what a deployment serves; the same predictions up to float32
+    rounding). ``user``: ``dataset=``, ``model_fn=``, ``clients=`` of a run on user
     data. Returns ``{"round", "evaluation", "split", "model", "accuracy", "loss", "reported_accuracy",
     "reported_loss", "reported_key"}``."""
     from fedflat.engine.checkpoint import CheckpointError, run_config
@@ -126,6 +128,8 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
     if "/" in model or not model_file.is_file():
         kept = sorted(p.name for p in path.glob("*.pt") if p.name not in ("checkpoint.pt", PERSONAL_FILE))
         raise ConfigError(f"{path}: no model file {model!r} (the run kept {', '.join(kept) or 'none yet'})")
+    if merged and personalized:
+        raise ConfigError(f"{path}: --merged evaluates the global model with its adapters merged: add --global")
     if personalized and model != "model.pt":
         raise ConfigError(f"{path}: personal.pt holds the clients' parts of the final model.pt only: evaluate "
                           f"{model} with --global")
@@ -152,14 +156,37 @@ def evaluate_run(run_dir: str | Path, personalized: bool | None = None, model: s
             rounds = parts["round"]
             scores = sim.personal_scores(sim.server.w, list(range(sim.cfg.data.num_clients)), state_loader(parts))
             accuracy, loss = pooled_accuracy(scores)
+        elif merged:
+            accuracy, loss = merged_scores(sim)
         else:
             accuracy, loss = sim.evaluate(sim.server.w)
         split = sim.heldout
     key = _reported_key(summary, split, model, personalized)
-    return {"round": rounds, "evaluation": "personalized" if personalized else "global", "split": split,
+    evaluation = "personalized" if personalized else "merged" if merged else "global"
+    return {"round": rounds, "evaluation": evaluation, "split": split,
             "model": model, "accuracy": accuracy, "loss": loss, "reported_key": key,
             "reported_accuracy": summary.get(f"{key}_acc") if key else None,
             "reported_loss": summary.get(f"{key}_loss") if key else None}
+
+
+@torch.no_grad()
+def merged_scores(sim) -> tuple[float, float]:
+    """``(accuracy, mean loss)`` on the held-out set of the run's global model with its adapters merged into the
+    base (:func:`fedflat.models.lora.merge_adapters`; ``sim`` is spent: its base now holds the merged weights)."""
+    from fedflat.engine.losses import summed_loss
+    from fedflat.models.lora import adapted, merge_adapters
+
+    if adapted(sim.model.module) is None:
+        raise ConfigError("--merged: this run trained no adapters (an adapter section): evaluate it without --merged")
+    x, y, size = sim.dataset.x_test, sim.dataset.y_test, sim.cfg.eval.batch_size
+    with sim.model.materialized(sim.server.w, sim.server.buffers) as module:
+        net = merge_adapters(module).eval()
+        correct, loss = 0, 0.0
+        for lo in range(0, x.shape[0], size):
+            logits = net(sim.dataset.features(x[lo:lo + size]))
+            correct += int((logits.argmax(1) == y[lo:lo + size]).sum())
+            loss += float(summed_loss(sim.settings.loss, logits, y[lo:lo + size]))
+    return correct / x.shape[0], loss / x.shape[0]
 
 
 def _kept_round(summary: dict[str, Any], model: str) -> int | None:

@@ -18,9 +18,12 @@ from fedflat.config import Config
 from fedflat.engine.simulation import RoundResult, Simulation
 from fedflat.experiments.callbacks import Callbacks, ModelCheckpoint, RunInfo
 from fedflat.experiments.personal import save_personal_parts
+from fedflat.experiments.report import at_chance
 from fedflat.experiments.rundir import DiskFull, RunDir, machine_info, versions
+from fedflat.models.lora import adapted, frozen_count, save_adapter
 
 NOW = "%Y-%m-%dT%H:%M:%S%z"
+ADAPTER_FOLDER = "adapter"  # a run's adapters in peft's format (adapter_config.json, adapter_model.safetensors)
 
 
 def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +43,8 @@ def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> d
         "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
         "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
         "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
+        # what an accuracy is out of: its chance level, and one held-out sample's worth (the report states both)
+        "num_classes": sim.dataset.num_classes, **heldout_samples(sim),
         "final_test_acc": None, "best_test_acc": None, "best_round": None,
         "final_test_loss": None,
         **({"final_val_acc": None, "best_val_acc": None, "final_val_loss": None} if sim.heldout == "val" else {}),
@@ -48,7 +53,20 @@ def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> d
     }
     if sim.server.privacy is not None:
         summary.update(privacy=sim.server.privacy.describe(), epsilon=0.0)
+    if sim.report.base_hash is not None:  # a frozen base (adapters): which one, so a node or a rerun can check it
+        summary.update(base_hash=sim.report.base_hash, frozen_parameters=frozen_count(sim.model.module))
+        if cfg.adapter is not None:
+            summary["adapter"] = resolved.get("adapter")
     return summary
+
+
+def heldout_samples(sim: Simulation) -> dict[str, int]:
+    """``{"test_samples": n}``, and ``"val_samples"`` too for a run that selects on ``data.validation``: the size
+    of each held-out split an accuracy of the run is computed on."""
+    sizes = {f"{sim.heldout}_samples": int(sim.dataset.y_test.shape[0])}
+    if sim.problem.test_split is not None:
+        sizes["test_samples"] = int(sim.problem.test_split[1].shape[0])
+    return sizes
 
 
 class RunSummary:
@@ -207,6 +225,9 @@ class RunSummary:
         if self.run_dir is None:
             return
         self.run_dir.save_model(cpu_state(self.sim.server.model_state()))  # (a GPU run's model.pt loads anywhere)
+        if adapted(self.sim.model.module) is not None:  # peft's own format: PeftModel.from_pretrained loads it
+            with self.sim.model.materialized(self.sim.server.w, self.sim.server.buffers) as module:
+                save_adapter(module, self.run_dir.path / ADAPTER_FOLDER)
         save_personal_parts(self.run_dir.path, self.sim, self.summary["rounds"])  # what a personalized number needs
         self.run_dir.write_summary(self.summary)
 
@@ -217,15 +238,6 @@ def dropped_note(dropped: dict[str, list[int]]) -> str:
     shown = ", ".join(rounds[:10]) + (", ..." if len(rounds) > 10 else "")
     return (f"{sum(map(len, dropped.values()))} sampled clients left out of {len(rounds)} rounds ({shown}): their "
             "nodes failed or did not answer in time; summary.json's dropped_clients names them")
-
-
-def at_chance(acc: float, num_classes: int, count: int) -> bool:
-    """Whether accuracy ``acc`` on ``count`` held-out samples is at chance level: within three binomial standard
-    errors of ``p = 1/num_classes``, ``|acc - p| <= 3 sqrt(p (1 - p) / count)``. A model that guesses (or, on a
-    balanced held-out set, predicts one class) scores ``p`` up to that sampling error; one that learned anything
-    beyond it is more than 3 standard errors away (0.009 on Fashion-MNIST's 10,000 test images)."""
-    p = 1.0 / num_classes
-    return count > 0 and abs(acc - p) <= 3.0 * math.sqrt(p * (1.0 - p) / count)
 
 
 def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -27,11 +27,12 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedflat import __version__
-from fedflat.config import Config, dump_yaml, read_yaml, resolve
+from fedflat.config import Config, dump_yaml, read_yaml, resolve, validate
 from fedflat.core import ConfigError
 from fedflat.engine.simulation import Simulation, UserInputs
 from fedflat.flower.node import DEFAULT_STATE_DIR, Node
 from fedflat.flower.server import serve
+from fedflat.models import base_key
 
 CONFIG_KEY = "fedflat-config"
 RUN_DEFAULTS: dict[str, Any] = {"out": "runs", "round-timeout": 600.0, "wait-nodes": 120.0, "state-dir": "",
@@ -93,6 +94,15 @@ def node_partition(context: Context) -> tuple[int, int]:
                           f"num-partitions=M' (node config now: {dict(config)})") from None
 
 
+def with_model_path(cfg: Config, path: str | None) -> Config:
+    """``cfg`` with this node's own path to the model's pretrained files (node config ``model-path``: the option
+    :func:`fedflat.models.base_key` names, e.g. ``model.path`` of a Hugging Face folder); the server checks that the
+    base read there is its own (by digest, every round)."""
+    if not path:
+        return cfg
+    return validate(cfg.model_copy(update={"model": {**cfg.model, base_key(cfg.model["name"]): str(path)}}))
+
+
 def state_folder(root: str | Path, cfg: Config, partition: int) -> Path:
     """Where a node keeps its clients' state for ``cfg``: one folder per config (its ``rounds`` aside, which a
     resume may extend) and partition, so a resumed run, under a new Flower run id, finds it again. A new
@@ -114,7 +124,7 @@ def node_of(context: Context, cfg: Config | None, state_dir: str | Path | None,
             model_fn: Callable[[], nn.Module] | None = None) -> Node:
     """This node's clients and kept state, on the run's data and runtime (built once per process and run)."""
     partition, partitions = node_partition(context)
-    config = config_of(context, cfg)
+    config = with_model_path(config_of(context, cfg), context.node_config.get("model-path"))
     root = (context.node_config.get("state-dir") or state_dir or context.run_config.get("state-dir")
             or DEFAULT_STATE_DIR)
     folder = state_folder(root, config, partition)
@@ -203,7 +213,7 @@ def own_ray_for_simulation() -> None:
 
     The engine starts Ray with ``ray.init()`` and no address, and Ray then joins the instance recorded in
     ``/tmp/ray/ray_current_cluster`` by the last ``ray start`` on this machine — one long stopped, whose dead GCS
-    it waits on for ever (`flwr run APP` then never trained: no node answered; issue 32), or another user's.
+    it waits on for ever (`flwr run APP` then never trained: no node answered), or another user's.
     ``RAY_ADDRESS`` set already (``auto``, or a cluster's address, for Flower's multi-node simulation) is kept.
     The ClientApp module ``fedflat flower-app`` writes calls it; it changes nothing on a deployment's SuperNodes,
     which run no Ray."""

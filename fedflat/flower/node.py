@@ -23,7 +23,7 @@ import torch
 from fedflat.algorithms import renamed_state
 from fedflat.config import Config
 from fedflat.core import ClientResult, ConfigError
-from fedflat.engine.runtime import RoundTask, rows_loader
+from fedflat.engine.runtime import RoundTask, check_base, rows_loader
 from fedflat.engine.simulation import Simulation
 from fedflat.flower.protocol import NodeTask, read_evaluation, read_task, result_content, scores_content
 
@@ -133,6 +133,7 @@ class Node:
         """The task in ``content`` and its clients' result, trained from their current state; their new state saved."""
         job = read_task(content)
         self.check(job.task)
+        check_base(self.sim.report.base_hash, job.base)
         ids = job.task.ids.tolist()
         names = self.sim.server.client_state_keys
         states, rows, known = self.states.rows(ids, job.state_rounds, names)

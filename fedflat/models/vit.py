@@ -8,8 +8,10 @@ products, no fused kernel), with **timm's state-dict keys** (``patch_embed.proj`
 timm checkpoint saved with ``torch.save(model.state_dict())`` loads through ``model.pretrained=PATH``.
 
 Variants (``variant=``): ``tiny16`` (timm's ``vit_tiny_patch16_224``: width 192, depth 12, 3 heads,
-5,717,416 parameters with 1000 classes) and ``base32`` (``vit_base_patch32_224``: width 768, depth 12, 12 heads,
-88,224,232 parameters). Class token, learned position embeddings, pre-norm blocks, GELU MLP of 4x width,
+5,717,416 parameters with 1000 classes), ``base16`` (``vit_base_patch16_224``, FedSWA's and FedNSAM's ViT-B: width
+768, depth 12, 12 heads, 86,567,656 parameters) and ``base32`` (``vit_base_patch32_224``: 88,224,232 parameters);
+``patch``, ``dim``, ``depth`` and ``heads`` override the variant's (a small ViT for small images, e.g.
+``variant=tiny16 patch=4 dim=64 depth=4 heads=4`` on 28x28). Class token, learned position embeddings, pre-norm blocks, GELU MLP of 4x width,
 LayerNorm eps 1e-6, classification from the final class token, as timm's defaults.
 """
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import FedModel, check_common, check_image_shape
 
-VARIANTS = {"tiny16": (16, 192, 12, 3), "base32": (32, 768, 12, 12)}  # patch, width, depth, heads
+VARIANTS = {"tiny16": (16, 192, 12, 3), "base16": (16, 768, 12, 12), "base32": (32, 768, 12, 12)}  # patch, width,
+# depth, heads
 
 
 class Attention(nn.Module):
@@ -43,10 +45,11 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()  # (a module: FedMAN's activation penalty reads its output)
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class Block(nn.Module):
@@ -100,13 +103,18 @@ class VisionTransformer(FedModel):
         return self.norm(x)[:, 0]
 
 
-def vit(input_shape: Sequence[int], num_classes: int, variant: str = "tiny16") -> VisionTransformer:
-    """ViT ``variant`` (``tiny16`` or ``base32``) for ``[C, H, W]`` inputs whose sides the patch size divides."""
+def vit(input_shape: Sequence[int], num_classes: int, variant: str = "tiny16", patch: int | None = None,
+        dim: int | None = None, depth: int | None = None, heads: int | None = None) -> VisionTransformer:
+    """ViT ``variant`` (``tiny16``, ``base16`` or ``base32``; ``patch``, ``dim``, ``depth``, ``heads`` override its
+    sizes) for ``[C, H, W]`` inputs whose sides the patch size divides."""
     if variant not in VARIANTS:
         raise ValueError(f"vit variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     shape = check_common(input_shape, num_classes)
     check_image_shape("vit", shape)
-    patch, dim, depth, heads = VARIANTS[variant]
+    patch, dim, depth, heads = (given if given is not None else default for given, default
+                                in zip((patch, dim, depth, heads), VARIANTS[variant]))
+    if dim % heads:
+        raise ValueError(f"vit: dim={dim} must be a multiple of heads={heads}")
     if shape[1] % patch or shape[2] % patch:
         raise ValueError(f"vit {variant}: the patch size {patch} must divide the input's height and width, "
                          f"got {shape[1]}x{shape[2]}")

@@ -5,6 +5,7 @@ from contextlib import nullcontext
 
 import torch
 
+from fedflat.core import ConfigError
 from fedflat.engine.losses import LossFn
 from fedflat.params import FlatModel
 
@@ -63,7 +64,7 @@ class Forward:
         """The module's activation modules (:data:`ACTIVATIONS`), whose outputs FedMAN's penalty reads."""
         modules = [m for m in self.model.module.modules() if isinstance(m, ACTIVATIONS)]
         if not modules:
-            raise ValueError(f"an activation penalty reads the outputs of the model's activation modules "
+            raise ConfigError(f"an activation penalty reads the outputs of the model's activation modules "
                              f"({', '.join(a.__name__ for a in ACTIVATIONS)}); {type(self.model.module).__name__} "
                              "has none")
         return modules

@@ -185,8 +185,8 @@ class Contrastive(Objective):
 
     extras = 3
     stateful_refusal = ("MOON's contrastive term runs on models without buffers, batch statistics or dropout "
-                        "(model.norm=group or none, no dropout): the per-client sessions of such a model do not "
-                        "carry it")
+                        "(model.norm=group or none, no dropout; adapter.dropout=0 under LoRA): the per-client "
+                        "sessions of such a model do not carry it")
 
     def __init__(self, term: Contrast):
         self.term = term
@@ -220,7 +220,8 @@ class Penalized(Objective):
     a perturbation's ascent alike, as MAN's code adds it to both of SAM's passes)."""
 
     stateful_refusal = ("an activation penalty (FedMAN) on a model with buffers, batch statistics or random "
-                        "forwards (dropout) is not implemented: use a model without them")
+                        "forwards (dropout) is not implemented: use a model without them (adapter.dropout=0 "
+                        "under LoRA)")
 
     def __init__(self, inner: Objective, mu: float):
         self.inner, self.mu = inner, mu

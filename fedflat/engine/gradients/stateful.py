@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from fedflat.core import Batch, stream_seed, torch_stream
+from fedflat.core import Batch, ConfigError, stream_seed, torch_stream
 from fedflat.engine.gradients.backend import Backend
 from fedflat.engine.gradients.forward import Forward
 from fedflat.engine.gradients.objectives import DATA_LOSS, Objective
@@ -74,7 +74,7 @@ class Stateful(Backend):
     def _training(self, W: torch.Tensor, objective: Objective) -> tuple[ClientSession, bool]:
         """The session of a training call, and whether the pass updates the buffers."""
         if objective.stateful_refusal:
-            raise ValueError(objective.stateful_refusal)
+            raise ConfigError(objective.stateful_refusal)
         session = self.open_session(W.shape[0])
         return session, session.first_pass() and self.forward.model.buffer_layout.size > 0
 
