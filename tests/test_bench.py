@@ -56,7 +56,7 @@ def test_the_bench_says_which_fused_kernels_run_and_at_which_aten_level(monkeypa
     monkeypatch.setitem(fedwmsam._probed, "aten", False)
     line = kernels_line(kernels())
     assert "(ATEN_CPU_CAPABILITY=avx2)" in line and ", ".join(FUSED_KERNELS.values()) in line
-    assert "ATen rounds them otherwise here" in line
+    assert "ATen rounds FedWMSAM's point and the mix otherwise here" in line
     monkeypatch.setattr(vectors, "_kernel_sources", [lambda name: None])
     monkeypatch.setattr(vectors, "_kernels", {})
     monkeypatch.setitem(fedwmsam._probed, "aten", None)

@@ -90,13 +90,10 @@ def reference_mix(g, m, weight: float) -> tuple[np.ndarray, np.float32]:
     return np.array(out, dtype=F32), reference_norm(out)
 
 
-def reference_sam_point(g, m, alpha: float, w, radius: float) -> np.ndarray:
-    """One row of ``sam_point``: ``u = g`` (``m`` None) or ``alpha g + m`` (product and sum rounded), its norm,
-    ``d = ||u|| + 1e-12``, then ``w + (u radius) / d`` (product, quotient and sum rounded)."""
-    a, r = F32(alpha), F32(radius)
-    u = [g[j] if m is None else g[j] * a + m[j] for j in range(len(g))]
-    d = reference_norm(u) + TINY_EPS
-    return np.array([w[j] + (u[j] * r) / d for j in range(len(g))], dtype=F32)
+def reference_sam_point(u, d: np.float32, w, radius: float) -> np.ndarray:
+    """One row of ``sam_point``: ``w + (u radius) / d``, the product, the quotient and the sum each rounded once."""
+    r = F32(radius)
+    return np.array([w[j] + (u[j] * r) / d for j in range(len(u))], dtype=F32)
 
 
 def _rows(t: torch.Tensor, C: int) -> list[np.ndarray]:
@@ -144,24 +141,22 @@ def test_the_mix_kernel_rounds_as_its_source_defines(scalar):
 
 @pytest.mark.parametrize("scalar", [False, True])
 def test_the_sam_point_kernel_rounds_as_its_source_defines(scalar):
-    """SAM's point (``u = g``) and FedVSSAM's (``u = alpha g + m``), one radius and a radius per client, every row
-    length from 1 to 41: the exact reference's bits, on both loops."""
+    """SAM's point from the ascent ``u`` and ``d``, one radius (both signs) and a radius per client, every row length
+    from 1 to 41: the reference's bits, on both loops."""
     op = kernel("sam_point")
     if op is None:
         pytest.skip("the native kernels are not built here")
     for P in range(1, 42):
         C = 1 + P % 2
-        _, W, g = _operands(P, C, 200 + P)
-        m = 1e-3 * torch.randn(P, generator=torch.Generator().manual_seed(P))
-        for mixed, alpha in ((None, 1.0), (m, 0.6)):
-            for radii in (None, torch.tensor([0.05, 0.02][:C])):
-                out = torch.full_like(W, float("nan"))
-                op(g, mixed, alpha, 0.03, radii, W, out, scalar=scalar)
-                for c in range(C):
-                    radius = 0.03 if radii is None else float(radii[c])
-                    expected = reference_sam_point(g[c].numpy(), None if mixed is None else m.numpy(), alpha,
-                                                   W[c].numpy(), radius)
-                    assert np.array_equal(out[c].numpy(), expected), (P, c, alpha, radii)
+        _, W, u = _operands(P, C, 200 + P)
+        d = torch.linalg.vector_norm(u, dim=-1) + 1e-12
+        for radius, radii in ((0.03, None), (-0.03, None), (0.0, torch.tensor([0.05, 0.02][:C]))):
+            out = torch.full_like(W, float("nan"))
+            op(u, d, radius, radii, W, out, scalar=scalar)
+            for c in range(C):
+                r = radius if radii is None else float(radii[c])
+                expected = reference_sam_point(u[c].numpy(), d[c].numpy(), W[c].numpy(), r)
+                assert np.array_equal(out[c].numpy(), expected), (P, c, radius, radii)
 
 
 @pytest.mark.parametrize("P", [1, 7, 8, 13, 16, 17, 36, 1001, 199_210])
@@ -183,7 +178,7 @@ def test_the_avx2_and_scalar_loops_give_the_same_bits(P):
             assert torch.equal(*gs) and torch.equal(*norms)
             points = [torch.empty_like(W), torch.empty_like(W)]
             for out, scalar in zip(points, (False, True)):
-                kernel("sam_point")(m, m[0], 0.6, 0.05, None, W, out, scalar=scalar)
+                kernel("sam_point")(m, m.norm(dim=-1) + 1e-12, 0.05, None, W, out, scalar=scalar)
             assert torch.equal(*points)
 
 
@@ -270,66 +265,43 @@ def test_a_run_with_the_kernels_ends_where_one_without_them_does_where_aten_roun
     assert torch.equal(with_kernels, _final(method, engine)) and not calls
 
 
-def _sam_point_cases():
-    """Rows of every remainder of the 8-lane and 4-entry runs and W1's length, three clients: ``(g, m, alpha, W)``
-    for SAM's plain ascent (``m`` None) and FedVSSAM's mixed one."""
-    for P in [*range(1, 20), 199_210]:
-        _, W, g = _operands(P, 3, P)
-        m = 1e-3 * torch.randn(P, generator=torch.Generator().manual_seed(P))
-        yield g, None, 1.0, W
-        yield g, m, 0.6, W
-
-
-def _sam_point_torch(g, m, alpha: float, W, radius: float) -> torch.Tensor:
-    """The torch expressions the kernel replaces: the ascent (``mul_``, ``add_``), :func:`scale_rows_`, the sum."""
+def test_the_sam_point_kernel_gives_the_torch_expressions_bits_on_every_level():
+    """The kernel takes ATen's norm and rounds the product, the quotient and the sum once each, as ATen's kernels do on
+    every dispatch level (no fma there): the torch expressions' bits (:func:`~fedflat.algorithms.fedsam.scale_rows_`,
+    the loop's sum), for SAM's plain ascent and FedVSSAM's mixed one, one radius or a radius per client, rows of every
+    remainder and W1's length; under ``ATEN_CPU_CAPABILITY=default``, ``avx2`` and ``avx512`` alike."""
     from fedflat.algorithms.fedsam import scale_rows_
 
-    u = g.clone() if m is None else g.clone().mul_(alpha).add_(m)
-    return W + scale_rows_(u, radius)
-
-
-def _sam_point_rounds_as_aten() -> bool:
-    """Whether ATen's expressions give ``sam_point``'s bits in this process (on :func:`_sam_point_cases`)."""
-    op, out = kernel("sam_point"), None
-    for g, m, alpha, W in _sam_point_cases():
-        out = torch.empty_like(W)
-        op(g, m, alpha, 0.05, None, W, out)
-        if not torch.equal(out, _sam_point_torch(g, m, alpha, W, 0.05)):
-            return False
-    return True
-
-
-def test_the_sam_point_kernel_is_the_torch_expression_or_within_its_bound():
-    """Where ATen rounds alike (torch 2.13's AVX2 and AVX-512 levels) the kernel's point is the torch expressions'
-    bit for bit; elsewhere (its default level) only the norm's order of summation differs (the ascent's product and
-    sum, the scale's product and quotient and the final sum are single roundings on every level), so the points lie
-    within :func:`point_bound`."""
     op = kernel("sam_point")
     if op is None:
         pytest.skip("the native kernels are not built here")
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert _sam_point_rounds_as_aten()
-    for g, m, alpha, W in _sam_point_cases():
-        out = torch.empty_like(W)
-        op(g, m, alpha, -0.05, None, W, out)
-        assert ((out - _sam_point_torch(g, m, alpha, W, -0.05)).norm(dim=-1) <= point_bound(W, None, 0.05)).all()
+    for P in [*range(1, 20), 199_210]:
+        for C in (1, 3):
+            _, W, g = _operands(P, C, P + C)
+            m = 1e-3 * torch.randn(P, generator=torch.Generator().manual_seed(P))
+            for u in (g, g.clone().mul_(0.6).add_(m)):
+                for radius in (0.05, -0.02, torch.linspace(0.01, 0.05, C)[:, None]):
+                    out = torch.empty_like(W)
+                    scalar = isinstance(radius, float)
+                    op(u, u.norm(dim=-1) + 1e-12, radius if scalar else 0.0, None if scalar else radius.reshape(-1),
+                       W, out)
+                    assert torch.equal(out, W + scale_rows_(u.clone(), radius)), (P, C, radius)
 
 
-@pytest.mark.parametrize("method", ["fedsam", "fedvssam", "mofedsam"])
-def test_a_sam_run_with_the_kernel_ends_where_one_without_it_does_where_aten_rounds_alike(method, monkeypatch):
-    """Three rounds of FedSAM, FedVSSAM (its mixed ascent folded into the kernel) and MoFedSAM (the momentum mix's
-    kernel too) end with the same parameters, bit for bit, with the fused point (which ran) and with ``perturb`` and
-    the loop's sum, where ATen rounds as the kernel does (its default level does not: the per-call bounds hold)."""
+@pytest.mark.parametrize("method", [{"name": "fedsam"}, {"name": "fedvssam"}, {"name": "mofedsam"},
+                                    {"name": "fedspeed", "merge": 0.5}, {"name": "fedfsa"}])
+def test_a_sam_run_with_the_kernel_ends_where_one_without_it_does(method, monkeypatch):
+    """Three rounds of FedSAM, FedVSSAM (its mixed ascent), MoFedSAM (the momentum mix too), FedSpeed (the plain
+    gradient kept for its merge, which the kernel reads and leaves) and FedFSA (a radius per client) end with the same
+    parameters, bit for bit, with the fused point (which ran) and with :meth:`perturb` and the loop's sum, on every
+    dispatch level."""
     op = kernel("sam_point")
     if op is None:
         pytest.skip("the native kernels are not built here")
-    if not _sam_point_rounds_as_aten():
-        pytest.skip(f"ATen rounds otherwise on {torch.backends.cpu.get_cpu_capability()}")
     calls: list[int] = []
     monkeypatch.setitem(vectors._kernels, "sam_point", lambda *args: calls.append(1) or op(*args))
-    with_kernel = _final({"name": method}, "sequential")
+    with_kernel = _final(method, "sequential")
     assert calls, "the fused point did not run"
     monkeypatch.setitem(vectors._kernels, "sam_point", None)
-    monkeypatch.setitem(vectors._kernels, "mix_norm", None)
     calls.clear()
-    assert torch.equal(with_kernel, _final({"name": method}, "sequential")) and not calls
+    assert torch.equal(with_kernel, _final(method, "sequential")) and not calls

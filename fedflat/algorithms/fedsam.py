@@ -8,6 +8,7 @@ from pydantic import Field
 
 from fedflat.core import (NORM_EPS, RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
                           register_recipe, row_norm, shared)
+from fedflat.core.part import point_sum
 from fedflat.core.vectors import kernel
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
@@ -57,50 +58,49 @@ class LocalSAM(Perturbation):
         """``rho`` (a float, or ``[C, 1]`` per-client radii)."""
         return self.p.rho
 
-    def ascent_mix(self, ctx: ClientContext, cohort: Cohort) -> tuple[float, torch.Tensor] | None:
-        """``(alpha, m)`` where :meth:`ascent` is ``g.mul_(alpha).add_(m)`` over the fresh gradient, which the native
-        kernel then computes in its passes (FedVSSAM's); None: :meth:`ascent` itself (the plain gradient here)."""
-        return None
-
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
-        _, grad = ctx.oracle.loss_grad(W, batch)
-        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
-        u = self.ascent(ctx, cohort, k, W, grad)
+        u, radius = self.ascent_and_radius(ctx, cohort, k, W, batch)
         # the oracle's fresh gradient (this class's own ascent) or a fresh ascent: scaled in place, the same bits
         if self.fresh_ascent or type(self).ascent is LocalSAM.ascent:
             return scale_rows_(u, radius)
         return normalize_rows(u, radius)
 
-    fuses_point = True  # perturbed_point: the ascent's norm, then the scale and the sum, in two passes
+    def ascent_and_radius(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                          batch) -> tuple[torch.Tensor, float | torch.Tensor]:
+        """The step's ascent ``u`` (from the oracle's ``g(w)`` on the batch) and the radius after the warm-up."""
+        _, grad = ctx.oracle.loss_grad(W, batch)
+        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
+        return self.ascent(ctx, cohort, k, W, grad), radius
+
+    fuses_point = True  # perturbed_point: the scale and the sum in one pass after ATen's norm
 
     def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
                         out: torch.Tensor) -> torch.Tensor | None:
-        """``W + eps`` into ``out``: where this class's :meth:`perturb` runs and the ascent is the plain gradient or
-        :meth:`ascent_mix`'s, the native ``sam_point`` (``fedflat/engine/native/vector_ops.cpp``: the ascent's
-        norm in one pass over the vector, the product, quotient and sum in a second, where the torch expressions
-        take four or six; its own rounding, ATen's AVX2 and AVX-512 kernels' too); else :meth:`perturb` and the sum."""
+        """``W + eps`` into ``out``: where this class's :meth:`perturb` runs, ATen's norm ``d = ||u|| + 1e-12`` and
+        the native ``sam_point`` (``fedflat/engine/native/vector_ops.cpp``: ``W + (u rho) / d`` in one pass over the
+        vector where the torch expressions take three, each operation rounded once as ATen's are on every dispatch
+        level: the same bits); else :meth:`perturb` and the sum."""
         op = kernel("sam_point")
-        mix = self.ascent_mix(ctx, cohort)
-        own = getattr(type(self), "__unwatched__", type(self))  # (the part's class under the contract's checks)
-        plain = own.ascent is LocalSAM.ascent or mix is not None
-        if op is None or own.perturb is not LocalSAM.perturb or not plain or W.device.type != "cpu":
+        if op is None or own_class(self).perturb is not LocalSAM.perturb or W.device.type != "cpu":
             return super().perturbed_point(ctx, cohort, k, W, batch, out)
         if self.p.rho == 0:
             return None
-        _, grad = ctx.oracle.loss_grad(W, batch)
-        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
+        u, radius = self.ascent_and_radius(ctx, cohort, k, W, batch)
         radii = radius.reshape(-1) if isinstance(radius, torch.Tensor) else None
-        if radii is None or radii.dtype == torch.float32:  # (else the torch product rounds in the radii's dtype)
+        if radii is None or radii.dtype == u.dtype:  # (else the torch product rounds in the radii's dtype)
             try:
-                op(grad, None if mix is None else mix[1], 1.0 if mix is None else mix[0],
-                   0.0 if radii is not None else float(radius), radii, W, out)
+                op(u, row_norm(u) + NORM_EPS, 0.0 if radii is not None else float(radius), radii, W, out)
                 return out
             except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
                 pass
-        u = grad if mix is None else grad.mul_(mix[0]).add_(mix[1])
-        return torch.add(W, scale_rows_(u, radius), out=out)
+        return point_sum(W, normalize_rows(u, radius), out)
+
+
+def own_class(part: Perturbation) -> type:
+    """The part's own class (the contract's checks wrap it in a subclass of theirs)."""
+    return getattr(type(part), "__unwatched__", type(part))
 
 
 register_recipe(Recipe(

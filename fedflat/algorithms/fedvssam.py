@@ -57,10 +57,6 @@ class VarianceSuppressedSearch(LocalSAM):
         """``alpha g + (1 - alpha) v`` over the oracle's fresh ``g`` (the out-of-place expression's bits, two passes)."""
         return grad.mul_(self.p.alpha).add_(cohort.own(self)["mixed"])
 
-    def ascent_mix(self, ctx: ClientContext, cohort: Cohort) -> tuple[float, torch.Tensor]:
-        """:meth:`ascent` as ``(alpha, (1 - alpha) v)``: the native kernel folds it into the norm's pass."""
-        return self.p.alpha, cohort.own(self)["mixed"]
-
 
 class UpdateParams(PartParams):
     beta: float = Field(0.3, ge=0, le=1, description="local mixing of the update (15)")

@@ -71,8 +71,9 @@ FUSED_KERNELS = {"guided_point": "FedWMSAM's point", "mix_norm": "the momentum m
 def kernels() -> dict[str, Any]:
     """ATen's CPU dispatch level in this process (``ATEN_CPU_CAPABILITY`` forces one: default, avx2, avx512) and the
     fused native kernels the methods use (fedflat/engine/native: their own rounding, the same on every CPU), with
-    whether ATen's torch expressions round FedWMSAM's alike at this level (then a run without them gives the same
-    bits)."""
+    whether ATen's torch expressions round FedWMSAM's point and the momentum mix alike at this level (then a run
+    without them gives the same bits; SAM's point gives ATen's bits on every level, FedFFT's band removal is within
+    the FFT's bound of scipy's)."""
     from fedflat.algorithms import fedwmsam
     from fedflat.core.vectors import kernel
 
@@ -86,8 +87,8 @@ def kernels_line(m: dict[str, Any]) -> str:
     """:func:`kernels` in one line for the table's head."""
     forced = f" (ATEN_CPU_CAPABILITY={m['aten_level_forced']})" if m.get("aten_level_forced") else ""
     fused = ", ".join(m.get("fused_kernels") or []) or "none (not built: the torch expressions run)"
-    alike = {True: "; ATen's expressions round them alike here", False: "; ATen rounds them otherwise here",
-             None: ""}[m.get("fused_round_as_aten")]
+    alike = {True: "; ATen's expressions round FedWMSAM's point and the mix alike here",
+             False: "; ATen rounds FedWMSAM's point and the mix otherwise here", None: ""}[m.get("fused_round_as_aten")]
     return f"ATen dispatch {m.get('aten_level')}{forced}; fused kernels: {fused}{alike}"
 
 

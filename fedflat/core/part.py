@@ -212,6 +212,12 @@ def _constructing(init: Any) -> Any:
 Part.__init__ = _constructing(Part.__init__)  # type: ignore[method-assign]
 
 
+def point_sum(W: torch.Tensor, eps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``W + eps``, into ``out`` (the local loop's buffer of ``W``'s shape) where ``eps`` has ``W``'s shape and dtype,
+    else the plain sum (a broadcast ``eps``, another dtype)."""
+    return torch.add(W, eps, out=out) if eps.shape == W.shape and eps.dtype == W.dtype else W + eps
+
+
 class Perturbation(Part):
     """Where, and of what objective, the descent gradient is taken: ``g = grad [loss + term](w + eps)``.
 
@@ -234,12 +240,11 @@ class Perturbation(Part):
         """``W + eps`` for local step ``k``, or None for no perturbation: where the local loop takes the gradient, asked
         instead of :meth:`perturb` where ``fuses_point`` is True and no filter transforms ``eps``. ``out`` is the
         loop's buffer of ``W``'s shape, which the sum may be written into. The default is :meth:`perturb` and the
-        sum; a part overrides it only with a fused form of the same expression (SAM's and FedWMSAM's native kernels:
-        the perturbation in two passes over the vector, the torch expressions' bits where ATen rounds alike)."""
+        sum; a part overrides it only with a fused form of the same expression (SAM's native kernel: the scale and the
+        sum in one pass, the same bits; FedWMSAM's: the whole point in two passes, the same bits where ATen rounds
+        alike)."""
         eps = self.perturb(ctx, cohort, k, W, batch)
-        if eps is None:
-            return None
-        return torch.add(W, eps, out=out) if eps.shape == W.shape and eps.dtype == W.dtype else W + eps
+        return None if eps is None else point_sum(W, eps, out)
 
     def descent_gradient(self, ctx: ClientContext, cohort: Cohort, grad: torch.Tensor) -> torch.Tensor:
         """The minibatch gradient the step descends along, from ``grad = g(w + eps)`` (itself by default;

@@ -1,5 +1,5 @@
-// fedflat's fused vector passes for FedWMSAM's step (fedflat/algorithms/fedwmsam.py), each with a rounding of its
-// own: the same bits on every CPU.
+// fedflat's fused vector passes for the SAM family's local steps (fedflat/algorithms: fedwmsam.py, fedcm.py,
+// fedsam.py), each with a rounding of its own: the same bits on every CPU.
 //
 // guided_point: the momentum-guided perturbed point in two passes over the flat vector instead of five ATen calls.
 // The expression it computes, per row of W[C, P] (MomentumGuidedPerturbation.perturb, then the loop's w + eps):
@@ -10,9 +10,10 @@
 // (no buffer for d; writing d costs less than computing it again from three vectors).
 // mix_norm: the momentum mix g.lerp_(m, weight) in place and the norm of each row of the result, returned, in one
 // pass (the engine's loss-scope clip takes the norms: fedflat.core.MeasuredDirection).
-// sam_point: SAM's perturbed point (fedflat/algorithms/fedsam.py, LocalSAM.perturbed_point) in two passes instead of
-// four (six with FedVSSAM's mixed ascent): u = g or alpha g + m (g.mul_(alpha).add_(m): the product and the sum each
-// rounded), its norm; then point = W + (u r) / (||u|| + 1e-12) (mul_, div_ and the loop's sum, each rounded).
+// sam_point: SAM's perturbed point (fedflat/algorithms/fedsam.py, LocalSAM.perturbed_point) from the ascent u and
+// d = ||u|| + 1e-12, which ATen computes: point = W + (u r) / d in one pass instead of three (mul_, div_ and the
+// loop's sum), each operation rounded once as ATen's kernels round it on every dispatch level (no fma): the torch
+// expressions' bits on every CPU.
 //
 // The rounding, defined here (every operation in float32, round to nearest even; fma: one rounding):
 // - d_j = fma(m_j, alpha, ws_j - W_j);
@@ -105,27 +106,11 @@ float mixed_norm_scalar(float* __restrict g, const float* __restrict m, float we
   return finish_norm(acc, g + j, n - j);
 }
 
-// SAM's ascent u (g, or alpha g + m with each product and sum rounded: mul_ then add_) and its squared norm's sqrt
-float ascent_norm_scalar(const float* __restrict g, const float* __restrict m, float alpha, int64_t n) {
-  float acc[kLanes] = {}, tail[kLanes];
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const float v = m == nullptr ? g[j + l] : g[j + l] * alpha + m[j + l];
-      const float square = v * v;
-      acc[l] = acc[l] + square;
-    }
-  }
-  for (int64_t i = j; i < n; ++i) tail[i - j] = m == nullptr ? g[i] : g[i] * alpha + m[i];
-  return finish_norm(acc, tail, n - j);
-}
-
 // point = W + (u r) / d, the product, the quotient and the sum each rounded (mul_, div_, the loop's add)
-void sam_shift_scalar(const float* __restrict g, const float* __restrict m, float alpha, const float* __restrict w,
-                      float r, float d, float* __restrict point, int64_t n) {
+void sam_shift_scalar(const float* __restrict u, const float* __restrict w, float r, float d, float* __restrict point,
+                      int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    const float u = m == nullptr ? g[j] : g[j] * alpha + m[j];
-    const float scaled = u * r;
+    const float scaled = u[j] * r;
     const float eps = scaled / d;
     point[j] = w[j] + eps;
   }
@@ -180,35 +165,16 @@ FEDFLAT_AVX2 float mixed_norm_avx2(float* __restrict g, const float* __restrict 
   _mm256_store_ps(lanes, acc);
   return finish_norm(lanes, g + j, n - j);
 }
-FEDFLAT_AVX2 inline __m256 ascent8(const float* g, const float* m, __m256 alpha, int64_t j) {
-  const __m256 gv = _mm256_loadu_ps(g + j);
-  return m == nullptr ? gv : _mm256_add_ps(_mm256_mul_ps(gv, alpha), _mm256_loadu_ps(m + j));
-}
 
-FEDFLAT_AVX2 float ascent_norm_avx2(const float* __restrict g, const float* __restrict m, float alpha, int64_t n) {
-  const __m256 a = _mm256_set1_ps(alpha);
-  __m256 acc = _mm256_setzero_ps();
+FEDFLAT_AVX2 void sam_shift_avx2(const float* __restrict u, const float* __restrict w, float r, float d,
+                                 float* __restrict point, int64_t n) {
+  const __m256 rv = _mm256_set1_ps(r), dv = _mm256_set1_ps(d);
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const __m256 v = ascent8(g, m, a, j);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-  }
-  float tail[kLanes];
-  for (int64_t i = j; i < n; ++i) tail[i - j] = m == nullptr ? g[i] : g[i] * alpha + m[i];
-  alignas(32) float lanes[kLanes];
-  _mm256_store_ps(lanes, acc);
-  return finish_norm(lanes, tail, n - j);
-}
-
-FEDFLAT_AVX2 void sam_shift_avx2(const float* __restrict g, const float* __restrict m, float alpha,
-                                 const float* __restrict w, float r, float d, float* __restrict point, int64_t n) {
-  const __m256 a = _mm256_set1_ps(alpha), rv = _mm256_set1_ps(r), dv = _mm256_set1_ps(d);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const __m256 eps = _mm256_div_ps(_mm256_mul_ps(ascent8(g, m, a, j), rv), dv);
+    const __m256 eps = _mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(u + j), rv), dv);
     _mm256_storeu_ps(point + j, _mm256_add_ps(_mm256_loadu_ps(w + j), eps));
   }
-  sam_shift_scalar(g + j, m == nullptr ? nullptr : m + j, alpha, w + j, r, d, point + j, n - j);
+  sam_shift_scalar(u + j, w + j, r, d, point + j, n - j);
 }
 #endif
 
@@ -242,19 +208,11 @@ float mixed_norm(bool avx2, float* g, const float* m, float weight, int64_t n) {
   return mixed_norm_scalar(g, m, weight, n);
 }
 
-float ascent_norm(bool avx2, const float* g, const float* m, float alpha, int64_t n) {
+void sam_shift(bool avx2, const float* u, const float* w, float r, float d, float* point, int64_t n) {
 #ifdef FEDFLAT_X86
-  if (avx2) return ascent_norm_avx2(g, m, alpha, n);
+  if (avx2) return sam_shift_avx2(u, w, r, d, point, n);
 #endif
-  return ascent_norm_scalar(g, m, alpha, n);
-}
-
-void sam_shift(bool avx2, const float* g, const float* m, float alpha, const float* w, float r, float d, float* point,
-               int64_t n) {
-#ifdef FEDFLAT_X86
-  if (avx2) return sam_shift_avx2(g, m, alpha, w, r, d, point, n);
-#endif
-  sam_shift_scalar(g, m, alpha, w, r, d, point, n);
+  sam_shift_scalar(u, w, r, d, point, n);
 }
 
 // a [C, P] or [P] operand's row c: its base plus c times its row stride (0 for a [P] vector or an expanded row)
@@ -306,37 +264,36 @@ at::Tensor mix_norm(at::Tensor g, const at::Tensor& m, const at::Tensor& weight,
   return norms;
 }
 
-void sam_point(const at::Tensor& g, const c10::optional<at::Tensor>& mixed, double alpha, double radius,
-               const c10::optional<at::Tensor>& radii, const at::Tensor& W, at::Tensor point, bool scalar) {
-  TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && W.is_contiguous() && point.is_contiguous() &&
-                  g.sizes() == W.sizes() && point.sizes() == W.sizes(),
-              "fedflat::sam_point: g, W and point must be contiguous tensors of one [C, P] shape");
+// C float32 CPU numbers, one a row (a [C] or [C, 1] tensor)
+void check_per_row(const at::Tensor& t, const char* name, int64_t C) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.numel() == C && t.is_contiguous(),
+              "fedflat::sam_point: ", name, " must be C contiguous float32 CPU numbers");
+}
+
+void sam_point(const at::Tensor& u, const at::Tensor& d, double radius, const c10::optional<at::Tensor>& radii,
+               const at::Tensor& W, at::Tensor point, bool scalar) {
+  TORCH_CHECK(u.dim() == 2 && u.is_contiguous() && W.is_contiguous() && point.is_contiguous() &&
+                  u.sizes() == W.sizes() && point.sizes() == W.sizes(),
+              "fedflat::sam_point: u, W and point must be contiguous tensors of one [C, P] shape");
   const int64_t C = W.size(0), P = W.size(1);
-  check(g, "sam_point", "g", C, P);
+  check(u, "sam_point", "u", C, P);
   check(W, "sam_point", "W", C, P);
   check(point, "sam_point", "point", C, P);
-  if (mixed) check(*mixed, "sam_point", "mixed", C, P);
-  if (radii) {
-    TORCH_CHECK(radii->device().is_cpu() && radii->scalar_type() == at::kFloat && radii->numel() == C &&
-                    radii->is_contiguous(),
-                "fedflat::sam_point: radii must be C float32 CPU numbers");
-  }
+  check_per_row(d, "d", C);
+  if (radii) check_per_row(*radii, "radii", C);
   const bool avx2 = vectorized(scalar);
-  const float a = static_cast<float>(alpha), tiny = static_cast<float>(1e-12);
   for (int64_t c = 0; c < C; ++c) {
-    const float* gc = g.const_data_ptr<float>() + c * P;
-    const float* mc = mixed ? row(*mixed, c) : nullptr;
     const float r = radii ? radii->const_data_ptr<float>()[c] : static_cast<float>(radius);
-    const float d = ascent_norm(avx2, gc, mc, a, P) + tiny;
-    sam_shift(avx2, gc, mc, a, W.const_data_ptr<float>() + c * P, r, d, point.data_ptr<float>() + c * P, P);
+    sam_shift(avx2, u.const_data_ptr<float>() + c * P, W.const_data_ptr<float>() + c * P, r,
+              d.const_data_ptr<float>()[c], point.data_ptr<float>() + c * P, P);
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fedflat, m) {
-  m.def("sam_point(Tensor g, Tensor? mixed, float alpha, float radius, Tensor? radii, Tensor W, Tensor(a!) point, "
-        "bool scalar=False) -> ()", &sam_point);
+  m.def("sam_point(Tensor u, Tensor d, float radius, Tensor? radii, Tensor W, Tensor(a!) point, bool scalar=False) "
+        "-> ()", &sam_point);
   m.def("mix_norm(Tensor(a!) g, Tensor m, Tensor weight, bool scalar=False) -> Tensor", &mix_norm);
   m.def("guided_point(Tensor w_start, Tensor W, Tensor m, float alpha, float radius, Tensor(a!) point, "
         "bool scalar=False) -> ()", &guided_point);
