@@ -1,13 +1,14 @@
-"""FedWMSAM's fused vector passes (fedflat/engine/native/vector_ops.cpp): the perturbed point
+"""The fused vector passes of fedflat/engine/native/vector_ops.cpp: FedWMSAM's perturbed point
 (``torch.ops.fedflat.guided_point``) and the momentum mix with its norm (``mix_norm``), each with the rounding its
-source defines.
+source defines; SAM's perturbed point from ATen's norm (``sam_point``) and the loop's ``W + eps`` (``point_sum``).
 
 The kernels' bits are checked against an exact reference of that rounding (every float32 operation in numpy, every
 fma rounded once from its exact value), on the AVX2 loops and on the scalar loops alike: the same bits on every CPU.
 The torch expressions they replace round as ATen's kernels do, which depends on the dispatch level: where ATen rounds
-alike (``fedwmsam.rounds_as_kernels()``, torch 2.13's AVX2 and AVX-512 levels) the kernels equal them bit for bit and
-a run with them equals a run without; elsewhere (its default level) they differ within the bound the arithmetic
-gives."""
+alike (``fedwmsam.rounds_as_kernels()``, torch 2.13's AVX2 and AVX-512 levels) FedWMSAM's point and the mix equal
+them bit for bit and a run with them equals a run without; elsewhere (its default level) they differ within the bound
+the arithmetic gives. ``sam_point`` and ``point_sum`` round only single operations no level fuses: the torch
+expressions' bits on every level."""
 from __future__ import annotations
 
 from fractions import Fraction
@@ -305,3 +306,36 @@ def test_a_sam_run_with_the_kernel_ends_where_one_without_it_does(method, monkey
     monkeypatch.setitem(vectors._kernels, "sam_point", None)
     calls.clear()
     assert torch.equal(with_kernel, _final(method, "sequential")) and not calls
+
+
+def test_the_point_sum_kernel_is_the_torch_sum_on_both_loops():
+    """``W + eps`` (one rounded sum) on rows of every remainder of the 8-lane runs and W1's length: ``torch.add``'s
+    bits, on the AVX2 and the scalar loops, on every dispatch level; operands it does not take are refused before it
+    writes."""
+    op = kernel("point_sum")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    for P in [*range(1, 20), 199_210]:
+        _, W, eps = _operands(P, 3, P)
+        for scalar in (False, True):
+            out = torch.full_like(W, float("nan"))
+            op(W, eps, out, scalar=scalar)
+            assert torch.equal(out, torch.add(W, eps)), (P, scalar)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(W, eps.t().contiguous().t(), torch.empty_like(W))
+
+
+@pytest.mark.parametrize("method", ["fedlesam", "fedgf"])
+def test_a_run_with_the_point_sum_kernel_ends_where_one_with_torchs_sum_does(method, monkeypatch):
+    """Three rounds of FedLESAM (its constant ``eps``, the loop's sum) and FedGF end with the same parameters, bit for
+    bit, with the native sum (which ran) and with ``torch.add``."""
+    op = kernel("point_sum")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    calls: list[int] = []
+    monkeypatch.setitem(vectors._kernels, "point_sum", lambda *args: calls.append(1) or op(*args))
+    with_kernel = _final({"name": method}, "sequential")
+    assert calls, "the native sum did not run"
+    monkeypatch.setitem(vectors._kernels, "point_sum", None)
+    calls.clear()
+    assert torch.equal(with_kernel, _final({"name": method}, "sequential")) and not calls

@@ -65,7 +65,7 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 FUSED_KERNELS = {"guided_point": "FedWMSAM's point", "mix_norm": "the momentum mix", "sam_point": "SAM's point",
-                 "remove_low_band": "FedFFT's band removal"}
+                 "point_sum": "the point's sum", "remove_low_band": "FedFFT's band removal"}
 
 
 def kernels() -> dict[str, Any]:

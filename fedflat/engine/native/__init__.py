@@ -9,8 +9,9 @@ Python-level operator calls become one GIL-free call: faster on one thread, and 
 ``w + rho d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, the
 momentum mix (FedCM, MoFedSAM, FedVSSAM, FedWMSAM) with the mix's norms in one, each with a rounding its source
 defines (AVX2 and FMA registers where the CPU has them, scalar loops elsewhere: the same bits on every CPU, and those
-of ATen's AVX2 and AVX-512 kernels), and SAM's perturbed point from ATen's norm in one pass instead of three (ATen's
-bits on every level); the parts reach them through :func:`fedflat.core.vectors.kernel` (:func:`operator`).
+of ATen's AVX2 and AVX-512 kernels), SAM's perturbed point from ATen's norm in one pass instead of three, and the
+local loop's ``W + eps`` (``point_sum``; these two with ATen's bits on every level, several times faster than its
+default level's loops); the parts reach them through :func:`fedflat.core.vectors.kernel` (:func:`operator`).
 ``torch.ops.fedflat.remove_low_band`` (``low_band.cpp``): FedFFT's pruned four-step band removal of one long tensor
 (``fedflat.algorithms.fedfft.remove_low_band``), its column transforms 8 columns to a vector, the same bits on every
 x86 CPU. ``relu_max_pool2`` and ``max_pool2_backward`` (``conv_ops.cpp``): the CNN's pooling for its hand-derived
