@@ -32,9 +32,11 @@ lora-evidence: $(STAMP)
 	$(BIN)/python scripts/lora_table.py runs/sweeps/lora_fmnist --target-acc 0.7 0.8 | tee runs/sweeps/lora_fmnist/table.md
 
 # The site: README, docs/ and the API reference from the docstrings, into docs/_build/html (warnings are errors).
+# Sphinx reports its progress (reading, then writing each page: a few minutes, most of it the reference).
 docs: $(STAMP)
 	rm -rf docs/reference/generated  # (autosummary's pages of modules since renamed or removed would fail the build)
-	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	@echo "docs: building the site from README, docs/ and every module's docstrings (a few minutes)"
+	$(BIN)/python -m sphinx -b html -W --keep-going docs docs/_build/html
 	@echo "site: docs/_build/html/index.html"
 
 test: $(STAMP)

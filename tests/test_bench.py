@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 from agreement import bitwise
 
 from fedflat.bench import BareLoop, WORKLOADS, bench, round_samples
@@ -75,6 +76,26 @@ def test_bare_loop_does_the_same_fedavg_round(precision):
         float32 = Simulation(load_config(None, ["train.clip=null"], base=WORKLOADS["tiny"].tree))
         float32.run_round(0)
         assert (float32.server.w - bare.w).abs().max() > 1e-4
+
+
+def test_plain_loop_ignores_precision_and_memory_order(tmp_path):
+    """The plain loop of a ``precision=bf16 channels_last=true`` bench is the float32, NCHW loop (the same round as
+    the bare loop of a float32 bench, bit for bit), which the options' speed-up is measured against (``vs_plain``);
+    the bare loop follows the options."""
+    overrides = list(bitwise("train.clip=null", "model=cnn", "model.padding=2", "data.options.shape=[1,8,8]"))
+    float32 = load_config(None, overrides, base=WORKLOADS["tiny"].tree)
+    options = load_config(None, [*overrides, "precision=bf16", "channels_last=true"], base=WORKLOADS["tiny"].tree)
+    loops = [BareLoop(Simulation(float32), 1), BareLoop(Simulation(options), 1, plain=True),
+             BareLoop(Simulation(options), 1)]
+    for loop in loops:
+        loop.run_round(0)
+    assert torch.equal(loops[0].w, loops[1].w) and not torch.equal(loops[0].w, loops[2].w)
+    out = tmp_path / "bench.json"
+    main(["bench", "--workload", "tiny", "--algos", "fedavg", "--engines", "sequential,bare,plain", "--rounds", "1",
+          "--warmup", "0", "--threads", "1", "--quiet", "--json", str(out), "precision=bf16"])
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["plain"]["algo"] == "plain-sgd" and rows["plain"]["precision"] == "float32"
+    assert rows["bare"]["precision"] == "bf16" and rows["sequential"]["vs_plain"] > 0 < rows["sequential"]["vs_bare"]
 
 
 def test_unknown_workload_or_engine_is_an_error():

@@ -92,11 +92,17 @@ def peak_memory_mb(device: torch.device) -> float:
 
 # ----------------------------------------------------------------------------- the bare loop
 
-class BareLoop:
-    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps)."""
+BARE_LOOPS = ("bare", "plain")  # the engine names of the two reference loops
 
-    def __init__(self, sim, backprops: int, rho: float = 0.01):
-        self.sim, self.backprops, self.rho = sim, backprops, rho
+
+class BareLoop:
+    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps), with the
+    run's ``precision`` and ``channels_last`` as a plain loop would write them, or (``plain``) in float32 and NCHW
+    order whatever the run sets: the loop a user writes without those options, which an option's speed-up is
+    measured against."""
+
+    def __init__(self, sim, backprops: int, rho: float = 0.01, plain: bool = False):
+        self.sim, self.backprops, self.rho, self.plain = sim, backprops, rho, plain
         self.module = self._fresh_module()
         self.w = sim.server.w.clone()
 
@@ -140,9 +146,9 @@ class BareLoop:
         """The batch loss with the run's ``precision`` (autocast) and ``channels_last`` input, as a plain loop
         would write them."""
         cfg = self.sim.cfg
-        if cfg.channels_last and x.dim() == 4:
+        if cfg.channels_last and x.dim() == 4 and not self.plain:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and not self.plain):
             logits = self.module(x)
         return F.cross_entropy(logits.float(), y)
 
@@ -227,10 +233,10 @@ class Contestant:
 
         self.cfg, self.workload, self.engine, self.executor = cfg, workload, engine, executor
         self.sim = Simulation(cfg)
-        if engine == "bare":
-            bare = BareLoop(self.sim, bare_backprops, rho)
+        if engine in BARE_LOOPS:
+            bare = BareLoop(self.sim, bare_backprops, rho, plain=engine == "plain")
             self.runner, self.backprops = bare.run_round, float(bare_backprops)
-            self.algo = "bare-" + ("sgd" if bare_backprops == 1 else "sam")
+            self.algo = f"{engine}-" + ("sgd" if bare_backprops == 1 else "sam")
         else:
             self.runner, self.backprops = self.sim.run_round, float(self.sim.algorithm.backprops_per_step)
             self.algo = cfg.algo["name"]
@@ -252,11 +258,11 @@ class Contestant:
             self.seconds.append(wall)
             self.cpu.append(used)
             self.samples.append(round_samples(self.sim, t))
-            if self.engine != "bare":
+            if self.engine not in BARE_LOOPS:
                 self.passes.append(self.sim.server.backprops - before)
 
     def row(self) -> Row:
-        eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
+        eval_seconds = None if self.engine in BARE_LOOPS else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
         cohort = self.engine in ("vectorized", "streams")
         chunk = self.sim.runtime.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
@@ -264,7 +270,8 @@ class Contestant:
         threads = spec.compute.threads if spec else self.sim.report.threads
         extra: dict[str, Any] = {"executor": self.executor, "threads": threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
-                                 "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
+                                 "precision": "float32" if self.engine == "plain" else self.cfg.precision,
+                                 "channels_last": self.cfg.channels_last and self.engine != "plain",
                                  "cuda_graphs": self.cfg.cuda_graphs, "compile": self.cfg.compile}
         if cohort and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
@@ -366,10 +373,10 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
             n_rounds, n_warm = min(rounds, w.cpu_rounds), min(warmup, w.cpu_warmup or 0)
         base = [f"device={dev}", *([f"threads={threads}"] if threads else []), *overrides]
         contestants: list[Contestant] = []
-        bare_done: set[int] = set()
+        bare_done: set[tuple[str, int]] = set()
         for algo in algos:
             for engine in engines:
-                if engine == "bare":
+                if engine in BARE_LOOPS:
                     continue
                 for executor in executors:
                     cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}", *executor_overrides(executor)],
@@ -381,11 +388,11 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
                                         "error": f"{type(err).__name__}: {err}"})
             algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
             bp = algorithm.backprops_per_step
-            if "bare" in engines and bp in (1, 2) and bp not in bare_done:
-                bare_done.add(bp)
+            for loop in (e for e in BARE_LOOPS if e in engines and bp in (1, 2) and (e, bp) not in bare_done):
+                bare_done.add((loop, bp))
                 rho = float(algorithm.value("rho", 0.01))
                 cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
-                contestants.append(Contestant(cfg, name, "bare", bp, rho))
+                contestants.append(Contestant(cfg, name, loop, bp, rho))
         progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
         try:
             race(contestants, n_rounds, n_warm, progress)
@@ -418,20 +425,22 @@ def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
-    """``vs_bare`` (s/round over the bare loop with the same backprops per step), ``vs_fedavg``, and
+    """``vs_bare`` (s/round over the bare loop with the same backprops per step), ``vs_plain`` (over the plain loop:
+    float32, NCHW, whatever options the run sets), ``vs_fedavg``, and
     ``backprops_vs_fedavg`` (backward passes a round over FedAvg's, the pilot and score passes included) with
     ``cost_per_backprop`` = ``vs_fedavg / backprops_vs_fedavg``: a method's time over what its backward passes
     alone would take at FedAvg's speed (1 when its other work is free)."""
     done = [r for r in results if r["workload"] == workload and "error" not in r]
-    bare = {round(r["backprops_per_step"]): r for r in done if r["engine"] == "bare"}
-    mine = [r for r in done if r["engine"] != "bare"]
+    loops = {(r["engine"], round(r["backprops_per_step"])): r for r in done if r["engine"] in BARE_LOOPS}
+    mine = [r for r in done if r["engine"] not in BARE_LOOPS]
     fedavg = {r["engine"]: r["seconds_per_round"]["median"] for r in mine if r["algo"] == "fedavg"}
     passes = {r["engine"]: r["backprops_per_round"] for r in mine if r["algo"] == "fedavg" and r.get("backprops_per_round")}
     for r in mine:
         s = r["seconds_per_round"]["median"]
-        ref = bare.get(round(r["backprops_per_step"]))
-        if ref is not None:
-            r["vs_bare"] = s / ref["seconds_per_round"]["median"]
+        for loop in BARE_LOOPS:
+            ref = loops.get((loop, round(r["backprops_per_step"])))
+            if ref is not None:
+                r[f"vs_{loop}"] = s / ref["seconds_per_round"]["median"]
         if r["engine"] in fedavg:
             r["vs_fedavg"] = s / fedavg[r["engine"]]
         if r["engine"] in passes and r.get("backprops_per_round"):
@@ -448,7 +457,7 @@ def format_table(report: dict[str, Any]) -> str:
              + (f" ({m['matmul_flops_tf32'] / 1e9:.0f} in TF32)" if "matmul_flops_tf32" in m else "") + ", "
              f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
-            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xfedavg':>7} "
+            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xplain':>6} {'xfedavg':>7} "
             f"{'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
@@ -461,7 +470,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {r.get('threads') or '-':>3} {s['median']:>8.3f} {s['min']:>7.3f} "
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
-            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_fedavg')):>7} "
+            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_plain')):>6} {_fmt(r.get('vs_fedavg')):>7} "
             f"{_count(r.get('backprops_per_round')):>8} {_fmt(r.get('backprops_vs_fedavg')):>5} "
             f"{_fmt(r.get('cost_per_backprop')):>5}")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ENGINES = ("sequential", "vectorized", "streams", "bare")
+ENGINES = ("sequential", "vectorized", "streams", "bare", "plain")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("W3", "CIFAR-10-shaped, ResNet-18-GN, 10 clients x 500 samples, 10/round, 5 epochs, batch 50",
              _tree([3, 32, 32], 5000, 10, {"scheme": "iid"}, {"name": "resnet18"}, 10, 5, 50),
              cpu_rounds=1, cpu_warmup=0),
+    Workload("W4", "CIFAR-10-shaped, ResNet-20-GN, 500 clients x 100 samples, 10/round, 1 epoch, batch 50",
+             _tree([3, 32, 32], 50000, 500, {"scheme": "iid"}, {"name": "resnet20"}, 10, 1, 50)),
     Workload("tiny", "test-sized: 4x4 inputs, MLP hidden 8, 6 clients, 3/round, 1 epoch, batch 10",
              {"seed": 0, "rounds": 1000,
               "data": {"name": "synthetic", "num_clients": 6, "partition": {"scheme": "iid"},

@@ -300,7 +300,8 @@ GENERIC_OPTIONS = {"classes": None}  # what every dataset takes, applied after i
 def register_dataset(name: str, loader: Callable[..., Dataset], description: str) -> Callable[..., Dataset]:
     """Makes ``loader(root=None, download=False, **options) -> Dataset`` available as ``data.name: NAME``, its
     keyword options as ``data.options`` (a plugin's dataset, docs/extending.md); a name taken by another module is
-    an error naming both. ``classes`` is every dataset's own option (:func:`load_dataset`): a loader may not take it."""
+    an error naming both. ``description`` is its line in ``fedflat list``. ``classes`` is every dataset's own option
+    (:func:`load_dataset`): a loader may not take it."""
     taken = sorted(set(inspect.signature(loader).parameters) & set(GENERIC_OPTIONS))
     if taken:
         raise ValueError(f"dataset {name!r}: its loader takes {', '.join(taken)}, which fedflat applies to every "

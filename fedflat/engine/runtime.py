@@ -27,7 +27,7 @@ from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import assemble, build_model, frozen_hash, share_frozen
+from fedflat.models import assemble, build_model, frozen_hash, share_frozen, without_weights
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -294,7 +294,7 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
     if compute.threads:
         torch.set_num_threads(compute.threads)
     set_tf32(device, compute.tf32)
-    module = assemble(lambda: worker_module(spec), spec.seed,
+    module = assemble(lambda: worker_module(spec, read_weights=spec.adapter is not None and base is None), spec.seed,
                       AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
     if base is not None:
         share_frozen(module, base)
@@ -306,14 +306,14 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
                          replace(compute, engine=engine), spec.traits)
 
 
-def worker_module(spec: WorkerSpec) -> torch.nn.Module:
-    """The module of a worker before its adapters: ``model_fn()``, or the config's model; its pretrained weights
-    are read only under adapters (a frozen base no broadcast carries), else the broadcast brings them, and the file
-    need not exist on a worker's node."""
-    skip = ("name",) if spec.adapter is not None else ("name", "pretrained")
-    options = {k: v for k, v in spec.model.items() if k not in skip}
+def worker_module(spec: WorkerSpec, read_weights: bool) -> torch.nn.Module:
+    """The module of a worker before its adapters: ``model_fn()``, or the config's model, its pretrained weights
+    read only where ``read_weights`` (under adapters, a frozen base no broadcast carries, on a Ray worker; a thread
+    worker shares the driver's, and without adapters the broadcast brings them: the files need not exist there)."""
+    section = spec.model if read_weights else without_weights(spec.model)
+    options = {k: v for k, v in section.items() if k != "name"}
     return spec.model_fn() if spec.model_fn is not None else build_model(
-        spec.model["name"], spec.input_shape, spec.num_classes, **options)
+        section["name"], spec.input_shape, spec.num_classes, **options)
 
 
 def check_base(own: str | None, expected: str | None) -> None:
