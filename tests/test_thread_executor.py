@@ -132,3 +132,61 @@ def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
         assert sim.report.threads == 2 and torch.get_num_threads() == 2
         assert sim.thread_counts() == {"server": 2, "clients": 2}
         assert Simulation(tiny_config("threads=auto")).report.threads == 4  # the local executor: every core
+
+
+def test_thread_workers_hold_no_second_copy_of_a_frozen_base(tmp_path, monkeypatch):
+    """A thread's module is built on the meta device and given the driver's tensors: its frozen parameters and
+    non-persistent buffers are the driver's own objects (a RoBERTa's position ids, the base under LoRA), its trained
+    parameters start from the driver's initial values in storage of their own; the run is the local one bit for
+    bit. share_frozen, the whole build's fallback, is not needed for a config's model."""
+    import json
+
+    from fedflat.bench.workloads import ROBERTA
+    from fedflat.engine import runtime
+
+    folder = tmp_path / "roberta"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**ROBERTA, "hidden_size": 16, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 2, "intermediate_size": 32,
+                                                    "vocab_size": 50, "max_position_embeddings": 12}))
+    overrides = bitwise(*UNEQUAL, "model=hf", f"model.path={folder}", "model.random_weights=true",
+                        "data.options.shape=[8]", "data.options.tokens=50", "adapter.r=2")
+    monkeypatch.setattr(runtime, "share_frozen", lambda *a: pytest.fail("the whole build's fallback ran"))
+    local = Simulation(tiny_config(*overrides))
+    sim = Simulation(tiny_config(*overrides, "executor=threads", "executor.workers=3"))
+    driver, *workers = (r.model for r in sim.executor.runtimes)
+    frozen = dict(driver.module.named_parameters())
+    constants = {n: b for n, b in driver.module.named_buffers() if "position_ids" in n or "token_type_ids" in n}
+    assert frozen and constants and all(not p.requires_grad for p in frozen.values())
+    for worker in workers:
+        assert {n: id(p) for n, p in worker.module.named_parameters()} == {n: id(p) for n, p in frozen.items()}
+        theirs = dict(worker.module.named_buffers())
+        assert all(theirs[n] is b for n, b in constants.items())
+        assert torch.equal(worker.initial, driver.initial) and worker.initial.data_ptr() != driver.initial.data_ptr()
+    assert trajectory(sim, 2) == trajectory(local, 2)
+
+
+def test_a_model_fn_the_meta_device_cannot_build_shares_the_base_after_a_whole_build(monkeypatch):
+    """A model_fn that computes with its tensors while it builds (here: reads a weight's value) cannot run on the
+    meta device: its thread workers build it whole and then share the driver's frozen tensors."""
+    from fedflat.engine import runtime
+    from fedflat.models import share_frozen
+
+    def model_fn():
+        body = torch.nn.Linear(16, 8).requires_grad_(False)
+        assert body.weight.abs().max().item() > 0  # (a meta tensor has no value: this raises there)
+        return torch.nn.Sequential(torch.nn.Flatten(), body, torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    shared = []
+
+    def recording(module, source):
+        shared.append(module)
+        share_frozen(module, source)
+
+    monkeypatch.setattr(runtime, "share_frozen", recording)
+    sim = Simulation(tiny_config(*bitwise(*UNEQUAL), "executor=threads", "executor.workers=2"),
+                     UserInputs(model_fn=model_fn))
+    driver, worker = (r.model.module for r in sim.executor.runtimes)
+    assert len(shared) == 1 and dict(driver.named_parameters()).keys() == {"1.weight", "1.bias"}
+    theirs = dict(worker.named_parameters())
+    assert all(theirs[n].data_ptr() == p.data_ptr() for n, p in driver.named_parameters())

@@ -27,7 +27,7 @@ from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import assemble, build_model, frozen_hash, share_frozen
+from fedflat.models import assemble, base_key, build_model, frozen_hash, share_frozen
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -285,25 +285,78 @@ class WorkerSpec:
 
 
 def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device,
-                         base: torch.nn.Module | None = None) -> ClientRuntime:
+                         base: FlatModel | None = None) -> ClientRuntime:
     """A runtime of the run ``spec`` describes on ``device``: its own model (built again from the config or
     ``model_fn``; the broadcast carries the trained weights, and under adapters the worker loads the frozen base
     from its own files, checked against the driver's digest), parts and oracle, over the given ``batches``.
-    ``base``: a module of the same run in this process whose frozen tensors the new one shares (thread workers)."""
+    ``base``: the model of the same run in this process, whose frozen tensors the new one shares (thread workers:
+    :func:`thread_module`)."""
     compute = spec.compute
     if compute.threads:
         torch.set_num_threads(compute.threads)
     set_tf32(device, compute.tf32)
-    module = assemble(lambda: worker_module(spec), spec.seed,
-                      AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
-    if base is not None:
-        share_frozen(module, base)
+    module = thread_module(spec, base) if base is not None else assemble(
+        lambda: worker_module(spec), spec.seed, AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
     check_base(frozen_hash(module), spec.base_hash)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs, compute.compile)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings,
                          replace(compute, engine=engine), spec.traits)
+
+
+def thread_module(spec: WorkerSpec, base: FlatModel) -> torch.nn.Module:
+    """A thread worker's module, which costs no second copy of a frozen base: the run's module built on the meta
+    device (its structure, nothing allocated, no weights file read), then given the driver's tensors — its frozen
+    parameters and non-persistent buffers themselves (one pretrained base in the process, which every thread only
+    reads) and copies of the trained parameters' and persistent buffers' initial values. A module the meta device
+    cannot build (a ``model_fn`` that computes with its tensors, say) is built whole and then shares the driver's
+    frozen tensors."""
+    adapter = AdapterConfig(**spec.adapter) if spec.adapter is not None else None
+    structure = replace(spec, model=structure_options(spec.model))
+    try:
+        with torch.device("meta"):
+            module = assemble(lambda: worker_module(structure), spec.seed, adapter)
+        adopt_tensors(module, base)
+        return module
+    except Exception:  # noqa: BLE001 - whatever the meta device refuses: the whole build below
+        module = assemble(lambda: worker_module(spec), spec.seed, adapter).to(base.initial.device)
+        share_frozen(module, base.module)
+        return module
+
+
+def structure_options(model: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` options of the same architecture without its weights' file (a Hugging Face folder's
+    ``config.json`` alone): what a module whose every tensor comes from elsewhere is built from."""
+    name = str(model.get("name", "")).strip().lower()
+    if name == "hf":
+        return {**model, "random_weights": True}
+    return {k: v for k, v in model.items() if k != base_key(name)}
+
+
+def adopt_tensors(module: torch.nn.Module, base: FlatModel) -> None:
+    """Gives ``module`` (built on the meta device) the tensors of ``base``, the same run's model: its frozen
+    parameters and non-persistent buffers shared, its trained parameters and persistent buffers copied from their
+    initial values; tied tensors stay tied. A tensor ``base`` lacks is a ``KeyError``."""
+    frozen = dict(base.module.named_parameters(remove_duplicate=False))
+    trained = dict(zip(base.layout.names, base.layout.views(base.initial.detach())))
+    persistent = dict(zip(base.buffer_layout.names, base.buffer_layout.tensors(base.initial_buffers))) \
+        if base.buffer_layout.size else {}
+    shared = dict(base.module.named_buffers(remove_duplicate=False))
+    given: dict[int, torch.Tensor] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in given:
+            given[id(p)] = torch.nn.Parameter(trained[name].clone()) if p.requires_grad else frozen[name]
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._parameters[attr] = given[id(p)]
+    for name, b in list(module.named_buffers(remove_duplicate=False)):
+        if id(b) not in given:
+            given[id(b)] = persistent[name].clone() if name in persistent else shared[name]
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attr] = given[id(b)]
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise KeyError(f"no tensor for {left[:3]}")
 
 
 def worker_module(spec: WorkerSpec) -> torch.nn.Module:

@@ -246,7 +246,7 @@ def frozen_hash(module: nn.Module) -> str | None:
         return None
     for name, p in frozen:
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())  # (its buffer: no copy of the base)
     return digest.hexdigest()
 
 
