@@ -90,7 +90,7 @@ def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     def broken(*args, **kwargs):
         raise FloatingPointError("client exploded")
 
-    runtime.fit = broken
+    runtime.fit_into = broken  # (what a thread runs: its clients' rows go into the round's result)
     with pytest.raises(FloatingPointError, match="client exploded"):
         sim.run_round(1)
     assert torch.equal(sim.server.w, before)
@@ -114,8 +114,8 @@ def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
     sim.executor.threads = [leftover]  # as an interrupted round leaves them
     started_while = []
     runtime = sim.executor.runtimes[0]
-    plain = runtime.fit
-    runtime.fit = lambda *args: started_while.append(finished.is_set()) or plain(*args)
+    plain = runtime.fit_into
+    runtime.fit_into = lambda *args: started_while.append(finished.is_set()) or plain(*args)
     sim.run_round(0)
     assert started_while == [True]
 

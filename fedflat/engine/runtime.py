@@ -20,8 +20,7 @@ import torch
 
 from fedflat.algorithms import Algorithm, build_algorithm
 from fedflat.config import AdapterConfig
-from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
-                          merge_results)
+from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, ResultRows, TrainSettings)
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
@@ -222,16 +221,23 @@ class ClientRuntime:
 
         The vectorized engine takes clients longest-first, so chunks hold clients of similar step
         counts and pad little (FedJAX's ``for_each_client`` does the same)."""
+        rows = ResultRows(task.ids)
+        self.fit_into(rows, broadcast, task, load_state)
+        return rows.result()
+
+    def fit_into(self, rows: ResultRows, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> None:
+        """:meth:`fit`, each chunk's rows copied into ``rows`` as soon as the chunk is trained (the round's result,
+        which other threads' runtimes may fill too)."""
         broadcast = broadcast.to(self.device)
         ctx = ClientContext.of(broadcast, self.settings, self.oracle, self.batches)
         order = torch.arange(len(task))
         if self.engine != "sequential":
             order = torch.as_tensor(sorted(range(len(task)), key=lambda i: (-int(task.steps[i]), i)))
-        size, lo, results = self.chunk_size(len(task)), 0, []
+        size, lo = self.chunk_size(len(task)), 0
         while lo < len(task):
-            rows = order[lo:lo + size]
+            chunk = order[lo:lo + size]
             try:
-                result = fit(self.algorithm, ctx, make_cohort(task.rows(rows), broadcast, load_state, self.device))
+                result = fit(self.algorithm, ctx, make_cohort(task.rows(chunk), broadcast, load_state, self.device))
             except torch.cuda.OutOfMemoryError:
                 if size == 1:
                     raise
@@ -240,9 +246,8 @@ class ClientRuntime:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            results.append(ClientResult(result.ids.cpu(), result.upload, result.state, result.backprops))
-            lo += len(rows)
-        return merge_results(results)
+            rows.add(result)
+            lo += len(chunk)
 
 
 class LocalExecutor:
@@ -412,11 +417,13 @@ class ThreadExecutor:
         for thread in self.threads:  # a round abandoned by an interrupt: its clients finish before a runtime is reused
             thread.join()
         plan = longest_first(task.steps, list(range(len(self.runtimes))))
-        outcomes: dict[int, ClientResult | BaseException] = {}
+        outcomes: dict[int, BaseException | None] = {}
+        results = ResultRows(task.ids)  # (every thread copies its clients' rows in: the round holds them once)
 
         def work(worker: int, sub: RoundTask, loader: StateLoader) -> None:
             try:
-                outcomes[worker] = self.runtimes[worker].fit(broadcast, sub, loader)
+                self.runtimes[worker].fit_into(results, broadcast, sub, loader)
+                outcomes[worker] = None
             except BaseException as err:  # noqa: BLE001 - raised again in the driver's thread below
                 outcomes[worker] = err
 
@@ -432,7 +439,7 @@ class ThreadExecutor:
         for worker in sorted(outcomes):
             if isinstance(outcomes[worker], BaseException):
                 raise outcomes[worker]
-        return merge_results(list(outcomes.values()))
+        return results.result()
 
     def close(self) -> None:
         """Nothing to release: the threads end with each round."""
