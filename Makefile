@@ -24,9 +24,11 @@ demo: $(STAMP)
 	$(BIN)/fedflat report runs/sweeps/demo --target-acc 0.85 0.9 --plot runs/sweeps/demo/plots --output runs/sweeps/demo/table.md
 
 # The site: README, docs/ and the API reference from the docstrings, into docs/_build/html (warnings are errors).
+# Sphinx reports its progress (reading, then writing each page: a few minutes, most of it the reference).
 docs: $(STAMP)
 	rm -rf docs/reference/generated  # (autosummary's pages of modules since renamed or removed would fail the build)
-	$(BIN)/python -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	@echo "docs: building the site from README, docs/ and every module's docstrings (a few minutes)"
+	$(BIN)/python -m sphinx -b html -W --keep-going docs docs/_build/html
 	@echo "site: docs/_build/html/index.html"
 
 test: $(STAMP)

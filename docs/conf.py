@@ -170,6 +170,36 @@ class ReExports(SphinxDirective):
         return holder.children
 
 
+# ":param x:", ":param int x:", ":param \*args:": the name a field documents
+PARAM_FIELD = re.compile(r"^:param\s+(?:[^\s:]+\s+)?(?:\\?\*){0,2}(\w+):", flags=re.M)
+
+
+def parameter_fields(obj, lines: list[str]) -> list[str]:
+    """``:param NAME:`` fields for each parameter of ``obj``'s signature (``self`` and ``cls`` aside) that its
+    docstring ``lines`` have no field for, in the signature's order.
+
+    With ``autodoc_typehints = "description"`` Sphinx lists a parameter under "Parameters" only if it has a type hint
+    or a field: ``Dataset.from_torch(train, test, ..., cache=None)`` showed neither ``train``, ``test`` nor
+    ``cache``. With a field for each, the list names every parameter, in order, and Sphinx adds the type of each
+    annotated one; the docstring's text says what each is."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    fielded = set(PARAM_FIELD.findall("\n".join(lines)))
+    stars = {inspect.Parameter.VAR_POSITIONAL: "\\*", inspect.Parameter.VAR_KEYWORD: "\\*\\*"}
+    return [f":param {stars.get(p.kind, '')}{p.name}:" for p in signature.parameters.values()
+            if p.name not in ("self", "cls") and p.name not in fielded]
+
+
+def _every_parameter(app, what, name, obj, options, lines):
+    """autodoc-process-docstring: a function's or method's docstring gains the fields of :func:`parameter_fields`."""
+    if what in ("function", "method") and callable(obj):
+        fields = parameter_fields(obj, lines)
+        if fields:
+            lines.extend(["", *fields] if lines and lines[-1].strip() else fields)
+
+
 def _viewcode_backlinks(app):
     """A source page's "[docs]" links, made by sphinx.ext.viewcode as ``#<module where it first met the name>.<name>``
     on the page that documented the name last: for a name also shown under a package or on the Python API page
@@ -192,6 +222,7 @@ def _viewcode_backlinks(app):
 
 def setup(app):
     app.connect("missing-reference", _follow_reexport)
+    app.connect("autodoc-process-docstring", _every_parameter)
     app.connect("include-read", _readme_links)
     PythonDomain.object_types.setdefault("reexport", ObjType("re-exported name", "obj"))
     app.add_directive_to_domain("py", "reexport", PyReexport)

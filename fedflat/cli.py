@@ -18,6 +18,7 @@ from fedflat.experiments.rundir import SUCCEEDED, RunFolderBusy, interruption, i
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedflat.api import run
+    from fedflat.core.registry import display_label
 
     config, overrides = split_config_and_overrides(args.items)
     if args.data_dir:
@@ -28,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print_run_folder(history.run_dir, announced=True)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
-        print(f"{s['algorithm']} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
+        print(f"{display_label(s['algorithm'])} on {s['dataset']}: {s['rounds']} rounds, {accuracy_text(s)}, "
               f"{s['train_seconds'] / max(s['rounds'], 1):.3f} s/round training, {s['wall_seconds']:.1f} s in all")
     return 0 if s["status"] in SUCCEEDED else 3
 

@@ -90,11 +90,13 @@ def print_run_folder(run_dir, announced: bool) -> None:
 def print_outcome(history, label: str = "", announced: bool = False) -> int:
     """Prints where a run's folder is (:func:`print_run_folder`), its status and final accuracy; returns the
     command's exit code (0 when the run completed, 3 otherwise)."""
+    from fedflat.core.registry import display_label  # (torch: after a run; `fedflat --help` loads none)
+
     s = history.summary
     print_run_folder(history.run_dir, announced)
     print(f"status: {s['status']}" + (f" ({s['reason']})" if s.get("reason") else ""))
     if s.get(f"final_{evaluated_on(s)}_acc") is not None:
-        print(f"{s['algorithm']}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
+        print(f"{display_label(s['algorithm'])}{label}: {s['rounds']} rounds, {accuracy_text(s)}")
     return 0 if s["status"] in ("completed", "stopped", "budget spent") else 3  # experiments.rundir.SUCCEEDED
 
 

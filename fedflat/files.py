@@ -6,15 +6,17 @@ user writes. Run folders, sweeps, diagnostics and plots all write through these 
 """
 from __future__ import annotations
 
+import collections
 import io
 import json
 import math
 import os
 import pickle
 import re
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fedflat.core import ConfigError
 
@@ -145,28 +147,29 @@ def python3_name(module: str, name: str = "") -> str:
 
 def pickle_objects(data: bytes | io.BufferedIOBase, count: int = 1) -> list[str]:
     """The Python objects the first ``count`` pickles of ``data`` name (``GLOBAL``, ``INST``, ``STACK_GLOBAL``), read
-    opcode by opcode (:mod:`pickletools`): nothing is built or run. A ``STACK_GLOBAL`` whose module and name are not
-    plain strings pushed before it names ``<unresolved>``."""
+    opcode by opcode (:mod:`pickletools`): nothing is built or run, and besides the names only the last two values
+    pushed and the memo's strings are kept (never a list that grows with every opcode). A ``STACK_GLOBAL`` whose module
+    and name are not plain strings pushed before it names ``<unresolved>``."""
     import pickletools
 
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     names: list[str] = []
     for _ in range(count):
-        recent: list[str | None] = []
+        recent: collections.deque[str | None] = collections.deque(maxlen=2)
         memo: dict[int, str | None] = {}
         try:
             for op, arg, _pos in pickletools.genops(stream):
                 if op.name in ("GLOBAL", "INST"):
                     names.append(python3_name(*str(arg).split(" ", 1)))
                 elif op.name == "STACK_GLOBAL":
-                    module, name = (recent[-2:] + [None, None])[:2] if len(recent) >= 2 else (None, None)
+                    module, name = recent if len(recent) == 2 else (None, None)
                     names.append(python3_name(module, name) if module and name else "<unresolved>")
                 if op.name in _STRING_OPS:
                     recent.append(str(arg))
                 elif op.name == "MEMOIZE":
-                    memo[len(memo)] = recent[-1] if recent else None
+                    _remember(memo, len(memo), recent)
                 elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                    memo[int(arg)] = recent[-1] if recent else None
+                    _remember(memo, int(arg), recent)
                 elif op.name in ("GET", "BINGET", "LONG_BINGET"):
                     recent.append(memo.get(int(arg)))
                 elif op.name not in ("FRAME", "PROTO"):
@@ -176,17 +179,87 @@ def pickle_objects(data: bytes | io.BufferedIOBase, count: int = 1) -> list[str]
     return names
 
 
-def named_objects(path: str | Path) -> list[str]:
-    """Every Python object a torch file's pickles name: the ``.pkl`` members of a zip file (``torch.save``'s format),
-    else the pickles at the head of the legacy format (magic number, protocol, system info, the data, storage keys)."""
+def _remember(memo: dict[int, str | None], index: int, recent) -> None:
+    """Memo entry ``index``: the string just pushed, if any (only strings are ever looked up: a ``STACK_GLOBAL``'s
+    module and name). A memo index that holds no string is not kept, so the memo holds at most the pickle's strings."""
+    if recent and recent[-1] is not None:
+        memo[index] = recent[-1]
+    else:
+        memo.pop(index, None)
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say): no file larger than it can be
+    loaded whole, so :func:`safe_load` refuses one before reading it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def open_regular(path: str | Path, what: str, remedy: str, max_bytes: int | None) -> BinaryIO:
+    """``path`` opened for reading, once it is known to be a regular file (after symbolic links) of at most
+    ``max_bytes`` bytes: a device (``/dev/zero``), a FIFO or a socket would be read without end or block for ever.
+    It is checked on the open file itself (``fstat``), so the file read is the file checked; ``O_NONBLOCK`` keeps the
+    open of a FIFO from waiting for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise CheckpointError(f"{path}: unreadable {what} ({err.strerror or type(err).__name__}); {remedy}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path}: refused: this {what} is not a regular file (a device, FIFO, socket or "
+                                  f"folder, or a link to one), which could be read without end; {remedy}")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise CheckpointError(f"{path}: refused: this {what} holds {info.st_size} bytes, more than the "
+                                  f"{max_bytes} that can be loaded here (this machine's memory); {remedy}")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class ArchiveRefused(ValueError):
+    """A zip file that ``torch.save`` would not write and whose reading could differ between two readers."""
+
+
+def named_objects(source: str | Path | BinaryIO, max_bytes: int | None = None) -> list[str]:
+    """Every Python object a torch file's pickles name: every ``.pkl`` member of a zip file (``torch.save``'s format;
+    the name compared without case, as torch's reader looks records up), else the pickles at the head of the legacy
+    format (magic number, protocol, system info, the data, storage keys). ``source``: a path or an open file.
+
+    A zip file is :class:`ArchiveRefused` when two members share a name (without case: torch reads one of them, this
+    scan could read the other) or its members unpack to more than ``max_bytes``; each member is read as a stream."""
     import zipfile
 
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            return [name for member in archive.namelist() if member.endswith(".pkl")
-                    for name in pickle_objects(archive.read(member))]
-    with open(path, "rb") as stream:
-        return pickle_objects(stream, count=5)
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as stream:
+            return named_objects(stream, max_bytes)
+    source.seek(0)
+    if not zipfile.is_zipfile(source):
+        source.seek(0)
+        return pickle_objects(source, count=5)
+    source.seek(0)
+    with zipfile.ZipFile(source) as archive:
+        members = archive.infolist()
+        count = collections.Counter(member.filename.lower() for member in members)
+        twins = [member.filename for member in members if count[member.filename.lower()] > 1]
+        if twins:
+            raise ArchiveRefused(f"it holds {len(twins)} members named {twins[0]!r} (compared without case: torch "
+                                 "reads one of them; torch.save never writes two)")
+        unpacked = sum(member.file_size for member in members)
+        if max_bytes is not None and unpacked > max_bytes:
+            raise ArchiveRefused(f"its members unpack to {unpacked} bytes, more than the {max_bytes} that can be "
+                                 "loaded here (this machine's memory)")
+        names = []
+        for member in members:
+            if member.filename.lower().endswith(".pkl"):
+                with archive.open(member) as pickle_stream:
+                    names += pickle_objects(pickle_stream)
+        return names
 
 
 def _refusal(path: str | Path, what: str, remedy: str, name: str) -> UnsafeFile:
@@ -195,33 +268,53 @@ def _refusal(path: str | Path, what: str, remedy: str, name: str) -> UnsafeFile:
                       f"you trust, or {remedy}")
 
 
-def safe_load(path: str | Path, what: str, remedy: str) -> Any:
-    """``torch.load(path, weights_only=True)``: tensors and plain values, never code. A file whose pickles name any
-    other Python object is refused (:class:`UnsafeFile`) before torch reads it (:func:`named_objects`, whatever the
-    torch version's wording), an unreadable one (truncated, not a torch file) is a :class:`CheckpointError`; both one
-    line naming the file, ``what`` it is and the ``remedy`` (never torch's advice to load it unsafely)."""
+def safe_load(path: str | Path, what: str, remedy: str, max_bytes: int | None = None) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain values, never code. Only a regular file of at most
+    ``max_bytes`` (None: this machine's memory, :func:`memory_bytes`) is read
+    (:func:`open_regular`), once: the scan and the load read the same open file. A file whose pickles name any other
+    Python object is refused (:class:`UnsafeFile`) before torch reads it (:func:`named_objects`, whatever the torch
+    version's wording), as is a zip file two readers could read differently; an unreadable one (truncated, not a torch
+    file) is a :class:`CheckpointError`; each one line naming the file, ``what`` it is and the ``remedy`` (never
+    torch's advice to load it unsafely)."""
     import torch
 
-    try:
-        allowed = allowed_objects()
-        refused = [name for name in named_objects(path) if name not in allowed and not _TORCH_NAMES.match(name)]
-    except OSError as err:
-        raise CheckpointError(f"{path}: unreadable {what} ({err.strerror or type(err).__name__}); {remedy}") from None
-    if refused:
-        raise _refusal(path, what, remedy, refused[0])
-    try:
-        with torch.serialization.safe_globals(_old_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        text = str(err)
-        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.<>]+)", text)
-        if found:
-            raise _refusal(path, what, remedy, found.group(1).rstrip(".")) from None
-        cause = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)  # (torch's advice around it: load unsafely)
-        if cause or isinstance(err, pickle.UnpicklingError):
-            detail = f"not tensors and plain values: {cause.group(1) if cause else type(err).__name__}"
-        else:
-            detail = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        if "weights_only" in detail or "unsafe" in detail.lower():  # (never pass on advice to load it unsafely)
-            detail = type(err).__name__
-        raise CheckpointError(f"{path}: unreadable {what} ({detail}); {remedy}") from None
+    import zipfile
+
+    cap = memory_bytes() if max_bytes is None else max_bytes
+    with open_regular(path, what, remedy, cap) as stream:
+        try:
+            allowed = allowed_objects()
+            named = named_objects(stream, cap)
+        except ArchiveRefused as err:
+            raise UnsafeFile(f"{path}: refused: this {what} is not a zip file torch.save wrote: {err}; use only "
+                             f"files you trust, or {remedy}") from None
+        except (zipfile.BadZipFile, EOFError) as err:
+            raise CheckpointError(f"{path}: unreadable {what} (a damaged zip file: {err}); {remedy}") from None
+        except OSError as err:
+            raise CheckpointError(f"{path}: unreadable {what} ({err.strerror or type(err).__name__}); "
+                                  f"{remedy}") from None
+        refused = [name for name in named if name not in allowed and not _TORCH_NAMES.match(name)]
+        if refused:
+            raise _refusal(path, what, remedy, refused[0])
+        stream.seek(0)
+        try:
+            with torch.serialization.safe_globals(_old_globals()):
+                return torch.load(stream, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise _unreadable(path, what, remedy, err) from None
+
+
+def _unreadable(path: str | Path, what: str, remedy: str, err: Exception) -> CheckpointError:
+    """torch's error loading ``path`` as one line: a refusal where its unpickler names an object, else unreadable."""
+    text = str(err)
+    found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.<>]+)", text)
+    if found:
+        return _refusal(path, what, remedy, found.group(1).rstrip("."))
+    cause = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)  # (torch's advice around it: load unsafely)
+    if cause or isinstance(err, pickle.UnpicklingError):
+        detail = f"not tensors and plain values: {cause.group(1) if cause else type(err).__name__}"
+    else:
+        detail = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    if "weights_only" in detail or "unsafe" in detail.lower():  # (never pass on advice to load it unsafely)
+        detail = type(err).__name__
+    return CheckpointError(f"{path}: unreadable {what} ({detail}); {remedy}")

@@ -130,6 +130,7 @@ def rounding_allowed(tree: dict[str, Any]) -> float:
 
 
 def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||``: how far ``a`` is from ``b``, relative to ``b`` (L2 norms over all entries)."""
     return float((a - b).norm() / b.norm())
 
 

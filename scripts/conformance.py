@@ -1,9 +1,13 @@
 """fedflat against the methods' public code on one tiny problem, round by round (docs/algorithms.md, "Conformance").
 
-The problem: 4 clients of 20 samples (8 features, 3 classes, drawn from a fixed seed), an 8-6-3 tanh MLP with fixed
-initial weights, full participation, full-batch local steps (3 per round), ``eta_l`` 0.1 decaying by 0.9 per round,
-coupled weight decay 0.01, 3 rounds. Each method runs in its authors' code and in fedflat with the overrides of the
-conformance table, and the global models are compared after every round (the largest absolute difference).
+The problem: 4 clients of unequal sizes, 26, 14, 18 and 22 samples (8 features, 3 classes, drawn from a fixed seed;
+unequal, so that a code weighting its clients by their samples and one averaging them uniformly give different
+models), an 8-6-3 tanh MLP with fixed initial weights, full participation, full-batch local steps (3 per round: a
+batch of 26 holds every client's data), ``eta_l`` 0.1 decaying by 0.9 per round, coupled weight decay 0.01, 3 rounds.
+Client 0 is the largest: FL-Simulator and the codes built on it take client 0's step count (its samples over the
+batch size, times the epochs) as every client's, which is then every client's real one. Each method runs in its
+authors' code and in fedflat with the overrides of the conformance table, and the global models are compared after
+every round (the largest absolute difference).
 
     python scripts/conformance.py --fl-simulator PATH --fedlesam PATH --fedwmsam PATH [--clip 0.3]
 
@@ -35,7 +39,9 @@ from fedflat.config import load_config
 from fedflat.data import Dataset
 from fedflat.engine.simulation import Simulation, UserInputs
 
-CLIENTS, SAMPLES, FEATURES, CLASSES, ROUNDS, STEPS = 4, 20, 8, 3, 3, 3
+SIZES = (26, 14, 18, 22)  # each client's samples (module docstring)
+CLIENTS, SAMPLES, BATCH = len(SIZES), sum(SIZES), max(SIZES)
+FEATURES, CLASSES, ROUNDS, STEPS = 8, 3, 3, 3
 LR, LR_DECAY, WD = 0.1, 0.9, 0.01
 # The codes' hyperparameters (their argparse names) and the same values under fedflat's names.
 CODE_ARGS = {"alpha": 0.1, "lamb": 0.1, "rho": 0.05, "beta1": 0.9, "beta2": 0.99, "epsilon": 0.01,
@@ -70,8 +76,8 @@ CODE_MODULES = ("client", "server", "optimizer", "utils", "dataset", "models")
 
 def problem() -> tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(CLIENTS * SAMPLES, FEATURES, generator=gen)
-    y = torch.randint(0, CLASSES, (CLIENTS * SAMPLES,), generator=gen)
+    x = torch.randn(SAMPLES, FEATURES, generator=gen)
+    y = torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
     torch.manual_seed(1)
     initial = nn.Sequential(nn.Linear(FEATURES, 6), nn.Tanh(), nn.Linear(6, CLASSES)).state_dict()
 
@@ -80,6 +86,45 @@ def problem() -> tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]:
         module.load_state_dict(initial)
         return module
     return x, y, model_fn
+
+
+def client_indices() -> list[list[int]]:
+    """Each client's samples of the problem's ``x``, ``y``: consecutive runs of :data:`SIZES`."""
+    ends = np.cumsum(SIZES)
+    return [list(range(end - size, end)) for size, end in zip(SIZES, ends)]
+
+
+def shares(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each client's ``(x_i, y_i)``."""
+    return [(x[idx], y[idx]) for idx in client_indices()]
+
+
+def sample_weights() -> torch.Tensor:
+    """``n_i / n``: the weights of a code that averages its clients by their samples."""
+    sizes = torch.tensor(SIZES, dtype=torch.float32)
+    return sizes / sizes.sum()
+
+
+def code_rounds(x: torch.Tensor, y: torch.Tensor, model_fn: Callable[[], nn.Module],
+                train: Callable[[nn.Module, nn.Module, torch.Tensor, torch.Tensor, int], None],
+                weights: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The global model after each of :data:`ROUNDS` rounds of a code's round loop as a test writes it out: each
+    client starts from the server's model and ``train(model, server, x_i, y_i, t)`` trains ``model`` in place (the
+    code's client), then the server averages the clients' parameters with ``weights`` (None: uniformly; a code
+    weighting by samples: :func:`sample_weights`)."""
+    server, models = model_fn(), []
+    for t in range(ROUNDS):
+        finals = []
+        for xi, yi in shares(x, y):
+            model = model_fn()
+            model.load_state_dict(server.state_dict())
+            train(model, server, xi, yi, t)
+            finals.append(nn.utils.parameters_to_vector(model.parameters()).detach())
+        stacked = torch.stack(finals)
+        mean = stacked.mean(0) if weights is None else (weights[:, None] * stacked).sum(0)
+        nn.utils.vector_to_parameters(mean, server.parameters())
+        models.append(mean)
+    return models
 
 
 class TensorSamples(data.Dataset):
@@ -129,12 +174,12 @@ def code_run(repo: Path, method: str, server_class: str, x, y, model_fn, clip: f
         from utils import get_mdl_params
         server_type = getattr(importlib.import_module(f"server.{server_class}"), server_class)
         args = types.SimpleNamespace(
-            seed=0, total_client=CLIENTS, active_ratio=1.0, comm_rounds=ROUNDS, local_epochs=STEPS, batchsize=SAMPLES,
+            seed=0, total_client=CLIENTS, active_ratio=1.0, comm_rounds=ROUNDS, local_epochs=STEPS, batchsize=BATCH,
             weight_decay=WD, local_learning_rate=LR, lr_decay=LR_DECAY, use_RI=False, beta=0.1, gamma=1.0,
             method=method, dataset="CIFAR10", model="", non_iid=False, split_rule="", split_coef=0.0, mode="",
             out_file="/tmp/fedflat-conformance", cuda=0, **CODE_ARGS)
-        split = types.SimpleNamespace(client_x=[x[i * SAMPLES:(i + 1) * SAMPLES].numpy() for i in range(CLIENTS)],
-                                      client_y=[y[i * SAMPLES:(i + 1) * SAMPLES].numpy() for i in range(CLIENTS)],
+        split = types.SimpleNamespace(client_x=[xi.numpy() for xi, _ in shares(x, y)],
+                                      client_y=[yi.numpy() for _, yi in shares(x, y)],
                                       test_x=x.numpy(), test_y=y.numpy())
         init = model_fn()
         with contextlib.redirect_stdout(io.StringIO()):
@@ -162,12 +207,11 @@ def fedflat_run(overrides: list[str], x, y, model_fn, clip: float, scope: str) -
     (fedflat's run on its configured device: ``pytest --device cuda`` compares a GPU run with the codes)."""
     tree = {"seed": 0, "rounds": ROUNDS, "data": {"name": "synthetic", "num_clients": CLIENTS},
             "model": {"name": "mlp"}, "algo": {"name": "fedavg"}, "sampling": {"clients_per_round": CLIENTS},
-            "train": {"local_epochs": STEPS, "batch_size": SAMPLES, "lr": LR, "lr_decay": LR_DECAY,
+            "train": {"local_epochs": STEPS, "batch_size": BATCH, "lr": LR, "lr_decay": LR_DECAY,
                       "weight_decay": WD, "clip": clip, "clip_scope": scope}, "threads": 1}
     cfg = load_config(None, overrides, base=tree)
     dataset = Dataset("conformance", x, y, x, y, CLASSES)
-    clients = [list(range(i * SAMPLES, (i + 1) * SAMPLES)) for i in range(CLIENTS)]
-    sim = Simulation(cfg, UserInputs(dataset=dataset, model_fn=model_fn, clients=clients))
+    sim = Simulation(cfg, UserInputs(dataset=dataset, model_fn=model_fn, clients=client_indices()))
     models = []
     for t in range(ROUNDS):
         sim.run_round(t)

@@ -3,10 +3,12 @@ and off in the other, their rounds alternated (which goes first alternates too),
 
     python scripts/paired_speed.py --workload W1 --algo fedavg --rounds 8      # the hand-derived MLP gradient
     python scripts/paired_speed.py --lever native --algo fedsam --rounds 6     # its native operator vs its Python
+    python scripts/paired_speed.py --workload W2 --rounds 4                    # the CNN's (W2), against autograd
 
 ``--lever hand`` (default): "off" is the oracle with its general backend, autograd client by client, in place of the
 hand-derived gradient's (``oracle.backend = oracle.backend.general``). ``--lever native``: "off" is the hand-derived
-gradient's Python method (``oracle.backend.hand.native = None``), "on" its native operator (fedflat/engine/native). Both runs must end with the same
+gradient's Python method (``oracle.backend.hand.native = None``: for the CNN, ATen's pooling in place of the native
+kernels), "on" its native operator (fedflat/engine/native). Both runs must end with the same
 parameters (checked). Load changes the absolute times; the pairing keeps the ratio (docs/benchmarks.md, "A
 hand-derived MLP gradient" and "The native MLP gradient").
 """
@@ -36,10 +38,10 @@ def main() -> None:
                       base=WORKLOADS[a.workload].tree)
     on, off = Simulation(cfg), Simulation(cfg)
     if not isinstance(on.oracle.backend, HandMLP):
-        raise SystemExit(f"{a.workload} {a.algo}: the hand-derived MLP gradient is not taken here")
+        raise SystemExit(f"{a.workload} {a.algo}: no hand-derived gradient is taken here")
     if a.lever == "native":
         if on.oracle.backend.hand.native is None:
-            raise SystemExit(f"{a.workload} {a.algo}: the native MLP gradient is not taken here")
+            raise SystemExit(f"{a.workload} {a.algo}: the native operator is not taken here")
         off.oracle.backend.hand.native = None
     else:
         off.oracle.backend = off.oracle.backend.general

@@ -149,6 +149,18 @@ def test_alie_uploads_benign_mean_minus_z_max_benign_std_on_every_malicious_row(
                                benign.mean(0) - 1.5 * benign.std(0, ddof=1), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("n, f", [(12, 7), (12, 11), (5, 3)])
+def test_alie_with_a_malicious_majority_clamps_s_to_one(n, f):
+    """f > n/2: the paper's s = floor(n/2 + 1) - f is 0 or below (z_max infinite or undefined); fedflat takes
+    s = 1, z = Phi^-1((n - 1)/n) (SciPy's quantile), the z of f = floor(n/2) attackers."""
+    from scipy.stats import norm
+
+    from fedflat.algorithms.attacks import alie_z
+
+    assert math.floor(n / 2 + 1) - f <= 0
+    assert alie_z(n, f) == pytest.approx(norm.ppf((n - 1) / n), abs=1e-12) == alie_z(n, n // 2)
+
+
 def test_ipm_uploads_minus_epsilon_times_the_benign_mean_on_every_malicious_row():
     stage, ctx, bad = _server({"name": "ipm", "fraction": 0.3, "epsilon": 0.5}, torch.arange(N))
     release = {name: rows.double() for name, rows in RELEASE.items()}

@@ -405,6 +405,43 @@ def test_fedntd_loss_conforms_to_the_authors_criterion():
     assert float((ours - ce).detach()) > 1e-3
 
 
+def test_fedntd_equals_the_authors_round_on_the_conformance_problem():
+    """Three rounds of FedSOL's FedNTD as its code runs them, on scripts/conformance.py's problem of unequal clients:
+    ``ClientTrainer.train`` (algorithms/fedntd/ClientTrainer.py: the global model kept as the teacher, ``NTD_Loss``
+    of the logits and the teacher's, one SGD step a batch; ``NTD_Loss`` transcribed unmodified, tests/authors/) over
+    full-batch steps, and ``BaseServer._aggregation`` (algorithms/BaseServer.py:164-176), the average weighted by the
+    clients' samples, against ``fedntd`` with ``algo.weighting=samples``: equal to float32 rounding. Uniform weights,
+    the conformance table's setting before, are not."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from authors.fedsol_ntd import NTD_Loss
+    from conformance import CLASSES, LR, LR_DECAY, STEPS, WD, code_rounds, fedflat_run, problem, sample_weights
+
+    beta, tau = 1.0, 3.0
+    x, y, model_fn = problem()
+    criterion = NTD_Loss(num_classes=CLASSES, tau=tau, beta=beta)
+
+    def train(model, server, data, targets, t):  # ClientTrainer.train, the teacher kept as _keep_global does
+        dg_model = copy.deepcopy(server)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            with torch.no_grad():
+                dg_logits = dg_model(data)
+            criterion(model(data), targets, dg_logits).backward()
+            optimizer.step()
+    theirs = code_rounds(x, y, model_fn, train, sample_weights())
+    options = ["algo=fedntd", f"algo.beta={beta}", f"algo.tau={tau}"]
+    ours = fedflat_run([*options, "algo.weighting=samples"], x, y, model_fn, None, "loss")
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-7)  # entries of order 0.16: float32 rounding
+    uniform = fedflat_run(options, x, y, model_fn, None, "loss")
+    assert (uniform[-1] - theirs[-1]).abs().max() > 1e-4
+
+
 def test_fedntd_refuses_a_second_distillation_term():
     with pytest.raises(AlgorithmError, match="each add a distillation term"):
         fedflat.algorithms.build_algorithm({"name": "fedgmt", "correction": "ntd"})

@@ -80,6 +80,26 @@ def test_bare_loop_does_the_same_fedavg_round(precision):
         assert (float32.server.w - bare.w).abs().max() > 1e-4
 
 
+def test_plain_loop_ignores_precision_and_memory_order(tmp_path):
+    """The plain loop of a ``precision=bf16 channels_last=true`` bench is the float32, NCHW loop (the same round as
+    the bare loop of a float32 bench, bit for bit), which the options' speed-up is measured against (``vs_plain``);
+    the bare loop follows the options."""
+    overrides = list(bitwise("train.clip=null", "model=cnn", "model.padding=2", "data.options.shape=[1,8,8]"))
+    float32 = load_config(None, overrides, base=WORKLOADS["tiny"].tree)
+    options = load_config(None, [*overrides, "precision=bf16", "channels_last=true"], base=WORKLOADS["tiny"].tree)
+    loops = [BareLoop(Simulation(float32), 1), BareLoop(Simulation(options), 1, plain=True),
+             BareLoop(Simulation(options), 1)]
+    for loop in loops:
+        loop.run_round(0)
+    assert torch.equal(loops[0].w, loops[1].w) and not torch.equal(loops[0].w, loops[2].w)
+    out = tmp_path / "bench.json"
+    main(["bench", "--workload", "tiny", "--algos", "fedavg", "--engines", "sequential,bare,plain", "--rounds", "1",
+          "--warmup", "0", "--threads", "1", "--quiet", "--json", str(out), "precision=bf16"])
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["plain"]["algo"] == "plain-sgd" and rows["plain"]["precision"] == "float32"
+    assert rows["bare"]["precision"] == "bf16" and rows["sequential"]["vs_plain"] > 0 < rows["sequential"]["vs_bare"]
+
+
 def test_unknown_workload_or_engine_is_an_error():
     with pytest.raises(ValueError, match="unknown workload"):
         bench(["W9"], ["fedavg"], ["sequential"], 1)
@@ -108,16 +128,16 @@ def test_bench_refuses_zero_rounds_or_threads(capsys):
 # -- LoRA workloads: the bare loop of plain PyTorch + peft --------------------------------------------------------
 VIT_LORA = ("model=vit", "model.patch=2", "model.dim=16", "model.depth=1", "model.heads=2", "adapter.r=2",
             "adapter.dropout=0")
-#: a RoBERTa of W4's kind at test size, without dropout (so that fedflat's keyed masks and the bare loop's agree)
+#: a RoBERTa of W5's kind at test size, without dropout (so that fedflat's keyed masks and the bare loop's agree)
 TINY_ROBERTA = {**ROBERTA, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "intermediate_size": 32, "vocab_size": 50, "max_position_embeddings": 12,
                 "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
 def tiny_roberta(folder) -> tuple[str, ...]:
-    """Overrides of the tiny problem that train W4's kind of model (a Hugging Face RoBERTa from a config.json the
+    """Overrides of the tiny problem that train W5's kind of model (a Hugging Face RoBERTa from a config.json the
     bench writes, LoRA on query/value) on 8 token ids a sample."""
-    workload = replace(WORKLOADS["W4"], hf_config=TINY_ROBERTA)
+    workload = replace(WORKLOADS["W5"], hf_config=TINY_ROBERTA)
     return ("model=hf", "model.random_weights=true", *prepare(workload, folder), "data.options.shape=[8]",
             "data.options.tokens=50", "adapter.r=2", "adapter.target_modules=[query,value]", "adapter.dropout=0")
 
@@ -149,11 +169,11 @@ def test_bare_peft_loop_does_the_same_lora_round(model, tmp_path):
 
 
 def test_lora_workloads_race_fedflat_against_the_bare_peft_loop(tmp_path, monkeypatch):
-    """A LoRA workload (W4's model at test size) runs in the bench beside its bare loops, with CPU-time ratios; the
+    """A LoRA workload (W5's model at test size) runs in the bench beside its bare loops, with CPU-time ratios; the
     model folder the bench wrote is gone after it."""
     tree = load_config(None, list(tiny_roberta(tmp_path / "unused")), base=WORKLOADS["tiny"].tree).model_dump()
     tree["model"].pop("path")
-    workload = replace(WORKLOADS["W4"], name="tiny-lora", tree=tree, hf_config=TINY_ROBERTA)
+    workload = replace(WORKLOADS["W5"], name="tiny-lora", tree=tree, hf_config=TINY_ROBERTA)
     monkeypatch.setitem(WORKLOADS, "tiny-lora", workload)
     folders: list[str] = []
     import fedflat.bench.measure as measure
@@ -171,18 +191,18 @@ def test_lora_workloads_race_fedflat_against_the_bare_peft_loop(tmp_path, monkey
 
 
 def test_the_lora_workloads_configs():
-    """W4 writes a RoBERTa config.json transformers reads with its sizes; W4 and W5 adapt attention with rank 8."""
+    """W5 writes a RoBERTa config.json transformers reads with its sizes; W5 and W6 adapt attention with rank 8."""
     from transformers import AutoConfig
 
     import tempfile
     with tempfile.TemporaryDirectory() as folder:
-        overrides = prepare(WORKLOADS["W4"], folder)
+        overrides = prepare(WORKLOADS["W5"], folder)
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         assert overrides == [f"model.path={folder}"]
         assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
             "roberta", 256, 4, 5000)
-    assert prepare(WORKLOADS["W5"], "/nonexistent") == []  # (fedflat's own ViT: nothing to write)
-    w4, w5 = (load_config(None, list(WORKLOADS[n].cpu_overrides) + (["model.path=x"] if n == "W4" else []),
-                          base=WORKLOADS[n].tree) for n in ("W4", "W5"))
-    assert w4.adapter.r == w5.adapter.r == 8 and w4.adapter.target_modules == ["query", "value"]
-    assert w5.model == {"name": "vit", "variant": "base16"} and w5.data.options["shape"] == [3, 224, 224]
+    assert prepare(WORKLOADS["W6"], "/nonexistent") == []  # (fedflat's own ViT: nothing to write)
+    w5, w6 = (load_config(None, list(WORKLOADS[n].cpu_overrides) + (["model.path=x"] if n == "W5" else []),
+                          base=WORKLOADS[n].tree) for n in ("W5", "W6"))
+    assert w5.adapter.r == w6.adapter.r == 8 and w5.adapter.target_modules == ["query", "value"]
+    assert w6.model == {"name": "vit", "variant": "base16"} and w6.data.options["shape"] == [3, 224, 224]

@@ -337,7 +337,7 @@ def test_bad_dataset_options(name, options, message):
 
 
 def test_registry_and_dataset_helpers():
-    assert set(DATASETS) == {"digits", "mnist", "fmnist", "cifar10", "cifar100", "tinyimagenet", "officehome", "domainnet", "femnist", "shakespeare", "dbpedia", "synthetic"}
+    assert set(DATASETS) == {"digits", "mnist", "fmnist", "cifar10", "cifar100", "tinyimagenet", "officehome", "domainnet", "femnist", "shakespeare", "dbpedia", "glue", "synthetic"}
     assert all(callable(loader) and description for loader, description in DATASETS.values())
     data = load_dataset("synthetic", shape=(2, 3), train_size=10, test_size=4)
     assert isinstance(data, Dataset) and data.input_shape == (2, 3)

@@ -248,7 +248,7 @@ def test_analyze_commands_write_json_and_images_of_the_expected_size(tiny_run, k
     for name in pngs:
         assert name in doc["files"]
         assert png_size(folder / name) == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
-    assert f"{kind} of fedsam at round 3" in capsys.readouterr().out
+    assert f"{kind} of FedSAM at round 3" in capsys.readouterr().out  # (the display name, as tables)
 
 
 def test_a_pca_plot_says_why_it_shows_fewer_clients_than_were_probed(tmp_path):

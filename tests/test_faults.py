@@ -14,7 +14,7 @@ import yaml
 
 from fedflat.cli import main
 from fedflat.core import ConfigError
-from fedflat.experiments.rundir import RunDir, check_output_folder
+from fedflat.experiments.rundir import RunDir, check_output_folder, remove_if_empty
 from fedflat.experiments.sweep import load_sweep
 from fedflat.files import read_jsonl
 from tests.conftest import tiny_tree
@@ -101,6 +101,23 @@ def test_a_data_folder_that_does_not_exist_is_an_error_and_the_run_records_the_f
     assert sorted(Path(f).name for f in summary["data_files"]) == sorted(p.name for p in fmnist.iterdir()
                                                                          if "idx" in p.name)
     assert all(Path(f).parent == fmnist for f in summary["data_files"])
+
+
+def test_a_run_stopped_before_its_folder_leaves_no_empty_out_folder_and_keeps_one_it_did_not_make(tmp_path):
+    """A bad --data-dir stopped the run after its --out folder was made: an empty folder stayed behind. The folders
+    the run made go; a folder that was there before, or that another run wrote into, stays."""
+    args = ["run", "fmnist_mlp", "rounds=1", "--data-dir", str(tmp_path / "nowhere"), "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "new" / "deeper")]) == 2
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    assert main([*args, "--out", str(tmp_path / "mine" / "runs")]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and list((tmp_path / "mine").iterdir()) == []
+    made = check_output_folder(tmp_path / "a" / "b" / "c")
+    assert made == [tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
+    (tmp_path / "a" / "other run").mkdir()
+    remove_if_empty(made)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["other run"]
+    assert check_output_folder(tmp_path / "a") == []
 
 
 def test_a_run_diverging_in_training_writes_the_rounds_line_with_its_loss_null(tmp_path):

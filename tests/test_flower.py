@@ -77,8 +77,10 @@ def test_a_task_and_a_result_cross_as_flower_records_bit_for_bit():
     assert torch.equal(job.task.steps, task.steps) and torch.equal(job.task.num_samples, task.num_samples)
 
     result = ClientResult(torch.tensor([1, 4]), {MODEL: torch.randn(2, 7), TRAIN_LOSS: torch.rand(2)}, {}, 19)
-    back = read_result(result_content(result, 3), [1, 4], UploadLayout.of(result.upload), 3)
+    back = read_result(result_content(result, 3), [1, 4], UploadLayout.of(result.upload), 3, 19)
     assert torch.equal(back.upload[MODEL], result.upload[MODEL]) and back.backprops == 19
+    with pytest.raises(BadReply, match="the reply claims 19 backward passes, more than the 18 its clients' local steps"):
+        read_result(result_content(result, 3), [1, 4], UploadLayout.of(result.upload), 3, 18)
 
 
 @pytest.mark.parametrize("damage, says", [
@@ -92,11 +94,11 @@ def test_a_partial_reply_is_refused_whole(damage, says):
     content = result_content(result, 0)
     damage(content)
     with pytest.raises(BadReply, match=says.replace("[", r"\[").replace("]", r"\]")):
-        read_result(content, [1, 4], layout, 0)
+        read_result(content, [1, 4], layout, 0, 3)
     short = result_content(ClientResult(torch.tensor([1, 4]), {MODEL: torch.randn(2, 6), TRAIN_LOSS: torch.rand(2)},
                                         {}, 3), 0)
     with pytest.raises(BadReply, match=r"'model' has shape \[2, 6\], expected \[2, 7\]"):
-        read_result(short, [1, 4], layout, 0)
+        read_result(short, [1, 4], layout, 0, 3)
 
 
 def test_nodes_score_their_clients_own_models_and_the_server_pools_them(tmp_path):

@@ -31,8 +31,12 @@ from fedflat.flower.gate import FLEET_PREFIX, gate_app, require_loopback, signed
 from fedflat.flower.keys import make_keys, read_roster, roster_of  # noqa: E402
 
 
-def flower_headers(key: ec.EllipticCurvePrivateKey, timestamp: str = "2026-11-27T12:00:00+00:00") -> dict[str, str]:
-    """The headers Flower's SuperNode signs its Fleet requests with (flwr.supernode.node_auth_http_interceptor)."""
+def flower_headers(key: ec.EllipticCurvePrivateKey, timestamp: str | None = None) -> dict[str, str]:
+    """The headers Flower's SuperNode signs its Fleet requests with (flwr.supernode.node_auth_http_interceptor), by
+    default of the current time, as Flower's own ``now().isoformat()`` writes it."""
+    from flwr.supercore.date import now
+
+    timestamp = now().isoformat() if timestamp is None else timestamp
     return {"flwr-public-key": base64.b64encode(public_key_to_bytes(key.public_key())).decode(),
             "flwr-timestamp": timestamp,
             "flwr-signature": base64.b64encode(sign_message(key, timestamp.encode())).decode()}
@@ -94,7 +98,7 @@ def test_the_gate_lets_only_roster_signed_fleet_requests_through(tmp_path, capsy
                 b"/v1/fleet//control/start-run",
                 b"/v1/fleet/./../runtime/acquire-task", b"/v1/fleet/Pull-Messages", b"/v1/fleet/"):
         assert asgi_post(app, raw, good) == 403, raw
-    assert asgi_post(app, b"/v1/fleet/pull-messages", good) == 502
+    assert asgi_post(app, b"/v1/fleet/pull-messages", flower_headers(node)) == 502
     assert asgi_post(app, b"/v1/fleet/pull-messages", flower_headers(stranger)) == 401
     capsys.readouterr()
     forging = b"/v1/control/x%0arefused POST /v1/control/start-run from 10.0.0.1:1 (403): forged"

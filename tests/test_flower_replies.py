@@ -191,6 +191,12 @@ def nan(a):
     return a
 
 
+def claims_backprops(count: int) -> Attack:
+    def attack(round: int, reply: Message, before: dict) -> None:
+        reply.content["result"]["backprops"] = count
+    return attack
+
+
 HUGE = 1 << 40  # values: 4 TiB of float32 if it were allocated
 
 MALFORMED: dict[str, tuple[Attack, str]] = {
@@ -212,6 +218,8 @@ MALFORMED: dict[str, tuple[Attack, str]] = {
     "duplicate client": (clients(lambda ids: [ids[0]] * len(ids) if len(ids) > 1 else ids * 2),
                          "the reply is for clients"),
     "replay of another round": (replay, "the reply is for round 1, this is round 2 (a reply of another round)"),
+    "backward passes beyond its steps": (claims_backprops(10 ** 15),
+                                         f"the reply claims {10 ** 15} backward passes, more than the "),
 }
 
 
@@ -265,6 +273,38 @@ def test_the_expected_layout_is_the_methods_own_and_honest_rounds_equal_fedflat_
     for nodes in (1, 4):
         sim = run_rounds(cfg, Loopback(client_app(cfg, state_dir=tmp_path / f"n{nodes}"), nodes), 2)
         assert not sim.server.last_round.dropped and torch.equal(sim.server.w, reference(cfg, {}, 2))
+
+
+@pytest.mark.parametrize("engine", ["sequential", pytest.param("vectorized", marks=pytest.mark.slow)])
+def test_no_method_takes_more_backward_passes_than_the_bound_a_reply_is_checked_against(engine):
+    """A node's claimed backward passes are checked against what the round asked of its clients
+    (:func:`~fedflat.flower.protocol.most_backprops`: per client the larger of the method's declared passes per step and
+    a round of one step's, times its local steps, plus what its parts declare once a round). The bound must hold every
+    honest count: for every built-in method, three rounds of three of six clients (so that states are known from
+    round 2: FedALA's start phase runs then), the count the clients' own local training gives is at most the bound,
+    and the bound beyond what the parts declare once a round (FedALA's at most 100 epochs) is at most 15 times the count
+    (a claim of 10^15 is far beyond it). FedSOL's first step takes one pass
+    less than it declares, FedALA's start phase its own epochs: a round of one step from a fresh state sees neither."""
+    from fedflat.algorithms import RECIPES
+    from fedflat.core import ConfigError
+    from fedflat.flower.protocol import most_backprops, upload_layout
+
+    tried = []
+    for name in sorted(RECIPES):
+        try:
+            sim = Simulation(as_config(TINY, [f"algo={name}", "rounds=3", f"data.num_clients={N}",
+                                              "sampling.clients_per_round=3", "threads=1", f"engine={engine}"]))
+        except ConfigError:  # (FedBN without BatchNorm; a method the vectorized engine does not run)
+            continue
+        for t in range(3):
+            opened = sim.server.begin_round(t)
+            most = most_backprops(sim, opened, upload_layout(sim, opened), opened.task.ids.tolist())
+            result = sim.executor.fit(opened.broadcast, opened.task, sim.server.load_state)
+            declared = sum(sim.algorithm.round_backprops(n, sim.settings) for n in opened.task.num_samples.tolist())
+            assert 0 < result.backprops <= most <= 15 * result.backprops + declared, (name, t, result.backprops, most)
+            sim.server.finish_round(opened, result)
+        tried.append(name)
+    assert {"fedala", "fedsol", "fedscam", "perfedavg", "scaffold"} <= set(tried) and len(tried) > 40
 
 
 # -- identity before claims ------------------------------------------------------------------------------------------

@@ -244,3 +244,33 @@ def test_a_deployment_without_node_keys_refuses_to_start_unless_written_insecure
         FedflatStrategy(sim, insecure=True).check_deployment(Grid())
     assert "INSECURE: this app has no node-keys" in caplog.text
     FedflatStrategy(sim, roster={0: KEY["A"]}).check_deployment(Grid())  # keys: no word
+
+
+def test_a_deployment_without_nodes_says_so_and_never_blames_a_simulation():
+    """A deployment whose SuperNodes could not reach the SuperLink (an intruder had exhausted the gate's open files)
+    ended `failed` with "in a Flower simulation ... its ClientApps did not start": wrong, it was a deployment. The
+    reason now says which it is: a deployment's points at the SuperNodes' logs and the gate's record of refusals; a
+    simulation's still at the run's log."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    class Simulated(InMemoryGrid):  # (Flower's simulation grid, with no node started)
+        def __init__(self):
+            pass
+
+        def get_nodes(self):
+            return []
+
+    for grid, says, never in ((Grid(), "in this deployment no SuperNode of the federation is connected",
+                               "Flower simulation"),
+                              (Simulated(), "in a Flower simulation (`flwr run APP` on the local SuperLink) its "
+                                            "ClientApps did not start", "deployment")):
+        federation = Federation(60.0)
+        federation.refresh(grid, [0, 1], wait_s=0)
+        why = federation.absence(0)
+        assert why.startswith("no Flower node is connected (waited 0 s)") and says in why and never not in why, why
+    grid = Grid()
+    grid.add(10, KEY["A"], {"garbage": 1})
+    federation = Federation(60.0)
+    federation.refresh(grid, [0], wait_s=0)
+    why = federation.absence(0)
+    assert why.startswith("every node was left out (node 10: its answer to fedflat's query") and "simulation" not in why

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,3 +334,89 @@ def test_fedflat_report_of_a_crafted_config_runs_nothing(run_folder, tmp_path, c
                               "the tag 'tag:yaml.org,2002:python/object/apply:os.system'"), warning
     assert main(["report", str(run_folder), "--plot", str(tmp_path / "figures")]) == 2
     assert not marker.exists()
+
+
+# -- a checkpoint that is not a regular file, or a zip file two readers read differently ---------------------------
+@pytest.mark.skipif(not Path("/dev/zero").exists() or not hasattr(os, "mkfifo"), reason="POSIX devices and FIFOs")
+def test_a_checkpoint_that_is_a_device_a_fifo_or_too_large_is_refused_before_it_is_read(run_folder, tmp_path):
+    """`checkpoint.pt` a symbolic link to /dev/zero: the zip test read it without end until the kernel killed the
+    process at 11 GB. Now `fedflat resume` of such a folder says in one line that it is not a regular file, at once:
+    run in a process whose address space is capped at 3 GiB, so a regression fails here instead of filling the
+    machine's memory. A FIFO nobody writes is refused without waiting for a writer; a regular file larger than the cap
+    (here a cap of 100 bytes) is refused naming its size; a folder is refused like a device."""
+    import resource
+    import subprocess
+    import sys
+
+    from fedflat.files import safe_load
+
+    checkpoint = run_folder / CHECKPOINT
+    checkpoint.unlink()
+    checkpoint.symlink_to("/dev/zero")
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "fedflat.cli", "resume", str(run_folder), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=capped,
+                          env={**os.environ, "PYTHONPATH": str(Path(fedflat.__file__).parents[1])})
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"fedflat: {checkpoint}: refused: this checkpoint is not a regular file (a device, FIFO, "
+                           "socket or folder, or a link to one), which could be read without end; "), line
+    os.mkfifo(tmp_path / "fifo.pt")
+    for odd in (tmp_path / "fifo.pt", tmp_path):
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            safe_load(odd, "model file", "restore it")
+    torch.save({"w": torch.ones(50)}, tmp_path / "big.pt")
+    size = (tmp_path / "big.pt").stat().st_size
+    with pytest.raises(CheckpointError, match=f"holds {size} bytes, more than the 100 that can be loaded here"):
+        safe_load(tmp_path / "big.pt", "model file", "restore it", max_bytes=100)
+    assert torch.equal(safe_load(tmp_path / "big.pt", "model file", "restore it")["w"], torch.ones(50))
+
+
+def _rezip(target: Path, members, compression: int = 0) -> None:
+    """``target``: a zip file of ``members`` [(name, bytes)], stored as torch stores its records (``compression`` 0),
+    or compressed (``zipfile.ZIP_DEFLATED``)."""
+    import zipfile
+
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in members:
+            info = zipfile.ZipInfo(name)
+            info.compress_type = compression
+            archive.writestr(info, data)
+
+
+def test_a_zip_file_whose_members_two_readers_could_read_differently_is_refused(tmp_path):
+    """A torch zip file with two `data.pkl` members: the scan read one of them twice (it looked members up by name),
+    torch loads one of them: the two could differ. Such a file is refused whatever the second member holds; so is one
+    whose names differ only in case (torch's reader looks records up without case: a `DATA.PKL` holding the data is
+    loaded, and the scan reads it as the pickle it is), and one whose members unpack beyond the cap (a small file of
+    compressed zeros). What torch.save writes still loads."""
+    import warnings
+    import zipfile
+
+    from fedflat.files import named_objects, safe_load
+
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "ok.pt")
+    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
+        members = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    pkl = next(name for name, _ in members if name.endswith("/data.pkl"))
+    harmless = dict(members)[pkl]
+    evil = pickle.dumps(_Payload("raise SystemExit('ran')"), protocol=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (zipfile warns of the duplicate name it is asked to write)
+        _rezip(tmp_path / "twice.pt", [(pkl, harmless)] + members)
+        _rezip(tmp_path / "case.pt", [(pkl.upper(), evil)] + members)
+    for name in ("twice.pt", "case.pt"):
+        with pytest.raises(UnsafeFile, match=f"not a zip file torch.save wrote: it holds 2 members named"):
+            safe_load(tmp_path / name, "checkpoint", "restore it")
+    _rezip(tmp_path / "upper.pt", [(pkl.upper(), evil) if n == pkl else (n, d) for n, d in members])
+    assert "builtins.exec" in named_objects(tmp_path / "upper.pt")  # (the scan reads a .PKL member as torch would)
+    with pytest.raises(UnsafeFile, match="would rebuild the Python object builtins.exec on load"):
+        safe_load(tmp_path / "upper.pt", "checkpoint", "restore it")
+    _rezip(tmp_path / "bomb.pt", members + [(pkl.rsplit("/", 1)[0] + "/data/9", bytes(10**6))], zipfile.ZIP_DEFLATED)
+    cap = 4 * (tmp_path / "bomb.pt").stat().st_size  # (a megabyte of zeros deflates a thousandfold)
+    with pytest.raises(UnsafeFile, match=f"its members unpack to [0-9]+ bytes, more than the {cap} that can be loaded"):
+        safe_load(tmp_path / "bomb.pt", "checkpoint", "restore it", max_bytes=cap)
+    assert torch.equal(safe_load(tmp_path / "ok.pt", "checkpoint", "restore it")["w"], torch.arange(3.0))

@@ -238,3 +238,185 @@ def test_the_adapter_section_is_validated():
     with pytest.raises(ValueError, match="freeze_a is FFA-LoRA's"):
         AdapterConfig(method="adalora", freeze_a=True)
     assert lora_alpha(AdapterConfig(r=8)) == 16  # FedSWA's and FedNSAM's alpha = 2r
+
+
+# -- a Hugging Face folder: a tiny RoBERTa (random weights, its own tokenizer) on a GLUE task read from local files --
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory):
+    """``(model folder, data root)``: tests/hf_folders.py's tiny RoBERTa and an SST-2 in the hub's parquet layout."""
+    from hf_folders import tiny_glue, tiny_text_model
+
+    root = tmp_path_factory.mktemp("hf")
+    model = tiny_text_model(root / "roberta", "roberta", num_labels=2)
+    tiny_glue(root / "data" / "glue", "sst2", "parquet", train=96, validation=48)
+    return model, root / "data"
+
+
+def glue_run(model, data, *extra) -> list[str]:
+    return ["model=hf", f"model.path={model}", "data.name=glue", "data.options.task=sst2",
+            "data.options.max_length=24", f"data.root={data}", "data.num_clients=4", "sampling.clients_per_round=2",
+            "data.partition.min_size=5", "train.local_epochs=1", "train.batch_size=16", "rounds=2", "threads=1",
+            "adapter.r=4", *extra]
+
+
+def test_a_huggingface_classifier_reads_fedflats_token_tensor(roberta):
+    """The wrapper's forward on ``x [B, K, L]`` is the transformers model's on ``input_ids=x[:,0],
+    attention_mask=x[:,1]``; its features are what the classifier head reads."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fedflat.models.hub import Classifier
+
+    folder, _ = roberta
+    module = build_model("hf", (2, 8), 2, path=str(folder)).eval()
+    assert isinstance(module, Classifier) and module.input_dtype == torch.long
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2,
+                                                                   attn_implementation="eager").eval()
+    ids = torch.randint(3, 40, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    x = torch.stack([ids, mask], 1)
+    with torch.no_grad():
+        assert torch.equal(module(x), reference(input_ids=ids, attention_mask=mask).logits)
+        assert module.features(x).shape == (3, 32)
+    with pytest.raises(ConfigError, match="config.json not found"):
+        build_model("hf", (2, 8), 2, path=str(folder / "missing"))
+
+
+def test_lora_on_roberta_from_the_command_line_saves_an_adapter_peft_loads(roberta, tmp_path, capsys):
+    """``fedflat run model=hf ... adapter.r=4 algo=fedsam`` on the GLUE folder (the tokenizer: the model's own, by
+    default); the run's adapter loads onto AutoModelForSequenceClassification with PeftModel.from_pretrained and
+    gives the run's final logits; `fedflat evaluate` reproduces its accuracy, merged too."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fedflat.cli import main
+    from fedflat.config import load_config
+    from fedflat.engine.checkpoint import run_config
+
+    folder, data = roberta
+    assert main(["run", *glue_run(folder, data, "algo=fedsam"), "--out", str(tmp_path), "--no-progress"]) == 0
+    run_dir = next(tmp_path.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["adapter"]["r"] == 4 and summary["base_hash"]
+    assert load_config(None, glue_run(folder, data)).data.options["tokenizer"] == str(folder)
+
+    sim = Simulation(run_config(run_dir))
+    w, _ = sim.model.vectors(torch.load(run_dir / "model.pt", weights_only=True))
+    x = sim.dataset.x_test[:8]
+    base = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x[:, 0], attention_mask=x[:, 1]).logits, sim.model(w, x),
+                                   rtol=0, atol=0)
+    capsys.readouterr()
+    for extra in ([], ["--merged"]):
+        assert main(["evaluate", str(run_dir), *extra]) == 0
+        assert "(reproduced)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two Hugging Face runs in a sweep: ~40 s on 2 cores
+def test_a_sweep_compares_methods_on_lora_adapters(roberta, tmp_path):
+    import yaml
+
+    from fedflat.experiments.sweep import load_sweep, run_sweep
+
+    folder, data = roberta
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({"base": "quickstart", "overrides": glue_run(folder, data),
+                                    "grid": {"algo": ["fedavg", "fedsam"]}, "out": str(tmp_path / "out")}))
+    result = run_sweep(load_sweep(spec), progress=False)
+    cells = [c for c in result.cells if c.get("status") == "completed"]
+    assert len(cells) == 2 and not result.failed
+    assert all((result.folder / c["name"] / "adapter" / "adapter_model.safetensors").is_file() for c in cells)
+
+
+@pytest.mark.parametrize("stage", [
+    ("privacy.mode=central", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"),
+    ("privacy.mode=local", "privacy.noise_multiplier=0.1", "privacy.clip=0.3"),
+    ("privacy.level=instance", "privacy.noise_multiplier=0.5", "privacy.clip=0.3", "adapter.dropout=0"),
+    ("robust.name=median", "attack.name=sign_flip", "sampling.clients_per_round=5"),
+    ("compression.name=topk", "compression.ratio=0.3"),
+])
+def test_the_upload_path_acts_on_the_adapters(tiny, stage):
+    """DP (client-level, local, DP-SGD), robust rules under attack and compression run on the adapters: the run
+    completes with finite adapters, and a DP run spends a finite epsilon."""
+    history = run(tiny, "algo=fedsam", "rounds=2", *stage)
+    assert history.summary["status"] == "completed" and torch.isfinite(history.final_parameters).all()
+    if stage[0].startswith("privacy"):
+        assert 0 < history.summary["epsilon"] < float("inf")
+
+
+def test_dp_sgd_refuses_the_adapters_dropout_naming_the_option(tiny):
+    with pytest.raises(ConfigError, match=r"adapter.dropout=0"):
+        Simulation(tiny(*LORA, "privacy.level=instance", "privacy.noise_multiplier=0.5", "privacy.clip=0.3"))
+
+
+def test_diagnostics_measure_the_adapter_subspace(tiny):
+    """Sharpness and the other diagnostics run on w, the adapters: their global SAM sharpness is finite."""
+    history = run(tiny, "rounds=2", "diagnostics.every=1", "diagnostics.kinds=[sharpness,drift]")
+    sharp = [m for m in history.metrics if "sharpness" in m or any(k.startswith("sharp") for k in m)]
+    assert sharp, history.metrics[-1].keys()
+
+
+def test_a_flower_node_with_another_base_is_refused_naming_both_digests(tiny, tmp_path):
+    """The server's train message carries its base's digest; a node whose base differs refuses the task naming both,
+    and one with the same base trains it. A node's own path to the base: node config ``model-path``."""
+    pytest.importorskip("flwr")
+    from fedflat.flower.apps import with_model_path
+    from fedflat.flower.node import Node
+    from fedflat.flower.protocol import task_content
+
+    cfg = tiny(*LORA)
+    sim = Simulation(cfg)
+    node = Node(cfg, 0, 1, tmp_path / "state", sim)
+    opened = sim.server.begin_round(0)
+    rounds = [-1] * len(opened.task.ids)
+    with pytest.raises(ConfigError, match=f"digest {sim.report.base_hash}.*digest {'f' * 32}"):
+        node.fit(task_content(opened.broadcast, opened.task, rounds, "f" * 32))
+    _, result = node.fit(task_content(opened.broadcast, opened.task, rounds, sim.report.base_hash))
+    assert result.upload["model"].shape == (len(opened.task.ids), sim.num_parameters)
+    moved = with_model_path(tiny(*LORA, "model.pretrained=/somewhere/vit.pt"), str(tmp_path / "vit.pt"))
+    assert moved.model["pretrained"] == str(tmp_path / "vit.pt")
+    assert with_model_path(tiny("model=hf", "model.path=/a"), "/b").model["path"] == "/b"
+
+
+@pytest.mark.slow  # Ray workers: ~30 s
+def test_ray_workers_load_their_own_base_and_give_the_local_run(tiny):
+    pytest.importorskip("ray")
+    local = run(tiny, *UNEQUAL, "algo=fedsam")
+    remote = run(tiny, *UNEQUAL, "algo=fedsam", "executor.name=ray", "executor.workers=2")
+    assert torch.equal(remote.final_parameters, local.final_parameters)
+
+
+def test_a_lora_run_resumes_to_the_uninterrupted_run(tiny, tmp_path):
+    """Killed after round 3 (last checkpoint: round 2), resumed: the adapters and the kept client state (SCAFFOLD's
+    c_i, adapter-sized) equal the uninterrupted run's; the base is read again from the config."""
+    from test_resume import _interrupted
+
+    from fedflat.experiments.resume import resume
+
+    cfg = tiny(*LORA, "algo=scaffold", "rounds=4", "checkpoint_every=2")
+    full = fedflat.run(cfg, run_dir=tmp_path / "full", progress=False)
+    folder = _interrupted(cfg, tmp_path, stop_after=3)
+    resumed = resume(folder, progress=False)
+    assert resumed.summary["status"] == "completed"
+    assert torch.equal(resumed.final_parameters, full.final_parameters)
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_secagg_sums_the_adapters_as_the_plain_round_within_the_quantization_bound(tmp_path, monkeypatch):
+    """Flower's SecAgg+ masks and sums adapter-sized vectors: the secure round's adapters equal the plain round's
+    within test_secagg.py's quantization bound, and the frozen base is the same on the server and every node."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_secagg import N, SECURE, clients_per_node, plain_round, quantization_bound, secure_round, small
+
+    for name, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):  # (test_secagg.py's fixture)
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+    cfg = small("fedsam", *SECURE, *LORA, "data.options.shape=[1,4,4]")
+    secure, _ = secure_round(cfg, tmp_path)
+    plain = plain_round(cfg)
+    assert secure.server.w.numel() == plain.server.w.numel() == secure.num_parameters
+    bound = quantization_bound(3, clients_per_node(3, list(range(N))), plain.server.w)
+    assert (secure.server.w - plain.server.w).abs().max().item() <= bound
+    assert (plain.server.w - plain.w_before).abs().max() > 5 * bound

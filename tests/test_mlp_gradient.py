@@ -40,15 +40,23 @@ def test_gradient_is_autograds_bit_for_bit(shape, hidden, B, path):
     class, by the native operator (tests/test_native.py) and by the Python method."""
     torch.manual_seed(0)
     model = FlatModel(logreg(shape, 10) if hidden is None else mlp(shape, 10, hidden))
-    hand, reference = MLPGradient.of(model), autograd_oracle(model)
+    assert_autograds(model, MLPGradient.of(model), path, (B, *shape), 10, scale=0.1)
+
+
+def assert_autograds(model: FlatModel, hand, path: str, shape: tuple[int, ...], classes: int, scale: float) -> None:
+    """``hand``'s loss and gradient (a hand-derived gradient of ``model``) equal autograd's (``torch.equal``) at three
+    points ``w0 + scale N(0, 1)`` on batches ``x[shape]`` of labels of every class, by its native operator
+    (``path="native"``) or its Python method."""
+    reference = autograd_oracle(model)
     assert hand is not None
     if path == "native":
         require_native(hand)
     else:
         hand.native = None
     for _ in range(3):
-        w = model.initial + 0.1 * torch.randn_like(model.initial)
-        x, y = torch.randn(B, *shape), torch.randint(0, 10, (B,))
+        w = model.initial + scale * torch.randn_like(model.initial)
+        x, y = torch.randn(*shape), torch.randint(0, classes, shape[:1])
+        assert hand.takes(w, x, y)
         loss, g = hand.loss_grad(w, x, y)
         want_loss, want_g = reference.loss_grad(w[None], Batch(x[None], y[None]))
         assert torch.equal(loss, want_loss[0]) and torch.equal(g, want_g[0])
@@ -110,16 +118,17 @@ def test_runs_with_and_without_it_agree(monkeypatch, algo):
 
 
 def test_decided_once_per_model(tiny):
-    """The model's report records it: on for fedflat's MLP and LogReg, off for the CNN; the sequential oracle takes
-    it only with plain cross-entropy in float32 on the CPU, the vectorized one never."""
+    """The model's report records it: on for fedflat's MLP and LogReg (and its CNN, tests/test_cnn_gradient.py), off
+    for a ResNet; the sequential oracle takes it only with plain cross-entropy in float32 on the CPU, the vectorized
+    one never."""
     tiny = partial(tiny, "device=cpu")
     assert Simulation(tiny("engine=sequential")).report.traits.hand_gradient
     assert Simulation(tiny("engine=sequential")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=sequential", "model=logreg")).oracle.gradient != "autograd"
     assert Simulation(tiny("engine=vectorized")).oracle.gradient == "autograd"
     assert Simulation(tiny("engine=sequential", "train.label_smoothing=0.1")).oracle.gradient == "autograd"
-    cnn = Simulation(tiny("engine=sequential", "model=cnn", "data.options.shape=[3,32,32]"))
-    assert not cnn.report.traits.hand_gradient and cnn.oracle.gradient == "autograd"
+    resnet = Simulation(tiny("engine=sequential", "model=resnet20", "data.options.shape=[3,8,8]"))
+    assert not resnet.report.traits.hand_gradient and resnet.oracle.gradient == "autograd"
 
 
 class ScaledMLP(MLP):

@@ -24,10 +24,11 @@ from fedflat.testing import TINY
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def require_native(hand: MLPGradient) -> None:
-    """Skips where this machine has no C++ compiler; fails where it has one and the operator did not load."""
+def require_native(hand) -> None:
+    """Skips where this machine has no C++ compiler; fails where it has one and the operator (the MLP gradient's, or
+    the CNN gradient's pooling kernels: ``hand.native``) did not load."""
     if native.compiler() is None or not native.enabled():
-        pytest.skip("no C++ compiler here (or FEDFLAT_NATIVE=0): the native MLP gradient cannot be built")
+        pytest.skip("no C++ compiler here (or FEDFLAT_NATIVE=0): the native operators cannot be built")
     assert hand.native is not None, native.status()
 
 

@@ -78,6 +78,10 @@ def test_a_collapse_to_chance_is_a_warning_in_the_summary_and_the_output(tiny_tr
     assert at_chance(summary["final_test_acc"], 3, 60)
     warning, = summary["warnings"]
     assert "at chance level (1/3 = 0.3333)" in warning and f"warning: {warning}" in out.err
+    assert (summary["test_samples"], summary["num_classes"]) == (60, 3)  # what the report judges it by
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    table = capsys.readouterr().out
+    assert "| at chance 1/1 |" in table and "Held out: 60 test samples (synthetic): one is 1.7 points" in table
 
 
 def test_a_run_that_learned_has_no_warning(tiny):

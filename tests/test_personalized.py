@@ -278,6 +278,29 @@ def test_a_run_without_personal_parts_saves_none_and_says_so(tiny, tmp_path):
         evaluate_run(tmp_path / "per")
 
 
+def test_evaluate_on_a_sweep_folder_says_what_it_is_and_how_to_evaluate_one_of_its_runs(tmp_path, capsys):
+    """`fedflat evaluate` on a sweep's folder said "no model file 'model.pt' (the run kept none yet)"."""
+    import yaml
+
+    from fedflat.cli import main
+    from conftest import tiny_tree
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"config": tiny_tree(rounds=1), "grid": {"seed": [0, 1]},
+                                     "out": str(tmp_path / "sw")}))
+    assert main(["sweep", str(sweep), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err.strip()
+    first = sorted(p for p in (tmp_path / "sw").iterdir() if p.is_dir())[0]
+    assert err == (f"fedflat: {tmp_path / 'sw'} is a sweep folder, not one run's folder: evaluate one of its 2 runs, "
+                   f"e.g. `fedflat evaluate {first}` (`fedflat report {tmp_path / 'sw'}` tabulates them all)")
+    assert main(["evaluate", str(first)]) == 0 and "(reproduced)" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["evaluate", str(tmp_path / "empty")]) == 2
+    assert "is not a run folder: it has no config.yaml and no run folder below it" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # check_part: six tiny runs each, 5-18 s on 2 busy cores
 @pytest.mark.parametrize("part, recipe", [("Ditto", "ditto"), ("APFL", "apfl"), ("FedRepHead", "fedrep")])
 def test_the_personalizations_keep_the_contract_and_resume_bit_for_bit(part, recipe):

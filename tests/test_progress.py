@@ -90,7 +90,7 @@ def test_a_piped_run_prints_the_true_round_rate_eta_and_last_accuracy(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "\r" not in out.stderr and "\x1b" not in out.stderr
-    lines = [LINE.match(line) for line in out.stderr.splitlines() if line.startswith("fedavg:")]
+    lines = [LINE.match(line) for line in out.stderr.splitlines() if line.startswith("FedAvg:")]
     assert all(lines), out.stderr
     acc = {m["round"]: m["test_acc"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
     assert [int(m["n"]) for m in lines] == [*range(1, 10), 9]  # a line per round (interval 0) and the end

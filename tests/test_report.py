@@ -66,7 +66,7 @@ def test_rows_hold_mean_std_and_rounds_to_target(runs_dir):
 
 
 def _markdown_table(text: str) -> list[dict[str, str]]:
-    lines = [ln for ln in text.strip().splitlines()]
+    lines = [ln for ln in text.strip().splitlines() if ln.startswith("|")]  # (the caption follows the table)
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert set(lines[1].replace("|", "")) == {"-"}
     return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True)) for ln in lines[2:]]
@@ -97,7 +97,8 @@ def test_csv_parses_to_the_numbers(runs_dir):
 def test_latex_is_a_well_formed_tabular(runs_dir):
     text = report([runs_dir], [0.99], "latex")
     lines = text.strip().splitlines()
-    assert lines[0].startswith(r"\begin{tabular}{") and lines[-1] == r"\end{tabular}"
+    assert lines[0].startswith(r"\begin{tabular}{") and lines[-2] == r"\end{tabular}"
+    assert lines[-1].startswith(r"\par\smallskip{\footnotesize Seeds 0, 1 (") and "$\\pm$" in lines[-1]
     columns = len(lines[0][len(r"\begin{tabular}{"):-1])
     body = lines[lines.index(r"\midrule") + 1: lines.index(r"\bottomrule")]
     assert len(body) == 3
@@ -106,6 +107,49 @@ def test_latex_is_a_well_formed_tabular(runs_dir):
         assert line.count("$") % 2 == 0
     assert r"$82.00 \pm 2.83$" in text and " -- " in text and r"\%" in lines[2]
     assert "–" not in text and "±" not in text  # plain ASCII LaTeX
+
+
+def test_every_table_states_its_seeds_and_what_one_held_out_sample_is_worth(tmp_path):
+    """The demo's table gave no hint that it was one seed on 359 test images, where one image is 0.28 points."""
+    for method in ("fedavg", "fedsam"):
+        folder = make_run(tmp_path / "one", method, 0.3, 0, [0.5, 0.8, 0.9], [1.0, 2.0, 3.0])
+        summary = json.loads((folder / "summary.json").read_text())
+        summary.update(dataset="digits", test_samples=359, num_classes=10, evaluated_on="test")
+        (folder / "summary.json").write_text(json.dumps(summary))
+    text = report([tmp_path / "one"], [], "markdown")
+    assert text.endswith("\n\nSeed 0 (one run per row, so no spread is shown). Held out: 359 test samples (digits): "
+                         "one is 0.28 points of accuracy.\n")
+    rows = list(csv.DictReader(io.StringIO(report([tmp_path / "one"], [], "csv"))))
+    assert [(r["seed_values"], r["heldout_samples"]) for r in rows] == [("0", "digits:test:359")] * 2
+    # three seeds, 10,000 test images and a validation split of 6,000; runs that did not record their sizes
+    rows = build_rows(find_runs([tmp_path / "one"]), [])
+    for row, seeds in zip(rows, [(0, 1, 2), (0, 1, 2)]):
+        row.seed_values, row.seeds = seeds, 3
+        row.heldout = (("fmnist", "test", 10_000), ("fmnist", "val", 6_000))
+    from fedflat.experiments.report import caption
+    assert caption(rows) == ("Seeds 0, 1, 2 (3 runs per row: mean ± sample standard deviation). Held out: 10,000 test "
+                             "samples (fmnist): one is 0.01 points of accuracy; 6,000 validation samples (fmnist): "
+                             "one is 0.017 points of accuracy.")
+    rows[1].seed_values = (2, 10, 1)  # (numeric order: 2 before 10)
+    assert caption(rows).startswith("Seeds 0, 1, 2, 10 (3 runs per row")
+    rows[0].heldout = rows[1].heldout = ()
+    rows[0].seed_values, rows[1].seed_values = tuple(range(10)), (0, 1, 2)
+    assert caption(rows) == ("Seeds 0-9 (3 runs per row: mean ± sample standard deviation). The runs did not record "
+                             "their held-out sizes (written by an older fedflat).")
+
+
+def test_a_run_at_chance_shows_so_in_the_status_column(tmp_path):
+    """A collapsed run (final accuracy at chance level) showed status "ok"."""
+    for seed, final in ((0, 0.11), (1, 0.80)):  # 0.11 is within 3 standard errors of 1/10 on 359 samples (0.048)
+        folder = make_run(tmp_path / "runs", "fedavg", 0.3, seed, [0.5, 0.6, final], [1.0, 2.0, 3.0])
+        summary = json.loads((folder / "summary.json").read_text())
+        summary.update(test_samples=359, num_classes=10)
+        (folder / "summary.json").write_text(json.dumps(summary))
+    (row,) = _markdown_table(report([tmp_path / "runs"], [], "markdown"))
+    assert row["status"] == "at chance 1/2"
+    (tmp_path / "runs" / "fedavg-a0.3-s0").rename(tmp_path / "fedavg-a0.3-s0")
+    (row,) = _markdown_table(report([tmp_path / "runs"], [], "markdown"))
+    assert row["status"] == "ok"
 
 
 def test_plots_are_written_and_curves_average_seeds(runs_dir, tmp_path):

@@ -140,9 +140,12 @@ def test_an_interrupt_between_the_commit_and_the_metrics_line_loses_no_round(tin
 def test_cli_run_list_and_partition(tiny, tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny().model_dump()))
-    assert main(["run", str(config), "rounds=2", "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
+    assert main(["run", str(config), "rounds=2", "--out", str(tmp_path / "runs"), "--no-progress",
+                 "algo=fedlesam", "algo.filter=fft"]) == 0
     out = capsys.readouterr().out
     assert "run folder:" in out and "status: completed" in out
+    # the method as the report's tables name it (its recipe's display name), not its config id
+    assert "\nFedLESAM[filter=fft] on synthetic: 2 rounds, final test accuracy" in out
     assert main(["list"]) == 0
     listing = capsys.readouterr().out
     for name in ("fedavg", "fedsam", "digits", "fmnist", "resnet18", "dirichlet", "pathological"):

@@ -139,45 +139,38 @@ class ASAM:
 def authors_fedasam(x, y, model_fn, rho, eta) -> list[torch.Tensor]:
     """The authors' FedASAM on scripts/conformance.py's problem: each client's ``run_epoch`` (models/clients/
     asam_client.py: ascent on the batch's loss, descent on the perturbed loss, ``optim.SGD`` with weight decay, no
-    clip) over full-batch steps, the server's sample-weighted average (equal sizes: the mean)."""
-    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, WD
+    clip) over full-batch steps, the server's average weighted by the clients' samples (models/servers/
+    fedavg_server.py:121-150, ``update_model``)."""
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, sample_weights
 
-    server = model_fn()
-    models = []
-    for t in range(ROUNDS):
-        finals = []
-        for i in range(CLIENTS):
-            client = model_fn()
-            client.load_state_dict(server.state_dict())
-            optimizer = torch.optim.SGD(client.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
-            minimizer = ASAM(optimizer, client, rho, eta)
-            xi, yi = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
-            for _ in range(STEPS):
-                torch.nn.functional.cross_entropy(client(xi), yi).backward()
-                minimizer.ascent_step()
-                torch.nn.functional.cross_entropy(client(xi), yi).backward()
-                minimizer.descent_step()
-            finals.append(torch.cat([p.detach().reshape(-1) for p in client.parameters()]))
-        mean = torch.stack(finals).mean(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        models.append(mean)
-    return models
+    def run_epoch(client, server, xi, yi, t):
+        optimizer = torch.optim.SGD(client.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        minimizer = ASAM(optimizer, client, rho, eta)
+        for _ in range(STEPS):
+            torch.nn.functional.cross_entropy(client(xi), yi).backward()
+            minimizer.ascent_step()
+            torch.nn.functional.cross_entropy(client(xi), yi).backward()
+            minimizer.descent_step()
+    return code_rounds(x, y, model_fn, run_epoch, sample_weights())
 
 
 def test_fedasam_equals_the_authors_code_on_the_conformance_problem():
     """Three rounds of the authors' minimizer (transcribed) and of fedflat's ``fedasam`` (its default
-    ``normalize=weights``) on scripts/conformance.py's problem: the global models agree to float32 rounding (entries
-    of order 0.16; the codes' norm guards 1e-16 and 1e-12 differ below it)."""
+    ``normalize=weights``) with the code's sample weights on scripts/conformance.py's problem of unequal clients:
+    the global models agree to float32 rounding (entries of order 0.16; the codes' norm guards 1e-16 and 1e-12
+    differ below it). Uniform weights, or T on the biases too, do not."""
     from conformance import fedflat_run, problem
 
     x, y, model_fn = problem()
     rho, eta = 0.5, 0.2
     theirs = authors_fedasam(x, y, model_fn, rho, eta)
-    ours = fedflat_run(["algo=fedasam", f"algo.rho={rho}", f"algo.eta={eta}"], x, y, model_fn, None, "loss")
+    options = ["algo=fedasam", f"algo.rho={rho}", f"algo.eta={eta}"]
+    ours = fedflat_run([*options, "algo.weighting=samples"], x, y, model_fn, None, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
-    everything = fedflat_run(["algo=fedasam", f"algo.rho={rho}", f"algo.eta={eta}", "algo.normalize=all"], x, y,
-                             model_fn, None, "loss")
+    uniform = fedflat_run(options, x, y, model_fn, None, "loss")
+    assert (uniform[-1] - theirs[-1]).abs().max() > 1e-4  # the clients' weights matter on this problem
+    everything = fedflat_run([*options, "algo.weighting=samples", "algo.normalize=all"], x, y, model_fn, None, "loss")
     assert (everything[-1] - theirs[-1]).abs().max() > 1e-5  # the biases' T tells the options apart
 
 
@@ -282,10 +275,11 @@ class SWAServerOfTheCode:
 def test_swa_equals_the_authors_code_on_the_conformance_problem(monkeypatch):
     """The authors' round loop (models/main.py:137-180: setup at s, the cyclic rate, a collection after rounds t > s
     with mod(t - s, c) = 0), their SWA methods and schedule transcribed, FedAvg's clients as plain SGD (their
-    ``Client.run_epoch``), against ``fedavg-swa`` on scripts/conformance.py's problem, 6 rounds without lr decay (the
-    code's cycle starts from the base rate): the evaluated models agree to float32 rounding."""
+    ``Client.run_epoch``) averaged by their samples (``update_model``), against ``fedavg-swa`` with sample weights on
+    scripts/conformance.py's problem of unequal clients, 6 rounds without lr decay (the code's cycle starts from the
+    base rate): the evaluated models agree to float32 rounding."""
     import conformance
-    from conformance import CLIENTS, LR, SAMPLES, STEPS, WD, fedflat_run, problem
+    from conformance import LR, STEPS, WD, fedflat_run, problem, sample_weights, shares
 
     num_rounds, swa_start, swa_c, swa_lr = 6, 2, 2, 0.01
     x, y, model_fn = problem()
@@ -300,17 +294,17 @@ def test_swa_equals_the_authors_code_on_the_conformance_problem(monkeypatch):
             if swa_c > 1:
                 lr = schedule_cycling_lr(i, swa_c, LR, swa_lr)
         finals = []
-        for k in range(CLIENTS):
+        for xi, yi in shares(x, y):
             client = model_fn()
             client.load_state_dict(server.client_model.state_dict())
             optimizer = torch.optim.SGD(client.parameters(), lr=lr, weight_decay=WD)
-            xi, yi = x[k * SAMPLES:(k + 1) * SAMPLES], y[k * SAMPLES:(k + 1) * SAMPLES]
             for _ in range(STEPS):
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(client(xi), yi).backward()
                 optimizer.step()
             finals.append(torch.nn.utils.parameters_to_vector(client.parameters()).detach())
-        torch.nn.utils.vector_to_parameters(torch.stack(finals).mean(0), server.client_model.parameters())
+        torch.nn.utils.vector_to_parameters((sample_weights()[:, None] * torch.stack(finals)).sum(0),
+                                            server.client_model.parameters())
         if i > swa_start and (i - swa_start) % swa_c == 0:
             server.update_swa_model(1.0 / (swa_n + 1))
             swa_n += 1
@@ -318,7 +312,8 @@ def test_swa_equals_the_authors_code_on_the_conformance_problem(monkeypatch):
         theirs.append(torch.nn.utils.parameters_to_vector(evaluated.parameters()).detach().clone())
     monkeypatch.setattr(conformance, "ROUNDS", num_rounds)
     ours = fedflat_run(["algo=fedavg-swa", f"algo.start_round={swa_start}", f"algo.cycle={swa_c}",
-                        f"algo.swa_lr={swa_lr}", "train.lr_decay=1.0"], x, y, model_fn, None, "loss")
+                        f"algo.swa_lr={swa_lr}", "train.lr_decay=1.0", "algo.weighting=samples"], x, y, model_fn,
+                       None, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
     assert swa_n == 1
@@ -496,48 +491,41 @@ class ExpSAM(torch.optim.Optimizer):
 def authors_fedsol(x, y, model_fn, rho, momentum) -> list[torch.Tensor]:
     """The authors' adaptive FedSOL client (``ClientTrainer.train``: the KL pass at temperature 3, ``first_step``,
     the cross-entropy pass, ``second_step``; the BatchNorm switches and head/body freezing, no-ops for this model
-    with ``perturb_head = perturb_body = true``, left out) on scripts/conformance.py's problem, averaged uniformly."""
-    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, WD
+    with ``perturb_head = perturb_body = true``, left out) on scripts/conformance.py's problem, averaged by the
+    clients' samples (``BaseServer._aggregation``, algorithms/BaseServer.py:164-176)."""
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, sample_weights
 
-    server, models = model_fn(), []
     KLDiv, criterion = torch.nn.KLDivLoss(reduction="batchmean"), torch.nn.CrossEntropyLoss()
-    for t in range(ROUNDS):
-        finals = []
-        for i in range(CLIENTS):
-            model, dg_model = model_fn(), model_fn()
-            model.load_state_dict(server.state_dict())
-            dg_model.load_state_dict(server.state_dict())
-            for q in dg_model.parameters():
-                q.requires_grad = False
-            sam_optimizer = ExpSAM(model.parameters(), dg_model.parameters(), base_optimizer=torch.optim.SGD,
-                                   rho=rho, adaptive=False, lr=LR * LR_DECAY ** t, momentum=momentum,
-                                   weight_decay=WD)
-            data, targets = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
-            for _ in range(STEPS):
-                logits = model(data)
-                with torch.no_grad():
-                    dg_probs = torch.softmax(dg_model(data) / 3, dim=1)
-                KLDiv(F.log_softmax(logits / 3, dim=1), dg_probs).backward()
-                sam_optimizer.first_step(zero_grad=True)
-                criterion(model(data), targets).backward()
-                sam_optimizer.second_step(zero_grad=True)
-            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-        mean = torch.stack(finals).mean(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        models.append(mean)
-    return models
+
+    def train(model, server, data, targets, t):
+        dg_model = copy.deepcopy(server)
+        for q in dg_model.parameters():
+            q.requires_grad = False
+        sam_optimizer = ExpSAM(model.parameters(), dg_model.parameters(), base_optimizer=torch.optim.SGD,
+                               rho=rho, adaptive=False, lr=LR * LR_DECAY ** t, momentum=momentum,
+                               weight_decay=WD)
+        for _ in range(STEPS):
+            logits = model(data)
+            with torch.no_grad():
+                dg_probs = torch.softmax(dg_model(data) / 3, dim=1)
+            KLDiv(F.log_softmax(logits / 3, dim=1), dg_probs).backward()
+            sam_optimizer.first_step(zero_grad=True)
+            criterion(model(data), targets).backward()
+            sam_optimizer.second_step(zero_grad=True)
+    return code_rounds(x, y, model_fn, train, sample_weights())
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_fedsol_equals_the_authors_code_on_the_conformance_problem(momentum):
     """Three rounds of the authors' adaptive FedSOL (``ExpSAM`` transcribed) and fedflat's ``fedsol`` on
-    scripts/conformance.py's problem, plain SGD and SGD with momentum 0.9 fresh each round (the code builds its
-    optimizer each round): equal to float32 rounding."""
+    scripts/conformance.py's problem of unequal clients with the code's sample weights, plain SGD and SGD with
+    momentum 0.9 fresh each round (the code builds its optimizer each round): equal to float32 rounding."""
     from conformance import fedflat_run, problem
 
     x, y, model_fn = problem()
     theirs = authors_fedsol(x, y, model_fn, 1.0, momentum)
-    options = ["algo=fedsol", "algo.rho=1.0"] + ([f"train.momentum={momentum}"] if momentum else [])
+    options = ["algo=fedsol", "algo.rho=1.0", "algo.weighting=samples"] + (
+        [f"train.momentum={momentum}"] if momentum else [])
     ours = fedflat_run(options, x, y, model_fn, None, "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
@@ -759,7 +747,7 @@ def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(m
     (``apply_weights_SCAF``'s MoFedSWA branch) on scripts/conformance.py's problem against ``fedswa algo.scale=2``
     and ``fedmoswa`` with the code's weight decay 1e-3 and clip 10: equal to float32 rounding. Each client has its
     own worker (the code's workers serve clients in turn and carry ``self.ci`` over to one seen for the first time)."""
-    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, fedflat_run, problem
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, STEPS, fedflat_run, problem, shares
 
     c_dict.clear()
     x, y, model_fn = problem()
@@ -769,8 +757,7 @@ def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(m
         return model
 
     server = fresh()
-    workers = [AuthorsWorker(fresh(), x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES])
-               for i in range(CLIENTS)]
+    workers = [AuthorsWorker(fresh(), xi, yi) for xi, yi in shares(x, y)]
     ps_c, theirs = {}, []
     for t in range(ROUNDS):
         weights = {k: v.clone() for k, v in server.state_dict().items()}
@@ -857,43 +844,39 @@ def test_fedman_equals_the_authors_code_on_the_conformance_problem():
     """The authors' FedAvg+MAN client step (``code/utils_general.py``, ``train_fedavgreg_mdl`` l.459-474: the
     summed cross-entropy over the batch size, ``loss_var_algo`` the sum over layers of the batch means, ``loss =
     loss_f_i + (mu_mean/2) loss_var_algo``, the clip 10, ``optim.SGD`` with weight decay), transcribed, over full-batch
-    steps on scripts/conformance.py's problem, against ``fedavg-man``: equal to float32 rounding."""
-    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, WD, fedflat_run, problem
+    steps on scripts/conformance.py's problem of unequal clients, averaged by their samples as ``train_FedAvgReg``
+    (``code/utils_methods.py``, its ``weight_list``), against ``fedavg-man`` with sample weights: equal to float32
+    rounding."""
+    from conformance import LR, LR_DECAY, STEPS, WD, code_rounds, fedflat_run, problem, sample_weights
 
     mu_mean, max_norm = 0.4, 10.0
     x, y, model_fn = problem()
-    server, theirs = model_fn(), []
-    for t in range(ROUNDS):
-        finals = []
-        for i in range(CLIENTS):
-            model = AuthorsMLP(model_fn())
-            model.load_state_dict(AuthorsMLP(server).state_dict())
-            loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
-            optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
-            batch_x, batch_y = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
-            for _ in range(STEPS):
-                y_pred,tmp_var_,tmp_mean_ = model(batch_x)
 
-                loss_f_i = loss_fn(y_pred, batch_y.reshape(-1).long())
-                loss_f_i = loss_f_i / list(batch_y.size())[0]
+    def train(sequential, server, batch_x, batch_y, t):
+        model = AuthorsMLP(sequential)  # its layers: training it trains the client's model
+        loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR * LR_DECAY ** t, weight_decay=WD)
+        for _ in range(STEPS):
+            y_pred,tmp_var_,tmp_mean_ = model(batch_x)
 
-                loss_var_algo = 0.0
+            loss_f_i = loss_fn(y_pred, batch_y.reshape(-1).long())
+            loss_f_i = loss_f_i / list(batch_y.size())[0]
 
-                num_layers = len(tmp_var_)  # noqa: F841
-                for var_val in tmp_var_:
-                    loss_var_algo += torch.mean(var_val)
+            loss_var_algo = 0.0
 
-                loss = loss_f_i + (mu_mean/2) * loss_var_algo
+            num_layers = len(tmp_var_)  # noqa: F841
+            for var_val in tmp_var_:
+                loss_var_algo += torch.mean(var_val)
 
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm) # Clip gradients
-                optimizer.step()
-            finals.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach())
-        mean = torch.stack(finals).mean(0)
-        torch.nn.utils.vector_to_parameters(mean, server.parameters())
-        theirs.append(mean)
-    ours = fedflat_run(["algo=fedavg-man", f"algo.mu={mu_mean}"], x, y, model_fn, max_norm, "loss")
+            loss = loss_f_i + (mu_mean/2) * loss_var_algo
+
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=max_norm) # Clip gradients
+            optimizer.step()
+    theirs = code_rounds(x, y, model_fn, train, sample_weights())
+    ours = fedflat_run(["algo=fedavg-man", f"algo.mu={mu_mean}", "algo.weighting=samples"], x, y, model_fn, max_norm,
+                       "loss")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-7)
 
@@ -1069,12 +1052,11 @@ def test_fednsam_code_equals_the_authors_code_on_the_conformance_problem():
     """Three rounds of the authors' ``update_NSAM`` and ``apply_weights_avgACG`` (with sam.py's SAM) on
     scripts/conformance.py's problem against ``fednsam-code`` with the code's weight decay 1e-3 and clip 10 (on the
     perturbed gradient, as ``clip_scope=loss``): equal to float32 rounding."""
-    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, SAMPLES, STEPS, fedflat_run, problem
+    from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, STEPS, fedflat_run, problem, shares
 
     x, y, model_fn = problem()
     server = WeightsModel(*model_fn())
-    workers = [NSAMWorker(WeightsModel(*model_fn()), x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES])
-               for i in range(CLIENTS)]
+    workers = [NSAMWorker(WeightsModel(*model_fn()), xi, yi) for xi, yi in shares(x, y)]
     momen_m, theirs = {}, []
     for t in range(ROUNDS):
         deltas = [w.update_NSAM({k: v.clone() for k, v in server.state_dict().items()}, STEPS, i, momen_m,
@@ -1210,7 +1192,7 @@ def test_fedfsa_equals_the_authors_code_on_the_conformance_problem():
     SGD; then ``nextDisruptLayer``) with ``FSA`` transcribed and the server's ``Client_momentum = -mean Delta / (E
     lr)`` (``lr_decay`` 1, as its FedFSA runs), on scripts/conformance.py's problem (``TopC`` 1 of its two weight
     tensors, a constant rate), against ``fedfsa``: equal to float32 rounding, and the same layers chosen."""
-    from conformance import CLIENTS, LR, ROUNDS, SAMPLES, STEPS, WD, fedflat_run, problem
+    from conformance import CLIENTS, LR, ROUNDS, STEPS, WD, fedflat_run, problem, shares
 
     rho_default, rho_larger, alpha, top, max_norm = 0.05, 0.5, 0.1, 1, 10.0
     x, y, model_fn = problem()
@@ -1223,7 +1205,7 @@ def test_fedfsa_equals_the_authors_code_on_the_conformance_problem():
             params_list = [param.clone().detach() for param in model.parameters()]
             base_optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0, weight_decay=WD)
             optimizer = FSA(model.parameters(), base_optimizer, cid=i, rho_default=rho_default, rho_larger=rho_larger)
-            images, labels = x[i * SAMPLES:(i + 1) * SAMPLES], y[i * SAMPLES:(i + 1) * SAMPLES]
+            images, labels = shares(x, y)[i]
             delta = torch.zeros(sum(p.numel() for p in model.parameters())) if momentum is None else momentum
             for _ in range(STEPS):
                 total_loss = F.cross_entropy(model(images), labels)

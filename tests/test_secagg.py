@@ -372,6 +372,10 @@ def added_an_entry(result):
     result.upload["extra"] = torch.zeros(len(result.ids), 3)
 
 
+def claimed_backprops(result):
+    result.backprops = 10 ** 15  # (its clients' local steps take a few dozen)
+
+
 def forged_masked_vector(app):
     """Node 101's masked vector with its model's array (after the weight's) replaced by one of shape [1] (its clear
     text honest): Flower adds the nodes' vectors element-wise, so it would broadcast into every value of the sum."""
@@ -393,6 +397,7 @@ def forged_masked_vector(app):
 @pytest.mark.parametrize("fit_attack, wrap, says", [
     (named_other_clients, None, "it answered for clients [0, 3], it was sent [1, 4]"),
     (added_an_entry, None, "its upload has entries [('extra', (3,), 'float32'), ('model', "),
+    (claimed_backprops, None, f"it claims {10 ** 15} backward passes, more than the "),
     (None, forged_masked_vector, "its masked vector holds a int64 array of shape [1], expected ["),
 ])
 def test_an_inconsistent_node_is_left_out_and_flower_recovers_the_sum_without_it(fit_attack, wrap, says, tmp_path,

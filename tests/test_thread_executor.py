@@ -138,11 +138,10 @@ def test_thread_workers_hold_no_second_copy_of_a_frozen_base(tmp_path, monkeypat
     """A thread's module is built on the meta device and given the driver's tensors: its frozen parameters and
     non-persistent buffers are the driver's own objects (a RoBERTa's position ids, the base under LoRA), its trained
     parameters start from the driver's initial values in storage of their own; the run is the local one bit for
-    bit. share_frozen, the whole build's fallback, is not needed for a config's model."""
+    bit. No thread builds a tensor of its own (every build of the worker's module runs on the meta device)."""
     import json
 
     from fedflat.bench.workloads import ROBERTA
-    from fedflat.engine import runtime
 
     folder = tmp_path / "roberta"
     folder.mkdir()
@@ -151,9 +150,10 @@ def test_thread_workers_hold_no_second_copy_of_a_frozen_base(tmp_path, monkeypat
                                                     "vocab_size": 50, "max_position_embeddings": 12}))
     overrides = bitwise(*UNEQUAL, "model=hf", f"model.path={folder}", "model.random_weights=true",
                         "data.options.shape=[8]", "data.options.tokens=50", "adapter.r=2")
-    monkeypatch.setattr(runtime, "share_frozen", lambda *a: pytest.fail("the whole build's fallback ran"))
     local = Simulation(tiny_config(*overrides))
+    devices = recording_builds(monkeypatch)
     sim = Simulation(tiny_config(*overrides, "executor=threads", "executor.workers=3"))
+    assert devices == ["meta"] * 2  # the two threads besides the driver, each built on the meta device
     driver, *workers = (r.model for r in sim.executor.runtimes)
     frozen = dict(driver.module.named_parameters())
     constants = {n: b for n, b in driver.module.named_buffers() if "position_ids" in n or "token_type_ids" in n}
@@ -166,27 +166,33 @@ def test_thread_workers_hold_no_second_copy_of_a_frozen_base(tmp_path, monkeypat
     assert trajectory(sim, 2) == trajectory(local, 2)
 
 
+def recording_builds(monkeypatch) -> list[str]:
+    """The default device of every worker's build of its module from now on (``meta`` inside the meta device)."""
+    from fedflat.engine import runtime
+
+    devices, build = [], runtime.worker_module
+
+    def recorded(spec, read_weights):
+        devices.append(torch.empty(0).device.type)
+        return build(spec, read_weights)
+
+    monkeypatch.setattr(runtime, "worker_module", recorded)
+    return devices
+
+
 def test_a_model_fn_the_meta_device_cannot_build_shares_the_base_after_a_whole_build(monkeypatch):
     """A model_fn that computes with its tensors while it builds (here: reads a weight's value) cannot run on the
-    meta device: its thread workers build it whole and then share the driver's frozen tensors."""
-    from fedflat.engine import runtime
-    from fedflat.models import share_frozen
-
+    meta device: its thread worker builds it whole and is then given the driver's frozen tensors the same way."""
     def model_fn():
         body = torch.nn.Linear(16, 8).requires_grad_(False)
         assert body.weight.abs().max().item() > 0  # (a meta tensor has no value: this raises there)
         return torch.nn.Sequential(torch.nn.Flatten(), body, torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
-    shared = []
-
-    def recording(module, source):
-        shared.append(module)
-        share_frozen(module, source)
-
-    monkeypatch.setattr(runtime, "share_frozen", recording)
+    devices = recording_builds(monkeypatch)
     sim = Simulation(tiny_config(*bitwise(*UNEQUAL), "executor=threads", "executor.workers=2"),
                      UserInputs(model_fn=model_fn))
+    assert devices == ["meta", "cpu"]  # the meta build refused, then the whole one
     driver, worker = (r.model.module for r in sim.executor.runtimes)
-    assert len(shared) == 1 and dict(driver.named_parameters()).keys() == {"1.weight", "1.bias"}
+    assert dict(driver.named_parameters()).keys() == {"1.weight", "1.bias"}
     theirs = dict(worker.named_parameters())
-    assert all(theirs[n].data_ptr() == p.data_ptr() for n, p in driver.named_parameters())
+    assert all(theirs[n] is p for n, p in driver.named_parameters())

@@ -247,13 +247,15 @@ def test_the_command_runs_a_study_and_prints_the_selections(tmp_path, capsys):
     path = write_study(tmp_path)
     assert main(["tune", str(path), "--dry-run"]) == 0
     listing = capsys.readouterr().out
-    assert "fedprox: 2 of 2 candidates over algo.mu [0.1, 0.01]" in listing and "fedprox__mu0.01__seed0" in listing
+    assert "FedProx (fedprox): 2 of 2 candidates over algo.mu [0.1, 0.01]" in listing
+    assert "fedprox__mu0.01__seed0" in listing
     assert main(["tune", str(path), "--methods", "fedprox, fedavg", "--dry-run"]) == 0
     assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")] == [
-        "fedavg", "fedprox"]
+        "FedAvg (fedavg)", "FedProx (fedprox)"]
     assert main(["tune", str(path), "rounds=1", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "| fedprox | 2 (of 2) | algo.mu=" in out and f"fedflat report {tmp_path / 'out' / 'final'}" in out
+    # the methods as `fedflat report` names them (each recipe's display name), not their config ids
+    assert "| FedProx | 2 (of 2) | algo.mu=" in out and f"fedflat report {tmp_path / 'out' / 'final'}" in out
     assert main(["list", "--grids"]) == 0
     assert "fedsam" in capsys.readouterr().out.split("tuning grids")[1]
 

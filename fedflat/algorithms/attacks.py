@@ -19,7 +19,10 @@ malicious client trains as the method says, on its own data, and then:
 - ``alie`` ("A Little Is Enough", Baruch, Baruch and Goldberg, NeurIPS 2019): the malicious clients of a round
   collude and all upload :math:`\mu - z_{max} \sigma`, with :math:`\mu` and :math:`\sigma` the coordinate-wise mean and standard
   deviation of the round's benign updates and, for :math:`n` clients of which :math:`f` malicious, :math:`s = \lfloor n/2 + 1 \rfloor - f`
-  and :math:`z_{max} = \Phi^{-1}\big((n - s) / n\big)` (the paper's formula; ``z`` overrides it);
+  and :math:`z_{max} = \Phi^{-1}\big((n - s) / n\big)` (the paper's formula; ``z`` overrides it). With the attackers
+  a majority of the round's clients (:math:`f > n / 2`), the paper's :math:`s` is 0 or below and its :math:`z_{max}`
+  infinite or undefined: fedflat clamps :math:`s` to 1, so :math:`z = \Phi^{-1}\big((n - 1) / n\big)` (1.38 for
+  :math:`n = 12`);
 - ``ipm`` (inner-product manipulation, Xie, Koyejo and Gupta, UAI 2020, "Fall of empires"): the malicious clients
   all upload :math:`-\epsilon \mu`, :math:`\mu` the mean of the round's benign updates.
 
@@ -231,12 +234,15 @@ class ColludingAttack(Attack):
 
 class AlieParams(AttackParams):
     z: float | None = Field(None, description="z: the malicious upload is mu - z sigma (None: the paper's z_max of "
-                                              "the round's n clients and f attackers)")
+                                              "the round's n clients and f attackers; Phi^-1((n-1)/n) when the "
+                                              "attackers are a majority)")
 
 
 def alie_z(n: int, f: int) -> float:
     r"""Baruch et al.'s :math:`z_{max} = \Phi^{-1}\big((n - s) / n\big)`, :math:`s = \lfloor n / 2 + 1 \rfloor - f` the benign clients the
-    attackers need on their side (at least 1: with a malicious majority the formula's :math:`z` is infinite)."""
+    attackers need on their side, clamped to at least 1: with the attackers a majority (:math:`f > n / 2`) the
+    formula's :math:`s` is 0 or below (:math:`z` infinite or undefined), and
+    :math:`z = \Phi^{-1}\big((n - 1) / n\big)`."""
     s = max(math.floor(n / 2 + 1) - f, 1)
     return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - s) / n, dtype=torch.float64)))
 

@@ -55,6 +55,11 @@ class Algorithm:
         """Declared backward passes per local step (the engines measure the real count)."""
         return 1 + sum(p.extra_backprops for p in self.ordered)
 
+    def round_backprops(self, num_samples: int, settings: TrainSettings) -> int:
+        """The most backward passes a client takes once a round beyond its local steps', over the parts
+        (:meth:`~fedflat.core.Part.round_backprops`)."""
+        return sum(p.round_backprops(num_samples, settings) for p in self.ordered)
+
     def state_keys(self) -> list[str]:
         """Names of the state vectors each client keeps, over all parts (no repeats)."""
         return list(dict.fromkeys(name for part in self.ordered for name in part.kept()))

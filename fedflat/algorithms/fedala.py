@@ -84,6 +84,14 @@ class AdaptiveLocalAggregation(OwnModel):
     own_entry = PERSONAL
     beyond_batch = "it learns its aggregation weights on the client's data beyond the local steps' batches"
 
+    def round_backprops(self, num_samples: int, settings: TrainSettings) -> int:
+        """At most ``ala_max_epochs`` epochs of ``ceil(s n_i / B)`` batches (:meth:`initialize`'s loops)."""
+        return self.p.ala_max_epochs * self.batches(num_samples, settings)
+
+    def batches(self, num_samples: int, settings: TrainSettings) -> int:
+        """The batches of one ALA epoch: ``ceil(s n_i / B)`` of the ``rand_percent`` ``s`` of the client's data."""
+        return math.ceil(self.p.rand_percent / 100 * int(num_samples) / settings.batch_size)
+
     def initialize(self, ctx: ClientContext, cohort: Cohort) -> torch.Tensor:
         w = ctx.w_broadcast
         mask = adapted_mask(ctx.settings, self.p.ala_tensors).to(w.device)
@@ -93,7 +101,7 @@ class AdaptiveLocalAggregation(OwnModel):
         weights = torch.where(cohort.known[WEIGHTS].to(torch.bool).to(w.device)[:, None],
                               cohort.state[WEIGHTS].to(w), torch.ones_like(theta))
         gap = w - theta  # zero outside the adapted tensors, and for a client without theta_i
-        count = [math.ceil(self.p.rand_percent / 100 * int(n) / ctx.settings.batch_size) if known else 0
+        count = [self.batches(n, ctx.settings) if known else 0
                  for n, known in zip(cohort.num_samples.tolist(), has_local.tolist())]
         schedules = [ctx.batches.extra(ctx.round, int(i), max(c, 1), "ala") for i, c in zip(cohort.ids.tolist(), count)]
         # the start phase: W_i never learned yet (all ones: the code's ``start_phase`` flag, as a client's rows)

@@ -31,10 +31,10 @@ own README; ``similarity: gradient`` uses :math:`\cos(G_i, m) = 1 - (\cos(\Delta
 Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
 
-Cost (issue 57, docs/benchmarks.md): on the CPU the perturbed point :math:`w_k + \epsilon_k` and the mix
-:math:`a g + (1 - a) m_i` with its norm each run as one native kernel (fedflat/engine/native/vector_ops.cpp, ATen's roundings,
-checked on a probe before use; the torch expressions otherwise), and the round's ``[K, P]`` work goes by column blocks:
-the same bits either way.
+Cost (docs/benchmarks.md, "Every method at the cost of its backward passes"): on the CPU the perturbed point
+:math:`w_k + \epsilon_k` and the mix :math:`a g + (1 - a) m_i` with its norm each run as one native kernel
+(fedflat/engine/native/vector_ops.cpp, ATen's roundings, checked on a probe before use; the torch expressions
+otherwise), and the round's ``[K, P]`` work goes by column blocks: the same bits either way.
 """
 from __future__ import annotations
 

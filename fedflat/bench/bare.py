@@ -23,11 +23,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class BareLoop:
-    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps)."""
+BARE_LOOPS = ("bare", "plain")  # the engine names of the two reference loops
 
-    def __init__(self, sim, backprops: int, rho: float = 0.01):
-        self.sim, self.backprops, self.rho = sim, backprops, rho
+
+class BareLoop:
+    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps), with the
+    run's ``precision`` and ``channels_last`` as a plain loop would write them, or (``plain``) in float32 and NCHW
+    order whatever the run sets: the loop a user writes without those options, which an option's speed-up is
+    measured against."""
+
+    def __init__(self, sim, backprops: int, rho: float = 0.01, plain: bool = False):
+        self.sim, self.backprops, self.rho, self.plain = sim, backprops, rho, plain
         self.module = self._fresh_module()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         names = [n for n, p in self.module.named_parameters() if p.requires_grad]
@@ -80,9 +86,9 @@ class BareLoop:
         """The batch loss with the run's ``precision`` (autocast) and ``channels_last`` input, as a plain loop
         would write them."""
         cfg = self.sim.cfg
-        if cfg.channels_last and x.dim() == 4:
+        if cfg.channels_last and x.dim() == 4 and not self.plain:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and not self.plain):
             logits = self.module(x)
         return F.cross_entropy(logits.float(), y)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedflat.bench.bare import BareLoop, sync as _sync
+from fedflat.bench.bare import BARE_LOOPS, BareLoop, sync as _sync
 from fedflat.config import Config, load_config
 from fedflat.bench.workloads import ENGINES, WORKLOADS, Workload, prepare
 from fedflat.engine import native
@@ -154,10 +154,10 @@ class Contestant:
 
         self.cfg, self.workload, self.engine, self.executor = cfg, workload, engine, executor
         self.sim = Simulation(cfg)
-        if engine == "bare":
-            bare = BareLoop(self.sim, bare_backprops, rho)
+        if engine in BARE_LOOPS:
+            bare = BareLoop(self.sim, bare_backprops, rho, plain=engine == "plain")
             self.runner, self.backprops = bare.run_round, float(bare_backprops)
-            self.algo = "bare-" + ("sgd" if bare_backprops == 1 else "sam")
+            self.algo = f"{engine}-" + ("sgd" if bare_backprops == 1 else "sam")
         else:
             self.runner, self.backprops = self.sim.run_round, float(self.sim.algorithm.backprops_per_step)
             self.algo = cfg.algo["name"]
@@ -179,11 +179,11 @@ class Contestant:
             self.seconds.append(wall)
             self.cpu.append(used)
             self.samples.append(round_samples(self.sim, t))
-            if self.engine != "bare":
+            if self.engine not in BARE_LOOPS:
                 self.passes.append(self.sim.server.backprops - before)
 
     def row(self) -> Row:
-        eval_seconds = None if self.engine == "bare" else _timed(self.sim.evaluate, self.sim.device)[0]
+        eval_seconds = None if self.engine in BARE_LOOPS else _timed(self.sim.evaluate, self.sim.device)[0]
         per_round = statistics.mean(self.samples)
         cohort = self.engine in ("vectorized", "streams")
         chunk = self.sim.runtime.chunk_size(self.cfg.sampling.clients_per_round) if cohort else None
@@ -191,7 +191,8 @@ class Contestant:
         threads = spec.compute.threads if spec else self.sim.report.threads
         extra: dict[str, Any] = {"executor": self.executor, "threads": threads,
                                  "tf32": self.cfg.tf32 and self.sim.device.type == "cuda",
-                                 "precision": self.cfg.precision, "channels_last": self.cfg.channels_last,
+                                 "precision": "float32" if self.engine == "plain" else self.cfg.precision,
+                                 "channels_last": self.cfg.channels_last and self.engine != "plain",
                                  "cuda_graphs": self.cfg.cuda_graphs, "compile": self.cfg.compile}
         if cohort and self.executor == "local":
             extra["oom_retries"] = self.sim.runtime.oom_retries  # chunks halved after a CUDA out-of-memory error
@@ -285,7 +286,7 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
         progress(warning)
     results: list[dict[str, Any]] = []
     for name in workloads:
-        with tempfile.TemporaryDirectory(prefix=f"fedflat-bench-{name}-") as folder:  # (W4's model: its config.json)
+        with tempfile.TemporaryDirectory(prefix=f"fedflat-bench-{name}-") as folder:  # (W5's model: its config.json)
             results.extend(_bench_workload(WORKLOADS[name], folder, algos, engines, rounds, warmup, dev, info,
                                            [f"device={dev}", *([f"threads={threads}"] if threads else [])],
                                            overrides, progress, executors, profile))
@@ -317,10 +318,10 @@ def _bench_workload(w: Workload, folder: str, algos: list[str], engines: list[st
     cpu = list(w.cpu_overrides) if dev.type == "cpu" else []
     base = [*settings, *prepare(w, folder), *cpu, *overrides]
     contestants: list[Contestant] = []
-    bare_done: set[int] = set()
+    bare_done: set[tuple[str, int]] = set()
     for algo in algos:
         for engine in engines:
-            if engine == "bare":
+            if engine in BARE_LOOPS:
                 continue
             for executor in executors:
                 cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}", *executor_overrides(executor)],
@@ -332,11 +333,11 @@ def _bench_workload(w: Workload, folder: str, algos: list[str], engines: list[st
                                     "error": f"{type(err).__name__}: {err}"})
         algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
         bp = algorithm.backprops_per_step
-        if "bare" in engines and bp in (1, 2) and bp not in bare_done:
-            bare_done.add(bp)
+        for loop in (e for e in BARE_LOOPS if e in engines and bp in (1, 2) and (e, bp) not in bare_done):
+            bare_done.add((loop, bp))
             rho = float(algorithm.value("rho", 0.01))
             cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
-            contestants.append(Contestant(cfg, name, "bare", bp, rho))
+            contestants.append(Contestant(cfg, name, loop, bp, rho))
     progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
     try:
         race(contestants, n_rounds, n_warm, progress)
@@ -359,21 +360,23 @@ def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
 
 def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
     """``vs_bare`` (s/round over the bare loop with the same backprops per step; ``vs_bare_cpu`` the same of CPU
-    seconds, what to read on a machine busy with other work), ``vs_fedavg``, and
+    seconds, what to read on a machine busy with other work; ``vs_plain_cpu`` likewise), ``vs_plain`` (over the plain loop: float32, NCHW,
+    whatever options the run sets), ``vs_fedavg``, and
     ``backprops_vs_fedavg`` (backward passes a round over FedAvg's, the pilot and score passes included) with
     ``cost_per_backprop`` = ``vs_fedavg / backprops_vs_fedavg``: a method's time over what its backward passes
     alone would take at FedAvg's speed (1 when its other work is free)."""
     done = [r for r in results if r["workload"] == workload and "error" not in r]
-    bare = {round(r["backprops_per_step"]): r for r in done if r["engine"] == "bare"}
-    mine = [r for r in done if r["engine"] != "bare"]
+    loops = {(r["engine"], round(r["backprops_per_step"])): r for r in done if r["engine"] in BARE_LOOPS}
+    mine = [r for r in done if r["engine"] not in BARE_LOOPS]
     fedavg = {r["engine"]: r["seconds_per_round"]["median"] for r in mine if r["algo"] == "fedavg"}
     passes = {r["engine"]: r["backprops_per_round"] for r in mine if r["algo"] == "fedavg" and r.get("backprops_per_round")}
     for r in mine:
         s = r["seconds_per_round"]["median"]
-        ref = bare.get(round(r["backprops_per_step"]))
-        if ref is not None:
-            r["vs_bare"] = s / ref["seconds_per_round"]["median"]
-            r["vs_bare_cpu"] = r["cpu_seconds_per_round"] / ref["cpu_seconds_per_round"]
+        for loop in BARE_LOOPS:
+            ref = loops.get((loop, round(r["backprops_per_step"])))
+            if ref is not None:
+                r[f"vs_{loop}"] = s / ref["seconds_per_round"]["median"]
+                r[f"vs_{loop}_cpu"] = r["cpu_seconds_per_round"] / ref["cpu_seconds_per_round"]
         if r["engine"] in fedavg:
             r["vs_fedavg"] = s / fedavg[r["engine"]]
         if r["engine"] in passes and r.get("backprops_per_round"):
@@ -391,7 +394,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
             f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'cpu x':>6} "
-            f"{'xfedavg':>7} {'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
+            f"{'xplain':>6} {'xfedavg':>7} {'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         if "error" in r:
@@ -404,7 +407,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
             f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_bare_cpu')):>6} "
-            f"{_fmt(r.get('vs_fedavg')):>7} "
+            f"{_fmt(r.get('vs_plain')):>6} {_fmt(r.get('vs_fedavg')):>7} "
             f"{_count(r.get('backprops_per_round')):>8} {_fmt(r.get('backprops_vs_fedavg')):>5} "
             f"{_fmt(r.get('cost_per_backprop')):>5}")
     return "\n".join(lines)

@@ -1,8 +1,8 @@
-"""The standard benchmark workloads (W1-W5 and a test-sized one) and the engines a bench compares.
+"""The standard benchmark workloads (W1-W6 and a test-sized one) and the engines a bench compares.
 
-W4 and W5 fine-tune a frozen transformer base with LoRA (the ``adapter`` section): W4 a small RoBERTa-shaped text
-model, a CPU round of seconds; W5 ViT-B/16 on 224x224 images, the GPU's. Their bases have random weights (only speed
-is measured): W4's is a Hugging Face model built from a ``config.json`` the bench writes (:func:`prepare`).
+W5 and W6 fine-tune a frozen transformer base with LoRA (the ``adapter`` section): W5 a small RoBERTa-shaped text
+model, a CPU round of seconds; W6 ViT-B/16 on 224x224 images, the GPU's. Their bases have random weights (only speed
+is measured): W5's is a Hugging Face model built from a ``config.json`` the bench writes (:func:`prepare`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("sequential", "vectorized", "streams", "bare")
+ENGINES = ("sequential", "vectorized", "streams", "bare", "plain")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Workload:
     tree: dict[str, Any]
     cpu_rounds: int | None = None  # cap on timed rounds on CPU (W3: one)
     cpu_warmup: int | None = None
-    cpu_overrides: tuple[str, ...] = ()  # what a CPU run changes besides (W5: fewer clients and steps)
+    cpu_overrides: tuple[str, ...] = ()  # what a CPU run changes besides (W6: fewer clients and steps)
     hf_config: dict[str, Any] = field(default_factory=dict)  # a transformers config.json for model=hf (random weights)
 
 
@@ -51,7 +51,7 @@ def _tree(shape: list[int], train_size: int, num_clients: int, partition: dict, 
 
 
 #: RoBERTa's config.json keys that differ from transformers' defaults of a "roberta" model (the sizes are set beside
-#: it: W4's below)
+#: it: W5's below)
 ROBERTA = {"model_type": "roberta", "architectures": ["RobertaForSequenceClassification"], "type_vocab_size": 1,
            "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
 #: RoBERTa-base's shape (roberta-base's config.json): 12 layers of width 768, 12 heads, FFN 3072, 50,265 tokens
@@ -67,13 +67,15 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("W3", "CIFAR-10-shaped, ResNet-18-GN, 10 clients x 500 samples, 10/round, 5 epochs, batch 50",
              _tree([3, 32, 32], 5000, 10, {"scheme": "iid"}, {"name": "resnet18"}, 10, 5, 50),
              cpu_rounds=1, cpu_warmup=0),
-    Workload("W4", "RoBERTa-shaped text model (hidden 256, 4 layers, 4 heads, FFN 1024, random weights), 64 token ids, "
+    Workload("W4", "CIFAR-10-shaped, ResNet-20-GN, 500 clients x 100 samples, 10/round, 1 epoch, batch 50",
+             _tree([3, 32, 32], 50000, 500, {"scheme": "iid"}, {"name": "resnet20"}, 10, 1, 50)),
+    Workload("W5", "RoBERTa-shaped text model (hidden 256, 4 layers, 4 heads, FFN 1024, random weights), 64 token ids, "
                    "LoRA r=8 on query/value + head; 100 clients x 32 samples, 10/round, 1 epoch, batch 16",
              _tree([64], 3200, 100, {"scheme": "iid"}, {"name": "hf", "random_weights": True}, 10, 1, 16,
                    test_size=200, adapter={"r": 8, "target_modules": ["query", "value"]}, tokens=5000),
              hf_config=ROBERTA | {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
                                   "intermediate_size": 1024, "vocab_size": 5000, "max_position_embeddings": 66}),
-    Workload("W5", "ViT-B/16 (random weights) on 224x224 images, LoRA r=8 on attn.qkv/attn.proj + head; 10 clients "
+    Workload("W6", "ViT-B/16 (random weights) on 224x224 images, LoRA r=8 on attn.qkv/attn.proj + head; 10 clients "
                    "x 64 samples, 10/round, 1 epoch, batch 32 (CPU: 1 round of 2 clients x 1 step of 8 images)",
              _tree([3, 224, 224], 640, 10, {"scheme": "iid"}, {"name": "vit", "variant": "base16"}, 10, 1, 32,
                    test_size=100, adapter={"r": 8}),

@@ -59,7 +59,7 @@ def validate(tree: dict[str, Any] | Config, method: AlgoSpec | None = None) -> C
         raise ConfigError(_format_errors(err)) from None
     cfg.algo.adopt(given)  # already resolved: checked again only where the upload path changed
     try:
-        cfg = _with_recipe_privacy(cfg)
+        cfg = _with_model_tokenizer(_with_recipe_privacy(cfg))
         _check_registered(cfg)
     except ConfigError as err:
         missing = plugins.not_imported(cfg.plugins)
@@ -88,6 +88,19 @@ def _with_recipe_privacy(cfg: Config) -> Config:
     if recipe.adapter:
         update["adapter"] = _recipe_adapter(cfg, recipe)
     return cfg.model_copy(update=update) if update else cfg
+
+
+def _with_model_tokenizer(cfg: Config) -> Config:
+    """A dataset that tokenizes with a Hugging Face tokenizer (its ``tokenizer`` option: ``glue``) reads the model's
+    own folder's where the model is one (``model=hf``) and the option is unset: the tokens the model was trained on."""
+    from fedflat.data import DATASETS
+
+    loader = DATASETS.get(cfg.data.name, (None,))[0]
+    if (loader is None or "tokenizer" not in inspect.signature(loader).parameters or cfg.data.options.get("tokenizer")
+            or cfg.model.get("name") != "hf" or not cfg.model.get("path")):
+        return cfg
+    data = cfg.data.model_copy(update={"options": {**cfg.data.options, "tokenizer": cfg.model["path"]}})
+    return cfg.model_copy(update={"data": data})
 
 
 def _recipe_adapter(cfg: Config, recipe) -> Any:

@@ -250,7 +250,8 @@ def inherited(tree: dict[str, Any], file: Path, chain: tuple[Path, ...] = ()) ->
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict[str, Any] | None = None, method: AlgoSpec | None = None) -> "Config":
-    """Reads a YAML config (or the given base tree), applies ``key=value`` overrides, imports the plugins it names and
+    """Reads the YAML config ``path`` (a file, or a shipped config's name: ``fmnist_mlp``; None: only ``base``, the
+    config tree to start from), applies the ``key=value`` strings of ``overrides``, imports the plugins it names and
     validates (:func:`for_run`); ``method`` is the base's method already built, taken over where the overrides leave
     the ``algo`` section as it is."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
@@ -312,7 +313,8 @@ def _selects(tree: dict[str, Any], key: str, value: Any) -> bool:
 
 
 def as_config(config: Config | dict | str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """A validated :class:`Config` from a Config, a raw dict, a YAML path, or None (the quickstart)."""
+    """A validated :class:`Config` from ``config``: a Config, a raw dict, a YAML path (or a shipped config's name), or
+    None (the quickstart); with the ``key=value`` strings of ``overrides`` applied."""
     if isinstance(config, Config):
         return load_config(None, overrides, base=config.model_dump(), method=config.algo) if overrides else \
             for_run(config)

@@ -521,9 +521,9 @@ class Config(Section):
         return delta_of(self.privacy, self.data.num_clients)
 
     def noise_multiplier(self) -> float:
-        """``z``: the given one, or the one calibrated so that ``rounds`` rounds spend ``target_epsilon``
-        (:func:`fedflat.privacy.calibrated_noise`)."""
-        return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta)
+        """``z``: the given one, or the one calibrated so that the run's ``rounds`` rounds spend ``target_epsilon``
+        (:func:`fedflat.privacy.calibrated_noise`; local DP: its most-sampled client's releases)."""
+        return calibrated_noise(self.privacy, self.privacy_mechanism(), self.rounds, self.privacy_delta, self.seed)
 
     def stage_specs(self, calibrate: bool = True) -> list[dict[str, Any]]:
         """The upload stages this config asks for, in the order they run: ``attack``, ``compression``, ``privacy``,

@@ -37,6 +37,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("kept()", "any", "both", "the part's options",
          "the names of the vectors each client keeps (default: `keeps`; FedLESAM, APFL and error feedback choose by "
          "option)"),
+    Hook("round_backprops(num_samples, settings)", "any", "server, checking a Flower node's reply",
+         "the part's options, a client's sample count, `settings`",
+         "the most backward passes a client takes once a round beyond its local steps' (default 0; FedALA's start "
+         "phase: at most `ala_max_epochs` epochs of its batches)"),
     Hook("broadcast(ctx)", "server", "server, before training", "`ctx.w`, `ctx.server`",
          "the point clients start from, `[P]` (default `w^t`)"),
     Hook("begin(ctx, cohort)", "any", "client, once per chunk",

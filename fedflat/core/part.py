@@ -160,6 +160,13 @@ class Part:
         """Names of the state vectors each client keeps (``keeps`` unless options change it)."""
         return self.keeps
 
+    def round_backprops(self, num_samples: int, settings: TrainSettings) -> int:
+        """The most backward passes a client of ``num_samples`` samples takes in a round beyond its local steps'
+        (the descent gradient and ``extra_backprops`` per step): work done once a round on its data, as FedALA's
+        start phase. An upper bound, which a Flower server checks what a node reports against
+        (:func:`fedflat.flower.protocol.most_backprops`); a pass a round of one step already takes needs none."""
+        return 0
+
     def finish(self, ctx: RoundContext) -> None:
         """After all clients trained and weights are set, before the server step (reads ``ctx.uploads``)."""
 

@@ -51,6 +51,22 @@ def numpy_stream(seed: int, round: int, client: int, purpose: str) -> np.random.
     return np.random.default_rng(stream_seed(seed, round, client, purpose))
 
 
+def sample_clients(seed: int, round: int, num_clients: int, clients_per_round: int, participation: str,
+                   at_least_one: bool) -> list[int]:
+    """Round ``round``'s clients, ascending, from its keyed ``sampling`` stream: ``K`` of ``N`` uniformly without
+    replacement (``participation`` ``uniform``), or each with probability ``K / N`` (``bernoulli``; when none was
+    drawn and ``at_least_one``, one uniformly, as FL-Simulator). Data-independent: the whole schedule is known
+    before round 0 (the privacy calibration reads it)."""
+    rng = numpy_stream(seed, round, SERVER, "sampling")
+    if participation == "bernoulli":
+        chosen = (rng.random(num_clients) < clients_per_round / num_clients).nonzero()[0]
+        if len(chosen) == 0 and at_least_one:
+            chosen = rng.choice(num_clients, 1)
+    else:
+        chosen = rng.choice(num_clients, clients_per_round, replace=False)
+    return sorted(chosen.tolist())
+
+
 # -- a round's data ----------------------------------------------------------------------------------------------------
 ClipScope = Literal["loss", "step"]
 

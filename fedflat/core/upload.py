@@ -72,7 +72,8 @@ class UploadStage(Part):
     wire: ClassVar[tuple[str, ...]] = ()  # an encoder's entries that carry the model's update in its place
 
     def client(self, ctx: ClientContext, cohort: Cohort, release: Release) -> Release:
-        """The release as this stage leaves it (rows of the chunk's clients ``cohort.ids``)."""
+        """``release`` as this stage leaves it (rows of the chunk's clients ``cohort.ids``; ``ctx``: the round's
+        client context)."""
         return release
 
     def encode(self, ctx: ClientContext, cohort: Cohort, release: Release) -> dict[str, torch.Tensor]:

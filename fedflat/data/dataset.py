@@ -5,14 +5,18 @@ the training device, with no per-sample Python loop (:func:`augmentation_fn`).""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .errors import DatasetError
+
+if TYPE_CHECKING:  # (Hugging Face datasets, an optional extra: only named in from_hf's signature)
+    import datasets
 
 STATS_BYTES = 256 * 2 ** 20  # the most of a memory map's training images read for its pixel statistics
 STATS_SEED = 0
@@ -25,8 +29,9 @@ __all__ = ["AUGMENTATIONS", "Dataset", "DatasetError", "Standardize", "apply_aug
 @dataclass(frozen=True)
 class Standardize:
     """Per-channel standardization of stored uint8 pixels, applied to each batch as it is indexed:
-    ``x -> (x / scale - mean_c) / std_c`` in float32. Large image sets (Tiny-ImageNet, OfficeHome, DomainNet)
-    stay uint8 on the training device, a quarter of float32's memory."""
+    ``x -> (x / scale - mean_c) / std_c`` in float32, with ``mean`` and ``std`` one value per channel (of the pixels
+    divided by ``scale``, 255 by default). Large image sets (Tiny-ImageNet, OfficeHome, DomainNet) stay uint8 on the
+    training device, a quarter of float32's memory."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -49,11 +54,12 @@ def _channel_constants(mean: tuple[float, ...], std: tuple[float, ...],
 class Dataset:
     """Train and test splits held as tensors (keep them on the training device, index batches).
 
-    ``x_*`` are float32 ``[N, *input_shape]``, already normalized (or int64 token ids for text models), or uint8
-    pixels ``[N, C, H, W]`` with ``standardize`` set, which :meth:`features` applies to every batch;
-    ``y_*`` are integer class labels ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and
-    converted. ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and
-    horizontal flip, see :func:`fedflat.data.cifar_augment`; ``"flip"``: the flip alone) or is None.
+    ``name`` names the data in messages and run folders. The inputs ``x_train`` and ``x_test`` are float32
+    ``[N, *input_shape]``, already normalized (or int64 token ids for text models), or uint8 pixels ``[N, C, H, W]``
+    with ``standardize`` set, which :meth:`features` applies to every batch; the labels ``y_train`` and ``y_test``
+    are integer class ids ``[N]`` in ``[0, num_classes)``. NumPy arrays are accepted and converted.
+    ``augmentation`` names a train-time augmentation (``"cifar"``: pad-4 random crop and horizontal flip, see
+    :func:`fedflat.data.cifar_augment`; ``"flip"``: the flip alone) or is None.
     ``source`` says where the data came from (a folder, an archive, or a generator). ``owners`` (optional,
     int64 ``[N_train]``) is each training sample's natural owner, e.g. its writer or its domain, and
     ``owner_names`` their names: ``data.partition: {scheme: natural}`` makes one client per owner (LEAF's natural
@@ -61,7 +67,8 @@ class Dataset:
     test samples' owners in the same ids (LEAF's per-user test split: a personalized evaluation tests each client
     on its owner's samples, :func:`fedflat.data.client_test_split`). ``heldout`` names what
     ``x_test``/``y_test`` hold: ``"test"``, or ``"validation"`` after :func:`validation_split` (training samples
-    held out; the test split is then gone).
+    held out; the test split is then gone). ``files``: the files a loader read (the run's summary.json records
+    them).
 
     Everything is checked when the dataset is made: a wrong dtype, shape, length, label or a NaN is a
     :class:`DatasetError` naming the field and what is expected, before any run starts.
@@ -140,26 +147,30 @@ class Dataset:
             setattr(self, f"y_{split}", y.long())
 
     @classmethod
-    def from_torch(cls, train, test, *, name: str = "torch", num_classes: int | None = None,
-                   standardize: "Standardize | None" = None, augmentation: str | None = None,
-                   cache=None) -> "Dataset":
-        """Two map-style torch datasets of ``(input, label)`` items: a tensor, an array or a PIL image (an image
-        folder's), and an integer label (:func:`fedflat.data.adapters.torch_arrays`). Images become uint8
-        ``[N, C, H, W]`` standardized per batch (``standardize``: default the training split's statistics),
-        floats are used as they are. ``num_classes``: default the dataset's ``classes``, else the largest
-        label + 1. ``cache``: a folder the arrays are written to and memory-mapped from (data larger than
-        memory; :meth:`from_memmap` maps them again). docs/data.md."""
+    def from_torch(cls, train: torch.utils.data.Dataset, test: torch.utils.data.Dataset, *, name: str = "torch",
+                   num_classes: int | None = None, standardize: "Standardize | None" = None,
+                   augmentation: str | None = None, cache: str | os.PathLike | None = None) -> "Dataset":
+        """The splits ``train`` and ``test``: two map-style torch datasets (``len()`` and ``[i]``) of
+        ``(input, label)`` items, a tensor, an array or a PIL image (an image folder's) and an integer label
+        (:func:`fedflat.data.adapters.torch_arrays`). Images become uint8 ``[N, C, H, W]`` standardized per batch
+        (``standardize``: default the training split's statistics), floats are used as they are. ``name`` names the
+        data in messages and run folders. ``num_classes``: default the dataset's ``classes``, else the largest
+        label + 1. ``augmentation``: ``"cifar"`` or ``"flip"``, fedflat's batched train-time augmentation, or None.
+        ``cache``: a folder the arrays are written to and memory-mapped from (data larger than memory;
+        :meth:`from_memmap` maps them again). docs/data.md."""
         from .adapters import torch_arrays
 
         return _from_arrays(torch_arrays(train, test, name=name, num_classes=num_classes, cache=cache), standardize,
                             augmentation)
 
     @classmethod
-    def from_hf(cls, train, test, *, features="image", label: str = "label", name: str | None = None,
-                num_classes: int | None = None, standardize: "Standardize | None" = None,
-                augmentation: str | None = None, cache=None) -> "Dataset":
-        """Two Hugging Face ``datasets.Dataset`` splits: ``features`` names the input column (images, arrays) or
-        a list of numeric columns, ``label`` the label column (a ``ClassLabel`` gives ``num_classes``); the rest
+    def from_hf(cls, train: datasets.Dataset, test: datasets.Dataset, *, features: str | list[str] = "image",
+                label: str = "label", name: str | None = None, num_classes: int | None = None,
+                standardize: "Standardize | None" = None, augmentation: str | None = None,
+                cache: str | os.PathLike | None = None) -> "Dataset":
+        """The splits ``train`` and ``test``: two Hugging Face ``datasets.Dataset`` splits. ``features`` names the
+        input column (images, arrays) or a list of numeric columns, ``label`` the label column (a ``ClassLabel``
+        gives ``num_classes``); ``name`` (default the dataset's), ``standardize``, ``augmentation`` and ``cache``
         as for :meth:`from_torch` (:func:`fedflat.data.adapters.hf_arrays`). docs/data.md."""
         from .adapters import hf_arrays
 
@@ -167,14 +178,15 @@ class Dataset:
                                       cache=cache), standardize, augmentation)
 
     @classmethod
-    def from_memmap(cls, folder, *, name: str | None = None, num_classes: int | None = None,
+    def from_memmap(cls, folder: str | os.PathLike, *, name: str | None = None, num_classes: int | None = None,
                     standardize: "Standardize | None" = None, augmentation: str | None = None,
                     stats_bytes: int | None = STATS_BYTES) -> "Dataset":
         """``folder``'s ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``, the inputs memory-mapped
         and never read whole: data larger than memory trains with the numbers it has in memory
         (:func:`fedflat.data.adapters.memmap_arrays`). The pixel statistics of uint8 images (unless
         ``standardize`` is given) come from at most ``stats_bytes`` of training images (:func:`sampled_standardize`:
-        all of them, exactly, when they fit; None: every image, a chunk at a time). docs/data.md."""
+        all of them, exactly, when they fit; None: every image, a chunk at a time). ``name``, ``num_classes`` and
+        ``augmentation`` as for :meth:`from_torch`. docs/data.md."""
         from .adapters import memmap_arrays
 
         arrays = memmap_arrays(folder, name=name, num_classes=num_classes)
@@ -205,8 +217,8 @@ class Dataset:
 
 
 def validation_split(data: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, np.ndarray]:
-    """Holds out ``fraction`` of each class of the training split as the evaluation set, in place of the test
-    split, which the result does not contain (model selection then never sees it). The draw depends only on the
+    """Holds out ``fraction`` of each class of ``data``'s training split as the evaluation set, in place of the
+    test split, which the result does not contain (model selection then never sees it). The draw depends only on the
     labels, ``fraction`` and ``seed``, so every run of a tuning study validates on the same samples. Returns the
     dataset (``heldout="validation"``) and the indices of the original training samples it trains on."""
     if not 0 < fraction < 1:
@@ -416,6 +428,7 @@ def augmentation_fn(name: str | None) -> Callable[[torch.Tensor, torch.Generator
 
 
 def apply_augmentation(name: str | None, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Apply the augmentation ``name`` (a :attr:`Dataset.augmentation` value) to a batch; None: unchanged."""
+    """Apply the augmentation ``name`` (a :attr:`Dataset.augmentation` value) to the batch ``x``, its randomness
+    drawn from ``generator``; None: ``x`` unchanged."""
     augment = augmentation_fn(name)
     return x if augment is None else augment(x, generator)

@@ -301,7 +301,7 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
 def register_dataset(name: str, loader: Callable[..., Dataset], description: str) -> Callable[..., Dataset]:
     """Makes ``loader(root=None, download=False, **options) -> Dataset`` available as ``data.name: NAME``, its
     keyword options as ``data.options`` (a plugin's dataset, docs/extending.md); a name taken by another module is
-    an error naming both."""
+    an error naming both. ``description`` is its line in ``fedflat list``."""
     add(DATASETS, "dataset", name, (loader, description), origin=origin_of(loader))
     return loader
 

@@ -40,7 +40,7 @@ def _hasher(algorithm: str) -> "hashlib._Hash":
 
 
 def file_checksum(path: str | Path, algorithm: str = "sha256") -> str:
-    """Hex digest of the file at ``path``."""
+    """Hex digest of the file at ``path`` (``algorithm``: a :mod:`hashlib` name)."""
     digest = _hasher(algorithm)
     with open(path, "rb") as stream:
         for block in iter(lambda: stream.read(_CHUNK), b""):
@@ -56,7 +56,8 @@ def verify_file(path: str | Path, checksum: str, algorithm: str = "sha256") -> b
 
 def download_file(url: str, dest: str | Path, checksum: str, algorithm: str = "sha256",
                   timeout: float = 60) -> Path:
-    """Download ``url`` to ``dest``, verifying its ``algorithm`` digest against ``checksum``.
+    """Download ``url`` to ``dest``, verifying its ``algorithm`` digest against ``checksum``; ``timeout``: seconds
+    a connection may wait for data.
 
     The data goes to a temporary file in ``dest``'s folder (created if needed) and is moved
     into place atomically after the check. On a mismatch a :class:`ChecksumError` naming the

@@ -254,7 +254,7 @@ def partition_params(scheme: str) -> dict[str, object]:
 
 
 def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int, **params) -> list[np.ndarray]:
-    """Split the samples with ``labels`` among ``num_clients`` clients by ``scheme``.
+    """Split the samples with ``labels`` among ``num_clients`` clients by ``scheme``, drawn with ``seed``.
 
     Returns per-client sorted int64 index arrays into ``labels``; no sample is in two clients.
     ``params`` are the scheme's (see :data:`PARTITIONS`); unknown or missing ones, or bad
@@ -272,10 +272,11 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int, **pa
 
 def client_split(labels: np.ndarray, num_clients: int, spec: dict, run_seed: int,
                  dataset: str = "the dataset", owners: np.ndarray | None = None) -> list[np.ndarray]:
-    """The split of a run: ``spec`` is its ``data.partition`` (``scheme`` and the scheme's parameters), drawn
-    from the run's keyed partition stream, so every command that rebuilds a run's split gets the same one.
-    ``owners`` (the dataset's) feed the ``natural`` and ``domain`` schemes. A split these data cannot give is a
-    :class:`ConfigError` naming the key to change."""
+    """The split of a run's training samples (their ``labels``) among ``num_clients`` clients: ``spec`` is its
+    ``data.partition`` (``scheme`` and the scheme's parameters), drawn from the keyed partition stream of the run's
+    seed ``run_seed``, so every command that rebuilds a run's split gets the same one. ``owners`` (the dataset's)
+    feed the ``natural`` and ``domain`` schemes. A split these data cannot give is a :class:`ConfigError` naming
+    the key to change and ``dataset``."""
     params = {k: v for k, v in spec.items() if k != "scheme"}
     if spec["scheme"] in ("natural", "domain") and params.get("owners") is None:
         params["owners"] = owners
@@ -312,12 +313,13 @@ def user_split(clients, num_samples: int, num_clients: int) -> list[np.ndarray]:
 def client_test_split(train_labels: np.ndarray, clients: list[np.ndarray], test_labels: np.ndarray, seed: int, *,
                       train_owners: np.ndarray | None = None, test_owners: np.ndarray | None = None
                       ) -> list[np.ndarray]:
-    """Each client's share of the test set, for a personalized evaluation (FedPer: every client is tested on
-    data of its own distribution). Returns sorted int64 test indices per client; a test sample goes to at most
-    one client.
+    """Each client's share of the test set (its ``test_labels``), for a personalized evaluation (FedPer: every
+    client is tested on data of its own distribution), from the training samples' ``train_labels`` and the split
+    ``clients`` (index arrays into them). Returns sorted int64 test indices per client; a test sample goes to at
+    most one client.
 
-    - Owners on both splits and one owner per client (LEAF's natural split: a writer, a role): a client gets its
-      owner's own test samples (LEAF's per-user test split).
+    - Owners on both splits (``train_owners``, ``test_owners``) and one owner per client (LEAF's natural split: a
+      writer, a role): a client gets its owner's own test samples (LEAF's per-user test split).
     - Otherwise the test samples of each class, shuffled with ``seed``, are dealt out in proportion to the
       clients' training samples of that class (largest remainders round), so a client's test share follows its
       label distribution and every test sample of a class some client holds is used exactly once."""
@@ -345,7 +347,7 @@ def client_test_split(train_labels: np.ndarray, clients: list[np.ndarray], test_
 
 
 def split_name(spec: dict) -> str:
-    """``dirichlet-alpha0.1``: a partition and its parameters, fit for a file name."""
+    """``dirichlet-alpha0.1``: the partition ``spec`` (``scheme`` and its parameters), fit for a file name."""
     params = "-".join(f"{k}{v}" for k, v in sorted(spec.items()) if k != "scheme")
     return "-".join(p for p in (str(spec["scheme"]), params) if p).replace("/", "_").replace(" ", "")
 
@@ -372,13 +374,14 @@ def _int_at_least(scheme: str, key: str, value: object, low: int) -> None:
 
 
 def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
-    """Samples of each class held by each client: int64 array ``[clients, classes]``."""
+    """Samples of each class held by each client: int64 array ``[clients, classes]`` of the samples' ``labels``
+    over the split ``parts`` (one index array per client), for classes ``0 .. num_classes - 1``."""
     labels = np.asarray(labels).reshape(-1)
     return np.stack([np.bincount(labels[p], minlength=num_classes)[:num_classes] for p in parts]).astype(np.int64)
 
 
 def plot_partition(counts: np.ndarray, path: str | Path, title: str | None = None) -> Path:
-    """Write a heatmap PNG of ``counts`` (clients on x, classes on y) with a colorbar and a title."""
+    """Write to ``path`` a heatmap PNG of ``counts`` (clients on x, classes on y) with a colorbar and ``title``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

@@ -24,7 +24,8 @@ __all__ = ["DatasetNotFoundError", "RemoteFile", "REMOTE", "SUBFOLDERS", "SYSTEM
 
 
 class DatasetNotFoundError(FileNotFoundError):
-    """A dataset's files are in none of the searched places; ``searched`` lists them."""
+    """A dataset's files are in none of the searched places: ``message`` says which and how to get them,
+    ``searched`` lists the places."""
 
     def __init__(self, message: str, searched: list[Path] | None = None):
         super().__init__(message)

@@ -89,10 +89,24 @@ def find_dbpedia(root: str | Path | None) -> Path:
                     "fancyzhx/dbpedia_14) into one of these folders (data.root or $FEDFLAT_DATA)")
 
 
-def _cache_path(folder: Path, options: dict) -> Path:
-    stamp = [options] + [(p.stat().st_size, p.stat().st_mtime_ns) for p in (folder / "train.csv", folder / "test.csv")]
+def cache_file(folder: Path, name: str, options: dict, files: list[Path]) -> Path:
+    """The ``.npz`` file that caches what is derived from ``files`` with ``options``: in ``cache_home(folder)``,
+    keyed by the options and the files' sizes and modification times (a changed file is read again)."""
+    stamp = [options] + [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     key = hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
-    return cache_home(folder, "dbpedia") / f"dbpedia-{key}.npz"
+    return cache_home(folder, name) / f"{name}-{key}.npz"
+
+
+def write_cache(cache: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``cache`` atomically: a file of this process's own, renamed when complete (an interrupted
+    or concurrent load leaves no partial cache)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial.npz")
+    try:
+        np.savez(partial, **arrays)
+        os.replace(partial, cache)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_dbpedia(root: str | Path | None = None, download: bool = False, *, per_class_train: int | None = 10000,
@@ -107,7 +121,7 @@ def load_dbpedia(root: str | Path | None = None, download: bool = False, *, per_
     folder = find_dbpedia(root)
     options = dict(per_class_train=per_class_train, per_class_test=per_class_test, vocab_size=vocab_size,
                    length=length, seed=seed)
-    cache = _cache_path(folder, options)
+    cache = cache_file(folder, "dbpedia", options, [folder / "train.csv", folder / "test.csv"])
     if cache.is_file():
         with np.load(cache) as arrays:
             return Dataset("dbpedia", arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
@@ -121,9 +135,6 @@ def load_dbpedia(root: str | Path | None = None, download: bool = False, *, per_
     vocabulary = build_vocabulary(splits["train"][1], vocab_size)  # from the training documents only
     arrays = {"x_train": encode(splits["train"][1], vocabulary, length), "y_train": splits["train"][0],
               "x_test": encode(splits["test"][1], vocabulary, length), "y_test": splits["test"][0]}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(".partial.npz")
-    np.savez(partial, **arrays)
-    os.replace(partial, cache)
+    write_cache(cache, arrays)
     return Dataset("dbpedia", arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
                    DBPEDIA_CLASSES, source=str(folder))

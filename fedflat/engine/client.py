@@ -27,7 +27,7 @@ from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, Cli
                           torch_stream)
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients import ClientSession, Forward, choose_backend
-from fedflat.engine.gradients.hand import MLPGradient
+from fedflat.engine.gradients.convnet import hand_gradient_of
 from fedflat.engine.gradients.objectives import DATA_LOSS, TERMS, Objective, Penalized
 from fedflat.engine.losses import LossFn
 from fedflat.engine.modes import ModelTraits
@@ -121,7 +121,7 @@ class Oracle:
         self.traits = traits if traits is not None else ModelTraits(
             buffers=model.buffer_layout.size > 0,
             mixes=any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in model.module.modules()),
-            hand_gradient=MLPGradient.of(model) is not None)
+            hand_gradient=hand_gradient_of(model) is not None)
         self.forward = Forward(model, options.precision, options.channels_last, loss, options.cuda_graphs)
         self.backend = choose_backend(self.forward, options, self.traits, dp_sgd)
 

@@ -20,7 +20,7 @@ threshold (128 KiB, raised as large blocks are freed, to 32 MiB at most) with a 
 kernel when freed, and it gives the top of its heap back above its trim threshold; the next step's tensors then land on
 pages the kernel zero-fills on first touch. On W2 (a CNN, 50 clients a round, 800k parameters) that was 110,000 page
 faults a round in the driver and 120,000 in each Ray worker, about 0.2 s of a 2.2 s round (docs/benchmarks.md, "CPU
-speed, issue 37"). With the mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what it had: a
+speed"). With the mmap threshold at 256 MiB and the trim threshold at 512 MiB the heap keeps what it had: a
 few faults a round after the first two. A process then keeps up to 512 MiB of freed memory for its next step (blocks of
 256 MiB and more are still mapped and returned one by one), as PyTorch's GPU caching allocator keeps its own.
 

@@ -161,8 +161,8 @@ class ModelTraits:
     which the sequential engine seeds from the client's stream ``"forward"``; the vectorized engine refuses it);
     ``mixes``: a sample's output depends on the other samples of its batch (BatchNorm's batch statistics), so a
     vectorized step never pads a client's batch; ``buffers``: it has persistent buffers (federated state);
-    ``hand_gradient``: it is fedflat's MLP or LogReg as built, whose cross-entropy gradient the sequential oracle
-    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.gradients.hand`)."""
+    ``hand_gradient``: it is fedflat's MLP, LogReg or CNN as built, whose cross-entropy gradient the sequential oracle
+    computes without autograd, bit for bit autograd's (:mod:`fedflat.engine.gradients.hand`, :mod:`~fedflat.engine.gradients.convnet`)."""
 
     dropout: bool = False
     random: str | None = None
@@ -197,7 +197,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
     training inputs ``x`` (a few samples); a module fedflat cannot train correctly is a ``ConfigError`` saying
     why and what to do."""
     # (imported here: the gradients package builds on these traits, and its hand-derived gradient is one of them)
-    from fedflat.engine.gradients.hand import MLPGradient
+    from fedflat.engine.gradients.convnet import hand_gradient_of
 
     module = model.module
     w = model.initial.clone()
@@ -226,7 +226,7 @@ def inspect_module(model, x: torch.Tensor) -> ModelTraits:
                               "training=self.training (or use nn.Dropout)")
         mixes = _mixes_samples(model, w, x)
     return ModelTraits(dropout=bool(dropout.calls), random=random.seen[0] if random.seen else None, mixes=mixes,
-                       buffers=layout.size > 0, hand_gradient=MLPGradient.of(model) is not None)
+                       buffers=layout.size > 0, hand_gradient=hand_gradient_of(model) is not None)
 
 
 def _mixes_samples(model, w: torch.Tensor, x: torch.Tensor) -> bool:

@@ -249,7 +249,7 @@ def _dp_sgd(cfg: Config, traits: ModelTraits, module: nn.Module) -> tuple[float,
     if traits.random is not None or traits.dropout or traits.mixes:
         raise ConfigError(f"privacy.level=instance: model {module_name(module)} draws random numbers in its forward "
                           "(dropout) or mixes the samples of a batch (batch statistics); DP-SGD's per-example "
-                          "gradients need neither: set its dropout to 0, use GroupNorm")
+                          "gradients need neither: set its dropout to 0 (adapter.dropout=0 under LoRA), use GroupNorm")
     return (p.clip, p.noise_multiplier)
 
 

@@ -101,7 +101,7 @@ class ClientWorker:
 
 # Tensors cross the object store as NumPy arrays: Ray writes an array's memory into the store once and reads it
 # back without a copy, where a pickled torch tensor is copied into bytes on both sides (W1, five clients' uploads of
-# 0.8 MB each: 7.5 ms as arrays against 15 ms as tensors a round trip; docs/benchmarks.md, "CPU speed, issue 37").
+# 0.8 MB each: 7.5 ms as arrays against 15 ms as tensors a round trip; docs/benchmarks.md, "CPU speed").
 _NO_NUMPY = (torch.bfloat16,)  # dtypes NumPy has not: these travel as tensors
 
 

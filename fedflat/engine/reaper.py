@@ -2,8 +2,8 @@
 
 Ray ties the GCS and raylet it starts to the driver (they get SIGKILL when it dies), not the raylet's agents:
 ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent`` notice that their raylet is gone, then try for 60 s to tell
-the dead GCS before they exit (Ray 2.55's ``process_watcher``). A driver killed with SIGKILL left them 61 s
-(issue 32). fedflat starts this watchdog with every local Ray instance it starts
+the dead GCS before they exit (Ray 2.55's ``process_watcher``). A driver killed with SIGKILL left them 61 s.
+fedflat starts this watchdog with every local Ray instance it starts
 (:func:`fedflat.engine.ray_executor.connect`): while its standard input, a pipe only the driver holds, stays open,
 it follows the tree of the Ray processes every half second; when the pipe closes (the driver shut Ray down, or
 died), it kills every process of that tree still alive. Run as a script (``python reaper.py PID...``, the

@@ -26,7 +26,7 @@ from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import assemble, base_key, build_model, frozen_hash, share_frozen
+from fedflat.models import assemble, build_model, frozen_hash, without_weights
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -300,8 +300,9 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
     if compute.threads:
         torch.set_num_threads(compute.threads)
     set_tf32(device, compute.tf32)
-    module = thread_module(spec, base) if base is not None else assemble(
-        lambda: worker_module(spec), spec.seed, AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
+    adapter = AdapterConfig(**spec.adapter) if spec.adapter is not None else None
+    module = thread_module(spec, base, adapter) if base is not None else assemble(
+        lambda: worker_module(spec, read_weights=adapter is not None), spec.seed, adapter)
     check_base(frozen_hash(module), spec.base_hash)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
@@ -310,39 +311,28 @@ def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch
                          replace(compute, engine=engine), spec.traits)
 
 
-def thread_module(spec: WorkerSpec, base: FlatModel) -> torch.nn.Module:
+def thread_module(spec: WorkerSpec, base: FlatModel, adapter: AdapterConfig | None) -> torch.nn.Module:
     """A thread worker's module, which costs no second copy of a frozen base: the run's module built on the meta
-    device (its structure, nothing allocated, no weights file read), then given the driver's tensors — its frozen
-    parameters and non-persistent buffers themselves (one pretrained base in the process, which every thread only
-    reads) and copies of the trained parameters' and persistent buffers' initial values. A module the meta device
-    cannot build (a ``model_fn`` that computes with its tensors, say) is built whole and then shares the driver's
-    frozen tensors."""
-    adapter = AdapterConfig(**spec.adapter) if spec.adapter is not None else None
-    structure = replace(spec, model=structure_options(spec.model))
+    device (its structure, nothing allocated, no weights file read), then given the driver's tensors
+    (:func:`adopt_tensors`). A module the meta device cannot build (a ``model_fn`` that computes with its tensors,
+    say) is built whole, without its weights' files, and given them the same way."""
+    def build() -> torch.nn.Module:
+        return assemble(lambda: worker_module(spec, read_weights=False), spec.seed, adapter)
+
     try:
         with torch.device("meta"):
-            module = assemble(lambda: worker_module(structure), spec.seed, adapter)
-        adopt_tensors(module, base)
-        return module
-    except Exception:  # noqa: BLE001 - whatever the meta device refuses: the whole build below
-        module = assemble(lambda: worker_module(spec), spec.seed, adapter).to(base.initial.device)
-        share_frozen(module, base.module)
-        return module
-
-
-def structure_options(model: dict[str, Any]) -> dict[str, Any]:
-    """The ``model`` options of the same architecture without its weights' file (a Hugging Face folder's
-    ``config.json`` alone): what a module whose every tensor comes from elsewhere is built from."""
-    name = str(model.get("name", "")).strip().lower()
-    if name == "hf":
-        return {**model, "random_weights": True}
-    return {k: v for k, v in model.items() if k != base_key(name)}
+            module = build()
+    except Exception:  # noqa: BLE001 - whatever the meta device refuses: the whole build
+        module = build()
+    adopt_tensors(module, base)
+    return module
 
 
 def adopt_tensors(module: torch.nn.Module, base: FlatModel) -> None:
-    """Gives ``module`` (built on the meta device) the tensors of ``base``, the same run's model: its frozen
-    parameters and non-persistent buffers shared, its trained parameters and persistent buffers copied from their
-    initial values; tied tensors stay tied. A tensor ``base`` lacks is a ``KeyError``."""
+    """Gives ``module`` (the same run's architecture, built on the meta device or whole) the tensors of ``base``:
+    its frozen parameters and non-persistent buffers shared (one pretrained base in the process, which every
+    thread only reads), its trained parameters and persistent buffers copied from their initial values; tied
+    tensors stay tied. A tensor ``base`` lacks is a ``KeyError``."""
     frozen = dict(base.module.named_parameters(remove_duplicate=False))
     trained = dict(zip(base.layout.names, base.layout.views(base.initial.detach())))
     persistent = dict(zip(base.buffer_layout.names, base.buffer_layout.tensors(base.initial_buffers))) \
@@ -364,14 +354,14 @@ def adopt_tensors(module: torch.nn.Module, base: FlatModel) -> None:
         raise KeyError(f"no tensor for {left[:3]}")
 
 
-def worker_module(spec: WorkerSpec) -> torch.nn.Module:
-    """The module of a worker before its adapters: ``model_fn()``, or the config's model; its pretrained weights
-    are read only under adapters (a frozen base no broadcast carries), else the broadcast brings them, and the file
-    need not exist on a worker's node."""
-    skip = ("name",) if spec.adapter is not None else ("name", "pretrained")
-    options = {k: v for k, v in spec.model.items() if k not in skip}
+def worker_module(spec: WorkerSpec, read_weights: bool) -> torch.nn.Module:
+    """The module of a worker before its adapters: ``model_fn()``, or the config's model, its pretrained weights
+    read only where ``read_weights`` (under adapters, a frozen base no broadcast carries, on a Ray worker; a thread
+    worker shares the driver's, and without adapters the broadcast brings them: the files need not exist there)."""
+    section = spec.model if read_weights else without_weights(spec.model)
+    options = {k: v for k, v in section.items() if k != "name"}
     return spec.model_fn() if spec.model_fn is not None else build_model(
-        spec.model["name"], spec.input_shape, spec.num_classes, **options)
+        section["name"], spec.input_shape, spec.num_classes, **options)
 
 
 def check_base(own: str | None, expected: str | None) -> None:

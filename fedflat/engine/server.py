@@ -28,9 +28,8 @@ import torch
 
 from fedflat.algorithms import Algorithm, renamed_state
 from fedflat.config import Config, ValidationConfig
-from fedflat.core import (BUFFERS, SERVER, Broadcast, ClientResult, ConfigError, Diverged, NoClients, Release,
-                          RoundContext, TrainSettings, all_finite, non_finite_rows, numpy_stream, payload_size,
-                          release_norms)
+from fedflat.core import (BUFFERS, Broadcast, ClientResult, ConfigError, Diverged, NoClients, Release, RoundContext,
+                          TrainSettings, all_finite, non_finite_rows, payload_size, release_norms, sample_clients)
 from fedflat.engine.client import local_steps
 from fedflat.engine.optim import round_lr, state_keys, state_widths
 from fedflat.engine.runtime import RoundTask
@@ -181,13 +180,13 @@ def privacy_ledger(cfg: Config, num_samples: torch.Tensor, algorithm: Algorithm)
         return None
     N, K = cfg.data.num_clients, cfg.sampling.clients_per_round
     if p.level == "instance":
-        mechanism = Mechanism("fixed", N, K, p.noise_multiplier, accountant="rdp", level="instance",
+        mechanism = Mechanism("fixed", N, K, p.noise_multiplier, accountant=p.accountant, level="instance",
                               dataset_size=int(num_samples.min()), batch_size=cfg.train.batch_size,
                               gradients=algorithm.backprops_per_step)
         delta = delta_of(p, int(num_samples.sum()))
     else:
         mechanism, delta = client_mechanism(p, N, K, cfg.sampling.participation), delta_of(p, N)
-        mechanism = replace(mechanism, noise_multiplier=calibrated_noise(p, mechanism, cfg.rounds, delta))
+        mechanism = replace(mechanism, noise_multiplier=calibrated_noise(p, mechanism, cfg.rounds, delta, cfg.seed))
     return PrivacyLedger(mechanism, delta, p.target_epsilon, torch.zeros(N, dtype=torch.long))
 
 
@@ -225,15 +224,10 @@ class Server:
     def sample_clients(self, round: int) -> torch.Tensor:
         """Round ``t``'s clients: ``K`` uniformly without replacement, or Bernoulli(K/N) participation
         (at least one client, as FL-Simulator)."""
-        N, K = self.cfg.data.num_clients, self.cfg.sampling.clients_per_round
-        rng = numpy_stream(self.cfg.seed, round, SERVER, "sampling")
-        if self.cfg.sampling.participation == "bernoulli":
-            chosen = (rng.random(N) < K / N).nonzero()[0]
-            if len(chosen) == 0 and self.privacy is None:  # (under DP, Poisson sampling as the accountant assumes)
-                chosen = rng.choice(N, 1)
-        else:
-            chosen = rng.choice(N, K, replace=False)
-        return torch.as_tensor(sorted(chosen.tolist()), dtype=torch.long)
+        cfg = self.cfg  # (under DP, an empty Poisson sample stays empty, as the accountant assumes)
+        return torch.as_tensor(sample_clients(cfg.seed, round, cfg.data.num_clients, cfg.sampling.clients_per_round,
+                                              cfg.sampling.participation, at_least_one=self.privacy is None),
+                               dtype=torch.long)
 
     def lr_at(self, round: int) -> float:
         """``eta_l^t`` (:func:`fedflat.engine.optim.round_lr`: ``train.schedule`` after ``train.warmup_rounds``)."""

@@ -67,7 +67,8 @@ class RunInfo:
     resume's checkpoint; 0 for a new run); ``metrics``: the metrics lines so far (a resume's, from its
     checkpoint); ``group`` and ``job``: the sweep or tune study the run is a cell of (``trials``, ``final``),
     by which trackers group runs. ``should_stop`` and ``stop_reason``: a callback's request to end the run after
-    the round in progress (:meth:`stop`); ``notes``: entries callbacks add to ``summary.json``."""
+    the round in progress (:meth:`stop`); ``notes``: entries callbacks add to ``summary.json``; ``state_fn``: what
+    :meth:`model_state` calls for the global model's state (set by the run)."""
 
     config: dict[str, Any]
     run_dir: Path | None
@@ -102,22 +103,27 @@ class Callback:
     optional: bool = False
 
     def on_run_start(self, run: RunInfo) -> None:
-        pass
+        """Before the first round, the run folder made: ``run`` is the :class:`RunInfo` of the run (its resolved
+        config, folder and the metrics lines so far)."""
 
     def on_round_end(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
-        pass
+        """After every round of ``run``: ``round`` counts the rounds done (1 for the first); ``metrics`` is its
+        metrics line when it was evaluated, else the round's training numbers (train_loss, lr, seconds,
+        communication)."""
 
     def on_evaluation(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
-        pass
+        """After ``run``'s evaluated round ``round``'s line, ``metrics``, is written to metrics.jsonl."""
 
     def on_log(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
-        pass
+        """After the line ``metrics`` of ``run``'s round ``round``, not evaluated, is written to metrics.jsonl (a
+        round whose parts logged values)."""
 
     def on_checkpoint(self, run: RunInfo, round: int, path: Path) -> None:
-        pass
+        """After ``run``'s ``path`` (checkpoint.pt) is written at the end of round ``round``."""
 
     def on_run_end(self, run: RunInfo, summary: dict[str, Any], status: str) -> None:
-        pass
+        """Once, after ``run``'s summary.json and model.pt are written, whatever happened: ``summary`` is what
+        summary.json holds, ``status`` completed, stopped, diverged or failed (``summary["reason"]`` says why)."""
 
 
 def label(callback: Any) -> str:
@@ -271,10 +277,13 @@ class EarlyStopping(_Monitor):
         self.patience, self.wait, self.stopped_round = int(patience), 0, None
 
     def on_run_start(self, run: RunInfo) -> None:
-        if self.stopped_round is not None:  # a resumed run that had stopped: it stays stopped
+        """A resumed ``run`` that had stopped stays stopped."""
+        if self.stopped_round is not None:
             run.stop(self.reason())
 
     def on_evaluation(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
+        """Counts evaluation ``round`` as an improvement of ``metric`` in ``metrics`` or not, and stops ``run``
+        after ``patience`` evaluations without one."""
         value = self.value(metrics)
         if self.improves(value):
             self.best, self.best_round, self.wait = value, round, 0
@@ -295,6 +304,8 @@ class EarlyStopping(_Monitor):
         return {**super().state_dict(), "wait": self.wait, "stopped_round": self.stopped_round}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The best value, its round, the evaluations waited and the round it stopped, from a checkpoint's
+        ``state`` (:meth:`state_dict`)."""
         super().load_state_dict(state)
         self.wait, self.stopped_round = state["wait"], state["stopped_round"]
 
@@ -317,10 +328,12 @@ class ModelCheckpoint(_Monitor):
         self.best_state: dict[str, torch.Tensor] | None = None
 
     def on_run_start(self, run: RunInfo) -> None:
-        if self.best_state is not None:  # resumed: the file as it was at the checkpoint's round
+        """A resumed ``run`` writes the best model file as it was at its checkpoint's round."""
+        if self.best_state is not None:
             self._write(run)
 
     def on_evaluation(self, run: RunInfo, round: int, metrics: dict[str, Any]) -> None:
+        """Keeps ``run``'s global model when evaluation ``round`` beats the best ``metric`` in ``metrics``."""
         value = self.value(metrics)
         if self.improves(value):
             self.best, self.best_round, self.best_state = value, round, run.model_state()
@@ -337,6 +350,7 @@ class ModelCheckpoint(_Monitor):
         return {**super().state_dict(), "state": self.best_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The best value, its round and its model, from a checkpoint's ``state`` (:meth:`state_dict`)."""
         super().load_state_dict(state)
         self.best_state = state["state"]
 

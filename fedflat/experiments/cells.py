@@ -400,8 +400,8 @@ def _run_in_processes(out: Path, todo: list[Cell], workers: int | str, record, b
 
 def _start_deaf_to_ctrl_c(process) -> None:
     """Starts a cell's process with SIGINT ignored, a disposition that survives its exec. Ctrl-C at a terminal
-    signals the whole process group, and a worker it reached while still importing printed a 40-line traceback
-    (issue 32); the sweep stops its cells itself (:func:`_stop`: SIGTERM, which a cell's run takes as Ctrl-C)."""
+    signals the whole process group, and a worker it reached while still importing printed a 40-line traceback;
+    the sweep stops its cells itself (:func:`_stop`: SIGTERM, which a cell's run takes as Ctrl-C)."""
     if threading.current_thread() is not threading.main_thread():  # (signal dispositions: main thread only)
         process.start()
         return

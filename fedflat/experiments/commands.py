@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from fedflat.cliutil import add_loggers_option, loggers_override, print_outcome, workers_count
+from fedflat.core import ConfigError
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -42,6 +43,15 @@ def _ray_cells(args: argparse.Namespace):
     return RayCells(args.ray_address, args.cpus_per_cell, args.gpus_per_cell) if args.backend == "ray" else None
 
 
+def titled(name: str) -> str:
+    """A tune file's method as the tables name it, with the name ``--methods`` takes where they differ:
+    ``FedSOL (fedsol)``."""
+    from fedflat.core.registry import display_label  # (torch: `fedflat --help` loads none)
+
+    title = display_label(name)
+    return name if title == name else f"{title} ({name})"
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from fedflat.experiments.tune import load_study, run_study, selection_table
 
@@ -52,7 +62,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.dry_run:
         for name, per in trials.items():
             method = study.methods[name]
-            print(f"{name}: {len(per)} of {method.grid_size} candidates over "
+            print(f"{titled(name)}: {len(per)} of {method.grid_size} candidates over "
                   + (", ".join(f"{k} {v}" for k, v in method.space.items()) or "nothing (its defaults)"))
             for _, cells in per:
                 for cell in cells:
@@ -64,8 +74,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     result = run_study(study, workers=args.workers, progress=not args.no_progress, ray=_ray_cells(args))
     sys.stdout.write(selection_table(result, study))
     for name in result.incomplete:
-        print(f"  {name}: not finished (a trial or final run failed or was interrupted: see its error.txt under "
-              f"{study.out}); rerunning the same command resumes it")
+        print(f"  {titled(name)}: not finished (a trial or final run failed or was interrupted: see its error.txt "
+              f"under {study.out}); rerunning the same command resumes it")
     print(f"selections: {study.out / 'tune.json'}; report: fedflat report {study.out / 'final'}")
     return 3 if result.incomplete else 0
 
@@ -112,6 +122,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from fedflat.experiments.personal import evaluate_run
 
+    not_a_run(Path(args.run_dir))
     result = evaluate_run(args.run_dir, {"personalized": True, "global": False}.get(args.mode), model=args.model,
                           split=args.split, merged=args.merged)
     split, acc, loss = result["split"], result["accuracy"], result["loss"]
@@ -125,6 +136,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"summary.json: {key}_acc {reported:.4f}, {key}_loss {result['reported_loss']:.4f} "
               f"({'reproduced' if same else 'DIFFERENT: the last round was not evaluated, or the files changed'})")
     return 0
+
+
+def not_a_run(path: Path) -> None:
+    """Raises the error that says what ``path`` is when it is not one run's folder (none has ``config.yaml``): a
+    sweep's or a tune study's folder, or any folder of runs, with the command that evaluates one of its runs; or a
+    folder that holds no run at all."""
+    from fedflat.experiments.report import is_run_dir
+    from fedflat.experiments.sweep import SWEEP_FILE
+    from fedflat.experiments.tune import TUNE_FILE
+
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such run folder (give the folder `fedflat run` printed)")
+    if (path / "config.yaml").is_file():
+        return
+    runs = sorted(d.parent for d in path.rglob("summary.json") if is_run_dir(d.parent))
+    what = ("a sweep folder" if (path / SWEEP_FILE).is_file() else "a tune study's folder"
+            if (path / TUNE_FILE).is_file() else "a folder of runs" if runs else "not a run folder")
+    if not runs:
+        raise ConfigError(f"{path} is {what}: it has no config.yaml and no run folder below it (give the folder "
+                          "`fedflat run` printed)")
+    raise ConfigError(f"{path} is {what}, not one run's folder: evaluate one of its {len(runs)} runs, e.g. "
+                      f"`fedflat evaluate {runs[0]}` (`fedflat report {path}` tabulates them all)")
 
 
 def register(sub) -> None:

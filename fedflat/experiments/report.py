@@ -242,6 +242,26 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return ordered
 
 
+def at_chance(acc: float, num_classes: int, count: int) -> bool:
+    """Whether accuracy ``acc`` on ``count`` held-out samples is at chance level: within three binomial standard
+    errors of ``p = 1/num_classes``, ``|acc - p| <= 3 sqrt(p (1 - p) / count)``. A model that guesses (or, on a
+    balanced held-out set, predicts one class) scores ``p`` up to that sampling error; one that learned anything
+    beyond it is more than 3 standard errors away (0.009 on Fashion-MNIST's 10,000 test images)."""
+    p = 1.0 / num_classes
+    return count > 0 and abs(acc - p) <= 3.0 * math.sqrt(p * (1.0 - p) / count)
+
+
+def run_status(run: Run) -> str:
+    """The run's ``status``, or ``at chance`` for a completed run whose final accuracy on its held-out split is at
+    chance level (:func:`at_chance`; a run that did not record its held-out size and classes cannot tell)."""
+    status, s = run.summary.get("status", "?"), run.summary
+    split = s.get("evaluated_on", "test")
+    acc, count, classes = s.get(f"final_{split}_acc"), s.get(f"{split}_samples"), s.get("num_classes")
+    if status == "completed" and None not in (acc, count, classes) and at_chance(acc, classes, count):
+        return "at chance"
+    return status
+
+
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (``ddof=1``; None for fewer than two values)."""
     values = [v for v in values if v is not None and math.isfinite(v)]
@@ -273,6 +293,9 @@ class Row:
     # runs that selected on a validation split: the test accuracy of the model each selected (in %)
     selected: tuple[float | None, float | None] = (None, None)
     radius: str | None = None  # the SAM radius the runs perturbed with (``rho=0.05``; None: no perturbation)
+    seed_values: tuple[Any, ...] = ()  # the runs' seeds, in order
+    # (dataset, split, samples) of each held-out split the runs' accuracies are on: what one sample is worth
+    heldout: tuple[tuple[str, str, int], ...] = ()
 
 
 def summarize(group: Group, targets: list[float]) -> Row:
@@ -294,7 +317,7 @@ def summarize(group: Group, targets: list[float]) -> Row:
     bp = [r.summary["backprops_per_step"] for r in runs if r.summary.get("backprops_per_step") is not None]
     statuses: dict[str, int] = {}
     for r in runs:
-        statuses[r.summary.get("status", "?")] = statuses.get(r.summary.get("status", "?"), 0) + 1
+        statuses[run_status(r)] = statuses.get(run_status(r), 0) + 1
     status = ", ".join(f"{k} {v}/{len(runs)}" for k, v in statuses.items() if k != "completed") or "ok"
     # a personalized run's accuracy is its clients' own models on their own test shares, not the global model's
     personalized = any(r.summary.get("evaluation") == "personalized" for r in runs)
@@ -308,7 +331,54 @@ def summarize(group: Group, targets: list[float]) -> Row:
                         for name in _metric_names(runs)},
                selected=mean_std([100 * r.summary["selected_test_acc"] for r in runs
                                   if r.summary.get("selected_test_acc") is not None]),
-               radius=radius_of(runs))
+               radius=radius_of(runs), seed_values=tuple(sorted({r.seed for r in runs}, key=_seed_order)),
+               heldout=heldout_of(runs))
+
+
+def heldout_of(runs: list[Run]) -> tuple[tuple[str, str, int], ...]:
+    """``(dataset, split, samples)`` for each held-out split the runs recorded (``test_samples``, and
+    ``val_samples`` for runs that selected on a validation split), in order of first appearance."""
+    found = [(str(r.summary.get("dataset", "?")), split, int(r.summary[f"{split}_samples"])) for r in runs
+             for split in ("test", "val") if r.summary.get(f"{split}_samples") is not None]
+    return tuple(dict.fromkeys(found))
+
+
+def caption(rows: list[Row]) -> str | None:
+    """What the numbers rest on, said under every table: the seeds, and each held-out split's size with what one
+    sample is worth in points of accuracy (359 test images: one is 0.28 points) — a table of one seed on a small
+    test set separates methods by little more than that."""
+    if not rows:
+        return None
+    seeds = sorted({s for r in rows for s in r.seed_values}, key=_seed_order)
+    counts = sorted({r.seeds for r in rows})
+    if counts == [1]:
+        each = "one run per row, so no spread is shown"
+    elif len(counts) == 1:
+        each = f"{counts[0]} runs per row: mean ± sample standard deviation"
+    else:
+        each = "the seeds column gives each row's count; mean ± sample standard deviation"
+    said = [f"Seed{'s' if len(seeds) > 1 else ''} {_listed(seeds)} ({each})."]
+    sizes = list(dict.fromkeys(h for r in rows for h in r.heldout))
+    if sizes:
+        parts = [f"{n:,} {'validation' if split == 'val' else 'test'} samples ({name}): one is "
+                 f"{100 / n:.2g} points of accuracy" for name, split, n in sizes]
+        said.append("Held out: " + "; ".join(parts) + ".")
+    else:
+        said.append("The runs did not record their held-out sizes (written by an older fedflat).")
+    return " ".join(said)
+
+
+def _seed_order(seed: Any) -> tuple[bool, Any]:
+    """Integer seeds in numeric order (2 before 10), then any other by its text."""
+    return (False, seed) if isinstance(seed, int) else (True, str(seed))
+
+
+def _listed(values: list[Any]) -> str:
+    """``0, 1, 2``; ``0-9`` for a long run of consecutive integers."""
+    if len(values) > 4 and all(isinstance(v, int) for v in values) and values == list(range(values[0],
+                                                                                             values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ", ".join(map(str, values))
 
 
 RADII = ("rho", "rho_max")  # the perturbation's radius, as its paper names it (FedSCAM adapts up to rho_max)
@@ -408,7 +478,8 @@ def to_markdown(rows: list[Row], targets: list[float]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected, radius))
               + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    note = caption(rows)
+    return "\n".join(lines) + "\n" + (f"\n{note}\n" if note else "")
 
 
 _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "$": r"\$",
@@ -432,6 +503,9 @@ def to_latex(rows: list[Row], targets: list[float]) -> str:
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}"]
+    note = caption(rows)
+    if note:  # (under the tabular, as a table's note)
+        out.append(r"\par\smallskip{\footnotesize " + _latex_escape(note).replace("±", r"$\pm$") + "}")
     return "\n".join(out) + "\n"
 
 
@@ -444,7 +518,8 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     cols += ["epsilon"] if private(rows) else []
     for t in targets:
         cols += [f"rounds_to_{t:g}", f"reached_{t:g}", f"seconds_to_{t:g}"]
-    cols += ["sec_per_round", "comm_vs_fedavg", "backprops_per_step", "rounds", "status"]
+    cols += ["sec_per_round", "comm_vs_fedavg", "backprops_per_step", "rounds", "status", "seed_values",
+             "heldout_samples"]
     writer = csv.writer(buf)
     writer.writerow(cols)
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
@@ -455,7 +530,8 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
         for t in targets:
             rounds, seconds, reached = r.targets[t]
             line += [num(rounds), reached, num(seconds)]
-        line += [num(r.sec_per_round), num(r.comm), num(r.backprops), num(r.rounds), r.status]
+        line += [num(r.sec_per_round), num(r.comm), num(r.backprops), num(r.rounds), r.status,
+                 " ".join(map(str, r.seed_values)), " ".join(f"{name}:{split}:{n}" for name, split, n in r.heldout)]
         writer.writerow(line)
     return buf.getvalue()
 

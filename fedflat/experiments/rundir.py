@@ -119,16 +119,18 @@ class DiskFull(OSError):
         return self.args[1]
 
 
-def check_output_folder(path: str | Path) -> None:
-    """Refuses, before any data are loaded, an output folder that cannot be made or written; makes it (with its
-    parents) where it is missing and keeps it, as the run would make it. Making is idempotent
-    (``os.makedirs(exist_ok=True)``) and nothing is removed, so runs started at once into one new folder never trip
-    over each other: each then makes its own run folder in it (:meth:`RunDir.create`, exclusive)."""
+def check_output_folder(path: str | Path) -> list[Path]:
+    """Refuses, before any data are loaded, an output folder ``path`` that cannot be made or written; makes it (with
+    its parents) where it is missing, as the run would make it, and returns the folders it made, outermost first
+    (:func:`remove_if_empty` takes them away again if the run stops before its folder exists). Making is idempotent
+    (``os.makedirs(exist_ok=True)``), so runs started at once into one new folder never trip over each other: each
+    then makes its own run folder in it (:meth:`RunDir.create`, exclusive)."""
     from fedflat.core import ConfigError
 
     target = Path(path).absolute()
-    probe = target
+    probe, missing = target, []
     while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"output folder {path}: {probe} is a file, not a folder; choose another --out")
@@ -143,6 +145,18 @@ def check_output_folder(path: str | Path) -> None:
                           "another --out") from None
     if not os.access(target, os.W_OK | os.X_OK):
         raise ConfigError(f"output folder {path}: {target} is not writable; choose another --out")
+    return missing[::-1]
+
+
+def remove_if_empty(made: list[Path]) -> None:
+    """Removes the folders :func:`check_output_folder` made, innermost first, each only while it is empty: a run
+    that stopped before its folder existed (a bad ``--data-dir``, an unknown dataset) leaves no empty ``--out``
+    behind, and a folder another run has written into stays (``os.rmdir`` removes only an empty folder)."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another run's folder is in it), or gone already
+            return
 
 
 class RunDir:
@@ -163,6 +177,8 @@ class RunDir:
                 return cls(path)
             except FileExistsError:
                 continue
+            except FileNotFoundError:  # another run into this new folder failed early and took it away again
+                out.mkdir(parents=True, exist_ok=True)
         raise RuntimeError(f"could not create a unique run folder in {out}")
 
     @classmethod

@@ -26,13 +26,15 @@ from torch import nn
 from fedflat.algorithms.attacks import backdoor_of
 from fedflat.config import Config, as_config, dump_yaml, resolve
 from fedflat.core import BudgetSpent, ConfigError, Diverged
+from fedflat.core.registry import display_label
 from fedflat.data import Dataset
 from fedflat.engine.checkpoint import make_payload, read_checkpoint, remove_temporaries, save_checkpoint
 from fedflat.engine.cores import torch_threads
 from fedflat.engine.inputs import UserInputs
 from fedflat.engine.simulation import RoundResult, Simulation, uninterrupted
 from fedflat.experiments.callbacks import CallbackError, Callbacks, RunInfo, build_callbacks
-from fedflat.experiments.rundir import DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full
+from fedflat.experiments.rundir import (DiskFull, RunDir, check_output_folder, hold, interruption, is_disk_full,
+                                        remove_if_empty)
 from fedflat.experiments.summary import RunSummary, cpu_state
 from fedflat.files import atomic_write_bytes, json_safe
 from fedflat.progress import progress_bar
@@ -57,8 +59,8 @@ class History:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def column(self, key: str) -> list[Any]:
-        """One metric over the metrics lines (``history.column("test_acc")``; None where a line lacks it, as the line
-        of a round not evaluated lacks the evaluation's keys)."""
+        """The metric ``key`` over the metrics lines (``history.column("test_acc")``; None where a line lacks it, as
+        the line of a round not evaluated lacks the evaluation's keys)."""
         return [m.get(key) for m in self.metrics]
 
     @property
@@ -129,7 +131,8 @@ def run_experiment(config: Config | dict | str | Path | None = None, *, override
         if resume is not None:
             stack.enter_context(hold(resume))  # refuse a second writer before anything is loaded
         elif save:
-            check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+            made = check_output_folder(run_dir if run_dir is not None else (out if out is not None else cfg.out))
+            stack.callback(remove_if_empty, made)  # (what holds the run's folder, or another run's, stays)
         from fedflat.experiments.loggers import build_loggers
 
         # a logger's library and a callback's options are checked before a folder is made
@@ -263,9 +266,9 @@ class Runner:
 
     def run(self, progress: bool) -> History:
         start, wall_before = time.perf_counter(), self.summary["wall_seconds"]
-        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress, desc=self.summary["algorithm"],
-                           unit="round", dynamic_ncols=True, leave=True, initial=self.start_round,
-                           total=self.cfg.rounds)
+        bar = progress_bar(range(self.start_round, self.cfg.rounds), enabled=progress,
+                           desc=display_label(self.summary["algorithm"]), unit="round", dynamic_ncols=True,
+                           leave=True, initial=self.start_round, total=self.cfg.rounds)
         every = self.cfg.checkpoint_every
         try:
             if self._owed is not None:

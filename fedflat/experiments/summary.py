@@ -18,8 +18,9 @@ from fedflat.config import Config
 from fedflat.engine.simulation import RoundResult, Simulation
 from fedflat.experiments.callbacks import Callbacks, ModelCheckpoint, RunInfo
 from fedflat.experiments.personal import save_personal_parts
-from fedflat.models.lora import adapted, frozen_count, save_adapter
+from fedflat.experiments.report import at_chance
 from fedflat.experiments.rundir import DiskFull, RunDir, machine_info, versions
+from fedflat.models.lora import adapted, frozen_count, save_adapter
 
 NOW = "%Y-%m-%dT%H:%M:%S%z"
 ADAPTER_FOLDER = "adapter"  # a run's adapters in peft's format (adapter_config.json, adapter_model.safetensors)
@@ -42,6 +43,8 @@ def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> d
         "up_vectors": None, "down_vectors": None, "up_bytes": 0, "down_bytes": 0,
         "backprops_per_step": alg.backprops_per_step, "client_state_vectors": alg.client_state_vectors,
         "evaluated_on": sim.heldout, "evaluation": "personalized" if sim.personalized else "global",
+        # what an accuracy is out of: its chance level, and one held-out sample's worth (the report states both)
+        "num_classes": sim.dataset.num_classes, **heldout_samples(sim),
         "final_test_acc": None, "best_test_acc": None, "best_round": None,
         "final_test_loss": None,
         **({"final_val_acc": None, "best_val_acc": None, "final_val_loss": None} if sim.heldout == "val" else {}),
@@ -55,6 +58,15 @@ def initial_summary(cfg: Config, sim: Simulation, resolved: dict[str, Any]) -> d
         if cfg.adapter is not None:
             summary["adapter"] = resolved.get("adapter")
     return summary
+
+
+def heldout_samples(sim: Simulation) -> dict[str, int]:
+    """``{"test_samples": n}``, and ``"val_samples"`` too for a run that selects on ``data.validation``: the size
+    of each held-out split an accuracy of the run is computed on."""
+    sizes = {f"{sim.heldout}_samples": int(sim.dataset.y_test.shape[0])}
+    if sim.problem.test_split is not None:
+        sizes["test_samples"] = int(sim.problem.test_split[1].shape[0])
+    return sizes
 
 
 class RunSummary:
@@ -226,15 +238,6 @@ def dropped_note(dropped: dict[str, list[int]]) -> str:
     shown = ", ".join(rounds[:10]) + (", ..." if len(rounds) > 10 else "")
     return (f"{sum(map(len, dropped.values()))} sampled clients left out of {len(rounds)} rounds ({shown}): their "
             "nodes failed or did not answer in time; summary.json's dropped_clients names them")
-
-
-def at_chance(acc: float, num_classes: int, count: int) -> bool:
-    """Whether accuracy ``acc`` on ``count`` held-out samples is at chance level: within three binomial standard
-    errors of ``p = 1/num_classes``, ``|acc - p| <= 3 sqrt(p (1 - p) / count)``. A model that guesses (or, on a
-    balanced held-out set, predicts one class) scores ``p`` up to that sampling error; one that learned anything
-    beyond it is more than 3 standard errors away (0.009 on Fashion-MNIST's 10,000 test images)."""
-    p = 1.0 / num_classes
-    return count > 0 and abs(acc - p) <= 3.0 * math.sqrt(p * (1.0 - p) / count)
 
 
 def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ import numpy as np
 
 from fedflat.config import config_file, parse_override
 from fedflat.core import ConfigError
+from fedflat.core.registry import display_label
 from fedflat.experiments.cells import Cell, RayCells, run_cells
 from fedflat.experiments.sweep import (_option_name, _parse_axis, _parse_overrides, _refuse_unknown, config_from,
                                        pick_variant, read_experiment_file)
@@ -339,5 +340,6 @@ def selection_table(result: StudyResult, study: Study) -> str:
                 f" ± {100 * statistics.stdev(tests):.2f}" if len(tests) > 1 else "")
         else:
             test = "–"
-        lines.append(f"| {name} | {len(m['trials'])} (of {m['grid_size']}) | {selected} | {val} | {test} |")
+        lines.append(f"| {display_label(name)} | {len(m['trials'])} (of {m['grid_size']}) | {selected} | {val} | "
+                     f"{test} |")
     return "\n".join(lines) + "\n"

@@ -213,7 +213,7 @@ def own_ray_for_simulation() -> None:
 
     The engine starts Ray with ``ray.init()`` and no address, and Ray then joins the instance recorded in
     ``/tmp/ray/ray_current_cluster`` by the last ``ray start`` on this machine — one long stopped, whose dead GCS
-    it waits on for ever (`flwr run APP` then never trained: no node answered; issue 32), or another user's.
+    it waits on for ever (`flwr run APP` then never trained: no node answered), or another user's.
     ``RAY_ADDRESS`` set already (``auto``, or a cluster's address, for Flower's multi-node simulation) is kept.
     The ClientApp module ``fedflat flower-app`` writes calls it; it changes nothing on a deployment's SuperNodes,
     which run no Ray."""

@@ -92,15 +92,39 @@ SuperNodes (each on its own machine, with ca.crt and its own node-P only):
 Then, on the SuperLink's machine: flwr run APP here --run-config 'num-partitions={nodes}'"""
 
 
+def gate_limits(args: argparse.Namespace):
+    """The :class:`~fedflat.flower.limits.GateLimits` of ``fedflat flower-gate``'s options."""
+    from fedflat.flower.limits import GateLimits
+
+    return GateLimits(**{name: getattr(args, name) for name in GATE_LIMITS})
+
+
 def cmd_flower_gate(args: argparse.Namespace) -> int:
     require_flower()
     from fedflat.flower.gate import require_loopback, serve_gate
 
     require_loopback(args.superlink)
+    limits = gate_limits(args)
     print(f"fedflat flower-gate on {args.host}:{args.port}: SuperNodes of the roster in {args.keys} reach the "
-          f"SuperLink at {args.superlink}; nothing else passes", flush=True)
-    serve_gate(args.keys, args.host, args.port, args.superlink)
+          f"SuperLink at {args.superlink}; nothing else passes ("
+          + ", ".join(f"--{name.replace('_', '-')} {getattr(limits, name)}" for name in GATE_LIMITS) + ")",
+          flush=True)
+    serve_gate(args.keys, args.host, args.port, args.superlink, limits)
     return 0
+
+
+# fedflat flower-gate's limits: option (a GateLimits field), type, what it bounds (docs/flower.md, "The gate's limits")
+GATE_LIMITS = {
+    "max_header_bytes": (int, "bytes of a request's line and headers (a SuperNode sends about 1.5 KiB)"),
+    "header_timeout": (float, "seconds from a connection's opening (TLS included) or a request's first byte to its "
+                              "whole head; also the longest pause within a body"),
+    "max_body_bytes": (int, "bytes of a request's body (Flower sends arrays in 5 MiB chunks)"),
+    "max_connections": (int, "open connections overall"),
+    "max_connections_per_address": (int, "open connections from one address (an IPv6 /64): SuperNodes behind one NAT "
+                                         "share it"),
+    "idle_timeout": (float, "seconds a connection may wait between a response and its next request"),
+    "signature_window": (float, "seconds a SuperNode's signature is accepted after its timestamp"),
+}
 
 
 def cmd_flower_sim(args: argparse.Namespace) -> int:
@@ -142,6 +166,11 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=9092, help="the gate's port (default 9092)")
     p.add_argument("--superlink", default="127.0.0.1:9093",
                    help="the SuperLink's address, a loopback one (flower-superlink --host 127.0.0.1 --port 9093)")
+    from fedflat.flower.limits import GateLimits
+
+    for name, (kind, what) in GATE_LIMITS.items():
+        default = getattr(GateLimits(), name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{what} (default {default})")
     p.set_defaults(func=cmd_flower_gate)
 
     p = sub.add_parser("flower-sim", help="run a config as a Flower simulation in this process")

@@ -116,15 +116,19 @@ def reply_content(message):
 @dataclass(frozen=True)
 class UploadLayout:
     """What one client's upload holds: each entry's name, the shape of its row and its NumPy dtype. A reply for ``C``
-    clients holds exactly these entries, each ``[C, *row]`` of that dtype."""
+    clients holds exactly these entries, each ``[C, *row]`` of that dtype. ``step_backprops``: the backward passes
+    one client's round of one local step took (measured by :func:`upload_layout`), part of the bound on what a reply
+    may claim (:func:`most_backprops`)."""
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
+    step_backprops: int = 0
 
     @classmethod
-    def of(cls, upload: dict[str, torch.Tensor]) -> UploadLayout:
-        """The layout of ``upload`` (rows ``[C, ...]``)."""
+    def of(cls, upload: dict[str, torch.Tensor], step_backprops: int = 0) -> UploadLayout:
+        """The layout of ``upload`` (rows ``[C, ...]``), of a method whose client takes ``step_backprops`` backward
+        passes in a round of one local step."""
         return cls(tuple(sorted((k, tuple(int(d) for d in v.shape[1:]), str(v.dtype).removeprefix("torch."))
-                                for k, v in upload.items())))
+                                for k, v in upload.items())), int(step_backprops))
 
     def names(self) -> list[str]:
         return [name for name, _, _ in self.entries]
@@ -168,13 +172,14 @@ def checked_array(name: str, array, shape: tuple[int, ...], dtype: str) -> torch
     return torch.from_numpy(np.array(np.load(io.BytesIO(bytes(array.data)), allow_pickle=False)))
 
 
-def read_result(content, expected: list[int], layout: UploadLayout, round: int) -> ClientResult:
+def read_result(content, expected: list[int], layout: UploadLayout, round: int, most: int) -> ClientResult:
     """The clients' result in a node's reply, checked whole against what the node was sent and what the method
-    uploads (module docstring): the reply of ``round`` (0-based), exactly the ``expected`` clients in that order, the
-    entries of ``layout`` and no other, each ``[C, *row]`` of its dtype (checked before it is decoded), every
-    floating-point value finite. Whatever else a node sends is a :class:`BadReply`, never the server's crash."""
+    uploads (module docstring): the reply of ``round`` (0-based), exactly the ``expected`` clients in that order, at
+    most ``most`` backward passes (what their local steps take: :func:`most_backprops`), the entries of ``layout`` and
+    no other, each ``[C, *row]`` of its dtype (checked before it is decoded), every floating-point value finite.
+    Whatever else a node sends is a :class:`BadReply`, never the server's crash."""
     try:
-        return _read_result(content, expected, layout, round)
+        return _read_result(content, expected, layout, round, most)
     except BadReply:
         raise
     except Exception as err:  # a reply of any other form: the node's fault, said as such
@@ -188,7 +193,7 @@ def _plain_ints(values, what: str) -> list[int]:
     return values
 
 
-def _read_result(content, expected: list[int], layout: UploadLayout, round: int) -> ClientResult:
+def _read_result(content, expected: list[int], layout: UploadLayout, round: int, most: int) -> ClientResult:
     if "upload" not in content.array_records or "result" not in content.config_records:
         raise BadReply("the reply has no upload")
     result = content["result"]
@@ -202,6 +207,7 @@ def _read_result(content, expected: list[int], layout: UploadLayout, round: int)
     backprops = _plain_ints(result["backprops"], "backward passes")
     if len(backprops) != 1 or backprops[0] < 0:
         raise BadReply(f"the reply's backward passes {backprops} are not one count")
+    check_backprops(backprops[0], most)
     record = content["upload"]
     missing, extra = sorted(set(layout.names()) - set(record)), sorted(set(record) - set(layout.names()))
     if missing or extra:
@@ -213,6 +219,28 @@ def _read_result(content, expected: list[int], layout: UploadLayout, round: int)
     if broken:
         raise BadReply(f"upload entries {broken} hold NaN or infinite values")
     return ClientResult(torch.tensor(clients, dtype=torch.long), upload, {}, backprops[0])
+
+
+def check_backprops(claimed: int, most: int) -> None:
+    """A :class:`BadReply` when a node claims more backward passes than its clients' local steps take (``most``)."""
+    if claimed > most:
+        raise BadReply(f"the reply claims {claimed} backward passes, more than the {most} its clients' local steps "
+                       "take in this round (at most)")
+
+
+def most_backprops(sim: Simulation, opened: OpenRound, layout: UploadLayout, clients: list[int]) -> int:
+    """The most backward passes ``clients`` may take in the round ``opened``: per client ``b max(E_i, 1) + a_i``, with
+    ``E_i`` the local steps the round asked of it, ``b`` the larger of the method's declared passes per step and those
+    a round of one step took here (``layout.step_backprops``: a pass once a round, FedSCAM's pilot, is in it), and
+    ``a_i`` what the parts declare they take once a round on the client's ``n_i`` samples (FedALA's start phase:
+    :meth:`~fedflat.core.Part.round_backprops`). A client's passes in a round are ``a + b' E`` with ``b' <= b`` per
+    step (FedSOL skips its first step's perturbation) and ``a`` once a round, either declared or taken by the round of
+    one step too (then ``a + b' E <= (a + b') E``), so an honest node's count is never above it."""
+    per_step = max(layout.step_backprops, sim.algorithm.backprops_per_step)
+    task = {int(c): (int(e), int(n)) for c, e, n in zip(opened.task.ids.tolist(), opened.task.steps.tolist(),
+                                                      opened.task.num_samples.tolist())}
+    return sum(per_step * max(task[c][0], 1) + sim.algorithm.round_backprops(task[c][1], sim.settings)
+               for c in clients)
 
 
 def with_buffers(entries: dict[str, torch.Tensor], buffers: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -272,10 +300,11 @@ def _read_scores(content, sent: list[int]) -> ClientScores:
 def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
     """What one client's upload holds in the round ``opened``: the method's client side (the code every node runs,
     :meth:`~fedflat.engine.runtime.ClientRuntime.fit`) run here for the round's first sampled client from a fresh
-    state, one local step. The entries (the parts' and upload stages' ``cohort.upload``), their row shapes and dtypes
-    follow from the method, its options and the model, not from the data or the state, so every reply of the round
-    is checked against this (:func:`~fedflat.flower.protocol.read_result`), never against the other nodes' replies:
-    with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's state changes."""
+    state, one local step, and the backward passes that took. The entries (the parts' and upload stages'
+    ``cohort.upload``), their row shapes and dtypes follow from the method, its options and the model, not from the
+    data or the state, so every reply of the round is checked against this (:func:`read_result`), never against the
+    other nodes' replies: with two nodes a vote would side with whichever sent the odd layout. Nothing of the server's
+    state changes."""
     one = opened.task.rows(torch.tensor([0]))
     task = RoundTask(one.ids, one.num_samples, torch.ones_like(one.steps))
     store = sim.server.store
@@ -287,4 +316,4 @@ def upload_layout(sim: Simulation, opened: OpenRound) -> UploadLayout:
         result = sim.runtime.fit(opened.broadcast.for_clients(task.ids), task, rows_loader(task.ids, state, known))
     finally:
         sim.runtime.oracle.backprops = counted
-    return UploadLayout.of(result.upload)
+    return UploadLayout.of(result.upload, result.backprops)

@@ -51,7 +51,8 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from fedflat.config import Config, SecureAggregationConfig
 from fedflat.core import BUFFERS, MODEL, ClientResult, ConfigError, NoClients
 from fedflat.engine.simulation import RoundResult
-from fedflat.flower.protocol import UploadLayout, array_record, npy_header, task_content, tensors, upload_layout
+from fedflat.flower.protocol import (UploadLayout, array_record, most_backprops, npy_header, task_content, tensors,
+                                     upload_layout)
 
 log = logging.getLogger("fedflat.flower")
 
@@ -193,12 +194,13 @@ class OneRound(LegacyStrategy):
         return None
 
 
-def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) -> str:
+def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout, most: int) -> str:
     """Why a node's masked-vector reply cannot join the sum ('' when it can): what it says in the clear (its clients,
-    their count as its weight, the entries' names, row shapes and dtypes, its counts) must be what it was sent and what
-    the method uploads (``layout``, :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one
-    integer array per entry of the size the layout gives (read from the arrays' headers, before Flower decodes them:
-    Flower adds the vectors element-wise, so another count or shape would truncate or broadcast into the sum)."""
+    their count as its weight, the entries' names, row shapes and dtypes, its counts: at most ``most`` backward passes,
+    :func:`fedflat.flower.protocol.most_backprops`) must be what it was sent and what the method uploads (``layout``,
+    :func:`fedflat.flower.protocol.upload_layout`), and its masked vector must hold one integer array per entry of the
+    size the layout gives (read from the arrays' headers, before Flower decodes them: Flower adds the vectors
+    element-wise, so another count or shape would truncate or broadcast into the sum)."""
     try:
         fit_res = compat.recorddict_to_fitres(reply.content, keep_input=True)
         said = json.loads(str(fit_res.metrics["layout"]))
@@ -213,6 +215,9 @@ def clear_text_problem(reply: Message, sent: list[int], layout: UploadLayout) ->
         for key in ("backprops", "beyond-range"):
             if type(fit_res.metrics[key]) is not int or fit_res.metrics[key] < 0:
                 return f"its {key} {fit_res.metrics[key]!r} is not a count"
+        if fit_res.metrics["backprops"] > most:
+            return (f"it claims {fit_res.metrics['backprops']} backward passes, more than the {most} its clients' "
+                    "local steps take in this round (at most)")
         vectors = list(reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
         expected = [(1,)] + [(max(1, int(np.prod(shape))),) for _, shape, _ in layout.entries]
         if len(vectors) != len(expected):
@@ -263,8 +268,10 @@ class Screened:
     (:func:`form_problem`) is held back too: a dropout at that stage, which the workflow handles, where the malformed
     reply would have raised inside it and ended the run."""
 
-    def __init__(self, grid, sent: dict[int, list[int]], layout: UploadLayout, round: int):
+    def __init__(self, grid, sent: dict[int, list[int]], layout: UploadLayout, round: int,
+                 most: dict[int, int] | None = None):
         self.grid, self.sent, self.layout, self.round = grid, sent, layout, round
+        self.most = most or {}  # node -> the most backward passes its clients' local steps take (most_backprops)
         self.left_out: dict[int, str] = {}
 
     def __getattr__(self, name: str):
@@ -284,7 +291,7 @@ class Screened:
             if reply.has_error():
                 why = ""
             elif stage == Stage.COLLECT_MASKED_VECTORS:
-                why = clear_text_problem(reply, self.sent.get(node, []), self.layout)
+                why = clear_text_problem(reply, self.sent.get(node, []), self.layout, self.most.get(node, 0))
             else:
                 why = form_problem(stage, reply, set(self.sent))
             if why:
@@ -340,7 +347,8 @@ def secure_round(strategy, grid, t: int) -> RoundResult:
     if integral:
         raise ConfigError(f"secure_aggregation: this method uploads {integral} as integers (an encoder's), which "
                           "SecAgg+ cannot average; remove the compression")
-    screened = Screened(grid, strategy.sent, layout, t)
+    screened = Screened(grid, strategy.sent, layout, t,
+                        {node: most_backprops(sim, opened, layout, clients) for node, clients in strategy.sent.items()})
     workflow(sim.cfg.secure_aggregation, sim.cfg.data.num_clients, strategy.round_timeout)(screened, context)
     if adapter.results is None:
         left_out = "".join(f"; node {n} left out: {why}" for n, why in sorted(screened.left_out.items()))

@@ -30,14 +30,17 @@ from fedflat.config import Config
 from fedflat.core import MODEL, ClientResult, ConfigError, NoClients, merge_results
 from fedflat.engine.simulation import ClientScores, OpenRound, RoundResult, Simulation, pooled_accuracy
 from fedflat.flower.protocol import (EVALUATE, BadReply, UploadLayout, array_record, error_line, evaluation_content,
-                                     read_result, read_scores, reply_content, task_content, upload_layout, wire_bytes,
-                                     with_buffers)
+                                     most_backprops, read_result, read_scores, reply_content, task_content,
+                                     upload_layout, wire_bytes, with_buffers)
 
 log = logging.getLogger("fedflat.flower")
 
 QUERY = "query"  # Flower message type of the discovery message: which partition a node holds
-LOG_HINT = ("in a Flower simulation (`flwr run APP` on the local SuperLink) its ClientApps did not start: the "
-            "run's log says why (`flwr log RUN_ID`)")
+SIMULATION_HINT = ("in a Flower simulation (`flwr run APP` on the local SuperLink) its ClientApps did not start: the "
+                   "run's log says why (`flwr log RUN_ID`)")
+DEPLOYMENT_HINT = ("in this deployment no SuperNode of the federation is connected to the SuperLink: each SuperNode's "
+                   "log says why it cannot connect, and `fedflat flower-gate`'s standard error names every connection "
+                   "and request it refused, with the limit or check that refused it (docs/flower.md)")
 
 
 def partition_of(client: int, partitions: int) -> int:
@@ -72,6 +75,7 @@ class Federation:
         self.online: set[int] = set()
         self.keys: dict[int, bytes] = {}  # node id -> its public key
         self.started: dict[int, str] = {}  # node id -> when it last connected (a restart changes it)
+        self.simulation = False  # whether the grid is Flower's simulation (:func:`simulated`), not a deployment
 
     def leave_out(self, node: int, why: str) -> None:
         """Stops using ``node`` for the rest of the run (its query failed or it claimed another's partition)."""
@@ -80,12 +84,13 @@ class Federation:
 
     def absence(self, wait_s: float) -> str:
         """Why no node hosts a client: the end of the error that stops the run."""
+        hint = SIMULATION_HINT if self.simulation else DEPLOYMENT_HINT
         if not self.online:
             return (f"no Flower node is connected (waited {wait_s:.0f} s): start SuperNodes with --node-config "
-                    f"'partition-id=P num-partitions=M', or {LOG_HINT}")
+                    f"'partition-id=P num-partitions=M'; {hint}")
         if not self.partition:
             why = "; ".join(f"node {n}: {reason}" for n, reason in sorted(self.silent.items())) or "none answered"
-            return f"every node was left out ({why}): {LOG_HINT}"
+            return f"every node was left out ({why})" + (f": {SIMULATION_HINT}" if self.simulation else "")
         return (f"no node online holds their partitions (nodes online hold {sorted(set(self.partition.values()))} "
                 f"of {self.partitions}; waited {wait_s:.0f} s for the others)")
 
@@ -110,6 +115,7 @@ class Federation:
 
     def look(self, grid) -> dict[int, tuple[bytes, str]]:
         """The online nodes: their public key and when they last connected (a node id where Flower has no key)."""
+        self.simulation = simulated(grid)
         nodes = {int(info.node_id): (bytes(info.public_key) or f"node-{info.node_id}".encode(),
                                      str(info.last_activated_at)) for info in grid.get_nodes()}
         self.online = set(nodes)
@@ -341,7 +347,9 @@ class FedflatStrategy(Strategy):
         answered = first_replies(replies, self.sent)
         for node, reply in answered.items():
             try:
-                results[node] = read_result(reply_content(reply), self.sent[node], self.layout, self.opened.ctx.round)
+                most = most_backprops(self.sim, self.opened, self.layout, self.sent[node])
+                results[node] = read_result(reply_content(reply), self.sent[node], self.layout, self.opened.ctx.round,
+                                            most)
                 wire[node] = wire_bytes(reply.content)
             except BadReply as err:
                 problems[node] = str(err)

@@ -219,7 +219,7 @@ def _tsne(target: Target, o: DiagnosticsConfig, out: Path | None, suffix: str):
 
 
 def _left_out_note(meta: list[dict[str, Any]], what: str) -> str | None:
-    """Why a PCA plot shows fewer points than clients were probed (10 probed, 2 points, not a word: issue 32)."""
+    """Why a PCA plot shows fewer points than clients were probed (10 probed, 2 points, and once not a word why)."""
     short = [m for m in meta if len(m["clients"]) < m["probed"]]
     if not short:
         return None

@@ -67,10 +67,11 @@ def _options(target, chosen: dict[str, Any]) -> DiagnosticsConfig:
 
 
 def _print(doc: dict[str, Any], out: Path) -> None:
+    from fedflat.core.registry import display_label
     from fedflat.metrics.analysis import headline
 
     result = doc["result"]
-    print(f"{doc['kind']} of {doc['algorithm']} at round {doc['round']}:")
+    print(f"{doc['kind']} of {display_label(doc['algorithm'])} at round {doc['round']}:")
     if doc.get("note"):
         print(f"  note: {doc['note']}")
     if not result.get("available", True):

@@ -40,11 +40,11 @@ class FedModel(nn.Module):
         self.feature_dim = 0  # set by subclasses
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Return the penultimate-layer representation ``[B, feature_dim]``."""
+        """Return the penultimate-layer representation ``[B, feature_dim]`` of the batch ``x``."""
         raise NotImplementedError(f"{type(self).__name__} must implement features()")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return logits ``[B, num_classes]``."""
+        """Return the logits ``[B, num_classes]`` of the batch ``x``."""
         return self.head(self.features(x))
 
     def extra_repr(self) -> str:

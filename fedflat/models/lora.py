@@ -250,15 +250,6 @@ def frozen_hash(module: nn.Module) -> str | None:
     return digest.hexdigest()
 
 
-def share_frozen(module: nn.Module, source: nn.Module) -> None:
-    """Makes ``module``'s frozen parameters the very tensors of ``source`` (the same model built in this process):
-    a thread worker holds no second copy of the base."""
-    theirs = {name: p for name, p in source.named_parameters() if not p.requires_grad}
-    for name, p in module.named_parameters():
-        if not p.requires_grad and name in theirs and theirs[name].shape == p.shape:
-            p.data = theirs[name].data
-
-
 def frozen_count(module: nn.Module) -> int:
     """The number of frozen parameter entries of ``module`` (its base under adapters), shared ones once."""
     return sum(p.numel() for p in module.parameters() if not p.requires_grad)

@@ -50,7 +50,7 @@ _POSITIONAL = ("input_shape", "num_classes")
 def register_model(name: str, factory: Callable[..., nn.Module], description: str) -> Callable[..., nn.Module]:
     """Makes ``factory(input_shape, num_classes, **options)`` available as ``model.name: NAME``, its keyword
     options as ``model.<option>`` (a plugin's model, docs/extending.md); a name taken by another module is an
-    error naming both."""
+    error naming both. ``description`` is its line in ``fedflat list``."""
     add(MODELS, "model", str(name).strip().lower(), (factory, description), origin=origin_of(factory))
     return factory
 
@@ -110,9 +110,19 @@ def assemble(make: Callable[[], nn.Module], seed: int, adapter: AdapterSettings 
 
 
 def base_key(name: str) -> str:
-    """The ``model`` option naming the files of a model's pretrained weights: ``path`` (hf), ``weights`` (timm),
-    ``pretrained`` (every other model)."""
+    """The ``model`` option naming the files of the pretrained weights of the model called ``name``: ``path`` (hf),
+    ``weights`` (timm), ``pretrained`` (every other model)."""
     return {"hf": "path", "timm": "weights"}.get(str(name).strip().lower(), "pretrained")
+
+
+def without_weights(section: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` section that builds the same architecture without reading its pretrained weights (they come
+    from elsewhere: a broadcast, or a module of the same run in this process): ``pretrained`` and timm's ``weights``
+    left out, a Hugging Face folder built from its ``config.json`` alone."""
+    key = base_key(section["name"])
+    if key == "path":
+        return {**section, "random_weights": True}
+    return {k: v for k, v in section.items() if k != key}
 
 
 def count_parameters(model: nn.Module) -> int:

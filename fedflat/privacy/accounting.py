@@ -9,8 +9,13 @@ Wang, Balle & Kasiviswanathan, AISTATS 2019, Theorem 27). Opacus's accountants c
 
 One round of central DP is the event ``PoissonSampled(q, Gaussian(z))`` or ``SampledWithoutReplacement(N, K,
 Gaussian(z / 2))``; ``T`` rounds compose it ``T`` times. Local DP releases each client's own noised update: client
-``i`` that took part ``n_i`` times has spent ``Gaussian(z / 2)`` composed ``n_i`` times (replace-one: any two data
-sets of one client give releases at most ``2C`` apart), and the run reports the largest over its clients.
+``i`` that took part ``n_i`` times has spent a Gaussian mechanism of noise ``z C`` and sensitivity ``2C`` (replace-one:
+any two data sets of one client give releases at most ``2C`` apart) composed ``n_i`` times, which is exactly one
+Gaussian mechanism of noise multiplier ``z / (2 sqrt(n_i))`` relative to its sensitivity; the run reports the largest
+over its clients. dp-accounting's two accountants read a ``GaussianDpEvent`` differently: its RDP accountant takes its
+multiplier relative to a sensitivity of 1 whatever the adjacency (the event is ``Gaussian(z / 2)``), its PLD
+accountant under replace-one takes the pair ``N(-1, s^2), N(1, s^2)``, the sensitivity 2 already in it (the event is
+``Gaussian(z)``; ``Gaussian(z / 2)`` there would count the ``2C`` twice).
 
 RDP composes linearly, so the accountant works out one round's RDP curve once and converts ``t`` times it at every
 round (the same arithmetic as composing ``SelfComposedDpEvent(event, t)``).
@@ -38,6 +43,16 @@ if TYPE_CHECKING:
 
 Sampling = Literal["poisson", "fixed"]
 
+# DP-SGD's steps sample B of a client's n examples without replacement under replace-one adjacency: dp-accounting's
+# PLD accountant has no event for it (its RDP accountant does: Wang, Balle & Kasiviswanathan 2019, Theorem 27), and
+# no pair of its events is known to dominate it under composition, so fedflat does not substitute one
+INSTANCE_PLD = ("privacy.accountant=pld with privacy.level=instance: DP-SGD samples each step's batch without "
+                "replacement, which dp-accounting's PLD accountant cannot account; use privacy.accountant=rdp")
+# PLD's grid: dp-accounting's PLD of a Gaussian of noise multiplier s (noise std over sensitivity) holds about
+# 2e5 / s points at its 1e-4 discretization; below s = 0.25 one evaluation takes millions of points and seconds to
+# minutes, and a calibration a dozen of them. (At s = 0.25 one round already spends epsilon near 20.)
+PLD_SMALLEST_MULTIPLIER = 0.25
+
 
 @functools.cache
 def _dpa() -> Any:
@@ -53,8 +68,11 @@ def _dpa() -> Any:
 
 @dataclass(frozen=True)
 class Mechanism:
-    """What one round releases: the sampling (``N`` clients, ``K`` per round or each with ``q = K / N``), the noise
-    multiplier ``z`` (noise std ``z C``) and where it is added (``central``: on the sum; ``local``: by each client)."""
+    """What one round releases: the ``sampling`` (``fixed``: ``clients_per_round`` ``K`` of ``num_clients`` ``N``;
+    ``poisson``: each with ``q = K / N``), the ``noise_multiplier`` ``z`` (noise std ``z C``) and the ``mode``, where
+    it is added (``central``: on the sum; ``local``: by each client), accounted by ``accountant`` (``rdp`` or
+    ``pld``). At the instance ``level`` (DP-SGD on each client) a step samples ``batch_size`` of a client's
+    ``dataset_size`` examples and releases ``gradients`` noised gradients of that batch."""
 
     sampling: Sampling
     num_clients: int
@@ -85,8 +103,8 @@ class Mechanism:
         if self.level == "instance":  # g Gaussians of multiplier z/2 on one batch: one of z/(2 sqrt(g)), exactly
             return dpa.SampledWithoutReplacementDpEvent(self.dataset_size, min(self.batch_size, self.dataset_size),
                                                         dpa.GaussianDpEvent(z / (2 * self.gradients ** 0.5)))
-        if self.mode == "local":
-            return dpa.GaussianDpEvent(z / 2)
+        if self.mode == "local":  # sensitivity 2C: PLD's replace-one pair has it, RDP's Gaussian does not (docstring)
+            return dpa.GaussianDpEvent(z if self.accountant == "pld" else z / 2)
         if self.sampling == "poisson":
             return dpa.PoissonSampledDpEvent(self.q, dpa.GaussianDpEvent(z))
         return dpa.SampledWithoutReplacementDpEvent(self.num_clients, self.clients_per_round, dpa.GaussianDpEvent(z / 2))
@@ -110,8 +128,9 @@ class Mechanism:
 
         dpa = _dpa()
         if self.accountant == "pld":
-            if self.neighboring != dpa.NeighboringRelation.ADD_OR_REMOVE_ONE and self.mode != "local" \
-                    and self.level == "client":
+            if self.level == "instance":
+                raise ValueError(INSTANCE_PLD)
+            if self.neighboring != dpa.NeighboringRelation.ADD_OR_REMOVE_ONE and self.mode != "local":
                 raise ValueError("privacy.accountant=pld accounts Poisson sampling (sampling.participation="
                                  "bernoulli); fixed-size sampling needs accountant=rdp")
             return PLDAccountant(neighboring_relation=self.neighboring)
@@ -170,10 +189,12 @@ def _warn_conservative(mechanism: Mechanism, skipped: tuple[float, ...], best: f
 def calibrate(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: float) -> float:
     """The smallest noise multiplier ``z`` whose ``rounds`` rounds spend at most ``target_epsilon`` at ``delta``
     (dp-accounting's ``calibrate_dp_mechanism``, Brent's method to a tolerance of 1e-4 in ``z``, then the bracket's
-    private end: the returned ``z`` never spends more than the target).
+    private end: the returned ``z`` never spends more than the target). Under local DP ``rounds`` is the most
+    releases of one client.
 
-    RDP searches ``z`` in ``[1e-3, 1e3]``. PLD cannot start there: at ``z = 1e-3`` the privacy loss distribution's
-    grid has tens of GiB, so its bracket comes from RDP (:func:`pld_bracket`)."""
+    RDP searches ``z`` in ``[1e-3, 1e3]`` (seconds). PLD cannot start there: at ``z = 1e-3`` the privacy loss
+    distribution's grid has tens of GiB, so its bracket comes from RDP and stays where PLD's grid is small
+    (:func:`pld_bracket`); a target that PLD reaches only with less noise is refused in seconds, saying so."""
     from dataclasses import replace
 
     dpa = _dpa()
@@ -187,33 +208,58 @@ def calibrate(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: f
     return float(z)
 
 
+def pld_smallest_noise(mechanism: Mechanism, rounds: int) -> float:
+    """The smallest ``z`` PLD calibrates to: the one whose Gaussian, as dp-accounting's PLD builds it, has noise
+    multiplier :data:`PLD_SMALLEST_MULTIPLIER` relative to its sensitivity (``z`` itself under Poisson sampling, one
+    round at a time; ``z / (2 sqrt(rounds))`` under local DP, whose ``rounds`` Gaussians compose into one)."""
+    return PLD_SMALLEST_MULTIPLIER * (2 * rounds ** 0.5 if mechanism.mode == "local" else 1.0)
+
+
 def pld_bracket(mechanism: Mechanism, rounds: int, delta: float, target_epsilon: float) -> tuple[float, float]:
     """``(z_lo, z_hi)`` with PLD's epsilon above the target at ``z_lo`` and at most the target at ``z_hi``, both
-    near the answer, where PLD's grid stays small (megabytes). ``z_hi`` starts at RDP's calibration (RDP bounds the
-    same mechanism less tightly, so PLD spends less there; doubled until it does), ``z_lo`` at 0.8 of it (lowered
-    by that factor while PLD still spends at most the target, at most 10 times: down to a tenth of RDP's ``z``)."""
+    near the answer and at least :func:`pld_smallest_noise`, where PLD's grid stays small (megabytes, seconds an
+    evaluation). ``z_hi`` starts at RDP's calibration (RDP bounds the same mechanism less tightly, so PLD spends less
+    there; doubled until it does), ``z_lo`` at 0.8 of it (lowered by that factor while PLD still spends at most the
+    target, at most 10 times: down to a tenth of RDP's ``z``). A target reached only below the smallest ``z`` is
+    refused (``ValueError``): at most a few PLD evaluations, each on a small grid, run before the answer."""
     from dataclasses import replace
 
     def spent(z: float) -> float:
         return epsilon(replace(mechanism, noise_multiplier=z), rounds, delta)
 
+    smallest = pld_smallest_noise(mechanism, rounds)
     z_hi = calibrate(replace(mechanism, accountant="rdp"), rounds, delta, target_epsilon)
+    if z_hi < smallest:  # PLD, the tighter accountant, would need less noise still
+        raise ValueError(_too_little_noise(mechanism, rounds, target_epsilon, smallest))
     for _ in range(6):
         if spent(z_hi) <= target_epsilon:
             break
         z_hi *= 2
-    z_lo = 0.8 * z_hi
     for _ in range(10):
+        z_lo = max(0.8 * z_hi, smallest)
         if spent(z_lo) > target_epsilon:
             return z_lo, z_hi
-        z_hi, z_lo = z_lo, 0.8 * z_lo
+        if z_lo == smallest:
+            raise ValueError(_too_little_noise(mechanism, rounds, target_epsilon, smallest))
+        z_hi = z_lo
     raise ValueError(f"privacy.target_epsilon={target_epsilon}: the PLD accountant spends less than that even at "
                      f"z = {z_lo:.3g}; raise the rounds or lower the target, or use privacy.accountant=rdp")
 
 
+def _too_little_noise(mechanism: Mechanism, rounds: int, target_epsilon: float, smallest: float) -> str:
+    releases = "release(s) of one client" if mechanism.mode == "local" else "round(s)"
+    return (f"privacy.target_epsilon={target_epsilon:g} over {rounds} {releases}: the PLD accountant reaches it only "
+            f"with z below {smallest:.3g} (noise under {PLD_SMALLEST_MULTIPLIER} of the sensitivity), where its "
+            "privacy-loss grid takes millions of points and a calibration many minutes; use privacy.accountant=rdp "
+            "(seconds), or a smaller privacy.target_epsilon")
+
+
 @dataclass
 class PrivacyLedger:
-    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config."""
+    """A run's spending and its budget (module docstring); the engine's server makes a run's from its config:
+    ``mechanism`` is what a round releases, ``delta`` the delta of (epsilon, delta), ``budget`` the
+    ``privacy.target_epsilon`` no round may go beyond, ``participations`` each client's releases (local DP) or local
+    steps (instance level)."""
 
     mechanism: Mechanism
     delta: float
@@ -231,7 +277,8 @@ class PrivacyLedger:
         return epsilon(m, int(counts.max()), self.delta)
 
     def check_budget(self, round: int, sampled: torch.Tensor, steps: torch.Tensor) -> None:
-        """Refuses a round that would take the run beyond its budget (:class:`BudgetSpent`)."""
+        """Refuses round ``round`` (0-based), releasing the clients ``sampled`` (with ``steps`` local steps each, at
+        the instance level), when it would take the run beyond its budget (:class:`BudgetSpent`)."""
         if self.budget is None:
             return
         after = self.epsilon_after(round, sampled, steps)
@@ -257,4 +304,5 @@ class PrivacyLedger:
         return {"participations": self.participations.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The participations so far, from a checkpoint's ``state`` (:meth:`state_dict`)."""
         self.participations = state["participations"].clone()

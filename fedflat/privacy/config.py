@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedflat.core.errors import ConfigError
+from fedflat.privacy.accounting import INSTANCE_PLD
 
 
 class PrivacyConfig(BaseModel):
@@ -23,11 +24,12 @@ class PrivacyConfig(BaseModel):
                                                 "of one example's gradient (level: instance)")
     noise_multiplier: float | None = Field(None, ge=0, description="z (noise std z C); with target_epsilon unset "
                                                                    "it must be given")
-    target_epsilon: float | None = Field(None, gt=0, description="calibrate z before round 0 so that `rounds` "
-                                                                 "rounds spend at most this epsilon; the budget")
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate z before round 0 so that the run's "
+                                                                 "`rounds` rounds spend at most this epsilon (local "
+                                                                 "DP: its most-sampled client's); the budget")
     delta: float | None = Field(None, gt=0, lt=1, description="delta of (epsilon, delta) (default 1 / num_clients)")
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting's RDP (both samplings) or PLD "
-                                                                  "(Poisson sampling, tighter)")
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting's RDP (both samplings, DP-SGD) or "
+                                                                  "PLD (Poisson sampling and local DP, tighter)")
     adaptive: bool = Field(False, description="adapt the clip to a quantile of the update norms (Andrew et al. 2021)")
     quantile: float = Field(0.5, gt=0, lt=1, description="adaptive: the target fraction of unclipped updates")
     clip_lr: float = Field(0.2, gt=0, description="adaptive: eta_C of C <- C exp(-eta_C (b - quantile))")
@@ -43,6 +45,8 @@ class PrivacyConfig(BaseModel):
         if self.level == "instance" and (self.adaptive or self.mode != "central"):
             raise ValueError("privacy.level=instance runs DP-SGD inside each client's local steps: mode and adaptive "
                              "are client-level settings; leave them unset")
+        if self.level == "instance" and self.accountant == "pld":
+            raise ValueError(INSTANCE_PLD)
         if self.level == "instance" and self.noise_multiplier is None:
             raise ValueError("privacy.level=instance: give noise_multiplier (the per-client accounting depends on the "
                              "split, known only when the run starts); target_epsilon is then the budget")
@@ -50,10 +54,11 @@ class PrivacyConfig(BaseModel):
 
 
 def check_upload_path(privacy: PrivacyConfig | None, participation: str, algorithm: Any) -> None:
-    """What the upload path cannot give a method (``algorithm``, a :class:`fedflat.algorithms.Algorithm`): each
-    client's own upload under central DP (which releases only the noised sum), compression under local DP (whose noise
-    is dense), a Poisson accountant for fixed sampling (``participation``: ``sampling.participation``), what DP-SGD
-    cannot account (instance level)."""
+    """What the upload path under ``privacy`` (the config's section) cannot give a method (``algorithm``, a
+    :class:`fedflat.algorithms.Algorithm`), refused with the reason: each client's own upload under central DP
+    (which releases only the noised sum), compression under local DP (whose noise is dense), a Poisson accountant
+    for fixed sampling (``participation``: ``sampling.participation``), what DP-SGD cannot account (instance
+    level)."""
     p = privacy
     if p is None:
         return

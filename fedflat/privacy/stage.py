@@ -44,8 +44,9 @@ UNCLIPPED = "dp.unclipped"  # side entry of adaptive clipping: b_i = 1[||x_i|| <
 
 # -- the Gaussian mechanism's noise: N(0, std^2) draws shaped like a clipped release -----------------------------------
 def secure_normal(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Standard normal draws from the operating system's cryptographically secure source (``os.urandom``), by the
-    Box-Muller transform of two uniforms of 53 random bits each."""
+    """A tensor of ``shape``, ``dtype`` and ``device`` of standard normal draws from the operating system's
+    cryptographically secure source (``os.urandom``), by the Box-Muller transform of two uniforms of 53 random bits
+    each."""
     n = math.prod(shape)
     words = np.frombuffer(os.urandom(16 * ((n + 1) // 2)), dtype=np.uint64).reshape(2, -1)
     u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0 ** 53  # (0, 1]: log(u1) is finite

@@ -10,7 +10,8 @@ data loss, a distillation or contrastive term, FedMAN's activation penalty) is a
 General backends (any objective): :class:`PerClient` (sequential: autograd client by client),
 :class:`Vectorized` (``vmap`` over a chunk), :class:`StatefulPerClient` and :class:`StatefulGroups` (a module with
 buffers, dropout or batch statistics: each client's own state). Accelerated backends (the data loss alone, faster;
-any other objective goes to their general backend): :class:`HandMLP` (fedflat's MLP's gradient by hand),
+any other objective goes to their general backend): :class:`HandMLP` and :class:`HandCNN` (fedflat's MLP's and
+CNN's gradients by hand),
 :class:`Compiled` (``torch.compile``), :class:`Graphed` (CUDA graphs), :class:`Lanes` (``engine: streams``) and
 :class:`PerExampleDP` (DP-SGD's clipped, noised per-example gradient, which replaces every objective by the data
 loss).
@@ -21,6 +22,7 @@ from fedflat.core import ConfigError
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients.backend import Accelerated, Backend, PerClient
 from fedflat.engine.gradients.compiled import Compiled
+from fedflat.engine.gradients.convnet import CNNGradient, HandCNN, hand_gradient_of
 from fedflat.engine.gradients.forward import ACTIVATIONS, Forward
 from fedflat.engine.gradients.graphed import Graphed
 from fedflat.engine.gradients.hand import HandMLP, MLPGradient
@@ -36,7 +38,7 @@ from fedflat.engine.graphs import check_cuda_graphs
 from fedflat.engine.modes import ModelTraits
 
 __all__ = ["ACTIVATIONS", "DATA_LOSS", "Accelerated", "Backend", "ClientSession", "Compiled", "Contrastive", "DataLoss",
-           "Distilled", "Forward", "Graphed", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
+           "Distilled", "Forward", "Graphed", "HandCNN", "HandMLP", "Lanes", "Objective", "Penalized", "PerClient",
            "PerExampleDP", "StatefulGroups", "StatefulPerClient", "Vectorized", "activation_norms", "choose_backend",
            "contrastive_objective", "distilled_objective", "general_backend", "not_true_columns"]
 
@@ -65,8 +67,9 @@ def check_compile(options: ComputeOptions, traits: ModelTraits, dp_sgd: tuple[fl
 def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTraits,
                    dp_sgd: tuple[float, float] | None = None) -> Backend:
     """The run's backend: DP-SGD's per-example gradient under ``privacy.level: instance`` (``dp_sgd = (C, z)``);
-    else for a stateless module the general backend accelerated where it can be: the hand-derived MLP gradient
-    (fedflat's MLP or LogReg, float32, cross-entropy, not vectorized, on the CPU), then ``engine: streams``'s lanes
+    else for a stateless module the general backend accelerated where it can be: the hand-derived gradient
+    (fedflat's MLP, LogReg or CNN, cross-entropy, not vectorized, on the CPU; the MLP's in float32, the CNN's in
+    NCHW order, in float32 or under bfloat16 autocast), then ``engine: streams``'s lanes
     or ``cuda_graphs``' replays; with ``compile`` the data pass compiled by ``torch.compile`` (in place of the hand
     gradient), graphed or laned in turn."""
     if options.cuda_graphs:
@@ -78,9 +81,11 @@ def choose_backend(forward: Forward, options: ComputeOptions, traits: ModelTrait
         return PerExampleDP(backend, *dp_sgd)
     if traits.stateful:
         return backend
-    plain = not options.vectorized and forward.autocast is None and forward.loss_fn is None
-    hand = MLPGradient.of(forward.model) if traits.hand_gradient and plain and not options.compile else None
-    if hand is not None:
+    plain = not options.vectorized and forward.loss_fn is None and not options.compile
+    hand = hand_gradient_of(forward.model, forward.autocast) if traits.hand_gradient and plain else None
+    if isinstance(hand, CNNGradient) and not forward.channels_last:
+        backend = HandCNN(hand, backend)
+    elif isinstance(hand, MLPGradient) and forward.autocast is None:
         backend = HandMLP(hand, backend)
     if options.compile:
         backend = Compiled(backend)

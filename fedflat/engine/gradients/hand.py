@@ -62,24 +62,37 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
+def as_built(module: nn.Module, classes: tuple[type, ...]) -> bool:
+    """Whether ``module`` is exactly one of fedflat's ``classes`` with its own ``forward`` and ``features`` (none set
+    on the instance) and no hook registered on any of its modules or globally: a module whose forward pass is the one
+    a hand-derived gradient differentiates."""
+    if type(module) not in classes or {"forward", "features"} & set(vars(module)):
+        return False
+    if any(getattr(m, h) for m in module.modules() for h in _HOOKS):
+        return False
+    return not any(getattr(module_hooks, h, None) for h in _GLOBAL_HOOKS)
+
+
+def dense_layers(body: list[nn.Module], head: nn.Module) -> list[nn.Linear] | None:
+    """The ``nn.Linear`` layers of ``body`` (``[Linear, ReLU] * k``, exact classes) and ``head``, first to last, or
+    None where they are not that."""
+    if len(body) % 2 or any(type(m) is not nn.Linear for m in body[::2]) or any(
+            type(m) is not nn.ReLU for m in body[1::2]):
+        return None
+    layers = body[::2] + [head]
+    return layers if all(type(m) is nn.Linear for m in layers) else None
+
+
 def linear_stack(module: nn.Module) -> list[nn.Linear] | None:
     """The ``nn.Linear`` layers of ``module``, first to last, when it is fedflat's MLP (``[Linear, ReLU] * k`` then
     the head) or LogReg (the head alone), exact classes whose forward is their own, with no hook registered on any
     of its modules or globally; None otherwise."""
-    if type(module) not in (MLP, LogReg) or {"forward", "features"} & set(vars(module)):
-        return None
-    if any(getattr(m, h) for m in module.modules() for h in _HOOKS):
-        return None
-    if any(getattr(module_hooks, h, None) for h in _GLOBAL_HOOKS):
+    if not as_built(module, (MLP, LogReg)):
         return None
     body = list(module.body) if type(module) is MLP else []
     if type(module) is MLP and type(module.body) is not nn.Sequential:
         return None
-    if len(body) % 2 or any(type(m) is not nn.Linear for m in body[::2]) or any(
-            type(m) is not nn.ReLU for m in body[1::2]):
-        return None
-    layers = body[::2] + [module.head]
-    return layers if all(type(m) is nn.Linear for m in layers) else None
+    return dense_layers(body, module.head)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,25 @@ class Slot:
     bias: int
     out: int
     inp: int
+
+
+def weights_and_biases(prefixes: list[str]) -> tuple[str, ...]:
+    """The parameter names of layers with a weight and a bias each, in order (a layout's ``names``)."""
+    return tuple(f"{p}.{kind}" for p in prefixes for kind in ("weight", "bias"))
+
+
+def layer_slots(layout, prefixes: list[str], layers: list[nn.Linear]) -> tuple[Slot, ...] | None:
+    """Where each ``nn.Linear`` of ``layers`` (named ``prefixes``) keeps its weight and bias in the flat ``layout``
+    (:class:`fedflat.params.Layout`), or None where a shape is not the layer's."""
+    index = {name: i for i, name in enumerate(layout.names)}
+    slots = []
+    for prefix, layer in zip(prefixes, layers):
+        i, j = index[f"{prefix}.weight"], index[f"{prefix}.bias"]
+        shape = (layer.out_features, layer.in_features)
+        if tuple(layout.shapes[i]) != shape or tuple(layout.shapes[j]) != shape[:1]:
+            return None
+        slots.append(Slot(layout.offsets[i], layout.offsets[j], *shape))
+    return tuple(slots)
 
 
 class MLPGradient:
@@ -126,18 +158,11 @@ class MLPGradient:
         if (layers is None or model.initial.dtype != torch.float32 or model.buffer_layout.size
                 or model.initial.device.type != "cpu"):  # (on a GPU, cuBLAS's choices are not checked here)
             return None
-        prefix = [f"body.{2 * i}" for i in range(len(layers) - 1)] + ["head"]
-        names = tuple(f"{p}.{kind}" for p in prefix for kind in ("weight", "bias"))
-        layout = model.layout
-        if layout.names != names:
+        prefixes = [f"body.{2 * i}" for i in range(len(layers) - 1)] + ["head"]
+        if model.layout.names != weights_and_biases(prefixes):
             return None  # (a Linear without bias, or parameters shared between layers)
-        slots = []
-        for i, layer in enumerate(layers):
-            shape = (layer.out_features, layer.in_features)
-            if tuple(layout.shapes[2 * i]) != shape or tuple(layout.shapes[2 * i + 1]) != shape[:1]:
-                return None
-            slots.append(Slot(layout.offsets[2 * i], layout.offsets[2 * i + 1], *shape))
-        return cls(tuple(slots), layout.size, model.initial.device)
+        slots = layer_slots(model.layout, prefixes, layers)
+        return None if slots is None else cls(slots, model.layout.size, model.initial.device)
 
     def takes(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Whether this batch is one :meth:`loss_grad` computes as autograd would (float32 inputs, int64 labels, a
@@ -174,23 +199,42 @@ class MLPGradient:
 
     def python_loss_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss_grad` in Python (where the native operator is not built, and its reference in the tests)."""
-        params = self.parameters(w)
-        inputs = [x.flatten(1)]
+        g = torch.empty(self.size, device=w.device)
+        loss, _ = self.dense_loss_grad(self.parameters(w), x.flatten(1), y, g)
+        return loss, g
+
+    def dense_loss_grad(self, params: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], a: torch.Tensor,
+                        y: torch.Tensor, g: torch.Tensor, input_grad: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(l, dl/da_0)``: the layers' forward pass from their input ``a_0 = a[B, in]``, then ``G_l`` backwards with
+        each layer's gradient written into its slice of ``g``; ``dl/da_0 = G_1 W_1`` (autograd's ``mm_mat1_backward``
+        of the first ``addmm``) with ``input_grad``, for layers that follow others (the CNN's, :mod:`convnet
+        <fedflat.engine.gradients.convnet>`), else None.
+
+        In bfloat16 (``a`` and ``params`` cast, as ``torch.autocast`` casts a linear layer's operands), the layers run
+        in bfloat16, the logits are cast to float32 for the loss as :class:`~fedflat.engine.gradients.forward.Forward`
+        does, ``G_L`` back to bfloat16, and each gradient is cast to float32 into ``g``: autocast's operations."""
+        inputs = [a]
         for _, Wt, b in params[:-1]:
             inputs.append(torch.relu(torch.addmm(b, inputs[-1], Wt)))  # nn.Linear's addmm(b, a, W^T), then ReLU
         _, Wt, b = params[-1]
-        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], Wt), 1, False)
+        log_p = torch._log_softmax(torch.addmm(b, inputs[-1], Wt).float(), 1, False)  # (.float(): none in float32)
         loss, total_weight = torch.ops.aten.nll_loss_forward(log_p, y, None, MEAN, IGNORE_INDEX)
         G = torch.ops.aten.nll_loss_backward(self.one, log_p, y, None, MEAN, IGNORE_INDEX, total_weight)
-        G = torch.ops.aten._log_softmax_backward_data(G, log_p, 1, torch.float32)  # G_L = (p - onehot(y)) / B
-        g = torch.empty(self.size, device=w.device)
+        G = torch.ops.aten._log_softmax_backward_data(G, log_p, 1, torch.float32).to(a.dtype)  # G_L = (p - onehot) / B
         for l in range(len(self.slots) - 1, -1, -1):
             s = self.slots[l]
-            torch.sum(G, 0, keepdim=True, out=g.as_strided((1, s.out), (s.out, 1), s.bias))  # dl/db_l
-            self._weight_gradient(l, G, inputs[l], g.as_strided((s.out, s.inp), (s.inp, 1), s.weight))
+            bias = g.as_strided((1, s.out), (s.out, 1), s.bias)
+            weight = g.as_strided((s.out, s.inp), (s.inp, 1), s.weight)
+            if a.dtype == torch.float32:
+                torch.sum(G, 0, keepdim=True, out=bias)  # dl/db_l
+                self._weight_gradient(l, G, inputs[l], weight)
+            else:  # (in the layer's dtype, then cast, as autograd's ToCopyBackward)
+                bias.copy_(torch.sum(G, 0, keepdim=True))
+                weight.copy_(torch.mm(G.t(), inputs[l]))
             if l:
                 G = torch.ops.aten.threshold_backward(G.mm(params[l][0]), inputs[l], 0)  # G_{l-1}
-        return loss, g
+        return loss, G.mm(params[0][0]) if input_grad else None
 
     def _weight_gradient(self, l: int, G: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
         """``out <- G^T a`` (``dl/dW_l``), as autograd's ``mm`` rounds it into a fresh, aligned tensor."""

@@ -41,7 +41,7 @@ import torch
 
 from fedflat.core.vectors import provide_kernels
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp", "conv_ops.cpp"))
 # -ffp-contract=off: no product and sum fused where the source does not write std::fma (vector_ops.cpp rounds as ATen)
 FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
