@@ -23,8 +23,11 @@ whole process): every client of ``--clients`` trains once (one round with all of
 One more process is the reference, plain PyTorch + peft: it builds the adapted model (``built``: its resident set
 over its start is what one base model costs in practice, transformers' construction included) and trains it one
 step of the same batch (``step``: its peak over its start, the base and one step's activations, which every client's
-step needs again). ``practical`` is ``step + uploads + state + kept`` (the bound with one step's activations in
-place of the bare parameters' bytes), with ``(peak - start) / practical``.
+step needs again). ``practical`` is ``built + W x (step - built) + uploads + state + kept``, ``W`` the steps that run
+at once (1; ``threads:N``: N): the bound with what the model costs to build and each concurrent step's activations
+in place of the bare parameters' bytes, with ``(peak - start) / practical``.
+
+    python scripts/lora_memory.py --table mem.json         # the table again from a --json file
 """
 from __future__ import annotations
 
@@ -122,11 +125,10 @@ def one(a: argparse.Namespace) -> dict:
 
 def table(rows: list[dict], a: argparse.Namespace) -> str:
     ref = next(r for r in rows if r["what"] == "reference")
-    step = ref["peak"] - ref["start"]
     lines = [f"RoBERTa-base shape, LoRA r={a.r}, {a.clients} clients x {a.steps} step(s) of {a.batch} x {a.seq} "
              "token ids, one round; MB (2^20 bytes)",
              f"reference (plain PyTorch + peft): start {ref['start'] / MB:.0f}, built +{(ref['built'] - ref['start']) / MB:.0f}"
-             f", one step's peak +{step / MB:.0f}; base (frozen parameters) {ref['base'] / MB:.0f}",
+             f", one step's peak +{(ref['peak'] - ref['start']) / MB:.0f}; base (frozen parameters) {ref['base'] / MB:.0f}",
              f"{'run':<18} {'peak-start':>10} {'base':>6} {'adapter':>7} {'uploads':>7} {'state':>6} {'kept':>6} "
              f"{'bound':>6} {'ratio':>5} {'strict':>6} {'ratio':>5} {'practical':>9} {'ratio':>5}"]
     for r in rows:
@@ -135,7 +137,9 @@ def table(rows: list[dict], a: argparse.Namespace) -> str:
         grown = r["peak"] - r["start"]
         strict = r["base"] + r["uploads"] + r["kept"]
         bound = strict + r["state"]
-        practical = step + r["uploads"] + r["kept"] + r["state"]
+        at_once = int(r["what"].split(":")[1]) if "threads:" in r["what"] else 1
+        practical = ref["built"] - ref["start"] + at_once * (ref["peak"] - ref["built"]) + r["uploads"] + r["kept"] \
+            + r["state"]
         lines.append(f"{r['what']:<18} {grown / MB:>10.0f} {r['base'] / MB:>6.0f} {r['adapter'] / MB:>7.2f} "
                      f"{r['uploads'] / MB:>7.0f} {r['state'] / MB:>6.0f} {r['kept'] / MB:>6.0f} {bound / MB:>6.0f} "
                      f"{grown / bound:>5.2f} {strict / MB:>6.0f} {grown / strict:>5.2f} {practical / MB:>9.0f} "
@@ -155,7 +159,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # (a child: one configuration)
     p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--table", default=None, help="print the table of this --json file and stop")
     a = p.parse_args()
+    if a.table:
+        saved = json.loads(Path(a.table).read_text())
+        print(table(saved["rows"], argparse.Namespace(**saved["settings"])))
+        return
     if a.one:
         print(json.dumps(one(a)))
         return
