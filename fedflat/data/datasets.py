@@ -237,12 +237,16 @@ def _synthetic_tokens(rng: np.random.Generator, shape: tuple[int, ...], num_clas
                       test_size: int, tokens: int) -> Dataset:
     """Class-conditional i.i.d. token sequences (see :func:`load_synthetic`)."""
     emission = rng.dirichlet(np.full(tokens, 0.5), size=num_classes)
+    cumulative = np.cumsum(emission, axis=1)
 
     def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
         labels = rng.permutation(np.arange(n) % num_classes).astype(np.int64)
-        cumulative = np.cumsum(emission[labels], axis=1)
         u = rng.random((n, int(np.prod(shape))))
-        ids = np.minimum((u[:, :, None] > cumulative[:, None, :]).sum(axis=2), tokens - 1)
+        ids = np.empty(u.shape, dtype=np.int64)
+        for k in range(num_classes):  # the number of cumulative probabilities below u (no [n, L, tokens] array)
+            rows = labels == k
+            ids[rows] = np.searchsorted(cumulative[k], u[rows], side="left")
+        ids = np.minimum(ids, tokens - 1)
         return ids.reshape(n, *shape).astype(np.int64), labels
 
     (x_train, y_train), (x_test, y_test) = draw(train_size), draw(test_size)
