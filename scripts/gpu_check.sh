@@ -31,13 +31,16 @@
 #             compiled, graphed, streams and packing paths, then profilec3
 #   lease6    what the fifth lease left: pack with 100-round cells (whole-cell 3x), pack3 again, then the whole
 #             suite with --device cuda
+#   lora      LoRA r=8 against the bare PyTorch + peft loop (fedflat bench): W6 (ViT-B/16, 224x224) in TF32 and in
+#             bf16, W5 (RoBERTa-shaped text) in TF32, one profiled W6 round of each; then the LoRA tests on the GPU
+#             (tests/test_lora.py, the bench's and Flower's LoRA tests; needs peft and transformers, from .whl/)
 #   session   one lease's batch: fast3, profile3, vec3 and models alone on the GPU (their times are the
 #             benchmarks), then converge and tests side by side, then memory while converge runs on
 # A machine without fedflat's dependencies gets them from wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-if ! python3 -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import pydantic, peft, transformers" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
 fi
 # fedflat itself, editable, without touching the machine's torch (the tests also run the `fedflat` command)
@@ -156,6 +159,25 @@ for stage in "$@"; do
       remembering=$!
       OUT=$results PYTEST_N=${PYTEST_N:-10} PYTEST_SECONDS=${PYTEST_SECONDS:-240} "$0" tests; pack
       wait $remembering; pack; tail -n 20 "$results/stage_memory.txt" ;;
+    lora)
+      if ! python3 -c "import peft, transformers" 2>/dev/null; then
+        echo "lora: peft and transformers are not installed (bring their wheels in .whl/: docs/benchmarks.md)"; continue
+      fi
+      timeout 200 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W6 --engines sequential,bare \
+        --rounds 3 --quiet --json "$OUT/bench_w6_lora_tf32.json" tf32=true ${GPU_CHECK_OVERRIDES:-}
+      echo "W6 tf32 rc $?"
+      timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg --workload W6 --engines sequential,bare --rounds 3 \
+        --quiet --json "$OUT/bench_w6_lora_bf16.json" tf32=true precision=bf16 ${GPU_CHECK_OVERRIDES:-}
+      echo "W6 bf16 rc $?"
+      timeout 150 $FEDFLAT bench --device $DEVICE --algos fedavg,fedsam --workload W5 --engines sequential,bare \
+        --rounds 3 --quiet --json "$OUT/bench_w5_lora_tf32.json" tf32=true ${GPU_CHECK_OVERRIDES:-}
+      echo "W5 tf32 rc $?"
+      timeout 120 $FEDFLAT bench --device $DEVICE --algos fedavg --workload W6 --engines sequential,bare --rounds 1 \
+        --warmup 1 --quiet --json "$OUT/bench_w6_lora_profile.json" --profile /tmp/profiles_lora tf32=true \
+        ${GPU_CHECK_OVERRIDES:-}
+      tar czf "$OUT/profiles_lora.tgz" -C /tmp profiles_lora
+      PYTEST_ARGS="${PYTEST_ARGS:-tests/test_lora.py tests/test_lora_flower.py tests/test_bench.py}" \
+        PYTEST_SECONDS="${PYTEST_SECONDS:-200}" "$0" tests ;;
     profile3)
       timeout 100 $FEDFLAT bench --device $DEVICE --algos fedavg --engines sequential --workload W3 --rounds 1 \
         --quiet --json "$OUT/bench_w3_profile.json" --profile /tmp/profiles_fast tf32=true channels_last=true \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from agreement import bitwise
 
 from fedflat.bench import BareLoop, WORKLOADS, bench, round_samples
 from fedflat.bench.measure import busy_warning
+from fedflat.bench.workloads import ROBERTA, prepare
 from fedflat.cli import main
 from fedflat.config import load_config
 from fedflat.engine.simulation import Simulation
@@ -146,3 +148,86 @@ def test_bench_refuses_zero_rounds_or_threads(capsys):
         with pytest.raises(SystemExit):
             main(["bench", flag, "0"])
         assert "must be at least 1" in capsys.readouterr().err
+
+
+# -- LoRA workloads: the bare loop of plain PyTorch + peft --------------------------------------------------------
+VIT_LORA = ("model=vit", "model.patch=2", "model.dim=16", "model.depth=1", "model.heads=2", "adapter.r=2",
+            "adapter.dropout=0")
+#: a RoBERTa of W5's kind at test size, without dropout (so that fedflat's keyed masks and the bare loop's agree)
+TINY_ROBERTA = {**ROBERTA, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "intermediate_size": 32, "vocab_size": 50, "max_position_embeddings": 12,
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+def tiny_roberta(folder) -> tuple[str, ...]:
+    """Overrides of the tiny problem that train W5's kind of model (a Hugging Face RoBERTa from a config.json the
+    bench writes, LoRA on query/value) on 8 token ids a sample."""
+    workload = replace(WORKLOADS["W5"], hf_config=TINY_ROBERTA)
+    return ("model=hf", "model.random_weights=true", *prepare(workload, folder), "data.options.shape=[8]",
+            "data.options.tokens=50", "adapter.r=2", "adapter.target_modules=[query,value]", "adapter.dropout=0")
+
+
+@pytest.mark.parametrize("model", ["vit", "roberta"])
+def test_bare_peft_loop_does_the_same_lora_round(model, tmp_path):
+    """The bare loop under an adapter section is plain PyTorch + peft (get_peft_model with the same LoraConfig, SGD
+    over the adapters and the head): on the same base it computes fedflat's FedAvg round. The frozen base is the
+    one fedflat built (drawn from the run's seed) and stays as it was; only the trained tensors are copied in.
+
+    Tolerance: both compute the same products in float32; they differ by the aggregation's order (fedflat's
+    sample-weighted sum against the loop's mean) and autograd's accumulation order, a few ulps of entries O(1)."""
+    overrides = VIT_LORA if model == "vit" else tiny_roberta(tmp_path / "roberta")
+    cfg = load_config(None, list(bitwise("train.clip=null", *overrides)), base=WORKLOADS["tiny"].tree)
+    sim, bare = Simulation(cfg), BareLoop(Simulation(cfg), backprops=1)
+    trained = [n for n, p in bare.module.named_parameters() if p.requires_grad]
+    assert trained == list(sim.model.layout.names) and sum(p.numel() for p in bare.params) == sim.num_parameters
+    assert any(".lora_A." in n for n in trained) and type(bare.module).__module__.startswith(
+        "peft" if model == "vit" else "fedflat")  # (the Hugging Face wrapper holds the PeftModel)
+    theirs = {n: p for n, p in sim.model.module.named_parameters() if not p.requires_grad}
+    base = {n: p.detach().clone() for n, p in bare.module.named_parameters() if not p.requires_grad}
+    assert base.keys() == theirs.keys() and all(torch.equal(base[n], theirs[n]) for n in base)
+    w0 = sim.server.w.clone()
+    sim.run_round(0)
+    bare.run_round(0)
+    assert (sim.server.w - w0).abs().max() > 1e-3  # the round moved the adapters
+    assert (sim.server.w - bare.w).abs().max() < 1e-5
+    assert all(torch.equal(p, base[n]) for n, p in bare.module.named_parameters() if not p.requires_grad)
+
+
+def test_lora_workloads_race_fedflat_against_the_bare_peft_loop(tmp_path, monkeypatch):
+    """A LoRA workload (W5's model at test size) runs in the bench beside its bare loops, with CPU-time ratios; the
+    model folder the bench wrote is gone after it."""
+    tree = load_config(None, list(tiny_roberta(tmp_path / "unused")), base=WORKLOADS["tiny"].tree).model_dump()
+    tree["model"].pop("path")
+    workload = replace(WORKLOADS["W5"], name="tiny-lora", tree=tree, hf_config=TINY_ROBERTA)
+    monkeypatch.setitem(WORKLOADS, "tiny-lora", workload)
+    folders: list[str] = []
+    import fedflat.bench.measure as measure
+    real = measure.prepare
+    monkeypatch.setattr(measure, "prepare", lambda w, folder: folders.append(folder) or real(w, folder))
+    report = bench(["tiny-lora"], ["fedavg", "fedsam"], ["sequential", "vectorized", "bare"], rounds=1, warmup=0,
+                   threads=1, progress=lambda msg: None)
+    rows = {(r["algo"], r["engine"]): r for r in report["results"]}
+    for algo in ("fedavg", "fedsam"):
+        for engine in ("sequential", "vectorized"):  # (ids alone, no attention mask: RoBERTa's forward runs under vmap)
+            r = rows[(algo, engine)]
+            assert r["vs_bare"] > 0 and r["vs_bare_cpu"] > 0 and r["backprops_per_step"] == (2 if algo == "fedsam" else 1)
+    assert ("bare-sgd", "bare") in rows and ("bare-sam", "bare") in rows
+    assert folders and not any(os.path.exists(f) for f in folders)
+
+
+def test_the_lora_workloads_configs():
+    """W5 writes a RoBERTa config.json transformers reads with its sizes; W5 and W6 adapt attention with rank 8."""
+    from transformers import AutoConfig
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        overrides = prepare(WORKLOADS["W5"], folder)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        assert overrides == [f"model.path={folder}"]
+        assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
+            "roberta", 256, 4, 5000)
+    assert prepare(WORKLOADS["W6"], "/nonexistent") == []  # (fedflat's own ViT: nothing to write)
+    w5, w6 = (load_config(None, list(WORKLOADS[n].cpu_overrides) + (["model.path=x"] if n == "W5" else []),
+                          base=WORKLOADS[n].tree) for n in ("W5", "W6"))
+    assert w5.adapter.r == w6.adapter.r == 8 and w5.adapter.target_modules == ["query", "value"]
+    assert w6.model == {"name": "vit", "variant": "base16"} and w6.data.options["shape"] == [3, 224, 224]

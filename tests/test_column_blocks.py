@@ -1,7 +1,8 @@
-"""FedWMSAM's and SCAFFOLD's round-level ``[K, P]`` work by column blocks: the personalized momenta, SCAFFOLD's
-variates and their change bit for bit the whole-row expressions they replaced (elementwise operations, and ATen's
+"""FedWMSAM's and SCAFFOLD's round-level ``[K, P]`` work by column blocks: the personalized momenta,
+SCAFFOLD's variates and their change bit for bit the whole-row expressions they replaced (elementwise operations, and ATen's
 ``sum(0)``, whose order its dispatch level fixes: run under each), the mean pseudo-gradient (a BLAS product) within
-a sum's rounding of it, on rows longer than a block (the recipes' hash runs have shorter ones)."""
+a sum's rounding of it, on rows longer than a block (the recipes' hash runs have shorter ones); FedAvg's mean
+update and the round's drift, which make no ``[K, P]`` of updates at all."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,10 @@ import torch
 from numerics import U32
 
 from fedflat.algorithms import fedwmsam, scaffold
+from fedflat.algorithms.fedavg import mean_update
 from fedflat.algorithms.scaffold import COLUMN_BLOCK, column_blocks
+from fedflat.core import MODEL, RoundContext
+from fedflat.engine.server import drift_norms
 
 
 def _rows(K: int, P: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -76,3 +80,32 @@ def test_the_mean_pseudo_gradient_is_the_whole_row_expression_within_a_sums_roun
     G = ctx.pseudo_gradients
     bound = (K + 1) * U32 * (ctx.weights.to(G.dtype).abs() @ G.abs())
     assert ((fedwmsam.mean_pseudo_gradient(ctx) - ctx.aggregate(G)).abs() <= bound).all()
+
+
+def _context(K: int, P: int, weighting: str) -> RoundContext:
+    """A round's context after its uploads: ``w^t``, every client's ``w_{i,E}`` and the aggregation's weights."""
+    w_final, w, _, _ = _rows(K, P, 5 * K + P)
+    settings = type("S", (), {"global_lr": 1.0})()
+    ctx = RoundContext(round=0, lr=0.1, w=w, sampled=torch.arange(K), num_samples=torch.arange(K) + 7,
+                       steps=torch.ones(K, dtype=torch.long), server={}, settings=settings,
+                       uploads={MODEL: w_final})
+    ctx.weights = torch.full((K,), 1.0 / K) if weighting == "uniform" else (ctx.num_samples / ctx.num_samples.sum())
+    return ctx
+
+
+@pytest.mark.parametrize("K, P", [*SIZES, (100, 1_919_234)])  # (the last: 100 clients of RoBERTa-base's LoRA)
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_the_mean_update_and_the_drift_make_no_deltas_and_keep_their_bits(K, P, weighting):
+    """FedAvg's server step and the round's drift read Delta_i = w_{i,E} - w^t without a [K, P] of them, block by
+    block and row by row: ``ctx.deltas.norm(dim=1)``'s bits, and ``ctx.aggregate(ctx.deltas)`` within a K-term sum's
+    rounding (``weights @ block`` is a BLAS product of another width, which may sum a column in another order: the
+    bound of the mean pseudo-gradient above; the same bits on the AMD EPYC of docs/benchmarks.md, not on a CPU that
+    rounds by shape)."""
+    ctx = _context(K, P, weighting)
+    mean, drift = mean_update(ctx), drift_norms(ctx)
+    assert not ctx.has_deltas  # (neither made the [K, P])
+    D = ctx.deltas
+    assert ((mean - ctx.aggregate(D)).abs() <= (K + 1) * U32 * (ctx.weights.to(D.dtype).abs() @ D.abs())).all()
+    assert ctx.has_deltas
+    assert torch.equal(drift, ctx.deltas.norm(dim=1))
+    assert torch.equal(mean_update(ctx), ctx.aggregate(D)) and torch.equal(drift_norms(ctx), drift)  # (the cached deltas)

@@ -324,7 +324,7 @@ def test_synthetic_is_learnable():
 @pytest.mark.parametrize("name,options,message", [
     ("synthetic", {"size": 3}, r"dataset 'synthetic': unknown option\(s\) size; valid options: shape, num_classes, "
                                r"train_size, test_size, seed, noise"),
-    ("digits", {"shape": (1, 8, 8)}, r"dataset 'digits': unknown option\(s\) shape; valid options: none"),
+    ("digits", {"shape": (1, 8, 8)}, r"dataset 'digits': unknown option\(s\) shape; valid options: classes$"),
     ("mnist", {"train_size": 10}, r"unknown option\(s\) train_size"),
     ("synthetic", {"shape": (0, 3)}, r"shape must be a non-empty sequence of positive ints"),
     ("synthetic", {"num_classes": 1}, r"num_classes must be an int >= 2"),

@@ -59,7 +59,10 @@ def pool(ray_session):
         ray.kill(actor)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+# an adapter recipe's workers each import peft and transformers first (a minute or more on two shared cores): those
+# run with `make test-slow`; the fast suite's adapter runs are tests/test_lora.py's, local and on threads
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if RECIPES[n].adapter else n
+                                  for n in sorted(RECIPES)])
 def test_ray_workers_give_exactly_the_local_numbers_for_every_recipe(pool, name):
     cfg = tiny_config(f"algo={name}", *UNEQUAL, *model_for(name))
     local = Simulation(cfg)

@@ -341,3 +341,25 @@ def test_the_table_names_each_methods_radius(tmp_path, capsys):
     assert rows == {"FedAvg": "", "FedSAM": f"rho={sam:g}", "FedSCAM": f"rho_max={rho_max:g}"}
     assert main(["report", str(runs_dir)]) == 0
     assert "| FedSAM | rho=" in capsys.readouterr().out
+
+
+def test_runs_of_different_sizes_get_their_parameters_and_upload_bytes(tmp_path):
+    """Adapters beside a full model: the table says how many parameters each federates and what a client uploads
+    a round (the mean of the metrics lines' up_bytes); runs of one size (every table above) have no such columns."""
+    runs_dir = tmp_path / "runs"
+    for method, seed, params, ups in (("fedavg", 0, 1000, [4000, 4000, 4000]), ("fedavg", 1, 1000, [4000, 4000, 4000]),
+                                      ("fedsam", 0, 250, [1000, 1000, 1600])):
+        folder = make_run(runs_dir, method, 0.3, seed, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+        summary = json.loads((folder / "summary.json").read_text())
+        (folder / "summary.json").write_text(json.dumps({**summary, "parameters": params}))
+        lines = [{"round": t + 1, "test_acc": 0.5, "up_bytes": b} for t, b in enumerate(ups)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    rows = {r["method"]: r for r in _markdown_table(report([runs_dir], [], "markdown"))}
+    assert rows["FedAvg"]["trainable params"] == "1,000" and rows["FedAvg"]["up (KB/client/round)"] == "4.0"
+    assert rows["FedSAM"]["trainable params"] == "250" and rows["FedSAM"]["up (KB/client/round)"] == "1.2"
+    by_csv = {r["method"]: r for r in csv.DictReader(io.StringIO(report([runs_dir], [], "csv")))}
+    assert by_csv["FedSAM"]["up_bytes_per_client_round"] == "1200" and by_csv["FedAvg"]["trainable_parameters"] == "1000"
+    assert report([runs_dir], [], "latex").count(r"\\") >= 3
+    one_size = tmp_path / "one"
+    make_run(one_size, "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+    assert "trainable params" not in report([one_size], [], "markdown")

@@ -91,7 +91,7 @@ def test_an_error_in_a_thread_reaches_the_driver_and_the_run_keeps_its_state():
     def broken(*args, **kwargs):
         raise FloatingPointError("client exploded")
 
-    runtime.fit = broken
+    runtime.fit_into = broken  # (what a thread runs: its clients' rows go into the round's result)
     with pytest.raises(FloatingPointError, match="client exploded"):
         sim.run_round(1)
     assert torch.equal(sim.server.w, before)
@@ -115,8 +115,8 @@ def test_a_round_after_an_interrupted_one_waits_for_its_abandoned_clients():
     sim.executor.threads = [leftover]  # as an interrupted round leaves them
     started_while = []
     runtime = sim.executor.runtimes[0]
-    plain = runtime.fit
-    runtime.fit = lambda *args: started_while.append(finished.is_set()) or plain(*args)
+    plain = runtime.fit_into
+    runtime.fit_into = lambda *args: started_while.append(finished.is_set()) or plain(*args)
     sim.run_round(0)
     assert started_while == [True]
 
@@ -133,3 +133,67 @@ def test_threads_auto_gives_each_thread_its_share_of_the_cores(monkeypatch):
         assert sim.report.threads == 2 and torch.get_num_threads() == 2
         assert sim.thread_counts() == {"server": 2, "clients": 2}
         assert Simulation(tiny_config("threads=auto")).report.threads == 4  # the local executor: every core
+
+
+def test_thread_workers_hold_no_second_copy_of_a_frozen_base(tmp_path, monkeypatch):
+    """A thread's module is built on the meta device and given the driver's tensors: its frozen parameters and
+    non-persistent buffers are the driver's own objects (a RoBERTa's position ids, the base under LoRA), its trained
+    parameters start from the driver's initial values in storage of their own; the run is the local one bit for
+    bit. No thread builds a tensor of its own (every build of the worker's module runs on the meta device)."""
+    import json
+
+    from fedflat.bench.workloads import ROBERTA
+
+    folder = tmp_path / "roberta"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**ROBERTA, "hidden_size": 16, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 2, "intermediate_size": 32,
+                                                    "vocab_size": 50, "max_position_embeddings": 12}))
+    overrides = bitwise(*UNEQUAL, "model=hf", f"model.path={folder}", "model.random_weights=true",
+                        "data.options.shape=[8]", "data.options.tokens=50", "adapter.r=2")
+    local = Simulation(tiny_config(*overrides))
+    devices = recording_builds(monkeypatch)
+    sim = Simulation(tiny_config(*overrides, "executor=threads", "executor.workers=3"))
+    assert devices == ["meta"] * 2  # the two threads besides the driver, each built on the meta device
+    driver, *workers = (r.model for r in sim.executor.runtimes)
+    frozen = dict(driver.module.named_parameters())
+    constants = {n: b for n, b in driver.module.named_buffers() if "position_ids" in n or "token_type_ids" in n}
+    assert frozen and constants and all(not p.requires_grad for p in frozen.values())
+    for worker in workers:
+        assert {n: id(p) for n, p in worker.module.named_parameters()} == {n: id(p) for n, p in frozen.items()}
+        theirs = dict(worker.module.named_buffers())
+        assert all(theirs[n] is b for n, b in constants.items())
+        assert torch.equal(worker.initial, driver.initial) and worker.initial.data_ptr() != driver.initial.data_ptr()
+    assert trajectory(sim, 2) == trajectory(local, 2)
+
+
+def recording_builds(monkeypatch) -> list[str]:
+    """The default device of every worker's build of its module from now on (``meta`` inside the meta device)."""
+    from fedflat.engine import runtime
+
+    devices, build = [], runtime.worker_module
+
+    def recorded(spec, read_weights):
+        devices.append(torch.empty(0).device.type)
+        return build(spec, read_weights)
+
+    monkeypatch.setattr(runtime, "worker_module", recorded)
+    return devices
+
+
+def test_a_model_fn_the_meta_device_cannot_build_shares_the_base_after_a_whole_build(monkeypatch):
+    """A model_fn that computes with its tensors while it builds (here: reads a weight's value) cannot run on the
+    meta device: its thread worker builds it whole and is then given the driver's frozen tensors the same way."""
+    def model_fn():
+        body = torch.nn.Linear(16, 8).requires_grad_(False)
+        assert body.weight.abs().max().item() > 0  # (a meta tensor has no value: this raises there)
+        return torch.nn.Sequential(torch.nn.Flatten(), body, torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    devices = recording_builds(monkeypatch)
+    sim = Simulation(tiny_config(*bitwise(*UNEQUAL), "executor=threads", "executor.workers=2"),
+                     UserInputs(model_fn=model_fn))
+    assert devices == ["meta", "cpu"]  # the meta build refused, then the whole one
+    driver, worker = (r.model.module for r in sim.executor.runtimes)
+    assert dict(driver.named_parameters()).keys() == {"1.weight", "1.bias"}
+    theirs = dict(worker.named_parameters())
+    assert all(theirs[n] is p for n, p in driver.named_parameters())

@@ -34,12 +34,11 @@ class FedBN(FedPer):
     Params = PartParams
 
     def private(self, settings: TrainSettings) -> torch.Tensor:
-        if settings.layout is None:
-            raise AlgorithmError("personalization=fedbn needs the model's parameter layout (settings.layout)")
+        layout = self.layout(settings)
         if not settings.batch_norms:
             raise AlgorithmError("personalization=fedbn keeps BatchNorm layers on the clients, but the model has none "
                                  "(the built-in ResNets, WRN, DenseNet and CNN have them with model.norm=batch)")
-        return batch_norm_parameters(settings.layout, settings.batch_norms)
+        return batch_norm_parameters(layout, settings.batch_norms)
 
     def private_buffers(self, settings: TrainSettings) -> torch.Tensor | None:
         self.private(settings)  # the same check

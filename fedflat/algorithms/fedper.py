@@ -20,8 +20,8 @@ import torch
 from pydantic import Field
 
 from fedflat.algorithms.fedfft import FFT_GRID
-from fedflat.core import (MODEL, AlgorithmError, ClientContext, Cohort, PartParams, Personalization, Recipe,
-                          TrainSettings, register_recipe)
+from fedflat.core import (MODEL, AlgorithmError, ClientContext, Cohort, ParamLayout, PartParams, Personalization,
+                          Recipe, TrainSettings, register_recipe)
 
 PERSONAL_MODEL = "fedper.w_i"  # client state: the client's last local model (only its private entries are read)
 
@@ -45,9 +45,13 @@ class FedPer(Personalization):
     keeps = (PERSONAL_MODEL,)
 
     def private(self, settings: TrainSettings) -> torch.Tensor:
+        return private_layers(self.layout(settings), self.p.personal_layers)
+
+    def layout(self, settings: TrainSettings) -> ParamLayout:
+        """The model's parameter layout, which every mask of private parameters is made from."""
         if settings.layout is None:
-            raise AlgorithmError("personalization=fedper needs the model's parameter layout (settings.layout)")
-        return private_layers(settings.layout, self.p.personal_layers)
+            raise AlgorithmError(f"personalization={self.name} needs the model's parameter layout (settings.layout)")
+        return settings.layout
 
     def models(self, w: torch.Tensor, state: dict[str, torch.Tensor], known: dict[str, torch.Tensor],
                settings: TrainSettings) -> torch.Tensor:

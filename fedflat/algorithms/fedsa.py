@@ -37,9 +37,7 @@ class FedSA(FedPer):
     Params = FedSAParams
 
     def private(self, settings: TrainSettings) -> torch.Tensor:
-        if settings.layout is None:
-            raise AlgorithmError("personalization=fedsa needs the model's parameter layout (settings.layout)")
-        return lora_b_mask(settings.layout)
+        return lora_b_mask(self.layout(settings))
 
 
 @functools.lru_cache(maxsize=16)

@@ -6,7 +6,9 @@ then times ``run_round`` (training only; one evaluation is timed separately). Th
 the plainest per-client PyTorch loop: one ``nn.Module``, global weights copied in per client,
 ``torch.optim.SGD`` with coupled weight decay, ``clip_grad_norm_``, the same clients and the same
 batch indices as fedflat's round, and a second backward pass per step for two-backprop (SAM-type)
-methods. fedflat's overhead is then ``fedflat s/round / bare s/round`` measured side by side.
+methods. Under an ``adapter`` section (the LoRA workloads W5 and W6) it is plain PyTorch + peft:
+``get_peft_model`` with the same ``LoraConfig``, SGD over the adapters and the head. fedflat's overhead
+is then ``fedflat s/round / bare s/round`` measured side by side.
 
 Data is synthetic of each workload's shape (only speed is measured), seeded.
 """

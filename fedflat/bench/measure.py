@@ -5,6 +5,7 @@ import os
 import platform
 import resource
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -13,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from fedflat.bench.bare import BARE_LOOPS, BareLoop, sync as _sync
 from fedflat.config import Config, load_config
-from fedflat.bench.workloads import ENGINES, WORKLOADS
+from fedflat.bench.workloads import ENGINES, WORKLOADS, Workload, prepare
 from fedflat.engine import native
 from fedflat.engine.cores import torch_threads
 
@@ -106,93 +108,12 @@ def _tensor_core_peaks(device: torch.device) -> dict[str, float]:
     return {"matmul_flops_tf32": tf32, "matmul_flops_bf16": matmul_flops(device, dtype=torch.bfloat16)}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """Peak GPU memory allocated since the last reset, or the process's peak resident set on CPU
     (a high-water mark over the whole bench process)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# ----------------------------------------------------------------------------- the bare loop
-
-BARE_LOOPS = ("bare", "plain")  # the engine names of the two reference loops
-
-
-class BareLoop:
-    """The plainest per-client PyTorch loop doing a fedflat round's work (same clients, batches, steps), with the
-    run's ``precision`` and ``channels_last`` as a plain loop would write them, or (``plain``) in float32 and NCHW
-    order whatever the run sets: the loop a user writes without those options, which an option's speed-up is
-    measured against."""
-
-    def __init__(self, sim, backprops: int, rho: float = 0.01, plain: bool = False):
-        self.sim, self.backprops, self.rho, self.plain = sim, backprops, rho, plain
-        self.module = self._fresh_module()
-        self.w = sim.server.w.clone()
-
-    def _fresh_module(self) -> torch.nn.Module:
-        from fedflat.models import build_model
-
-        cfg, data = self.sim.cfg, self.sim.dataset
-        module = build_model(cfg.model["name"], data.input_shape, data.num_classes,
-                             **{k: v for k, v in cfg.model.items() if k != "name"})
-        return module.to(self.sim.device)
-
-    def run_round(self, round: int) -> None:
-        sim, module = self.sim, self.module
-        ctx = sim.server.new_context(round)
-        ids, steps = ctx.sampled.tolist(), ctx.steps.tolist()
-        schedules = sim.batches.schedules(round, ids, steps)
-        x_all, y_all = sim.dataset.x_train, sim.dataset.y_train
-        params = list(module.parameters())
-        finals = []
-        for schedule in schedules:
-            with torch.no_grad():  # (vector_to_parameters would alias self.w and let SGD overwrite it)
-                for p, v in zip(params, sim.model.layout.views(self.w)):
-                    p.copy_(v)
-            opt = torch.optim.SGD(params, lr=ctx.lr, weight_decay=sim.cfg.train.weight_decay)
-            for idx in schedule:
-                x, y = sim.dataset.features(x_all[idx]), y_all[idx]
-                if self.backprops == 2:
-                    self._sam_ascent(params, x, y)
-                opt.zero_grad()
-                self._loss(x, y).backward()
-                if self.backprops == 2:
-                    self._sam_descent(params)
-                if sim.cfg.train.clip is not None:
-                    torch.nn.utils.clip_grad_norm_(params, sim.cfg.train.clip)
-                opt.step()
-            finals.append(torch.nn.utils.parameters_to_vector(params).detach())
-        self.w = torch.stack(finals).mean(0)
-        _sync(sim.device)
-
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The batch loss with the run's ``precision`` (autocast) and ``channels_last`` input, as a plain loop
-        would write them."""
-        cfg = self.sim.cfg
-        if cfg.channels_last and x.dim() == 4 and not self.plain:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and not self.plain):
-            logits = self.module(x)
-        return F.cross_entropy(logits.float(), y)
-
-    def _sam_ascent(self, params, x, y) -> None:
-        grads = torch.autograd.grad(self._loss(x, y), params)
-        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
-        self._eps = [self.rho * g / (norm + 1e-12) for g in grads]
-        with torch.no_grad():
-            for p, e in zip(params, self._eps):
-                p.add_(e)
-
-    def _sam_descent(self, params) -> None:
-        with torch.no_grad():
-            for p, e in zip(params, self._eps):
-                p.sub_(e)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -379,8 +300,6 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
 
     ``executors``: ``local``, ``threads:N`` and/or ``ray:N``; every engine runs on each (the bare loop runs locally).
     ``profile``: a folder; one more round of every contestant is profiled there (:func:`profile_round`)."""
-    from fedflat.algorithms import build_algorithm
-
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
@@ -396,42 +315,10 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
         progress(warning)
     results: list[dict[str, Any]] = []
     for name in workloads:
-        w = WORKLOADS[name]
-        n_rounds, n_warm = rounds, warmup
-        if dev.type == "cpu" and w.cpu_rounds is not None:
-            n_rounds, n_warm = min(rounds, w.cpu_rounds), min(warmup, w.cpu_warmup or 0)
-        base = [f"device={dev}", *([f"threads={threads}"] if threads else []), *overrides]
-        contestants: list[Contestant] = []
-        bare_done: set[tuple[str, int]] = set()
-        for algo in algos:
-            for engine in engines:
-                if engine in BARE_LOOPS:
-                    continue
-                for executor in executors:
-                    cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}", *executor_overrides(executor)],
-                                      base=w.tree)
-                    try:
-                        contestants.append(Contestant(cfg, name, engine, executor=executor))
-                    except Exception as err:  # noqa: BLE001 - a refusal is a result of the bench
-                        results.append({"workload": name, "algo": algo, "engine": engine, "executor": executor,
-                                        "error": f"{type(err).__name__}: {err}"})
-            algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
-            bp = algorithm.backprops_per_step
-            for loop in (e for e in BARE_LOOPS if e in engines and bp in (1, 2) and (e, bp) not in bare_done):
-                bare_done.add((loop, bp))
-                rho = float(algorithm.value("rho", 0.01))
-                cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
-                contestants.append(Contestant(cfg, name, loop, bp, rho))
-        progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
-        try:
-            race(contestants, n_rounds, n_warm, progress)
-            rows = [_summary(c.row(), info) for c in contestants]
-            for c in contestants if profile else ():
-                progress(f"  profile: {profile_round(c, n_warm + n_rounds, profile)}")
-        finally:
-            for c in contestants:
-                c.sim.close()
-        results.extend(rows)
+        with tempfile.TemporaryDirectory(prefix=f"fedflat-bench-{name}-") as folder:  # (W5's model: its config.json)
+            results.extend(_bench_workload(WORKLOADS[name], folder, algos, engines, rounds, warmup, dev, info,
+                                           [f"device={dev}", *([f"threads={threads}"] if threads else [])],
+                                           overrides, progress, executors, profile))
         _add_ratios(results, name)
     if dev.type == "cpu":  # measured again after the rounds: a start slowed by the neighbours does not flatter %peak
         info["matmul_flops_start"] = info["matmul_flops"]
@@ -445,6 +332,53 @@ def bench(workloads: list[str], algos: list[str], engines: list[str], rounds: in
             "workloads": {n: WORKLOADS[n].description for n in workloads}, "results": results}
 
 
+def _bench_workload(w: Workload, folder: str, algos: list[str], engines: list[str], rounds: int, warmup: int,
+                    dev: torch.device, info: dict[str, Any], settings: list[str], overrides: tuple[str, ...],
+                    progress: Callable[[str], None], executors: tuple[str, ...],
+                    profile: str | None) -> list[dict[str, Any]]:
+    """The rows of one workload: every (method, engine, executor) and the bare loops, raced
+    (:func:`bench`'s arguments; ``settings``: the device and threads overrides)."""
+    from fedflat.algorithms import build_algorithm
+
+    name, results = w.name, []
+    n_rounds, n_warm = rounds, warmup
+    if dev.type == "cpu" and w.cpu_rounds is not None:
+        n_rounds, n_warm = min(rounds, w.cpu_rounds), min(warmup, w.cpu_warmup or 0)
+    cpu = list(w.cpu_overrides) if dev.type == "cpu" else []
+    base = [*settings, *prepare(w, folder), *cpu, *overrides]
+    contestants: list[Contestant] = []
+    bare_done: set[tuple[str, int]] = set()
+    for algo in algos:
+        for engine in engines:
+            if engine in BARE_LOOPS:
+                continue
+            for executor in executors:
+                cfg = load_config(None, [*base, f"algo={algo}", f"engine={engine}", *executor_overrides(executor)],
+                                  base=w.tree)
+                try:
+                    contestants.append(Contestant(cfg, name, engine, executor=executor))
+                except Exception as err:  # noqa: BLE001 - a refusal is a result of the bench
+                    results.append({"workload": name, "algo": algo, "engine": engine, "executor": executor,
+                                    "error": f"{type(err).__name__}: {err}"})
+        algorithm = build_algorithm(load_config(None, [*base, f"algo={algo}"], base=w.tree).algo)
+        bp = algorithm.backprops_per_step
+        for loop in (e for e in BARE_LOOPS if e in engines and bp in (1, 2) and (e, bp) not in bare_done):
+            bare_done.add((loop, bp))
+            rho = float(algorithm.value("rho", 0.01))
+            cfg = load_config(None, [*base, "engine=sequential"], base=w.tree)
+            contestants.append(Contestant(cfg, name, loop, bp, rho))
+    progress(f"{name}: {len(contestants)} contestants x {n_warm} warm-up + {n_rounds} timed rounds ...")
+    try:
+        race(contestants, n_rounds, n_warm, progress)
+        rows = [_summary(c.row(), info) for c in contestants]
+        for c in contestants if profile else ():
+            progress(f"  profile: {profile_round(c, n_warm + n_rounds, profile)}")
+    finally:
+        for c in contestants:
+            c.sim.close()
+    return results + rows
+
+
 def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
     """A row's summary, its FLOP/s against the matmul peak of its own precision (bfloat16, TF32 or float32;
     bfloat16 runs on a CPU are measured against the float32 peak, the only one measured there)."""
@@ -454,8 +388,9 @@ def _summary(row: Row, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
-    """``vs_bare`` (s/round over the bare loop with the same backprops per step), ``vs_plain`` (over the plain loop:
-    float32, NCHW, whatever options the run sets), ``vs_fedavg``, and
+    """``vs_bare`` (s/round over the bare loop with the same backprops per step; ``vs_bare_cpu`` the same of CPU
+    seconds, what to read on a machine busy with other work; ``vs_plain_cpu`` likewise), ``vs_plain`` (over the plain loop: float32, NCHW,
+    whatever options the run sets), ``vs_fedavg``, and
     ``backprops_vs_fedavg`` (backward passes a round over FedAvg's, the pilot and score passes included) with
     ``cost_per_backprop`` = ``vs_fedavg / backprops_vs_fedavg``: a method's time over what its backward passes
     alone would take at FedAvg's speed (1 when its other work is free)."""
@@ -470,6 +405,7 @@ def _add_ratios(results: list[dict[str, Any]], workload: str) -> None:
             ref = loops.get((loop, round(r["backprops_per_step"])))
             if ref is not None:
                 r[f"vs_{loop}"] = s / ref["seconds_per_round"]["median"]
+                r[f"vs_{loop}_cpu"] = r["cpu_seconds_per_round"] / ref["cpu_seconds_per_round"]
         if r["engine"] in fedavg:
             r["vs_fedavg"] = s / fedavg[r["engine"]]
         if r["engine"] in passes and r.get("backprops_per_round"):
@@ -487,8 +423,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")
              + (f"\n{kernels_line(m)}" if "aten_level" in m else "")]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
-            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'xplain':>6} {'xfedavg':>7} "
-            f"{'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
+            f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'cpu x':>6} "
+            f"{'xplain':>6} {'xfedavg':>7} {'bp/round':>8} {'bp x':>5} {'x/bp':>5}")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         if "error" in r:
@@ -500,7 +436,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['workload']:<8} {r['algo']:<12} {r['engine']:<18} {r.get('threads') or '-':>3} {s['median']:>8.3f} {s['min']:>7.3f} "
             f"{s['max']:>7.3f} {r['cpu_seconds_per_round']:>7.3f} {ev:>7} {r['samples_per_second']:>10.0f} "
             f"{r['flops_per_second'] / 1e9:>8.1f} {100 * r['fraction_of_matmul_peak']:>6.1f} "
-            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_plain')):>6} {_fmt(r.get('vs_fedavg')):>7} "
+            f"{r['peak_memory_mb']:>7.0f} {_fmt(r.get('vs_bare')):>6} {_fmt(r.get('vs_bare_cpu')):>6} "
+            f"{_fmt(r.get('vs_plain')):>6} {_fmt(r.get('vs_fedavg')):>7} "
             f"{_count(r.get('backprops_per_round')):>8} {_fmt(r.get('backprops_vs_fedavg')):>5} "
             f"{_fmt(r.get('cost_per_backprop')):>5}")
     return "\n".join(lines)

@@ -117,14 +117,27 @@ def _recipe_adapter(cfg: Config, recipe) -> Any:
     return cfg.adapter.model_copy(update=options)
 
 
-def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...]) -> None:
+def _check_options(where: str, fn: Callable, options: dict[str, Any], skip: tuple[str, ...],
+                   also: tuple[str, ...] = ()) -> None:
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
-    valid = [n for n in params if n not in skip]
+    valid = [n for n in params if n not in skip] + list(also)
     for key in options:
         if key not in valid:
             raise ConfigError(f"{where}.{key}: unknown option{suggest(key, valid)}; valid: {', '.join(valid) or '(none)'}")
+
+
+def _check_data_options(name: str, options: dict[str, Any]) -> None:
+    """The dataset loader's own options, and ``classes`` (every dataset's: :func:`fedflat.data.load_dataset`)."""
+    from fedflat.data import DATASETS
+    from fedflat.data.dataset import check_classes
+    from fedflat.data.datasets import GENERIC_OPTIONS
+
+    _check_options("data.options", DATASETS[name][0], {k: v for k, v in options.items() if k not in GENERIC_OPTIONS},
+                   ("root", "download"), also=tuple(GENERIC_OPTIONS))
+    if options.get("classes") is not None:
+        check_classes(options["classes"])
 
 
 def _check_name(where: str, name: str, registry: dict[str, Any]) -> None:
@@ -138,7 +151,7 @@ def _check_registered(cfg: Config) -> None:
     from fedflat.models import MODELS
 
     _check_name("data.name", cfg.data.name, DATASETS)
-    _check_options("data.options", DATASETS[cfg.data.name][0], cfg.data.options, ("root", "download"))
+    _check_data_options(cfg.data.name, cfg.data.options)
     scheme = cfg.data.partition["scheme"]
     _check_name("data.partition.scheme", scheme, PARTITIONS)
     part_opts = {k: v for k, v in cfg.data.partition.items() if k != "scheme"}

@@ -24,7 +24,7 @@ _HOMES = {
     "round": ("SERVER", "numpy_stream", "sample_clients", "stream_seed", "torch_stream", "BUFFERS", "MODEL",
               "TRAIN_LOSS", "Batch", "Broadcast", "ClientContext", "ClientData", "ClientResult", "ClipScope", "Cohort",
               "Distillation", "GradientOracle", "RoundContext", "Shared", "Slot", "TrainSettings", "LocalOptimizer",
-              "merge_results", "payload_size", "Contrast", "OBJECTIVE_TERM"),
+              "merge_results", "ResultRows", "payload_size", "Contrast", "OBJECTIVE_TERM"),
     "part": ("SHARED", "Aggregation", "Correction", "Direction", "Filter", "Part", "PartParams", "Personalization",
              "Perturbation", "ServerUpdate", "shared", "MeasuredDirection"),
     "init": ("Init",),

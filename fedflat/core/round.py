@@ -14,6 +14,7 @@ the chunk size or the order in which clients train, and a resumed run draws exac
 """
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Iterator, Literal, Protocol
@@ -432,26 +433,49 @@ class ClientResult:
 def merge_results(results: list[ClientResult]) -> ClientResult:
     """One result with every client's rows in ascending client-id order (the canonical reduction order),
     whatever order the results arrived in."""
-    ids = torch.cat([r.ids.cpu() for r in results])
-    order = ids.argsort()
-    if len(set(ids.tolist())) != len(ids):
-        raise ValueError(f"a client appears in more than one result: {sorted(ids.tolist())}")
+    rows = ResultRows(torch.cat([r.ids.cpu() for r in results]))
+    for result in results:
+        rows.add(result)
+    return rows.result()
 
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(ids))
-    positions = rank.split([len(r.ids) for r in results])  # where each result's rows go
 
-    def stack(name: str, part: str) -> torch.Tensor:
-        """The rows of every result in one new tensor, each row copied once (to its place)."""
-        first = getattr(results[0], part)[name]
-        out = first.new_empty((len(ids), *first.shape[1:]))
-        for r, where in zip(results, positions):
-            out.index_copy_(0, where.to(out.device), getattr(r, part)[name].to(out.device))
-        return out
-    upload_names = results[0].upload.keys()
-    state_names = results[0].state.keys()
-    return ClientResult(ids[order], {k: stack(k, "upload") for k in upload_names},
-                        {k: stack(k, "state") for k in state_names}, sum(r.backprops for r in results))
+class ResultRows:
+    """A round's client results assembled as they arrive: each result's rows are copied at once into one
+    ``[K, ...]`` tensor per entry, at their clients' rank among ``ids`` (ascending client id, the canonical
+    reduction order), so that a round holds each client's upload once — not in its own result and again stacked
+    (a LoRA round of 100 clients: 700 MB less). Threads may add to it at once (thread workers)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids.cpu().sort().values
+        if len(set(self.ids.tolist())) != len(self.ids):
+            raise ValueError(f"a client appears in more than one result: {self.ids.tolist()}")
+        self.upload: dict[str, torch.Tensor] = {}
+        self.state: dict[str, torch.Tensor] = {}
+        self.filled = torch.zeros(len(self.ids), dtype=torch.bool)
+        self.backprops = 0
+        self._lock = threading.Lock()
+
+    def add(self, result: ClientResult) -> None:
+        """Copies ``result``'s rows to their places (the result can then be dropped)."""
+        ids = result.ids.cpu()
+        where = torch.searchsorted(self.ids, ids).clamp_(max=max(len(self.ids) - 1, 0))
+        with self._lock:
+            if not torch.equal(self.ids[where], ids) or self.filled[where].any() or len(set(ids.tolist())) != len(ids):
+                raise ValueError(f"a client appears in more than one result, or was not expected: {ids.tolist()} "
+                                 f"(expected {self.ids.tolist()}, {self.ids[self.filled].tolist()} in already)")
+            for entries, out in ((result.upload, self.upload), (result.state, self.state)):
+                for name, rows in entries.items():
+                    if name not in out:
+                        out[name] = rows.new_empty((len(self.ids), *rows.shape[1:]))
+                    out[name].index_copy_(0, where.to(out[name].device), rows.to(out[name].device))
+            self.filled[where] = True
+            self.backprops += result.backprops
+
+    def result(self) -> ClientResult:
+        """Every client's rows; a client whose result never came is an error naming it."""
+        if not self.filled.all():
+            raise ValueError(f"no result for clients {self.ids[~self.filled].tolist()}")
+        return ClientResult(self.ids, self.upload, self.state, self.backprops)
 
 
 @dataclass
@@ -507,6 +531,11 @@ class RoundContext:
         if cached is None or cached[0] is not self.w_final or cached[1] is not self.w:
             self._deltas = cached = (self.w_final, self.w, self.w_final - self.w)
         return cached[2]
+
+    @property
+    def has_deltas(self) -> bool:
+        """Whether :attr:`deltas` is computed already for the current uploads (reading it then costs nothing)."""
+        return self._deltas is not None and self._deltas[0] is self.w_final and self._deltas[1] is self.w
 
     @property
     def pseudo_gradients(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -241,6 +241,48 @@ def validation_split(data: Dataset, fraction: float, seed: int = 0) -> tuple[Dat
                     owners=None if data.owners is None else data.owners[kept],
                     test_owners=None if data.owners is None else data.owners[held], heldout="validation")
     return split, kept
+
+
+def check_classes(classes: object) -> list[int]:
+    """``data.options.classes`` as a list of distinct class ids (at least two), or a :class:`DatasetError` saying
+    what is wrong; whether each id is one of the dataset's is known once it is loaded (:func:`select_classes`)."""
+    if (not isinstance(classes, (list, tuple)) or len(classes) < 2
+            or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0 for c in classes)):
+        raise DatasetError(f"data.options.classes must be a list of at least two class ids (integers >= 0), "
+                           f"e.g. [5, 6, 7, 8, 9]; got {classes!r}")
+    repeated = sorted({int(c) for c in classes if list(classes).count(c) > 1})
+    if repeated:
+        raise DatasetError(f"data.options.classes lists class {repeated[0]} more than once: {list(classes)}")
+    return [int(c) for c in classes]
+
+
+def select_classes(data: Dataset, classes: Sequence[int]) -> Dataset:
+    """The samples of ``classes`` alone, in both splits, labelled ``0 .. k-1`` in the order ``classes`` lists them
+    (class ``classes[j]`` becomes label ``j``): a new task made of some classes of a dataset, e.g. Fashion-MNIST's
+    footwear and bags beside a model pretrained on its clothes. Inputs are kept as they are, so the pixels stay
+    standardized with the whole training split's statistics (a model trained on other classes of the dataset sees
+    these preprocessed alike); the samples keep their order, and their owners (``owners``, ``test_owners``) with
+    them. A class id the dataset does not have is a :class:`DatasetError` naming its classes."""
+    classes = check_classes(classes)
+    unknown = [c for c in classes if c >= data.num_classes]
+    if unknown:
+        raise DatasetError(f"data.options.classes: {data.name!r} has classes 0..{data.num_classes - 1}, not "
+                           f"{', '.join(map(str, unknown))}; choose among those")
+    relabel = torch.full((data.num_classes,), -1, dtype=torch.long)
+    relabel[torch.tensor(classes)] = torch.arange(len(classes))
+    picked = {}
+    for split in ("train", "test"):
+        y = getattr(data, f"y_{split}")
+        new = relabel[y.cpu()]
+        rows = torch.nonzero(new >= 0).flatten()
+        owners = getattr(data, "owners" if split == "train" else "test_owners")
+        picked.update({f"x_{split}": getattr(data, f"x_{split}")[rows.to(y.device)],
+                       f"y_{split}": new[rows].to(y.device),
+                       "owners" if split == "train" else "test_owners":
+                           None if owners is None else owners[rows.numpy()]})
+    if picked["y_train"].numel() == 0:
+        raise DatasetError(f"data.options.classes {classes}: {data.name!r} has no training sample of these classes")
+    return replace(data, num_classes=len(classes), **picked)
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fedflat.core.registry import add, origin_of
 
-from .dataset import Dataset, to_tensors
+from .dataset import Dataset, check_classes, select_classes, to_tensors
 from .domains import load_domainnet, load_officehome
 from .errors import DatasetError
 from .images import load_tiny_imagenet
@@ -237,12 +237,16 @@ def _synthetic_tokens(rng: np.random.Generator, shape: tuple[int, ...], num_clas
                       test_size: int, tokens: int) -> Dataset:
     """Class-conditional i.i.d. token sequences (see :func:`load_synthetic`)."""
     emission = rng.dirichlet(np.full(tokens, 0.5), size=num_classes)
+    cumulative = np.cumsum(emission, axis=1)
 
     def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
         labels = rng.permutation(np.arange(n) % num_classes).astype(np.int64)
-        cumulative = np.cumsum(emission[labels], axis=1)
         u = rng.random((n, int(np.prod(shape))))
-        ids = np.minimum((u[:, :, None] > cumulative[:, None, :]).sum(axis=2), tokens - 1)
+        ids = np.empty(u.shape, dtype=np.int64)
+        for k in range(num_classes):  # the number of cumulative probabilities below u (no [n, L, tokens] array)
+            rows = labels == k
+            ids[rows] = np.searchsorted(cumulative[k], u[rows], side="left")
+        ids = np.minimum(ids, tokens - 1)
         return ids.reshape(n, *shape).astype(np.int64), labels
 
     (x_train, y_train), (x_test, y_test) = draw(train_size), draw(test_size)
@@ -294,19 +298,27 @@ DATASETS: dict[str, tuple[Callable[..., Dataset], str]] = {
 }
 
 
+GENERIC_OPTIONS = {"classes": None}  # what every dataset takes, applied after its loader (load_dataset)
+
+
 def register_dataset(name: str, loader: Callable[..., Dataset], description: str) -> Callable[..., Dataset]:
     """Makes ``loader(root=None, download=False, **options) -> Dataset`` available as ``data.name: NAME``, its
     keyword options as ``data.options`` (a plugin's dataset, docs/extending.md); a name taken by another module is
-    an error naming both. ``description`` is its line in ``fedflat list``."""
+    an error naming both. ``description`` is its line in ``fedflat list``. ``classes`` is every dataset's own option
+    (:func:`load_dataset`): a loader may not take it."""
+    taken = sorted(set(inspect.signature(loader).parameters) & set(GENERIC_OPTIONS))
+    if taken:
+        raise ValueError(f"dataset {name!r}: its loader takes {', '.join(taken)}, which fedflat applies to every "
+                         "dataset after its loader (data.options.classes selects classes); rename the parameter")
     add(DATASETS, "dataset", name, (loader, description), origin=origin_of(loader))
     return loader
 
 
 def dataset_options(name: str) -> dict[str, object]:
-    """The options dataset ``name`` accepts, with their defaults."""
+    """The options dataset ``name`` accepts, with their defaults: its loader's, and ``classes``."""
     loader = DATASETS[name][0]
     params = inspect.signature(loader).parameters
-    return {k: p.default for k, p in params.items() if k not in ("root", "download")}
+    return {**{k: p.default for k, p in params.items() if k not in ("root", "download")}, **GENERIC_OPTIONS}
 
 
 def load_dataset(name: str, root: str | Path | None = None, download: bool = False, **options) -> Dataset:
@@ -314,7 +326,9 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
 
     ``root`` is searched first for the files, then ``$FEDFLAT_DATA``, the download cache and
     system folders; with ``download=True`` missing files are fetched and checksum-verified.
-    ``options`` go to the loader; an unknown one raises ``ValueError`` listing the valid ones.
+    ``options`` go to the loader; an unknown one raises ``ValueError`` listing the valid ones. ``classes`` (every
+    dataset): keep the samples of these class ids alone, relabelled ``0 .. k-1`` in the order given
+    (:func:`fedflat.data.dataset.select_classes`).
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; available: {', '.join(DATASETS)}")
@@ -328,4 +342,8 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         raise DatasetNotFoundError(f"data folder {root} (data.root, --data-dir) {what}: give the folder that holds "
                                    f"the {name} files, or leave it out to search $FEDFLAT_DATA and the cache",
                                    [Path(root)])
-    return DATASETS[name][0](root=root, download=download, **options)
+    classes = options.pop("classes", None)
+    if classes is not None:
+        classes = check_classes(classes)  # (before the files are read: a bad list costs no load)
+    data = DATASETS[name][0](root=root, download=download, **options)
+    return data if classes is None else select_classes(data, classes)

@@ -20,14 +20,13 @@ import torch
 
 from fedflat.algorithms import Algorithm, build_algorithm
 from fedflat.config import AdapterConfig
-from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, TrainSettings,
-                          merge_results)
+from fedflat.core import (Broadcast, ClientContext, ClientResult, Cohort, ConfigError, ResultRows, TrainSettings)
 from fedflat.data import Standardize
 from fedflat.engine.client import ClientBatches, Oracle, fit
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.modes import ModelTraits, module_name
 from fedflat.engine.optim import state_vectors
-from fedflat.models import assemble, build_model, frozen_hash, share_frozen, without_weights
+from fedflat.models import assemble, build_model, frozen_hash, without_weights
 from fedflat.params import FlatModel
 
 # Model-sized vectors the inner loop holds per client besides the parts' state: W, W + eps, eps, the
@@ -222,16 +221,23 @@ class ClientRuntime:
 
         The vectorized engine takes clients longest-first, so chunks hold clients of similar step
         counts and pad little (FedJAX's ``for_each_client`` does the same)."""
+        rows = ResultRows(task.ids)
+        self.fit_into(rows, broadcast, task, load_state)
+        return rows.result()
+
+    def fit_into(self, rows: ResultRows, broadcast: Broadcast, task: RoundTask, load_state: StateLoader) -> None:
+        """:meth:`fit`, each chunk's rows copied into ``rows`` as soon as the chunk is trained (the round's result,
+        which other threads' runtimes may fill too)."""
         broadcast = broadcast.to(self.device)
         ctx = ClientContext.of(broadcast, self.settings, self.oracle, self.batches)
         order = torch.arange(len(task))
         if self.engine != "sequential":
             order = torch.as_tensor(sorted(range(len(task)), key=lambda i: (-int(task.steps[i]), i)))
-        size, lo, results = self.chunk_size(len(task)), 0, []
+        size, lo = self.chunk_size(len(task)), 0
         while lo < len(task):
-            rows = order[lo:lo + size]
+            chunk = order[lo:lo + size]
             try:
-                result = fit(self.algorithm, ctx, make_cohort(task.rows(rows), broadcast, load_state, self.device))
+                result = fit(self.algorithm, ctx, make_cohort(task.rows(chunk), broadcast, load_state, self.device))
             except torch.cuda.OutOfMemoryError:
                 if size == 1:
                     raise
@@ -240,9 +246,8 @@ class ClientRuntime:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            results.append(ClientResult(result.ids.cpu(), result.upload, result.state, result.backprops))
-            lo += len(rows)
-        return merge_results(results)
+            rows.add(result)
+            lo += len(chunk)
 
 
 class LocalExecutor:
@@ -285,25 +290,68 @@ class WorkerSpec:
 
 
 def build_client_runtime(spec: WorkerSpec, batches: ClientBatches, device: torch.device,
-                         base: torch.nn.Module | None = None) -> ClientRuntime:
+                         base: FlatModel | None = None) -> ClientRuntime:
     """A runtime of the run ``spec`` describes on ``device``: its own model (built again from the config or
     ``model_fn``; the broadcast carries the trained weights, and under adapters the worker loads the frozen base
     from its own files, checked against the driver's digest), parts and oracle, over the given ``batches``.
-    ``base``: a module of the same run in this process whose frozen tensors the new one shares (thread workers)."""
+    ``base``: the model of the same run in this process, whose frozen tensors the new one shares (thread workers:
+    :func:`thread_module`)."""
     compute = spec.compute
     if compute.threads:
         torch.set_num_threads(compute.threads)
     set_tf32(device, compute.tf32)
-    module = assemble(lambda: worker_module(spec, read_weights=spec.adapter is not None and base is None), spec.seed,
-                      AdapterConfig(**spec.adapter) if spec.adapter is not None else None)
-    if base is not None:
-        share_frozen(module, base)
+    adapter = AdapterConfig(**spec.adapter) if spec.adapter is not None else None
+    module = thread_module(spec, base, adapter) if base is not None else assemble(
+        lambda: worker_module(spec, read_weights=adapter is not None), spec.seed, adapter)
     check_base(frozen_hash(module), spec.base_hash)
     model = FlatModel(module.to(device))
     settings = replace(spec.settings, layout=model.layout)
     engine = resolve_engine(compute.engine, device, spec.step_flops, compute.cuda_graphs, compute.compile)
     return ClientRuntime(build_algorithm(spec.algo, spec.stages), model, batches, settings,
                          replace(compute, engine=engine), spec.traits)
+
+
+def thread_module(spec: WorkerSpec, base: FlatModel, adapter: AdapterConfig | None) -> torch.nn.Module:
+    """A thread worker's module, which costs no second copy of a frozen base: the run's module built on the meta
+    device (its structure, nothing allocated, no weights file read), then given the driver's tensors
+    (:func:`adopt_tensors`). A module the meta device cannot build (a ``model_fn`` that computes with its tensors,
+    say) is built whole, without its weights' files, and given them the same way."""
+    def build() -> torch.nn.Module:
+        return assemble(lambda: worker_module(spec, read_weights=False), spec.seed, adapter)
+
+    try:
+        with torch.device("meta"):
+            module = build()
+    except Exception:  # noqa: BLE001 - whatever the meta device refuses: the whole build
+        module = build()
+    adopt_tensors(module, base)
+    return module
+
+
+def adopt_tensors(module: torch.nn.Module, base: FlatModel) -> None:
+    """Gives ``module`` (the same run's architecture, built on the meta device or whole) the tensors of ``base``:
+    its frozen parameters and non-persistent buffers shared (one pretrained base in the process, which every
+    thread only reads), its trained parameters and persistent buffers copied from their initial values; tied
+    tensors stay tied. A tensor ``base`` lacks is a ``KeyError``."""
+    frozen = dict(base.module.named_parameters(remove_duplicate=False))
+    trained = dict(zip(base.layout.names, base.layout.views(base.initial.detach())))
+    persistent = dict(zip(base.buffer_layout.names, base.buffer_layout.tensors(base.initial_buffers))) \
+        if base.buffer_layout.size else {}
+    shared = dict(base.module.named_buffers(remove_duplicate=False))
+    given: dict[int, torch.Tensor] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in given:
+            given[id(p)] = torch.nn.Parameter(trained[name].clone()) if p.requires_grad else frozen[name]
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._parameters[attr] = given[id(p)]
+    for name, b in list(module.named_buffers(remove_duplicate=False)):
+        if id(b) not in given:
+            given[id(b)] = persistent[name].clone() if name in persistent else shared[name]
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attr] = given[id(b)]
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise KeyError(f"no tensor for {left[:3]}")
 
 
 def worker_module(spec: WorkerSpec, read_weights: bool) -> torch.nn.Module:
@@ -359,11 +407,13 @@ class ThreadExecutor:
         for thread in self.threads:  # a round abandoned by an interrupt: its clients finish before a runtime is reused
             thread.join()
         plan = longest_first(task.steps, list(range(len(self.runtimes))))
-        outcomes: dict[int, ClientResult | BaseException] = {}
+        outcomes: dict[int, BaseException | None] = {}
+        results = ResultRows(task.ids)  # (every thread copies its clients' rows in: the round holds them once)
 
         def work(worker: int, sub: RoundTask, loader: StateLoader) -> None:
             try:
-                outcomes[worker] = self.runtimes[worker].fit(broadcast, sub, loader)
+                self.runtimes[worker].fit_into(results, broadcast, sub, loader)
+                outcomes[worker] = None
             except BaseException as err:  # noqa: BLE001 - raised again in the driver's thread below
                 outcomes[worker] = err
 
@@ -379,7 +429,7 @@ class ThreadExecutor:
         for worker in sorted(outcomes):
             if isinstance(outcomes[worker], BaseException):
                 raise outcomes[worker]
-        return merge_results(list(outcomes.values()))
+        return results.result()
 
     def close(self) -> None:
         """Nothing to release: the threads end with each round."""

@@ -190,6 +190,14 @@ def privacy_ledger(cfg: Config, num_samples: torch.Tensor, algorithm: Algorithm)
     return PrivacyLedger(mechanism, delta, p.target_epsilon, torch.zeros(N, dtype=torch.long))
 
 
+def drift_norms(ctx: RoundContext) -> torch.Tensor:
+    """``||Delta_i||`` of every sampled client (``ctx.deltas.norm(dim=1)``): row by row where no part made
+    ``ctx.deltas`` (each row's norm the same reduction, the same bits), so that no ``[K, P]`` is made for it."""
+    if ctx.has_deltas:
+        return ctx.deltas.norm(dim=1)
+    return torch.stack([torch.sub(row, ctx.w).norm() for row in ctx.w_final])
+
+
 class Server:
     """The server's side of a run: ``w^t``, ``b^t``, the server state the parts declared
     (:meth:`Algorithm.initial_server_state`), every client's state rows (:class:`ClientStore`), the last round that
@@ -349,7 +357,7 @@ class Server:
             log.update(self.privacy.spend(ctx.round, result.ids.cpu(), ctx.steps.cpu()))
         return RoundResult(
             round=ctx.round, lr=ctx.lr, train_loss=ctx.train_loss.mean().item(),
-            drift=ctx.deltas.norm(dim=1).mean().item(), clients=ctx.K, seconds=time.perf_counter() - opened.start,
+            drift=drift_norms(ctx).mean().item(), clients=ctx.K, seconds=time.perf_counter() - opened.start,
             backprops_per_step=result.backprops / ctx.steps.sum().item(), store=self.store.count(),
             up_vectors=up_vectors, down_vectors=down_vectors, up_bytes=up_bytes + buffer_bytes,
             down_bytes=down_bytes + buffer_bytes, dropped=done.dropped, log=log, logged=list(ctx.log),

@@ -128,7 +128,7 @@ def make_executor(executor: ExecutorConfig, runtime: ClientRuntime, spec: Callab
         # threads=None: the driver's own torch threads, already set, are the ones the thread workers share
         worker = spec(compute=replace(runtime.options, threads=None))
         with torch.random.fork_rng(devices=[]):
-            others = [build_client_runtime(worker, runtime.batches, runtime.device, base=runtime.model.module)
+            others = [build_client_runtime(worker, runtime.batches, runtime.device, base=runtime.model)
                       for _ in range(executor.workers - 1)]
         return ThreadExecutor([runtime, *others])
     return RayExecutor(spec(), data(), executor)

@@ -14,7 +14,10 @@ Conventions (stated in every table's caption of docs/experiments.md):
 - *time to X* is the cumulative local-training + aggregation time (``train_seconds``, evaluation
   excluded) at that round; *s/round* is ``train_seconds / rounds``;
 - *comm* is the model-sized vectors a sampled client exchanges per round (up + down) relative to
-  FedAvg's 2, so it is also the ratio of total communication for an equal number of rounds and clients.
+  FedAvg's 2, so it is also the ratio of total communication for an equal number of rounds and clients;
+- where the runs' federated vectors differ in size (low-rank adapters beside full models), *trainable params* is
+  the size of ``w`` (``summary.json``'s ``parameters``) and *up (KB/client/round)* what a sampled client uploads in
+  a round, as encoded (the mean of the metrics lines' ``up_bytes``, in units of 1,000 bytes).
 """
 from __future__ import annotations
 
@@ -293,6 +296,8 @@ class Row:
     # runs that selected on a validation split: the test accuracy of the model each selected (in %)
     selected: tuple[float | None, float | None] = (None, None)
     radius: str | None = None  # the SAM radius the runs perturbed with (``rho=0.05``; None: no perturbation)
+    parameters: float | None = None  # the federated (trainable) parameters, the size of w
+    up_bytes: float | None = None  # bytes a sampled client uploads a round, as encoded
     seed_values: tuple[Any, ...] = ()  # the runs' seeds, in order
     # (dataset, split, samples) of each held-out split the runs' accuracies are on: what one sample is worth
     heldout: tuple[tuple[str, str, int], ...] = ()
@@ -331,8 +336,16 @@ def summarize(group: Group, targets: list[float]) -> Row:
                         for name in _metric_names(runs)},
                selected=mean_std([100 * r.summary["selected_test_acc"] for r in runs
                                   if r.summary.get("selected_test_acc") is not None]),
-               radius=radius_of(runs), seed_values=tuple(sorted({r.seed for r in runs}, key=_seed_order)),
-               heldout=heldout_of(runs))
+               radius=radius_of(runs),
+               parameters=mean_std([r.summary.get("parameters") for r in runs])[0],
+               up_bytes=mean_std([upload_bytes(r) for r in runs])[0],
+               seed_values=tuple(sorted({r.seed for r in runs}, key=_seed_order)), heldout=heldout_of(runs))
+
+
+def upload_bytes(run: Run) -> float | None:
+    """Bytes a sampled client uploaded a round, as encoded: the mean of the metrics lines' ``up_bytes``."""
+    per_round = [m["up_bytes"] for m in run.metrics if m.get("up_bytes") is not None]
+    return sum(per_round) / len(per_round) if per_round else None
 
 
 def heldout_of(runs: list[Run]) -> tuple[tuple[str, str, int], ...]:
@@ -444,18 +457,26 @@ def with_radius(rows: list[Row]) -> bool:
     return any(r.radius is not None for r in rows)
 
 
+def sized(rows: list[Row]) -> bool:
+    """Whether the rows federate vectors of different sizes (adapters beside full models): their tables then have
+    the columns *trainable params* and *up (KB/client/round)*."""
+    return any(len({v for v in values if v is not None}) > 1
+               for values in ([r.parameters for r in rows], [r.up_bytes for r in rows]))
+
+
 def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False,
-            selected: bool = False, radius: bool = False) -> list[str]:
+            selected: bool = False, radius: bool = False, sizes: bool = False) -> list[str]:
     cols = ["setting", "method", *(["radius"] if radius else []), "seeds", "final acc (%)", "best acc (%)",
             *(["test acc of selected (%)"] if selected else []), *(f"final {m} (%)" for m in metrics),
             *(["epsilon"] if epsilon else [])]
     for t in targets:
         cols += [f"rounds to {100 * t:g}%", f"time to {100 * t:g}% (s)"]
-    return cols + ["s/round", "comm (x FedAvg)", "backprops/step", "status"]
+    return cols + ["s/round", "comm (x FedAvg)", *(["trainable params", "up (KB/client/round)"] if sizes else []),
+                   "backprops/step", "status"]
 
 
 def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), epsilon: bool = False,
-           selected: bool = False, radius: bool = False) -> list[str]:
+           selected: bool = False, radius: bool = False, sizes: bool = False) -> list[str]:
     cells = [row.setting, row.method, *([row.radius or DASH] if radius else []), str(row.seeds), _pm(row.final, pm), _pm(row.best, pm),
              *([_pm(row.selected, pm)] if selected else []), *(_pm(row.metrics.get(m, (None, None)), pm) for m in metrics)]
     if epsilon:
@@ -463,8 +484,11 @@ def _cells(row: Row, targets: list[float], pm: str, metrics: list[str] = (), eps
     for t in targets:
         cells += list(_target_cells(row, t))
     cells += [DASH if row.sec_per_round is None else f"{row.sec_per_round:.3f}",
-              DASH if row.comm is None else f"{row.comm:g}",
-              DASH if row.backprops is None else f"{row.backprops:g}", row.status]
+              DASH if row.comm is None else f"{row.comm:g}"]
+    if sizes:
+        cells += [DASH if row.parameters is None else f"{row.parameters:,.0f}",
+                  DASH if row.up_bytes is None else f"{row.up_bytes / 1000:.1f}"]
+    cells += [DASH if row.backprops is None else f"{row.backprops:g}", row.status]
     return cells
 
 
@@ -474,9 +498,10 @@ def _row_metrics(rows: list[Row]) -> list[str]:
 
 def to_markdown(rows: list[Row], targets: list[float]) -> str:
     metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
-    head = headers(targets, metrics, epsilon, selected, radius)
+    sizes = sized(rows)
+    head = headers(targets, metrics, epsilon, selected, radius, sizes)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected, radius))
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r, targets, " ± ", metrics, epsilon, selected, radius, sizes))
               + " |" for r in rows]
     note = caption(rows)
     return "\n".join(lines) + "\n" + (f"\n{note}\n" if note else "")
@@ -492,13 +517,14 @@ def _latex_escape(text: str) -> str:
 
 def to_latex(rows: list[Row], targets: list[float]) -> str:
     metrics, epsilon, selected, radius = _row_metrics(rows), private(rows), selecting(rows), with_radius(rows)
-    head = headers(targets, metrics, epsilon, selected, radius)
+    sizes = sized(rows)
+    head = headers(targets, metrics, epsilon, selected, radius, sizes)
     spec = "ll" + "l" * radius + "r" * (len(head) - 3 - radius) + "l"
     out = [r"\begin{tabular}{" + spec + "}", r"\toprule",
            " & ".join(_latex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in rows:
         cells = []
-        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon, selected, radius):
+        for c in _cells(r, targets, " PLUSMINUS ", metrics, epsilon, selected, radius, sizes):
             text = _latex_escape(c)
             cells.append("$" + text.replace(" PLUSMINUS ", r" \pm ") + "$" if "PLUSMINUS" in c else text)
         out.append(" & ".join(cells) + r" \\")
@@ -518,8 +544,9 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
     cols += ["epsilon"] if private(rows) else []
     for t in targets:
         cols += [f"rounds_to_{t:g}", f"reached_{t:g}", f"seconds_to_{t:g}"]
-    cols += ["sec_per_round", "comm_vs_fedavg", "backprops_per_step", "rounds", "status", "seed_values",
-             "heldout_samples"]
+    cols += ["sec_per_round", "comm_vs_fedavg", *(["trainable_parameters", "up_bytes_per_client_round"]
+                                                  if sized(rows) else []),
+             "backprops_per_step", "rounds", "status", "seed_values", "heldout_samples"]
     writer = csv.writer(buf)
     writer.writerow(cols)
     num = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
@@ -530,7 +557,8 @@ def to_csv(rows: list[Row], targets: list[float]) -> str:
         for t in targets:
             rounds, seconds, reached = r.targets[t]
             line += [num(rounds), reached, num(seconds)]
-        line += [num(r.sec_per_round), num(r.comm), num(r.backprops), num(r.rounds), r.status,
+        line += [num(r.sec_per_round), num(r.comm), *([num(r.parameters), num(r.up_bytes)] if sized(rows) else []),
+                 num(r.backprops), num(r.rounds), r.status,
                  " ".join(map(str, r.seed_values)), " ".join(f"{name}:{split}:{n}" for name, split, n in r.heldout)]
         writer.writerow(line)
     return buf.getvalue()

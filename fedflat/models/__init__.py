@@ -16,9 +16,9 @@ ids) and ``torch.float32`` otherwise.
 from __future__ import annotations
 
 from .base import FedModel
-from .lora import AdapterSettings, frozen_hash, save_adapter, share_frozen
+from .lora import AdapterSettings, frozen_hash, save_adapter
 from .registry import (MODELS, assemble, base_key, build_model, count_parameters, model_options, register_model,
                        without_weights)
 
 __all__ = ["build_model", "MODELS", "count_parameters", "model_options", "FedModel", "register_model", "assemble",
-           "AdapterSettings", "base_key", "frozen_hash", "save_adapter", "share_frozen", "without_weights"]
+           "AdapterSettings", "base_key", "frozen_hash", "save_adapter", "without_weights"]

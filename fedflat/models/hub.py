@@ -10,7 +10,8 @@ tokenizer is what a text dataset reads it with (``data.options.tokenizer``, defa
 
 The module a run trains (:class:`Classifier`) takes one tensor, as every fedflat model does: token ids as int64
 ``[B, K, L]`` — ``x[:, 0]`` the ``input_ids``, ``x[:, 1]`` the ``attention_mask``, ``x[:, 2]`` the
-``token_type_ids`` where ``K = 3`` (:mod:`fedflat.data.glue` makes them) — or pixels ``[B, C, H, W]``; it returns the
+``token_type_ids`` where ``K = 3`` (:mod:`fedflat.data.glue` makes them), or ``[B, L]`` ids alone, every token
+attended (the ``synthetic`` dataset's ``tokens``: benchmarks) — or pixels ``[B, C, H, W]``; it returns the
 logits, and ``features(x)`` the classifier's input (its first token for a sequence head).
 
 ``model: {name: timm, arch: NAME, weights: FILE}`` builds timm's ``NAME`` with the weights of ``FILE`` (timm's own
@@ -77,6 +78,8 @@ class Classifier(FedModel):
         if self.kind == "image":
             return {"pixel_values": x}
         x = x.long()
+        if x.dim() == 2:  # ids alone: every token attended
+            return {"input_ids": x}
         named = {"input_ids": x[:, 0], "attention_mask": x[:, 1]}
         if x.shape[1] > 2:
             named["token_type_ids"] = x[:, 2]

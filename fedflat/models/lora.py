@@ -246,17 +246,8 @@ def frozen_hash(module: nn.Module) -> str | None:
         return None
     for name, p in frozen:
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())  # (its buffer: no copy of the base)
     return digest.hexdigest()
-
-
-def share_frozen(module: nn.Module, source: nn.Module) -> None:
-    """Makes ``module``'s frozen parameters the very tensors of ``source`` (the same model built in this process):
-    a thread worker holds no second copy of the base."""
-    theirs = {name: p for name, p in source.named_parameters() if not p.requires_grad}
-    for name, p in module.named_parameters():
-        if not p.requires_grad and name in theirs and theirs[name].shape == p.shape:
-            p.data = theirs[name].data
 
 
 def frozen_count(module: nn.Module) -> int:
