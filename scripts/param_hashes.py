@@ -7,6 +7,7 @@ same machine (the hashes depend on the CPU's arithmetic, so they are a developme
     python scripts/param_hashes.py --check before.json         # compare; exit 1 naming every run that moved
     python scripts/param_hashes.py --stages --out before.json  # also the upload path: DP, compression, attacks,
                                                                 # robust rules, validation (every recipe under some)
+    python scripts/param_hashes.py --match fedwmsam --check before.json  # only the runs naming fedwmsam
 
 scripts/param_hashes.json holds the hashes of the last change that moved numbers on purpose, with the machine they
 were recorded on (its "_machine" entry): on that machine, the check of a refactor against it.
@@ -108,10 +109,12 @@ def main() -> int:
     parser.add_argument("--out", help="write the hashes to this JSON file")
     parser.add_argument("--check", help="compare with the hashes in this JSON file")
     parser.add_argument("--stages", action="store_true", help="also the upload path's stages (about 480 runs)")
+    parser.add_argument("--match", default="", help="only the runs whose overrides contain this text (with --check:"
+                                                    " compared with those runs' recorded hashes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    hashes = {" ".join(o): digest(o) for o in runs(args.stages)}
+    hashes = {" ".join(o): digest(o) for o in runs(args.stages) if args.match in " ".join(o)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(hashes, f, indent=1)
@@ -120,7 +123,7 @@ def main() -> int:
         return 0
     with open(args.check) as f:
         before = json.load(f)
-    before = {k: v for k, v in before.items() if not k.startswith("_")}  # "_machine": where they were recorded
+    before = {k: v for k, v in before.items() if not k.startswith("_") and args.match in k}  # ("_machine")
     moved = [k for k in before if hashes.get(k) != before[k]]
     for k in moved:
         print(f"moved: {k}: {before[k]} -> {hashes.get(k)}")

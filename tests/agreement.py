@@ -47,23 +47,25 @@ def bitwise(*overrides: str) -> tuple[str, ...]:
     row is not a function of that row alone: cuBLAS picks its batched-GEMM kernel, and with it the order in which each
     dot product is summed, by the batch count, so a thread's chunk of 2 clients rounds its rows otherwise than the
     local run's chunk of 4 (float32 rounding: :func:`assert_close_runs`). On a CPU ``auto`` is the sequential engine
-    and the vectorized engine's rows are computed alike in any chunk, so nothing changes there."""
+    already, so nothing changes there (a test that names the vectorized engine compares its chunks within
+    :func:`float32_bound`: MKL's batched products are the CPU's business too)."""
     if not on_cuda() or any(o.startswith("engine=") for o in overrides):
         return overrides
     return (*overrides, "engine=sequential")
 
 
-def float32_bound(sim: Simulation, rounds: int) -> float:
+def float32_bound(sim: Simulation, rounds: int, widest: int = 0) -> float:
     """The relative difference two runs of ``sim``'s config may show when their products sum in other orders (the
     vectorized engine on CUDA in chunks of other sizes): one float32 dot product of K terms summed in another order
     differs by at most K * 2^-24 of the sum of its terms' magnitudes, and each gradient of the run's S local steps
     (of every round, SAM's two included) carries one such error into the weights: S * K * 2^-24, with K the widest
-    sum of the model (the largest fan-in of its layers, and the batch size a weight's gradient sums over)."""
+    sum of the model (the largest fan-in of its layers, and the batch size a weight's gradient sums over) or a part's
+    ``widest`` sum when longer (FedSCAM's projection sums over every parameter)."""
     steps = 0
     for _ in range(rounds):
         steps += sim.cfg.train.local_epochs * math.ceil(int(sim.num_samples.max()) / sim.cfg.train.batch_size)
     widths = [v[0].numel() for v in sim.model.layout.views(sim.model.initial) if v.dim() > 1]  # fan-ins
-    K = max([*widths, sim.cfg.train.batch_size])
+    K = max([*widths, sim.cfg.train.batch_size, widest])
     return 2 * steps * K * 2.0 ** -24  # 2: up to two gradients a step (SAM)
 
 

@@ -18,6 +18,9 @@ def pytest_addoption(parser):
     parser.addoption("--device", default=None,
                      help="device of every config that names none (cpu, cuda): `pytest --device cuda` runs the "
                           "device-independent tests on a GPU")
+    parser.addoption("--shape-rounding", action="store_true",
+                     help="run every test on a CPU whose matrix products round by their shapes (tests/rounding.py): "
+                          "an equality that holds only as this CPU's BLAS rounds fails")
 
 
 def pytest_configure(config):
@@ -96,3 +99,25 @@ def tiny():
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _shape_rounding(request, monkeypatch):
+    """``pytest --shape-rounding``: the test runs under :class:`rounding.ShapeRounding`, in every thread it starts
+    too (a dispatch mode is a thread's own)."""
+    if not request.config.getoption("--shape-rounding"):
+        yield
+        return
+    import threading
+
+    from rounding import ShapeRounding
+
+    cpu, run = ShapeRounding(), threading.Thread.run
+
+    def run_under_it(thread):
+        with cpu:
+            run(thread)
+
+    monkeypatch.setattr(threading.Thread, "run", run_under_it)
+    with cpu:
+        yield

@@ -37,7 +37,32 @@ def test_bench_command_writes_json_with_machine_and_ratios(tmp_path, capsys):
     # FLOPs scale with backprops: a SAM round does twice FedAvg's work on the same samples
     assert rows[("fedsam", "sequential")]["flops_per_round"] == pytest.approx(
         2 * rows[("fedavg", "sequential")]["flops_per_round"])
-    assert "s/round" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "s/round" in printed
+    machine = report["machine"]
+    assert machine["aten_level"] == torch.backends.cpu.get_cpu_capability()
+    assert f"ATen dispatch {machine['aten_level']}" in printed
+
+
+def test_the_bench_says_which_fused_kernels_run_and_at_which_aten_level(monkeypatch):
+    """The machine's description names ATen's dispatch level (and the variable that forced it) and the native
+    kernels where they are built, with whether ATen's expressions round FedWMSAM's alike; where they are not built it
+    says the torch expressions run."""
+    from fedflat.algorithms import fedwmsam
+    from fedflat.bench.measure import FUSED_KERNELS, kernels, kernels_line
+    from fedflat.core import vectors
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr(vectors, "_kernel_sources", [lambda name: print])
+    monkeypatch.setattr(vectors, "_kernels", {})
+    monkeypatch.setitem(fedwmsam._probed, "aten", False)
+    line = kernels_line(kernels())
+    assert "(ATEN_CPU_CAPABILITY=avx2)" in line and ", ".join(FUSED_KERNELS.values()) in line
+    assert "ATen rounds FedWMSAM's point and the mix otherwise here" in line
+    monkeypatch.setattr(vectors, "_kernel_sources", [lambda name: None])
+    monkeypatch.setattr(vectors, "_kernels", {})
+    monkeypatch.setitem(fedwmsam._probed, "aten", None)
+    assert "none (not built: the torch expressions run)" in kernels_line(kernels())
 
 
 def test_bench_counts_every_backward_pass_of_a_round(tmp_path):

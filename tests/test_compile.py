@@ -6,6 +6,8 @@ The GPU tests are skipped where torch sees no CUDA GPU (CI); ``pytest --device c
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -89,3 +91,24 @@ def test_a_compiler_failure_is_one_line_saying_to_set_compile_false(tiny, monkey
             Simulation(tiny("device=cpu", "compile=true", "rounds=1")).run_round(0)
     finally:
         torch._dynamo.reset()  # (no failed compile left for the next test)
+
+
+def test_a_forced_dispatch_level_compiles_into_a_cache_of_its_own(monkeypatch):
+    """Inductor keys its generated C++ by the graph, not by ATen's dispatch level: under ``ATEN_CPU_CAPABILITY`` a
+    compiled run takes a cache folder of that level's own (code generated for AVX-512 did not compile at the default
+    level), unless the user named one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from fedflat.engine.gradients.compiled import level_cache
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    for before in (None, default_cache_dir()):  # unset, or torch's default (importing torch._dynamo sets it)
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        level_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default_cache_dir(), "aten-default")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    level_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"

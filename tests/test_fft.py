@@ -10,6 +10,7 @@ from torch import nn
 import fedflat
 from fedflat.algorithms import build_algorithm
 from fedflat.core import Cohort, ParamLayout
+from fedflat.core.vectors import kernel
 
 
 def _layout() -> ParamLayout:
@@ -202,6 +203,41 @@ def test_short_tensors_band_removed_directly_is_the_exact_band_within_float32_ro
     scale = float(x.double().abs().max())
     assert float((out.double() - exact).abs().max()) <= 2.0 ** -24 * float(exact.abs().max()) + 1e-12 * scale * n
     assert float((out.double() - exact).norm()) <= _fft_error_bound(x)
+
+
+@pytest.mark.parametrize("n, removed", [(156_800, 784), (40_000, 200), (2 ** 15, 163), (98 * 16, 7), (3072, 90)])
+def test_the_native_band_removal_gives_the_same_bits_on_its_avx2_and_scalar_loops_within_fft_rounding(n, removed):
+    """The native kernel (fedflat/engine/native/low_band.cpp) on its AVX2 loops and on its scalar ones: the same bits
+    (every column the same operations, 8 a vector or one by one), within the FFT bound of the float64 band removal
+    like scipy's transforms; a last block of fewer than 8 columns (98 = 12 x 8 + 2) and a radix 3 included."""
+    import numpy as np
+    from fedflat.algorithms import fedfft
+    from fedflat.engine import native
+
+    op = kernel("remove_low_band")
+    if op is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    plan = fedfft.four_step_plan(n, removed)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(removed))
+    outs = [torch.full((n,), float("nan")) for _ in range(2)]
+    for out, scalar in zip(outs, (False, True)):
+        op(x, plan[0], removed, out, scalar=scalar)
+    V = np.fft.rfft(x.double().numpy())
+    V[:removed] = 0
+    exact = torch.from_numpy(np.fft.irfft(V, n=n))
+    assert torch.equal(*outs) and float((outs[0].double() - exact).norm()) <= _fft_error_bound(x)
+
+
+def test_the_native_band_removal_refuses_what_it_does_not_take():
+    op = kernel("remove_low_band")
+    if op is None:
+        pytest.skip("the native kernels are not built here")
+    with pytest.raises(RuntimeError, match="even and divide"):
+        op(torch.zeros(99), 9, 2, torch.zeros(99))
+    with pytest.raises(RuntimeError, match="no prime factor above 5"):
+        op(torch.zeros(14 * 3), 14, 2, torch.zeros(14 * 3))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        op(torch.zeros(32, dtype=torch.float64), 8, 2, torch.zeros(32))
 
 
 def test_four_step_plan_falls_back_to_the_full_transforms():

@@ -58,8 +58,11 @@ class Average(ServerUpdate):
 
 def mean_update(ctx: RoundContext) -> torch.Tensor:
     r""":math:`\sum_i p_i \Delta_i` (``ctx.aggregate(ctx.deltas)``); on a CPU where no part made ``ctx.deltas``, column
-    block by column block (:func:`~fedflat.algorithms.scaffold.column_blocks`: the same bits), so that the round holds
-    no ``[K, P]`` of updates beside the uploads (100 LoRA clients of RoBERTa-base: 700 MB)."""
+    block by column block (:func:`~fedflat.algorithms.scaffold.column_blocks`), so that the round holds no ``[K, P]``
+    of updates beside the uploads (100 LoRA clients of RoBERTa-base: 700 MB). Each block's ``weights @ D`` is a BLAS
+    product of another width than the whole row's: the same bits where the BLAS sums a column alike for every width
+    (the AMD EPYC of docs/benchmarks.md), within a K-term sum's rounding elsewhere (docs/architecture.md,
+    "Exactness")."""
     if ctx.has_deltas or ctx.w.device.type != "cpu":
         return ctx.aggregate(ctx.deltas)
     from fedflat.algorithms.scaffold import column_blocks

@@ -11,8 +11,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, Direction, PartParams, Recipe,
-                          RoundContext, init, register_recipe)
+from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection,
+                          PartParams, Recipe, RoundContext, init, register_recipe)
+from fedflat.core.vectors import kernel
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
@@ -23,12 +24,38 @@ DECAY_DESCRIPTION = ("outside: a g + (1 - a) m + wd w, weight decay unscaled as 
 
 
 def momentum_direction(a: float | torch.Tensor, grad: torch.Tensor, m: torch.Tensor, weight_decay: float,
-                       decay: DecayPlacement) -> Direction:
+                       decay: DecayPlacement, complement: torch.Tensor | None = None) -> Direction:
     """The momentum-mixed local direction ``a g + (1 - a) m`` from the raw gradient ``g``, written over ``grad`` in
-    one pass (``g + (1 - a) (m - g)``), with its weight decay ``wd`` (``decay = outside``, the decay ``wd w``
-    whatever ``a``) or ``a wd`` (``inside``). FL-Simulator's FedCM/MoFedSAM and the FedWMSAM code clip
-    ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds ``wd w``."""
-    return Direction(grad.lerp_(m, 1 - a), weight_decay if decay == "outside" else a * weight_decay)
+    one pass (``g + (1 - a) (m - g)``, ``lerp_``; ``complement``: ``1 - a`` made before), with its weight decay ``wd``
+    (``decay = outside``, the decay ``wd w`` whatever ``a``) or ``a wd`` (``inside``). FL-Simulator's FedCM/MoFedSAM
+    and the FedWMSAM code clip ``a g + (1 - a) m`` (``client/fedcm.py:26-32``) before SGD adds ``wd w``. Where the
+    native kernel takes the operands, the mix and its rows' norms in that pass (:func:`mix_norm`: a
+    :class:`~fedflat.core.MeasuredDirection`, whose norms the loss-scope clip takes)."""
+    weight = 1 - a if complement is None else complement
+    decayed = weight_decay if decay == "outside" else a * weight_decay
+    norms = mix_norm(grad, m, weight)
+    if norms is not None:
+        return MeasuredDirection(grad, decayed, norms)
+    return Direction(grad.lerp_(m, weight), decayed)
+
+
+def mix_norm_torch(g: torch.Tensor, m: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+    """``g.lerp_(m, weight)`` and the rows' norms of the result as the engine's clip computes them."""
+    return torch.linalg.vector_norm(g.lerp_(m, weight), dim=-1, keepdim=True)
+
+
+def mix_norm(g: torch.Tensor, m: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor | None:
+    """:func:`mix_norm_torch` in one pass by the native ``mix_norm`` (fedflat/engine/native/vector_ops.cpp: lerp's fma
+    and an 8-lane norm, its own rounding, ATen's on its AVX2 and AVX-512 levels; at ATen's default level, whose
+    ``lerp`` runs element by element, several times faster) where it is built and takes the operands (it checks them
+    before it writes ``g``), else None (``g`` untouched)."""
+    op = kernel("mix_norm")
+    if op is None or g.device.type != "cpu":
+        return None
+    try:
+        return op(g, m, weight if isinstance(weight, torch.Tensor) else torch.tensor(weight, dtype=torch.float32))
+    except RuntimeError:  # operands the kernel does not take
+        return None
 
 
 class MomentumParams(PartParams):

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from fedflat.core import (NORM_EPS, AlgorithmError, ClientContext, Cohort, Filter, PartParams, Recipe, clip_factors,
                           register_recipe, row_norm, torch_stream)
+from fedflat.core.vectors import kernel
 
 
 class SpectrumParams(PartParams):
@@ -95,9 +96,12 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
     ``n2``, along the columns; the sums over ``b`` as one batched product), and the band's signal ``L[a n1 + b] =
     iRFFT_a(V_k conj(T[k, b]) / n1)[a]`` (``n1`` inverse ones). Length-``n2`` transforms stay in cache where the full
     length-``n`` ones do not; on the W1 MLP's 784 x 200 weight (n = 156,800, 784 frequencies removed, n2 = 1600) the
-    filter costs about a quarter of the two full transforms (docs/benchmarks.md). Both forms' errors are within FFT
-    rounding, ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write
-    the result into."""
+    filter costs about a quarter of the two full transforms (docs/benchmarks.md). Where the native kernel is built
+    (``kernel("remove_low_band")``) the four steps run as one call, the column transforms 8 columns to a vector and
+    the twiddles ``T`` made from two small tables (reading ``T`` and ``S``, 1.2 MB for that weight, cost more in the
+    local loop than the transforms): about half scipy's time in the loop. Every form's error is within FFT rounding,
+    ``O(u log n) ||x||`` (tests/test_fft.py). ``out``: a contiguous float32 tensor of ``n`` entries to write the
+    result into."""
     if out is None:
         out = torch.empty(seg.numel(), dtype=seg.dtype)
     _remove_low_band(seg.numpy().reshape(-1), removed, plan, out.numpy())
@@ -105,11 +109,16 @@ def remove_low_band(seg: torch.Tensor, removed: int, plan: tuple[int, int, Any, 
 
 
 def _remove_low_band(x: Any, removed: int, plan: tuple[int, int, Any, Any], out: Any) -> None:
-    """:func:`remove_low_band` on numpy vectors (``x`` and ``out`` contiguous float32 of ``n`` entries)."""
+    """:func:`remove_low_band` on numpy vectors (``x`` and ``out`` contiguous float32 of ``n`` entries): the native
+    kernel where it is built and ``n2 / 2`` has no prime factor above 5, else scipy's pocketfft transforms."""
     import numpy as np
     import scipy.fft
 
     n2, n1, T, S = plan
+    op = kernel("remove_low_band")  # (fedflat/engine/native/low_band.cpp: the same bits on every CPU)
+    if op is not None and n2 % 2 == 0 and _smooth(n2 // 2):
+        op(torch.from_numpy(x), n2, removed, torch.from_numpy(out))
+        return
     X = x.reshape(n2, n1)
     V = np.matmul(scipy.fft.rfft(X, axis=0)[:removed, None, :], T[:, :, None]).reshape(removed)
     Y = np.empty((n2 // 2 + 1, n1), dtype=np.complex64)

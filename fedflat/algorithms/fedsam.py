@@ -1,13 +1,15 @@
 """FedSAM (Caldarola et al., ECCV 2022; Qu et al., ICML 2022): local SAM steps, FedAvg server."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 
-from typing import ClassVar
-
 from fedflat.core import (NORM_EPS, RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
                           register_recipe, row_norm, shared)
+from fedflat.core.part import point_sum
+from fedflat.core.vectors import kernel
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 
@@ -59,13 +61,46 @@ class LocalSAM(Perturbation):
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if self.p.rho == 0:
             return None
-        _, grad = ctx.oracle.loss_grad(W, batch)
-        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
-        u = self.ascent(ctx, cohort, k, W, grad)
+        u, radius = self.ascent_and_radius(ctx, cohort, k, W, batch)
         # the oracle's fresh gradient (this class's own ascent) or a fresh ascent: scaled in place, the same bits
         if self.fresh_ascent or type(self).ascent is LocalSAM.ascent:
             return scale_rows_(u, radius)
         return normalize_rows(u, radius)
+
+    def ascent_and_radius(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor,
+                          batch) -> tuple[torch.Tensor, float | torch.Tensor]:
+        """The step's ascent ``u`` (from the oracle's ``g(w)`` on the batch) and the radius after the warm-up."""
+        _, grad = ctx.oracle.loss_grad(W, batch)
+        radius = warmed_up(self.radius(ctx, cohort), ctx.round, self.p.warmup_rounds)
+        return self.ascent(ctx, cohort, k, W, grad), radius
+
+    fuses_point = True  # perturbed_point: the scale and the sum in one pass after ATen's norm
+
+    def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
+                        out: torch.Tensor) -> torch.Tensor | None:
+        """``W + eps`` into ``out``: where this class's :meth:`perturb` runs, ATen's norm ``d = ||u|| + 1e-12`` and
+        the native ``sam_point`` (``fedflat/engine/native/vector_ops.cpp``: ``W + (u rho) / d`` in one pass over the
+        vector where the torch expressions take three, each operation rounded once as ATen's are on every dispatch
+        level: the same bits); else :meth:`perturb` and the sum."""
+        op = kernel("sam_point")
+        if op is None or own_class(self).perturb is not LocalSAM.perturb or W.device.type != "cpu":
+            return super().perturbed_point(ctx, cohort, k, W, batch, out)
+        if self.p.rho == 0:
+            return None
+        u, radius = self.ascent_and_radius(ctx, cohort, k, W, batch)
+        radii = radius.reshape(-1) if isinstance(radius, torch.Tensor) else None
+        if radii is None or radii.dtype == u.dtype:  # (else the torch product rounds in the radii's dtype)
+            try:
+                op(u, row_norm(u) + NORM_EPS, 0.0 if radii is not None else float(radius), radii, W, out)
+                return out
+            except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
+                pass
+        return point_sum(W, normalize_rows(u, radius), out)
+
+
+def own_class(part: Perturbation) -> type:
+    """The part's own class (the contract's checks wrap it in a subclass of theirs)."""
+    return getattr(type(part), "__unwatched__", type(part))
 
 
 register_recipe(Recipe(

@@ -31,10 +31,10 @@ own README; ``similarity: gradient`` uses :math:`\cos(G_i, m) = 1 - (\cos(\Delta
 Not reproduced: the public code, like the FedLESAM code, indexes the flat direction per tensor (one scalar shift per
 tensor).
 
-Cost (docs/benchmarks.md, "Every method at the cost of its backward passes"): on the CPU the perturbed point
-:math:`w_k + \epsilon_k` and the mix :math:`a g + (1 - a) m_i` with its norm each run as one native kernel
-(fedflat/engine/native/vector_ops.cpp, ATen's roundings, checked on a probe before use; the torch expressions
-otherwise), and the round's ``[K, P]`` work goes by column blocks: the same bits either way.
+Cost (docs/benchmarks.md, "Every method at the cost of its backward passes"): on the CPU the perturbed point :math:`w_k + \epsilon_k` and the mix
+:math:`a g + (1 - a) m_i` with its norm each run as one native kernel (fedflat/engine/native/vector_ops.cpp: a rounding
+of its own, the same bits on every CPU, which ATen's AVX2 and AVX-512 kernels share; the torch expressions where no
+compiler built it), and the round's ``[K, P]`` work goes by column blocks: the same bits either way.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement
+from fedflat.algorithms.fedcm import DECAY_DESCRIPTION, MOMENTUM, DecayPlacement, mix_norm_torch, momentum_direction
 from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_blocks, scaffold_client_variate,
                                          scaffold_server_variate, variate_change)
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection, PartParams,
@@ -82,15 +82,14 @@ def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alph
                  out: torch.Tensor) -> torch.Tensor:
     r"""The perturbed point :math:`w_k + \epsilon_k`, :math:`\epsilon_k = \mathrm{radius}\, d_k / (\lVert d_k \rVert + 10^{-12})`,
     :math:`d_k = (w^t - w_k) + \alpha\, m_i` (seed 001 §4.1(b), README C1; :math:`\alpha = k`), written into ``out``:
-    the native kernel (two passes over the vector) where :func:`fused_guided_point` found one with these bits and it
-    takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``, ``w_start``
-    and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else :func:`guided_point_torch` (five)."""
-    fused = _fused.get("op", _UNCHECKED)
-    if fused is _UNCHECKED:
-        fused = fused_guided_point()
-    if fused is not None and W.device.type == "cpu":
+    the native kernel (two passes over the vector, its own rounding, the same bits on every CPU) where it is built
+    and takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``,
+    ``w_start`` and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else
+    :func:`guided_point_torch` (five ATen calls, ATen's rounding: the kernel's where :func:`rounds_as_kernels`)."""
+    op = kernel("guided_point")
+    if op is not None and W.device.type == "cpu":
         try:
-            fused[0](w_start, W, m_i, alpha, radius, fused[1], out)
+            op(w_start, W, m_i, alpha, radius, out)
             return out
         except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
             pass
@@ -105,73 +104,38 @@ def guided_point_torch(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor
     return torch.add(W, normalize_rows_(out, radius), out=out)
 
 
-_fused: dict[str, tuple[Callable, int] | None] = {}  # kernel name: the checked kernel and its norm's accumulators
-_UNCHECKED = object()
+def rounds_as_kernels() -> bool | None:
+    """Whether ATen's kernels, in this process (its dispatch level, ``torch.backends.cpu.get_cpu_capability()``),
+    round :func:`guided_point_torch` and :func:`mix_norm_torch` as the native kernels do, on :func:`probe_cases`
+    (checked once a process; None where the kernels are not built). Where they do, a FedWMSAM run gives the same bits
+    with and without the kernels (torch 2.13's AVX2 and AVX-512 levels); where they do not (its default level), the
+    run's numbers are the kernels' wherever they are built."""
+    if "aten" not in _probed:
+        point, mix = kernel("guided_point"), kernel("mix_norm")
+        _probed["aten"] = None if point is None or mix is None else _probe(point, mix)
+    return _probed["aten"]
 
 
-def fused_guided_point() -> tuple[Callable, int] | None:
-    """The native ``guided_point`` (:func:`fedflat.core.vectors.kernel`, ``fedflat/engine/native/vector_ops.cpp``) and
-    the count of the norm's accumulators to call it with, ``op(w_start, W, m_i, alpha, radius, lanes, out)``, or None
-    where it is not built or does not reproduce :func:`guided_point_torch` bit for bit on :func:`probe_cases`
-    (checked once a process, for each count of the norm's accumulators the kernel knows: ATen's depends on torch's
-    build and CPU)."""
-    return _checked("op", "guided_point", lambda op, lanes: all(_agrees(op, lanes, *c) for c in probe_cases()))
+_probed: dict[str, bool | None] = {}
 
 
-def fused_mix_norm() -> tuple[Callable, int] | None:
-    """The native ``mix_norm`` and its accumulator count, ``op(g, m_i, weight, lanes)``: ``g.lerp_(m_i, weight)`` in
-    place and the result's row norms, returned, as ``torch.linalg.vector_norm`` gives them; or None where it is not
-    built or does not reproduce :func:`mix_norm_torch` on :func:`probe_cases`' vectors (checked once a process)."""
-    return _checked("mix", "mix_norm", _mix_agrees)
-
-
-def _checked(key: str, name: str, agrees: Callable[[Callable, int], bool]) -> tuple[Callable, int] | None:
-    if key not in _fused:
-        op, found = kernel(name), None
-        if op is not None:
-            found = next(((op, lanes) for lanes in (8, 16) if agrees(op, lanes)), None)
-        _fused[key] = found
-    return _fused[key]
-
-
-def mix_norm_torch(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``g.lerp_(m_i, weight)`` (FedWMSAM's ``a g + (1 - a) m_i``, ``weight = 1 - a``) and the rows' norms of the result
-    as the engine's clip computes them."""
-    return torch.linalg.vector_norm(g.lerp_(m_i, weight), dim=-1, keepdim=True)
-
-
-def mix_norm(g: torch.Tensor, m_i: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """:func:`mix_norm_torch` in one pass by the native kernel (its bits) where :func:`fused_mix_norm` found it and it
-    takes the operands (it checks them before it writes ``g``), else None (``g`` untouched)."""
-    fused = _fused.get("mix", _UNCHECKED)
-    if fused is _UNCHECKED:
-        fused = fused_mix_norm()
-    if fused is None or g.device.type != "cpu":
-        return None
-    try:
-        return fused[0](g, m_i, weight, fused[1])
-    except RuntimeError:  # operands the kernel does not take
-        return None
-
-
-def _mix_agrees(op: Callable, lanes: int) -> bool:
-    for w_start, W, m_i, alpha, _ in probe_cases():
+def _probe(point: Callable, mix: Callable) -> bool:
+    for w_start, W, m_i, alpha, radius in probe_cases():
+        out = torch.empty_like(W)
+        point(w_start, W, m_i, alpha, radius, out)
+        if not torch.equal(out, guided_point_torch(w_start, W, m_i, alpha, radius, torch.empty_like(W))):
+            return False
         g = (W - w_start) * alpha
         for weight in (torch.tensor(0.9), torch.tensor(0.3), torch.tensor(0.5)):
-            expected_g = g.clone()
-            expected = mix_norm_torch(expected_g, m_i, weight)
-            mine = g.clone()
-            try:
-                norms = op(mine, m_i, weight, lanes)
-            except RuntimeError:
-                return False
-            if not (torch.equal(mine, expected_g) and torch.equal(norms, expected)):
+            expected, mine = g.clone(), g.clone()
+            if not (torch.equal(mix(mine, m_i, weight), mix_norm_torch(expected, m_i, weight))
+                    and torch.equal(mine, expected)):
                 return False
     return True
 
 
 def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]]:
-    """Operands covering the kernel's paths: every remainder of a row's length modulo 16 around a few multiples,
+    """Operands covering the kernels' paths: every remainder of a row's length modulo 16 around a few multiples,
     one and three clients, ``m_i`` per client, as an expanded row and as ``[P]``, integer and float ``alpha``, both
     signs of the radius, and a long row (W1's layer sizes)."""
     g = torch.Generator().manual_seed(57)
@@ -185,16 +149,6 @@ def probe_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float,
         cases.append((w_start, W, ms[P % 3], P % 5 + 1, 0.05))
         cases.append((W.clone(), W.roll(1, -1).contiguous(), ms[(P + 1) % 3], -0.0123 * P, -0.02))
     return cases
-
-
-def _agrees(op: Callable, lanes: int, w_start, W, m_i, alpha, radius) -> bool:
-    expected = guided_point_torch(w_start, W, m_i, alpha, radius, torch.empty_like(W))
-    out = torch.empty_like(W)
-    try:
-        op(w_start, W, m_i, alpha, radius, lanes, out)
-    except RuntimeError:  # (a CPU without AVX2 and FMA)
-        return False
-    return torch.equal(out, expected)
 
 
 def update_similarity(X: torch.Tensor, m: torch.Tensor, shifted: bool, at_zero: float) -> torch.Tensor:
@@ -275,18 +229,11 @@ class WeightedMomentum(Correction):
         cohort.own(self)["complement"] = 1 - ctx.server[FACTOR]  # 1 - a made once per chunk, not at every step
 
     def direction(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, grad: torch.Tensor) -> Direction:
-        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits); where the
-        engine clips the loss direction, its norms come from the same pass (:func:`mix_norm`: a
-        :class:`~fedflat.core.MeasuredDirection`)."""
-        settings = ctx.settings
-        wd = settings.weight_decay  # (ctx's: AdamW's runs see 0, their decay decoupled)
-        decay = wd if self.p.decay == "outside" else ctx.server[FACTOR] * wd
-        m_i, complement = cohort.shared[CLIENT_MOMENTUM], cohort.own(self)["complement"]
-        if settings.clip is not None and settings.clip_scope == "loss":
-            norms = mix_norm(grad, m_i, complement)
-            if norms is not None:
-                return MeasuredDirection(grad, decay, norms)
-        return Direction(grad.lerp_(m_i, complement), decay)
+        """:func:`~fedflat.algorithms.fedcm.momentum_direction` with the chunk's ``1 - a`` (the same bits; the mix's
+        norms from its pass where the native kernel runs)."""
+        a = ctx.server[FACTOR]
+        return momentum_direction(a, grad, cohort.shared[CLIENT_MOMENTUM], ctx.settings.weight_decay, self.p.decay,
+                                  cohort.own(self)["complement"])  # (ctx's decay: AdamW's runs see 0, decoupled)
 
     def after_step(self, ctx: RoundContext, w_new: torch.Tensor) -> None:
         server = ctx.server
@@ -325,7 +272,7 @@ class MomentumGuidedPerturbation(Perturbation):
     summary = "FedWMSAM: eps = rho d/||d||, d = (w^t + k m_i) - w_k, the inferred global trajectory (no extra backprop)"
     Params = GuidedParams
     requires = frozenset({MOMENTUM})
-    fuses_point = True  # perturbed_point: the native kernel's two passes, the same bits as perturb and the sum
+    fuses_point = True  # perturbed_point: the native kernel's two passes (perturb and the sum's bits on AVX2/AVX-512)
 
     def perturb(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch) -> torch.Tensor | None:
         if not self.p.guided or self.p.rho == 0 or k == 0:
@@ -339,7 +286,7 @@ class MomentumGuidedPerturbation(Perturbation):
     def perturbed_point(self, ctx: ClientContext, cohort: Cohort, k: int, W: torch.Tensor, batch,
                         out: torch.Tensor) -> torch.Tensor | None:
         """``W + eps`` into ``out`` by :func:`guided_point` (two passes over the vector where the native kernel is
-        built, :meth:`perturb`'s operations and the sum otherwise): the same bits either way."""
+        built, :meth:`perturb`'s operations and the sum otherwise: the same bits where :func:`rounds_as_kernels`)."""
         if not self.p.guided or self.p.rho == 0 or k == 0:
             return None
         return guided_point(ctx.w_start, W, *self._operands(ctx, cohort, k), out)

@@ -21,7 +21,7 @@ from fedflat.bench.workloads import ENGINES, WORKLOADS
 from fedflat.cliutil import at_least_one
 
 _MEASURING = ("BareLoop", "Contestant", "Row", "bench", "executor_overrides", "flops_per_sample", "format_table",
-              "machine", "matmul_flops", "profile_round", "race", "round_samples")
+              "kernels", "machine", "matmul_flops", "profile_round", "race", "round_samples")
 
 
 def __getattr__(name: str):

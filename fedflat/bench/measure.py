@@ -62,7 +62,36 @@ def machine(device: torch.device) -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "matmul_flops": matmul_flops(device), **_tensor_core_peaks(device), "native": native.status()}
+            "matmul_flops": matmul_flops(device), **_tensor_core_peaks(device), "native": native.status(),
+            **kernels()}
+
+
+FUSED_KERNELS = {"guided_point": "FedWMSAM's point", "mix_norm": "the momentum mix", "sam_point": "SAM's point",
+                 "point_sum": "the point's sum", "remove_low_band": "FedFFT's band removal"}
+
+
+def kernels() -> dict[str, Any]:
+    """ATen's CPU dispatch level in this process (``ATEN_CPU_CAPABILITY`` forces one: default, avx2, avx512) and the
+    fused native kernels the methods use (fedflat/engine/native: their own rounding, the same on every CPU), with
+    whether ATen's torch expressions round FedWMSAM's point and the momentum mix alike at this level (then a run
+    without them gives the same bits; SAM's point gives ATen's bits on every level, FedFFT's band removal is within
+    the FFT's bound of scipy's)."""
+    from fedflat.algorithms import fedwmsam
+    from fedflat.core.vectors import kernel
+
+    fused = [label for name, label in FUSED_KERNELS.items() if kernel(name) is not None]
+    return {"aten_level": torch.backends.cpu.get_cpu_capability(),
+            "aten_level_forced": os.environ.get("ATEN_CPU_CAPABILITY"), "fused_kernels": fused,
+            "fused_round_as_aten": fedwmsam.rounds_as_kernels()}
+
+
+def kernels_line(m: dict[str, Any]) -> str:
+    """:func:`kernels` in one line for the table's head."""
+    forced = f" (ATEN_CPU_CAPABILITY={m['aten_level_forced']})" if m.get("aten_level_forced") else ""
+    fused = ", ".join(m.get("fused_kernels") or []) or "none (not built: the torch expressions run)"
+    alike = {True: "; ATen's expressions round FedWMSAM's point and the mix alike here",
+             False: "; ATen rounds FedWMSAM's point and the mix otherwise here", None: ""}[m.get("fused_round_as_aten")]
+    return f"ATen dispatch {m.get('aten_level')}{forced}; fused kernels: {fused}{alike}"
 
 
 def _tensor_core_peaks(device: torch.device) -> dict[str, float]:
@@ -391,7 +420,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"threads {report['settings']['threads']}, matmul {m['matmul_flops'] / 1e9:.0f} GFLOP/s"
              + (f" on {m['torch_threads']} threads (%peak's reference)" if m["device"] == "cpu" else "")
              + (f" ({m['matmul_flops_tf32'] / 1e9:.0f} in TF32)" if "matmul_flops_tf32" in m else "") + ", "
-             f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")]
+             f"load {m['load_average']}" + (f"\n{m['native']}" if m.get("native") else "")
+             + (f"\n{kernels_line(m)}" if "aten_level" in m else "")]
     head = (f"{'workload':<8} {'algo':<12} {'engine':<18} {'thr':>3} {'s/round':>8} {'min':>7} {'max':>7} {'cpu s':>7} "
             f"{'eval s':>7} {'samples/s':>10} {'GFLOP/s':>8} {'%peak':>6} {'MB':>7} {'xbare':>6} {'cpu x':>6} "
             f"{'xplain':>6} {'xfedavg':>7} {'bp/round':>8} {'bp x':>5} {'x/bp':>5}")

@@ -53,7 +53,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("perturbed_point(ctx, cohort, k, W, batch, out)", "perturbation",
          "client, every step `k`, instead of `perturb`, where `fuses_point = True` and the filter is `none` or acts on "
          "the gradient", "as `perturb`; `out[C, P]`, the loop's buffer, which it may overwrite and return",
-         "`W + eps` or None (default: `perturb` and the sum; FedWMSAM's fused kernel gives the same bits)"),
+         "`W + eps` or None (default: `perturb` and the sum; SAM's native kernel: the scale and the sum in one pass, "
+         "the same bits; FedWMSAM's: the point in two passes, the same bits where ATen rounds alike)"),
     Hook("apply(ctx, cohort, X)", "filter", "client, every step",
          "`X[C, P]` (`eps`, or the gradient with `acts_on = \"gradient\"`)", "the filtered `[C, P]`"),
     Hook("descent_gradient(ctx, cohort, grad)", "perturbation", "client, every step", "`grad = g(W + eps)`, `[C, P]`",

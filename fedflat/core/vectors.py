@@ -24,19 +24,26 @@ CLIP_GRAD_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (||g|| + 1e
 SURELY_UNCLIPPED = 1 - 8 * 2.0 ** -24
 
 _kernel_sources: list[Callable[[str], Callable | None]] = []  # (fedflat.engine.native's operator lookup, once imported)
+_kernels: dict[str, Callable | None] = {}  # name: the operator or None, looked up once a source is installed
 
 
 def provide_kernels(source: Callable[[str], Callable | None]) -> None:
     """Installs where :func:`kernel` finds compiled operators: ``source(name)`` gives one or None
     (:mod:`fedflat.engine.native` installs its own when imported; fedflat.core imports nothing of the engine)."""
     _kernel_sources[:] = [source]
+    _kernels.clear()
 
 
 def kernel(name: str) -> Callable | None:
     """The compiled operator ``name`` (``torch.ops.fedflat.<name>``, built on first use), or None where there is none
-    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression,
-    which the part checks against that expression before using it."""
-    return _kernel_sources[0](name) if _kernel_sources else None
+    (no compiler, ``FEDFLAT_NATIVE=0``, or no engine imported): a part's fused form of its own torch expression, with
+    the rounding its source defines (the same on every CPU; ATen's may differ by dispatch level). Looked up once a
+    process (the parts ask at every step)."""
+    if not _kernel_sources:
+        return None
+    if name not in _kernels:
+        _kernels[name] = _kernel_sources[0](name)
+    return _kernels[name]
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:

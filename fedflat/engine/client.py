@@ -25,6 +25,7 @@ from fedflat.algorithms.attacks import DataAttack
 from fedflat.core import (BUFFERS, MODEL, OBJECTIVE_TERM, TRAIN_LOSS, Batch, ClientContext, ClientResult, Cohort,
                           Contrast, ContractError, Correction, Direction, Distillation, clip_rows, clip_scale,
                           torch_stream)
+from fedflat.core.part import point_sum
 from fedflat.engine.compute import ComputeOptions
 from fedflat.engine.gradients import ClientSession, Forward, choose_backend
 from fedflat.engine.gradients.convnet import hand_gradient_of
@@ -448,7 +449,7 @@ class LocalLoop:
         addition itself on W1's MLP, docs/benchmarks.md). The oracle reads the point and keeps nothing of it."""
         if eps.shape != W.shape or eps.dtype != W.dtype:  # (a broadcast eps or another dtype: the plain sum)
             return W + eps
-        return torch.add(W, eps, out=self.point_buffer(W))
+        return point_sum(W, eps, self.point_buffer(W))
 
     def point_buffer(self, W: torch.Tensor) -> torch.Tensor:
         """The loop's buffer of the perturbed point, ``W``'s shape (made at the first step that needs it)."""

@@ -45,6 +45,11 @@ class Backend:
         C, B = x.shape[:2]
         return self.forward.model(w, x.reshape(C * B, *x.shape[2:])).reshape(C, B, -1)
 
+    @torch.no_grad()
+    def client_logits(self, w: torch.Tensor, x: torch.Tensor, c: int) -> torch.Tensor:
+        """``[n, K]``: the logits of client ``c``'s samples ``x[n, ...]`` at one model ``w``, in ``eval()`` mode."""
+        return self.forward.model(w, x)
+
     @contextmanager
     def clients(self, ids: list[int], round: int, seed: int,
                 buffers: torch.Tensor | None) -> Iterator[ClientSession | None]:
@@ -58,14 +63,13 @@ class PerClient(Backend):
 
     def loss_grad(self, W, batch, objective):
         forward = self.forward
-        prepared = objective.prepare(self, W, batch)
-        forward.mode(True)  # (a term's preparation was an evaluation)
         losses, grads = [], []
         for c in range(W.shape[0]):
             x, y = batch.row(c)
+            extra = objective.prepare_client(self, x, c)  # (one client's shapes: the same bits in any cohort)
+            forward.mode(True)  # (a term's preparation was an evaluation)
             views = forward.leaves(W[c])
-            total, reported = objective(forward, views, forward.arranged(x), y,
-                                        *objective.row(prepared, c, batch.real(c)))
+            total, reported = objective(forward, views, forward.arranged(x), y, *extra)
             grads.append(forward.flat(torch.autograd.grad(total, views), ()))
             losses.append(reported.detach())
         return torch.stack(losses), torch.stack(grads)
@@ -139,6 +143,9 @@ class Accelerated(Backend):
 
     def cohort_logits(self, w, x):
         return self.general.cohort_logits(w, x)
+
+    def client_logits(self, w, x, c):
+        return self.general.client_logits(w, x, c)
 
     def clients(self, ids, round, seed, buffers):
         return self.general.clients(ids, round, seed, buffers)

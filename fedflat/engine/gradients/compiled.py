@@ -16,6 +16,8 @@ shape makes the batch dimension dynamic; :class:`~fedflat.engine.gradients.Graph
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fedflat.core import ConfigError
@@ -34,6 +36,7 @@ class Compiled(Accelerated):
         def data_loss(views: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return DATA_LOSS(forward, views, x, y)[0]
 
+        level_cache()
         self.compiled_loss = torch.compile(data_loss)
 
     @property
@@ -49,3 +52,18 @@ class Compiled(Accelerated):
             reason = str(err).strip().splitlines()[0]
             raise ConfigError(f"compile: true: torch.compile could not compile the model's pass on this machine "
                               f"({reason}); set compile: false (the same numbers to rounding, uncompiled)") from err
+
+
+def level_cache() -> None:
+    """Where ``ATEN_CPU_CAPABILITY`` forces ATen's dispatch level (default, avx2, avx512) and
+    ``TORCHINDUCTOR_CACHE_DIR`` names no folder of the user's (unset, or torch's default, which importing
+    ``torch._dynamo`` sets), Inductor's cache gets a folder of that level's own: it keys the C++ it generates by the
+    graph, not by the level, and reused code generated for another level (AVX-512's vector helpers in a default-level
+    build) fails to compile."""
+    level = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not level:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"aten-{level.strip().lower()}")

@@ -3,8 +3,10 @@
 An :class:`Objective` is one client's ``(objective, reported loss)`` at its per-tensor views, the same function
 whether a backend runs it client by client or under ``vmap`` (``weight[B]``, last, for a padded batch: the means
 are then over the real samples). What a term needs of the whole cohort beforehand, without gradient (a teacher's
-log-probabilities, MOON's anchor representations), :meth:`Objective.prepare` computes once per call, and
-:meth:`Objective.row` slices for one client. The oracle builds the objective of a call
+log-probabilities, MOON's anchor representations), :meth:`Objective.prepare` computes once per call for a cohort
+under ``vmap``, and :meth:`Objective.prepare_client` for one client from its real samples alone (the per-client
+backends: the teacher's pass then has one client's shapes in any cohort, so ``engine: streams`` rounds as the
+sequential engine on every CPU). The oracle builds the objective of a call
 (:func:`fedflat.engine.client.objective_of`) from the term a method's part gives (:class:`~fedflat.core.Distillation`,
 :class:`~fedflat.core.Contrast`) and the activation penalty's weight, so the terms compose instead of branching in
 the backends.
@@ -29,6 +31,8 @@ class Evaluator(Protocol):
     forward: Forward
 
     def cohort_logits(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+    def client_logits(self, w: torch.Tensor, x: torch.Tensor, c: int) -> torch.Tensor: ...
 
 
 def not_true_columns(y: torch.Tensor, classes: int) -> torch.Tensor:
@@ -107,9 +111,13 @@ class Objective:
         """The cohort's ``[C, ...]`` tensors the objective reads (computed without gradient, in ``eval()`` mode)."""
         return ()
 
-    def row(self, prepared: Rows, c: int, keep: slice | torch.Tensor) -> Rows:
-        """Client ``c``'s rows of ``prepared`` (its real samples ``keep``)."""
-        return tuple(t[c][keep] for t in prepared)
+    def prepare_client(self, backend: Evaluator, x: torch.Tensor, c: int) -> Rows:
+        """Client ``c``'s rows of what :meth:`prepare` computes, from its real samples ``x[n_c, ...]`` alone, with
+        the operations :meth:`prepare` runs for a cohort of that one client (what the per-client backends call). A
+        pass over a cohort's ``[C B, ...]`` rows would round each row otherwise than the client's own ``[n_c, ...]``
+        pass where the BLAS picks its kernel by the row count (MKL's on an Intel Xeon): one client's pass keeps
+        ``engine: streams`` equal to the sequential engine on every CPU (docs/architecture.md, "Exactness")."""
+        return ()
 
     def split(self, rest: tuple[torch.Tensor, ...]) -> tuple[Rows, torch.Tensor | None]:
         """``(extra, weight)`` of the arguments after ``y``."""
@@ -155,7 +163,15 @@ class Distilled(Objective):
     def prepare(self, backend, W, batch):
         """``log softmax(f(teacher, x) / tau)`` of the cohort's batch, ``[C, B, K]``."""
         with torch.no_grad():
-            return (F.log_softmax(backend.cohort_logits(self.term.teacher, batch.x) / self.term.temperature, dim=-1),)
+            return (self._log_probs(backend.cohort_logits(self.term.teacher, batch.x)),)
+
+    def prepare_client(self, backend, x, c):
+        """``log softmax(f(teacher, x) / tau)`` of client ``c``'s real samples, ``[n_c, K]``."""
+        with torch.no_grad():
+            return (self._log_probs(backend.client_logits(self.term.teacher, x, c)),)
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(logits / self.term.temperature, dim=-1)
 
     def __call__(self, forward, views, x, y, *rest):
         (teacher_logp,), weight = self.split(rest)
@@ -185,9 +201,11 @@ class Contrastive(Objective):
         z_prev = torch.stack([model.features(term.previous[c], x[c]) for c in range(C)])
         return z_glob, z_prev, term.on.to(W.dtype)
 
-    def row(self, prepared, c, keep):
-        z_glob, z_prev, on = prepared
-        return z_glob[c][keep], z_prev[c][keep], on[c]
+    @torch.no_grad()
+    def prepare_client(self, backend, x, c):
+        """Client ``c``'s ``(z_glob, z_prev, on)`` of its real samples ``x``."""
+        model, term = backend.forward.model, self.term
+        return model.features(term.anchor, x), model.features(term.previous[c], x), term.on[c].to(term.anchor.dtype)
 
     def __call__(self, forward, views, x, y, *rest):
         (z_glob, z_prev, on), weight = self.split(rest)
@@ -212,8 +230,8 @@ class Penalized(Objective):
     def prepare(self, backend, W, batch):
         return self.inner.prepare(backend, W, batch)
 
-    def row(self, prepared, c, keep):
-        return self.inner.row(prepared, c, keep)
+    def prepare_client(self, backend, x, c):
+        return self.inner.prepare_client(backend, x, c)
 
     def __call__(self, forward, views, x, y, *rest):
         _, weight = self.split(rest)

@@ -71,21 +71,25 @@ class Stateful(Backend):
                                f"{'no session' if session is None else f'a session of {session.size}'}")
         return session
 
-    def _training(self, W: torch.Tensor, batch: Batch, objective: Objective) -> tuple[ClientSession, tuple, bool]:
-        """The session of a training call, what the objective prepared, and whether the pass updates the buffers."""
+    def _training(self, W: torch.Tensor, objective: Objective) -> tuple[ClientSession, bool]:
+        """The session of a training call, and whether the pass updates the buffers."""
         if objective.stateful_refusal:
             raise ConfigError(objective.stateful_refusal)
         session = self.open_session(W.shape[0])
-        prepared = objective.prepare(self, W, batch)
-        update = session.first_pass() and self.forward.model.buffer_layout.size > 0
-        self.forward.model.module.train()
-        return session, prepared, update
+        return session, session.first_pass() and self.forward.model.buffer_layout.size > 0
 
     @torch.no_grad()
     def cohort_logits(self, w, x):
         """Each client's rows of ``x[C, B, ...]`` at ``w`` with the buffers it started from."""
         start = self.open_session(x.shape[0]).start
         return torch.stack([self._eval_logits(w, start[c], x[c]) for c in range(x.shape[0])])
+
+    @torch.no_grad()
+    def client_logits(self, w, x, c):
+        """Client ``c``'s samples ``x[n, ...]`` at ``w`` with the buffers it started from."""
+        session = self.session
+        start = self.open_session(0 if session is None else session.size).start
+        return self._eval_logits(w, start[c], x)
 
     @torch.no_grad()
     def loss(self, W, batch):
@@ -118,17 +122,18 @@ class StatefulPerClient(Stateful):
     dropout masks drawn from its stream as the calls come."""
 
     def loss_grad(self, W, batch, objective):
-        session, prepared, update = self._training(W, batch, objective)
+        session, update = self._training(W, objective)
         forward, layout = self.forward, self.forward.model.buffer_layout
         losses, grads = [], []
         for c in range(W.shape[0]):
             x, y = batch.row(c)
+            extra = objective.prepare_client(self, x, c)  # (one client's shapes: the same bits in any cohort)
+            forward.model.module.train()
             views = forward.leaves(W[c])
             tensors = layout.tensors(session.buffers[c])
             forward.model.bind_buffers(tensors)
             with drawing(session.dropout[c]) if session.dropout else nullcontext():
-                total, reported = objective(forward, views, forward.arranged(x), y,
-                                            *objective.row(prepared, c, batch.real(c)))
+                total, reported = objective(forward, views, forward.arranged(x), y, *extra)
             grads.append(forward.flat(torch.autograd.grad(total, views), ()))
             losses.append(reported.detach())
             if update:
@@ -146,7 +151,9 @@ class StatefulGroups(Stateful):
         self._dropout_calls: dict[tuple, tuple[DropoutCall, ...]] = {}
 
     def loss_grad(self, W, batch, objective):
-        session, prepared, update = self._training(W, batch, objective)
+        session, update = self._training(W, objective)
+        prepared = objective.prepare(self, W, batch)
+        self.forward.model.module.train()
         losses = torch.empty(W.shape[0], dtype=W.dtype, device=W.device)
         grads = torch.empty_like(W)
         for rows, length in equal_lengths(batch):

@@ -1,15 +1,21 @@
 """fedflat's native operators: C++ built once per machine with the system's compiler against the installed torch.
 
-Three operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
+The operators. ``torch.ops.fedflat.mlp_loss_grad`` (``mlp_gradient.cpp`` beside this file): the hand-derived
 MLP gradient of :class:`fedflat.engine.gradients.hand.MLPGradient` as one call, bit for bit the Python method's (the
 same ATen operations). torch runs an operator called through ``torch.ops`` with the GIL released, so a step's ~35
 Python-level operator calls become one GIL-free call: faster on one thread, and two client threads
 (``executor: threads``) no longer queue for the GIL around every small operation (docs/benchmarks.md).
-``torch.ops.fedflat.guided_point`` and ``mix_norm`` (``vector_ops.cpp``): FedWMSAM's perturbed point ``w + rho
-d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, and its momentum
-mix with the mix's norms in one, with ATen's roundings; the parts reach them through
-:func:`fedflat.core.vectors.kernel` (:func:`operator`), and FedWMSAM uses each only after checking its bits against
-the ATen expression (``fedflat.algorithms.fedwmsam.fused_guided_point``, ``fused_mix_norm``).
+``torch.ops.fedflat.guided_point``, ``mix_norm`` and ``sam_point`` (``vector_ops.cpp``): FedWMSAM's perturbed point
+``w + rho d/||d||``, ``d = (w^t - w) + k m_i``, in two passes over the flat vector instead of five ATen calls, the
+momentum mix (FedCM, MoFedSAM, FedVSSAM, FedWMSAM) with the mix's norms in one, each with a rounding its source
+defines (AVX2 and FMA registers where the CPU has them, scalar loops elsewhere: the same bits on every CPU, and those
+of ATen's AVX2 and AVX-512 kernels), SAM's perturbed point from ATen's norm in one pass instead of three, and the
+local loop's ``W + eps`` (``point_sum``; these two with ATen's bits on every level, several times faster than its
+default level's loops); the parts reach them through :func:`fedflat.core.vectors.kernel` (:func:`operator`).
+``torch.ops.fedflat.remove_low_band`` (``low_band.cpp``): FedFFT's pruned four-step band removal of one long tensor
+(``fedflat.algorithms.fedfft.remove_low_band``), its column transforms 8 columns to a vector, the same bits on every
+x86 CPU. ``relu_max_pool2`` and ``max_pool2_backward`` (``conv_ops.cpp``): the CNN's pooling for its hand-derived
+gradient (:mod:`fedflat.engine.gradients.convnet`).
 
 :func:`load` builds the library on first use (about 15 s; ``make`` does it at setup, ``python -m
 fedflat.engine.native`` does it by hand) into ``$FEDFLAT_CACHE`` (default ``~/.cache/fedflat``) ``/native/<key>/``,
@@ -41,7 +47,8 @@ import torch
 
 from fedflat.core.vectors import provide_kernels
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlp_gradient.cpp", "vector_ops.cpp", "conv_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("mlp_gradient.cpp", "vector_ops.cpp", "low_band.cpp", "conv_ops.cpp"))
 # -ffp-contract=off: no product and sum fused where the source does not write std::fma (vector_ops.cpp rounds as ATen)
 FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 BUILD_SECONDS = 600  # a build that takes longer is stopped (and the Python path used)
@@ -210,7 +217,7 @@ def status() -> str:
 def operator(name: str) -> Callable | None:
     """``torch.ops.fedflat.<name>`` from the library :func:`load` builds and loads (``vector_ops.cpp``'s
     ``guided_point``, FedWMSAM's fused step), or None where the library is not available; what
-    :func:`fedflat.core.vectors.kernel` hands the parts (the caller checks the operator's bits before it uses it)."""
+    :func:`fedflat.core.vectors.kernel` hands the parts."""
     if load() is None:
         return None
     try:
