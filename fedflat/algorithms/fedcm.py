@@ -13,7 +13,7 @@ from pydantic import Field
 
 from fedflat.core import (MOMENTUM_WEIGHT_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection,
                           PartParams, Recipe, RoundContext, init, register_recipe)
-from fedflat.core.vectors import kernel
+from fedflat.core.vectors import NOT_RUN, run_kernel
 
 MOMENTUM = "momentum.m"  # server state, broadcast: m, the previous round's Gbar
 
@@ -49,13 +49,10 @@ def mix_norm(g: torch.Tensor, m: torch.Tensor, weight: float | torch.Tensor) -> 
     and an 8-lane norm, its own rounding, ATen's on its AVX2 and AVX-512 levels; at ATen's default level, whose
     ``lerp`` runs element by element, several times faster) where it is built and takes the operands (it checks them
     before it writes ``g``), else None (``g`` untouched)."""
-    op = kernel("mix_norm")
-    if op is None or g.device.type != "cpu":
-        return None
-    try:
-        return op(g, m, weight if isinstance(weight, torch.Tensor) else torch.tensor(weight, dtype=torch.float32))
-    except RuntimeError:  # operands the kernel does not take
-        return None
+    if not isinstance(weight, torch.Tensor):
+        weight = torch.tensor(weight, dtype=torch.float32)
+    norms = run_kernel("mix_norm", g.device, g, m, weight)
+    return None if norms is NOT_RUN else norms
 
 
 class MomentumParams(PartParams):

@@ -9,7 +9,7 @@ from pydantic import Field
 from fedflat.core import (NORM_EPS, RHO_GRID, ClientContext, Cohort, PartParams, Perturbation, Recipe, normalize_rows,
                           register_recipe, row_norm, shared)
 from fedflat.core.part import point_sum
-from fedflat.core.vectors import kernel
+from fedflat.core.vectors import NOT_RUN, kernel, run_kernel
 
 WARMUP_START = 0.001  # the radius a warm-up starts from (FedGloSS's scripts)
 
@@ -82,19 +82,16 @@ class LocalSAM(Perturbation):
         the native ``sam_point`` (``fedflat/engine/native/vector_ops.cpp``: ``W + (u rho) / d`` in one pass over the
         vector where the torch expressions take three, each operation rounded once as ATen's are on every dispatch
         level: the same bits); else :meth:`perturb` and the sum."""
-        op = kernel("sam_point")
-        if op is None or own_class(self).perturb is not LocalSAM.perturb or W.device.type != "cpu":
+        if kernel("sam_point") is None or own_class(self).perturb is not LocalSAM.perturb or W.device.type != "cpu":
             return super().perturbed_point(ctx, cohort, k, W, batch, out)
         if self.p.rho == 0:
             return None
         u, radius = self.ascent_and_radius(ctx, cohort, k, W, batch)
         radii = radius.reshape(-1) if isinstance(radius, torch.Tensor) else None
         if radii is None or radii.dtype == u.dtype:  # (else the torch product rounds in the radii's dtype)
-            try:
-                op(u, row_norm(u) + NORM_EPS, 0.0 if radii is not None else float(radius), radii, W, out)
+            scalar = 0.0 if radii is not None else float(radius)
+            if run_kernel("sam_point", W.device, u, row_norm(u) + NORM_EPS, scalar, radii, W, out) is not NOT_RUN:
                 return out
-            except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
-                pass
         return point_sum(W, normalize_rows(u, radius), out)
 
 

@@ -48,7 +48,7 @@ from fedflat.algorithms.scaffold import (CLIENT_VARIATE, SERVER_VARIATE, column_
                                          scaffold_server_variate, variate_change)
 from fedflat.core import (RHO_GRID, ClientContext, Cohort, Correction, Direction, MeasuredDirection, PartParams,
                           Perturbation, Recipe, RoundContext, Slot, init, normalize_rows_, register_recipe, row_norm)
-from fedflat.core.vectors import kernel
+from fedflat.core.vectors import NOT_RUN, kernel, run_kernel
 
 FACTOR = "wmsam.a"  # ctx.server: the momentum factor a
 PERSONAL_MOMENTUM = "wmsam.m_i"  # broadcast, per client: m_i
@@ -86,13 +86,8 @@ def guided_point(w_start: torch.Tensor, W: torch.Tensor, m_i: torch.Tensor, alph
     and takes the operands (float32 CPU rows with unit last stride, ``W`` and ``out`` contiguous ``[C, P]``,
     ``w_start`` and ``m_i`` ``[P]`` or a row per client: it checks them before it writes), else
     :func:`guided_point_torch` (five ATen calls, ATen's rounding: the kernel's where :func:`rounds_as_kernels`)."""
-    op = kernel("guided_point")
-    if op is not None and W.device.type == "cpu":
-        try:
-            op(w_start, W, m_i, alpha, radius, out)
-            return out
-        except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
-            pass
+    if run_kernel("guided_point", W.device, w_start, W, m_i, alpha, radius, out) is not NOT_RUN:
+        return out
     return guided_point_torch(w_start, W, m_i, alpha, radius, out)
 
 

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedflat.core.errors import ContractError
 from fedflat.core.init import Init
 from fedflat.core.round import Batch, ClientContext, Cohort, Distillation, RoundContext, Slot, TrainSettings
-from fedflat.core.vectors import kernel
+from fedflat.core.vectors import NOT_RUN, run_kernel
 
 SHARED = {"shared": True}  # json_schema_extra of a hyperparameter several parts of one method hold as one value
 
@@ -219,13 +219,8 @@ def point_sum(W: torch.Tensor, eps: torch.Tensor, out: torch.Tensor) -> torch.Te
     takes the operands: one rounded sum, the same bits, several times faster than ATen's default level's add."""
     if eps.shape != W.shape or eps.dtype != W.dtype:
         return W + eps
-    op = kernel("point_sum")
-    if op is not None and W.device.type == "cpu":
-        try:
-            op(W, eps, out)
-            return out
-        except RuntimeError:  # operands the kernel does not take (refused before it wrote anything)
-            pass
+    if run_kernel("point_sum", W.device, W, eps, out) is not NOT_RUN:
+        return out
     return torch.add(W, eps, out=out)
 
 

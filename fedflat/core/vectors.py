@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -44,6 +44,22 @@ def kernel(name: str) -> Callable | None:
     if name not in _kernels:
         _kernels[name] = _kernel_sources[0](name)
     return _kernels[name]
+
+
+NOT_RUN = object()  # what run_kernel returns where the native operator did not run
+
+
+def run_kernel(name: str, device: torch.device, *operands: Any) -> Any:
+    """The native operator ``name`` (:func:`kernel`) applied to ``operands`` where it is built, ``device`` is the CPU
+    and it takes them (each checks its operands before it writes anything, raising RuntimeError): its result, else
+    :data:`NOT_RUN`, where the caller's torch expression computes the same thing instead."""
+    op = kernel(name)
+    if op is None or device.type != "cpu":
+        return NOT_RUN
+    try:
+        return op(*operands)
+    except RuntimeError:  # operands the kernel does not take: nothing was written
+        return NOT_RUN
 
 
 def row_norm(X: torch.Tensor) -> torch.Tensor:
