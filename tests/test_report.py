@@ -363,3 +363,10 @@ def test_runs_of_different_sizes_get_their_parameters_and_upload_bytes(tmp_path)
     one_size = tmp_path / "one"
     make_run(one_size, "fedavg", 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
     assert "trainable params" not in report([one_size], [], "markdown")
+    # one model, one method uploading a scalar more (FedSCAM's): the same size, said by comm (x FedAvg), no columns
+    for method, up in (("fedavg", 4000), ("fedscam", 4004)):
+        folder = make_run(tmp_path / "scalar", method, 0.3, 0, [0.5, 0.6, 0.7], [1.0, 2.0, 3.0])
+        summary = json.loads((folder / "summary.json").read_text())
+        (folder / "summary.json").write_text(json.dumps({**summary, "parameters": 1000}))
+        (folder / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_acc": 0.5, "up_bytes": up}) + "\n")
+    assert "trainable params" not in report([tmp_path / "scalar"], [], "markdown")

@@ -459,9 +459,9 @@ def with_radius(rows: list[Row]) -> bool:
 
 def sized(rows: list[Row]) -> bool:
     """Whether the rows federate vectors of different sizes (adapters beside full models): their tables then have
-    the columns *trainable params* and *up (KB/client/round)*."""
-    return any(len({v for v in values if v is not None}) > 1
-               for values in ([r.parameters for r in rows], [r.up_bytes for r in rows]))
+    the columns *trainable params* and *up (KB/client/round)*. (Methods that upload a scalar or a vector more on
+    one model differ in *comm (x FedAvg)* already.)"""
+    return len({r.parameters for r in rows if r.parameters is not None}) > 1
 
 
 def headers(targets: list[float], metrics: list[str] = (), epsilon: bool = False,
