@@ -1,5 +1,5 @@
 """fedflat's LoRA path against FedSWA's code with ``--lora 1`` (github.com/junkangLiu0/FedSWA at f725be9,
-main_FedSWA.py; the functions transcribed unmodified in tests/authors/fedswa_lora.py), three rounds on a tiny ViT.
+main_FedSWA.py; the functions transcribed unmodified in tests/authors/fedswa.py), three rounds on a tiny ViT.
 
 The problem: 4 clients of unequal sizes (10, 14, 18, 22 samples of 1x4x4 inputs, 3 classes, from a fixed seed),
 fedflat's ViT (patch 2, width 16, one block) with fixed initial weights, the code's ``LoraConfig`` (rank 2,
@@ -30,7 +30,7 @@ from fedflat.models import build_model
 
 peft = pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent / "authors"))
-import fedswa_lora as code  # noqa: E402
+import fedswa as code  # noqa: E402
 
 SIZES, ROUNDS, STEPS, LR, LR_DECAY, RANK = (10, 14, 18, 22), 3, 3, 0.1, 0.9, 2
 VIT = {"patch": 2, "dim": 16, "depth": 1, "heads": 2}

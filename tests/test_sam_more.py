@@ -20,6 +20,8 @@ from fedflat.algorithms import RECIPES, AlgorithmError, build_algorithm
 from fedflat.engine.simulation import Simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # conformance.py's problem
+sys.path.insert(0, str(Path(__file__).parent / "authors"))
+import fedswa as code  # noqa: E402  (main_FedSWA.py, transcribed)
 
 
 def run(cfg):
@@ -594,15 +596,8 @@ def test_fedswa_and_fedmoswa_compose_and_agree_across_engines(tiny):
         build_algorithm({"name": "fedswa", "perturbation": "sam", "rho": 0.1})
 
 
-# The authors' code (github.com/junkangLiu0/FedSWA, main_FedSWA.py at f725be9) refers to these module globals.
-device = torch.device("cpu")
-c_dict: dict = {}
-alg, selection = "MoFedSWA", 1.0
-
-
-class AuthorsWorker:
-    """The worker of main_FedSWA.py around its two client updates, transcribed unmodified (``update_FedSWA``,
-    l.837-862; ``update_FedMoSWA``, l.864-902; ``state_id_loader``, l.493-499), with the data loader of one full
+class AuthorsWorker(code.DataWorker):
+    """The worker of main_FedSWA.py (its client updates in tests/authors/fedswa.py), with the data loader of one full
     batch per epoch (their ``get_data_loader`` reads CIFAR)."""
 
     def __init__(self, model, x, y):
@@ -613,122 +608,6 @@ class AuthorsWorker:
 
     def data_id_loader(self, index):
         self.data_iterator = [(self.x, self.y)]
-
-    def state_id_loader(self, index):
-        '''
-        在每轮的开始，该工人装载状态，以充当被激活的第index个客户端，使用外部的状态字典
-        '''
-        if not c_dict.get(index):
-            return
-        self.ci = c_dict[index]
-
-    def update_FedSWA(self, weights, E, index,lr):
-        self.model.load_state_dict(weights)
-        self.data_id_loader(index)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr*2, weight_decay=1e-3 )
-        lr1=lr
-        rho=0
-        lr2=rho*lr
-        i=0
-        for e in range(E):
-            for batch_idx, (data, target) in enumerate(self.data_iterator):
-                i=i+1
-                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr*2, weight_decay=1e-3 )
-                data = data.to(device)
-                target = target.to(device)
-                self.model.zero_grad()
-                output = self.model(data)
-                loss = self.criterion(output, target)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(parameters=self.model.parameters(), max_norm=10)
-                self.optimizer.step()
-                lr=(1-i/(len(self.data_iterator)*E))*lr1+(i/(len(self.data_iterator)*E))*lr2
-        self.loss = loss.item()
-        delta_w = {k: v.cpu() for k, v in self.model.state_dict().items()}
-        for k, v in self.model.state_dict().items():
-            delta_w[k] = v.cpu() - weights[k]
-        return delta_w
-
-    def update_FedMoSWA(self, weights, E, index, ps_c, lr):
-        self.model.load_state_dict(weights)  # y_i = x, x:weights
-        if self.ci == {}:
-            self.ci = {k: torch.zeros_like(v,device='cpu') for k, v in self.model.named_parameters()}
-        if ps_c == {}:
-            ps_c = {k: torch.zeros_like(v,device='cpu') for k, v in self.model.named_parameters()}
-        self.data_id_loader(index)
-        self.state_id_loader(index)
-        a1 = lr
-        rho=0
-        a2 = rho * lr
-        i = 0
-        for e in range(E):
-            for batch_idx, (data, target) in enumerate(self.data_iterator):
-                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=1e-3)
-                i = i + 1
-                data = data.to(device)
-                target = target.to(device)
-                self.model.zero_grad()
-                output = self.model(data)
-                loss = self.criterion(output, target)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(parameters=self.model.parameters(), max_norm=10)
-                self.optimizer.step()  # y_i = y_i-lr*g
-                new_weights = deepcopy(self.model.get_weights())
-                for k, v in self.model.get_weights().items():
-                    new_weights[k] = v - (-self.ci[k] + ps_c[k]) * lr  # y_i = y_i -lr*(-ci + c)
-                self.model.set_weights(new_weights)
-                lr = (1 - i / (len(self.data_iterator) * E)) * a1 + (i / (len(self.data_iterator) * E)) * a2
-        lr = (a1 + a2) / 2
-        send_ci = deepcopy(self.model.get_weights())
-        for k, v in self.model.get_weights().items():
-            self.ci[k] = (weights[k] - v) / (E * len(self.data_iterator) * lr) + self.ci[k] - ps_c[k]
-        self.loss = loss.item()
-        for k, v in self.model.get_weights().items():
-            send_ci[k] = -ps_c[k] + self.ci[k]
-        delta_w = {k: v.cpu() for k, v in self.model.state_dict().items()}
-        for k, v in self.model.state_dict().items():
-            delta_w[k] = v.cpu() - weights[k]
-        ci_copy = deepcopy(self.ci)
-        c_dict[index] = ci_copy
-        return delta_w, send_ci
-
-
-def apply_weights_SCAF(num_workers, weights,model,ps_c):
-    """Transcribed unmodified from main_FedSWA.py (l.1390-1428): the server of SCAFFOLD and MoFedSWA."""
-    model.to('cpu')
-    m = [mi for _, mi in weights]
-    weightss = [w for w,_ in weights]
-    sum_c = {}
-    # 首先以第一个客户端为基础初始化 sum_c（避免判断逻辑）
-    for k, v in m[0].items():
-        sum_c[k] =v / (num_workers * selection)
-    # 之后叠加剩余客户端的梯度
-    for ci in m[1:]:
-        for k, v in ci.items():
-            sum_c[k]+= v / (num_workers * selection)
-    if ps_c == {}:
-        ps_c = {k: torch.zeros_like(v.cpu()) for k, v in model.named_parameters()}
-        for k, v in m[0].items():
-            ps_c[k]=sum_c[k]
-    else:
-        for k, v in m[0].items():
-            if alg in {'SCAFFOLD'}:
-                ps_c[k]=ps_c[k]+sum_c[k]*selection
-            else:
-                ps_c[k] = ps_c[k] + sum_c[k] * 0.4
-    ps_w = model.state_dict()  # w : ps_w
-
-    sum_weights = {}  # delta_w : sum_weights
-    for weight in weightss:
-        for k, v in weight.items():
-            if k in sum_weights.keys():  # delta_w = \sum (delta_wi/#wk)
-                sum_weights[k] += v / (num_workers * selection)
-            else:
-                sum_weights[k] = v / (num_workers * selection)
-    for k, v in sum_weights.items():  # w = w + delta_w
-        ps_w[k] = ps_w[k] + sum_weights[k]
-    model.load_state_dict(ps_w)
-    return model.state_dict(),ps_c
 
 
 class WeightsModel(torch.nn.Sequential):
@@ -749,7 +628,8 @@ def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(m
     own worker (the code's workers serve clients in turn and carry ``self.ci`` over to one seen for the first time)."""
     from conformance import CLIENTS, LR, LR_DECAY, ROUNDS, STEPS, fedflat_run, problem, shares
 
-    c_dict.clear()
+    code.c_dict.clear()
+    code.alg, code.selection = "MoFedSWA", 1.0
     x, y, model_fn = problem()
 
     def fresh():
@@ -767,7 +647,7 @@ def test_fedswa_and_fedmoswa_equal_the_authors_code_on_the_conformance_problem(m
             server.load_state_dict({k: weights[k] + sum(d[k] for d in deltas) / CLIENTS for k in weights})
         else:
             pairs = [w.update_FedMoSWA(weights, STEPS, i, ps_c, lr) for i, w in enumerate(workers)]
-            _, ps_c = apply_weights_SCAF(CLIENTS, pairs, server, ps_c)
+            _, ps_c = code.apply_weights_SCAF(CLIENTS, pairs, server, ps_c)
         theirs.append(torch.nn.utils.parameters_to_vector(server.parameters()).detach().clone())
     options = (["algo=fedswa", "algo.scale=2"] if method == "FedSWA" else ["algo=fedmoswa"])
     ours = fedflat_run(options + ["train.weight_decay=0.001"], x, y, model_fn, 10.0, "loss")
@@ -968,6 +848,9 @@ class SAM(torch.optim.Optimizer):
                     p=2
                )
         return norm
+
+
+device = torch.device("cpu")  # main_FedNSAM.py's module global, which its functions below read
 
 
 class NSAMWorker(AuthorsWorker):
